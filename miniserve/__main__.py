@@ -1,0 +1,5 @@
+import sys
+
+from miniserve.cli import main
+
+sys.exit(main())

@@ -1,0 +1,231 @@
+"""`python -m miniserve generate | chat | bench | serve`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from miniserve.config import FIELDS, ConfigError, SamplingParams, load_presets
+
+DEFAULT_PRESET = "balanced"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that reports a bad argument in one line."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def fail(message: str, code: int = 2):
+    print(f"error: {message}", file=sys.stderr)
+    return code
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=os.environ.get("MINISERVE_MODEL"),
+                   help="a .gguf file, a model folder or a Hugging Face id "
+                        "(default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--device", default="auto", help="auto (CUDA, then MPS, then CPU), cpu, cuda, mps")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default=None,
+                   help=f"a preset from presets.yaml (default: {DEFAULT_PRESET})")
+    p.add_argument("--presets-file", default=None, help="another presets.yaml")
+    for name, spec in FIELDS.items():
+        p.add_argument("--" + name.replace("_", "-"), type=spec.kind, default=None,
+                       metavar="N", help=f"{spec.help} {spec.describe()}")
+    p.add_argument("--seed", type=int, default=None, help="random seed for a reproducible run")
+
+
+def params_from_args(args) -> tuple[SamplingParams, dict[str, SamplingParams]]:
+    presets = load_presets(args.presets_file)
+    name = args.preset or DEFAULT_PRESET
+    if name not in presets:
+        raise ConfigError(f"unknown preset '{name}' (available: {', '.join(presets)})", "preset")
+    changes = {k: getattr(args, k) for k in FIELDS if getattr(args, k) is not None}
+    return presets[name].replace(seed=args.seed, **changes), presets
+
+
+def load_engine(args):
+    from miniserve.engine import Engine
+    from miniserve.loader import load_model
+    return Engine(load_model(args.model, device=args.device, dtype=args.dtype))
+
+
+def cmd_generate(args) -> int:
+    from miniserve.chat import ChatError
+    from miniserve.loader import ModelLoadError
+    try:
+        params, _ = params_from_args(args)
+        if args.stop:
+            params = params.replace(stop=tuple(args.stop))
+    except ConfigError as e:
+        return fail(str(e))
+    if not args.prompt.strip():
+        return fail("--prompt is empty; give the text to answer")
+    try:
+        engine = load_engine(args)
+    except ModelLoadError as e:
+        return fail(str(e), 1)
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+        [{"role": "user", "content": args.prompt}]
+    inspector = None
+    if args.show_probs:
+        from miniserve.inspector import Inspector
+        inspector = Inspector(engine.tokenizer, params)
+    parts, ids, last = [], [], None
+    try:
+        for last in engine.chat(messages, params, use_cache=not args.no_cache,
+                                observer=inspector.observe if inspector else None):
+            parts.append(last.text)
+            ids.extend(last.token_ids)
+            if not args.json and last.text:
+                sys.stdout.write(last.text)
+                sys.stdout.flush()
+    except ChatError as e:
+        return fail(str(e))
+    stats = last.stats
+    if args.json:
+        out = {"text": "".join(parts), "token_ids": ids, "prompt_tokens": stats.prompt_tokens,
+               "new_tokens": stats.new_tokens, "ttft_s": round(stats.ttft_s, 4),
+               "tokens_per_s": round(stats.tokens_per_s, 2),
+               "decode_tokens_per_s": round(stats.decode_tokens_per_s, 2),
+               "total_s": round(stats.total_s, 4), "finish_reason": stats.finish_reason,
+               "cache": not args.no_cache, "model": engine.name, "params": params.as_dict()}
+        if inspector:
+            out["steps"] = inspector.as_json()
+        print(json.dumps(out, ensure_ascii=False))
+    else:
+        print()
+        if inspector:
+            print(inspector.as_text(), file=sys.stderr)
+        print(f"[{stats.prompt_tokens} prompt tokens, {stats.new_tokens} new, "
+              f"first token {stats.ttft_s:.2f} s, {stats.tokens_per_s:.1f} tokens/s, "
+              f"{stats.finish_reason}, cache {'off' if args.no_cache else 'on'}]", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    from miniserve.loader import ModelLoadError
+    from miniserve.repl import ChatSession
+    try:
+        params, presets = params_from_args(args)
+    except ConfigError as e:
+        return fail(str(e))
+    try:
+        engine = load_engine(args)
+    except ModelLoadError as e:
+        return fail(str(e), 1)
+    session = ChatSession(engine, params, presets, system=args.system,
+                          preset_name=args.preset or DEFAULT_PRESET)
+    return session.run(sys.stdin, sys.stdout)
+
+
+def cmd_bench(args) -> int:
+    from miniserve.bench import BenchConfig, format_table, run_bench, write_csv, write_json
+    from miniserve.loader import ModelLoadError
+    try:
+        lengths = [int(x) for x in args.prompt_tokens.split(",") if x.strip()]
+    except ValueError:
+        return fail(f"--prompt-tokens must be comma-separated whole numbers, got "
+                    f"'{args.prompt_tokens}'")
+    try:
+        config = BenchConfig(prompt_tokens=lengths, new_tokens=args.new_tokens,
+                             repeat=args.repeat, modes=tuple(args.modes.split(",")))
+    except ValueError as e:
+        return fail(str(e))
+    try:
+        engine = load_engine(args)
+    except ModelLoadError as e:
+        return fail(str(e), 1)
+    result = run_bench(engine, config, progress=_bar)
+    print(file=sys.stderr)
+    print(format_table(result))
+    if args.json:
+        write_json(result, args.json)
+        print(f"wrote {args.json}")
+    if args.csv:
+        write_csv(result, args.csv)
+        print(f"wrote {args.csv}")
+    return 0 if result.greedy_match else 3
+
+
+def _bar(fraction: float, message: str) -> None:
+    width = 30
+    filled = int(width * fraction)
+    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {fraction:4.0%} {message[:60]:<60}")
+    sys.stderr.flush()
+
+
+def cmd_serve(args) -> int:
+    from miniserve.loader import ModelLoadError
+    try:
+        engine = load_engine(args)
+    except ModelLoadError as e:
+        return fail(str(e), 1)
+    from miniserve.api import serve
+    serve(engine, host=args.host, port=args.port, api_key=args.api_key,
+          presets=load_presets(args.presets_file))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="python -m miniserve",
+                    description="MiniServeLM: a hand-written LLM decode loop you can see and tune.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+
+    g = sub.add_parser("generate", help="answer one prompt, streaming to stdout")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--system", default=None, help="system prompt")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--no-cache", action="store_true", help="recompute the whole sequence each step")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    g.add_argument("--show-probs", action="store_true",
+                   help="show each token's probability and the top-5 alternatives")
+    add_sampling_args(g)
+    add_model_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="a terminal chat (reads one message a line from a pipe)")
+    c.add_argument("--system", default=None, help="system prompt")
+    add_sampling_args(c)
+    add_model_args(c)
+    c.set_defaults(func=cmd_chat)
+
+    b = sub.add_parser("bench", help="no-cache vs KV-cache vs generate() over prompt lengths")
+    b.add_argument("--prompt-tokens", default="64,256,1024", help="comma-separated prompt lengths")
+    b.add_argument("--new-tokens", type=int, default=64)
+    b.add_argument("--repeat", type=int, default=3, help="runs per row; the median is reported")
+    b.add_argument("--modes", default="no_cache,cache,hf_generate",
+                   help="comma-separated: no_cache, cache, hf_generate")
+    b.add_argument("--json", default=None, metavar="FILE")
+    b.add_argument("--csv", default=None, metavar="FILE")
+    add_model_args(b)
+    b.set_defaults(func=cmd_bench)
+
+    s = sub.add_parser("serve", help="the OpenAI-compatible HTTP API, without the web UI")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=os.environ.get("MINISERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (or set MINISERVE_API_KEY)")
+    s.add_argument("--presets-file", default=None)
+    add_model_args(s)
+    s.set_defaults(func=cmd_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+

@@ -1,0 +1,163 @@
+"""Sampling settings, their limits, and the presets file.
+
+Every surface (web UI sliders, CLI flags, API fields) reads its ranges from
+`FIELDS`, so a value the UI offers is a value the engine accepts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+PRESETS_FILE = Path(__file__).resolve().parent.parent / "presets.yaml"
+
+
+class ConfigError(ValueError):
+    """A setting is wrong. `field` names it; the message says what is allowed."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass(frozen=True)
+class Field:
+    kind: type  # int or float
+    low: float
+    high: float
+    default: float
+    label: str
+    help: str
+    low_open: bool = False  # True: `low` itself is not allowed
+
+    def describe(self) -> str:
+        left = "(" if self.low_open else "["
+        return f"{left}{self.low:g}, {self.high:g}]"
+
+
+# The one table of defaults and limits.
+FIELDS: dict[str, Field] = {
+    "temperature": Field(float, 0.0, 2.0, 0.7, "Temperature",
+                         "divides the logits; 0 means greedy (always the most likely token)"),
+    "top_k": Field(int, 0, 1000, 50, "Top-k",
+                   "keep only the k most likely tokens; 0 = off"),
+    "top_p": Field(float, 0.0, 1.0, 0.95, "Top-p",
+                   "keep the smallest set of tokens whose probability reaches p; 1 = off",
+                   low_open=True),
+    "min_p": Field(float, 0.0, 1.0, 0.0, "Min-p",
+                   "drop tokens less likely than min_p x the top token's probability; 0 = off"),
+    "repetition_penalty": Field(float, 0.5, 2.0, 1.0, "Repetition penalty",
+                                "divide the scores of tokens already seen; 1 = off"),
+    "max_new_tokens": Field(int, 1, 4096, 256, "Max new tokens",
+                            "stop after this many generated tokens"),
+}
+
+SEED_MAX = 2**63 - 1
+
+
+def check_value(name: str, value, where: str = "") -> float | int:
+    """Validate one sampling field; return it converted to its kind."""
+    spec = FIELDS.get(name)
+    prefix = f"{where}: " if where else ""
+    if spec is None:
+        raise ConfigError(f"{prefix}unknown setting '{name}' (allowed: {', '.join(FIELDS)})", name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(
+            f"{prefix}'{name}' must be a number {spec.describe()}, got {value!r}", name)
+    if spec.kind is int and (isinstance(value, float) and not value.is_integer()):
+        raise ConfigError(f"{prefix}'{name}' must be a whole number {spec.describe()}, got {value!r}",
+                          name)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{prefix}'{name}' must be a finite number {spec.describe()}, got {value!r}",
+                          name)
+    too_low = value <= spec.low if spec.low_open else value < spec.low
+    if too_low or value > spec.high:
+        raise ConfigError(f"{prefix}'{name}' must be in {spec.describe()}, got {value!r}", name)
+    return spec.kind(value)
+
+
+def check_seed(seed, where: str = "") -> int | None:
+    if seed is None:
+        return None
+    prefix = f"{where}: " if where else ""
+    if isinstance(seed, bool) or not isinstance(seed, (int, float)) or (
+            isinstance(seed, float) and not seed.is_integer()):
+        raise ConfigError(f"{prefix}'seed' must be a whole number in [0, {SEED_MAX}], got {seed!r}",
+                          "seed")
+    seed = int(seed)
+    if not 0 <= seed <= SEED_MAX:
+        raise ConfigError(f"{prefix}'seed' must be in [0, {SEED_MAX}], got {seed}", "seed")
+    return seed
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to choose each token. Validated on construction."""
+
+    temperature: float = FIELDS["temperature"].default
+    top_k: int = FIELDS["top_k"].default
+    top_p: float = FIELDS["top_p"].default
+    min_p: float = FIELDS["min_p"].default
+    repetition_penalty: float = FIELDS["repetition_penalty"].default
+    max_new_tokens: int = FIELDS["max_new_tokens"].default
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self):
+        for name in FIELDS:
+            object.__setattr__(self, name, check_value(name, getattr(self, name)))
+        object.__setattr__(self, "seed", check_seed(self.seed))
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise ConfigError("'stop' must be a list of non-empty strings", "stop")
+        object.__setattr__(self, "stop", stop)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def replace(self, **changes) -> "SamplingParams":
+        return dataclasses.replace(self, **changes)
+
+    def as_dict(self) -> dict:
+        return {name: getattr(self, name) for name in (*FIELDS, "seed")}
+
+
+def load_presets(path: str | Path | None = None) -> dict[str, SamplingParams]:
+    """Read presets.yaml. Errors name the file, the preset and the field."""
+    path = Path(path) if path is not None else PRESETS_FILE
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: presets file not found") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read presets file ({e.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}: not valid YAML{where}") from None
+    if data is None:
+        raise ConfigError(f"{path}: the file is empty; expected a 'presets:' mapping")
+    if not isinstance(data, dict) or set(data) != {"presets"}:
+        raise ConfigError(f"{path}: expected exactly one top-level key 'presets'")
+    presets = data["presets"]
+    if not isinstance(presets, dict) or not presets:
+        raise ConfigError(f"{path}: 'presets' must map preset names to settings")
+    out = {}
+    for name, values in presets.items():
+        where = f"{path}: preset '{name}'"
+        if not isinstance(values, dict):
+            raise ConfigError(f"{where}: expected a mapping of settings, got {values!r}")
+        for key in values:
+            if key not in FIELDS:
+                raise ConfigError(
+                    f"{where}: unknown field '{key}' (allowed: {', '.join(FIELDS)})", key)
+        checked = {key: check_value(key, value, where) for key, value in values.items()}
+        out[str(name)] = SamplingParams(**checked)
+    return out

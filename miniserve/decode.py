@@ -1,0 +1,160 @@
+"""The hand-written decode loop: token ids in, one chosen token id out per step.
+
+    prompt ids --prefill--> logits --sample--> id --decode_step--> logits --sample--> id ...
+
+With the KV cache, `prefill` runs the prompt through the model once and keeps every
+layer's keys and values; each later step feeds only the newest token. Without it,
+every step runs the whole sequence again (the textbook O(n^2) loop, kept for
+comparison). Both share one loop and differ only in what they feed the model.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+from miniserve.config import SamplingParams
+from miniserve.sampling import make_generator, sample
+
+# A hook that sees each step's raw logits and the chosen id (the token inspector).
+LogitsObserver = Callable[[torch.Tensor, torch.Tensor, int], None]
+
+
+@dataclass
+class GenerationStats:
+    """Filled in while tokens are generated; read it during or after the loop."""
+
+    prompt_tokens: int = 0
+    reused_tokens: int = 0     # prompt tokens whose KV came from an earlier request
+    new_tokens: int = 0
+    ttft_s: float = 0.0        # prompt in -> first token chosen (prefill + one sample)
+    total_s: float = 0.0
+    finish_reason: str = ""    # "eos" | "length" | "stop" | "cancelled"
+    started: float = field(default_factory=time.perf_counter, repr=False)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens after the first, per second of decoding (prefill excluded)."""
+        decode_s = self.total_s - self.ttft_s
+        return (self.new_tokens - 1) / decode_s if self.new_tokens > 1 and decode_s > 0 else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.total_s if self.total_s > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "reused_tokens": self.reused_tokens,
+                "new_tokens": self.new_tokens, "ttft_s": round(self.ttft_s, 4),
+                "total_s": round(self.total_s, 4),
+                "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
+                "tokens_per_s": round(self.tokens_per_s, 2), "finish_reason": self.finish_reason}
+
+
+def _cache_kwarg(model) -> str:
+    """transformers 5 renamed `past_key_values=` to `cache=`; use what this version takes."""
+    names = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in names else "past_key_values"
+
+
+def new_cache(model):
+    from transformers import DynamicCache
+    return DynamicCache(config=model.config)
+
+
+def crop_cache(cache, keep: int) -> None:
+    """Keep the first `keep` positions. A negative argument means "remove that many" in
+    every transformers version (5.x accepts only that form)."""
+    remove = cache.get_seq_length() - keep
+    if remove > 0:
+        cache.crop(-remove)
+
+
+def forward(model, input_ids: torch.Tensor, cache=None) -> torch.Tensor:
+    """Run ids (1, T) through the model; return the logits of the last position (1, vocab).
+
+    With a cache, the model attends to everything already in it and appends the new
+    keys/values; positions continue from the cache's length.
+    """
+    kwargs = {_cache_kwarg(model): cache, "use_cache": cache is not None}
+    out = model(input_ids=input_ids, logits_to_keep=1, **kwargs)
+    return out.logits[:, -1, :]
+
+
+def prefill(model, prompt_ids: torch.Tensor, cache) -> torch.Tensor:
+    """Fill the cache with the prompt (or the part of it the cache lacks); last logits."""
+    return forward(model, prompt_ids, cache)
+
+
+def decode_step(model, token: torch.Tensor, cache) -> torch.Tensor:
+    """Feed one token (1, 1) against the cache; logits for the next one."""
+    return forward(model, token, cache)
+
+
+def generate(model, prompt_ids: list[int] | torch.Tensor, params: SamplingParams, *,
+             eos_ids: set[int] | frozenset[int] = frozenset(), use_cache: bool = True,
+             cache=None, cancel: threading.Event | None = None,
+             generator: torch.Generator | None = None, stats: GenerationStats | None = None,
+             max_length: int | None = None, observer: LogitsObserver | None = None
+             ) -> Iterator[int]:
+    """Yield new token ids one at a time until EOS, the token budget, or `cancel`.
+
+    `cache` may already hold the keys/values of a prefix of `prompt_ids` (prefix reuse);
+    only the rest is prefilled. `stats` is updated as the loop runs. The caller stops
+    on stop strings simply by not asking for the next token.
+    """
+    stats = stats if stats is not None else GenerationStats()
+    stats.started = time.perf_counter()
+    device = model.device
+    ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=device).reshape(1, -1)
+    stats.prompt_tokens = ids.shape[1]
+    budget = params.max_new_tokens
+    if max_length is not None:
+        budget = min(budget, max_length - ids.shape[1])
+    if generator is None and params.seed is not None and not params.greedy:
+        generator = make_generator(params.seed, device)
+    if use_cache and cache is None:
+        cache = new_cache(model)
+    reused = cache.get_seq_length() if use_cache else 0
+    stats.reused_tokens = reused
+    stats.finish_reason = "length"
+
+    try:
+        yield from _loop(model, ids, params, budget, eos_ids, use_cache, cache, cancel,
+                         generator, stats, observer)
+    finally:
+        stats.total_s = time.perf_counter() - stats.started
+
+
+def _loop(model, ids, params, budget, eos_ids, use_cache, cache, cancel, generator, stats,
+          observer) -> Iterator[int]:
+    reused = stats.reused_tokens
+    with torch.inference_mode():
+        # Step 0: the prompt (or its uncached tail) goes through the model once.
+        pending = ids[:, reused:] if use_cache else ids
+        for index in range(max(budget, 0)):
+            if cancel is not None and cancel.is_set():
+                stats.finish_reason = "cancelled"
+                break
+            logits = forward(model, pending, cache if use_cache else None)
+            # Choose: repetition penalty sees every id so far; greedy skips the softmax.
+            token = sample(logits, params, ids, generator)
+            token_id = int(token.item())  # the one host sync per step
+            now = time.perf_counter()
+            if index == 0:
+                stats.ttft_s = now - stats.started
+            stats.total_s = now - stats.started
+            if observer is not None:
+                observer(logits, ids, token_id)
+            if token_id in eos_ids:
+                stats.finish_reason = "eos"
+                break
+            stats.new_tokens += 1
+            ids = torch.cat([ids, token.view(1, 1)], dim=1)
+            # Next step's input: only the new token with a cache, everything without.
+            pending = ids[:, -1:] if use_cache else ids
+            yield token_id

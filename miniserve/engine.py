@@ -1,0 +1,229 @@
+"""The Engine: one loaded model, one lock, a queue limit and a prefix cache.
+
+Every surface (web UI, CLI, API, benchmark) calls `Engine.chat` or `Engine.complete`,
+so what the benchmark measures is what users get.
+
+Prefix caching: after each request the KV cache is kept, keyed by the token ids it
+holds. A new prompt that starts with the same tokens (the next turn of a chat, a
+retried request) reuses the longest matching cache and only prefills the rest.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from miniserve.chat import check_messages, trim_history
+from miniserve.config import SamplingParams
+from miniserve.decode import GenerationStats, LogitsObserver, crop_cache, generate, new_cache
+from miniserve.loader import LoadedModel, describe
+from miniserve.stream import Detokenizer, StopStrings
+
+END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|end|>", "</s>")
+
+
+class EngineBusy(RuntimeError):
+    """Too many requests are waiting; try again shortly."""
+
+
+@dataclass
+class Chunk:
+    """One streamed piece of a reply. The last one has `done=True`."""
+
+    text: str
+    token_ids: list[int]
+    stats: GenerationStats
+    done: bool = False
+    dropped_messages: int = 0
+
+
+@dataclass
+class _Entry:
+    ids: tuple[int, ...]
+    cache: object
+
+
+@dataclass
+class PrefixCache:
+    """LRU of KV caches keyed by the ids they hold, bounded in entries and total tokens."""
+
+    max_entries: int = 4
+    max_tokens: int = 32768
+    min_match: int = 16
+    entries: "OrderedDict[int, _Entry]" = field(default_factory=OrderedDict)
+    _next: int = 0
+
+    def take(self, prompt: list[int]):
+        """Remove and return (cache, n) for the longest shared prefix, or (None, 0)."""
+        best, best_len = None, 0
+        for key, entry in self.entries.items():
+            n = _common_prefix(entry.ids, prompt)
+            if n > best_len:
+                best, best_len = key, n
+        best_len = min(best_len, len(prompt) - 1)  # the last prompt token must be fed for logits
+        if best is None or best_len < self.min_match:
+            return None, 0
+        entry = self.entries.pop(best)
+        crop_cache(entry.cache, best_len)
+        return entry.cache, best_len
+
+    def put(self, ids: list[int], cache) -> None:
+        if self.max_entries <= 0 or not ids:
+            return
+        self.entries[self._next] = _Entry(tuple(ids), cache)
+        self._next += 1
+        while len(self.entries) > self.max_entries or (
+                len(self.entries) > 1 and self.total_tokens() > self.max_tokens):
+            self.entries.popitem(last=False)
+
+    def total_tokens(self) -> int:
+        return sum(len(e.ids) for e in self.entries.values())
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+
+def _common_prefix(a, b) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, max_queue: int = 16, prefix_cache_entries: int = 4):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.context_length = loaded.context_length
+        self.eos_ids = frozenset(self._end_ids())
+        self.prefix_cache = PrefixCache(max_entries=prefix_cache_entries)
+        self.max_queue = max_queue
+        self._lock = threading.Lock()
+        self._count_lock = threading.Lock()
+        self._in_flight = 0  # running + waiting
+
+    @property
+    def name(self) -> str:
+        return self.loaded.name
+
+    def info(self) -> dict:
+        return describe(self.loaded)
+
+    def _end_ids(self) -> set[int]:
+        ids = set()
+        gen_eos = self.model.generation_config.eos_token_id
+        ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        vocab = self.tokenizer.get_vocab()
+        ids.update(vocab[t] for t in END_TOKENS if t in vocab)
+        return ids
+
+    # -- admission: one generation at a time, a bounded number waiting -------------------
+    def _admit(self) -> None:
+        with self._count_lock:
+            if self._in_flight >= self.max_queue:
+                raise EngineBusy(f"the server is busy ({self._in_flight} requests running or "
+                                 "waiting); try again in a moment")
+            self._in_flight += 1
+
+    def _release(self) -> None:
+        with self._count_lock:
+            self._in_flight -= 1
+
+    def _acquire(self, cancel: threading.Event | None) -> bool:
+        while not self._lock.acquire(timeout=0.05):
+            if cancel is not None and cancel.is_set():
+                return False
+        return True
+
+    @property
+    def queue_depth(self) -> int:
+        return self._in_flight
+
+    # -- generation ------------------------------------------------------------------------
+    def complete(self, prompt_ids: list[int], params: SamplingParams, *,
+                 cancel: threading.Event | None = None, use_cache: bool = True,
+                 reuse_prefix: bool = True, observer: LogitsObserver | None = None,
+                 dropped_messages: int = 0) -> Iterator[Chunk]:
+        """Stream a reply to raw prompt ids: text pieces, then a final chunk with stats."""
+        self._admit()
+        stats = GenerationStats(prompt_tokens=len(prompt_ids))
+        try:
+            if not self._acquire(cancel):
+                stats.finish_reason = "cancelled"
+                yield Chunk("", [], stats, done=True, dropped_messages=dropped_messages)
+                return
+            try:
+                yield from self._complete_locked(prompt_ids, params, cancel, use_cache,
+                                                 reuse_prefix, observer, stats, dropped_messages)
+            finally:
+                self._lock.release()
+        finally:
+            self._release()
+
+    def _complete_locked(self, prompt_ids, params, cancel, use_cache, reuse_prefix, observer,
+                         stats, dropped_messages) -> Iterator[Chunk]:
+        cache, reused = (self.prefix_cache.take(prompt_ids) if use_cache and reuse_prefix
+                         else (None, 0))
+        if use_cache and cache is None:
+            cache = new_cache(self.model)
+        detok = Detokenizer(self.tokenizer)
+        stops = StopStrings(params.stop)
+        generated: list[int] = []
+        pending_ids: list[int] = []
+        steps = generate(self.model, prompt_ids, params, eos_ids=self.eos_ids,
+                         use_cache=use_cache, cache=cache, cancel=cancel, stats=stats,
+                         max_length=self.context_length, observer=observer)
+        try:
+            for token_id in steps:
+                generated.append(token_id)
+                pending_ids.append(token_id)
+                text = stops.feed(detok.push(token_id))
+                if stops.stopped:
+                    stats.finish_reason = "stop"
+                    if text:
+                        yield Chunk(text, pending_ids, stats)
+                    break
+                if text:
+                    yield Chunk(text, pending_ids, stats)
+                    pending_ids = []
+        finally:
+            steps.close()
+            if use_cache and reuse_prefix:
+                held = cache.get_seq_length()
+                self.prefix_cache.put((list(prompt_ids) + generated)[:held], cache)
+        tail = "" if stops.stopped else stops.feed(detok.flush()) + stops.flush()
+        yield Chunk(tail, [] if stops.stopped else pending_ids, stats, done=True,
+                    dropped_messages=dropped_messages)
+
+    def chat(self, messages: list[dict], params: SamplingParams, **kwargs) -> Iterator[Chunk]:
+        """Stream the assistant's reply to a conversation, trimmed to fit the context."""
+        messages = check_messages(messages)
+        trimmed = trim_history(self.tokenizer, messages, self.context_length,
+                               params.max_new_tokens)
+        return self.complete(trimmed.prompt_ids, params, dropped_messages=trimmed.dropped,
+                             **kwargs)
+
+    def chat_text(self, messages: list[dict], params: SamplingParams, **kwargs) -> tuple[str, Chunk]:
+        """The whole reply at once (collects `chat`)."""
+        parts, last = [], None
+        for last in self.chat(messages, params, **kwargs):
+            parts.append(last.text)
+        return "".join(parts), last
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def warm_up(self) -> float:
+        """One tiny generation so the first user request does not pay one-off costs."""
+        start = time.perf_counter()
+        for _ in self.complete(self.tokenizer("Hello")["input_ids"],
+                               SamplingParams(temperature=0, max_new_tokens=2), reuse_prefix=False):
+            pass
+        return time.perf_counter() - start

@@ -1,0 +1,103 @@
+"""Choosing the next token: pure functions over a logits tensor.
+
+Each filter takes logits of shape (..., vocab) and returns new logits in which
+removed tokens are -inf. They are applied in one order:
+
+    repetition penalty -> temperature -> top-k -> top-p -> min-p -> softmax -> draw
+
+Temperature 0 means greedy: the argmax of the (penalised) logits, no softmax.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from miniserve.config import SamplingParams
+
+NEG_INF = float("-inf")
+
+
+def apply_repetition_penalty(logits: torch.Tensor, previous_ids: torch.Tensor | None,
+                             penalty: float) -> torch.Tensor:
+    """Make tokens already in `previous_ids` less likely (CTRL paper, as transformers does).
+
+    A seen token's positive score is divided by `penalty`, a negative one multiplied,
+    so a penalty > 1 always lowers it.
+    """
+    if penalty == 1.0 or previous_ids is None or previous_ids.numel() == 0:
+        return logits
+    ids = previous_ids.reshape(*logits.shape[:-1], -1)
+    seen = torch.gather(logits, -1, ids)
+    seen = torch.where(seen < 0, seen * penalty, seen / penalty)
+    return logits.scatter(-1, ids, seen)
+
+
+def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Sharpen (t < 1) or flatten (t > 1) the distribution. t must be > 0 here."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 to scale logits, got {temperature}")
+    return logits if temperature == 1.0 else logits / temperature
+
+
+def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Keep the k highest-scoring tokens (ties with the k-th are kept too). k = 0: off."""
+    if k <= 0 or k >= logits.shape[-1]:
+        return logits
+    kth_best = torch.topk(logits, k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth_best, NEG_INF)
+
+
+def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose total probability reaches p.
+
+    A token is dropped when the tokens ranked above it already hold >= p of the mass.
+    The most likely token is always kept. p = 1: off.
+    """
+    if p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    mass_above = probs.cumsum(dim=-1) - probs
+    drop_sorted = mass_above >= p
+    drop_sorted[..., 0] = False
+    drop = drop_sorted.scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, NEG_INF)
+
+
+def min_p_filter(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p x the top token's probability. 0: off."""
+    if min_p <= 0.0:
+        return logits
+    probs = logits.softmax(dim=-1)
+    threshold = min_p * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, NEG_INF)
+
+
+def filter_logits(logits: torch.Tensor, params: SamplingParams,
+                  previous_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """All of the filters, in order, for a sampled (temperature > 0) draw."""
+    logits = apply_repetition_penalty(logits, previous_ids, params.repetition_penalty)
+    logits = apply_temperature(logits, params.temperature)
+    logits = top_k_filter(logits, params.top_k)
+    logits = top_p_filter(logits, params.top_p)
+    return min_p_filter(logits, params.min_p)
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """A private random stream for one request, so a seed reproduces it exactly."""
+    if seed is None:
+        return None
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    return gen
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, previous_ids: torch.Tensor | None = None,
+           generator: torch.Generator | None = None) -> torch.Tensor:
+    """Choose one token per row of `logits` (shape (B, vocab)); returns ids of shape (B,)."""
+    logits = logits.float()
+    if params.greedy:
+        logits = apply_repetition_penalty(logits, previous_ids, params.repetition_penalty)
+        return logits.argmax(dim=-1)
+    probs = filter_logits(logits, params, previous_ids).softmax(dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)

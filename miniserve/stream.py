@@ -1,0 +1,81 @@
+"""From a stream of token ids to a stream of text pieces.
+
+Byte-level tokenizers split multi-byte characters (emoji, CJK, accents) across
+tokens, so decoding one token at a time gives U+FFFD halves. `Detokenizer` decodes
+a small window of recent tokens and holds text back while it ends in an incomplete
+character; the pieces it emits always concatenate to `tokenizer.decode(all_ids)`.
+
+`StopStrings` holds back text that might be the start of a stop string and cuts the
+text where one appears.
+"""
+
+from __future__ import annotations
+
+REPLACEMENT = "\ufffd"
+
+
+class Detokenizer:
+    """Incremental decoding: `push(id)` returns the new text (possibly "")."""
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special = skip_special_tokens
+        self.ids: list[int] = []
+        self.prefix_offset = 0  # decode from here, so context-dependent spacing is right
+        self.read_offset = 0    # text of ids[:read_offset] has been emitted
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special,
+                                     clean_up_tokenization_spaces=False)
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        before = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        after = self._decode(self.ids[self.prefix_offset:])
+        if len(after) > len(before) and not after.endswith(REPLACEMENT):
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+            return after[len(before):]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is still held back (an incomplete character at the very end)."""
+        before = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        after = self._decode(self.ids[self.prefix_offset:])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return after[len(before):]
+
+    @property
+    def text(self) -> str:
+        return self._decode(self.ids)
+
+
+class StopStrings:
+    """Feed text pieces; get back the text that is safe to show and whether to stop."""
+
+    def __init__(self, stops: tuple[str, ...] | list[str] = ()):
+        self.stops = tuple(s for s in stops if s)
+        self.pending = ""
+        self.stopped = False
+
+    def feed(self, piece: str) -> str:
+        if self.stopped:
+            return ""
+        if not self.stops:
+            return piece
+        self.pending += piece
+        cut = min((i for i in (self.pending.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            out, self.pending = self.pending[:cut], ""
+            return out
+        # keep back the longest tail that could still grow into a stop string
+        hold = max((k for s in self.stops for k in range(1, len(s))
+                    if self.pending.endswith(s[:k])), default=0)
+        out = self.pending[:len(self.pending) - hold]
+        self.pending = self.pending[len(out):]
+        return out
+
+    def flush(self) -> str:
+        out, self.pending = ("" if self.stopped else self.pending), ""
+        return out

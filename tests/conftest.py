@@ -1,0 +1,48 @@
+"""Shared fixtures: the real embedded model is loaded once per test session."""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def loaded():
+    """SmolLM2-135M-Instruct from the embedded GGUF, float32 (the reference precision)."""
+    from miniserve.loader import load_model
+    return load_model(None, dtype="float32", progress=lambda m: None)
+
+
+@pytest.fixture(scope="session")
+def engine(loaded):
+    from miniserve.engine import Engine
+    return Engine(loaded)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(loaded):
+    return loaded.tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """A randomly initialised Llama with the real architecture, for fast unit tests."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, eos_token_id=2, bos_token_id=1)
+    return LlamaForCausalLM(config).eval()
+
+
+def chat_ids(tokenizer, text, system=None):
+    from miniserve.chat import render
+    messages = ([{"role": "system", "content": system}] if system else []) + \
+        [{"role": "user", "content": text}]
+    return render(tokenizer, messages)

@@ -1,0 +1,102 @@
+"""The hand-written loop on the real embedded model: equal to generate(), token for token."""
+
+import threading
+
+import pytest
+import torch
+
+from conftest import chat_ids
+from miniserve.config import SamplingParams
+from miniserve.decode import GenerationStats, generate
+
+GREEDY = SamplingParams(temperature=0, top_k=0, top_p=1.0, max_new_tokens=40)
+PROMPTS = {
+    "short": "Explain why the sky is blue.",
+    "long": "Summarise this text in one sentence. " + " ".join(
+        f"Paragraph {i}: the river flows past the old mill, where the miller grinds wheat "
+        f"and the children count boats." for i in range(16)),
+    "multilingual": "Traduis en français et en japonais : « Good morning, how are you? » 日本語でも。",
+}
+
+
+def hf_generate(model, ids, n):
+    input_ids = torch.tensor([ids])
+    with torch.inference_mode():
+        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                             max_new_tokens=n, top_k=None, top_p=None, temperature=None)
+    new = out[0, len(ids):].tolist()
+    eos = model.generation_config.eos_token_id
+    return new[:-1] if new and new[-1] == eos else new
+
+
+@pytest.mark.parametrize("name", PROMPTS)
+def test_greedy_cache_equals_no_cache_equals_generate(loaded, engine, name):
+    ids = chat_ids(loaded.tokenizer, PROMPTS[name])
+    if name == "long":
+        assert len(ids) > 300
+    cached = list(generate(loaded.model, ids, GREEDY, eos_ids=engine.eos_ids))
+    uncached = list(generate(loaded.model, ids, GREEDY, eos_ids=engine.eos_ids, use_cache=False))
+    reference = hf_generate(loaded.model, ids, GREEDY.max_new_tokens)
+    assert len(cached) >= 32, "want a long enough comparison"
+    assert cached == uncached == reference
+
+
+def test_greedy_equals_generate_in_bfloat16():
+    from miniserve.loader import load_model
+    lm = load_model(None, dtype="bfloat16", progress=lambda m: None)
+    assert lm.model.dtype == torch.bfloat16
+    for text in (PROMPTS["short"], PROMPTS["multilingual"]):
+        ids = chat_ids(lm.tokenizer, text)
+        ours = list(generate(lm.model, ids, GREEDY, eos_ids={2}))
+        assert ours == hf_generate(lm.model, ids, GREEDY.max_new_tokens)
+
+
+def test_seeded_sampling_reproducible_on_the_model(loaded, engine):
+    ids = chat_ids(loaded.tokenizer, "Write a short poem about the sea.")
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=24)
+    run = lambda seed: list(generate(loaded.model, ids, params.replace(seed=seed),
+                                     eos_ids=engine.eos_ids))
+    first = run(11)
+    assert first == run(11)
+    assert first != run(12)
+
+
+def test_stops_at_max_new_tokens_and_reports_stats(loaded, engine):
+    ids = chat_ids(loaded.tokenizer, "Count from one to one hundred.")
+    stats = GenerationStats()
+    out = list(generate(loaded.model, ids, GREEDY.replace(max_new_tokens=5),
+                        eos_ids=engine.eos_ids, stats=stats))
+    assert len(out) == 5 and stats.new_tokens == 5
+    assert stats.finish_reason == "length"
+    assert stats.prompt_tokens == len(ids)
+    assert 0 < stats.ttft_s <= stats.total_s
+
+
+def test_stops_at_eos_without_yielding_it(loaded, engine):
+    ids = chat_ids(loaded.tokenizer, "Say only the word yes.")
+    stats = GenerationStats()
+    out = list(generate(loaded.model, ids, GREEDY.replace(max_new_tokens=64),
+                        eos_ids=engine.eos_ids, stats=stats))
+    assert stats.finish_reason == "eos"
+    assert not engine.eos_ids & set(out)
+
+
+def test_cancel_stops_within_one_step(loaded, engine):
+    ids = chat_ids(loaded.tokenizer, "Tell me a long story about dragons.")
+    cancel = threading.Event()
+    stats = GenerationStats()
+    out = []
+    for token in generate(loaded.model, ids, GREEDY.replace(max_new_tokens=200),
+                          eos_ids=engine.eos_ids, cancel=cancel, stats=stats):
+        out.append(token)
+        if len(out) == 3:
+            cancel.set()
+    assert len(out) == 3 and stats.finish_reason == "cancelled"
+
+
+def test_tiny_model_cache_equals_no_cache(tiny_model):
+    ids = list(range(3, 40))
+    a = list(generate(tiny_model, ids, GREEDY.replace(max_new_tokens=30), eos_ids=set()))
+    b = list(generate(tiny_model, ids, GREEDY.replace(max_new_tokens=30), eos_ids=set(),
+                      use_cache=False))
+    assert a == b and len(a) == 30

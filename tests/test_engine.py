@@ -1,0 +1,118 @@
+"""The Engine: streaming chat, stop strings, prefix reuse, queue limit."""
+
+import threading
+
+import pytest
+
+from miniserve.chat import ChatError, render, trim_history
+from miniserve.config import SamplingParams
+from miniserve.engine import Engine, EngineBusy
+
+GREEDY = SamplingParams(temperature=0, top_k=0, top_p=1.0, max_new_tokens=24)
+
+
+def test_chat_streams_pieces_that_join_to_the_reply(engine):
+    messages = [{"role": "user", "content": "Name three colours."}]
+    chunks = list(engine.chat(messages, GREEDY))
+    assert chunks[-1].done and sum(not c.done for c in chunks) >= 2
+    ids = [i for c in chunks for i in c.token_ids]
+    assert "".join(c.text for c in chunks) == engine.tokenizer.decode(ids, skip_special_tokens=True)
+    assert chunks[-1].stats.new_tokens == len(ids)
+
+
+def test_stop_string_cuts_the_reply(engine):
+    messages = [{"role": "user", "content": "Count: 1, 2, 3, 4, 5, 6, 7, 8"}]
+    full, _ = engine.chat_text(messages, GREEDY.replace(max_new_tokens=40))
+    word = full.split()[2]
+    text, last = engine.chat_text(messages, GREEDY.replace(max_new_tokens=40, stop=(word,)))
+    assert last.stats.finish_reason == "stop"
+    assert text == full[:full.index(word)]
+
+
+def test_follow_up_turn_reuses_the_prefix_cache(loaded):
+    engine = Engine(loaded)
+    history = [{"role": "user", "content": "Tell me about the moon. " * 20}]
+    reply, first = engine.chat_text(history, GREEDY)
+    assert first.stats.reused_tokens == 0
+    history += [{"role": "assistant", "content": reply}, {"role": "user", "content": "And Mars?"}]
+    _, second = engine.chat_text(history, GREEDY)
+    assert second.stats.reused_tokens >= first.stats.prompt_tokens - 1
+    cold = Engine(loaded, prefix_cache_entries=0)
+    _, third = cold.chat_text(history, GREEDY)
+    assert third.stats.reused_tokens == 0
+
+
+def test_prefix_cache_is_bounded(loaded):
+    engine = Engine(loaded, prefix_cache_entries=2)
+    for i in range(4):
+        engine.chat_text([{"role": "system", "content": f"{i} is your lucky number."},
+                          {"role": "user", "content": "Why?"}],
+                         GREEDY.replace(max_new_tokens=2))
+    assert len(engine.prefix_cache.entries) == 2
+
+
+def test_queue_limit_answers_busy(loaded):
+    engine = Engine(loaded, max_queue=1)
+    running = engine.chat([{"role": "user", "content": "Hi"}], GREEDY)
+    next(running)  # holds the only slot
+    with pytest.raises(EngineBusy):
+        next(engine.chat([{"role": "user", "content": "Hello"}], GREEDY))
+    running.close()
+    assert engine.queue_depth == 0
+    assert engine.chat_text([{"role": "user", "content": "Hello"}], GREEDY)[1].done
+
+
+def test_concurrent_chats_do_not_mix(engine):
+    questions = ["What is 2+2?", "Name a fruit.", "What colour is the sky?"]
+    alone = {q: engine.chat_text([{"role": "user", "content": q}], GREEDY)[0] for q in questions}
+    together = {}
+    threads = [threading.Thread(target=lambda q=q: together.__setitem__(
+        q, engine.chat_text([{"role": "user", "content": q}], GREEDY)[0])) for q in questions]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert together == alone
+
+
+def test_trim_keeps_system_and_newest_and_fits(tokenizer):
+    system = {"role": "system", "content": "You are terse."}
+    turns = []
+    for i in range(30):
+        turns += [{"role": "user", "content": f"Question {i} " + "words " * 20},
+                  {"role": "assistant", "content": f"Answer {i} " + "more " * 20}]
+    messages = [system] + turns + [{"role": "user", "content": "Last question?"}]
+    result = trim_history(tokenizer, messages, context_length=600, max_new_tokens=100)
+    assert result.dropped > 0
+    assert result.messages[0] == system and result.messages[-1] == messages[-1]
+    assert result.messages[1]["role"] == "user"
+    assert len(result.prompt_ids) + 100 <= 600
+    assert result.prompt_ids == render(tokenizer, result.messages)
+    # keeping two more messages (one more turn) would not have fitted
+    rest = messages[1:]
+    assert len(render(tokenizer, [system] + rest[result.dropped - 2:])) + 100 > 600
+
+
+def test_too_long_message_is_a_clear_error(tokenizer):
+    messages = [{"role": "user", "content": "word " * 3000}]
+    with pytest.raises(ChatError, match="too long"):
+        trim_history(tokenizer, messages, context_length=1000, max_new_tokens=100)
+
+
+@pytest.mark.parametrize("messages, field", [
+    ([], "messages"),
+    ([{"role": "user", "content": "   "}], "messages[0].content"),
+    ([{"role": "wizard", "content": "hi"}], "messages[0].role"),
+    ([{"role": "user", "content": 5}], "messages[0].content"),
+    ([{"role": "assistant", "content": "hi"}], "messages"),
+])
+def test_bad_messages_name_the_field(engine, messages, field):
+    with pytest.raises(ChatError) as info:
+        engine.chat(messages, GREEDY)
+    assert info.value.field == field
+
+
+def test_control_characters_and_surrogates_are_cleaned(engine):
+    text, last = engine.chat_text([{"role": "user", "content": "Hi\x00\x07 there \ud800!"}],
+                                  GREEDY.replace(max_new_tokens=4))
+    assert last.done and last.stats.new_tokens > 0

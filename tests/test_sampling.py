@@ -1,0 +1,113 @@
+"""Sampling filters against their definitions and against transformers' own warpers."""
+
+import pytest
+import torch
+from transformers.generation.logits_process import (MinPLogitsWarper,
+                                                    RepetitionPenaltyLogitsProcessor,
+                                                    TemperatureLogitsWarper, TopKLogitsWarper,
+                                                    TopPLogitsWarper)
+
+from miniserve.config import SamplingParams
+from miniserve.sampling import (apply_repetition_penalty, apply_temperature, make_generator,
+                                min_p_filter, sample, top_k_filter, top_p_filter)
+
+VOCAB = 1000
+
+
+@pytest.fixture
+def logits():
+    g = torch.Generator().manual_seed(1234)
+    return torch.randn(4, VOCAB, generator=g) * 3
+
+
+def kept(x):
+    return torch.isfinite(x)
+
+
+@pytest.mark.parametrize("k", [1, 5, 50, 999])
+def test_top_k_keeps_exactly_the_k_best(logits, k):
+    out = top_k_filter(logits, k)
+    assert (kept(out).sum(-1) == k).all()
+    best = torch.topk(logits, k).indices
+    for row in range(logits.shape[0]):
+        assert set(kept(out[row]).nonzero().flatten().tolist()) == set(best[row].tolist())
+    assert torch.equal(out[kept(out)], logits[kept(out)])  # survivors unchanged
+
+
+def test_top_k_off_and_larger_than_vocab(logits):
+    assert torch.equal(top_k_filter(logits, 0), logits)
+    assert torch.equal(top_k_filter(logits, VOCAB * 10), logits)
+
+
+@pytest.mark.parametrize("p", [0.05, 0.5, 0.9, 0.99])
+def test_top_p_keeps_the_smallest_set_reaching_p(logits, p):
+    out = top_p_filter(logits, p)
+    probs = logits.softmax(-1)
+    for row in range(logits.shape[0]):
+        order = probs[row].argsort(descending=True)
+        cumulative = probs[row][order].cumsum(0)
+        n = int((cumulative < p).sum()) + 1  # smallest prefix whose mass reaches p
+        expected = set(order[:n].tolist())
+        assert set(kept(out[row]).nonzero().flatten().tolist()) == expected
+        assert probs[row][list(expected)].sum() >= p
+
+
+def test_top_p_one_is_off_and_top_token_always_kept(logits):
+    assert torch.equal(top_p_filter(logits, 1.0), logits)
+    out = top_p_filter(logits, 1e-9)
+    assert (kept(out).sum(-1) == 1).all()
+    assert torch.equal(out.argmax(-1), logits.argmax(-1))
+
+
+@pytest.mark.parametrize("min_p", [0.01, 0.1, 0.5])
+def test_min_p_definition(logits, min_p):
+    out = min_p_filter(logits, min_p)
+    probs = logits.softmax(-1)
+    expected = probs >= min_p * probs.max(-1, keepdim=True).values
+    assert torch.equal(kept(out), expected)
+
+
+def test_repetition_penalty_definition():
+    logits = torch.tensor([[2.0, -2.0, 1.0, -1.0, 0.5]])
+    out = apply_repetition_penalty(logits, torch.tensor([0, 1, 1]), 2.0)
+    assert out.tolist() == [[1.0, -4.0, 1.0, -1.0, 0.5]]
+    assert torch.equal(apply_repetition_penalty(logits, torch.tensor([0]), 1.0), logits)
+
+
+@pytest.mark.parametrize("case", ["temperature", "top_k", "top_p", "min_p", "repetition"])
+def test_matches_transformers_warpers(logits, case):
+    ids = torch.randint(0, VOCAB, (4, 30), generator=torch.Generator().manual_seed(7))
+    ours, theirs = {
+        "temperature": (apply_temperature(logits, 0.6), TemperatureLogitsWarper(0.6)(ids, logits)),
+        "top_k": (top_k_filter(logits, 40), TopKLogitsWarper(40)(ids, logits)),
+        "top_p": (top_p_filter(logits, 0.9), TopPLogitsWarper(0.9)(ids, logits)),
+        "min_p": (min_p_filter(logits, 0.1), MinPLogitsWarper(0.1)(ids, logits)),
+        "repetition": (apply_repetition_penalty(logits, ids, 1.3),
+                       RepetitionPenaltyLogitsProcessor(1.3)(ids, logits)),
+    }[case]
+    assert torch.equal(kept(ours), kept(theirs))
+    torch.testing.assert_close(ours[kept(ours)], theirs[kept(theirs)])
+
+
+def test_greedy_is_argmax_and_ignores_the_generator(logits):
+    params = SamplingParams(temperature=0, top_k=0, top_p=1.0)
+    assert torch.equal(sample(logits, params), logits.argmax(-1))
+
+
+def test_seeded_sampling_is_reproducible_and_seeds_differ(logits):
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0)
+    flat = torch.zeros(1, VOCAB)  # uniform: any difference in the stream shows
+    draws = lambda seed: [int(sample(flat, params, generator=g)) for g in [make_generator(seed)]
+                          for _ in range(20)]
+    assert draws(1) == draws(1)
+    assert draws(1) != draws(2)
+
+
+def test_sampled_tokens_come_only_from_the_filtered_set(logits):
+    params = SamplingParams(temperature=1.0, top_k=3, top_p=1.0)
+    g = make_generator(0)
+    allowed = torch.topk(logits, 3).indices
+    for _ in range(50):
+        tokens = sample(logits, params, generator=g)
+        for row in range(logits.shape[0]):
+            assert tokens[row] in allowed[row]
