@@ -46,3 +46,12 @@ def chat_ids(tokenizer, text, system=None):
     messages = ([{"role": "system", "content": system}] if system else []) + \
         [{"role": "user", "content": text}]
     return render(tokenizer, messages)
+
+
+@pytest.fixture(scope="session")
+def app_server():
+    """The real web app (UI + API on one port) with the embedded model."""
+    from servers import Server
+    server = Server(["app.py"])
+    yield server
+    server.stop()

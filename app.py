@@ -1,0 +1,80 @@
+"""MiniServeLM web app: the browser chat, the benchmark tab and the OpenAI-compatible API,
+served on one port (http://127.0.0.1:7860 by default).
+
+    python app.py [--model SRC] [--host 127.0.0.1] [--port 7860] [--share] [--api-key KEY]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from miniserve.cli import Parser, add_model_args
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = Parser(prog="python app.py", description="MiniServeLM: local chat, benchmark and API.")
+    p.add_argument("--host", default=os.environ.get("MINISERVE_HOST", "127.0.0.1"),
+                   help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=int(os.environ.get("MINISERVE_PORT", 7860)))
+    p.add_argument("--share", action="store_true",
+                   help="also open a public Gradio share link (off by default; no API there)")
+    p.add_argument("--api-key", default=os.environ.get("MINISERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--presets-file", default=None, help="another presets.yaml")
+    p.add_argument("--preset", default="balanced", help="the preset selected at start")
+    p.add_argument("--max-queue", type=int, default=16,
+                   help="requests running or waiting before new ones get 'busy'")
+    add_model_args(p)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    from miniserve.config import ConfigError, load_presets
+    try:
+        presets = load_presets(args.presets_file)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not 1 <= args.max_queue <= 1000:
+        print("error: --max-queue must be from 1 to 1000", file=sys.stderr)
+        return 2
+    from miniserve.engine import Engine
+    from miniserve.loader import ModelLoadError, load_model
+    try:
+        engine = Engine(load_model(args.model, device=args.device, dtype=args.dtype),
+                        max_queue=args.max_queue)
+    except ModelLoadError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    engine.warm_up()
+
+    import gradio as gr
+    import uvicorn
+    from fastapi import FastAPI
+
+    from miniserve.api import build_router
+    from miniserve.ui import CSS, build_ui
+
+    demo = build_ui(engine, presets, args.preset)
+    url = f"http://{args.host}:{args.port}"
+    if args.share:
+        print(f"MiniServeLM ready in {time.perf_counter() - started:.1f} s (share link below)",
+              flush=True)
+        demo.launch(server_name=args.host, server_port=args.port, share=True, css=CSS)
+        return 0
+    app = FastAPI(title="MiniServeLM")
+    app.include_router(build_router(engine, args.api_key))
+    app = gr.mount_gradio_app(app, demo, path="/", css=CSS, footer_links=[])
+    print(f"MiniServeLM ready in {time.perf_counter() - started:.1f} s: chat at {url} , "
+          f"API at {url}/v1", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

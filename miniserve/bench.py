@@ -1,0 +1,206 @@
+"""Cache vs no-cache vs transformers' generate(), side by side in one run.
+
+Shared by `python -m miniserve bench` and the web app's Benchmark tab. Greedy
+decoding throughout, so the three modes must produce the same tokens: a benchmark
+of wrong answers is worthless, and the result says whether they matched.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+from miniserve.config import SamplingParams
+from miniserve.engine import Engine
+
+MODES = ("no_cache", "cache", "hf_generate")
+FILLER = ("The history of science is the study of the development of science and scientific "
+          "knowledge, including both the natural and social sciences. Science is a body of "
+          "empirical, theoretical, and practical knowledge about the natural world, produced by "
+          "scientists who emphasize the observation, explanation, and prediction of real-world "
+          "phenomena. ")
+
+Progress = Callable[[float, str], None]
+
+
+@dataclass
+class BenchConfig:
+    prompt_tokens: list[int] = field(default_factory=lambda: [64, 256, 1024])
+    new_tokens: int = 64
+    repeat: int = 3
+    modes: tuple[str, ...] = MODES
+
+    def __post_init__(self):
+        if not self.prompt_tokens or any(n < 1 or n > 32768 for n in self.prompt_tokens):
+            raise ValueError("prompt lengths must be whole numbers from 1 to 32768")
+        if not 2 <= self.new_tokens <= 4096:
+            raise ValueError(f"new tokens must be from 2 to 4096, got {self.new_tokens}")
+        if not 1 <= self.repeat <= 20:
+            raise ValueError(f"repeat must be from 1 to 20, got {self.repeat}")
+        unknown = [m for m in self.modes if m not in MODES]
+        if unknown or not self.modes:
+            raise ValueError(f"unknown mode {', '.join(unknown) or '(none)'}; "
+                             f"choose from {', '.join(MODES)}")
+
+
+@dataclass
+class Row:
+    prompt_tokens: int
+    mode: str
+    dtype: str
+    new_tokens: int
+    ttft_s: float
+    decode_tokens_per_s: float
+    total_s: float
+    speedup_vs_no_cache: float | None
+    effective_gb_s: float  # weight bytes read per second while decoding
+    tokens_match: bool
+
+
+@dataclass
+class BenchResult:
+    rows: list[Row]
+    greedy_match: bool
+    model: str
+    device: str
+    dtype: str
+    command: str = ""
+
+
+def prompt_of_length(tokenizer, n: int) -> list[int]:
+    ids = tokenizer(FILLER, add_special_tokens=False)["input_ids"]
+    return (ids * (n // len(ids) + 1))[:n]
+
+
+class _FirstTokenTimer:
+    """A transformers streamer that notes when generate() produces its first new token."""
+
+    def __init__(self):
+        self.calls = 0
+        self.first = None
+
+    def put(self, value):
+        self.calls += 1
+        if self.calls == 2 and self.first is None:  # call 1 is the prompt
+            self.first = time.perf_counter()
+
+    def end(self):
+        pass
+
+
+def _run_ours(engine: Engine, ids, params, use_cache: bool):
+    chunks = list(engine.complete(ids, params, use_cache=use_cache, reuse_prefix=False))
+    stats = chunks[-1].stats
+    tokens = [i for c in chunks for i in c.token_ids]
+    return tokens, stats.ttft_s, stats.total_s
+
+
+def _run_hf(engine: Engine, ids, params):
+    model = engine.model
+    input_ids = torch.tensor([ids], device=model.device)
+    timer = _FirstTokenTimer()
+    with engine._lock, torch.inference_mode():
+        start = time.perf_counter()
+        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                             do_sample=False, max_new_tokens=params.max_new_tokens, top_k=None,
+                             top_p=None, temperature=None, streamer=timer,
+                             eos_token_id=sorted(engine.eos_ids))
+        total = time.perf_counter() - start
+    tokens = [t for t in out[0, len(ids):].tolist() if t not in engine.eos_ids]
+    return tokens, (timer.first or start + total) - start, total
+
+
+def weight_bytes(model) -> int:
+    """Bytes of weights read per decoded token (embeddings are looked up, not read whole)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.get_input_embeddings().weight
+    tied = model.get_output_embeddings() is not None and \
+        model.get_output_embeddings().weight.data_ptr() == embed.data_ptr()
+    return total if tied else total - embed.numel() * embed.element_size()
+
+
+def run_bench(engine: Engine, config: BenchConfig, progress: Progress | None = None) -> BenchResult:
+    progress = progress or (lambda f, m: None)
+    params = SamplingParams(temperature=0, top_k=0, top_p=1.0, repetition_penalty=1.0,
+                            max_new_tokens=config.new_tokens)
+    dtype = str(engine.loaded.dtype).removeprefix("torch.")
+    runners = {"no_cache": lambda ids: _run_ours(engine, ids, params, False),
+               "cache": lambda ids: _run_ours(engine, ids, params, True),
+               "hf_generate": lambda ids: _run_hf(engine, ids, params)}
+    warm = prompt_of_length(engine.tokenizer, 8)
+    for mode in config.modes:  # first calls pay one-off costs; keep them out of the numbers
+        progress(0.0, f"warming up {mode}")
+        runners[mode](warm)
+    nbytes = weight_bytes(engine.model)
+    rows, all_match = [], True
+    total_runs = len(config.prompt_tokens) * len(config.modes) * config.repeat
+    done = 0
+    for n in config.prompt_tokens:
+        ids = prompt_of_length(engine.tokenizer, min(n, engine.context_length - config.new_tokens))
+        results = {}
+        for mode in config.modes:
+            runs = []
+            for r in range(config.repeat):
+                progress(done / total_runs, f"{n} prompt tokens, {mode}, run {r + 1}/{config.repeat}")
+                runs.append(runners[mode](ids))
+                done += 1
+            results[mode] = runs
+        reference = results[config.modes[0]][0][0]
+        base_total = None
+        for mode in config.modes:
+            runs = results[mode]
+            tokens = runs[0][0]
+            match = all(r[0] == reference for r in runs)
+            all_match &= match
+            ttft = statistics.median(r[1] for r in runs)
+            total = statistics.median(r[2] for r in runs)
+            decode_tps = statistics.median(
+                (len(r[0]) - 1) / (r[2] - r[1]) if len(r[0]) > 1 and r[2] > r[1] else 0.0
+                for r in runs)
+            if mode == "no_cache":
+                base_total = total
+            rows.append(Row(len(ids), mode, dtype, len(tokens), round(ttft, 4),
+                            round(decode_tps, 2), round(total, 4),
+                            round(base_total / total, 2) if base_total else None,
+                            round(nbytes * decode_tps / 1e9, 2), match))
+    progress(1.0, "done")
+    return BenchResult(rows, all_match, engine.name, engine.loaded.device.type, dtype)
+
+
+def format_table(result: BenchResult) -> str:
+    head = ("prompt_tokens", "mode", "dtype", "new_tokens", "ttft_s", "decode_tok/s", "total_s",
+            "speedup", "GB/s")
+    lines = [" ".join(f"{h:>13}" for h in head)]
+    for r in result.rows:
+        cells = (r.prompt_tokens, r.mode, r.dtype, r.new_tokens, f"{r.ttft_s:.3f}",
+                 f"{r.decode_tokens_per_s:.1f}", f"{r.total_s:.2f}",
+                 f"{r.speedup_vs_no_cache:.2f}x" if r.speedup_vs_no_cache else "-",
+                 f"{r.effective_gb_s:.1f}")
+        lines.append(" ".join(f"{c:>13}" for c in cells))
+    verdict = ("greedy tokens identical across modes: yes" if result.greedy_match else
+               "greedy tokens identical across modes: NO -- the modes disagree")
+    lines.append(f"{result.model} on {result.device} ({result.dtype}); {verdict}")
+    return "\n".join(lines)
+
+
+def to_dict(result: BenchResult) -> dict:
+    return {"model": result.model, "device": result.device, "dtype": result.dtype,
+            "greedy_match": result.greedy_match, "rows": [asdict(r) for r in result.rows]}
+
+
+def write_json(result: BenchResult, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(to_dict(result), f, indent=2)
+
+
+def write_csv(result: BenchResult, path: str) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(asdict(result.rows[0])))
+        writer.writeheader()
+        writer.writerows(asdict(r) for r in result.rows)

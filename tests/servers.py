@@ -1,0 +1,46 @@
+"""Start the real app (or API server) as a subprocess on a free port, for end-to-end tests."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, args: list[str], ready_path: str = "/", timeout: float = 180):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(ROOT / ".pytest_cache" / f"server-{self.port}.log", "w") \
+            if (ROOT / ".pytest_cache").is_dir() else subprocess.DEVNULL
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen([sys.executable, *args, "--port", str(self.port)], cwd=ROOT,
+                                     env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}: {args}")
+            try:
+                urllib.request.urlopen(self.url + ready_path, timeout=2)
+                return
+            except OSError:
+                time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"server did not answer within {timeout} s: {args}")
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()

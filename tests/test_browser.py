@@ -1,0 +1,163 @@
+"""The real app in a real headless Chromium: chat streaming, presets, Stop, benchmark, inspector."""
+
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.browser
+CHROMIUM = os.environ.get("MINISERVE_CHROMIUM", "/usr/bin/chromium")
+SHOTS = Path(__file__).resolve().parent.parent / "docs"
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not shutil.which(CHROMIUM):
+        pytest.fail(f"Chromium not found at {CHROMIUM}; `make chromium` installs it")
+    from playwright.sync_api import sync_playwright
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync"])
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser, app_server):
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.goto(app_server.url)
+    page.get_by_role("button", name="Send").wait_for()
+    yield page
+    page.close()
+
+
+def number(page, label):
+    return page.get_by_role("spinbutton", name=f"number input for {label}")
+
+
+def set_number(page, label, value):
+    box = number(page, label) if label != "Seed" else page.get_by_label("Seed")
+    box.fill(str(value))
+    box.press("Enter")
+
+
+def bot_text(page):
+    bots = page.locator("[data-testid='bot']")
+    return bots.last.inner_text() if bots.count() else ""
+
+
+def status(page):
+    return page.locator("#status").inner_text()
+
+
+def test_send_streams_a_reply(page):
+    set_number(page, "Max new tokens", 60)
+    page.get_by_label("Message", exact=True).fill("Write a few sentences about the ocean.")
+    page.get_by_role("button", name="Send").click()
+    page.locator("[data-testid='user']").filter(has_text="about the ocean").wait_for(timeout=10000)
+    seen = set()
+    deadline = time.time() + 120
+    while time.time() < deadline and "tokens/s" not in status(page):
+        text = bot_text(page).strip()
+        if text:
+            seen.add(text)
+        time.sleep(0.05)
+    final = bot_text(page).strip()
+    assert "tokens/s" in status(page) and "prompt tokens" in status(page)
+    assert final, "a reply appeared"
+    partial = [t for t in seen if t != final]
+    assert partial, "text appeared piece by piece before the reply was complete"
+    assert all(final.startswith(t.rstrip("…").strip()[:10]) for t in partial)
+    if os.environ.get("MINISERVE_SCREENSHOTS"):
+        SHOTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(SHOTS / "chat.png"))
+
+
+def test_factual_preset_moves_the_sliders(page):
+    page.get_by_label("Preset").click()
+    page.get_by_role("option", name="factual").click()
+    for label, value in [("Temperature", 0), ("Top-k", 0), ("Top-p", 1), ("Min-p", 0),
+                         ("Repetition penalty", 1), ("Max new tokens", 256)]:
+        box = number(page, label)
+        deadline = time.time() + 10
+        while time.time() < deadline and float(box.input_value()) != value:
+            time.sleep(0.1)
+        assert float(box.input_value()) == value, label
+    page.get_by_label("Preset").click()
+    page.get_by_role("option", name="creative").click()
+    deadline = time.time() + 10
+    while time.time() < deadline and float(number(page, "Temperature").input_value()) != 1.0:
+        time.sleep(0.1)
+    assert float(number(page, "Top-k").input_value()) == 80
+
+
+def test_stop_keeps_what_was_written(page):
+    set_number(page, "Max new tokens", 1500)
+    set_number(page, "Temperature", 0)
+    page.get_by_label("Message", exact=True).fill("Write a very long story about a dragon and a knight.")
+    page.get_by_role("button", name="Send").click()
+    deadline = time.time() + 60
+    while time.time() < deadline and len(bot_text(page).split()) < 5:
+        time.sleep(0.1)
+    page.get_by_role("button", name="Stop").click()
+    page.wait_for_function("document.querySelector('#status').innerText.includes('cancelled')",
+                           timeout=30000)
+    kept = bot_text(page)
+    assert len(kept.split()) >= 5
+    new_tokens = int(re.search(r"(\d+) new tokens", status(page)).group(1))
+    assert new_tokens < 1500
+    time.sleep(1)
+    assert bot_text(page) == kept, "nothing more was written after Stop"
+    # the app keeps serving: the next message gets a reply
+    set_number(page, "Max new tokens", 8)
+    page.get_by_label("Message", exact=True).fill("Hi")
+    page.get_by_role("button", name="Send").click()
+    page.wait_for_function("document.querySelectorAll(\"[data-testid='bot']\").length >= 2 && "
+                           "document.querySelector('#status').innerText.includes('tokens/s')",
+                           timeout=60000)
+
+
+def test_empty_message_is_a_readable_error_and_keeps_the_chat(page):
+    set_number(page, "Max new tokens", 6)
+    page.get_by_label("Message", exact=True).fill("Hello")
+    page.get_by_role("button", name="Send").click()
+    page.wait_for_function("document.querySelector('#status').innerText.includes('tokens/s')",
+                           timeout=60000)
+    page.get_by_label("Message", exact=True).fill("   ")
+    page.get_by_role("button", name="Send").click()
+    page.wait_for_function("document.querySelector('#status').innerText.includes('empty')",
+                           timeout=10000)
+    assert page.locator("[data-testid='user']").count() == 1
+    assert page.locator("[data-testid='bot']").count() == 1
+
+
+def test_inspector_shows_alternatives_on_hover(page):
+    set_number(page, "Max new tokens", 12)
+    page.get_by_label("Token inspector").check()
+    page.get_by_label("Message", exact=True).fill("Name a colour.")
+    page.get_by_role("button", name="Send").click()
+    token = page.locator(".ms-inspector .ms-tok").first
+    token.wait_for(timeout=60000)
+    token.hover()
+    tip = token.get_attribute("title")
+    assert tip.count("\n") == 4 and "%" in tip  # five alternatives with probabilities
+
+
+def test_benchmark_tab_shows_rows_for_each_mode(page):
+    page.get_by_role("tab", name="Benchmark").click()
+    page.get_by_label("Prompt lengths (tokens)").fill("16,64")
+    set_number(page, "New tokens", 6)
+    page.get_by_role("button", name="Run benchmark").click()
+    page.wait_for_function("document.body.innerText.includes('greedy tokens identical')",
+                           timeout=180000)
+    page.wait_for_function("document.body.innerText.includes('hf_generate')", timeout=30000)
+    body = page.locator("body").inner_text()
+    for mode in ("no_cache", "cache", "hf_generate"):  # one row per (prompt length, mode)
+        lengths = re.findall(rf"(\d+)\s+{mode}\s+float", body)
+        assert sorted(map(int, lengths)) == [16, 64], (mode, body[-1500:])
+    if os.environ.get("MINISERVE_SCREENSHOTS"):
+        page.screenshot(path=str(SHOTS / "benchmark.png"), full_page=True)

@@ -1,0 +1,60 @@
+"""Model sources: the embedded GGUF (and its weight cache), and clear errors for bad ones."""
+
+import pytest
+import torch
+
+from miniserve.loader import ModelLoadError, load_model, pick_device, resolve_source
+
+
+@pytest.mark.parametrize("source, words", [
+    ("/no/such/model", ["/no/such/model", "does not exist"]),
+    ("./missing-folder/x.gguf", ["missing-folder", "does not exist"]),
+])
+def test_bad_local_source_is_one_clear_sentence(source, words):
+    with pytest.raises(ModelLoadError) as info:
+        load_model(source, progress=lambda m: None)
+    message = str(info.value)
+    assert "\n" not in message and all(w in message for w in words)
+
+
+def test_not_a_gguf_file(tmp_path):
+    f = tmp_path / "weights.bin"
+    f.write_bytes(b"0")
+    with pytest.raises(ModelLoadError, match="not a .gguf"):
+        resolve_source(str(f))
+
+
+def test_folder_without_model(tmp_path):
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        resolve_source(str(tmp_path))
+
+
+def test_unreachable_hub_id_is_one_clear_sentence(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelLoadError) as info:
+        load_model("nobody-here/no-such-model-xyz", progress=lambda m: None)
+    assert "nobody-here/no-such-model-xyz" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_device_falls_back_to_cpu_here():
+    expected = "cuda" if torch.cuda.is_available() else "mps" if \
+        torch.backends.mps.is_available() else "cpu"
+    assert pick_device().type == expected
+
+
+def test_weight_cache_gives_the_same_model(tmp_path, monkeypatch, loaded):
+    """First load dequantizes the GGUF and writes the cache; the second reads it: same logits."""
+    monkeypatch.setenv("MINISERVE_CACHE", str(tmp_path))
+    messages = []
+    fresh = load_model(None, dtype="float32", progress=messages.append)
+    assert any("Dequantizing" in m for m in messages)
+    messages.clear()
+    cached = load_model(None, dtype="float32", progress=messages.append)
+    assert any("from the cache" in m for m in messages)
+    ids = torch.tensor([[1, 9690, 198, 2683, 359, 253, 5356, 5646]])
+    with torch.inference_mode():
+        a, b = fresh.model(ids).logits, cached.model(ids).logits
+    assert torch.equal(a, b)
+    assert fresh.tokenizer("héllo 🎉")["input_ids"] == cached.tokenizer("héllo 🎉")["input_ids"]
+    assert fresh.tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False) \
+        == cached.tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False)

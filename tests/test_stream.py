@@ -1,0 +1,52 @@
+"""Streaming text: deltas join to the full decode, no U+FFFD halves, stop strings."""
+
+import pytest
+
+from miniserve.stream import REPLACEMENT, Detokenizer, StopStrings
+
+TEXTS = [
+    "Hello 👋🏽 world! 🎉🎉 Let's go 🚀",
+    "日本の首都は東京です。中文也可以：你好，世界！한국어도요.",
+    "Crème brûlée, naïve façade, Ærøskøbing, Ωmega — “quotes” …",
+    "Mixed: 🤖 robots 机器人 ロボット résumé 👨‍👩‍👧‍👦 family",
+]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_deltas_join_to_the_decoded_text(tokenizer, text):
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert any(REPLACEMENT in tokenizer.decode([i]) for i in ids) or text.isascii(), \
+        "the sample must split a character across tokens to be a real test"
+    detok = Detokenizer(tokenizer)
+    pieces = [detok.push(i) for i in ids] + [detok.flush()]
+    assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True) == text
+    assert not any(REPLACEMENT in p for p in pieces)
+
+
+def test_deltas_on_generated_ids(engine):
+    from miniserve.config import SamplingParams
+    chunks = list(engine.chat([{"role": "user", "content": "Write three emoji and the word 日本."}],
+                              SamplingParams(temperature=0, max_new_tokens=30)))
+    ids = [i for c in chunks for i in c.token_ids]
+    assert "".join(c.text for c in chunks) == engine.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_incomplete_character_at_the_end_is_flushed(tokenizer):
+    ids = tokenizer("ok 🎉", add_special_tokens=False)["input_ids"]
+    detok = Detokenizer(tokenizer)
+    streamed = "".join(detok.push(i) for i in ids[:-1])
+    assert REPLACEMENT not in streamed
+    assert streamed + detok.push(ids[-1]) + detok.flush() == "ok 🎉"
+
+
+def test_stop_strings_hold_back_partial_matches():
+    s = StopStrings(["</end>"])
+    out = [s.feed(p) for p in ["Hello <", "/e", "nd> bye"]]
+    assert "".join(out) == "Hello " and s.stopped
+    t = StopStrings(["</end>"])
+    assert t.feed("a <") == "a " and t.feed("b") == "<b" and t.flush() == ""
+
+
+def test_stop_strings_earliest_of_several():
+    s = StopStrings(["STOP", "\n\n"])
+    assert s.feed("one two\n\nthree STOP") == "one two" and s.stopped
