@@ -102,10 +102,14 @@ def _run_ours(engine: Engine, ids, params, use_cache: bool):
 
 
 def _run_hf(engine: Engine, ids, params):
+    return engine.run_on_worker(_hf_generate, engine, ids, params)  # same thread as ours
+
+
+def _hf_generate(engine: Engine, ids, params):
     model = engine.model
     input_ids = torch.tensor([ids], device=model.device)
     timer = _FirstTokenTimer()
-    with engine._lock, torch.inference_mode():
+    with torch.inference_mode():
         start = time.perf_counter()
         out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
                              do_sample=False, max_new_tokens=params.max_new_tokens, top_k=None,

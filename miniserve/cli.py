@@ -52,14 +52,17 @@ def params_from_args(args) -> tuple[SamplingParams, dict[str, SamplingParams]]:
 
 
 def load_engine(args):
+    """(engine, None), or (None, exit code) after a one-line error."""
     from miniserve.engine import Engine
-    from miniserve.loader import load_model
-    return Engine(load_model(args.model, device=args.device, dtype=args.dtype))
+    from miniserve.loader import ModelLoadError, load_model
+    try:
+        return Engine(load_model(args.model, device=args.device, dtype=args.dtype)), None
+    except ModelLoadError as e:
+        return None, fail(str(e), 1)
 
 
 def cmd_generate(args) -> int:
     from miniserve.chat import ChatError
-    from miniserve.loader import ModelLoadError
     try:
         params, _ = params_from_args(args)
         if args.stop:
@@ -68,10 +71,9 @@ def cmd_generate(args) -> int:
         return fail(str(e))
     if not args.prompt.strip():
         return fail("--prompt is empty; give the text to answer")
-    try:
-        engine = load_engine(args)
-    except ModelLoadError as e:
-        return fail(str(e), 1)
+    engine, code = load_engine(args)
+    if engine is None:
+        return code
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
         [{"role": "user", "content": args.prompt}]
     inspector = None
@@ -111,16 +113,14 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    from miniserve.loader import ModelLoadError
     from miniserve.repl import ChatSession
     try:
         params, presets = params_from_args(args)
     except ConfigError as e:
         return fail(str(e))
-    try:
-        engine = load_engine(args)
-    except ModelLoadError as e:
-        return fail(str(e), 1)
+    engine, code = load_engine(args)
+    if engine is None:
+        return code
     session = ChatSession(engine, params, presets, system=args.system,
                           preset_name=args.preset or DEFAULT_PRESET)
     return session.run(sys.stdin, sys.stdout)
@@ -128,7 +128,6 @@ def cmd_chat(args) -> int:
 
 def cmd_bench(args) -> int:
     from miniserve.bench import BenchConfig, format_table, run_bench, write_csv, write_json
-    from miniserve.loader import ModelLoadError
     try:
         lengths = [int(x) for x in args.prompt_tokens.split(",") if x.strip()]
     except ValueError:
@@ -139,10 +138,9 @@ def cmd_bench(args) -> int:
                              repeat=args.repeat, modes=tuple(args.modes.split(",")))
     except ValueError as e:
         return fail(str(e))
-    try:
-        engine = load_engine(args)
-    except ModelLoadError as e:
-        return fail(str(e), 1)
+    engine, code = load_engine(args)
+    if engine is None:
+        return code
     result = run_bench(engine, config, progress=_bar)
     print(file=sys.stderr)
     print(format_table(result))
@@ -163,11 +161,9 @@ def _bar(fraction: float, message: str) -> None:
 
 
 def cmd_serve(args) -> int:
-    from miniserve.loader import ModelLoadError
-    try:
-        engine = load_engine(args)
-    except ModelLoadError as e:
-        return fail(str(e), 1)
+    engine, code = load_engine(args)
+    if engine is None:
+        return code
     from miniserve.api import serve
     serve(engine, host=args.host, port=args.port, api_key=args.api_key,
           presets=load_presets(args.presets_file))

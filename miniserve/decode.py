@@ -10,6 +10,7 @@ comparison). Both share one loop and differ only in what they feed the model.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import threading
 import time
@@ -55,9 +56,10 @@ class GenerationStats:
                 "tokens_per_s": round(self.tokens_per_s, 2), "finish_reason": self.finish_reason}
 
 
-def _cache_kwarg(model) -> str:
+@functools.lru_cache(maxsize=None)
+def _cache_kwarg(model_class: type) -> str:
     """transformers 5 renamed `past_key_values=` to `cache=`; use what this version takes."""
-    names = inspect.signature(model.forward).parameters
+    names = inspect.signature(model_class.forward).parameters
     return "cache" if "cache" in names else "past_key_values"
 
 
@@ -80,7 +82,7 @@ def forward(model, input_ids: torch.Tensor, cache=None) -> torch.Tensor:
     With a cache, the model attends to everything already in it and appends the new
     keys/values; positions continue from the cache's length.
     """
-    kwargs = {_cache_kwarg(model): cache, "use_cache": cache is not None}
+    kwargs = {_cache_kwarg(type(model)): cache, "use_cache": cache is not None}
     out = model(input_ids=input_ids, logits_to_keep=1, **kwargs)
     return out.logits[:, -1, :]
 

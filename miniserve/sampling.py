@@ -95,9 +95,8 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
 def sample(logits: torch.Tensor, params: SamplingParams, previous_ids: torch.Tensor | None = None,
            generator: torch.Generator | None = None) -> torch.Tensor:
     """Choose one token per row of `logits` (shape (B, vocab)); returns ids of shape (B,)."""
-    logits = logits.float()
-    if params.greedy:
+    if params.greedy:  # no softmax needed: the argmax of the logits is the argmax of the probs
         logits = apply_repetition_penalty(logits, previous_ids, params.repetition_penalty)
         return logits.argmax(dim=-1)
-    probs = filter_logits(logits, params, previous_ids).softmax(dim=-1)
+    probs = filter_logits(logits.float(), params, previous_ids).softmax(dim=-1)
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)

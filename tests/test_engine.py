@@ -1,6 +1,7 @@
 """The Engine: streaming chat, stop strings, prefix reuse, queue limit."""
 
 import threading
+import time
 
 import pytest
 
@@ -57,7 +58,10 @@ def test_queue_limit_answers_busy(loaded):
     next(running)  # holds the only slot
     with pytest.raises(EngineBusy):
         next(engine.chat([{"role": "user", "content": "Hello"}], GREEDY))
-    running.close()
+    running.close()  # cancels; the engine thread frees the slot within a step
+    deadline = time.time() + 10
+    while engine.queue_depth and time.time() < deadline:
+        time.sleep(0.01)
     assert engine.queue_depth == 0
     assert engine.chat_text([{"role": "user", "content": "Hello"}], GREEDY)[1].done
 
