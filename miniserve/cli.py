@@ -144,6 +144,13 @@ def cmd_bench(args) -> int:
     result = run_bench(engine, config, progress=_bar)
     print(file=sys.stderr)
     print(format_table(result))
+    if args.prefix_reuse:
+        from miniserve.bench import prefix_reuse
+        reuse = result.prefix_reuse = prefix_reuse(engine, args.prefix_reuse)
+        print(f"follow-up turn after {reuse['prompt_tokens']} tokens of conversation: first "
+              f"token in {reuse['ttft_warm_s']:.3f} s with {reuse['reused_tokens']} tokens "
+              f"reused from the prefix cache vs {reuse['ttft_cold_s']:.3f} s cold "
+              f"({reuse['speedup']}x)")
     if args.json:
         write_json(result, args.json)
         print(f"wrote {args.json}")
@@ -161,9 +168,12 @@ def _bar(fraction: float, message: str) -> None:
 
 
 def cmd_serve(args) -> int:
+    if not 1 <= args.max_queue <= 1000:
+        return fail("--max-queue must be from 1 to 1000")
     engine, code = load_engine(args)
     if engine is None:
         return code
+    engine.max_queue = args.max_queue
     from miniserve.api import serve
     serve(engine, host=args.host, port=args.port, api_key=args.api_key,
           presets=load_presets(args.presets_file))
@@ -199,6 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeat", type=int, default=3, help="runs per row; the median is reported")
     b.add_argument("--modes", default="no_cache,cache,hf_generate",
                    help="comma-separated: no_cache, cache, hf_generate")
+    b.add_argument("--prefix-reuse", type=int, default=0, metavar="TOKENS",
+                   help="also time a follow-up chat turn after this much history, with and "
+                        "without prefix-cache reuse (0 = skip)")
     b.add_argument("--json", default=None, metavar="FILE")
     b.add_argument("--csv", default=None, metavar="FILE")
     add_model_args(b)
@@ -210,6 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=os.environ.get("MINISERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (or set MINISERVE_API_KEY)")
     s.add_argument("--presets-file", default=None)
+    s.add_argument("--max-queue", type=int, default=16,
+                   help="requests running or waiting before new ones get HTTP 429")
     add_model_args(s)
     s.set_defaults(func=cmd_serve)
     return parser

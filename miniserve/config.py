@@ -43,8 +43,8 @@ class Field:
 FIELDS: dict[str, Field] = {
     "temperature": Field(float, 0.0, 2.0, 0.7, "Temperature",
                          "divides the logits; 0 means greedy (always the most likely token)"),
-    "top_k": Field(int, 0, 1000, 50, "Top-k",
-                   "keep only the k most likely tokens; 0 = off"),
+    "top_k": Field(int, 0, 1_000_000, 50, "Top-k",
+                   "keep only the k most likely tokens; 0 = off (k above the vocabulary = off)"),
     "top_p": Field(float, 0.0, 1.0, 0.95, "Top-p",
                    "keep the smallest set of tokens whose probability reaches p; 1 = off",
                    low_open=True),

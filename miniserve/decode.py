@@ -134,14 +134,15 @@ def generate(model, prompt_ids: list[int] | torch.Tensor, params: SamplingParams
 
 def _loop(model, ids, params, budget, eos_ids, use_cache, cache, cancel, generator, stats,
           observer) -> Iterator[int]:
-    reused = stats.reused_tokens
-    with torch.inference_mode():
-        # Step 0: the prompt (or its uncached tail) goes through the model once.
-        pending = ids[:, reused:] if use_cache else ids
-        for index in range(max(budget, 0)):
-            if cancel is not None and cancel.is_set():
-                stats.finish_reason = "cancelled"
-                break
+    # Step 0: the prompt (or its uncached tail) goes through the model once.
+    pending = ids[:, stats.reused_tokens:] if use_cache else ids
+    for index in range(max(budget, 0)):
+        if cancel is not None and cancel.is_set():
+            stats.finish_reason = "cancelled"
+            break
+        # inference_mode per step, never across a `yield`: grad mode is thread state, and
+        # interleaved generators (the Compare tab) would otherwise switch it for each other.
+        with torch.inference_mode():
             logits = forward(model, pending, cache if use_cache else None)
             # Choose: repetition penalty sees every id so far; greedy skips the softmax.
             token = sample(logits, params, ids, generator)
@@ -159,4 +160,4 @@ def _loop(model, ids, params, budget, eos_ids, use_cache, cache, cancel, generat
             ids = torch.cat([ids, token.view(1, 1)], dim=1)
             # Next step's input: only the new token with a cache, everything without.
             pending = ids[:, -1:] if use_cache else ids
-            yield token_id
+        yield token_id

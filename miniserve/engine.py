@@ -183,21 +183,48 @@ class Engine:
 
         Closing the iterator early (a client went away) cancels the generation within one
         decoding step."""
+        stats = GenerationStats(prompt_tokens=len(prompt_ids))
+        return self._submit(lambda cancel: self._complete_locked(
+            prompt_ids, params, cancel, use_cache, reuse_prefix, observer, stats,
+            dropped_messages), cancel)
+
+    def compare(self, prompt_ids: list[int], settings: list[SamplingParams], *,
+                cancel: threading.Event | None = None) -> Iterator[tuple[int, Chunk, float]]:
+        """Answer one prompt under several settings at once: the replies advance in turn,
+        one token each, so every column streams. Yields (column, chunk, seconds that column
+        has spent computing) -- its own tokens/s, not shared wall time."""
+
+        def round_robin(cancel):
+            streams = [self._complete_locked(prompt_ids, p, cancel, True, False, None,
+                                             GenerationStats(prompt_tokens=len(prompt_ids)), 0)
+                       for p in settings]
+            busy = [0.0] * len(streams)
+            live = set(range(len(streams)))
+            while live:
+                for i in sorted(live):
+                    start = time.perf_counter()
+                    chunk = next(streams[i], None)
+                    busy[i] += time.perf_counter() - start
+                    if chunk is None:
+                        live.discard(i)
+                        continue
+                    yield i, chunk, busy[i]
+
+        return self._submit(round_robin, cancel)
+
+    def _submit(self, produce, cancel: threading.Event | None) -> Iterator:
+        """Queue `produce(cancel)` (a generator) for the engine thread; iterate its items here.
+
+        Admission happens now, so a full queue raises EngineBusy before anything starts."""
         self._admit()
         cancel = cancel or threading.Event()
         out: queue.Queue = queue.Queue()
-        stats = GenerationStats(prompt_tokens=len(prompt_ids))
 
         def job():
             try:
-                if cancel.is_set():
-                    stats.finish_reason = "cancelled"
-                    out.put(Chunk("", [], stats, done=True, dropped_messages=dropped_messages))
-                    return
-                for chunk in self._complete_locked(prompt_ids, params, cancel, use_cache,
-                                                   reuse_prefix, observer, stats,
-                                                   dropped_messages):
-                    out.put(chunk)
+                if not cancel.is_set():  # a caller that left while queued costs nothing
+                    for item in produce(cancel):
+                        out.put(item)
             except BaseException as e:  # noqa: BLE001 -- re-raised in the caller
                 out.put(e)
             finally:
@@ -254,11 +281,17 @@ class Engine:
 
     def chat(self, messages: list[dict], params: SamplingParams, **kwargs) -> Iterator[Chunk]:
         """Stream the assistant's reply to a conversation, trimmed to fit the context."""
-        messages = check_messages(messages)
-        trimmed = trim_history(self.tokenizer, messages, self.context_length,
-                               params.max_new_tokens)
+        trimmed = self._trim(messages, params)
         return self.complete(trimmed.prompt_ids, params, dropped_messages=trimmed.dropped,
                              **kwargs)
+
+    def _trim(self, messages: list[dict], params: SamplingParams):
+        return trim_history(self.tokenizer, check_messages(messages), self.context_length,
+                            params.max_new_tokens)
+
+    def chat_prompt(self, messages: list[dict], params: SamplingParams) -> list[int]:
+        """The prompt ids `chat` would send (checked and trimmed)."""
+        return self._trim(messages, params).prompt_ids
 
     def chat_text(self, messages: list[dict], params: SamplingParams, **kwargs) -> tuple[str, Chunk]:
         """The whole reply at once (collects `chat`)."""

@@ -52,11 +52,14 @@ def filter_stages(logits: torch.Tensor, params: SamplingParams, previous_ids) ->
 
 
 class Inspector:
-    def __init__(self, tokenizer, params: SamplingParams, top: int = 5):
+    def __init__(self, tokenizer, params: SamplingParams, top: int = 5,
+                 keep_distributions: bool = False):
         self.tokenizer = tokenizer
         self.params = params
         self.top = top
         self.steps: list[Step] = []
+        self.keep = keep_distributions  # the full before/after vectors (for tests, plots)
+        self.distributions: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def _text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -66,6 +69,8 @@ class Inspector:
         raw = logits.softmax(-1)
         stages = filter_stages(logits, self.params, previous_ids[0])
         final = stages[-1][1].softmax(-1)
+        if self.keep:
+            self.distributions.append((raw, final))
         top = torch.topk(raw, self.top)
         candidates = []
         for p, i in zip(top.values.tolist(), top.indices.tolist()):

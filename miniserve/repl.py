@@ -127,8 +127,10 @@ class ChatSession:
                 parts.append(last.text)
                 self.say(last.text, end="")
         except KeyboardInterrupt:
-            cancel.set()
-            stream.close()
+            cancel.set()  # the engine stops within one step and sends its final chunk
+            for last in stream:
+                parts.append(last.text)
+                self.say(last.text, end="")
             self.say(" [stopped]", end="")
         except EngineBusy as e:
             self.say(f"busy: {e}")

@@ -149,6 +149,50 @@ def build_ui(engine: Engine, presets: dict[str, SamplingParams],
         p = presets[name]
         return [getattr(p, k) for k in FIELDS]
 
+    def compare(prompt, chosen, seed, max_tokens, request: gr.Request):
+        """Answer one prompt with several presets; every column streams with its own speed."""
+        names = [n for n in presets if n in (chosen or [])]
+        hidden = [gr.update(visible=False, value="") for _ in presets]
+        if not (prompt or "").strip() or not names:
+            yield [_error("type a prompt and choose at least one preset")] + hidden
+            return
+        session = getattr(request, "session_hash", None) or "default"
+        cancel = cancels[session] = threading.Event()
+        try:
+            seed = None if seed is None or float(seed) < 0 else check_seed(float(seed))
+            settings = [presets[n].replace(seed=seed, max_new_tokens=int(max_tokens))
+                        for n in names]
+            ids = engine.chat_prompt([{"role": "user", "content": prompt}], settings[0])
+            texts, footers = {n: "" for n in names}, {n: "" for n in names}
+            last_paint = 0.0
+            for col, chunk, busy in engine.compare(ids, settings, cancel=cancel):
+                name = names[col]
+                texts[name] += chunk.text
+                rate = chunk.stats.new_tokens / busy if busy else 0.0
+                footers[name] = (f"{chunk.stats.new_tokens} tokens · {rate:.1f} tokens/s"
+                                 + (f" · {chunk.stats.finish_reason}" if chunk.done else ""))
+                if chunk.done or time.perf_counter() - last_paint >= PAINT_INTERVAL_S:
+                    last_paint = time.perf_counter()
+                    yield ["comparing…"] + _columns(names, texts, footers)
+            yield [f"same prompt, seed {seed if seed is not None else 'random'}, "
+                   f"{len(names)} presets"] + _columns(names, texts, footers)
+        except (ConfigError, ChatError, EngineBusy) as e:
+            yield [_error(str(e))] + hidden
+        finally:
+            cancels.pop(session, None)
+
+    def _columns(names, texts, footers):
+        out = []
+        for name, p in presets.items():
+            if name not in names:
+                out.append(gr.update(visible=False, value=""))
+                continue
+            head = (f"### {name}\n`T={p.temperature:g} top_k={p.top_k} top_p={p.top_p:g} "
+                    f"min_p={p.min_p:g} rep={p.repetition_penalty:g}`\n\n")
+            out.append(gr.update(visible=True, value=head + html.escape(texts[name]) +
+                                 f"\n\n*{footers[name]}*"))
+        return out
+
     def benchmark(lengths_text, new_tokens, repeat, progress=gr.Progress()):
         try:
             lengths = [int(x) for x in str(lengths_text).replace(" ", "").split(",") if x]
@@ -195,6 +239,25 @@ def build_ui(engine: Engine, presets: dict[str, SamplingParams],
                                      info="-1 = random; a fixed seed repeats a sampled reply")
                     system = gr.Textbox(label="System prompt", lines=3,
                                         placeholder="(the model's default)")
+        with gr.Tab("Compare"):
+            gr.Markdown("One prompt, several presets, the same seed: see what greedy, top-k "
+                        "and top-p change. The columns advance one token each in turn.")
+            with gr.Row():
+                compare_prompt = gr.Textbox(label="Prompt", scale=3,
+                                            value="Write one sentence about a cat.")
+                compare_presets = gr.CheckboxGroup(choices=list(presets), label="Presets",
+                                                   value=[n for n in ("factual", "balanced",
+                                                                      "creative") if n in presets])
+            with gr.Row():
+                compare_seed = gr.Number(label="Compare seed", value=42, precision=0,
+                                         info="-1 = random")
+                compare_tokens = gr.Slider(minimum=1, maximum=512, value=48, step=1,
+                                           label="Tokens per column")
+                compare_btn = gr.Button("Compare", variant="primary")
+            compare_status = gr.Markdown()
+            with gr.Row():
+                columns = [gr.Markdown(visible=False, elem_classes=["ms-column"])
+                           for _ in presets]
         with gr.Tab("Benchmark"):
             gr.Markdown("Manual decoding with and without the KV cache, and transformers' "
                         "`generate()` as the reference, greedy, over several prompt lengths.")
@@ -222,6 +285,8 @@ def build_ui(engine: Engine, presets: dict[str, SamplingParams],
         clear_btn.click(lambda: ([], "", "conversation cleared", ""), None,
                         [chatbot, message, status, inspector_view])
         preset.change(apply_preset, preset, sliders)
+        compare_btn.click(compare, [compare_prompt, compare_presets, compare_seed, compare_tokens],
+                          [compare_status, *columns])
         bench_btn.click(benchmark, [lengths, bench_new, bench_repeat],
                         [bench_table, bench_plot, bench_status])
     demo.queue(max_size=engine.max_queue * 4)

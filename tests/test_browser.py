@@ -133,6 +133,13 @@ def test_empty_message_is_a_readable_error_and_keeps_the_chat(page):
                            timeout=10000)
     assert page.locator("[data-testid='user']").count() == 1
     assert page.locator("[data-testid='bot']").count() == 1
+    huge = "a long message " * 3000  # ~9,000 tokens: more than the context window
+    page.get_by_label("Message", exact=True).fill(huge)
+    page.get_by_role("button", name="Send").click()
+    page.wait_for_function("document.querySelector('#status').innerText.includes('too long')",
+                           timeout=30000)
+    assert page.locator("[data-testid='user']").count() == 1  # the conversation is kept
+    assert page.get_by_label("Message", exact=True).input_value() == huge  # and the text too
 
 
 def test_inspector_shows_alternatives_on_hover(page):
@@ -161,3 +168,17 @@ def test_benchmark_tab_shows_rows_for_each_mode(page):
         assert sorted(map(int, lengths)) == [16, 64], (mode, body[-1500:])
     if os.environ.get("MINISERVE_SCREENSHOTS"):
         page.screenshot(path=str(SHOTS / "benchmark.png"), full_page=True)
+
+
+def test_compare_tab_shows_one_column_per_preset(page):
+    page.get_by_role("tab", name="Compare").click()
+    page.get_by_label("balanced").uncheck()  # factual + creative stay checked
+    set_number(page, "Tokens per column", 12)
+    page.get_by_role("button", name="Compare", exact=True).click()
+    page.wait_for_function("document.body.innerText.includes('2 presets')", timeout=120000)
+    columns = page.locator(".block.ms-column:visible")
+    assert columns.count() == 2
+    texts = columns.all_inner_texts()
+    assert texts[0].startswith("factual") and texts[1].startswith("creative")
+    assert not any("Error" in t for t in texts)
+    assert all("tokens/s" in t for t in texts)

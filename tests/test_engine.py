@@ -120,3 +120,18 @@ def test_control_characters_and_surrogates_are_cleaned(engine):
     text, last = engine.chat_text([{"role": "user", "content": "Hi\x00\x07 there \ud800!"}],
                                   GREEDY.replace(max_new_tokens=4))
     assert last.done and last.stats.new_tokens > 0
+
+
+def test_compare_interleaves_columns_and_matches_single_runs(engine):
+    ids = engine.chat_prompt([{"role": "user", "content": "Name a bird."}], GREEDY)
+    settings = [GREEDY.replace(max_new_tokens=10),
+                SamplingParams(temperature=1.0, top_k=20, top_p=0.9, max_new_tokens=10, seed=4)]
+    texts, order = ["", ""], []
+    for col, chunk, busy in engine.compare(ids, settings):
+        texts[col] += chunk.text
+        order.append(col)
+        assert busy > 0
+    assert order.index(1) < len(order) - order[::-1].index(0) - 1  # both advanced in turn
+    for col, params in enumerate(settings):
+        alone = "".join(c.text for c in engine.complete(ids, params, reuse_prefix=False))
+        assert texts[col] == alone
