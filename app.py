@@ -43,14 +43,11 @@ def main(argv=None) -> int:
     if not 1 <= args.max_queue <= 1000:
         print("error: --max-queue must be from 1 to 1000", file=sys.stderr)
         return 2
-    from miniserve.engine import Engine
-    from miniserve.loader import ModelLoadError, load_model
-    try:
-        engine = Engine(load_model(args.model, device=args.device, dtype=args.dtype),
-                        max_queue=args.max_queue)
-    except ModelLoadError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    from miniserve.cli import load_engine
+    engine, code = load_engine(args)
+    if engine is None:
+        return code
+    engine.max_queue = args.max_queue
     engine.warm_up()
 
     import gradio as gr

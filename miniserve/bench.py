@@ -19,7 +19,8 @@ import torch
 from miniserve.config import SamplingParams
 from miniserve.engine import Engine
 
-MODES = ("no_cache", "cache", "hf_generate")
+MODES = ("no_cache", "cache", "hf_generate", "transformers_loop")
+DEFAULT_MODES = ("no_cache", "cache", "hf_generate")
 FILLER = ("The history of science is the study of the development of science and scientific "
           "knowledge, including both the natural and social sciences. Science is a body of "
           "empirical, theoretical, and practical knowledge about the natural world, produced by "
@@ -34,7 +35,8 @@ class BenchConfig:
     prompt_tokens: list[int] = field(default_factory=lambda: [64, 256, 1024])
     new_tokens: int = 64
     repeat: int = 3
-    modes: tuple[str, ...] = MODES
+    modes: tuple[str, ...] = DEFAULT_MODES
+    peer: bool = False  # also llama.cpp (f32, bf16, q4_1) on the same GGUF weights
 
     def __post_init__(self):
         if not self.prompt_tokens or any(n < 1 or n > 32768 for n in self.prompt_tokens):
@@ -106,7 +108,7 @@ def _run_hf(engine: Engine, ids, params):
 
 
 def _hf_generate(engine: Engine, ids, params):
-    model = engine.model
+    model = engine.loaded.model  # the transformers reference, whatever the engine runs
     input_ids = torch.tensor([ids], device=model.device)
     timer = _FirstTokenTimer()
     with torch.inference_mode():
@@ -120,8 +122,24 @@ def _hf_generate(engine: Engine, ids, params):
     return tokens, (timer.first or start + total) - start, total
 
 
+def _run_transformers_loop(engine: Engine, ids, params):
+    """Our cached loop driving the transformers model (not the lean runner): what the lean
+    forward pass gains, on the same loop."""
+    from miniserve.decode import GenerationStats, generate
+
+    def run():
+        stats = GenerationStats()
+        tokens = list(generate(engine.loaded.model, ids, params, eos_ids=engine.eos_ids,
+                               stats=stats))
+        return tokens, stats.ttft_s, stats.total_s
+
+    return engine.run_on_worker(run)
+
+
 def weight_bytes(model) -> int:
     """Bytes of weights read per decoded token (embeddings are looked up, not read whole)."""
+    if getattr(model, "is_lean", False):
+        return model.weight_bytes()
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     embed = model.get_input_embeddings().weight
     tied = model.get_output_embeddings() is not None and \
@@ -129,39 +147,73 @@ def weight_bytes(model) -> int:
     return total if tied else total - embed.numel() * embed.element_size()
 
 
+def _peer_runners(engine: Engine, config: BenchConfig, progress: Progress):
+    """llama.cpp rows, keyed by mode, with their dtype and weight bytes."""
+    from miniserve import peer
+    from miniserve.loader import resolve_source
+    kind, path, _ = resolve_source(None if engine.loaded.source.endswith(
+        "SmolLM2-135M-Instruct.Q4_1.gguf") else engine.loaded.source)
+    if not peer.available():
+        raise ValueError("--peer needs llama-cpp-python (`make bench-peer` installs it)")
+    if kind != "gguf":
+        raise ValueError("--peer needs a .gguf model source")
+    n_ctx = max(config.prompt_tokens) + config.new_tokens + 16
+    runners, dtypes, nbytes = {}, {}, {}
+    for precision in peer.PRECISIONS:
+        progress(0.0, f"preparing llama.cpp {precision}")
+        model = peer.LlamaCppPeer(peer.gguf_copy(path, precision), n_ctx, torch.get_num_threads())
+        mode = f"llamacpp_{precision}"
+        runners[mode] = (lambda m: lambda ids: m.run(ids, config.new_tokens, engine.eos_ids))(model)
+        dtypes[mode] = "q4_1" if precision == "q4_1" else precision
+        nbytes[mode] = model.weight_bytes()  # the file: weights as stored, read once a token
+    return runners, dtypes, nbytes
+
+
 def run_bench(engine: Engine, config: BenchConfig, progress: Progress | None = None) -> BenchResult:
     progress = progress or (lambda f, m: None)
     params = SamplingParams(temperature=0, top_k=0, top_p=1.0, repetition_penalty=1.0,
                             max_new_tokens=config.new_tokens)
     dtype = str(engine.loaded.dtype).removeprefix("torch.")
+    ours = f"{dtype}+int8" if engine.quant == "int8" else dtype  # activations+weights
+    dtypes = {"no_cache": ours, "cache": ours, "hf_generate": dtype, "transformers_loop": dtype}
     runners = {"no_cache": lambda ids: _run_ours(engine, ids, params, False),
                "cache": lambda ids: _run_ours(engine, ids, params, True),
-               "hf_generate": lambda ids: _run_hf(engine, ids, params)}
+               "hf_generate": lambda ids: _run_hf(engine, ids, params),
+               "transformers_loop": lambda ids: _run_transformers_loop(engine, ids, params)}
+    nbytes = {m: weight_bytes(engine.model if m in ("no_cache", "cache") else engine.loaded.model)
+              for m in config.modes}
+    modes = list(config.modes)
+    if config.peer:
+        peer_runners, peer_dtypes, peer_bytes = _peer_runners(engine, config, progress)
+        runners.update(peer_runners)
+        dtypes.update(peer_dtypes)
+        nbytes.update(peer_bytes)
+        modes += list(peer_runners)
     warm = prompt_of_length(engine.tokenizer, 8)
-    for mode in config.modes:  # first calls pay one-off costs; keep them out of the numbers
+    for mode in modes:  # first calls pay one-off costs; keep them out of the numbers
         progress(0.0, f"warming up {mode}")
         runners[mode](warm)
-    nbytes = weight_bytes(engine.model)
     rows, all_match = [], True
-    total_runs = len(config.prompt_tokens) * len(config.modes) * config.repeat
+    total_runs = len(config.prompt_tokens) * len(modes) * config.repeat
     done = 0
     for n in config.prompt_tokens:
         ids = prompt_of_length(engine.tokenizer, min(n, engine.context_length - config.new_tokens))
         results = {}
-        for mode in config.modes:
+        for mode in modes:
             runs = []
             for r in range(config.repeat):
                 progress(done / total_runs, f"{n} prompt tokens, {mode}, run {r + 1}/{config.repeat}")
                 runs.append(runners[mode](ids))
                 done += 1
             results[mode] = runs
-        reference = results[config.modes[0]][0][0]
+        reference = results[modes[0]][0][0]
         base_total = None
-        for mode in config.modes:
+        for mode in modes:
             runs = results[mode]
             tokens = runs[0][0]
             match = all(r[0] == reference for r in runs)
-            all_match &= match
+            if not mode.startswith("llamacpp"):  # another engine's kernels: reported, not required
+                all_match &= match
             ttft = statistics.median(r[1] for r in runs)
             total = statistics.median(r[2] for r in runs)
             decode_tps = statistics.median(
@@ -169,12 +221,12 @@ def run_bench(engine: Engine, config: BenchConfig, progress: Progress | None = N
                 for r in runs)
             if mode == "no_cache":
                 base_total = total
-            rows.append(Row(len(ids), mode, dtype, len(tokens), round(ttft, 4),
+            rows.append(Row(len(ids), mode, dtypes[mode], len(tokens), round(ttft, 4),
                             round(decode_tps, 2), round(total, 4),
                             round(base_total / total, 2) if base_total else None,
-                            round(nbytes * decode_tps / 1e9, 2), match))
+                            round(nbytes[mode] * decode_tps / 1e9, 2), match))
     progress(1.0, "done")
-    return BenchResult(rows, all_match, engine.name, engine.loaded.device.type, dtype)
+    return BenchResult(rows, all_match, engine.name, engine.loaded.device.type, ours)
 
 
 def prefix_reuse(engine: Engine, history_tokens: int = 1500, repeat: int = 3) -> dict:
@@ -218,6 +270,9 @@ def format_table(result: BenchResult) -> str:
         lines.append(" ".join(f"{c:>13}" for c in cells))
     verdict = ("greedy tokens identical across modes: yes" if result.greedy_match else
                "greedy tokens identical across modes: NO -- the modes disagree")
+    if "int8" in result.dtype and not result.greedy_match:
+        verdict = ("int8 weights: greedy tokens differ from the float reference, as rounding "
+                   "the weights is expected to do (see BENCHMARKS.md for the agreement)")
     lines.append(f"{result.model} on {result.device} ({result.dtype}); {verdict}")
     return "\n".join(lines)
 

@@ -30,6 +30,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "(default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--device", default="auto", help="auto (CUDA, then MPS, then CPU), cpu, cuda, mps")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    p.add_argument("--runner", default="auto", choices=("auto", "lean", "transformers"),
+                   help="lean: the readable fused forward pass (Llama family); transformers: "
+                        "the library model; auto: lean where supported")
+    p.add_argument("--quant", default=None, choices=("int8",),
+                   help="int8 weight-only quantization (lean runner, bfloat16 activations)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -55,10 +60,15 @@ def load_engine(args):
     """(engine, None), or (None, exit code) after a one-line error."""
     from miniserve.engine import Engine
     from miniserve.loader import ModelLoadError, load_model
+    dtype = "bfloat16" if args.quant == "int8" and args.dtype == "auto" else args.dtype
     try:
-        return Engine(load_model(args.model, device=args.device, dtype=args.dtype)), None
+        loaded = load_model(args.model, device=args.device, dtype=dtype)
     except ModelLoadError as e:
         return None, fail(str(e), 1)
+    try:
+        return Engine(loaded, runner=args.runner, quant=args.quant), None
+    except ValueError as e:
+        return None, fail(str(e), 2)
 
 
 def cmd_generate(args) -> int:
@@ -135,13 +145,17 @@ def cmd_bench(args) -> int:
                     f"'{args.prompt_tokens}'")
     try:
         config = BenchConfig(prompt_tokens=lengths, new_tokens=args.new_tokens,
-                             repeat=args.repeat, modes=tuple(args.modes.split(",")))
+                             repeat=args.repeat, modes=tuple(args.modes.split(",")),
+                             peer=args.peer)
     except ValueError as e:
         return fail(str(e))
     engine, code = load_engine(args)
     if engine is None:
         return code
-    result = run_bench(engine, config, progress=_bar)
+    try:
+        result = run_bench(engine, config, progress=_bar)
+    except ValueError as e:
+        return fail(str(e))
     print(file=sys.stderr)
     print(format_table(result))
     if args.prefix_reuse:
@@ -157,7 +171,7 @@ def cmd_bench(args) -> int:
     if args.csv:
         write_csv(result, args.csv)
         print(f"wrote {args.csv}")
-    return 0 if result.greedy_match else 3
+    return 0 if result.greedy_match or engine.quant else 3
 
 
 def _bar(fraction: float, message: str) -> None:
@@ -208,7 +222,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--new-tokens", type=int, default=64)
     b.add_argument("--repeat", type=int, default=3, help="runs per row; the median is reported")
     b.add_argument("--modes", default="no_cache,cache,hf_generate",
-                   help="comma-separated: no_cache, cache, hf_generate")
+                   help="comma-separated: no_cache, cache, hf_generate, transformers_loop "
+                        "(our cached loop on the transformers model)")
+    b.add_argument("--peer", action="store_true",
+                   help="also llama.cpp on the same GGUF weights at f32, bf16 and q4_1 "
+                        "(needs llama-cpp-python: make bench-peer)")
     b.add_argument("--prefix-reuse", type=int, default=0, metavar="TOKENS",
                    help="also time a follow-up chat turn after this much history, with and "
                         "without prefix-cache reuse (0 = skip)")

@@ -64,6 +64,8 @@ def _cache_kwarg(model_class: type) -> str:
 
 
 def new_cache(model):
+    if getattr(model, "is_lean", False):
+        return model.new_cache()
     from transformers import DynamicCache
     return DynamicCache(config=model.config)
 
@@ -82,6 +84,8 @@ def forward(model, input_ids: torch.Tensor, cache=None) -> torch.Tensor:
     With a cache, the model attends to everything already in it and appends the new
     keys/values; positions continue from the cache's length.
     """
+    if getattr(model, "is_lean", False):
+        return model(input_ids, cache)
     kwargs = {_cache_kwarg(type(model)): cache, "use_cache": cache is not None}
     out = model(input_ids=input_ids, logits_to_keep=1, **kwargs)
     return out.logits[:, -1, :]

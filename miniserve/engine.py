@@ -95,10 +95,32 @@ def _common_prefix(a, b) -> int:
     return n
 
 
+RUNNERS = ("auto", "lean", "transformers")
+
+
+def make_runner(loaded: LoadedModel, runner: str = "auto", quant: str | None = None):
+    """The module the decode loop drives: the lean forward pass where the architecture is
+    supported (faster, same tokens), else the transformers model itself."""
+    from miniserve import lean
+    if runner not in RUNNERS:
+        raise ValueError(f"unknown runner '{runner}': use {', '.join(RUNNERS)}")
+    if quant and runner == "transformers":
+        raise ValueError("--quant needs the lean runner")
+    if runner == "lean" or (runner == "auto" and lean.supports(loaded.model)) or quant:
+        if not lean.supports(loaded.model):
+            raise ValueError(f"the lean runner does not support {loaded.model.config.model_type}"
+                             "; use --runner transformers")
+        return lean.LeanModel(loaded.model, quant=quant)
+    return loaded.model
+
+
 class Engine:
-    def __init__(self, loaded: LoadedModel, max_queue: int = 16, prefix_cache_entries: int = 4):
+    def __init__(self, loaded: LoadedModel, max_queue: int = 16, prefix_cache_entries: int = 4,
+                 runner: str = "auto", quant: str | None = None):
         self.loaded = loaded
-        self.model = loaded.model
+        self.model = make_runner(loaded, runner, quant)
+        self.runner = "lean" if getattr(self.model, "is_lean", False) else "transformers"
+        self.quant = quant
         self.tokenizer = loaded.tokenizer
         self.context_length = loaded.context_length
         self.eos_ids = frozenset(self._end_ids())
@@ -113,7 +135,7 @@ class Engine:
         return self.loaded.name
 
     def info(self) -> dict:
-        return describe(self.loaded)
+        return {**describe(self.loaded), "runner": self.runner, "quant": self.quant or "none"}
 
     def _end_ids(self) -> set[int]:
         ids = set()

@@ -8,6 +8,7 @@ or Ctrl-D at the prompt ends the session.
 from __future__ import annotations
 
 import threading
+import time
 
 from miniserve.chat import ChatError
 from miniserve.config import FIELDS, ConfigError, SamplingParams, check_seed
@@ -122,15 +123,14 @@ class ChatSession:
         except (ChatError, ConfigError) as e:
             self.say(f"error: {e}")
             return
+        stopped = False
         try:
             for last in stream:
                 parts.append(last.text)
                 self.say(last.text, end="")
         except KeyboardInterrupt:
-            cancel.set()  # the engine stops within one step and sends its final chunk
-            for last in stream:
-                parts.append(last.text)
-                self.say(last.text, end="")
+            cancel.set()  # the engine stops within one decoding step
+            stopped = True
             self.say(" [stopped]", end="")
         except EngineBusy as e:
             self.say(f"busy: {e}")
@@ -140,8 +140,11 @@ class ChatSession:
         if last is not None and last.dropped_messages:
             self.say(f"[history trimmed: {last.dropped_messages} older messages left out to fit "
                      f"the {self.engine.context_length}-token context]")
-        if last is not None and last.done:
-            s = last.stats
+        if last is not None and (last.done or stopped):
+            s = last.stats  # the engine's own record, final once it has seen the cancel
+            deadline = time.monotonic() + 5
+            while stopped and s.finish_reason != "cancelled" and time.monotonic() < deadline:
+                time.sleep(0.01)
             self.say(f"[{s.prompt_tokens} prompt tokens ({s.reused_tokens} reused), "
                      f"{s.new_tokens} new, first token {s.ttft_s:.2f} s, "
                      f"{s.decode_tokens_per_s:.1f} tokens/s, {s.finish_reason}]")

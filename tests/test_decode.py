@@ -29,26 +29,67 @@ def hf_generate(model, ids, n):
     return new[:-1] if new and new[-1] == eos else new
 
 
+@pytest.fixture(scope="module")
+def lean_model(loaded):
+    from miniserve.lean import LeanModel
+    return LeanModel(loaded.model)
+
+
+@pytest.mark.parametrize("runner", ["transformers", "lean"])
 @pytest.mark.parametrize("name", PROMPTS)
-def test_greedy_cache_equals_no_cache_equals_generate(loaded, engine, name):
+def test_greedy_cache_equals_no_cache_equals_generate(loaded, engine, lean_model, name, runner):
     ids = chat_ids(loaded.tokenizer, PROMPTS[name])
     if name == "long":
         assert len(ids) > 300
-    cached = list(generate(loaded.model, ids, GREEDY, eos_ids=engine.eos_ids))
-    uncached = list(generate(loaded.model, ids, GREEDY, eos_ids=engine.eos_ids, use_cache=False))
+    model = lean_model if runner == "lean" else loaded.model
+    cached = list(generate(model, ids, GREEDY, eos_ids=engine.eos_ids))
+    uncached = list(generate(model, ids, GREEDY, eos_ids=engine.eos_ids, use_cache=False))
     reference = hf_generate(loaded.model, ids, GREEDY.max_new_tokens)
     assert len(cached) >= 32, "want a long enough comparison"
     assert cached == uncached == reference
 
 
-def test_greedy_equals_generate_in_bfloat16():
+@pytest.fixture(scope="module")
+def bf16():
     from miniserve.loader import load_model
-    lm = load_model(None, dtype="bfloat16", progress=lambda m: None)
-    assert lm.model.dtype == torch.bfloat16
+    return load_model(None, dtype="bfloat16", progress=lambda m: None)
+
+
+def test_greedy_equals_generate_in_bfloat16(bf16):
+    from miniserve.lean import LeanModel
+    assert bf16.model.dtype == torch.bfloat16
+    lean = LeanModel(bf16.model)
     for text in (PROMPTS["short"], PROMPTS["multilingual"]):
-        ids = chat_ids(lm.tokenizer, text)
-        ours = list(generate(lm.model, ids, GREEDY, eos_ids={2}))
-        assert ours == hf_generate(lm.model, ids, GREEDY.max_new_tokens)
+        ids = chat_ids(bf16.tokenizer, text)
+        reference = hf_generate(bf16.model, ids, GREEDY.max_new_tokens)
+        assert list(generate(bf16.model, ids, GREEDY, eos_ids={2})) == reference
+        assert list(generate(lean, ids, GREEDY, eos_ids={2})) == reference
+
+
+def test_int8_weights_keep_the_top_token(bf16, loaded):
+    """Quality of int8 weights, teacher-forced: at each position of a real text, the int8
+    model's most likely next token is the float32 model's most of the time."""
+    from miniserve.lean import LeanModel
+    int8 = LeanModel(bf16.model, quant="int8")
+    ids = chat_ids(loaded.tokenizer, PROMPTS["long"])[:200]
+    agree = 0
+    with torch.inference_mode():
+        reference = loaded.model(torch.tensor([ids])).logits[0].argmax(-1)
+        cache = int8.new_cache()
+        for i, token in enumerate(ids):  # one token at a time: the int8 decode path
+            agree += int(int8(torch.tensor([[token]]), cache).argmax(-1)) == int(reference[i])
+    assert agree / len(ids) >= 0.9
+
+
+def test_lean_reuses_a_cropped_cache_like_a_fresh_prefill(loaded, lean_model, engine):
+    ids = chat_ids(loaded.tokenizer, PROMPTS["long"])
+    cache = lean_model.new_cache()
+    list(generate(lean_model, ids[:-40] + [5, 6, 7], GREEDY.replace(max_new_tokens=3),
+                  eos_ids=set(), cache=cache))
+    from miniserve.decode import crop_cache
+    crop_cache(cache, len(ids) - 40)  # keep the shared prefix; a block of 40 new tokens follows
+    reused = list(generate(lean_model, ids, GREEDY, eos_ids=engine.eos_ids, cache=cache))
+    assert reused == list(generate(lean_model, ids, GREEDY, eos_ids=engine.eos_ids))
 
 
 def test_seeded_sampling_reproducible_on_the_model(loaded, engine):

@@ -30,7 +30,9 @@ def test_folder_without_model(tmp_path):
 
 
 def test_unreachable_hub_id_is_one_clear_sentence(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # read at import time: set the constant too
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(ModelLoadError) as info:
         load_model("nobody-here/no-such-model-xyz", progress=lambda m: None)
     assert "nobody-here/no-such-model-xyz" in str(info.value) and "\n" not in str(info.value)
