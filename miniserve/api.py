@@ -156,10 +156,13 @@ class ChatAPI:
                 "top_logprobs": top_logprobs if logprobs else 0}
 
     # -- responses --------------------------------------------------------------------------
-    def _start(self, req: dict, cancel: threading.Event):
+    def check_capacity(self) -> None:
+        """Answer 429 before a response starts (the engine re-checks when it admits)."""
         if self.engine.queue_depth >= self.engine.max_queue:
             raise APIError(429, "the server is busy; try again in a moment", None,
                            "rate_limit_error", "server_busy")
+
+    def _start(self, req: dict, cancel: threading.Event):
         recorder = LogprobRecorder(self.engine.tokenizer, req["top_logprobs"]) \
             if req["logprobs"] else None
         stream = self.engine.complete(req["prompt_ids"], req["params"], cancel=cancel,
@@ -191,7 +194,13 @@ class ChatAPI:
 
     async def stream(self, req: dict):
         cancel = threading.Event()
-        stream, recorder = self._start(req, cancel)
+        try:
+            stream, recorder = self._start(req, cancel)
+        except EngineBusy as e:  # lost the race for the last place since check_capacity
+            err = {"error": {"message": str(e), "type": "rate_limit_error", "param": None,
+                             "code": "server_busy"}}
+            yield f"data: {json.dumps(err)}\n\n"
+            return
         ident, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         sent_logprobs = 0
 
@@ -216,9 +225,9 @@ class ChatAPI:
             async for last in _in_thread(stream, cancel):
                 if last.text:
                     yield event({"content": last.text})
-        except EngineBusy as e:
-            err = {"error": {"message": str(e), "type": "rate_limit_error", "param": None,
-                             "code": "server_busy"}}
+        except Exception as e:  # noqa: BLE001 -- the stream has started: report in-band
+            err = {"error": {"message": f"generation failed: {e}", "type": "server_error",
+                             "param": None, "code": None}}
             yield f"data: {json.dumps(err)}\n\n"
             return
         yield event({}, finish=self._finish(last.stats))
@@ -283,10 +292,8 @@ def build_router(engine: Engine, api_key: str | None = None) -> APIRouter:
             except (json.JSONDecodeError, UnicodeDecodeError):
                 raise APIError(400, "the request body is not valid JSON") from None
             req = api.parse(body)
+            api.check_capacity()
             if req["stream"]:
-                if engine.queue_depth >= engine.max_queue:
-                    raise APIError(429, "the server is busy; try again in a moment", None,
-                                   "rate_limit_error", "server_busy")
                 return StreamingResponse(api.stream(req), media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache"})
             return await asyncio.to_thread(api.complete, req)

@@ -1,4 +1,4 @@
-"""The Engine: one loaded model, one lock, a queue limit and a prefix cache.
+"""The Engine: one loaded model, one engine thread, a bounded queue and a prefix cache.
 
 Every surface (web UI, CLI, API, benchmark) calls `Engine.chat` or `Engine.complete`,
 so what the benchmark measures is what users get.

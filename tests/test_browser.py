@@ -182,3 +182,23 @@ def test_compare_tab_shows_one_column_per_preset(page):
     assert texts[0].startswith("factual") and texts[1].startswith("creative")
     assert not any("Error" in t for t in texts)
     assert all("tokens/s" in t for t in texts)
+
+
+def test_two_tabs_chat_at_once_without_mixing(browser, app_server):
+    pages = []
+    for question in ("Name a planet.", "Name a river."):
+        p = browser.new_page(viewport={"width": 1200, "height": 900})
+        p.goto(app_server.url)
+        p.get_by_role("button", name="Send").wait_for()
+        set_number(p, "Max new tokens", 16)
+        p.get_by_label("Message", exact=True).fill(question)
+        pages.append((p, question))
+    for p, _ in pages:  # both requests are in flight together
+        p.get_by_role("button", name="Send").click()
+    for p, question in pages:
+        p.wait_for_function("document.querySelector('#status').innerText.includes('tokens/s')",
+                            timeout=120000)
+        users = p.locator("[data-testid='user']").all_inner_texts()
+        assert [u.strip() for u in users] == [question]
+        assert bot_text(p).strip()
+        p.close()
