@@ -312,7 +312,7 @@ def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
 
 
 def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000,
-          api_key: str | None = None, presets=None) -> None:
+          api_key: str | None = None) -> None:
     import uvicorn
     print(f"MiniServeLM API on http://{host}:{port}/v1 (model {engine.name})", flush=True)
     uvicorn.run(create_app(engine, api_key), host=host, port=port, log_level="warning")

@@ -151,8 +151,7 @@ def _peer_runners(engine: Engine, config: BenchConfig, progress: Progress):
     """llama.cpp rows, keyed by mode, with their dtype and weight bytes."""
     from miniserve import peer
     from miniserve.loader import resolve_source
-    kind, path, _ = resolve_source(None if engine.loaded.source.endswith(
-        "SmolLM2-135M-Instruct.Q4_1.gguf") else engine.loaded.source)
+    kind, path, _ = resolve_source(engine.loaded.source)
     if not peer.available():
         raise ValueError("--peer needs llama-cpp-python (`make bench-peer` installs it)")
     if kind != "gguf":

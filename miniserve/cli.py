@@ -189,8 +189,7 @@ def cmd_serve(args) -> int:
         return code
     engine.max_queue = args.max_queue
     from miniserve.api import serve
-    serve(engine, host=args.host, port=args.port, api_key=args.api_key,
-          presets=load_presets(args.presets_file))
+    serve(engine, host=args.host, port=args.port, api_key=args.api_key)
     return 0
 
 
@@ -240,7 +239,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=os.environ.get("MINISERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (or set MINISERVE_API_KEY)")
-    s.add_argument("--presets-file", default=None)
     s.add_argument("--max-queue", type=int, default=16,
                    help="requests running or waiting before new ones get HTTP 429")
     add_model_args(s)

@@ -1,9 +1,9 @@
 """The hand-written decode loop: token ids in, one chosen token id out per step.
 
-    prompt ids --prefill--> logits --sample--> id --decode_step--> logits --sample--> id ...
+    prompt ids --forward--> logits --sample--> id --forward(id)--> logits --sample--> id ...
 
-With the KV cache, `prefill` runs the prompt through the model once and keeps every
-layer's keys and values; each later step feeds only the newest token. Without it,
+With the KV cache, the first step (prefill) runs the prompt through the model once and
+keeps every layer's keys and values; each later step feeds only the newest token. Without it,
 every step runs the whole sequence again (the textbook O(n^2) loop, kept for
 comparison). Both share one loop and differ only in what they feed the model.
 """
@@ -89,16 +89,6 @@ def forward(model, input_ids: torch.Tensor, cache=None) -> torch.Tensor:
     kwargs = {_cache_kwarg(type(model)): cache, "use_cache": cache is not None}
     out = model(input_ids=input_ids, logits_to_keep=1, **kwargs)
     return out.logits[:, -1, :]
-
-
-def prefill(model, prompt_ids: torch.Tensor, cache) -> torch.Tensor:
-    """Fill the cache with the prompt (or the part of it the cache lacks); last logits."""
-    return forward(model, prompt_ids, cache)
-
-
-def decode_step(model, token: torch.Tensor, cache) -> torch.Tensor:
-    """Feed one token (1, 1) against the cache; logits for the next one."""
-    return forward(model, token, cache)
 
 
 def generate(model, prompt_ids: list[int] | torch.Tensor, params: SamplingParams, *,
