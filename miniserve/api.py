@@ -18,13 +18,16 @@ import torch
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from miniserve.chat import ChatError, check_messages, trim_history
+from miniserve.chat import ChatError
 from miniserve.config import ConfigError, SamplingParams, check_seed
 from miniserve.engine import Engine, EngineBusy
 
 PLACEHOLDER_MODELS = {"", "default", "miniserve", "local", "gpt-3.5-turbo", "gpt-4", "gpt-4o",
                       "gpt-4o-mini"}
 DEFAULT_MAX_TOKENS = 1024
+# OpenAI's defaults (sampling with temperature 1, no filters) where a request is silent
+API_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+                "repetition_penalty": 1.0}
 
 
 class APIError(Exception):
@@ -38,7 +41,8 @@ class APIError(Exception):
             "message": self.message, "type": self.kind, "param": self.param, "code": self.code}})
 
 
-def _number(body: dict, name: str, default, low=None, high=None, low_open=False, integer=False):
+def _number(body: dict, name: str, default, low=None, high=None, integer=False):
+    """A request field that is not a sampling setting (those are checked by SamplingParams)."""
     value = body.get(name, default)
     if value is None:
         return default
@@ -46,10 +50,8 @@ def _number(body: dict, name: str, default, low=None, high=None, low_open=False,
             integer and isinstance(value, float) and not value.is_integer()):
         kind = "an integer" if integer else "a number"
         raise APIError(400, f"'{name}' must be {kind}, got {value!r}", name)
-    too_low = low is not None and (value <= low if low_open else value < low)
-    if too_low or (high is not None and value > high):
-        left = "(" if low_open else "["
-        raise APIError(400, f"'{name}' must be in {left}{low}, {high}], got {value!r}", name)
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise APIError(400, f"'{name}' must be in [{low}, {high}], got {value!r}", name)
     return int(value) if integer else float(value)
 
 
@@ -132,19 +134,15 @@ class ChatAPI:
             raise APIError(400, "'logprobs' must be true or false", "logprobs")
         top_logprobs = _number(body, "top_logprobs", 0, 0, 20, integer=True)
         try:
-            params = SamplingParams(
-                temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-                top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
-                top_k=_number(body, "top_k", 0, 0, None, integer=True),
-                min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
-                repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.5, 2.0),
-                max_new_tokens=min(max_tokens, 4096), seed=seed, stop=tuple(stop))
+            # ranges and types are checked by SamplingParams, from the one table in config
+            sampling = {name: body[name] if body.get(name) is not None else default
+                        for name, default in API_DEFAULTS.items()}
+            params = SamplingParams(**sampling, max_new_tokens=min(max_tokens, 4096), seed=seed,
+                                    stop=tuple(stop))
         except ConfigError as e:
             raise APIError(400, str(e), e.field) from None
         try:
-            messages = check_messages(body["messages"])
-            trimmed = trim_history(self.engine.tokenizer, messages, self.engine.context_length,
-                                   params.max_new_tokens)
+            trimmed = self.engine.trim(body["messages"], params)
         except ChatError as e:
             raise APIError(400, str(e), e.field) from None
         if trimmed.dropped:  # an API caller sent this history on purpose: do not cut it

@@ -206,7 +206,7 @@ class Engine:
         Closing the iterator early (a client went away) cancels the generation within one
         decoding step."""
         stats = GenerationStats(prompt_tokens=len(prompt_ids))
-        return self._submit(lambda cancel: self._complete_locked(
+        return self._submit(lambda cancel: self._stream_reply(
             prompt_ids, params, cancel, use_cache, reuse_prefix, observer, stats,
             dropped_messages), cancel)
 
@@ -217,7 +217,7 @@ class Engine:
         has spent computing) -- its own tokens/s, not shared wall time."""
 
         def round_robin(cancel):
-            streams = [self._complete_locked(prompt_ids, p, cancel, True, False, None,
+            streams = [self._stream_reply(prompt_ids, p, cancel, True, False, None,
                                              GenerationStats(prompt_tokens=len(prompt_ids)), 0)
                        for p in settings]
             busy = [0.0] * len(streams)
@@ -266,7 +266,7 @@ class Engine:
         finally:
             cancel.set()  # no-op when finished; stops the worker if the caller left early
 
-    def _complete_locked(self, prompt_ids, params, cancel, use_cache, reuse_prefix, observer,
+    def _stream_reply(self, prompt_ids, params, cancel, use_cache, reuse_prefix, observer,
                          stats, dropped_messages) -> Iterator[Chunk]:
         cache, reused = (self.prefix_cache.take(prompt_ids) if use_cache and reuse_prefix
                          else (None, 0))
@@ -303,17 +303,18 @@ class Engine:
 
     def chat(self, messages: list[dict], params: SamplingParams, **kwargs) -> Iterator[Chunk]:
         """Stream the assistant's reply to a conversation, trimmed to fit the context."""
-        trimmed = self._trim(messages, params)
+        trimmed = self.trim(messages, params)
         return self.complete(trimmed.prompt_ids, params, dropped_messages=trimmed.dropped,
                              **kwargs)
 
-    def _trim(self, messages: list[dict], params: SamplingParams):
+    def trim(self, messages: list[dict], params: SamplingParams):
+        """Check the messages and drop the oldest turns until the reply fits the context."""
         return trim_history(self.tokenizer, check_messages(messages), self.context_length,
                             params.max_new_tokens)
 
     def chat_prompt(self, messages: list[dict], params: SamplingParams) -> list[int]:
         """The prompt ids `chat` would send (checked and trimmed)."""
-        return self._trim(messages, params).prompt_ids
+        return self.trim(messages, params).prompt_ids
 
     def chat_text(self, messages: list[dict], params: SamplingParams, **kwargs) -> tuple[str, Chunk]:
         """The whole reply at once (collects `chat`)."""

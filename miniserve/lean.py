@@ -21,10 +21,11 @@ SUPPORTED = {"llama", "qwen2", "mistral"}
 
 def supports(model) -> bool:
     cfg = model.config
-    return (cfg.model_type in SUPPORTED and getattr(cfg, "sliding_window", None) in (None, 0)
-            or cfg.model_type == "llama") and \
-        getattr(cfg, "rope_parameters", {}).get("rope_type", "default") == "default" and \
-        cfg.hidden_act == "silu" and not getattr(cfg, "mlp_bias", False)
+    full_attention = cfg.model_type == "llama" or (
+        cfg.model_type in SUPPORTED and getattr(cfg, "sliding_window", None) in (None, 0))
+    plain_rope = getattr(cfg, "rope_parameters", {}).get("rope_type", "default") == "default"
+    return (full_attention and plain_rope and cfg.hidden_act == "silu"
+            and not getattr(cfg, "mlp_bias", False))
 
 
 class KVCache:

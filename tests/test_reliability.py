@@ -137,7 +137,7 @@ def test_long_conversation_is_trimmed_and_bounded(loaded):
         reply, last = engine.chat_text(messages, params)
         latencies.append(time.perf_counter() - t)
         trimmed_turns += last.dropped_messages > 0
-        kept = engine._trim(messages, params).messages
+        kept = engine.trim(messages, params).messages
         assert kept[0] == system and kept[-1] == history[-1]
         history.append({"role": "assistant", "content": reply})
     assert trimmed_turns > TURNS // 2
