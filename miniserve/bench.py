@@ -163,7 +163,7 @@ def _peer_runners(engine: Engine, config: BenchConfig, progress: Progress):
         model = peer.LlamaCppPeer(peer.gguf_copy(path, precision), n_ctx, torch.get_num_threads())
         mode = f"llamacpp_{precision}"
         runners[mode] = (lambda m: lambda ids: m.run(ids, config.new_tokens, engine.eos_ids))(model)
-        dtypes[mode] = "q4_1" if precision == "q4_1" else precision
+        dtypes[mode] = precision
         nbytes[mode] = model.weight_bytes()  # the file: weights as stored, read once a token
     return runners, dtypes, nbytes
 

@@ -55,6 +55,11 @@ def _status(stats, dropped: int, note: str = "") -> str:
     return " · ".join(parts) + trimmed + (f" · {note}" if note else "")
 
 
+def _seed(value) -> int | None:
+    """The Seed box: empty or negative means a random seed."""
+    return None if value is None or value == "" or float(value) < 0 else check_seed(float(value))
+
+
 def _error(message: str) -> str:
     return f"**Error:** {html.escape(message)}"
 
@@ -69,8 +74,7 @@ def build_ui(engine: Engine, presets: dict[str, SamplingParams],
         fields = dict(zip(FIELDS, values))
         fields = {k: (int(v) if FIELDS[k].kind is int and v is not None and float(v).is_integer()
                       else v) for k, v in fields.items()}
-        seed = None if seed is None or seed == "" or float(seed) < 0 else check_seed(float(seed))
-        return SamplingParams(seed=seed, **fields)
+        return SamplingParams(seed=_seed(seed), **fields)
 
     def generate_reply(history: list[dict], system: str, settings, seed, inspect_on, request):
         """Shared by Send and Regenerate: stream the assistant's reply to `history`."""
@@ -159,7 +163,7 @@ def build_ui(engine: Engine, presets: dict[str, SamplingParams],
         session = getattr(request, "session_hash", None) or "default"
         cancel = cancels[session] = threading.Event()
         try:
-            seed = None if seed is None or float(seed) < 0 else check_seed(float(seed))
+            seed = _seed(seed)
             settings = [presets[n].replace(seed=seed, max_new_tokens=int(max_tokens))
                         for n in names]
             ids = engine.chat_prompt([{"role": "user", "content": prompt}], settings[0])
