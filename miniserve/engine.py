@@ -95,23 +95,33 @@ def _common_prefix(a, b) -> int:
     return n
 
 
-RUNNERS = ("auto", "lean", "transformers")
+RUNNERS = ("auto", "native", "lean", "transformers")
 
 
 def make_runner(loaded: LoadedModel, runner: str = "auto", quant: str | None = None):
-    """The module the decode loop drives: the lean forward pass where the architecture is
-    supported (faster, same tokens), else the transformers model itself."""
-    from miniserve import lean
+    """The module the decode loop drives. transformers: the library model. lean: our readable
+    PyTorch forward pass (Llama family). native: lean, with one-token steps in compiled code
+    (miniserve/native.py; CPU, float32 or bfloat16 weights). auto: the fastest that applies."""
+    from miniserve import lean, native
     if runner not in RUNNERS:
         raise ValueError(f"unknown runner '{runner}': use {', '.join(RUNNERS)}")
-    if quant and runner == "transformers":
-        raise ValueError("--quant needs the lean runner")
-    if runner == "lean" or (runner == "auto" and lean.supports(loaded.model)) or quant:
-        if not lean.supports(loaded.model):
-            raise ValueError(f"the lean runner does not support {loaded.model.config.model_type}"
-                             "; use --runner transformers")
-        return lean.LeanModel(loaded.model, quant=quant)
-    return loaded.model
+    if quant and runner in ("transformers", "native"):
+        raise ValueError(f"--quant needs the lean runner, not {runner}")
+    if runner == "transformers" or (runner == "auto" and not lean.supports(loaded.model)):
+        return loaded.model
+    if not lean.supports(loaded.model):
+        raise ValueError(f"the {runner} runner does not support "
+                         f"{loaded.model.config.model_type}; use --runner transformers")
+    use_native = runner == "native" or (
+        runner == "auto" and not quant and loaded.device.type == "cpu"
+        and loaded.model.dtype in native.DTYPE_CODES and native.load() is not None)
+    return lean.LeanModel(loaded.model, quant=quant, native=use_native)
+
+
+def runner_name(model) -> str:
+    if getattr(model, "native", None) is not None:
+        return "native"
+    return "lean" if getattr(model, "is_lean", False) else "transformers"
 
 
 class Engine:
@@ -119,7 +129,7 @@ class Engine:
                  runner: str = "auto", quant: str | None = None):
         self.loaded = loaded
         self.model = make_runner(loaded, runner, quant)
-        self.runner = "lean" if getattr(self.model, "is_lean", False) else "transformers"
+        self.runner = runner_name(self.model)
         self.quant = quant
         self.tokenizer = loaded.tokenizer
         self.context_length = loaded.context_length

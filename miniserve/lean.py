@@ -13,6 +13,8 @@ at slices of them, so no weight is stored twice. The transformers model stays th
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 
@@ -86,11 +88,29 @@ def _linear(x, w, b=None):
         if x.shape[-2] > 1:  # prefill: full-precision weights (same memory as the reference)
             return F.linear(x, w.dense, b)
         y = w.matmul(x)
-    elif x.dim() == 3 and x.shape[-2] == 1 and x.shape[0] == 1:
+        return y if b is None else y + b
+    if w.dtype != x.dtype:  # bfloat16 weights, float32 activations (the native runner)
+        if x.numel() == x.shape[-1]:  # one row (the last position's logits): native kernel
+            from miniserve.native import matvec
+            y = matvec(w, x.reshape(-1)).view(*x.shape[:-1], -1)
+            return y if b is None else y + b
+        w, b = _upcast(w), b.to(x.dtype) if b is not None else None
+    if x.dim() == 3 and x.shape[-2] == 1 and x.shape[0] == 1:
         y = torch.mv(w, x.reshape(-1)).view(1, 1, -1)
-    else:
-        return F.linear(x, w, b)
-    return y if b is None else y + b
+        return y if b is None else y + b
+    return F.linear(x, w, b)
+
+
+_upcast_buffers = threading.local()
+
+
+def _upcast(w: torch.Tensor) -> torch.Tensor:
+    """A float32 copy of a bfloat16 weight, in one buffer reused for every weight of a prompt:
+    a fresh tensor each time cost 4x more here (page faults on ~500 MB of new memory)."""
+    buf = getattr(_upcast_buffers, "buf", None)
+    if buf is None or buf.numel() < w.numel() or buf.device != w.device:
+        buf = _upcast_buffers.buf = torch.empty(w.numel(), dtype=torch.float32, device=w.device)
+    return buf[:w.numel()].view(w.shape).copy_(w)
 
 
 def _rms_norm(x, weight, eps):
@@ -110,7 +130,7 @@ class LeanModel:
 
     is_lean = True
 
-    def __init__(self, hf_model, quant: str | None = None):
+    def __init__(self, hf_model, quant: str | None = None, native: bool = False):
         if quant not in (None, "int8"):
             raise ValueError(f"unknown quantization '{quant}': use int8 or none")
         if quant == "int8" and hf_model.dtype != torch.bfloat16:
@@ -125,6 +145,18 @@ class LeanModel:
         self.n_kv = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
         self.eps = cfg.rms_norm_eps
+        if native:  # one-token steps in compiled code (miniserve/native.py)
+            from miniserve import native as native_mod
+            if not native_mod.supports(self):
+                reason = native_mod.unavailable_reason()
+                raise ValueError("the native decode step needs a CPU model with float32 or "
+                                 "bfloat16 weights and no --quant"
+                                 + (f"; {reason}" if reason else ""))
+        # The dtype activations, RoPE tables and the KV cache use. The native step computes
+        # in float32 also over bfloat16 weights (so does the PyTorch path next to it, for
+        # prompts, upcasting each weight as it uses it): float32 sums, and a reference that is
+        # exact (a float32 model holding the same rounded weights).
+        self.act_dtype = torch.float32 if native else self.dtype
         self.embed = base.embed_tokens.weight
         self.final_norm = base.norm.weight
         self.lm_head = hf_model.lm_head.weight
@@ -147,14 +179,15 @@ class LeanModel:
         positions = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos().to(self.dtype).to(self.device_)  # (max_pos, head_dim)
-        self.sin = emb.sin().to(self.dtype).to(self.device_)
+        self.cos = emb.cos().to(self.act_dtype).to(self.device_)  # (max_pos, head_dim)
+        self.sin = emb.sin().to(self.act_dtype).to(self.device_)
         self.generation_config = hf_model.generation_config
         if quant == "int8":  # every matrix but the embedding lookup table
             self.lm_head = Int8Weight(self.lm_head)
             for w in self.layers:
                 for name in ("wqkv", "wo", "w13", "w2"):
                     w[name] = Int8Weight(w[name])
+        self.native = native_mod.NativeStep(self) if native else None
 
     def weight_bytes(self) -> int:
         """Bytes of weights read per decoded token (the embedding is looked up, not read)."""
@@ -172,7 +205,7 @@ class LeanModel:
         return self.device_
 
     def new_cache(self) -> KVCache:
-        return KVCache(len(self.layers), self.n_kv, self.head_dim, self.dtype, self.device_)
+        return KVCache(len(self.layers), self.n_kv, self.head_dim, self.act_dtype, self.device_)
 
     def __call__(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         return self.forward(input_ids, cache)
@@ -180,11 +213,13 @@ class LeanModel:
     def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """ids (1, T) -> logits of the last position (1, vocab). Appends to `cache` if given."""
         T = input_ids.shape[1]
+        if T == 1 and cache is not None and self.native is not None:
+            return self.native(int(input_ids[0, 0]), cache)  # same computation, compiled
         start = cache.length if cache is not None else 0
         if cache is not None:
             cache.reserve(start + T)
         cos, sin = self.cos[start:start + T], self.sin[start:start + T]  # (T, hd)
-        x = F.embedding(input_ids, self.embed)  # (1, T, D)
+        x = F.embedding(input_ids, self.embed).to(self.act_dtype)  # (1, T, D)
         for i, w in enumerate(self.layers):
             x = x + self._attention(_rms_norm(x, w["attn_norm"], self.eps), w, i, cache, start,
                                     cos, sin)

@@ -82,7 +82,8 @@ def pick_dtype(device: torch.device, requested: str | None = None) -> torch.dtyp
     if device.type == "mps":
         return torch.float16
     # On CPU float32: with the transformers model, bf16 decoding measured no faster here
-    # (per-op overhead dominates a 135M model) and float32 is the reference precision.
+    # (per-op overhead dominates a 135M model) and float32 is the reference precision. The
+    # command line picks bfloat16 weights when the native step runs them (cli.auto_dtype).
     return torch.float32
 
 

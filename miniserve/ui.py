@@ -209,7 +209,10 @@ def build_ui(engine: Engine, presets: dict[str, SamplingParams],
         table = pd.DataFrame(to_dict(result)["rows"])
         verdict = ("greedy tokens identical in all modes: yes" if result.greedy_match
                    else "greedy tokens identical in all modes: NO, the modes disagree")
-        return table, table, f"{result.model} on {result.device} ({result.dtype}). {verdict}"
+        if result.note:
+            verdict += f" ({result.note})"
+        return table, table, (f"{result.model} on {result.device} ({result.dtype}, "
+                              f"{result.runner} runner). {verdict}")
 
     info = engine.info()
     with gr.Blocks(title="MiniServeLM") as demo:

@@ -20,6 +20,13 @@ def loaded():
 
 
 @pytest.fixture(scope="session")
+def bf16():
+    """The same model with bfloat16 weights."""
+    from miniserve.loader import load_model
+    return load_model(None, dtype="bfloat16", progress=lambda m: None)
+
+
+@pytest.fixture(scope="session")
 def engine(loaded):
     from miniserve.engine import Engine
     return Engine(loaded)

@@ -16,7 +16,7 @@ def run(*args, stdin=None, timeout=240):
 
 def test_generate_json_matches_the_engine(engine):
     r = run("generate", "--prompt", "What is the capital of France?", "--preset", "factual",
-            "--max-new-tokens", "12", "--json")
+            "--max-new-tokens", "12", "--json", "--dtype", "float32")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert {"text", "token_ids", "prompt_tokens", "ttft_s", "tokens_per_s", "cache"} <= set(out)
@@ -28,7 +28,7 @@ def test_generate_json_matches_the_engine(engine):
     assert out["text"] == text
     nocache = json.loads(run("generate", "--prompt", "What is the capital of France?",
                              "--preset", "factual", "--max-new-tokens", "12", "--json",
-                             "--no-cache").stdout)
+                             "--dtype", "float32", "--no-cache").stdout)
     assert nocache["cache"] is False and nocache["token_ids"] == out["token_ids"]
 
 
@@ -66,11 +66,12 @@ def test_chat_through_a_pipe():
 def test_bench_writes_json_and_csv(tmp_path):
     j, c = tmp_path / "b.json", tmp_path / "b.csv"
     r = run("bench", "--prompt-tokens", "8,24", "--new-tokens", "4", "--repeat", "1",
-            "--json", str(j), "--csv", str(c))
+            "--dtype", "float32", "--json", str(j), "--csv", str(c))
     assert r.returncode == 0, r.stderr
     assert "identical across modes: yes" in r.stdout
     data = json.loads(j.read_text())
-    assert data["greedy_match"] is True
+    assert data["greedy_match"] is True and data["dtype"] == "float32"
+    assert data["runner"] == "native"  # the C++ compiler is part of the test machine's set-up
     rows = data["rows"]
     assert {(row["prompt_tokens"], row["mode"]) for row in rows} == {
         (n, m) for n in (8, 24) for m in ("no_cache", "cache", "hf_generate")}

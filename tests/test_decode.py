@@ -35,24 +35,19 @@ def lean_model(loaded):
     return LeanModel(loaded.model)
 
 
-@pytest.mark.parametrize("runner", ["transformers", "lean"])
+@pytest.mark.parametrize("runner", ["transformers", "lean", "native"])
 @pytest.mark.parametrize("name", PROMPTS)
 def test_greedy_cache_equals_no_cache_equals_generate(loaded, engine, lean_model, name, runner):
     ids = chat_ids(loaded.tokenizer, PROMPTS[name])
     if name == "long":
         assert len(ids) > 300
-    model = lean_model if runner == "lean" else loaded.model
+    assert engine.runner == "native"  # the engine's default on this CPU
+    model = {"transformers": loaded.model, "lean": lean_model, "native": engine.model}[runner]
     cached = list(generate(model, ids, GREEDY, eos_ids=engine.eos_ids))
     uncached = list(generate(model, ids, GREEDY, eos_ids=engine.eos_ids, use_cache=False))
     reference = hf_generate(loaded.model, ids, GREEDY.max_new_tokens)
     assert len(cached) >= 32, "want a long enough comparison"
     assert cached == uncached == reference
-
-
-@pytest.fixture(scope="module")
-def bf16():
-    from miniserve.loader import load_model
-    return load_model(None, dtype="bfloat16", progress=lambda m: None)
 
 
 def test_greedy_equals_generate_in_bfloat16(bf16):

@@ -1,0 +1,419 @@
+// One decode step of a Llama-family layer for a single new token, on the CPU.
+//
+// The same computation as miniserve/lean.py (read that first; this file mirrors it), written
+// as plain loops so that a step costs what its weights cost to read from memory and little
+// else: PyTorch spends ~10 us per small op, ~45 ops per layer, for vectors of 576 numbers.
+//
+//   attn_block:  x += Wo . attention(rope(Wqkv . rmsnorm(x)), KV cache)
+//   mlp_block:   x += W2 . (silu(gate) * up),  gate|up = W13 . rmsnorm(x)
+//   lm_head:     logits = Wlm . rmsnorm(x)
+//
+// Weights are float32 or bfloat16 (W); activations and the KV cache are float32. With
+// bfloat16 weights this computes exactly what a float32 model holding those same (rounded)
+// weights computes, which is what the tests compare it with. Sums use float32 accumulators
+// in another order than PyTorch's: results agree to rounding, not bit for bit.
+//
+// Threads: the matrix-vector products and the attention heads are split over a small pool of
+// our own (the calling thread plus threads-1 helpers). A step hands out ~150 pieces of work of
+// 20-200 us each; helpers spin briefly between them, and sleep when no step is running. Not
+// OpenMP: once two Python threads have used PyTorch's OpenMP pool (the web server loads the
+// model on one thread and decodes on another), each parallel region wakes its threads through
+// the kernel, which measured 30% slower per token here.
+//
+// Built at first use by miniserve/native.py with the system C++ compiler (-O3 -march=native).
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+#include <type_traits>
+#include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+typedef uint16_t bf16;
+
+static inline float bf16_to_float(bf16 h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline float load(const float *p, long i) { return p[i]; }
+static inline float load(const bf16 *p, long i) { return bf16_to_float(p[i]); }
+
+// ---------------------------------------------------------------- the thread pool
+
+class Pool {
+  public:
+    typedef void (*Fn)(void *ctx, int t, int n);
+
+    explicit Pool(int helpers) {
+        for (int i = 0; i < helpers; i++) threads_.emplace_back([this, i] { serve(i + 1); });
+    }
+    int size() const { return (int)threads_.size() + 1; }
+
+    // Runs fn(ctx, t, n) for t = 0..n-1 (n = size()), t = 0 on the calling thread; returns
+    // when all are done.
+    void run(Fn fn, void *ctx) {
+        int n = size();
+        if (n <= 1) return fn(ctx, 0, 1);
+        std::lock_guard<std::mutex> one_at_a_time(run_mutex_);  // callers on other threads wait
+        fn_ = fn;
+        ctx_ = ctx;
+        n_ = n;
+        pending_.store(n - 1, std::memory_order_relaxed);
+        {
+            std::lock_guard<std::mutex> lock(mutex_);
+            generation_.fetch_add(1, std::memory_order_release);
+        }
+        if (sleepers_.load(std::memory_order_acquire) > 0) wake_.notify_all();
+        fn(ctx, 0, n);
+        while (pending_.load(std::memory_order_acquire) != 0) pause();
+    }
+
+  private:
+    static inline void pause() {
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#elif defined(__aarch64__)
+        asm volatile("yield");
+#endif
+    }
+
+    void serve(int t) {
+        uint64_t seen = 0;
+        for (;;) {
+            // Spin for up to ~100 us (the Python between two calls of a step takes ~10 us);
+            // past that the step is over and the core is better left to others.
+            uint64_t g = generation_.load(std::memory_order_acquire);
+            auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(100);
+            for (long spins = 1; g == seen; spins++) {
+                pause();
+                g = generation_.load(std::memory_order_acquire);
+                if (spins % 64 == 0 && std::chrono::steady_clock::now() > until) break;
+            }
+            if (g == seen) {  // no work for a while: sleep until the next step
+                std::unique_lock<std::mutex> lock(mutex_);
+                sleepers_.fetch_add(1);
+                wake_.wait(lock, [&] { return generation_.load() != seen; });
+                sleepers_.fetch_sub(1);
+                g = generation_.load(std::memory_order_acquire);
+            }
+            seen = g;
+            if (t < n_) {
+                fn_(ctx_, t, n_);
+                pending_.fetch_sub(1, std::memory_order_acq_rel);
+            }
+        }
+    }
+
+    std::vector<std::thread> threads_;
+    std::atomic<uint64_t> generation_{0};
+    std::atomic<int> pending_{0}, sleepers_{0};
+    std::mutex mutex_, run_mutex_;
+    std::condition_variable wake_;
+    Fn fn_ = nullptr;
+    void *ctx_ = nullptr;
+    int n_ = 1;
+};
+
+// Made at the first call with that call's thread count, never destroyed (the helpers end with
+// the process).
+static Pool *pool_for(int threads) {
+    static Pool *pool = new Pool(threads > 1 ? threads - 1 : 0);
+    return pool;
+}
+
+// parallel(threads, [&](int t, int n) { ... }): the lambda runs once on each of n threads.
+template <typename F>
+static void parallel(int threads, F &&f) {
+    typedef typename std::remove_reference<F>::type Lambda;
+    pool_for(threads)->run(
+        [](void *ctx, int t, int n) { (*static_cast<Lambda *>(ctx))(t, n); }, &f);
+}
+
+
+// ---------------------------------------------------------------- dot products, row by row
+
+#if defined(__AVX512F__)
+static inline __m512 load16(const bf16 *p) {  // 16 bfloat16 -> 16 float32: widen, shift left
+    __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
+// y[r] = sum_c w[r, c] * x[c] for rows [r0, r1). Measured on the model's matrices (2 cores,
+// weights streamed from memory): float32 is fastest four rows per pass (x loaded once for four
+// weight streams), ~23 GB/s; bfloat16 one row at a time with two accumulators and a software
+// prefetch 1 KB ahead, ~19 GB/s (four rows per pass: ~16 GB/s).
+static void dot_rows(const float *w, const float *x, float *y, long r0, long r1, long cols) {
+    long r = r0;
+#if defined(__AVX512F__)
+    if (cols % 16 == 0) {
+        for (; r + 4 <= r1; r += 4) {
+            const float *w0 = w + r * cols, *w1 = w0 + cols, *w2 = w1 + cols, *w3 = w2 + cols;
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (long c = 0; c < cols; c += 16) {
+                __m512 xv = _mm512_loadu_ps(x + c);
+                a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w0 + c), xv, a0);
+                a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w1 + c), xv, a1);
+                a2 = _mm512_fmadd_ps(_mm512_loadu_ps(w2 + c), xv, a2);
+                a3 = _mm512_fmadd_ps(_mm512_loadu_ps(w3 + c), xv, a3);
+            }
+            y[r] = _mm512_reduce_add_ps(a0);
+            y[r + 1] = _mm512_reduce_add_ps(a1);
+            y[r + 2] = _mm512_reduce_add_ps(a2);
+            y[r + 3] = _mm512_reduce_add_ps(a3);
+        }
+    }
+#endif
+    for (; r < r1; r++) {
+        const float *row = w + r * cols;
+        float acc = 0.f;
+        for (long c = 0; c < cols; c++) acc += row[c] * x[c];
+        y[r] = acc;
+    }
+}
+
+static void dot_rows(const bf16 *w, const float *x, float *y, long r0, long r1, long cols) {
+    long r = r0;
+#if defined(__AVX512F__)
+    if (cols % 32 == 0) {
+        for (; r < r1; r++) {
+            const bf16 *row = w + r * cols;
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0;
+            for (long c = 0; c < cols; c += 32) {  // 32 weights = one 64-byte cache line
+                _mm_prefetch((const char *)(row + c) + 1024, _MM_HINT_T0);
+                a0 = _mm512_fmadd_ps(load16(row + c), _mm512_loadu_ps(x + c), a0);
+                a1 = _mm512_fmadd_ps(load16(row + c + 16), _mm512_loadu_ps(x + c + 16), a1);
+            }
+            y[r] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+        }
+    }
+#endif
+    for (; r < r1; r++) {
+        const bf16 *row = w + r * cols;
+        float acc = 0.f;
+        for (long c = 0; c < cols; c++) acc += load(row, c) * x[c];
+        y[r] = acc;
+    }
+}
+
+// y = W x (+ b), W of shape (rows, cols), rows split evenly over the threads.
+template <typename W>
+static void matvec(const W *w, const W *bias, const float *x, float *y, long rows, long cols,
+                   int threads) {
+    parallel(threads, [&](int t, int n) {
+        long per = ((rows + n - 1) / n + 3) / 4 * 4;  // a multiple of 4 rows per thread
+        long r0 = t * per, r1 = r0 + per < rows ? r0 + per : rows;
+        if (r0 < r1) {
+            dot_rows(w, x, y, r0, r1, cols);
+            if (bias)
+                for (long r = r0; r < r1; r++) y[r] += load(bias, r);
+        }
+    });
+}
+
+// out = weight * x / sqrt(mean(x^2) + eps)
+template <typename W>
+static void rms_norm(const float *x, const W *weight, float eps, float *out, long n) {
+    float ss = 0.f;
+    for (long i = 0; i < n; i++) ss += x[i] * x[i];
+    float inv = 1.f / std::sqrt(ss / n + eps);
+    for (long i = 0; i < n; i++) out[i] = load(weight, i) * (x[i] * inv);
+}
+
+// In place: v = v * cos + rotate_half(v) * sin, for `heads` vectors of head_dim numbers.
+static void rope(float *v, long heads, long hd, const float *cos, const float *sin) {
+    long half = hd / 2;
+    float tmp[1024];
+    for (long h = 0; h < heads; h++) {
+        float *p = v + h * hd;
+        std::memcpy(tmp, p, hd * sizeof(float));
+        for (long i = 0; i < hd; i++) {
+            float rotated = i < half ? -tmp[i + half] : tmp[i - half];
+            p[i] = tmp[i] * cos[i] + rotated * sin[i];
+        }
+    }
+}
+
+// ---------------------------------------------------------------- attention of one head
+
+#if defined(__AVX512F__)
+// e^x for 16 floats (Cephes' expf: x = n ln2 + r, e^r by a degree-6 polynomial, 1-2 ulp).
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)),
+                      _mm512_set1_ps(-103.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    return _mm512_scalef_ps(p, n);  // p * 2^n, flushing to 0 below the float range
+}
+#endif
+
+// out = softmax(q . k_j * scale over j < S) . v_j, for one head; s: S floats of scratch.
+static void attend(const float *q, const float *k, const float *v, long S, long hd, float scale,
+                   float *s, float *out) {
+    float top = -INFINITY, total = 0.f;
+#if defined(__AVX512F__)
+    if (hd % 16 == 0 && hd <= 256) {
+        const long chunks = hd / 16;
+        __m512 qv[16];
+        for (long c = 0; c < chunks; c++) qv[c] = _mm512_loadu_ps(q + 16 * c);
+        for (long j = 0; j < S; j++) {
+            const float *kj = k + j * hd;
+            __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kj));
+            for (long c = 1; c < chunks; c++)
+                acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kj + 16 * c), acc);
+            s[j] = _mm512_reduce_add_ps(acc) * scale;
+            top = s[j] > top ? s[j] : top;
+        }
+        __m512 sum = _mm512_setzero_ps(), topv = _mm512_set1_ps(top);
+        for (long j = 0; j < S; j += 16) {
+            __mmask16 m = S - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (S - j)) - 1);
+            __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), topv));
+            _mm512_mask_storeu_ps(s + j, m, e);
+            sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, e));
+        }
+        total = _mm512_reduce_add_ps(sum);
+        __m512 o[16];
+        for (long c = 0; c < chunks; c++) o[c] = _mm512_setzero_ps();
+        for (long j = 0; j < S; j++) {
+            __m512 p = _mm512_set1_ps(s[j] / total);
+            for (long c = 0; c < chunks; c++)
+                o[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + j * hd + 16 * c), o[c]);
+        }
+        for (long c = 0; c < chunks; c++) _mm512_storeu_ps(out + 16 * c, o[c]);
+        return;
+    }
+#endif
+    for (long j = 0; j < S; j++) {
+        float dot = 0.f;
+        for (long i = 0; i < hd; i++) dot += q[i] * k[j * hd + i];
+        s[j] = dot * scale;
+        top = s[j] > top ? s[j] : top;
+    }
+    for (long j = 0; j < S; j++) total += (s[j] = std::exp(s[j] - top));
+    for (long i = 0; i < hd; i++) out[i] = 0.f;
+    for (long j = 0; j < S; j++) {
+        float p = s[j] / total;
+        for (long i = 0; i < hd; i++) out[i] += p * v[j * hd + i];
+    }
+}
+
+// ---------------------------------------------------------------- the two halves of a layer
+
+template <typename W>
+static void attn_block(float *x, const W *norm_w, float eps, const W *wqkv, const W *bqkv,
+                       const W *wo, const float *cos, const float *sin, float *k_cache,
+                       float *v_cache, long capacity, long pos, long D, long H, long KV,
+                       long hd, float *scratch, int threads) {
+    float *h = scratch;                  // D
+    float *qkv = h + D;                  // (H + 2 KV) hd
+    float *att = qkv + (H + 2 * KV) * hd;  // H hd
+    float *y = att + H * hd;             // D
+    float *scores = y + D;               // H (pos + 1)
+    rms_norm(x, norm_w, eps, h, D);
+    matvec(wqkv, bqkv, h, qkv, (H + 2 * KV) * hd, D, threads);
+    float *q = qkv, *k = qkv + H * hd, *v = k + KV * hd;
+    rope(q, H, hd, cos, sin);
+    rope(k, KV, hd, cos, sin);
+    for (long g = 0; g < KV; g++)  // append this position's keys and values to the cache
+        for (long i = 0; i < hd; i++) {
+            k_cache[(g * capacity + pos) * hd + i] = k[g * hd + i];
+            v_cache[(g * capacity + pos) * hd + i] = v[g * hd + i];
+        }
+    const long S = pos + 1, group = H / KV;
+    const float scale = 1.f / std::sqrt((float)hd);
+    parallel(threads, [&](int t, int n) {
+        for (long head = t; head < H; head += n)
+            attend(q + head * hd, k_cache + (head / group) * capacity * hd,
+                   v_cache + (head / group) * capacity * hd, S, hd, scale, scores + head * S,
+                   att + head * hd);
+    });
+    matvec(wo, (const W *)nullptr, att, y, D, H * hd, threads);
+    for (long i = 0; i < D; i++) x[i] += y[i];
+}
+
+template <typename W>
+static void mlp_block(float *x, const W *norm_w, float eps, const W *w13, const W *w2, long D,
+                      long I, float *scratch, int threads) {
+    float *h = scratch, *gate_up = h + D, *act = gate_up + 2 * I, *y = act + I;
+    rms_norm(x, norm_w, eps, h, D);
+    matvec(w13, (const W *)nullptr, h, gate_up, 2 * I, D, threads);
+    for (long i = 0; i < I; i++) {
+        float g = gate_up[i];
+        act[i] = g / (1.f + std::exp(-g)) * gate_up[I + i];
+    }
+    matvec(w2, (const W *)nullptr, act, y, D, I, threads);
+    for (long i = 0; i < D; i++) x[i] += y[i];
+}
+
+template <typename W>
+static void lm_head(const float *x, const W *norm_w, float eps, const W *w, float *logits,
+                    long D, long V, float *scratch, int threads) {
+    rms_norm(x, norm_w, eps, scratch, D);
+    matvec(w, (const W *)nullptr, scratch, logits, V, D, threads);
+}
+
+// ---------------------------------------------------------------- C entry points (ctypes)
+// wdtype / cdtype: 0 = float32, 1 = bfloat16. Pointers are raw tensor data pointers.
+
+extern "C" {
+
+int ms_abi_version(void) { return 3; }
+
+#define MS_DISPATCH(wdtype, call) \
+    do {                          \
+        if ((wdtype) == 0) {      \
+            typedef float W;      \
+            call;                 \
+        } else {                  \
+            typedef bf16 W;       \
+            call;                 \
+        }                         \
+    } while (0)
+
+void ms_attn_block(int wdtype, float *x, const void *norm_w, float eps, const void *wqkv,
+                   const void *bqkv, const void *wo, const float *cos, const float *sin,
+                   float *k_cache, float *v_cache, long capacity, long pos, long D, long H,
+                   long KV, long hd, float *scratch, int threads) {
+    MS_DISPATCH(wdtype, attn_block<W>(x, (const W *)norm_w, eps, (const W *)wqkv,
+                                      (const W *)bqkv, (const W *)wo, cos, sin, k_cache,
+                                      v_cache, capacity, pos, D, H, KV, hd, scratch, threads));
+}
+
+void ms_mlp_block(int wdtype, float *x, const void *norm_w, float eps, const void *w13,
+                  const void *w2, long D, long I, float *scratch, int threads) {
+    MS_DISPATCH(wdtype, mlp_block<W>(x, (const W *)norm_w, eps, (const W *)w13,
+                                     (const W *)w2, D, I, scratch, threads));
+}
+
+void ms_lm_head(int wdtype, const float *x, const void *norm_w, float eps, const void *w,
+                float *logits, long D, long V, float *scratch, int threads) {
+    MS_DISPATCH(wdtype, lm_head<W>(x, (const W *)norm_w, eps, (const W *)w, logits, D, V,
+                                   scratch, threads));
+}
+
+// y = W x: the kernel alone, for tests and measurements.
+void ms_matvec(int wdtype, const void *w, const float *x, float *y, long rows, long cols,
+               int threads) {
+    MS_DISPATCH(wdtype, matvec<W>((const W *)w, nullptr, x, y, rows, cols, threads));
+}
+
+}  // extern "C"

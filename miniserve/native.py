@@ -1,0 +1,198 @@
+"""The native decode step: miniserve/kernels/decode.cpp, compiled at first use, called by ctypes.
+
+Why it exists: one decoded token reads every weight once (538 MB in float32), so a step can
+not be faster than memory allows; PyTorch gets its matrix-vector products close to that, but
+spends another ~10 us on each of ~45 small ops per layer (norms, RoPE, cache writes, SiLU)
+on vectors of a few hundred numbers. The C++ file does a layer's two halves in two calls.
+
+Build: the system C++ compiler (`$CXX`, else `c++`), `-O3 -march=native`, a few seconds,
+once; the library is kept in the user cache folder, keyed by the source, the compiler and
+this CPU. Where there is no compiler, the lean PyTorch step runs instead and
+`unavailable_reason()` says why: nothing else changes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).parent / "kernels" / "decode.cpp"
+ABI_VERSION = 3
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_reason: str | None = None
+_tried = False
+
+
+def _cpu_id() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags") or line.startswith("Features"):
+                    return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++") or \
+        shutil.which("clang++")
+
+
+def library_path(compiler: str) -> Path:
+    from miniserve.loader import cache_root
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                             timeout=30).stdout
+    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + _cpu_id().encode()
+                         + platform.machine().encode()).hexdigest()[:16]
+    return cache_root() / "kernels" / f"decode-{key}.so"
+
+
+def _build(compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(f".{os.getpid()}.tmp")
+    # -march=native: AVX-512 where the CPU has it; -mcpu=native: what Apple's clang takes on
+    # arm64; none: portable loops the compiler vectorizes as it can.
+    for arch in (["-march=native"], ["-mcpu=native"], []):
+        command = [compiler, "-O3", *arch, "-std=c++17", "-shared", "-fPIC", "-pthread",
+                   str(SOURCE), "-o", str(tmp)]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        if done.returncode == 0:
+            os.replace(tmp, target)
+            return
+    last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+    raise RuntimeError(f"{compiler} failed: {last}")
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled library, building it on first use; None where it cannot be built."""
+    global _lib, _reason, _tried
+    with _lock:
+        if _tried:
+            return _lib
+        _tried = True
+        if os.environ.get("MINISERVE_NATIVE", "1") == "0":
+            _reason = "turned off by MINISERVE_NATIVE=0"
+            return None
+        compiler = _compiler()
+        if compiler is None:
+            _reason = "no C++ compiler found (set CXX, or install g++ / clang++)"
+            return None
+        try:
+            path = library_path(compiler)
+            if not path.exists():
+                print(f"Compiling the native decode step ({SOURCE.name}) ...", file=sys.stderr,
+                      flush=True)
+                _build(compiler, path)
+            lib = ctypes.CDLL(str(path))
+            if lib.ms_abi_version() != ABI_VERSION:
+                raise RuntimeError("stale library (ABI version differs)")
+        except Exception as e:  # noqa: BLE001 -- an optimisation: fall back, say why
+            _reason = f"could not build or load {SOURCE.name}: {e}"
+            return None
+        _declare(lib)
+        _lib = lib
+        return lib
+
+
+def unavailable_reason() -> str | None:
+    load()
+    return _reason
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    P, L, I, F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
+    lib.ms_attn_block.argtypes = [I, P, P, F, P, P, P, P, P, P, P, L, L, L, L, L, L, P, I]
+    lib.ms_mlp_block.argtypes = [I, P, P, F, P, P, L, L, P, I]
+    lib.ms_lm_head.argtypes = [I, P, P, F, P, P, L, L, P, I]
+    lib.ms_matvec.argtypes = [I, P, P, P, L, L, I]
+    for f in (lib.ms_attn_block, lib.ms_mlp_block, lib.ms_lm_head, lib.ms_matvec):
+        f.restype = None
+
+
+def supports(model) -> bool:
+    """The native step runs a lean model on the CPU with float32 or bfloat16 weights."""
+    return (model.device.type == "cpu" and model.dtype in DTYPE_CODES
+            and model.quant is None and load() is not None)
+
+
+def matvec(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """w @ x with the native kernel (float32 result); for tests and measurements."""
+    lib = load()
+    assert lib is not None and w.is_contiguous() and x.dtype == torch.float32
+    y = torch.empty(w.shape[0], dtype=torch.float32)
+    lib.ms_matvec(DTYPE_CODES[w.dtype], w.data_ptr(), x.contiguous().data_ptr(), y.data_ptr(),
+                  w.shape[0], w.shape[1], torch.get_num_threads())
+    return y
+
+
+class NativeStep:
+    """Feeds one token through a LeanModel's weights with the compiled kernels.
+
+    Holds the raw pointers of the weights (they never move) and float32 work buffers; the KV
+    cache is the model's own (float32) KVCache, so prefill (PyTorch, many tokens at once) and
+    these steps write to the same cache and can alternate freely."""
+
+    def __init__(self, model):
+        self.lib = load()
+        self.model = model
+        cfg = model.config
+        self.D = cfg.hidden_size
+        self.I = cfg.intermediate_size
+        self.V = model.lm_head.shape[0]
+        self.H, self.KV, self.hd = model.n_heads, model.n_kv, model.head_dim
+        self.eps = float(model.eps)
+        self.wcode = DTYPE_CODES[model.dtype]
+        assert model.act_dtype == torch.float32
+        self.x = torch.empty(self.D, dtype=torch.float32)
+        self.scratch = torch.empty(0, dtype=torch.float32)
+        self.layers = [(w["attn_norm"].data_ptr(), w["wqkv"].data_ptr(),
+                        w["bqkv"].data_ptr() if w["bqkv"] is not None else None,
+                        w["wo"].data_ptr(), w["mlp_norm"].data_ptr(), w["w13"].data_ptr(),
+                        w["w2"].data_ptr()) for w in model.layers]
+        assert self.hd <= 1024 and all(t is None or t.is_contiguous()
+                                       for w in model.layers for t in w.values())
+
+    def _scratch(self, positions: int) -> int:
+        need = (2 * self.D + (2 * self.H + 2 * self.KV) * self.hd + self.H * positions
+                + 4 * self.I + self.D)
+        if self.scratch.numel() < need:
+            self.scratch = torch.empty(need * 2, dtype=torch.float32)
+        return self.scratch.data_ptr()
+
+    def __call__(self, token_id: int, cache) -> torch.Tensor:
+        """Float32 logits (1, vocab) for `token_id` at position cache.length."""
+        m, lib = self.model, self.lib
+        pos = cache.length
+        cache.reserve(pos + 1)
+        threads = torch.get_num_threads()
+        scratch = self._scratch(pos + 1)
+        self.x.copy_(m.embed[token_id])
+        x = self.x.data_ptr()
+        cos, sin = m.cos[pos].data_ptr(), m.sin[pos].data_ptr()
+        k0, v0 = cache.k.data_ptr(), cache.v.data_ptr()
+        cap = cache.k.shape[2]
+        layer_bytes = cache.k[0].numel() * cache.k.element_size()
+        for i, (attn_norm, wqkv, bqkv, wo, mlp_norm, w13, w2) in enumerate(self.layers):
+            lib.ms_attn_block(self.wcode, x, attn_norm, self.eps, wqkv, bqkv, wo, cos, sin,
+                              k0 + i * layer_bytes, v0 + i * layer_bytes, cap, pos,
+                              self.D, self.H, self.KV, self.hd, scratch, threads)
+            lib.ms_mlp_block(self.wcode, x, mlp_norm, self.eps, w13, w2, self.D, self.I,
+                             scratch, threads)
+        cache.length = pos + 1
+        logits = torch.empty(1, self.V, dtype=torch.float32)  # fresh: callers may keep it
+        lib.ms_lm_head(self.wcode, x, m.final_norm.data_ptr(), self.eps, m.lm_head.data_ptr(),
+                       logits.data_ptr(), self.D, self.V, scratch, threads)
+        return logits

@@ -1,0 +1,140 @@
+"""The native decode step (miniserve/kernels/decode.cpp) against its definitions: the kernel
+against a float64 matrix-vector product, a whole step against the PyTorch lean model on tiny
+models of two families, and on the real model against transformers' generate()."""
+
+import copy
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from conftest import chat_ids
+from miniserve import native
+from miniserve.decode import generate
+from miniserve.lean import LeanModel
+from test_decode import GREEDY, PROMPTS, hf_generate
+
+
+def test_the_library_builds_here():
+    # The test machine has a C++ compiler (Makefile / CI install it): a missing library would
+    # otherwise turn every native test below into a test of the fallback.
+    assert native.load() is not None, native.unavailable_reason()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,cols", [(4, 32), (7, 13), (64, 576), (130, 96), (9, 1536)])
+def test_matvec_equals_its_definition(dtype, rows, cols):
+    """Rows not a multiple of 4 and columns not a multiple of 16/32 take the scalar tails."""
+    torch.manual_seed(rows * cols)
+    w = torch.randn(rows, cols).to(dtype)
+    x = torch.randn(cols)
+    exact = w.double() @ x.double()
+    got = native.matvec(w, x)
+    scale = (w.double().abs() @ x.double().abs()).max()
+    assert torch.allclose(got.double(), exact, atol=float(scale) * 1e-6, rtol=0)
+
+
+def tiny(family: str, dtype=torch.float32):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(1)
+    if family == "llama":  # head_dim 16: the vector paths
+        cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=512)
+        model = LlamaForCausalLM(cfg)
+    else:  # Qwen2: biases on q/k/v; head_dim 12, 40 columns: the scalar paths
+        cfg = Qwen2Config(vocab_size=300, hidden_size=48, intermediate_size=40,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+                          max_position_embeddings=512, use_sliding_window=False)
+        model = Qwen2ForCausalLM(cfg)
+        for layer in model.model.layers:  # random, not zero, biases
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                torch.nn.init.normal_(proj.bias, std=0.5)
+    return model.to(dtype).eval()
+
+
+def step_logits(model, ids):
+    """Logits of every step after the first token, one token at a time through the cache."""
+    cache = model.new_cache()
+    out = []
+    with torch.inference_mode():
+        for t in ids:
+            out.append(model(torch.tensor([[t]]), cache).float())
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_step_equals_the_pytorch_forward_pass(family):
+    model = tiny(family)
+    ids = [(7 * i + 3) % 300 for i in range(70)]  # 70 positions: several attention chunks
+    reference = step_logits(LeanModel(model), ids)
+    got = step_logits(LeanModel(model, native=True), ids)
+    assert torch.allclose(got, reference, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_bfloat16_weights_compute_like_float32_with_the_same_weights(family):
+    model = tiny(family, torch.bfloat16)
+    ids = [(5 * i + 1) % 300 for i in range(40)]
+    reference = step_logits(LeanModel(copy.deepcopy(model).float()), ids)
+    got = step_logits(LeanModel(model, native=True), ids)
+    assert torch.allclose(got, reference, atol=1e-4, rtol=1e-4)
+
+
+def test_prompt_and_steps_share_the_cache(tiny_model):
+    """A prompt (PyTorch, many tokens) then steps (native) = everything through PyTorch."""
+    model = LeanModel(tiny_model, native=True)
+    ids = list(range(3, 60))
+    with_steps = list(generate(model, ids, GREEDY.replace(max_new_tokens=20), eos_ids=set()))
+    without = list(generate(model, ids, GREEDY.replace(max_new_tokens=20), eos_ids=set(),
+                            use_cache=False))
+    assert with_steps == without and len(with_steps) == 20
+
+
+def test_same_logits_from_another_thread(tiny_model):
+    model = LeanModel(tiny_model, native=True)
+    ids = list(range(3, 30))
+    here = step_logits(model, ids)
+    box = {}
+    worker = threading.Thread(target=lambda: box.update(logits=step_logits(model, ids)))
+    worker.start()
+    worker.join()
+    assert torch.equal(here, box["logits"])
+
+
+# ---- the real model ----------------------------------------------------------------------
+
+def test_real_model_bfloat16_equals_generate_of_float32_with_the_same_weights(bf16):
+    """bfloat16 weights, float32 arithmetic: exactly a float32 model holding the rounded
+    weights, whose generate() is the reference (token for token, with and without cache)."""
+    reference_model = copy.deepcopy(bf16.model).float()
+    model = LeanModel(bf16.model, native=True)
+    for name in ("short", "long"):
+        ids = chat_ids(bf16.tokenizer, PROMPTS[name])
+        reference = hf_generate(reference_model, ids, GREEDY.max_new_tokens)
+        cached = list(generate(model, ids, GREEDY, eos_ids={2}))
+        assert len(cached) >= 32
+        assert cached == reference
+        if name == "short":  # without a cache: 40 forward passes over the whole text
+            assert list(generate(model, ids, GREEDY, eos_ids={2}, use_cache=False)) == reference
+
+
+def run_cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "miniserve", *args], capture_output=True,
+                          text=True, timeout=240, env={**os.environ, **(env or {})},
+                          cwd=os.path.dirname(os.path.dirname(__file__)))
+
+
+def test_without_the_library_auto_falls_back_and_native_says_why():
+    off = {"MINISERVE_NATIVE": "0"}
+    r = run_cli("bench", "--prompt-tokens", "8", "--new-tokens", "3", "--repeat", "1",
+                "--modes", "cache", env=off)
+    assert r.returncode == 0, r.stderr
+    assert "float32, lean runner" in r.stdout  # no native step: float32 weights, PyTorch lean
+    r = run_cli("generate", "--prompt", "Hi", "--runner", "native", env=off)
+    assert r.returncode == 2
+    assert "native decode step" in r.stderr and "MINISERVE_NATIVE=0" in r.stderr
+    assert "Traceback" not in r.stderr
