@@ -19,7 +19,7 @@ import torch
 from miniserve.config import SamplingParams
 from miniserve.engine import Engine
 
-MODES = ("no_cache", "cache", "hf_generate", "transformers_loop")
+MODES = ("no_cache", "cache", "hf_generate", "transformers_loop", "lean")
 DEFAULT_MODES = ("no_cache", "cache", "hf_generate")
 FILLER = ("The history of science is the study of the development of science and scientific "
           "knowledge, including both the natural and social sciences. Science is a body of "
@@ -138,6 +138,23 @@ def _run_transformers_loop(engine: Engine, ids, params):
     return engine.run_on_worker(run)
 
 
+def _run_lean(engine: Engine, ids, params, box: dict):
+    """Our cached loop on the PyTorch lean forward pass (miniserve/lean.py), one-token steps
+    included, next to the engine's own runner: what the native step gains. Built at first use
+    (its own fused copy of the weights, activations in the model's dtype)."""
+    from miniserve.decode import GenerationStats, generate
+    from miniserve.lean import LeanModel
+
+    def run():
+        if "model" not in box:
+            box["model"] = LeanModel(engine.loaded.model)
+        stats = GenerationStats()
+        tokens = list(generate(box["model"], ids, params, eos_ids=engine.eos_ids, stats=stats))
+        return tokens, stats.ttft_s, stats.total_s
+
+    return engine.run_on_worker(run)
+
+
 def weight_bytes(model) -> int:
     """Bytes of weights read per decoded token (embeddings are looked up, not read whole)."""
     if getattr(model, "is_lean", False):
@@ -180,7 +197,10 @@ def run_bench(engine: Engine, config: BenchConfig, progress: Progress | None = N
     runners = {"no_cache": lambda ids: _run_ours(engine, ids, params, False),
                "cache": lambda ids: _run_ours(engine, ids, params, True),
                "hf_generate": lambda ids: _run_hf(engine, ids, params),
-               "transformers_loop": lambda ids: _run_transformers_loop(engine, ids, params)}
+               "transformers_loop": lambda ids: _run_transformers_loop(engine, ids, params),
+               "lean": lambda ids: _run_lean(engine, ids, params, lean_box)}
+    lean_box: dict = {}
+    dtypes["lean"] = dtype
     nbytes = {m: weight_bytes(engine.model if m in ("no_cache", "cache") else engine.loaded.model)
               for m in config.modes}
     modes = list(config.modes)
@@ -188,7 +208,8 @@ def run_bench(engine: Engine, config: BenchConfig, progress: Progress | None = N
     # llama.cpp (its own kernels), and the transformers model when ours computes in float32
     # over bfloat16 weights while it computes in bfloat16 (the tests compare ours with a
     # float32 transformers model holding the same weights instead).
-    other_numerics = {"hf_generate", "transformers_loop"} if mixed_precision(engine) else set()
+    other_numerics = ({"hf_generate", "transformers_loop", "lean"} if mixed_precision(engine)
+                      else set())
     if config.peer:
         peer_runners, peer_dtypes, peer_bytes = _peer_runners(engine, config, progress)
         runners.update(peer_runners)

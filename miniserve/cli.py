@@ -62,7 +62,7 @@ def params_from_args(args) -> tuple[SamplingParams, dict[str, SamplingParams]]:
 def auto_dtype(args) -> str:
     """--dtype auto picks the fastest weights for what will run them: int8 runs with bfloat16
     activations; the native CPU step reads bfloat16 weights (half the bytes of float32) and
-    computes in float32, 1.3-1.4x faster than float32 weights here."""
+    computes in float32, 1.3-1.6x faster than float32 weights here."""
     from miniserve import native
     from miniserve.loader import ModelLoadError, pick_device
     if args.dtype != "auto":
@@ -243,7 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeat", type=int, default=3, help="runs per row; the median is reported")
     b.add_argument("--modes", default="no_cache,cache,hf_generate",
                    help="comma-separated: no_cache, cache, hf_generate, transformers_loop "
-                        "(our cached loop on the transformers model)")
+                        "(our cached loop on the transformers model), lean (our cached loop on "
+                        "the PyTorch lean pass, to set beside the native step)")
     b.add_argument("--peer", action="store_true",
                    help="also llama.cpp on the same GGUF weights at f32, bf16 and q4_1 "
                         "(needs llama-cpp-python: make bench-peer)")

@@ -145,7 +145,9 @@ class Engine:
         return self.loaded.name
 
     def info(self) -> dict:
-        return {**describe(self.loaded), "runner": self.runner, "quant": self.quant or "none"}
+        compute = getattr(self.model, "act_dtype", self.loaded.dtype)
+        return {**describe(self.loaded), "runner": self.runner, "quant": self.quant or "none",
+                "compute_dtype": str(compute).removeprefix("torch.")}
 
     def _end_ids(self) -> set[int]:
         ids = set()

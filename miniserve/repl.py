@@ -108,8 +108,9 @@ class ChatSession:
 
     def cmd_model(self, _):
         info = self.engine.info()
-        self.say(f"{info['name']} on {info['device']} ({info['dtype']}), context "
-                 f"{info['context_length']} tokens, {info['parameters'] / 1e6:.0f}M parameters, "
+        self.say(f"{info['name']} on {info['device']} ({info['dtype']}, {info['runner']} "
+                 f"runner), context {info['context_length']} tokens, "
+                 f"{info['parameters'] / 1e6:.0f}M parameters, "
                  f"from {info['source']}")
 
     # -- one turn -----------------------------------------------------------------------------

@@ -216,8 +216,8 @@ def build_ui(engine: Engine, presets: dict[str, SamplingParams],
 
     info = engine.info()
     with gr.Blocks(title="MiniServeLM") as demo:
-        gr.Markdown(f"## MiniServeLM · {info['name']} on {info['device']} ({info['dtype']}), "
-                    f"context {info['context_length']} tokens")
+        gr.Markdown(f"## MiniServeLM · {info['name']} on {info['device']} ({info['dtype']}, "
+                    f"{info['runner']} runner), context {info['context_length']} tokens")
         with gr.Tab("Chat"):
             with gr.Row():
                 with gr.Column(scale=3):
