@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).parent / "kernels" / "decode.cpp"
-ABI_VERSION = 3
+ABI_VERSION = 4
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 _lock = threading.Lock()
@@ -118,6 +118,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_mlp_block.argtypes = [I, P, P, F, P, P, L, L, P, I]
     lib.ms_lm_head.argtypes = [I, P, P, F, P, P, L, L, P, I]
     lib.ms_matvec.argtypes = [I, P, P, P, L, L, I]
+    lib.ms_threads.argtypes = [I]
+    lib.ms_threads.restype = I
     for f in (lib.ms_attn_block, lib.ms_mlp_block, lib.ms_lm_head, lib.ms_matvec):
         f.restype = None
 
@@ -165,9 +167,10 @@ class NativeStep:
         assert self.hd <= 1024 and all(t is None or t.is_contiguous()
                                        for w in model.layers for t in w.values())
 
-    def _scratch(self, positions: int) -> int:
-        need = (2 * self.D + (2 * self.H + 2 * self.KV) * self.hd + self.H * positions
-                + 4 * self.I + self.D)
+    def _scratch(self, positions: int, threads: int) -> int:
+        n = self.lib.ms_threads(threads)  # the pool's size (set by its first use)
+        need = (2 * self.D + (2 * self.H + 2 * self.KV) * self.hd + self.H * (positions + 2 * n)
+                + n * self.H * (self.hd + 2) + 4 * self.I + self.D)
         if self.scratch.numel() < need:
             self.scratch = torch.empty(need * 2, dtype=torch.float32)
         return self.scratch.data_ptr()
@@ -178,7 +181,7 @@ class NativeStep:
         pos = cache.length
         cache.reserve(pos + 1)
         threads = torch.get_num_threads()
-        scratch = self._scratch(pos + 1)
+        scratch = self._scratch(pos + 1, threads)
         self.x.copy_(m.embed[token_id])
         x = self.x.data_ptr()
         cos, sin = m.cos[pos].data_ptr(), m.sin[pos].data_ptr()

@@ -244,7 +244,7 @@ static void rope(float *v, long heads, long hd, const float *cos, const float *s
     }
 }
 
-// ---------------------------------------------------------------- attention of one head
+// ---------------------------------------------------------------- attention
 
 #if defined(__AVX512F__)
 // e^x for 16 floats (Cephes' expf: x = n ln2 + r, e^r by a degree-6 polynomial, 1-2 ulp).
@@ -266,54 +266,74 @@ static inline __m512 exp16(__m512 x) {
 }
 #endif
 
-// out = softmax(q . k_j * scale over j < S) . v_j, for one head; s: S floats of scratch.
-static void attend(const float *q, const float *k, const float *v, long S, long hd, float scale,
-                   float *s, float *out) {
-    float top = -INFINITY, total = 0.f;
+static inline float dot(const float *a, const float *b, long n) {
 #if defined(__AVX512F__)
-    if (hd % 16 == 0 && hd <= 256) {
-        const long chunks = hd / 16;
-        __m512 qv[16];
-        for (long c = 0; c < chunks; c++) qv[c] = _mm512_loadu_ps(q + 16 * c);
-        for (long j = 0; j < S; j++) {
-            const float *kj = k + j * hd;
-            __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kj));
-            for (long c = 1; c < chunks; c++)
-                acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kj + 16 * c), acc);
-            s[j] = _mm512_reduce_add_ps(acc) * scale;
-            top = s[j] > top ? s[j] : top;
-        }
-        __m512 sum = _mm512_setzero_ps(), topv = _mm512_set1_ps(top);
-        for (long j = 0; j < S; j += 16) {
-            __mmask16 m = S - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (S - j)) - 1);
-            __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), topv));
-            _mm512_mask_storeu_ps(s + j, m, e);
-            sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, e));
-        }
-        total = _mm512_reduce_add_ps(sum);
-        __m512 o[16];
-        for (long c = 0; c < chunks; c++) o[c] = _mm512_setzero_ps();
-        for (long j = 0; j < S; j++) {
-            __m512 p = _mm512_set1_ps(s[j] / total);
-            for (long c = 0; c < chunks; c++)
-                o[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + j * hd + 16 * c), o[c]);
-        }
-        for (long c = 0; c < chunks; c++) _mm512_storeu_ps(out + 16 * c, o[c]);
+    if (n % 16 == 0) {
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(b));
+        for (long i = 16; i < n; i += 16)
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+        return _mm512_reduce_add_ps(acc);
+    }
+#endif
+    float acc = 0.f;
+    for (long i = 0; i < n; i++) acc += a[i] * b[i];
+    return acc;
+}
+
+static inline void axpy(float *y, float a, const float *x, long n) {  // y += a x
+#if defined(__AVX512F__)
+    if (n % 16 == 0) {
+        __m512 av = _mm512_set1_ps(a);
+        for (long i = 0; i < n; i += 16)
+            _mm512_storeu_ps(y + i, _mm512_fmadd_ps(av, _mm512_loadu_ps(x + i),
+                                                    _mm512_loadu_ps(y + i)));
         return;
     }
 #endif
-    for (long j = 0; j < S; j++) {
-        float dot = 0.f;
-        for (long i = 0; i < hd; i++) dot += q[i] * k[j * hd + i];
-        s[j] = dot * scale;
-        top = s[j] > top ? s[j] : top;
+    for (long i = 0; i < n; i++) y[i] += a * x[i];
+}
+
+// s[j] = e^(s[j] - top) for j < n; returns their sum.
+static inline float exp_shifted(float *s, long n, float top) {
+    long j = 0;
+    float total = 0.f;
+#if defined(__AVX512F__)
+    __m512 sum = _mm512_setzero_ps(), topv = _mm512_set1_ps(top);
+    for (; j < n; j += 16) {
+        __mmask16 m = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
+        __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), topv));
+        _mm512_mask_storeu_ps(s + j, m, e);
+        sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, e));
     }
-    for (long j = 0; j < S; j++) total += (s[j] = std::exp(s[j] - top));
-    for (long i = 0; i < hd; i++) out[i] = 0.f;
-    for (long j = 0; j < S; j++) {
-        float p = s[j] / total;
-        for (long i = 0; i < hd; i++) out[i] += p * v[j * hd + i];
+    total = _mm512_reduce_add_ps(sum);
+#endif
+    for (; j < n; j++) total += (s[j] = std::exp(s[j] - top));
+    return total;
+}
+
+// One thread's part of attention: positions [j0, j1) of one cached key/value head, for the
+// `group` query heads that share it (each key and value is read once for all of them). Per
+// head h: m[h] = the largest score, l[h] = sum of e^(score - m[h]), o[h] = sum of
+// e^(score - m[h]) v_j (divided by the total only when the parts are merged).
+// s: scratch for group * (j1 - j0) scores.
+static void attend_part(const float *q, const float *k, const float *v, long group, long j0,
+                        long j1, long hd, float scale, float *s, float *o, float *l, float *m) {
+    const long len = j1 - j0;
+    for (long h = 0; h < group; h++) {
+        m[h] = -INFINITY;
+        l[h] = 0.f;
+        for (long i = 0; i < hd; i++) o[h * hd + i] = 0.f;
     }
+    if (len <= 0) return;
+    for (long j = j0; j < j1; j++)
+        for (long h = 0; h < group; h++) {
+            float score = dot(q + h * hd, k + j * hd, hd) * scale;
+            s[h * len + j - j0] = score;
+            m[h] = score > m[h] ? score : m[h];
+        }
+    for (long h = 0; h < group; h++) l[h] = exp_shifted(s + h * len, len, m[h]);
+    for (long j = j0; j < j1; j++)
+        for (long h = 0; h < group; h++) axpy(o + h * hd, s[h * len + j - j0], v + j * hd, hd);
 }
 
 // ---------------------------------------------------------------- the two halves of a layer
@@ -327,7 +347,7 @@ static void attn_block(float *x, const W *norm_w, float eps, const W *wqkv, cons
     float *qkv = h + D;                  // (H + 2 KV) hd
     float *att = qkv + (H + 2 * KV) * hd;  // H hd
     float *y = att + H * hd;             // D
-    float *scores = y + D;               // H (pos + 1)
+    float *scores = y + D;  // H (pos + 1 + 2 threads), then the threads' parts (ms_threads)
     rms_norm(x, norm_w, eps, h, D);
     matvec(wqkv, bqkv, h, qkv, (H + 2 * KV) * hd, D, threads);
     float *q = qkv, *k = qkv + H * hd, *v = k + KV * hd;
@@ -338,14 +358,39 @@ static void attn_block(float *x, const W *norm_w, float eps, const W *wqkv, cons
             k_cache[(g * capacity + pos) * hd + i] = k[g * hd + i];
             v_cache[(g * capacity + pos) * hd + i] = v[g * hd + i];
         }
+    // Attention, softmax(q k^T / sqrt(hd)) v per head: the positions are split over the
+    // threads; each thread's part is merged by rescaling to the largest score (the softmax
+    // of a split sequence, as flash-decoding does).
     const long S = pos + 1, group = H / KV;
     const float scale = 1.f / std::sqrt((float)hd);
+    const int n_parts = pool_for(threads)->size();
+    float *parts = scores + H * (S + 2 * n_parts);  // per thread: H hd outputs, H sums, H maxima
     parallel(threads, [&](int t, int n) {
-        for (long head = t; head < H; head += n)
-            attend(q + head * hd, k_cache + (head / group) * capacity * hd,
-                   v_cache + (head / group) * capacity * hd, S, hd, scale, scores + head * S,
-                   att + head * hd);
+        long per = (S + n - 1) / n;
+        long j0 = t * per < S ? t * per : S, j1 = j0 + per < S ? j0 + per : S;
+        float *o = parts + t * H * (hd + 2), *l = o + H * hd, *m = l + H;
+        float *s = scores + t * group * (per + 1);
+        for (long g = 0; g < KV; g++)
+            attend_part(q + g * group * hd, k_cache + g * capacity * hd,
+                        v_cache + g * capacity * hd, group, j0, j1, hd, scale, s,
+                        o + g * group * hd, l + g * group, m + g * group);
     });
+    for (long head = 0; head < H; head++) {
+        float top = -INFINITY, total = 0.f, *out = att + head * hd;
+        for (int t = 0; t < n_parts; t++) {
+            float mt = parts[t * H * (hd + 2) + H * hd + H + head];
+            top = mt > top ? mt : top;
+        }
+        for (long i = 0; i < hd; i++) out[i] = 0.f;
+        for (int t = 0; t < n_parts; t++) {
+            const float *o = parts + t * H * (hd + 2), *l = o + H * hd, *m = l + H;
+            if (l[head] == 0.f) continue;  // a thread with no positions
+            float c = std::exp(m[head] - top);
+            total += c * l[head];
+            axpy(out, c, o + head * hd, hd);
+        }
+        for (long i = 0; i < hd; i++) out[i] /= total;
+    }
     matvec(wo, (const W *)nullptr, att, y, D, H * hd, threads);
     for (long i = 0; i < D; i++) x[i] += y[i];
 }
@@ -376,7 +421,7 @@ static void lm_head(const float *x, const W *norm_w, float eps, const W *w, floa
 
 extern "C" {
 
-int ms_abi_version(void) { return 3; }
+int ms_abi_version(void) { return 4; }
 
 #define MS_DISPATCH(wdtype, call) \
     do {                          \
@@ -409,6 +454,9 @@ void ms_lm_head(int wdtype, const float *x, const void *norm_w, float eps, const
     MS_DISPATCH(wdtype, lm_head<W>(x, (const W *)norm_w, eps, (const W *)w, logits, D, V,
                                    scratch, threads));
 }
+
+// The number of threads a step runs on (the pool is made by the first call).
+int ms_threads(int threads) { return pool_for(threads)->size(); }
 
 // y = W x: the kernel alone, for tests and measurements.
 void ms_matvec(int wdtype, const void *w, const float *x, float *y, long rows, long cols,
