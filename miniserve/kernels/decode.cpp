@@ -13,8 +13,8 @@
 // weights computes, which is what the tests compare it with. Sums use float32 accumulators
 // in another order than PyTorch's: results agree to rounding, not bit for bit.
 //
-// Threads: the matrix-vector products and the attention heads are split over a small pool of
-// our own (the calling thread plus threads-1 helpers). A step hands out ~150 pieces of work of
+// Threads: the matrix-vector products (by rows) and attention (by positions) are split over a
+// small pool of our own (the calling thread plus threads-1 helpers). A step hands out ~150 pieces of work of
 // 20-200 us each; helpers spin briefly between them, and sleep when no step is running. Not
 // OpenMP: once two Python threads have used PyTorch's OpenMP pool (the web server loads the
 // model on one thread and decodes on another), each parallel region wakes its threads through
@@ -417,7 +417,7 @@ static void lm_head(const float *x, const W *norm_w, float eps, const W *w, floa
 }
 
 // ---------------------------------------------------------------- C entry points (ctypes)
-// wdtype / cdtype: 0 = float32, 1 = bfloat16. Pointers are raw tensor data pointers.
+// wdtype, the weights' type: 0 = float32, 1 = bfloat16. Pointers are raw tensor data pointers.
 
 extern "C" {
 
