@@ -111,3 +111,22 @@ def test_sampled_tokens_come_only_from_the_filtered_set(logits):
         tokens = sample(logits, params, generator=g)
         for row in range(logits.shape[0]):
             assert tokens[row] in allowed[row]
+
+
+def test_one_row_draws_follow_the_filtered_distribution():
+    """A single row (what the decode loop samples) is drawn among the tokens the filters left;
+    the frequencies over many draws must match their softmax, token by token."""
+    logits = torch.full((1, VOCAB), -2.0)
+    chosen = torch.tensor([3, 250, 251, 700, 998])  # scattered: indices must map back right
+    logits[0, chosen] = torch.tensor([2.0, 1.0, 0.5, 0.0, 1.5])
+    params = SamplingParams(temperature=1.0, top_k=5, top_p=1.0)
+    expected = torch.zeros(VOCAB)
+    expected[chosen] = logits[0, chosen].softmax(-1)
+    g = make_generator(7)
+    counts = torch.zeros(VOCAB)
+    n = 20000
+    for _ in range(n):
+        token = sample(logits, params, generator=g)
+        assert token.shape == (1,)
+        counts[int(token)] += 1
+    assert torch.allclose(counts / n, expected, atol=0.015)
