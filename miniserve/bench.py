@@ -193,14 +193,14 @@ def run_bench(engine: Engine, config: BenchConfig, progress: Progress | None = N
                             max_new_tokens=config.new_tokens)
     dtype = str(engine.loaded.dtype).removeprefix("torch.")
     ours = f"{dtype}+int8" if engine.quant == "int8" else dtype  # activations+weights
-    dtypes = {"no_cache": ours, "cache": ours, "hf_generate": dtype, "transformers_loop": dtype}
+    dtypes = {"no_cache": ours, "cache": ours, "hf_generate": dtype, "transformers_loop": dtype,
+              "lean": dtype}
+    lean_box: dict = {}  # the PyTorch lean model of the `lean` mode, built at its first run
     runners = {"no_cache": lambda ids: _run_ours(engine, ids, params, False),
                "cache": lambda ids: _run_ours(engine, ids, params, True),
                "hf_generate": lambda ids: _run_hf(engine, ids, params),
                "transformers_loop": lambda ids: _run_transformers_loop(engine, ids, params),
                "lean": lambda ids: _run_lean(engine, ids, params, lean_box)}
-    lean_box: dict = {}
-    dtypes["lean"] = dtype
     nbytes = {m: weight_bytes(engine.model if m in ("no_cache", "cache") else engine.loaded.model)
               for m in config.modes}
     modes = list(config.modes)
@@ -208,8 +208,8 @@ def run_bench(engine: Engine, config: BenchConfig, progress: Progress | None = N
     # llama.cpp (its own kernels), and the transformers model when ours computes in float32
     # over bfloat16 weights while it computes in bfloat16 (the tests compare ours with a
     # float32 transformers model holding the same weights instead).
-    other_numerics = ({"hf_generate", "transformers_loop", "lean"} if mixed_precision(engine)
-                      else set())
+    mixed = mixed_precision(engine)
+    other_numerics = {"hf_generate", "transformers_loop", "lean"} if mixed else set()
     if config.peer:
         peer_runners, peer_dtypes, peer_bytes = _peer_runners(engine, config, progress)
         runners.update(peer_runners)
@@ -255,7 +255,7 @@ def run_bench(engine: Engine, config: BenchConfig, progress: Progress | None = N
                             round(nbytes[mode] * decode_tps / 1e9, 2), match))
     progress(1.0, "done")
     note = ("ours computes in float32 over the bfloat16 weights, generate() in bfloat16: their "
-            "tokens are shown, not required to match" if mixed_precision(engine) else "")
+            "tokens are shown, not required to match" if mixed else "")
     return BenchResult(rows, all_match, engine.name, engine.loaded.device.type, ours,
                        note=note, runner=engine.runner)
 
@@ -317,8 +317,8 @@ def format_table(result: BenchResult) -> str:
 
 def to_dict(result: BenchResult) -> dict:
     return {"model": result.model, "device": result.device, "dtype": result.dtype,
-            "runner": result.runner, "greedy_match": result.greedy_match, "note": result.note, "rows": [asdict(r) for r in result.rows],
-            "prefix_reuse": result.prefix_reuse}
+            "runner": result.runner, "greedy_match": result.greedy_match, "note": result.note,
+            "rows": [asdict(r) for r in result.rows], "prefix_reuse": result.prefix_reuse}
 
 
 def write_json(result: BenchResult, path: str) -> None:

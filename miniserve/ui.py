@@ -216,7 +216,9 @@ def build_ui(engine: Engine, presets: dict[str, SamplingParams],
 
     info = engine.info()
     with gr.Blocks(title="MiniServeLM") as demo:
-        gr.Markdown(f"## MiniServeLM · {info['name']} on {info['device']} ({info['dtype']}, "
+        precision = info["dtype"] + (f" weights, {info['compute_dtype']} arithmetic"
+                                     if info["compute_dtype"] != info["dtype"] else "")
+        gr.Markdown(f"## MiniServeLM · {info['name']} on {info['device']} ({precision}, "
                     f"{info['runner']} runner), context {info['context_length']} tokens")
         with gr.Tab("Chat"):
             with gr.Row():

@@ -14,11 +14,11 @@
 // in another order than PyTorch's: results agree to rounding, not bit for bit.
 //
 // Threads: the matrix-vector products (by rows) and attention (by positions) are split over a
-// small pool of our own (the calling thread plus threads-1 helpers). A step hands out ~150 pieces of work of
-// 20-200 us each; helpers spin briefly between them, and sleep when no step is running. Not
-// OpenMP: once two Python threads have used PyTorch's OpenMP pool (the web server loads the
-// model on one thread and decodes on another), each parallel region wakes its threads through
-// the kernel, which measured 30% slower per token here.
+// small pool of our own (the calling thread plus threads-1 helpers). A step hands out ~150
+// pieces of work of 20-200 us each; helpers spin briefly between them, and sleep when no step
+// is running. Not OpenMP: once two Python threads have used PyTorch's OpenMP pool (the web
+// server loads the model on one thread and decodes on another), each parallel region wakes
+// its threads through the kernel, which measured 30% slower per token here.
 //
 // Built at first use by miniserve/native.py with the system C++ compiler (-O3 -march=native).
 
