@@ -167,7 +167,8 @@ def weight_bytes(model) -> int:
 
 
 def _peer_runners(engine: Engine, config: BenchConfig, progress: Progress):
-    """llama.cpp rows, keyed by mode, with their dtype and weight bytes."""
+    """llama.cpp rows, keyed by mode, with their dtype and weight bytes; and the peer
+    processes, for the caller to close."""
     from miniserve import peer
     from miniserve.loader import resolve_source
     kind, path, _ = resolve_source(engine.loaded.source)
@@ -176,15 +177,40 @@ def _peer_runners(engine: Engine, config: BenchConfig, progress: Progress):
     if kind != "gguf":
         raise ValueError("--peer needs a .gguf model source")
     n_ctx = max(config.prompt_tokens) + config.new_tokens + 16
-    runners, dtypes, nbytes = {}, {}, {}
+    runners, dtypes, nbytes, peers = {}, {}, {}, []
     for precision in peer.PRECISIONS:
         progress(0.0, f"preparing llama.cpp {precision}")
         model = peer.LlamaCppPeer(peer.gguf_copy(path, precision), n_ctx, torch.get_num_threads())
+        peers.append(model)
         mode = f"llamacpp_{precision}"
         runners[mode] = (lambda m: lambda ids: m.run(ids, config.new_tokens, engine.eos_ids))(model)
         dtypes[mode] = precision
         nbytes[mode] = model.weight_bytes()  # the file: weights as stored, read once a token
-    return runners, dtypes, nbytes
+    return runners, dtypes, nbytes, peers
+
+
+def _measure(engine: Engine, config: BenchConfig, modes: list[str], runners: dict,
+             progress: Progress) -> list[tuple[int, dict]]:
+    """[(prompt length, {mode: [(tokens, ttft_s, total_s) per repeat]}) per prompt length]."""
+    warm = prompt_of_length(engine.tokenizer, 8)
+    for mode in modes:  # first calls pay one-off costs; keep them out of the numbers
+        progress(0.0, f"warming up {mode}")
+        runners[mode](warm)
+    measured = []
+    total_runs = len(config.prompt_tokens) * len(modes) * config.repeat
+    done = 0
+    for n in config.prompt_tokens:
+        ids = prompt_of_length(engine.tokenizer, min(n, engine.context_length - config.new_tokens))
+        results = {}
+        for mode in modes:
+            runs = []
+            for r in range(config.repeat):
+                progress(done / total_runs, f"{n} prompt tokens, {mode}, run {r + 1}/{config.repeat}")
+                runs.append(runners[mode](ids))
+                done += 1
+            results[mode] = runs
+        measured.append((len(ids), results))
+    return measured
 
 
 def run_bench(engine: Engine, config: BenchConfig, progress: Progress | None = None) -> BenchResult:
@@ -210,30 +236,21 @@ def run_bench(engine: Engine, config: BenchConfig, progress: Progress | None = N
     # float32 transformers model holding the same weights instead).
     mixed = mixed_precision(engine)
     other_numerics = {"hf_generate", "transformers_loop", "lean"} if mixed else set()
+    peers = []
     if config.peer:
-        peer_runners, peer_dtypes, peer_bytes = _peer_runners(engine, config, progress)
+        peer_runners, peer_dtypes, peer_bytes, peers = _peer_runners(engine, config, progress)
         runners.update(peer_runners)
         dtypes.update(peer_dtypes)
         nbytes.update(peer_bytes)
         modes += list(peer_runners)
         other_numerics |= set(peer_runners)
-    warm = prompt_of_length(engine.tokenizer, 8)
-    for mode in modes:  # first calls pay one-off costs; keep them out of the numbers
-        progress(0.0, f"warming up {mode}")
-        runners[mode](warm)
+    try:
+        measured = _measure(engine, config, modes, runners, progress)
+    finally:
+        for p in peers:  # the llama.cpp processes end with the measurements
+            p.close()
     rows, all_match = [], True
-    total_runs = len(config.prompt_tokens) * len(modes) * config.repeat
-    done = 0
-    for n in config.prompt_tokens:
-        ids = prompt_of_length(engine.tokenizer, min(n, engine.context_length - config.new_tokens))
-        results = {}
-        for mode in modes:
-            runs = []
-            for r in range(config.repeat):
-                progress(done / total_runs, f"{n} prompt tokens, {mode}, run {r + 1}/{config.repeat}")
-                runs.append(runners[mode](ids))
-                done += 1
-            results[mode] = runs
+    for prompt_len, results in measured:
         reference = results[modes[0]][0][0]
         base_total = None
         for mode in modes:
@@ -249,7 +266,7 @@ def run_bench(engine: Engine, config: BenchConfig, progress: Progress | None = N
                 for r in runs)
             if mode == "no_cache":
                 base_total = total
-            rows.append(Row(len(ids), mode, dtypes[mode], len(tokens), round(ttft, 4),
+            rows.append(Row(prompt_len, mode, dtypes[mode], len(tokens), round(ttft, 4),
                             round(decode_tps, 2), round(total, 4),
                             round(base_total / total, 2) if base_total else None,
                             round(nbytes[mode] * decode_tps / 1e9, 2), match))

@@ -113,8 +113,7 @@ def make_runner(loaded: LoadedModel, runner: str = "auto", quant: str | None = N
         raise ValueError(f"the {runner} runner does not support "
                          f"{loaded.model.config.model_type}; use --runner transformers")
     use_native = runner == "native" or (
-        runner == "auto" and not quant and loaded.device.type == "cpu"
-        and loaded.model.dtype in native.DTYPE_CODES and native.load() is not None)
+        runner == "auto" and native.supports(loaded.device, loaded.model.dtype, quant))
     return lean.LeanModel(loaded.model, quant=quant, native=use_native)
 
 

@@ -147,7 +147,7 @@ class LeanModel:
         self.eps = cfg.rms_norm_eps
         if native:  # one-token steps in compiled code (miniserve/native.py)
             from miniserve import native as native_mod
-            if not native_mod.supports(self):
+            if not native_mod.supports(self.device_, self.dtype, quant):
                 reason = native_mod.unavailable_reason()
                 raise ValueError("the native decode step needs a CPU model with float32 or "
                                  "bfloat16 weights and no --quant"

@@ -124,10 +124,11 @@ def _declare(lib: ctypes.CDLL) -> None:
         f.restype = None
 
 
-def supports(model) -> bool:
-    """The native step runs a lean model on the CPU with float32 or bfloat16 weights."""
-    return (model.device.type == "cpu" and model.dtype in DTYPE_CODES
-            and model.quant is None and load() is not None)
+def supports(device: torch.device, dtype: torch.dtype, quant: str | None = None) -> bool:
+    """The native step runs a lean model on the CPU with float32 or bfloat16 weights, no
+    quantization, where the library could be built."""
+    return (device.type == "cpu" and dtype in DTYPE_CODES and quant is None
+            and load() is not None)
 
 
 def matvec(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

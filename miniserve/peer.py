@@ -8,6 +8,8 @@ runs each, fed the same prompt token ids as our engine.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -83,9 +85,6 @@ class LlamaCppModel:
             llama_module.llama_cpp.llama_model_default_params = default_params
 
     def run(self, ids: list[int], new_tokens: int, eos_ids) -> tuple[list[int], float, float]:
-        return self._run(ids, new_tokens, eos_ids)
-
-    def _run(self, ids, new_tokens, eos_ids):
         self.llm.reset()  # it would otherwise reuse the previous call's KV prefix
         tokens = []
         start = time.perf_counter()
@@ -108,8 +107,6 @@ class LlamaCppPeer:
     process llama.cpp measured 32 instead of 90 tokens/s here."""
 
     def __init__(self, path: Path, n_ctx: int, threads: int):
-        import subprocess
-        import sys
         self.path = Path(path)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "miniserve.peer", str(path), str(n_ctx), str(threads)],
@@ -131,7 +128,6 @@ class LlamaCppPeer:
 
 def _serve(path: str, n_ctx: str, threads: str) -> None:
     """The peer process: one JSON request a line in, one JSON result a line out."""
-    import sys
     model = LlamaCppModel(Path(path), int(n_ctx), int(threads))
     for line in sys.stdin:
         request = json.loads(line)
@@ -140,5 +136,4 @@ def _serve(path: str, n_ctx: str, threads: str) -> None:
 
 
 if __name__ == "__main__":
-    import sys
     _serve(*sys.argv[1:4])
