@@ -145,7 +145,12 @@ def _load_gguf(path: Path, dtype: torch.dtype, progress: Progress | None):
         _say(progress, f"Cached the dequantized weights in {cached}")
     except Exception as e:  # noqa: BLE001 -- the cache is an optimisation, never fatal
         _say(progress, f"Could not write the weight cache {cached} ({e}); next start will be slow.")
-    return model, tokenizer
+        return model, tokenizer
+    # Loaded straight from the GGUF, the model is flagged as quantized (transformers then
+    # refuses .float() / .to(dtype) on it) although its weights are plain tensors; from the
+    # cache it is not. Load from the cache, so the first start gives the model every later
+    # start gives.
+    return _load_pretrained(str(cached), dtype)
 
 
 def _write_cache(model, tokenizer, folder: Path) -> None:
