@@ -5,10 +5,12 @@ not be faster than memory allows; PyTorch gets its matrix-vector products close 
 spends another ~10 us on each of ~45 small ops per layer (norms, RoPE, cache writes, SiLU)
 on vectors of a few hundred numbers. The C++ file does a layer's two halves in two calls.
 
-Build: the system C++ compiler (`$CXX`, else `c++`), `-O3 -march=native`, a few seconds,
-once; the library is kept in the user cache folder, keyed by the source, the compiler and
-this CPU. Where there is no compiler, the lean PyTorch step runs instead and
-`unavailable_reason()` says why: nothing else changes.
+Build: the system C++ compiler (`$CXX`, else `c++`), `-O3` for the target that
+`MINISERVE_NATIVE_ARCH` names (TARGETS below; `native` by default: this CPU, AVX-512 where it
+has it), a few seconds, once; the library is kept in the user cache folder, keyed by the
+source, the compiler, this CPU and the compiler flags. `isa()` says which inner loops the
+library holds (avx512, avx2 or generic). Where there is no compiler, the lean PyTorch step runs
+instead and `unavailable_reason()` says why: nothing else changes.
 """
 
 from __future__ import annotations
@@ -26,13 +28,28 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).parent / "kernels" / "decode.cpp"
-ABI_VERSION = 4
+ABI_VERSION = 5
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread"]
+X86_64 = platform.machine().lower() in ("x86_64", "amd64")
+
+# MINISERVE_NATIVE_ARCH: what to compile for, each a list of architecture flags to try in turn
+# (the first the compiler takes is used).
+#   native:    this CPU. -march=native: AVX-512 where the CPU has it; -mcpu=native: what Apple's
+#              clang takes on arm64; none: portable loops the compiler vectorizes as it can.
+#   x86-64-v3: AVX2 + FMA, as on most x86 CPUs of the last ten years (the AVX2 loops).
+#   generic:   the plain loops, for the architecture's baseline (SSE2 on x86-64).
+TARGETS = {
+    "native": [["-march=native"], ["-mcpu=native"], []],
+    "x86-64-v3": [["-march=x86-64-v3"]],
+    "generic": [["-march=x86-64", "-mtune=generic"]] if X86_64 else [[]],
+}
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _reason: str | None = None
 _tried = False
+_target: str | None = None  # the build target of the load() that ran
 
 
 def _cpu_id() -> str:
@@ -51,51 +68,64 @@ def _compiler() -> str | None:
         shutil.which("clang++")
 
 
-def library_path(compiler: str) -> Path:
+def build_target() -> str:
+    """The build target in use: MINISERVE_NATIVE_ARCH as load() read it (`native` when unset);
+    an unknown name is returned as given, and load() then reports it."""
+    if _target is not None:
+        return _target
+    return os.environ.get("MINISERVE_NATIVE_ARCH", "").strip() or "native"
+
+
+def library_path(compiler: str, target: str = "native") -> Path:
+    """Where the library for `target` is kept. The key holds the flags, so that libraries built
+    for different targets (or with different flags) are never taken for one another."""
     from miniserve.loader import cache_root
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              timeout=30).stdout
+    flags = repr((FLAGS, target, TARGETS[target]))
     key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + _cpu_id().encode()
-                         + platform.machine().encode()).hexdigest()[:16]
-    return cache_root() / "kernels" / f"decode-{key}.so"
+                         + platform.machine().encode() + flags.encode()).hexdigest()[:16]
+    return cache_root() / "kernels" / f"decode-{target}-{key}.so"
 
 
-def _build(compiler: str, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(f".{os.getpid()}.tmp")
-    # -march=native: AVX-512 where the CPU has it; -mcpu=native: what Apple's clang takes on
-    # arm64; none: portable loops the compiler vectorizes as it can.
-    for arch in (["-march=native"], ["-mcpu=native"], []):
-        command = [compiler, "-O3", *arch, "-std=c++17", "-shared", "-fPIC", "-pthread",
-                   str(SOURCE), "-o", str(tmp)]
+def _build(compiler: str, path: Path, target: str = "native") -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    for arch in TARGETS[target]:
+        command = [compiler, *FLAGS, *arch, str(SOURCE), "-o", str(tmp)]
         done = subprocess.run(command, capture_output=True, text=True, timeout=300)
         if done.returncode == 0:
-            os.replace(tmp, target)
+            os.replace(tmp, path)
             return
     last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-    raise RuntimeError(f"{compiler} failed: {last}")
+    raise RuntimeError(f"{compiler} failed for target {target}: {last}")
 
 
 def load() -> ctypes.CDLL | None:
     """The compiled library, building it on first use; None where it cannot be built."""
-    global _lib, _reason, _tried
+    global _lib, _reason, _tried, _target
     with _lock:
         if _tried:
             return _lib
         _tried = True
+        _target = build_target()
         if os.environ.get("MINISERVE_NATIVE", "1") == "0":
             _reason = "turned off by MINISERVE_NATIVE=0"
+            return None
+        if _target not in TARGETS:
+            _reason = (f"unknown MINISERVE_NATIVE_ARCH={_target!r} "
+                       f"(one of: {', '.join(TARGETS)})")
             return None
         compiler = _compiler()
         if compiler is None:
             _reason = "no C++ compiler found (set CXX, or install g++ / clang++)"
             return None
         try:
-            path = library_path(compiler)
+            path = library_path(compiler, _target)
             if not path.exists():
-                print(f"Compiling the native decode step ({SOURCE.name}) ...", file=sys.stderr,
-                      flush=True)
-                _build(compiler, path)
+                print(f"Compiling the native decode step ({SOURCE.name}, {_target}) ...",
+                      file=sys.stderr, flush=True)
+                _build(compiler, path, _target)
             lib = ctypes.CDLL(str(path))
             if lib.ms_abi_version() != ABI_VERSION:
                 raise RuntimeError("stale library (ABI version differs)")
@@ -112,6 +142,13 @@ def unavailable_reason() -> str | None:
     return _reason
 
 
+def isa() -> str | None:
+    """Which inner loops the library was compiled with: "avx512", "avx2" (with FMA) or
+    "generic" (plain loops; "generic+neon" on ARM); None where there is no library."""
+    lib = load()
+    return lib.ms_isa().decode() if lib is not None else None
+
+
 def _declare(lib: ctypes.CDLL) -> None:
     P, L, I, F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
     lib.ms_attn_block.argtypes = [I, P, P, F, P, P, P, P, P, P, P, L, L, L, L, L, L, P, I]
@@ -120,6 +157,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_matvec.argtypes = [I, P, P, P, L, L, I]
     lib.ms_threads.argtypes = [I]
     lib.ms_threads.restype = I
+    lib.ms_isa.argtypes = []
+    lib.ms_isa.restype = ctypes.c_char_p
     for f in (lib.ms_attn_block, lib.ms_mlp_block, lib.ms_lm_head, lib.ms_matvec):
         f.restype = None
 
