@@ -95,13 +95,15 @@ def generate(model, prompt_ids: list[int] | torch.Tensor, params: SamplingParams
              eos_ids: set[int] | frozenset[int] = frozenset(), use_cache: bool = True,
              cache=None, cancel: threading.Event | None = None,
              generator: torch.Generator | None = None, stats: GenerationStats | None = None,
-             max_length: int | None = None, observer: LogitsObserver | None = None
-             ) -> Iterator[int]:
+             max_length: int | None = None, observer: LogitsObserver | None = None,
+             prompt_logits: torch.Tensor | None = None) -> Iterator[int]:
     """Yield new token ids one at a time until EOS, the token budget, or `cancel`.
 
     `cache` may already hold the keys/values of a prefix of `prompt_ids` (prefix reuse);
-    only the rest is prefilled. `stats` is updated as the loop runs. The caller stops
-    on stop strings simply by not asking for the next token.
+    only the rest is prefilled. When it holds the whole prompt, `prompt_logits` are the
+    logits that prompt produced before (a repeated prompt): step 0 then needs no forward
+    pass, and the reply is computed exactly as the first one was. `stats` is updated as the
+    loop runs. The caller stops on stop strings simply by not asking for the next token.
     """
     stats = stats if stats is not None else GenerationStats()
     stats.started = time.perf_counter()
@@ -116,18 +118,22 @@ def generate(model, prompt_ids: list[int] | torch.Tensor, params: SamplingParams
     if use_cache and cache is None:
         cache = new_cache(model)
     reused = cache.get_seq_length() if use_cache else 0
+    if prompt_logits is not None and reused != ids.shape[1]:
+        raise ValueError("prompt_logits need a cache that holds the whole prompt")
+    if prompt_logits is None and reused >= ids.shape[1]:
+        raise ValueError("the cache holds the whole prompt: pass its logits, or crop it")
     stats.reused_tokens = reused
     stats.finish_reason = "length"
 
     try:
         yield from _loop(model, ids, params, budget, eos_ids, use_cache, cache, cancel,
-                         generator, stats, observer)
+                         generator, stats, observer, prompt_logits)
     finally:
         stats.total_s = time.perf_counter() - stats.started
 
 
 def _loop(model, ids, params, budget, eos_ids, use_cache, cache, cancel, generator, stats,
-          observer) -> Iterator[int]:
+          observer, prompt_logits) -> Iterator[int]:
     # Step 0: the prompt (or its uncached tail) goes through the model once.
     pending = ids[:, stats.reused_tokens:] if use_cache else ids
     for index in range(max(budget, 0)):
@@ -137,7 +143,10 @@ def _loop(model, ids, params, budget, eos_ids, use_cache, cache, cancel, generat
         # inference_mode per step, never across a `yield`: grad mode is thread state, and
         # interleaved generators (the Compare tab) would otherwise switch it for each other.
         with torch.inference_mode():
-            logits = forward(model, pending, cache if use_cache else None)
+            if index == 0 and prompt_logits is not None:
+                logits = prompt_logits  # the whole prompt is cached, and what it produced
+            else:
+                logits = forward(model, pending, cache if use_cache else None)
             # Choose: repetition penalty sees every id so far; greedy skips the softmax.
             token = sample(logits, params, ids, generator)
             token_id = int(token.item())  # the one host sync per step

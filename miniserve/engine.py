@@ -45,11 +45,19 @@ class Chunk:
 class _Entry:
     ids: tuple[int, ...]
     cache: object
+    prompt_len: int = 0
+    prompt_logits: object = None  # what the first ids[:prompt_len] produced, if known
 
 
 @dataclass
 class PrefixCache:
-    """LRU of KV caches keyed by the ids they hold, bounded in entries and total tokens."""
+    """LRU of KV caches keyed by the ids they hold, bounded in entries and total tokens.
+
+    An entry also keeps the logits its request's prompt produced. The same prompt again (a
+    Regenerate, a retried request) then reuses all of it and those logits: no prefill, and
+    the reply is computed exactly as the first one was. A prompt that only shares a prefix
+    feeds the rest through the model -- other shapes, so other rounding than a fresh prefill
+    (tests/reference.py)."""
 
     max_entries: int = 4
     max_tokens: int = 32768
@@ -58,23 +66,30 @@ class PrefixCache:
     _next: int = 0
 
     def take(self, prompt: list[int]):
-        """Remove and return (cache, n) for the longest shared prefix, or (None, 0)."""
-        best, best_len = None, 0
+        """Remove and return (cache, n, logits) for the longest shared prefix: logits when the
+        cache holds the whole prompt and what it produced, else None; or (None, 0, None)."""
+        best, best_len, best_whole = None, 0, False
         for key, entry in self.entries.items():
             n = _common_prefix(entry.ids, prompt)
-            if n > best_len:
-                best, best_len = key, n
-        best_len = min(best_len, len(prompt) - 1)  # the last prompt token must be fed for logits
+            whole = (n == len(prompt) == entry.prompt_len and entry.prompt_logits is not None)
+            if (n, whole) > (best_len, best_whole):
+                best, best_len, best_whole = key, n, whole
         if best is None or best_len < self.min_match:
-            return None, 0
+            return None, 0, None
         entry = self.entries.pop(best)
+        if best_whole:
+            crop_cache(entry.cache, best_len)
+            return entry.cache, best_len, entry.prompt_logits
+        best_len = min(best_len, len(prompt) - 1)  # the last prompt token must be fed for logits
         crop_cache(entry.cache, best_len)
-        return entry.cache, best_len
+        return entry.cache, best_len, None
 
-    def put(self, ids: list[int], cache) -> None:
+    def put(self, ids: list[int], cache, prompt_len: int = 0, prompt_logits=None) -> None:
         if self.max_entries <= 0 or not ids:
             return
-        self.entries[self._next] = _Entry(tuple(ids), cache)
+        if len(ids) < prompt_len:  # stopped before the prompt was in: its logits are not
+            prompt_logits = None
+        self.entries[self._next] = _Entry(tuple(ids), cache, prompt_len, prompt_logits)
         self._next += 1
         while len(self.entries) > self.max_entries or (
                 len(self.entries) > 1 and self.total_tokens() > self.max_tokens):
@@ -144,9 +159,11 @@ class Engine:
         return self.loaded.name
 
     def info(self) -> dict:
+        from miniserve import native
         compute = getattr(self.model, "act_dtype", self.loaded.dtype)
         return {**describe(self.loaded), "runner": self.runner, "quant": self.quant or "none",
-                "compute_dtype": str(compute).removeprefix("torch.")}
+                "compute_dtype": str(compute).removeprefix("torch."),
+                "kernels": native.isa() if self.runner == "native" else None}
 
     def _end_ids(self) -> set[int]:
         ids = set()
@@ -279,17 +296,25 @@ class Engine:
 
     def _stream_reply(self, prompt_ids, params, cancel, use_cache, reuse_prefix, observer,
                          stats, dropped_messages) -> Iterator[Chunk]:
-        cache, reused = (self.prefix_cache.take(prompt_ids) if use_cache and reuse_prefix
-                         else (None, 0))
+        cache, _, logits = (self.prefix_cache.take(prompt_ids) if use_cache and reuse_prefix
+                            else (None, 0, None))
         if use_cache and cache is None:
             cache = new_cache(self.model)
         detok = Detokenizer(self.tokenizer)
         stops = StopStrings(params.stop)
         generated: list[int] = []
         pending_ids: list[int] = []
+        first = {"logits": logits}
+
+        def watch(step_logits, ids, token_id):  # keeps what the prompt produced, for reuse
+            if first["logits"] is None:
+                first["logits"] = step_logits
+            if observer is not None:
+                observer(step_logits, ids, token_id)
+
         steps = generate(self.model, prompt_ids, params, eos_ids=self.eos_ids,
                          use_cache=use_cache, cache=cache, cancel=cancel, stats=stats,
-                         max_length=self.context_length, observer=observer)
+                         max_length=self.context_length, observer=watch, prompt_logits=logits)
         try:
             for token_id in steps:
                 generated.append(token_id)
@@ -307,7 +332,8 @@ class Engine:
             steps.close()
             if use_cache and reuse_prefix:
                 held = cache.get_seq_length()
-                self.prefix_cache.put((list(prompt_ids) + generated)[:held], cache)
+                self.prefix_cache.put((list(prompt_ids) + generated)[:held], cache,
+                                      len(prompt_ids), first["logits"])
         tail = "" if stops.stopped else stops.feed(detok.flush()) + stops.flush()
         yield Chunk(tail, [] if stops.stopped else pending_ids, stats, done=True,
                     dropped_messages=dropped_messages)

@@ -33,6 +33,8 @@ def test_completion_with_usage_from_the_tokenizer(client, tokenizer):
 
 
 def test_stream_equals_non_stream(client):
+    # Exact by construction: the streamed request repeats the prompt, so it reuses the first
+    # one's cached prompt and its logits (the prefix cache), and samples with the same seed.
     kwargs = dict(model="default", messages=Q, max_tokens=24, temperature=0.8, seed=5)
     whole = client.chat.completions.create(**kwargs).choices[0].message.content
     chunks = list(client.chat.completions.create(stream=True, stream_options={

@@ -22,6 +22,8 @@ def test_chat_streams_pieces_that_join_to_the_reply(engine):
 
 
 def test_stop_string_cuts_the_reply(engine):
+    # Exact by construction: the second request repeats the prompt, so it reuses the first's
+    # cached prompt and the logits it produced (PrefixCache), then decodes the same way.
     messages = [{"role": "user", "content": "Count: 1, 2, 3, 4, 5, 6, 7, 8"}]
     full, _ = engine.chat_text(messages, GREEDY.replace(max_new_tokens=40))
     word = full.split()[2]
@@ -67,11 +69,15 @@ def test_queue_limit_answers_busy(loaded):
 
 
 def test_concurrent_chats_do_not_mix(engine):
+    """Exact by construction: each reply is computed from scratch (no prefix reuse), alone or
+    while the others wait, by the same code on the same numbers."""
     questions = ["What is 2+2?", "Name a fruit.", "What colour is the sky?"]
-    alone = {q: engine.chat_text([{"role": "user", "content": q}], GREEDY)[0] for q in questions}
+    ask = lambda q: engine.chat_text([{"role": "user", "content": q}], GREEDY,
+                                     reuse_prefix=False)[0]
+    alone = {q: ask(q) for q in questions}
     together = {}
-    threads = [threading.Thread(target=lambda q=q: together.__setitem__(
-        q, engine.chat_text([{"role": "user", "content": q}], GREEDY)[0])) for q in questions]
+    threads = [threading.Thread(target=lambda q=q: together.__setitem__(q, ask(q)))
+               for q in questions]
     for t in threads:
         t.start()
     for t in threads:
@@ -122,7 +128,23 @@ def test_control_characters_and_surrogates_are_cleaned(engine):
     assert last.done and last.stats.new_tokens > 0
 
 
+def test_a_repeated_prompt_reuses_its_logits_and_answers_the_same(loaded):
+    """Regenerate / a retried request: the whole prompt and the logits it produced come from
+    the prefix cache -- no prefill, and bit for bit the first reply (a sampled one too)."""
+    engine = Engine(loaded)
+    messages = [{"role": "user", "content": "Write a line about autumn."}]
+    params = SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=16, seed=3)
+    first, a = engine.chat_text(messages, params)
+    again, b = engine.chat_text(messages, params)
+    assert a.stats.reused_tokens == 0 and b.stats.reused_tokens == b.stats.prompt_tokens
+    assert again == first
+    partial, c = engine.chat_text(messages + [{"role": "assistant", "content": first},
+                                              {"role": "user", "content": "Another."}], params)
+    assert 0 < c.stats.reused_tokens < c.stats.prompt_tokens  # a shared prefix: fed the rest
+
+
 def test_compare_interleaves_columns_and_matches_single_runs(engine):
+    """Exact by construction: every column and every single run computes from scratch."""
     ids = engine.chat_prompt([{"role": "user", "content": "Name a bird."}], GREEDY)
     settings = [GREEDY.replace(max_new_tokens=10),
                 SamplingParams(temperature=1.0, top_k=20, top_p=0.9, max_new_tokens=10, seed=4)]

@@ -168,9 +168,15 @@ def test_many_conversations_keep_memory_bounded(loaded):
 def test_simultaneous_streams_all_complete_unmixed(app_server):
     client = openai.OpenAI(base_url=app_server.url + "/v1", api_key="x", max_retries=0,
                            timeout=300)
+    # A system prompt of its own per question: no two share a prefix long enough for the
+    # prefix cache, so each stream either repeats its expected request from the cache (the
+    # prompt and its logits reused) or computes it from scratch again -- either way the same
+    # arithmetic as the expected one, so equal answers are exact by construction.
     questions = [f"What is {i} plus {i}? Answer in one sentence." for i in range(STREAMS)]
+    messages = {q: [{"role": "system", "content": f"{i}: you answer sums."},
+                    {"role": "user", "content": q}] for i, q in enumerate(questions)}
     expected = {q: client.chat.completions.create(model="default", temperature=0, max_tokens=12,
-                                                  messages=[{"role": "user", "content": q}])
+                                                  messages=messages[q])
                 .choices[0].message.content for q in questions[:4]}
     got, latencies, errors = {}, [], []
 
@@ -179,7 +185,7 @@ def test_simultaneous_streams_all_complete_unmixed(app_server):
         try:
             stream = client.chat.completions.create(
                 model="default", temperature=0, max_tokens=12, stream=True,
-                messages=[{"role": "user", "content": q}])
+                messages=messages[q])
             got[q] = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
             latencies.append(time.perf_counter() - t)
         except Exception as e:  # noqa: BLE001 -- counted
