@@ -1,8 +1,10 @@
 """Cache vs no-cache vs transformers' generate(), side by side in one run.
 
-Shared by `python -m miniserve bench` and the web app's Benchmark tab. Greedy
-decoding throughout, so the three modes must produce the same tokens: a benchmark
-of wrong answers is worthless, and the result says whether they matched.
+Shared by `python -m miniserve bench` and the web app's Benchmark tab. Greedy decoding
+throughout: a benchmark of wrong answers is worthless, so every mode's tokens are checked
+against a float32 transformers model holding the same weights (miniserve/verify.py: each
+token within the error bound of its arithmetic of the reference's best). The modes compute
+with different kernels, so their tokens may part at a near-tie; the result shows where.
 """
 
 from __future__ import annotations
@@ -62,19 +64,24 @@ class Row:
     total_s: float
     speedup_vs_no_cache: float | None
     effective_gb_s: float  # weight bytes read per second while decoding
-    tokens_match: bool
+    tokens_match: bool     # the same tokens as the first mode's
+    agree_tokens: int      # how many leading tokens are the first mode's
+    verified: bool | None  # follows the float32 reference (None: other weights, not checked)
 
 
 @dataclass
 class BenchResult:
     rows: list[Row]
-    greedy_match: bool
+    greedy_match: bool     # every mode gave the same tokens
+    tokens_verified: bool  # every checked mode follows the float32 reference
     model: str
     device: str
     dtype: str
     prefix_reuse: dict | None = None
     note: str = ""
     runner: str = ""  # what ran our rows: native, lean or transformers
+    native_isa: str = ""  # what the native step was compiled for, when it ran
+    cpu: str = ""
 
 
 def prompt_of_length(tokenizer, n: int) -> list[int]:
@@ -191,7 +198,7 @@ def _peer_runners(engine: Engine, config: BenchConfig, progress: Progress):
 
 def _measure(engine: Engine, config: BenchConfig, modes: list[str], runners: dict,
              progress: Progress) -> list[tuple[int, dict]]:
-    """[(prompt length, {mode: [(tokens, ttft_s, total_s) per repeat]}) per prompt length]."""
+    """[(prompt ids, {mode: [(tokens, ttft_s, total_s) per repeat]}) per prompt length]."""
     warm = prompt_of_length(engine.tokenizer, 8)
     for mode in modes:  # first calls pay one-off costs; keep them out of the numbers
         progress(0.0, f"warming up {mode}")
@@ -209,7 +216,7 @@ def _measure(engine: Engine, config: BenchConfig, modes: list[str], runners: dic
                 runs.append(runners[mode](ids))
                 done += 1
             results[mode] = runs
-        measured.append((len(ids), results))
+        measured.append((ids, results))
     return measured
 
 
@@ -230,35 +237,34 @@ def run_bench(engine: Engine, config: BenchConfig, progress: Progress | None = N
     nbytes = {m: weight_bytes(engine.model if m in ("no_cache", "cache") else engine.loaded.model)
               for m in config.modes}
     modes = list(config.modes)
-    # Rows that compute other numbers than ours, so greedy tokens may part after a while:
-    # llama.cpp (its own kernels), and the transformers model when ours computes in float32
-    # over bfloat16 weights while it computes in bfloat16 (the tests compare ours with a
-    # float32 transformers model holding the same weights instead).
-    mixed = mixed_precision(engine)
-    other_numerics = {"hf_generate", "transformers_loop", "lean"} if mixed else set()
+    arithmetic = {"no_cache": compute_dtype(engine), "cache": compute_dtype(engine),
+                  "hf_generate": engine.loaded.dtype, "transformers_loop": engine.loaded.dtype,
+                  "lean": engine.loaded.dtype}
     peers = []
-    if config.peer:
+    if config.peer:  # llama.cpp: its own weights (a copy per precision), so not checked
         peer_runners, peer_dtypes, peer_bytes, peers = _peer_runners(engine, config, progress)
         runners.update(peer_runners)
         dtypes.update(peer_dtypes)
         nbytes.update(peer_bytes)
         modes += list(peer_runners)
-        other_numerics |= set(peer_runners)
     try:
         measured = _measure(engine, config, modes, runners, progress)
     finally:
         for p in peers:  # the llama.cpp processes end with the measurements
             p.close()
-    rows, all_match = [], True
-    for prompt_len, results in measured:
-        reference = results[modes[0]][0][0]
+    progress(1.0, "checking the tokens against the float32 reference")
+    check = _token_checker(engine, config.new_tokens)
+    rows = []
+    for prompt_ids, results in measured:
+        first = results[modes[0]][0][0]
         base_total = None
         for mode in modes:
             runs = results[mode]
             tokens = runs[0][0]
-            match = all(r[0] == reference for r in runs)
-            if mode not in other_numerics:  # reported, not required to match
-                all_match &= match
+            agree = _common_prefix(tokens, first)
+            verified = None
+            if mode in arithmetic and engine.quant is None:
+                verified = all(check(prompt_ids, r[0], arithmetic[mode]) for r in runs)
             ttft = statistics.median(r[1] for r in runs)
             total = statistics.median(r[2] for r in runs)
             decode_tps = statistics.median(
@@ -266,19 +272,62 @@ def run_bench(engine: Engine, config: BenchConfig, progress: Progress | None = N
                 for r in runs)
             if mode == "no_cache":
                 base_total = total
-            rows.append(Row(prompt_len, mode, dtypes[mode], len(tokens), round(ttft, 4),
+            rows.append(Row(len(prompt_ids), mode, dtypes[mode], len(tokens), round(ttft, 4),
                             round(decode_tps, 2), round(total, 4),
                             round(base_total / total, 2) if base_total else None,
-                            round(nbytes[mode] * decode_tps / 1e9, 2), match))
+                            round(nbytes[mode] * decode_tps / 1e9, 2),
+                            all(r[0] == first for r in runs), agree, verified))
+    del check
     progress(1.0, "done")
-    note = ("ours computes in float32 over the bfloat16 weights, generate() in bfloat16: their "
-            "tokens are shown, not required to match" if mixed else "")
-    return BenchResult(rows, all_match, engine.name, engine.loaded.device.type, ours,
-                       note=note, runner=engine.runner)
+    note = ("ours computes in float32 over the bfloat16 weights, generate() in bfloat16"
+            if mixed_precision(engine) else "")
+    from miniserve import native
+    return BenchResult(rows, all(r.tokens_match for r in rows if r.verified is not None),
+                       all(r.verified is not False for r in rows), engine.name,
+                       engine.loaded.device.type, ours, note=note, runner=engine.runner,
+                       native_isa=(native.isa() or "") if engine.runner == "native" else "",
+                       cpu=cpu_name())
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def _token_checker(engine: Engine, new_tokens: int):
+    """check(prompt ids, greedy tokens, arithmetic dtype) -> do they follow a float32
+    transformers model holding the engine's weights (a float32 copy for bfloat16 weights)?"""
+    import copy
+    from miniserve.verify import bound_for, check_tokens
+    model = engine.loaded.model
+    if model.dtype != torch.float32:
+        model = copy.deepcopy(model).float()
+
+    def check(prompt_ids, tokens, arithmetic) -> bool:
+        bound = bound_for(arithmetic)
+        if len(tokens) >= new_tokens:
+            return check_tokens(model, prompt_ids, tokens, bound).ok
+        # a shorter reply stopped on an end token, which one is not recorded: one must pass
+        return any(check_tokens(model, prompt_ids, tokens, bound, end).ok
+                   for end in engine.eos_ids)
+
+    return check
+
+
+def compute_dtype(engine: Engine) -> torch.dtype:
+    """The dtype our runner does its arithmetic in (float32 over bf16 weights: native)."""
+    return getattr(engine.model, "act_dtype", engine.loaded.dtype)
 
 
 def mixed_precision(engine: Engine) -> bool:
-    return getattr(engine.model, "act_dtype", engine.loaded.dtype) != engine.loaded.dtype
+    return compute_dtype(engine) != engine.loaded.dtype
+
+
+def cpu_name() -> str:
+    from miniserve.platform_info import cpu_model
+    return cpu_model()
 
 
 def prefix_reuse(engine: Engine, history_tokens: int = 1500, repeat: int = 3) -> dict:
@@ -312,29 +361,44 @@ def prefix_reuse(engine: Engine, history_tokens: int = 1500, repeat: int = 3) ->
 
 def format_table(result: BenchResult) -> str:
     head = ("prompt_tokens", "mode", "dtype", "new_tokens", "ttft_s", "decode_tok/s", "total_s",
-            "speedup", "GB/s")
+            "speedup", "GB/s", "tokens")
     lines = [" ".join(f"{h:>13}" for h in head)]
     for r in result.rows:
         cells = (r.prompt_tokens, r.mode, r.dtype, r.new_tokens, f"{r.ttft_s:.3f}",
                  f"{r.decode_tokens_per_s:.1f}", f"{r.total_s:.2f}",
                  f"{r.speedup_vs_no_cache:.2f}x" if r.speedup_vs_no_cache else "-",
-                 f"{r.effective_gb_s:.1f}")
+                 f"{r.effective_gb_s:.1f}",
+                 {True: "checked", False: "WRONG", None: "-"}[r.verified])
         lines.append(" ".join(f"{c:>13}" for c in cells))
-    verdict = ("greedy tokens identical across modes: yes" if result.greedy_match else
-               "greedy tokens identical across modes: NO -- the modes disagree")
-    if result.note:
-        verdict += f" ({result.note})"
-    if "int8" in result.dtype and not result.greedy_match:
-        verdict = ("int8 weights: greedy tokens differ from the float reference, as rounding "
-                   "the weights is expected to do (see BENCHMARKS.md for the agreement)")
-    lines.append(f"{result.model} on {result.device} ({result.dtype}, {result.runner} runner); "
-                 f"{verdict}")
+    lines.append(f"{result.model} on {result.device} ({result.dtype}, {result.runner} runner"
+                 + (f", {result.native_isa} kernels" if result.native_isa else "")
+                 + (f"; {result.cpu}" if result.cpu else "") + f"); {verdict(result)}")
     return "\n".join(lines)
+
+
+def verdict(result: BenchResult) -> str:
+    """One sentence on the tokens: checked against the reference, and alike across modes."""
+    if "int8" in result.dtype:
+        return ("int8 weights: greedy tokens differ from the float reference, as rounding the "
+                "weights is expected to do (see BENCHMARKS.md for the agreement)")
+    checked = ("every mode's greedy tokens follow the float32 reference: yes"
+               if result.tokens_verified else
+               "greedy tokens follow the float32 reference: NO -- a mode computes wrong logits")
+    if result.greedy_match:
+        alike = "identical across modes"
+    else:
+        parted = min(r.agree_tokens for r in result.rows if r.verified is not None)
+        alike = (f"the modes part at a near-tie after {parted} tokens (other kernels, other "
+                 "rounding)")
+    note = f"; {result.note}" if result.note else ""
+    return f"{checked}; {alike}{note}"
 
 
 def to_dict(result: BenchResult) -> dict:
     return {"model": result.model, "device": result.device, "dtype": result.dtype,
-            "runner": result.runner, "greedy_match": result.greedy_match, "note": result.note,
+            "runner": result.runner, "native_isa": result.native_isa, "cpu": result.cpu,
+            "greedy_match": result.greedy_match, "tokens_verified": result.tokens_verified,
+            "note": result.note,
             "rows": [asdict(r) for r in result.rows], "prefix_reuse": result.prefix_reuse}
 
 

@@ -207,11 +207,14 @@ class LeanModel:
     def new_cache(self) -> KVCache:
         return KVCache(len(self.layers), self.n_kv, self.head_dim, self.act_dtype, self.device_)
 
-    def __call__(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        return self.forward(input_ids, cache)
+    def __call__(self, input_ids: torch.Tensor, cache: KVCache | None = None,
+                 all_logits: bool = False) -> torch.Tensor:
+        return self.forward(input_ids, cache, all_logits)
 
-    def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """ids (1, T) -> logits of the last position (1, vocab). Appends to `cache` if given."""
+    def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None,
+                all_logits: bool = False) -> torch.Tensor:
+        """ids (1, T) -> logits of the last position (1, vocab), or of every position
+        (T, vocab) with `all_logits`. Appends to `cache` if given."""
         T = input_ids.shape[1]
         if T == 1 and cache is not None and self.native is not None:
             return self.native(int(input_ids[0, 0]), cache)  # same computation, compiled
@@ -228,6 +231,8 @@ class LeanModel:
             x = x + _linear(F.silu(gate) * up, w["w2"])
         if cache is not None:
             cache.length = start + T
+        if all_logits:
+            return _linear(_rms_norm(x, self.final_norm, self.eps), self.lm_head)[0]
         x = _rms_norm(x[:, -1:, :], self.final_norm, self.eps)  # only the last position
         return _linear(x, self.lm_head)[:, -1, :]
 

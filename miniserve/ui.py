@@ -10,7 +10,7 @@ import time
 import gradio as gr
 import pandas as pd
 
-from miniserve.bench import BenchConfig, run_bench, to_dict
+from miniserve.bench import BenchConfig, run_bench, to_dict, verdict
 from miniserve.chat import ChatError
 from miniserve.config import FIELDS, ConfigError, SamplingParams, check_seed
 from miniserve.engine import Engine, EngineBusy
@@ -207,19 +207,17 @@ def build_ui(engine: Engine, presets: dict[str, SamplingParams],
                                       else str(e))
         result = run_bench(engine, config, progress=lambda f, m: progress(f, desc=m))
         table = pd.DataFrame(to_dict(result)["rows"])
-        verdict = ("greedy tokens identical in all modes: yes" if result.greedy_match
-                   else "greedy tokens identical in all modes: NO, the modes disagree")
-        if result.note:
-            verdict += f" ({result.note})"
         return table, table, (f"{result.model} on {result.device} ({result.dtype}, "
-                              f"{result.runner} runner). {verdict}")
+                              f"{result.runner} runner). {verdict(result)}")
 
     info = engine.info()
     with gr.Blocks(title="MiniServeLM") as demo:
         precision = info["dtype"] + (f" weights, {info['compute_dtype']} arithmetic"
                                      if info["compute_dtype"] != info["dtype"] else "")
         gr.Markdown(f"## MiniServeLM · {info['name']} on {info['device']} ({precision}, "
-                    f"{info['runner']} runner), context {info['context_length']} tokens")
+                    f"{info['runner']} runner"
+                    + (f", {info['kernels']} kernels" if info["kernels"] else "")
+                    + f"), context {info['context_length']} tokens")
         with gr.Tab("Chat"):
             with gr.Row():
                 with gr.Column(scale=3):

@@ -27,6 +27,20 @@ def bf16():
 
 
 @pytest.fixture(scope="session")
+def ref32(loaded):
+    """The float32 model's weights in float64: the reference for float32 runners."""
+    from reference import float64_twin
+    return float64_twin(loaded.model)
+
+
+@pytest.fixture(scope="session")
+def ref16(bf16):
+    """The bfloat16-rounded weights in float64: the reference for runners over bf16 weights."""
+    from reference import float64_twin
+    return float64_twin(bf16.model)
+
+
+@pytest.fixture(scope="session")
 def engine(loaded):
     from miniserve.engine import Engine
     return Engine(loaded)
@@ -46,6 +60,20 @@ def tiny_model():
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=256, eos_token_id=2, bos_token_id=1)
     return LlamaForCausalLM(config).eval()
+
+
+def native_expected() -> bool:
+    """The native step runs unless this leg turned it off (make test-no-native)."""
+    return os.environ.get("MINISERVE_NATIVE", "1") != "0"
+
+
+def expected_runner() -> str:
+    return "native" if native_expected() else "lean"
+
+
+needs_native = pytest.mark.skipif(
+    not native_expected(), reason="MINISERVE_NATIVE=0: this leg runs without the native step "
+                                  "(the full leg runs this test)")
 
 
 def chat_ids(tokenizer, text, system=None):

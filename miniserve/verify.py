@@ -1,0 +1,86 @@
+"""Are these greedy tokens right? A check that holds on any CPU.
+
+Two computations give bit-identical logits only when they do the same arithmetic in the same
+order. Ours often do not: a prompt goes through a many-row matrix product (MKL / oneDNN),
+a decoded token through a one-row step (torch.mv or our C++ loops), bfloat16 through other
+kernels than float32, and each CPU's kernels sum in their own order. Their logits then agree
+to rounding, and their greedy tokens are equal except where two candidates nearly tie.
+
+So the check is made along the candidate's own path (teacher forcing): one forward pass of
+a reference over prompt + the candidate's tokens gives, at every step, the logits the
+candidate should have seen. A step is *decided* when the reference's top-2 margin exceeds
+2 x the error bound of the candidate's arithmetic (each of the two logits may be off by the
+bound); there the candidate must have chosen the reference's top token. At an undecided step
+it must have chosen a token within 2 x bound of the top, one of the near-tied ones, and the
+steps after it are checked on the path it took. Every token is checked, not just a prefix.
+
+Error bounds: the largest |logit - float64 logit| over ~280 tokens of held-out text,
+teacher-forced, with every runner; measured on an AMD EPYC (Zen 4, AVX-512) as it is and with
+its kernels capped to AVX2 / generic code; the bound leaves ~4-10x room (BENCHMARKS.md,
+"Exactness").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+# float32 arithmetic (native C++ step, PyTorch lean pass, transformers): logits are O(10-30);
+# measured largest error 9.8e-5 (7.0e-5 .. 9.8e-5 over runners and legs).
+BOUND_FLOAT32 = 1e-3
+# bfloat16 arithmetic (bf16 activations through bf16 matrix products): measured 1.25 .. 1.63.
+BOUND_BFLOAT16 = 4.0
+
+
+def bound_for(arithmetic: torch.dtype) -> float:
+    """The error bound of logits computed in this dtype (float16 is not measured: bf16's)."""
+    return BOUND_FLOAT32 if arithmetic in (torch.float32, torch.float64) else BOUND_BFLOAT16
+
+
+@dataclass
+class GreedyCheck:
+    steps: int = 0              # tokens checked (the end token included when one was chosen)
+    decided: int = 0            # steps whose reference margin exceeds 2 x bound
+    first_undecided: int = 0    # index of the first undecided step (= steps when none)
+    wrong: list = field(default_factory=list)  # (step, chosen, reference top, logit gap)
+
+    @property
+    def ok(self) -> bool:
+        return not self.wrong
+
+
+def check_greedy(reference_rows: torch.Tensor, chosen: list[int], bound: float) -> GreedyCheck:
+    """reference_rows[i]: the reference's logits for the step that chose chosen[i]."""
+    result = GreedyCheck(steps=len(chosen), first_undecided=len(chosen))
+    for step, token in enumerate(chosen):
+        row = reference_rows[step].double()
+        top2 = row.topk(2)
+        margin = float(top2.values[0] - top2.values[1])
+        gap = float(top2.values[0] - row[token])
+        if margin > 2 * bound:
+            result.decided += 1
+            bad = token != int(top2.indices[0])
+        else:
+            result.first_undecided = min(result.first_undecided, step)
+            bad = gap > 2 * bound
+        if bad:
+            result.wrong.append((step, token, int(top2.indices[0]), round(gap, 6)))
+    return result
+
+
+def all_logits(model, ids: list[int]) -> torch.Tensor:
+    """(len(ids), vocab) logits of a transformers model at every position, in one pass."""
+    with torch.inference_mode():
+        return model(torch.tensor([ids], device=model.device)).logits[0].double().cpu()
+
+
+def check_tokens(reference_model, prompt_ids: list[int], tokens: list[int], bound: float,
+                 end_id: int | None = None) -> GreedyCheck:
+    """Check greedy `tokens`, chosen after `prompt_ids`, against a transformers reference.
+    `end_id`: the candidate stopped by choosing it (not among `tokens`); checked too."""
+    chosen = list(tokens) + ([end_id] if end_id is not None else [])
+    if not chosen:
+        return GreedyCheck()
+    rows = all_logits(reference_model, list(prompt_ids) + list(tokens))
+    return check_greedy(rows[len(prompt_ids) - 1:], chosen, bound)
