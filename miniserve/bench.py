@@ -18,8 +18,10 @@ from typing import Callable
 
 import torch
 
-from miniserve.config import SamplingParams
+from miniserve import native
+from miniserve.config import MAX_NEW_TOKENS, SamplingParams
 from miniserve.engine import Engine
+from miniserve.platform_info import cpu_model
 
 MODES = ("no_cache", "cache", "hf_generate", "transformers_loop", "lean")
 DEFAULT_MODES = ("no_cache", "cache", "hf_generate")
@@ -43,8 +45,9 @@ class BenchConfig:
     def __post_init__(self):
         if not self.prompt_tokens or any(n < 1 or n > 32768 for n in self.prompt_tokens):
             raise ValueError("prompt lengths must be whole numbers from 1 to 32768")
-        if not 2 <= self.new_tokens <= 4096:
-            raise ValueError(f"new tokens must be from 2 to 4096, got {self.new_tokens}")
+        if not 2 <= self.new_tokens <= MAX_NEW_TOKENS:
+            raise ValueError(f"new tokens must be from 2 to {MAX_NEW_TOKENS}, "
+                             f"got {self.new_tokens}")
         if not 1 <= self.repeat <= 20:
             raise ValueError(f"repeat must be from 1 to 20, got {self.repeat}")
         unknown = [m for m in self.modes if m not in MODES]
@@ -197,7 +200,7 @@ def _peer_runners(engine: Engine, config: BenchConfig, progress: Progress):
 
 
 def _measure(engine: Engine, config: BenchConfig, modes: list[str], runners: dict,
-             progress: Progress) -> list[tuple[int, dict]]:
+             progress: Progress) -> list[tuple[list[int], dict]]:
     """[(prompt ids, {mode: [(tokens, ttft_s, total_s) per repeat]}) per prompt length]."""
     warm = prompt_of_length(engine.tokenizer, 8)
     for mode in modes:  # first calls pay one-off costs; keep them out of the numbers
@@ -277,16 +280,14 @@ def run_bench(engine: Engine, config: BenchConfig, progress: Progress | None = N
                             round(base_total / total, 2) if base_total else None,
                             round(nbytes[mode] * decode_tps / 1e9, 2),
                             all(r[0] == first for r in runs), agree, verified))
-    del check
     progress(1.0, "done")
     note = ("ours computes in float32 over the bfloat16 weights, generate() in bfloat16"
             if mixed_precision(engine) else "")
-    from miniserve import native
     return BenchResult(rows, all(r.tokens_match for r in rows if r.verified is not None),
                        all(r.verified is not False for r in rows), engine.name,
                        engine.loaded.device.type, ours, note=note, runner=engine.runner,
                        native_isa=(native.isa() or "") if engine.runner == "native" else "",
-                       cpu=cpu_name())
+                       cpu=cpu_model())
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -323,11 +324,6 @@ def compute_dtype(engine: Engine) -> torch.dtype:
 
 def mixed_precision(engine: Engine) -> bool:
     return compute_dtype(engine) != engine.loaded.dtype
-
-
-def cpu_name() -> str:
-    from miniserve.platform_info import cpu_model
-    return cpu_model()
 
 
 def prefix_reuse(engine: Engine, history_tokens: int = 1500, repeat: int = 3) -> dict:
