@@ -11,7 +11,7 @@ import os
 import sys
 import time
 
-from miniserve.cli import Parser, add_model_args
+from miniserve.cli import Parser, add_model_args, add_queue_arg, queue_error
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -25,8 +25,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--presets-file", default=None, help="another presets.yaml")
     p.add_argument("--preset", default="balanced", help="the preset selected at start")
-    p.add_argument("--max-queue", type=int, default=16,
-                   help="requests running or waiting before new ones get 'busy'")
+    add_queue_arg(p)
     add_model_args(p)
     return p.parse_args(argv)
 
@@ -40,8 +39,8 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if not 1 <= args.max_queue <= 1000:
-        print("error: --max-queue must be from 1 to 1000", file=sys.stderr)
+    if queue_error(args):
+        print(f"error: {queue_error(args)}", file=sys.stderr)
         return 2
     from miniserve.cli import load_engine
     engine, code = load_engine(args)

@@ -19,7 +19,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from miniserve.chat import ChatError
-from miniserve.config import ConfigError, SamplingParams, check_seed
+from miniserve.config import MAX_NEW_TOKENS, ConfigError, SamplingParams, check_seed
 from miniserve.engine import Engine, EngineBusy
 
 PLACEHOLDER_MODELS = {"", "default", "miniserve", "local", "gpt-3.5-turbo", "gpt-4", "gpt-4o",
@@ -137,7 +137,7 @@ class ChatAPI:
             # ranges and types are checked by SamplingParams, from the one table in config
             sampling = {name: body[name] if body.get(name) is not None else default
                         for name, default in API_DEFAULTS.items()}
-            params = SamplingParams(**sampling, max_new_tokens=min(max_tokens, 4096), seed=seed,
+            params = SamplingParams(**sampling, max_new_tokens=min(max_tokens, MAX_NEW_TOKENS), seed=seed,
                                     stop=tuple(stop))
         except ConfigError as e:
             raise APIError(400, str(e), e.field) from None

@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from miniserve.config import FIELDS, ConfigError, SamplingParams, load_presets
+from miniserve.config import FIELDS, MAX_QUEUE, ConfigError, SamplingParams, load_presets
 
 DEFAULT_PRESET = "balanced"
 
@@ -38,6 +38,17 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "auto: the fastest that applies")
     p.add_argument("--quant", default=None, choices=("int8",),
                    help="int8 weight-only quantization (lean runner, bfloat16 activations)")
+
+
+def add_queue_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-queue", type=int, default=MAX_QUEUE.default,
+                   help=f"{MAX_QUEUE.help} {MAX_QUEUE.describe()}")
+
+
+def queue_error(args) -> str | None:
+    if not MAX_QUEUE.low <= args.max_queue <= MAX_QUEUE.high:
+        return f"--max-queue must be from {MAX_QUEUE.low:g} to {MAX_QUEUE.high:g}"
+    return None
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -139,9 +150,7 @@ def cmd_generate(args) -> int:
         print()
         if inspector:
             print(inspector.as_text(), file=sys.stderr)
-        print(f"[{stats.prompt_tokens} prompt tokens, {stats.new_tokens} new, "
-              f"first token {stats.ttft_s:.2f} s, {stats.tokens_per_s:.1f} tokens/s, "
-              f"{stats.finish_reason}, cache {'off' if args.no_cache else 'on'}]", file=sys.stderr)
+        print(f"[{stats.summary()}, cache {'off' if args.no_cache else 'on'}]", file=sys.stderr)
     return 0
 
 
@@ -205,8 +214,8 @@ def _bar(fraction: float, message: str) -> None:
 
 
 def cmd_serve(args) -> int:
-    if not 1 <= args.max_queue <= 1000:
-        return fail("--max-queue must be from 1 to 1000")
+    if queue_error(args):
+        return fail(queue_error(args))
     engine, code = load_engine(args)
     if engine is None:
         return code
@@ -277,8 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=os.environ.get("MINISERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (or set MINISERVE_API_KEY)")
-    s.add_argument("--max-queue", type=int, default=16,
-                   help="requests running or waiting before new ones get HTTP 429")
+    add_queue_arg(s)
     add_model_args(s)
     s.set_defaults(func=cmd_serve)
     return parser

@@ -57,6 +57,10 @@ FIELDS: dict[str, Field] = {
 }
 
 SEED_MAX = 2**63 - 1
+MAX_NEW_TOKENS = FIELDS["max_new_tokens"].high  # also the API's and the benchmark's ceiling
+# How many requests may be running or waiting at once; past it, "busy" / HTTP 429.
+MAX_QUEUE = Field(int, 1, 1000, 16, "Max queue",
+                  "requests running or waiting before new ones get 'busy' (HTTP 429)")
 
 
 def check_value(name: str, value, where: str = "") -> float | int:

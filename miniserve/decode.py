@@ -48,6 +48,14 @@ class GenerationStats:
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.total_s if self.total_s > 0 else 0.0
 
+    def summary(self, sep: str = ", ") -> str:
+        """The line the web app, the terminal chat and `generate` show after a reply."""
+        return sep.join([f"{self.prompt_tokens} prompt tokens ({self.reused_tokens} reused "
+                         f"from cache)", f"{self.new_tokens} new tokens",
+                         f"first token {self.ttft_s:.2f} s",
+                         f"{self.decode_tokens_per_s:.1f} tokens/s",
+                         f"finish: {self.finish_reason}"])
+
     def as_dict(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "reused_tokens": self.reused_tokens,
                 "new_tokens": self.new_tokens, "ttft_s": round(self.ttft_s, 4),

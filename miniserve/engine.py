@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from miniserve.chat import check_messages, trim_history
-from miniserve.config import SamplingParams
+from miniserve.config import MAX_QUEUE, SamplingParams
 from miniserve.decode import GenerationStats, LogitsObserver, crop_cache, generate, new_cache
 from miniserve.loader import LoadedModel, describe
 from miniserve.stream import Detokenizer, StopStrings
@@ -139,7 +139,8 @@ def runner_name(model) -> str:
 
 
 class Engine:
-    def __init__(self, loaded: LoadedModel, max_queue: int = 16, prefix_cache_entries: int = 4,
+    def __init__(self, loaded: LoadedModel, max_queue: int = MAX_QUEUE.default,
+                 prefix_cache_entries: int = 4,
                  runner: str = "auto", quant: str | None = None):
         self.loaded = loaded
         self.model = make_runner(loaded, runner, quant)

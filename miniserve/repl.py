@@ -146,9 +146,7 @@ class ChatSession:
             deadline = time.monotonic() + 5
             while stopped and s.finish_reason != "cancelled" and time.monotonic() < deadline:
                 time.sleep(0.01)
-            self.say(f"[{s.prompt_tokens} prompt tokens ({s.reused_tokens} reused), "
-                     f"{s.new_tokens} new, first token {s.ttft_s:.2f} s, "
-                     f"{s.decode_tokens_per_s:.1f} tokens/s, {s.finish_reason}]")
+            self.say(f"[{s.summary()}]")
         self.history += [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]
 
     def run(self, stdin, stdout) -> int:

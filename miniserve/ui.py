@@ -47,12 +47,9 @@ def _history(chatbot) -> list[dict]:
 
 
 def _status(stats, dropped: int, note: str = "") -> str:
-    parts = [f"{stats.prompt_tokens} prompt tokens", f"{stats.reused_tokens} reused from cache",
-             f"{stats.new_tokens} new tokens", f"first token {stats.ttft_s:.2f} s",
-             f"{stats.decode_tokens_per_s:.1f} tokens/s", f"finish: {stats.finish_reason}"]
     trimmed = (f" · history trimmed: {dropped} older messages dropped to fit the context"
                if dropped else " · history not trimmed")
-    return " · ".join(parts) + trimmed + (f" · {note}" if note else "")
+    return stats.summary(" · ") + trimmed + (f" · {note}" if note else "")
 
 
 def _seed(value) -> int | None:
