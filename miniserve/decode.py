@@ -10,8 +10,6 @@ comparison). Both share one loop and differ only in what they feed the model.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import threading
 import time
 from dataclasses import dataclass, field
@@ -20,6 +18,7 @@ from typing import Callable, Iterator
 import torch
 
 from miniserve.config import SamplingParams
+from miniserve.runner import as_runner
 from miniserve.sampling import make_generator, sample
 
 # A hook that sees each step's raw logits and the chosen id (the token inspector).
@@ -64,39 +63,12 @@ class GenerationStats:
                 "tokens_per_s": round(self.tokens_per_s, 2), "finish_reason": self.finish_reason}
 
 
-@functools.lru_cache(maxsize=None)
-def _cache_kwarg(model_class: type) -> str:
-    """transformers 5 renamed `past_key_values=` to `cache=`; use what this version takes."""
-    names = inspect.signature(model_class.forward).parameters
-    return "cache" if "cache" in names else "past_key_values"
-
-
-def new_cache(model):
-    if getattr(model, "is_lean", False):
-        return model.new_cache()
-    from transformers import DynamicCache
-    return DynamicCache(config=model.config)
-
-
 def crop_cache(cache, keep: int) -> None:
     """Keep the first `keep` positions. A negative argument means "remove that many" in
     every transformers version (5.x accepts only that form)."""
     remove = cache.get_seq_length() - keep
     if remove > 0:
         cache.crop(-remove)
-
-
-def forward(model, input_ids: torch.Tensor, cache=None) -> torch.Tensor:
-    """Run ids (1, T) through the model; return the logits of the last position (1, vocab).
-
-    With a cache, the model attends to everything already in it and appends the new
-    keys/values; positions continue from the cache's length.
-    """
-    if getattr(model, "is_lean", False):
-        return model(input_ids, cache)
-    kwargs = {_cache_kwarg(type(model)): cache, "use_cache": cache is not None}
-    out = model(input_ids=input_ids, logits_to_keep=1, **kwargs)
-    return out.logits[:, -1, :]
 
 
 def generate(model, prompt_ids: list[int] | torch.Tensor, params: SamplingParams, *,
@@ -113,6 +85,7 @@ def generate(model, prompt_ids: list[int] | torch.Tensor, params: SamplingParams
     pass, and the reply is computed exactly as the first one was. `stats` is updated as the
     loop runs. The caller stops on stop strings simply by not asking for the next token.
     """
+    model = as_runner(model)  # a transformers model is wrapped (miniserve/runner.py)
     stats = stats if stats is not None else GenerationStats()
     stats.started = time.perf_counter()
     device = model.device
@@ -124,7 +97,9 @@ def generate(model, prompt_ids: list[int] | torch.Tensor, params: SamplingParams
     if generator is None and params.seed is not None and not params.greedy:
         generator = make_generator(params.seed, device)
     if use_cache and cache is None:
-        cache = new_cache(model)
+        cache = model.new_cache()
+    if ids.shape[1] == 0:
+        raise ValueError("the prompt is empty: give at least one token")
     reused = cache.get_seq_length() if use_cache else 0
     if prompt_logits is not None and reused != ids.shape[1]:
         raise ValueError("prompt_logits need a cache that holds the whole prompt")
@@ -154,7 +129,7 @@ def _loop(model, ids, params, budget, eos_ids, use_cache, cache, cancel, generat
             if index == 0 and prompt_logits is not None:
                 logits = prompt_logits  # the whole prompt is cached, and what it produced
             else:
-                logits = forward(model, pending, cache if use_cache else None)
+                logits = model.forward(pending, cache if use_cache else None)
             # Choose: repetition penalty sees every id so far; greedy skips the softmax.
             token = sample(logits, params, ids, generator)
             token_id = int(token.item())  # the one host sync per step

@@ -4,8 +4,9 @@ Every surface (web UI, CLI, API, benchmark) calls `Engine.chat` or `Engine.compl
 so what the benchmark measures is what users get.
 
 Prefix caching: after each request the KV cache is kept, keyed by the token ids it
-holds. A new prompt that starts with the same tokens (the next turn of a chat, a
-retried request) reuses the longest matching cache and only prefills the rest.
+holds. A new prompt that starts with the same tokens (the next turn of a chat) reuses the
+longest matching cache and only prefills the rest; the same prompt again (a retried
+request, Regenerate) needs no prefill at all.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from typing import Iterator
 
 from miniserve.chat import check_messages, trim_history
 from miniserve.config import MAX_QUEUE, SamplingParams
-from miniserve.decode import GenerationStats, LogitsObserver, crop_cache, generate, new_cache
+from miniserve.decode import GenerationStats, LogitsObserver, crop_cache, generate
 from miniserve.loader import LoadedModel, describe
+from miniserve.runner import TransformersRunner
 from miniserve.stream import Detokenizer, StopStrings
 
 END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|end|>", "</s>")
@@ -70,19 +72,17 @@ class PrefixCache:
         cache holds the whole prompt and what it produced, else None; or (None, 0, None)."""
         best, best_len, best_whole = None, 0, False
         for key, entry in self.entries.items():
-            n = _common_prefix(entry.ids, prompt)
+            n = common_prefix(entry.ids, prompt)
             whole = (n == len(prompt) == entry.prompt_len and entry.prompt_logits is not None)
             if (n, whole) > (best_len, best_whole):
                 best, best_len, best_whole = key, n, whole
+        if not best_whole:  # the last prompt token must be fed for its logits
+            best_len = min(best_len, len(prompt) - 1)
         if best is None or best_len < self.min_match:
             return None, 0, None
         entry = self.entries.pop(best)
-        if best_whole:
-            crop_cache(entry.cache, best_len)
-            return entry.cache, best_len, entry.prompt_logits
-        best_len = min(best_len, len(prompt) - 1)  # the last prompt token must be fed for logits
         crop_cache(entry.cache, best_len)
-        return entry.cache, best_len, None
+        return entry.cache, best_len, entry.prompt_logits if best_whole else None
 
     def put(self, ids: list[int], cache, prompt_len: int = 0, prompt_logits=None) -> None:
         if self.max_entries <= 0 or not ids:
@@ -102,7 +102,7 @@ class PrefixCache:
         self.entries.clear()
 
 
-def _common_prefix(a, b) -> int:
+def common_prefix(a, b) -> int:
     n = min(len(a), len(b))
     for i in range(n):
         if a[i] != b[i]:
@@ -123,7 +123,7 @@ def make_runner(loaded: LoadedModel, runner: str = "auto", quant: str | None = N
     if quant and runner in ("transformers", "native"):
         raise ValueError(f"--quant needs the lean runner, not {runner}")
     if runner == "transformers" or (runner == "auto" and not lean.supports(loaded.model)):
-        return loaded.model
+        return TransformersRunner(loaded.model)
     if not lean.supports(loaded.model):
         raise ValueError(f"the {runner} runner does not support "
                          f"{loaded.model.config.model_type}; use --runner transformers")
@@ -132,19 +132,13 @@ def make_runner(loaded: LoadedModel, runner: str = "auto", quant: str | None = N
     return lean.LeanModel(loaded.model, quant=quant, native=use_native)
 
 
-def runner_name(model) -> str:
-    if getattr(model, "native", None) is not None:
-        return "native"
-    return "lean" if getattr(model, "is_lean", False) else "transformers"
-
-
 class Engine:
     def __init__(self, loaded: LoadedModel, max_queue: int = MAX_QUEUE.default,
                  prefix_cache_entries: int = 4,
                  runner: str = "auto", quant: str | None = None):
         self.loaded = loaded
         self.model = make_runner(loaded, runner, quant)
-        self.runner = runner_name(self.model)
+        self.runner = self.model.name
         self.quant = quant
         self.tokenizer = loaded.tokenizer
         self.context_length = loaded.context_length
@@ -161,7 +155,7 @@ class Engine:
 
     def info(self) -> dict:
         from miniserve import native
-        compute = getattr(self.model, "act_dtype", self.loaded.dtype)
+        compute = self.model.act_dtype
         return {**describe(self.loaded), "runner": self.runner, "quant": self.quant or "none",
                 "compute_dtype": str(compute).removeprefix("torch."),
                 "kernels": native.isa() if self.runner == "native" else None}
@@ -300,7 +294,7 @@ class Engine:
         cache, _, logits = (self.prefix_cache.take(prompt_ids) if use_cache and reuse_prefix
                             else (None, 0, None))
         if use_cache and cache is None:
-            cache = new_cache(self.model)
+            cache = self.model.new_cache()
         detok = Detokenizer(self.tokenizer)
         stops = StopStrings(params.stop)
         generated: list[int] = []

@@ -126,9 +126,8 @@ def _rotate_half(x):
 
 
 class LeanModel:
-    """Plain tensors and functions; no nn.Module machinery on the hot path."""
-
-    is_lean = True
+    """Plain tensors and functions; no nn.Module machinery on the hot path. A runner
+    (miniserve/runner.py): "native" when one-token steps run the compiled step, else "lean"."""
 
     def __init__(self, hf_model, quant: str | None = None, native: bool = False):
         if quant not in (None, "int8"):
@@ -203,6 +202,10 @@ class LeanModel:
     @property
     def device(self):
         return self.device_
+
+    @property
+    def name(self) -> str:
+        return "lean" if self.native is None else "native"
 
     def new_cache(self) -> KVCache:
         return KVCache(len(self.layers), self.n_kv, self.head_dim, self.act_dtype, self.device_)

@@ -13,6 +13,7 @@ import copy
 
 import torch
 
+from miniserve.runner import as_runner
 from miniserve.verify import GreedyCheck, all_logits, check_tokens
 
 # Teacher-forced top-1 agreement with the float64 reference over HELD_OUT (278 tokens),
@@ -50,7 +51,8 @@ def assert_greedy(reference, prompt_ids, tokens, bound, end_id=None,
     """Greedy `tokens` must follow the float64 reference (miniserve.verify.check_tokens), and
     the first `min_decided` steps (or all of a shorter reply) must be decided ones, so that
     the comparison has teeth: a prompt with an early near-tie is a poor test prompt."""
-    result = check_tokens(reference, prompt_ids, tokens, bound, end_id)
+    result = check_tokens(reference, prompt_ids, tokens, bound,
+                          () if end_id is None else (end_id,))
     assert result.ok, f"tokens off the float64 reference (step, chosen, top, gap): {result.wrong}"
     assert result.first_undecided >= min(min_decided, result.steps), (
         f"a near-tie at step {result.first_undecided} of {result.steps}: too short a "
@@ -80,7 +82,5 @@ def whole_prompt(model):
     """step_logits of a runner's prompt path: every position in one pass."""
     def run(ids):
         with torch.inference_mode():
-            if getattr(model, "is_lean", False):
-                return model(torch.tensor([ids]), None, all_logits=True)
-            return model(torch.tensor([ids])).logits[0]
+            return as_runner(model).forward(torch.tensor([ids]), None, all_logits=True)
     return run
