@@ -1,14 +1,16 @@
 """Cache vs no-cache vs transformers' generate(), side by side in one run.
 
 Shared by `python -m miniserve bench` and the web app's Benchmark tab. Greedy decoding
-throughout: a benchmark of wrong answers is worthless, so every mode's tokens are checked
-against a float32 transformers model holding the same weights (miniserve/verify.py: each
-token within the error bound of its arithmetic of the reference's best). The modes compute
-with different kernels, so their tokens may part at a near-tie; the result shows where.
+throughout: a benchmark of wrong answers is worthless, so the tokens of every mode that runs
+these weights are checked against a float32 transformers model holding them
+(miniserve/verify.py: each token within the error bound of its arithmetic of the reference's
+best; llama.cpp and int8 weights are other weights, so not checked). The modes compute with
+different kernels, so their tokens may part at a near-tie; the result shows where.
 """
 
 from __future__ import annotations
 
+import copy
 import csv
 import json
 import statistics
@@ -20,8 +22,10 @@ import torch
 
 from miniserve import native
 from miniserve.config import MAX_NEW_TOKENS, SamplingParams
-from miniserve.engine import Engine
+from miniserve.engine import Engine, common_prefix
 from miniserve.platform_info import cpu_model
+from miniserve.runner import TransformersRunner
+from miniserve.verify import bound_for, check_tokens
 
 MODES = ("no_cache", "cache", "hf_generate", "transformers_loop", "lean")
 DEFAULT_MODES = ("no_cache", "cache", "hf_generate")
@@ -75,8 +79,9 @@ class Row:
 @dataclass
 class BenchResult:
     rows: list[Row]
-    greedy_match: bool     # every mode gave the same tokens
-    tokens_verified: bool  # every checked mode follows the float32 reference
+    greedy_match: bool     # all our modes (not llama.cpp) gave the same tokens
+    tokens_verified: bool  # every checked row follows the float32 reference (llama.cpp
+                           # and int8 weights are not checked: other weights)
     model: str
     device: str
     dtype: str
@@ -165,17 +170,6 @@ def _run_lean(engine: Engine, ids, params, box: dict):
     return engine.run_on_worker(run)
 
 
-def weight_bytes(model) -> int:
-    """Bytes of weights read per decoded token (embeddings are looked up, not read whole)."""
-    if getattr(model, "is_lean", False):
-        return model.weight_bytes()
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    embed = model.get_input_embeddings().weight
-    tied = model.get_output_embeddings() is not None and \
-        model.get_output_embeddings().weight.data_ptr() == embed.data_ptr()
-    return total if tied else total - embed.numel() * embed.element_size()
-
-
 def _peer_runners(engine: Engine, config: BenchConfig, progress: Progress):
     """llama.cpp rows, keyed by mode, with their dtype and weight bytes; and the peer
     processes, for the caller to close."""
@@ -237,8 +231,8 @@ def run_bench(engine: Engine, config: BenchConfig, progress: Progress | None = N
                "hf_generate": lambda ids: _run_hf(engine, ids, params),
                "transformers_loop": lambda ids: _run_transformers_loop(engine, ids, params),
                "lean": lambda ids: _run_lean(engine, ids, params, lean_box)}
-    nbytes = {m: weight_bytes(engine.model if m in ("no_cache", "cache") else engine.loaded.model)
-              for m in config.modes}
+    nbytes = {m: (engine.model if m in ("no_cache", "cache") else
+                  TransformersRunner(engine.loaded.model)).weight_bytes() for m in config.modes}
     modes = list(config.modes)
     arithmetic = {"no_cache": compute_dtype(engine), "cache": compute_dtype(engine),
                   "hf_generate": engine.loaded.dtype, "transformers_loop": engine.loaded.dtype,
@@ -264,9 +258,9 @@ def run_bench(engine: Engine, config: BenchConfig, progress: Progress | None = N
         for mode in modes:
             runs = results[mode]
             tokens = runs[0][0]
-            agree = _common_prefix(tokens, first)
-            verified = None
-            if mode in arithmetic and engine.quant is None:
+            agree = common_prefix(tokens, first)
+            verified = None  # llama.cpp (its own weights) and int8 weights: not checked
+            if mode in arithmetic and not (engine.quant and mode in ("cache", "no_cache")):
                 verified = all(check(prompt_ids, r[0], arithmetic[mode]) for r in runs)
             ttft = statistics.median(r[1] for r in runs)
             total = statistics.median(r[2] for r in runs)
@@ -283,43 +277,36 @@ def run_bench(engine: Engine, config: BenchConfig, progress: Progress | None = N
     progress(1.0, "done")
     note = ("ours computes in float32 over the bfloat16 weights, generate() in bfloat16"
             if mixed_precision(engine) else "")
-    return BenchResult(rows, all(r.tokens_match for r in rows if r.verified is not None),
+    ours_rows = [r for r in rows if r.mode in arithmetic]  # not llama.cpp's
+    return BenchResult(rows, all(r.tokens_match for r in ours_rows),
                        all(r.verified is not False for r in rows), engine.name,
                        engine.loaded.device.type, ours, note=note, runner=engine.runner,
                        native_isa=(native.isa() or "") if engine.runner == "native" else "",
                        cpu=cpu_model())
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
-
-
 def _token_checker(engine: Engine, new_tokens: int):
     """check(prompt ids, greedy tokens, arithmetic dtype) -> do they follow a float32
-    transformers model holding the engine's weights (a float32 copy for bfloat16 weights)?"""
-    import copy
-    from miniserve.verify import bound_for, check_tokens
+    transformers model holding the engine's weights (a float32 copy for bfloat16 weights)?
+    Each distinct reply is checked once (the repeats of a mode give the same tokens)."""
     model = engine.loaded.model
     if model.dtype != torch.float32:
         model = copy.deepcopy(model).float()
+    seen = {}
 
     def check(prompt_ids, tokens, arithmetic) -> bool:
-        bound = bound_for(arithmetic)
-        if len(tokens) >= new_tokens:
-            return check_tokens(model, prompt_ids, tokens, bound).ok
-        # a shorter reply stopped on an end token, which one is not recorded: one must pass
-        return any(check_tokens(model, prompt_ids, tokens, bound, end).ok
-                   for end in engine.eos_ids)
+        key = (tuple(prompt_ids), tuple(tokens), arithmetic)
+        if key not in seen:  # a shorter reply stopped on an end token (which is not recorded)
+            ends = () if len(tokens) >= new_tokens else engine.eos_ids
+            seen[key] = check_tokens(model, prompt_ids, tokens, bound_for(arithmetic), ends).ok
+        return seen[key]
 
     return check
 
 
 def compute_dtype(engine: Engine) -> torch.dtype:
     """The dtype our runner does its arithmetic in (float32 over bf16 weights: native)."""
-    return getattr(engine.model, "act_dtype", engine.loaded.dtype)
+    return engine.model.act_dtype
 
 
 def mixed_precision(engine: Engine) -> bool:
@@ -366,24 +353,29 @@ def format_table(result: BenchResult) -> str:
                  f"{r.effective_gb_s:.1f}",
                  {True: "checked", False: "WRONG", None: "-"}[r.verified])
         lines.append(" ".join(f"{c:>13}" for c in cells))
-    lines.append(f"{result.model} on {result.device} ({result.dtype}, {result.runner} runner"
-                 + (f", {result.native_isa} kernels" if result.native_isa else "")
-                 + (f"; {result.cpu}" if result.cpu else "") + f"); {verdict(result)}")
+    lines.append(describe_run(result))
     return "\n".join(lines)
+
+
+def describe_run(result: BenchResult) -> str:
+    """What ran, where, and whether its tokens are right: the line under every table."""
+    return (f"{result.model} on {result.device} ({result.dtype}, {result.runner} runner"
+            + (f", {result.native_isa} kernels" if result.native_isa else "")
+            + (f"; {result.cpu}" if result.cpu else "") + f"); {verdict(result)}")
 
 
 def verdict(result: BenchResult) -> str:
     """One sentence on the tokens: checked against the reference, and alike across modes."""
-    if "int8" in result.dtype:
-        return ("int8 weights: greedy tokens differ from the float reference, as rounding the "
-                "weights is expected to do (see BENCHMARKS.md for the agreement)")
-    checked = ("every mode's greedy tokens follow the float32 reference: yes"
+    checked = ("the checked rows' greedy tokens follow the float32 reference: yes"
                if result.tokens_verified else
                "greedy tokens follow the float32 reference: NO -- a mode computes wrong logits")
-    if result.greedy_match:
+    if "int8" in result.dtype:
+        alike = ("the int8 rows run rounded weights, so their tokens differ from the float "
+                 "reference as expected and are not checked (BENCHMARKS.md has the agreement)")
+    elif result.greedy_match:
         alike = "identical across modes"
     else:
-        parted = min(r.agree_tokens for r in result.rows if r.verified is not None)
+        parted = min(r.agree_tokens for r in result.rows if r.mode in MODES)
         alike = (f"the modes part at a near-tie after {parted} tokens (other kernels, other "
                  "rounding)")
     note = f"; {result.note}" if result.note else ""

@@ -10,7 +10,7 @@ import time
 import gradio as gr
 import pandas as pd
 
-from miniserve.bench import BenchConfig, run_bench, to_dict, verdict
+from miniserve.bench import BenchConfig, describe_run, run_bench, to_dict
 from miniserve.chat import ChatError
 from miniserve.config import FIELDS, ConfigError, SamplingParams, check_seed
 from miniserve.engine import Engine, EngineBusy
@@ -204,8 +204,7 @@ def build_ui(engine: Engine, presets: dict[str, SamplingParams],
                                       else str(e))
         result = run_bench(engine, config, progress=lambda f, m: progress(f, desc=m))
         table = pd.DataFrame(to_dict(result)["rows"])
-        return table, table, (f"{result.model} on {result.device} ({result.dtype}, "
-                              f"{result.runner} runner). {verdict(result)}")
+        return table, table, describe_run(result)
 
     info = engine.info()
     with gr.Blocks(title="MiniServeLM") as demo:

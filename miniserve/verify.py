@@ -16,8 +16,8 @@ steps after it are checked on the path it took. Every token is checked, not just
 
 Error bounds: the largest |logit - float64 logit| over ~280 tokens of held-out text,
 teacher-forced, with every runner; measured on an AMD EPYC (Zen 4, AVX-512) as it is and with
-its kernels capped to AVX2 / generic code; the bound leaves ~4-10x room (BENCHMARKS.md,
-"Exactness").
+its kernels capped to AVX2 / generic code; the bounds leave 10x (float32) and 2.5x (bfloat16)
+room over the largest seen (BENCHMARKS.md, "Exactness").
 """
 
 from __future__ import annotations
@@ -50,37 +50,49 @@ class GreedyCheck:
         return not self.wrong
 
 
-def check_greedy(reference_rows: torch.Tensor, chosen: list[int], bound: float) -> GreedyCheck:
-    """reference_rows[i]: the reference's logits for the step that chose chosen[i]."""
-    result = GreedyCheck(steps=len(chosen), first_undecided=len(chosen))
-    for step, token in enumerate(chosen):
+def check_greedy(reference_rows: torch.Tensor, chosen: list[int], bound: float,
+                 end_ids=()) -> GreedyCheck:
+    """reference_rows[i]: the reference's logits for the step that chose chosen[i]. With
+    `end_ids`, one more row is the step that stopped on an end token (not recorded which):
+    the nearest of them to the reference's best is checked there."""
+    steps = list(chosen)
+    if end_ids:
+        last = reference_rows[len(steps)].double()
+        steps.append(max(end_ids, key=lambda t: float(last[t])))
+    result = GreedyCheck(steps=len(steps), first_undecided=len(steps))
+    for step, token in enumerate(steps):
         row = reference_rows[step].double()
         top2 = row.topk(2)
-        margin = float(top2.values[0] - top2.values[1])
-        gap = float(top2.values[0] - row[token])
-        if margin > 2 * bound:
+        if float(top2.values[0] - top2.values[1]) > 2 * bound:
             result.decided += 1
-            bad = token != int(top2.indices[0])
         else:
             result.first_undecided = min(result.first_undecided, step)
-            bad = gap > 2 * bound
-        if bad:
+        # at a decided step only the top token is that close; at a near-tie, any tied one
+        gap = float(top2.values[0] - row[token])
+        if gap > 2 * bound:
             result.wrong.append((step, token, int(top2.indices[0]), round(gap, 6)))
     return result
 
 
+def last_logits(model, ids: list[int], n: int) -> torch.Tensor:
+    """(n, vocab) float64 logits of a transformers model at the last n positions of `ids`,
+    in one pass (only those n rows are computed: a long prompt's would take gigabytes)."""
+    with torch.inference_mode():
+        out = model(torch.tensor([ids], device=model.device), logits_to_keep=n)
+        return out.logits[0, -n:].double().cpu()
+
+
 def all_logits(model, ids: list[int]) -> torch.Tensor:
     """(len(ids), vocab) logits of a transformers model at every position, in one pass."""
-    with torch.inference_mode():
-        return model(torch.tensor([ids], device=model.device)).logits[0].double().cpu()
+    return last_logits(model, ids, len(ids))
 
 
 def check_tokens(reference_model, prompt_ids: list[int], tokens: list[int], bound: float,
-                 end_id: int | None = None) -> GreedyCheck:
+                 end_ids=()) -> GreedyCheck:
     """Check greedy `tokens`, chosen after `prompt_ids`, against a transformers reference.
-    `end_id`: the candidate stopped by choosing it (not among `tokens`); checked too."""
-    chosen = list(tokens) + ([end_id] if end_id is not None else [])
-    if not chosen:
+    `end_ids`: the candidate then stopped by choosing one of them (checked too)."""
+    if not tokens and not end_ids:
         return GreedyCheck()
-    rows = all_logits(reference_model, list(prompt_ids) + list(tokens))
-    return check_greedy(rows[len(prompt_ids) - 1:], chosen, bound)
+    # row i chose tokens[i]; the last row, after every token, is where an end token was chosen
+    rows = last_logits(reference_model, list(prompt_ids) + list(tokens), len(tokens) + 1)
+    return check_greedy(rows, tokens, bound, end_ids)

@@ -159,9 +159,10 @@ def test_benchmark_tab_shows_rows_for_each_mode(page):
     page.get_by_label("Prompt lengths (tokens)").fill("16,64")
     set_number(page, "New tokens", 6)
     page.get_by_role("button", name="Run benchmark").click()
-    page.wait_for_function("document.body.innerText.includes('greedy tokens identical')",
-                           timeout=180000)
-    page.wait_for_function("document.body.innerText.includes('hf_generate')", timeout=30000)
+    from playwright.sync_api import expect
+    expect(page.locator("body")).to_contain_text("follow the float32 reference: yes",
+                                                 timeout=180000)
+    expect(page.locator("body")).to_contain_text("hf_generate", timeout=30000)
     body = page.locator("body").inner_text()
     assert "native runner" in body  # the engine's default on this CPU, named with the table
     for mode in ("no_cache", "cache", "hf_generate"):  # one row per (prompt length, mode)

@@ -39,3 +39,10 @@ def test_the_margin_is_twice_the_bound():
 
 def test_bounds_by_arithmetic():
     assert bound_for(torch.float32) == BOUND_FLOAT32 < bound_for(torch.bfloat16) == BOUND_BFLOAT16
+
+
+def test_an_end_step_is_checked_with_the_nearest_end_token():
+    reference = rows({1: 5.0, 2: 4.0}, {6: 3.0, 7: 2.0, 5: 0.0})
+    assert check_greedy(reference, [1], 0.01, end_ids={6, 5}).ok  # stopped on 6: the top
+    result = check_greedy(reference, [1], 0.01, end_ids={7, 5})  # no end token was the top
+    assert not result.ok and result.steps == 2 and result.wrong[0][:3] == (1, 7, 6)
