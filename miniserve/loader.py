@@ -140,17 +140,26 @@ def _load_gguf(path: Path, dtype: torch.dtype, progress: Progress | None):
             shutil.rmtree(cached, ignore_errors=True)
     _say(progress, f"Dequantizing {path.name} (first start only; ~15 s for the embedded model) ...")
     model, tokenizer = _load_pretrained(str(path.parent), dtype, gguf_file=path.name)
+    _unflag_dequantized(model)
     try:
         _write_cache(model, tokenizer, cached)
         _say(progress, f"Cached the dequantized weights in {cached}")
     except Exception as e:  # noqa: BLE001 -- the cache is an optimisation, never fatal
         _say(progress, f"Could not write the weight cache {cached} ({e}); next start will be slow.")
-        return model, tokenizer
-    # Loaded straight from the GGUF, the model is flagged as quantized (transformers then
-    # refuses .float() / .to(dtype) on it) although its weights are plain tensors; from the
-    # cache it is not. Load from the cache, so the first start gives the model every later
-    # start gives.
-    return _load_pretrained(str(cached), dtype)
+    return model, tokenizer
+
+
+def _unflag_dequantized(model) -> None:
+    """Loaded straight from a GGUF, a model is flagged as quantized -- transformers then
+    refuses .float() / .to(dtype) on it -- even where every weight is a plain tensor of the
+    asked-for dtype (Llama-family GGUFs are dequantized whole), computing exactly what the
+    same weights from the cache compute (tested). Drop the flag there, so a first start gives
+    the model every later start gives."""
+    if all(p.is_floating_point() for p in model.parameters()):
+        model.hf_quantizer = None
+        model.is_quantized = False
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
 
 
 def _write_cache(model, tokenizer, folder: Path) -> None:
