@@ -53,14 +53,8 @@ _target: str | None = None  # the build target of the load() that ran
 
 
 def _cpu_id() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags") or line.startswith("Features"):
-                    return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    from miniserve.platform_info import cpu_flags
+    return cpu_flags() or platform.processor() or platform.machine()
 
 
 def _compiler() -> str | None:

@@ -1,7 +1,8 @@
 """What this machine's CPU offers and which kernels run on it: the CPU, the instruction sets
 that matter for the matrix products, what PyTorch's kernels were capped to, and what the
-native decode step was compiled for. Shown by `python -m miniserve --version`, the web app's
-header and the benchmark, because speed -- and the last bits of every sum -- depend on it."""
+native decode step was compiled for. `python -m miniserve --version` shows all of it; the web
+app's header and the benchmark name the native step's kernels (and the benchmark the CPU),
+because speed -- and the last bits of every sum -- depend on them."""
 
 from __future__ import annotations
 
@@ -35,9 +36,15 @@ def cpu_model() -> str:
             or platform.machine())
 
 
-def cpu_features() -> list[str]:
+def cpu_flags() -> str:
+    """Every feature flag of the CPU, as the kernel lists them ("" where it does not)."""
     info = _cpuinfo()
-    flags = set((info.get("flags") or info.get("Features") or "").split())
+    return info.get("flags") or info.get("Features") or ""
+
+
+def cpu_features() -> list[str]:
+    """The flags worth naming (FEATURES) this CPU has."""
+    flags = set(cpu_flags().split())
     return [f for f in FEATURES if f in flags]
 
 
@@ -48,11 +55,6 @@ def kernels() -> dict:
     return {"aten": torch.backends.cpu.get_cpu_capability(), "caps": caps,
             "native": native.isa() or f"off ({native.unavailable_reason()})",
             "native_target": native.build_target()}
-
-
-def describe() -> dict:
-    return {"cpu": cpu_model(), "cpu_features": cpu_features(), "torch": torch.__version__,
-            **kernels()}
 
 
 def summary() -> str:

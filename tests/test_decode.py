@@ -10,7 +10,7 @@ import torch
 from conftest import chat_ids, expected_runner, native_expected, needs_native
 from miniserve.config import SamplingParams
 from miniserve.decode import GenerationStats, generate
-from miniserve.verify import BOUND_BFLOAT16, BOUND_FLOAT32
+from miniserve.verify import BOUND_BFLOAT16, BOUND_FLOAT32, check_tokens
 from reference import (AGREE_BFLOAT16, AGREE_FLOAT32, HELD_OUT, TINY_BOUND, assert_greedy,
                        one_token_at_a_time, teacher_forced, whole_prompt)
 
@@ -58,7 +58,10 @@ def test_hand_loop_equals_generate_bit_for_bit(loaded, bf16, dtype):
     """Exact by construction: our loop driving the transformers model makes the calls
     generate() makes -- the whole prompt, then one token at a time through the same cache,
     logits of the last position only -- so the same kernels sum the same numbers in the same
-    order: equal logits at every step, bit for bit, on any CPU, and so equal tokens."""
+    order: equal logits at every step, bit for bit, on any CPU, and so equal tokens. (It
+    rests on generate()'s all-ones attention mask leading transformers to the same unmasked
+    causal attention our loop gets; a transformers version that masked instead would fail
+    here, on any CPU, and say so.)"""
     model = (loaded if dtype == "float32" else bf16).model
     for name in ("short", "multilingual"):
         ids = chat_ids(loaded.tokenizer, PROMPTS[name])
@@ -170,12 +173,14 @@ def test_a_broken_runner_fails_these_checks(loaded, ref32, how):
     model = broken(loaded, how)
     assert model.config.rope_parameters["rope_theta"] == 100000.0
     gross = how != "bfloat16 weights in a float32 model"
-    if gross:
-        with pytest.raises(AssertionError):
-            for name in ("short", "multilingual"):
-                ids = chat_ids(loaded.tokenizer, PROMPTS[name])
-                tokens, end, _ = run(model, ids)
-                assert_greedy(ref32, ids, tokens, BOUND_FLOAT32, end)
+    if gross:  # some token off the reference on at least one of the two prompts
+        caught = []
+        for name in ("short", "multilingual"):
+            ids = chat_ids(loaded.tokenizer, PROMPTS[name])
+            tokens, end, _ = run(model, ids)
+            caught.append(not check_tokens(ref32, ids, tokens, BOUND_FLOAT32,
+                                           () if end is None else (end,)).ok)
+        assert any(caught)
     held_out = chat_ids(loaded.tokenizer, HELD_OUT)
     agree, error = teacher_forced(one_token_at_a_time(model), ref32, held_out)
     assert error > BOUND_FLOAT32 and (agree < AGREE_FLOAT32 or not gross), (agree, error)

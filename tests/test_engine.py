@@ -157,3 +157,45 @@ def test_compare_interleaves_columns_and_matches_single_runs(engine):
     for col, params in enumerate(settings):
         alone = "".join(c.text for c in engine.complete(ids, params, reuse_prefix=False))
         assert texts[col] == alone
+
+
+class FakeCache:
+    """Enough of a KV cache for the prefix cache's bookkeeping: a length that crops."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def get_seq_length(self):
+        return self.n
+
+    def crop(self, k):
+        self.n = self.n + k if k < 0 else min(k, self.n)
+
+
+def test_prefix_cache_reuses_logits_only_for_the_same_prompt():
+    from miniserve.engine import PrefixCache
+    prompt = list(range(100, 130))
+    logits = object()
+    cache = PrefixCache()
+    cache.put(prompt + [7, 8], FakeCache(32), len(prompt), logits)  # prompt + 2 generated
+    got, n, reused_logits = cache.take(prompt)
+    assert (got.n, n, reused_logits) == (30, 30, logits)  # whole prompt, and what it produced
+    cache.put(prompt + [7, 8], FakeCache(32), len(prompt), logits)
+    got, n, reused_logits = cache.take(prompt[:-3])  # a shorter prompt: its last token is fed
+    assert (got.n, n, reused_logits) == (26, 26, None)
+    cache.put(prompt + [7, 8], FakeCache(32), len(prompt), logits)
+    got, n, reused_logits = cache.take(prompt + [7, 8, 9])  # a longer one: the rest is fed
+    assert (got.n, n, reused_logits) == (32, 32, None)
+
+
+def test_prefix_cache_drops_logits_of_a_prompt_it_does_not_hold_and_short_matches():
+    from miniserve.engine import PrefixCache
+    prompt = list(range(100, 130))
+    cache = PrefixCache()
+    cache.put(prompt[:10], FakeCache(10), len(prompt), object())  # cancelled during prefill
+    assert cache.entries[0].prompt_logits is None
+    cache = PrefixCache(min_match=16)
+    cache.put(prompt[:16] + [1, 2], FakeCache(18), 16, object())
+    assert cache.take(prompt[:16] + [3])[0] is not None  # 16 shared, 16 reusable
+    cache.put(prompt[:16] + [1, 2], FakeCache(18), 18, object())
+    assert cache.take(prompt[:16]) == (None, 0, None)  # 16 shared, but only 15 reusable

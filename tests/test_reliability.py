@@ -227,9 +227,12 @@ def test_overflow_gets_429_not_a_hang():
 
 # -- cancellation -----------------------------------------------------------------------------
 def test_ctrl_c_in_cli_chat_stops_the_reply_and_keeps_the_session():
+    # SIGINT back to its default for the child: a suite started in the background by a shell
+    # without job control inherits it ignored, and Python then installs no Ctrl-C handler
     proc = subprocess.Popen([sys.executable, "-m", "miniserve", "chat", "--preset", "factual",
                              "--max-new-tokens", "2000"], cwd=ROOT, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1)
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         proc.stdin.write("Write a very long story about a lighthouse keeper.\n")
         proc.stdin.flush()
