@@ -70,37 +70,15 @@ def params_from_args(args) -> tuple[SamplingParams, dict[str, SamplingParams]]:
     return presets[name].replace(seed=args.seed, **changes), presets
 
 
-def auto_dtype(args) -> str:
-    """--dtype auto picks the fastest weights for what will run them: int8 runs with bfloat16
-    activations; the native CPU step reads bfloat16 weights (half the bytes of float32) and
-    computes in float32, 1.3-1.6x faster than float32 weights here."""
-    import torch
-
-    from miniserve import native
-    from miniserve.loader import ModelLoadError, pick_device
-    if args.dtype != "auto":
-        return args.dtype
-    if args.quant == "int8":
-        return "bfloat16"
-    try:
-        device = pick_device(args.device)
-    except ModelLoadError:
-        return args.dtype  # load_model reports the bad device
-    if args.runner in ("auto", "native") and native.supports(device, torch.bfloat16):
-        return "bfloat16"
-    return args.dtype
-
-
 def load_engine(args):
     """(engine, None), or (None, exit code) after a one-line error."""
-    from miniserve.engine import Engine
-    from miniserve.loader import ModelLoadError, load_model
+    from miniserve.engine import start_engine
+    from miniserve.loader import ModelLoadError
     try:
-        loaded = load_model(args.model, device=args.device, dtype=auto_dtype(args))
+        return start_engine(args.model, device=args.device, dtype=args.dtype,
+                            runner=args.runner, quant=args.quant), None
     except ModelLoadError as e:
         return None, fail(str(e), 1)
-    try:
-        return Engine(loaded, runner=args.runner, quant=args.quant), None
     except ValueError as e:
         return None, fail(str(e), 2)
 

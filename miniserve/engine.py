@@ -365,3 +365,34 @@ class Engine:
                                SamplingParams(temperature=0, max_new_tokens=2), reuse_prefix=False):
             pass
         return time.perf_counter() - start
+
+
+def auto_dtype(dtype: str, device: str | None, runner: str, quant: str | None) -> str:
+    """--dtype auto picks the fastest weights for what will run them: int8 runs with bfloat16
+    activations; the native CPU step reads bfloat16 weights (half the bytes of float32) and
+    computes in float32, 1.3-1.6x faster than float32 weights here."""
+    import torch
+
+    from miniserve import native
+    from miniserve.loader import ModelLoadError, pick_device
+    if dtype != "auto":
+        return dtype
+    if quant == "int8":
+        return "bfloat16"
+    try:
+        dev = pick_device(device)
+    except ModelLoadError:
+        return dtype  # load_model reports the bad device
+    if runner in ("auto", "native") and native.supports(dev, torch.bfloat16):
+        return "bfloat16"
+    return dtype
+
+
+def start_engine(model: str | None = None, device: str | None = "auto", dtype: str = "auto",
+                 runner: str = "auto", quant: str | None = None, progress=None) -> Engine:
+    """Load a model and start its engine, as the app, the CLI and `serve` do. Raises
+    ModelLoadError (the model) or ValueError (the runner / quantization)."""
+    from miniserve.loader import load_model
+    loaded = load_model(model, device=device, dtype=auto_dtype(dtype, device, runner, quant),
+                        progress=progress)
+    return Engine(loaded, runner=runner, quant=quant)
