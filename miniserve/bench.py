@@ -234,7 +234,7 @@ def run_bench(engine: Engine, config: BenchConfig, progress: Progress | None = N
     nbytes = {m: (engine.model if m in ("no_cache", "cache") else
                   TransformersRunner(engine.loaded.model)).weight_bytes() for m in config.modes}
     modes = list(config.modes)
-    arithmetic = {"no_cache": compute_dtype(engine), "cache": compute_dtype(engine),
+    arithmetic = {"no_cache": engine.model.act_dtype, "cache": engine.model.act_dtype,
                   "hf_generate": engine.loaded.dtype, "transformers_loop": engine.loaded.dtype,
                   "lean": engine.loaded.dtype}
     peers = []
@@ -304,13 +304,8 @@ def _token_checker(engine: Engine, new_tokens: int):
     return check
 
 
-def compute_dtype(engine: Engine) -> torch.dtype:
-    """The dtype our runner does its arithmetic in (float32 over bf16 weights: native)."""
-    return engine.model.act_dtype
-
-
 def mixed_precision(engine: Engine) -> bool:
-    return compute_dtype(engine) != engine.loaded.dtype
+    return engine.model.act_dtype != engine.loaded.dtype
 
 
 def prefix_reuse(engine: Engine, history_tokens: int = 1500, repeat: int = 3) -> dict:

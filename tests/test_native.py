@@ -79,18 +79,13 @@ def tiny(family: str, dtype=torch.float32):
     return model.to(dtype).eval()
 
 
-def step_logits(model, ids):
-    """Logits of every step, one token at a time through the cache."""
-    return one_token_at_a_time(model)(ids)
-
-
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @needs_native
 def test_step_equals_the_pytorch_forward_pass(family):
     model = tiny(family)
     ids = [(7 * i + 3) % 300 for i in range(70)]  # 70 positions: several attention chunks
-    reference = step_logits(LeanModel(model), ids)
-    got = step_logits(LeanModel(model, native=True), ids)
+    reference = one_token_at_a_time(LeanModel(model))(ids)
+    got = one_token_at_a_time(LeanModel(model, native=True))(ids)
     assert torch.allclose(got, reference, atol=1e-4, rtol=1e-4)
 
 
@@ -99,8 +94,8 @@ def test_step_equals_the_pytorch_forward_pass(family):
 def test_bfloat16_weights_compute_like_float32_with_the_same_weights(family):
     model = tiny(family, torch.bfloat16)
     ids = [(5 * i + 1) % 300 for i in range(40)]
-    reference = step_logits(LeanModel(copy.deepcopy(model).float()), ids)
-    got = step_logits(LeanModel(model, native=True), ids)
+    reference = one_token_at_a_time(LeanModel(copy.deepcopy(model).float()))(ids)
+    got = one_token_at_a_time(LeanModel(model, native=True))(ids)
     assert torch.allclose(got, reference, atol=1e-4, rtol=1e-4)
 
 
@@ -124,9 +119,9 @@ def test_same_logits_from_another_thread(tiny_model):
     Python thread."""
     model = LeanModel(tiny_model, native=True)
     ids = list(range(3, 30))
-    here = step_logits(model, ids)
+    here = one_token_at_a_time(model)(ids)
     box = {}
-    worker = threading.Thread(target=lambda: box.update(logits=step_logits(model, ids)))
+    worker = threading.Thread(target=lambda: box.update(logits=one_token_at_a_time(model)(ids)))
     worker.start()
     worker.join()
     assert torch.equal(here, box["logits"])
