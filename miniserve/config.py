@@ -61,6 +61,23 @@ MAX_NEW_TOKENS = FIELDS["max_new_tokens"].high  # also the API's and the benchma
 # How many requests may be running or waiting at once; past it, "busy" / HTTP 429.
 MAX_QUEUE = Field(int, 1, 1000, 16, "Max queue",
                   "requests running or waiting before new ones get 'busy' (HTTP 429)")
+MAX_CHOICES = 8  # the API's largest n; each choice takes one place in the queue
+# The scheduler (miniserve/scheduler.py): how many sequences advance in one forward pass, how
+# many tokens one pass may take (decode rows + a chunk of a waiting prompt), and how many
+# positions of keys and values all sequences together may hold (prompt + max_new_tokens is
+# reserved when a request starts; it waits while that does not fit).
+MAX_BATCH = Field(int, 1, 64, 8, "Max batch",
+                  "sequences that advance together in one forward pass")
+STEP_TOKENS = Field(int, 16, 8192, 512, "Step tokens",
+                    "rows one forward pass may take: a decode row per sequence plus a chunk of "
+                    "a waiting prompt")
+KV_BUDGET = Field(int, 256, 10_000_000, 65536, "KV budget",
+                  "positions of keys and values all running sequences may hold together")
+# The arithmetic of the matrix products, apart from the weights' dtype (--dtype):
+# float32 sums of float32 products; bfloat16: activations rounded to bfloat16, products summed
+# in float32 (AVX512_BF16's vdpbf16ps where the CPU has it); auto: bfloat16 where the CPU has
+# bfloat16 dot products and the weights are bfloat16, else float32.
+MATHS = ("auto", "float32", "bfloat16")
 
 
 def check_value(name: str, value, where: str = "") -> float | int:

@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from miniserve.chat import check_messages, trim_history
-from miniserve.config import MAX_QUEUE, SamplingParams
+from miniserve.config import KV_BUDGET, MAX_BATCH, MAX_QUEUE, STEP_TOKENS, SamplingParams
 from miniserve.decode import GenerationStats, LogitsObserver, crop_cache, generate
+from miniserve.scheduler import RequestTooLarge, Scheduler, Sequence  # noqa: F401
 from miniserve.loader import LoadedModel, describe
 from miniserve.runner import TransformersRunner
 from miniserve.stream import Detokenizer, StopStrings
@@ -113,7 +114,8 @@ def common_prefix(a, b) -> int:
 RUNNERS = ("auto", "native", "lean", "transformers")
 
 
-def make_runner(loaded: LoadedModel, runner: str = "auto", quant: str | None = None):
+def make_runner(loaded: LoadedModel, runner: str = "auto", quant: str | None = None,
+                math: str = "auto"):
     """The module the decode loop drives. transformers: the library model. lean: our readable
     PyTorch forward pass (Llama family). native: lean, with one-token steps in compiled code
     (miniserve/native.py; CPU, float32 or bfloat16 weights). auto: the fastest that applies."""
@@ -123,21 +125,58 @@ def make_runner(loaded: LoadedModel, runner: str = "auto", quant: str | None = N
     if quant and runner in ("transformers", "native"):
         raise ValueError(f"--quant needs the lean runner, not {runner}")
     if runner == "transformers" or (runner == "auto" and not lean.supports(loaded.model)):
+        dtype = str(loaded.model.dtype).removeprefix("torch.")
+        if math not in ("auto", dtype):
+            raise ValueError(f"--math {math} needs the native runner; the transformers runner "
+                             f"computes in the weights' dtype ({dtype})")
         return TransformersRunner(loaded.model)
     if not lean.supports(loaded.model):
         raise ValueError(f"the {runner} runner does not support "
                          f"{loaded.model.config.model_type}; use --runner transformers")
     use_native = runner == "native" or (
         runner == "auto" and native.supports(loaded.device, loaded.model.dtype, quant))
-    return lean.LeanModel(loaded.model, quant=quant, native=use_native)
+    return lean.LeanModel(loaded.model, quant=quant, native=use_native, math=math)
+
+
+class _Reply:
+    """Turns a sequence's token ids into Chunks for its caller: UTF-8-safe text, stop strings,
+    a last chunk with the stats."""
+
+    def __init__(self, tokenizer, params: SamplingParams, stats: GenerationStats, sink,
+                 dropped_messages: int = 0):
+        self.detok = Detokenizer(tokenizer)
+        self.stops = StopStrings(params.stop)
+        self.stats, self.sink, self.dropped = stats, sink, dropped_messages
+        self.pending: list[int] = []
+
+    def token(self, token_id: int) -> bool:
+        """Take one token; False when a stop string ended the reply."""
+        self.pending.append(token_id)
+        text = self.stops.feed(self.detok.push(token_id))
+        if text or self.stops.stopped:
+            if text:
+                self.sink(Chunk(text, self.pending, self.stats))
+            self.pending = []
+        return not self.stops.stopped
+
+    def finish(self, error: BaseException | None = None) -> None:
+        if error is not None:
+            self.sink(error)
+            return
+        stopped = self.stops.stopped
+        tail = "" if stopped else self.stops.feed(self.detok.flush()) + self.stops.flush()
+        self.sink(Chunk(tail, [] if stopped else self.pending, self.stats, done=True,
+                        dropped_messages=self.dropped))
 
 
 class Engine:
     def __init__(self, loaded: LoadedModel, max_queue: int = MAX_QUEUE.default,
                  prefix_cache_entries: int = 4,
-                 runner: str = "auto", quant: str | None = None):
+                 runner: str = "auto", quant: str | None = None, math: str = "auto",
+                 kv_budget: int | None = None, max_batch: int | None = None,
+                 step_tokens: int | None = None):
         self.loaded = loaded
-        self.model = make_runner(loaded, runner, quant)
+        self.model = make_runner(loaded, runner, quant, math)
         self.runner = self.model.name
         self.quant = quant
         self.tokenizer = loaded.tokenizer
@@ -145,6 +184,11 @@ class Engine:
         self.eos_ids = frozenset(self._end_ids())
         self.prefix_cache = PrefixCache(max_entries=prefix_cache_entries)
         self.max_queue = max_queue
+        self.scheduler = Scheduler(
+            self.model, prefix_cache=self.prefix_cache,
+            max_batch=max_batch or MAX_BATCH.default,
+            step_tokens=step_tokens or STEP_TOKENS.default,
+            kv_budget=kv_budget or KV_BUDGET.default)
         self._count_lock = threading.Lock()
         self._in_flight = 0  # running + waiting
         self._start_worker()
@@ -155,10 +199,13 @@ class Engine:
 
     def info(self) -> dict:
         from miniserve import native
-        compute = self.model.act_dtype
+        s = self.scheduler
         return {**describe(self.loaded), "runner": self.runner, "quant": self.quant or "none",
-                "compute_dtype": str(compute).removeprefix("torch."),
-                "kernels": native.isa() if self.runner == "native" else None}
+                "compute_dtype": self.model.math if hasattr(self.model, "math")
+                else str(self.model.act_dtype).removeprefix("torch."),
+                "kernels": native.isa() if self.runner == "native" else None,
+                "max_batch": s.max_batch, "step_tokens": s.step_tokens,
+                "kv_budget": s.kv_budget}
 
     def _end_ids(self) -> set[int]:
         ids = set()
@@ -170,11 +217,12 @@ class Engine:
         ids.update(vocab[t] for t in END_TOKENS if t in vocab)
         return ids
 
-    # -- one worker thread runs every forward pass ------------------------------------------
-    # All model work happens on this one long-lived thread. Measured on 2 CPU cores: decoding
-    # from a fresh thread after another thread has used the OpenMP pool runs ~35% slower
-    # (18 vs 27 tokens/s), so requests from web, API and CLI threads are handed over here.
-    # The queue also serialises requests: one generation at a time, a bounded number waiting.
+    # -- one engine thread runs every forward pass ------------------------------------------
+    # All model work happens on this one long-lived thread: the scheduler's steps, and now and
+    # then a job that needs the model alone (the benchmark's reference runs, a no-cache
+    # generation), run between two steps. Measured on 2 CPU cores: decoding from a fresh
+    # thread after another thread has used the OpenMP pool runs ~35% slower, so requests from
+    # web, API and CLI threads are handed over here.
     def _start_worker(self) -> None:
         self._jobs: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._work, name="miniserve-engine", daemon=True)
@@ -182,11 +230,20 @@ class Engine:
 
     def _work(self) -> None:
         while True:
-            job = self._jobs.get()
-            job()
+            # Take what arrived: wait for it when idle, else only look between two steps.
+            block = not self.scheduler.busy
+            try:
+                while True:
+                    job = self._jobs.get(block=block)
+                    block = False
+                    job()
+            except queue.Empty:
+                pass
+            if self.scheduler.busy:
+                self.scheduler.step()
 
     def run_on_worker(self, fn, *args, **kwargs):
-        """Run fn on the engine thread (after the requests queued before it); return its result."""
+        """Run fn on the engine thread, between two steps; return its result."""
         done = threading.Event()
         box = {}
 
@@ -204,12 +261,12 @@ class Engine:
             raise box["error"]
         return box["result"]
 
-    def _admit(self) -> None:
+    def _admit(self, n: int = 1) -> None:
         with self._count_lock:
-            if self._in_flight >= self.max_queue:
+            if self._in_flight + n > self.max_queue:
                 raise EngineBusy(f"the server is busy ({self._in_flight} requests running or "
                                  "waiting); try again in a moment")
-            self._in_flight += 1
+            self._in_flight += n
 
     def _release(self) -> None:
         with self._count_lock:
@@ -226,112 +283,103 @@ class Engine:
                  dropped_messages: int = 0) -> Iterator[Chunk]:
         """Stream a reply to raw prompt ids: text pieces, then a final chunk with stats.
 
-        Closing the iterator early (a client went away) cancels the generation within one
-        decoding step."""
-        stats = GenerationStats(prompt_tokens=len(prompt_ids))
-        return self._submit(lambda cancel: self._stream_reply(
-            prompt_ids, params, cancel, use_cache, reuse_prefix, observer, stats,
-            dropped_messages), cancel)
+        The request joins the scheduler: it advances in the same forward passes as every
+        other request. Closing the iterator early (a client went away) cancels it within one
+        step. Without the KV cache (`use_cache=False`, the textbook loop kept for the
+        benchmark) it runs alone between two steps."""
+        cancel = cancel or threading.Event()
+        out: queue.Queue = queue.Queue()
+        if not use_cache:
+            self._admit()
+
+            def job():
+                try:
+                    self._solo_reply(prompt_ids, params, cancel, observer, out.put,
+                                     dropped_messages)
+                finally:
+                    self._release()
+            self._jobs.put(job)
+        else:
+            self._start([(prompt_ids, params, out.put)], cancel, reuse_prefix, observer,
+                        dropped_messages)
+        return self._drain(out, cancel)
 
     def compare(self, prompt_ids: list[int], settings: list[SamplingParams], *,
                 cancel: threading.Event | None = None) -> Iterator[tuple[int, Chunk, float]]:
-        """Answer one prompt under several settings at once: the replies advance in turn,
-        one token each, so every column streams. Yields (column, chunk, seconds that column
-        has spent computing) -- its own tokens/s, not shared wall time."""
-
-        def round_robin(cancel):
-            streams = [self._stream_reply(prompt_ids, p, cancel, True, False, None,
-                                             GenerationStats(prompt_tokens=len(prompt_ids)), 0)
-                       for p in settings]
-            busy = [0.0] * len(streams)
-            live = set(range(len(streams)))
-            while live:
-                for i in sorted(live):
-                    start = time.perf_counter()
-                    chunk = next(streams[i], None)
-                    busy[i] += time.perf_counter() - start
-                    if chunk is None:
-                        live.discard(i)
-                        continue
-                    yield i, chunk, busy[i]
-
-        return self._submit(round_robin, cancel)
-
-    def _submit(self, produce, cancel: threading.Event | None) -> Iterator:
-        """Queue `produce(cancel)` (a generator) for the engine thread; iterate its items here.
-
-        Admission happens now, so a full queue raises EngineBusy before anything starts."""
-        self._admit()
+        """Answer one prompt under several settings at once, as one batch: every step
+        advances all the columns. Yields (column, chunk, that column's seconds so far)."""
         cancel = cancel or threading.Event()
         out: queue.Queue = queue.Queue()
 
-        def job():
-            try:
-                if not cancel.is_set():  # a caller that left while queued costs nothing
-                    for item in produce(cancel):
-                        out.put(item)
-            except BaseException as e:  # noqa: BLE001 -- re-raised in the caller
-                out.put(e)
-            finally:
-                out.put(None)
-                self._release()
+        def column(col):
+            return lambda item: out.put(item if item is None or isinstance(item, BaseException)
+                                        else (col, item))
 
-        self._jobs.put(job)
-        return self._drain(out, cancel)
+        self._start([(prompt_ids, p, column(i)) for i, p in enumerate(settings)], cancel,
+                    False, None, 0)
+        return ((col, chunk, chunk.stats.total_s)
+                for col, chunk in self._drain(out, cancel, ends=len(settings)))
+
+    def _start(self, requests, cancel: threading.Event, reuse_prefix: bool, observer,
+               dropped_messages: int) -> None:
+        """Queue sequences for the scheduler: (prompt ids, params, sink) each. Admission
+        happens now: a full queue raises EngineBusy, a request too large for the KV budget
+        RequestTooLarge, before anything starts. Each sink gets Chunks, then None."""
+        seqs = []
+        for prompt_ids, params, sink in requests:
+            prompt_ids = list(prompt_ids)
+            if not prompt_ids:
+                raise ValueError("the prompt is empty: give at least one token")
+            stats = GenerationStats(prompt_tokens=len(prompt_ids))
+            reply = _Reply(self.tokenizer, params, stats, sink, dropped_messages)
+
+            def finish(error, reply=reply, sink=sink):
+                try:
+                    reply.finish(error)
+                finally:
+                    sink(None)
+                    self._release()
+
+            seq = Sequence(prompt_ids, params,
+                           min(params.max_new_tokens, self.context_length - len(prompt_ids)),
+                           reply.token, finish, self.eos_ids, cancel, observer, reuse_prefix,
+                           stats)
+            self.scheduler.check(seq)
+            seqs.append(seq)
+        self._admit(len(seqs))
+        self._jobs.put(lambda: [self.scheduler.add(s) for s in seqs])
 
     @staticmethod
-    def _drain(out: queue.Queue, cancel: threading.Event) -> Iterator[Chunk]:
+    def _drain(out: queue.Queue, cancel: threading.Event, ends: int = 1) -> Iterator:
         try:
-            while (item := out.get()) is not None:
+            while ends:
+                item = out.get()
+                if item is None:
+                    ends -= 1
+                    continue
                 if isinstance(item, BaseException):
                     raise item
                 yield item
         finally:
-            cancel.set()  # no-op when finished; stops the worker if the caller left early
+            cancel.set()  # no-op when finished; stops the sequences if the caller left early
 
-    def _stream_reply(self, prompt_ids, params, cancel, use_cache, reuse_prefix, observer,
-                         stats, dropped_messages) -> Iterator[Chunk]:
-        cache, _, logits = (self.prefix_cache.take(prompt_ids) if use_cache and reuse_prefix
-                            else (None, 0, None))
-        if use_cache and cache is None:
-            cache = self.model.new_cache()
-        detok = Detokenizer(self.tokenizer)
-        stops = StopStrings(params.stop)
-        generated: list[int] = []
-        pending_ids: list[int] = []
-        first = {"logits": logits}
-
-        def watch(step_logits, ids, token_id):  # keeps what the prompt produced, for reuse
-            if first["logits"] is None:
-                first["logits"] = step_logits
-            if observer is not None:
-                observer(step_logits, ids, token_id)
-
-        steps = generate(self.model, prompt_ids, params, eos_ids=self.eos_ids,
-                         use_cache=use_cache, cache=cache, cancel=cancel, stats=stats,
-                         max_length=self.context_length, observer=watch, prompt_logits=logits)
+    def _solo_reply(self, prompt_ids, params, cancel, observer, sink, dropped_messages):
+        """The textbook loop without a KV cache, alone on the engine thread."""
+        stats = GenerationStats(prompt_tokens=len(prompt_ids))
+        reply = _Reply(self.tokenizer, params, stats, sink, dropped_messages)
         try:
-            for token_id in steps:
-                generated.append(token_id)
-                pending_ids.append(token_id)
-                text = stops.feed(detok.push(token_id))
-                if stops.stopped:
-                    stats.finish_reason = "stop"
-                    if text:
-                        yield Chunk(text, pending_ids, stats)
-                    break
-                if text:
-                    yield Chunk(text, pending_ids, stats)
-                    pending_ids = []
+            if not cancel.is_set():  # a caller that left while queued costs nothing
+                for token_id in generate(self.model, prompt_ids, params, eos_ids=self.eos_ids,
+                                         use_cache=False, cancel=cancel, stats=stats,
+                                         max_length=self.context_length, observer=observer):
+                    if not reply.token(token_id):
+                        stats.finish_reason = "stop"
+                        break
+            reply.finish()
+        except BaseException as e:  # noqa: BLE001 -- re-raised in the caller
+            reply.finish(e)
         finally:
-            steps.close()
-            if use_cache and reuse_prefix:
-                held = cache.get_seq_length()
-                self.prefix_cache.put((list(prompt_ids) + generated)[:held], cache,
-                                      len(prompt_ids), first["logits"])
-        tail = "" if stops.stopped else stops.feed(detok.flush()) + stops.flush()
-        yield Chunk(tail, [] if stops.stopped else pending_ids, stats, done=True,
-                    dropped_messages=dropped_messages)
+            sink(None)
 
     def chat(self, messages: list[dict], params: SamplingParams, **kwargs) -> Iterator[Chunk]:
         """Stream the assistant's reply to a conversation, trimmed to fit the context."""
@@ -389,10 +437,13 @@ def auto_dtype(dtype: str, device: str | None, runner: str, quant: str | None) -
 
 
 def start_engine(model: str | None = None, device: str | None = "auto", dtype: str = "auto",
-                 runner: str = "auto", quant: str | None = None, progress=None) -> Engine:
+                 runner: str = "auto", quant: str | None = None, progress=None,
+                 math: str = "auto", kv_budget: int | None = None,
+                 max_queue: int = MAX_QUEUE.default, max_batch: int | None = None) -> Engine:
     """Load a model and start its engine, as the app, the CLI and `serve` do. Raises
     ModelLoadError (the model) or ValueError (the runner / quantization)."""
     from miniserve.loader import load_model
     loaded = load_model(model, device=device, dtype=auto_dtype(dtype, device, runner, quant),
                         progress=progress)
-    return Engine(loaded, runner=runner, quant=quant)
+    return Engine(loaded, runner=runner, quant=quant, math=math, kv_budget=kv_budget,
+                  max_queue=max_queue, max_batch=max_batch)

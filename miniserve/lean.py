@@ -13,8 +13,6 @@ at slices of them, so no weight is stored twice. The transformers model stays th
 
 from __future__ import annotations
 
-import threading
-
 import torch
 import torch.nn.functional as F
 
@@ -47,10 +45,12 @@ class KVCache:
         """transformers' convention: a negative n removes that many positions."""
         self.length = self.length + n if n < 0 else min(n, self.length)
 
-    def reserve(self, needed: int) -> None:
+    def reserve(self, needed: int, exact: bool = False) -> None:
         capacity = self.k.shape[2]
         if needed <= capacity:
             return
+        if exact:
+            capacity = needed
         while capacity < needed:
             capacity *= 2
         for name in ("k", "v"):
@@ -89,28 +89,10 @@ def _linear(x, w, b=None):
             return F.linear(x, w.dense, b)
         y = w.matmul(x)
         return y if b is None else y + b
-    if w.dtype != x.dtype:  # bfloat16 weights, float32 activations (the native runner)
-        if x.numel() == x.shape[-1]:  # one row (the last position's logits): native kernel
-            from miniserve.native import matvec
-            y = matvec(w, x.reshape(-1)).view(*x.shape[:-1], -1)
-            return y if b is None else y + b
-        w, b = _upcast(w), b.to(x.dtype) if b is not None else None
     if x.dim() == 3 and x.shape[-2] == 1 and x.shape[0] == 1:
         y = torch.mv(w, x.reshape(-1)).view(1, 1, -1)
         return y if b is None else y + b
     return F.linear(x, w, b)
-
-
-_upcast_buffers = threading.local()
-
-
-def _upcast(w: torch.Tensor) -> torch.Tensor:
-    """A float32 copy of a bfloat16 weight, in one buffer reused for every weight of a prompt:
-    a fresh tensor each time cost 4x more here (page faults on ~500 MB of new memory)."""
-    buf = getattr(_upcast_buffers, "buf", None)
-    if buf is None or buf.numel() < w.numel() or buf.device != w.device:
-        buf = _upcast_buffers.buf = torch.empty(w.numel(), dtype=torch.float32, device=w.device)
-    return buf[:w.numel()].view(w.shape).copy_(w)
 
 
 def _rms_norm(x, weight, eps):
@@ -129,7 +111,8 @@ class LeanModel:
     """Plain tensors and functions; no nn.Module machinery on the hot path. A runner
     (miniserve/runner.py): "native" when one-token steps run the compiled step, else "lean"."""
 
-    def __init__(self, hf_model, quant: str | None = None, native: bool = False):
+    def __init__(self, hf_model, quant: str | None = None, native: bool = False,
+                 math: str = "auto"):
         if quant not in (None, "int8"):
             raise ValueError(f"unknown quantization '{quant}': use int8 or none")
         if quant == "int8" and hf_model.dtype != torch.bfloat16:
@@ -144,18 +127,23 @@ class LeanModel:
         self.n_kv = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
         self.eps = cfg.rms_norm_eps
-        if native:  # one-token steps in compiled code (miniserve/native.py)
+        if native:  # every pass in compiled code (miniserve/native.py)
             from miniserve import native as native_mod
             if not native_mod.supports(self.device_, self.dtype, quant):
                 reason = native_mod.unavailable_reason()
-                raise ValueError("the native decode step needs a CPU model with float32 or "
+                raise ValueError("the native runner needs a CPU model with float32 or "
                                  "bfloat16 weights and no --quant"
                                  + (f"; {reason}" if reason else ""))
-        # The dtype activations, RoPE tables and the KV cache use. The native step computes
-        # in float32 also over bfloat16 weights (so does the PyTorch path next to it, for
-        # prompts, upcasting each weight as it uses it): float32 sums, and a reference that is
-        # exact (a float32 model holding the same rounded weights).
-        self.act_dtype = torch.float32 if native else self.dtype
+            self.math = native_mod.resolve_math(math, self.dtype)
+        else:  # PyTorch computes in the weights' dtype
+            self.math = str(self.dtype).removeprefix("torch.")
+            if math not in ("auto", self.math):
+                raise ValueError(f"--math {math} needs the native runner; the lean runner "
+                                 f"computes in the weights' dtype ({self.math})")
+        # The arithmetic of the matrix products. The native pass keeps activations, RoPE
+        # tables and the KV cache in float32 whatever the products' arithmetic.
+        self.act_dtype = getattr(torch, self.math)
+        table_dtype = torch.float32 if native else self.dtype
         self.embed = base.embed_tokens.weight
         self.final_norm = base.norm.weight
         self.lm_head = hf_model.lm_head.weight
@@ -178,15 +166,15 @@ class LeanModel:
         positions = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos().to(self.act_dtype).to(self.device_)  # (max_pos, head_dim)
-        self.sin = emb.sin().to(self.act_dtype).to(self.device_)
+        self.cos = emb.cos().to(table_dtype).to(self.device_)  # (max_pos, head_dim)
+        self.sin = emb.sin().to(table_dtype).to(self.device_)
         self.generation_config = hf_model.generation_config
         if quant == "int8":  # every matrix but the embedding lookup table
             self.lm_head = Int8Weight(self.lm_head)
             for w in self.layers:
                 for name in ("wqkv", "wo", "w13", "w2"):
                     w[name] = Int8Weight(w[name])
-        self.native = native_mod.NativeStep(self) if native else None
+        self.native = native_mod.NativeForward(self, self.math) if native else None
 
     def weight_bytes(self) -> int:
         """Bytes of weights read per decoded token (the embedding is looked up, not read)."""
@@ -207,8 +195,20 @@ class LeanModel:
     def name(self) -> str:
         return "lean" if self.native is None else "native"
 
-    def new_cache(self) -> KVCache:
-        return KVCache(len(self.layers), self.n_kv, self.head_dim, self.act_dtype, self.device_)
+    def new_cache(self, capacity: int = 256):
+        if self.native is not None:
+            return self.native.new_cache(capacity)
+        return KVCache(len(self.layers), self.n_kv, self.head_dim, self.dtype, self.device_,
+                       capacity)
+
+    def step(self, entries, all_logits: bool = False) -> torch.Tensor:
+        """Several sequences at once: entries of (new ids, cache); the logits of each one's
+        last new id (len(entries), vocab). Native: one pass over all their rows. PyTorch: one
+        sequence after another."""
+        if self.native is not None:
+            return self.native(entries, all_logits)
+        return torch.cat([self.forward(torch.as_tensor(ids).view(1, -1), cache, all_logits)
+                          for ids, cache in entries])
 
     def __call__(self, input_ids: torch.Tensor, cache: KVCache | None = None,
                  all_logits: bool = False) -> torch.Tensor:
@@ -218,14 +218,17 @@ class LeanModel:
                 all_logits: bool = False) -> torch.Tensor:
         """ids (1, T) -> logits of the last position (1, vocab), or of every position
         (T, vocab) with `all_logits`. Appends to `cache` if given."""
+        if self.native is not None:  # the same computation, compiled, all rows in one pass
+            ids = input_ids[0].tolist()
+            logits = self.native([(ids, cache if cache is not None else
+                                   self.new_cache(len(ids)))], all_logits)
+            return logits if all_logits else logits.view(1, -1)
         T = input_ids.shape[1]
-        if T == 1 and cache is not None and self.native is not None:
-            return self.native(int(input_ids[0, 0]), cache)  # same computation, compiled
         start = cache.length if cache is not None else 0
         if cache is not None:
             cache.reserve(start + T)
         cos, sin = self.cos[start:start + T], self.sin[start:start + T]  # (T, hd)
-        x = F.embedding(input_ids, self.embed).to(self.act_dtype)  # (1, T, D)
+        x = F.embedding(input_ids, self.embed)  # (1, T, D)
         for i, w in enumerate(self.layers):
             x = x + self._attention(_rms_norm(x, w["attn_norm"], self.eps), w, i, cache, start,
                                     cos, sin)

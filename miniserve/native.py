@@ -1,9 +1,12 @@
-"""The native decode step: miniserve/kernels/decode.cpp, compiled at first use, called by ctypes.
+"""The native forward pass: miniserve/kernels/decode.cpp, compiled at first use, called by ctypes.
 
 Why it exists: one decoded token reads every weight once (538 MB in float32), so a step can
 not be faster than memory allows; PyTorch gets its matrix-vector products close to that, but
 spends another ~10 us on each of ~45 small ops per layer (norms, RoPE, cache writes, SiLU)
-on vectors of a few hundred numbers. The C++ file does a layer's two halves in two calls.
+on vectors of a few hundred numbers. And many rows at once (several sequences, a prompt's
+tokens) turn the same weights into compute-bound products, which decode.cpp runs in its own
+fixed order, so that a sequence's results do not depend on what shares its pass. One call
+runs a whole pass: every layer, every row.
 
 Build: the system C++ compiler (`$CXX`, else `c++`), `-O3` for the target that
 `MINISERVE_NATIVE_ARCH` names (TARGETS below; `native` by default: this CPU, AVX-512 where it
@@ -27,10 +30,13 @@ from pathlib import Path
 
 import torch
 
+from miniserve.config import MATHS
+
 SOURCE = Path(__file__).parent / "kernels" / "decode.cpp"
-ABI_VERSION = 5
+ABI_VERSION = 6
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread"]
+FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-ffp-contract=off"]
+MATH_CODES = {"float32": 0, "bfloat16": 1}
 X86_64 = platform.machine().lower() in ("x86_64", "amd64")
 
 # MINISERVE_NATIVE_ARCH: what to compile for, each a list of architecture flags to try in turn
@@ -143,18 +149,39 @@ def isa() -> str | None:
     return lib.ms_isa().decode() if lib is not None else None
 
 
+class MsLayer(ctypes.Structure):  # decode.cpp's structs, field by field
+    _fields_ = [(name, ctypes.c_void_p) for name in
+                ("attn_norm", "wqkv", "bqkv", "wo", "mlp_norm", "w13", "w2")]
+
+
+class MsModel(ctypes.Structure):
+    _fields_ = [*((name, ctypes.c_long) for name in ("layers", "D", "H", "KV", "hd", "I", "V")),
+                *((name, ctypes.c_void_p) for name in
+                  ("embed", "final_norm", "lm_head", "cos", "sin")),
+                ("layer", ctypes.POINTER(MsLayer)), ("eps", ctypes.c_float),
+                ("wdtype", ctypes.c_int), ("math", ctypes.c_int), ("threads", ctypes.c_int)]
+
+
+class MsRows(ctypes.Structure):
+    _fields_ = [("n", ctypes.c_long), ("n_out", ctypes.c_long),
+                *((name, ctypes.c_void_p) for name in ("token", "pos", "cap", "out", "k", "v",
+                                                       "logits"))]
+
+
 def _declare(lib: ctypes.CDLL) -> None:
-    P, L, I, F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
-    lib.ms_attn_block.argtypes = [I, P, P, F, P, P, P, P, P, P, P, L, L, L, L, L, L, P, I]
-    lib.ms_mlp_block.argtypes = [I, P, P, F, P, P, L, L, P, I]
-    lib.ms_lm_head.argtypes = [I, P, P, F, P, P, L, L, P, I]
-    lib.ms_matvec.argtypes = [I, P, P, P, L, L, I]
+    P, L, I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+    lib.ms_forward.argtypes = [ctypes.POINTER(MsModel), ctypes.POINTER(MsRows), P]
+    lib.ms_forward.restype = None
+    lib.ms_scratch_floats.argtypes = [ctypes.POINTER(MsModel), L, L]
+    lib.ms_scratch_floats.restype = L
+    lib.ms_matmul.argtypes = [I, I, P, P, P, L, L, L, I]
+    lib.ms_matmul.restype = None
     lib.ms_threads.argtypes = [I]
     lib.ms_threads.restype = I
+    lib.ms_bf16_dot.argtypes = []
+    lib.ms_bf16_dot.restype = I
     lib.ms_isa.argtypes = []
     lib.ms_isa.restype = ctypes.c_char_p
-    for f in (lib.ms_attn_block, lib.ms_mlp_block, lib.ms_lm_head, lib.ms_matvec):
-        f.restype = None
 
 
 def supports(device: torch.device, dtype: torch.dtype, quant: str | None = None) -> bool:
@@ -164,72 +191,144 @@ def supports(device: torch.device, dtype: torch.dtype, quant: str | None = None)
             and load() is not None)
 
 
-def matvec(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """w @ x with the native kernel (float32 result); for tests and measurements."""
+def bf16_dot() -> bool:
+    """Whether bfloat16 products run on the CPU's bfloat16 dot instruction (AVX512_BF16)."""
+    lib = load()
+    return bool(lib is not None and lib.ms_bf16_dot())
+
+
+def resolve_math(math: str, dtype: torch.dtype) -> str:
+    """The arithmetic for `--math` over weights of `dtype`: auto is bfloat16 products where the
+    weights are bfloat16 and the CPU has bfloat16 dot products, else float32."""
+    if math not in MATHS:
+        raise ValueError(f"unknown --math '{math}': use {', '.join(MATHS)}")
+    if math == "auto":
+        return "bfloat16" if dtype == torch.bfloat16 and bf16_dot() else "float32"
+    if math == "bfloat16" and dtype != torch.bfloat16:
+        raise ValueError("--math bfloat16 needs bfloat16 weights (--dtype bfloat16)")
+    return math
+
+
+def matmul(w: torch.Tensor, x: torch.Tensor, math: str = "float32") -> torch.Tensor:
+    """x @ w.T with the native kernel (float32 result; x float32 of shape (B, cols)) in the
+    given arithmetic; for tests and measurements."""
     lib = load()
     assert lib is not None and w.is_contiguous() and x.dtype == torch.float32
-    y = torch.empty(w.shape[0], dtype=torch.float32)
-    lib.ms_matvec(DTYPE_CODES[w.dtype], w.data_ptr(), x.contiguous().data_ptr(), y.data_ptr(),
-                  w.shape[0], w.shape[1], torch.get_num_threads())
+    x = x.reshape(-1, w.shape[1]).contiguous()
+    y = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
+    lib.ms_matmul(DTYPE_CODES[w.dtype], MATH_CODES[resolve_math(math, w.dtype)], w.data_ptr(),
+                  x.data_ptr(), y.data_ptr(), x.shape[0], w.shape[0], w.shape[1],
+                  torch.get_num_threads())
     return y
 
 
-class NativeStep:
-    """Feeds one token through a LeanModel's weights with the compiled kernels.
+class NativeCache:
+    """One sequence's keys and values in decode.cpp's layout, float32: K as (layers, kv_heads,
+    capacity / 16, head_dim, 16) -- tiles of 16 positions, transposed -- and V as (layers,
+    kv_heads, capacity, head_dim). `length` positions are valid. Same small interface as
+    transformers' caches (get_seq_length, crop)."""
 
-    Holds the raw pointers of the weights (they never move) and float32 work buffers; the KV
-    cache is the model's own (float32) KVCache, so prefill (PyTorch, many tokens at once) and
-    these steps write to the same cache and can alternate freely."""
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int = 256):
+        capacity = -(-max(capacity, 16) // 16) * 16
+        self.k = torch.zeros(layers, kv_heads, capacity // 16, head_dim, 16)
+        self.v = torch.zeros(layers, kv_heads, capacity, head_dim)
+        self.length = 0
 
-    def __init__(self, model):
+    @property
+    def capacity(self) -> int:
+        return self.v.shape[2]
+
+    def nbytes(self) -> int:
+        return (self.k.numel() + self.v.numel()) * 4
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def crop(self, n: int) -> None:
+        """transformers' convention: a negative n removes that many positions."""
+        self.length = self.length + n if n < 0 else min(n, self.length)
+
+    def reserve(self, needed: int, exact: bool = False) -> None:
+        """Room for `needed` positions: doubling, so that a growing sequence copies rarely, or
+        `exact`ly that many (rounded up to a tile of 16)."""
+        capacity = self.capacity
+        if needed <= capacity:
+            return
+        if exact:
+            capacity = -(-needed // 16) * 16
+        while capacity < needed:
+            capacity *= 2
+        k = self.k.new_zeros((*self.k.shape[:2], capacity // 16, *self.k.shape[3:]))
+        v = self.v.new_zeros((*self.v.shape[:2], capacity, self.v.shape[3]))
+        k[:, :, :self.k.shape[2]] = self.k
+        v[:, :, :self.capacity] = self.v
+        self.k, self.v = k, v
+
+
+class NativeForward:
+    """A LeanModel's weights behind decode.cpp's forward pass: any number of rows from any
+    number of sequences in one call.
+
+    Holds the model struct (raw pointers of the weights, which never move) and a scratch
+    buffer sized by the C side."""
+
+    def __init__(self, model, math: str):
         self.lib = load()
         self.model = model
+        self.math = math
         cfg = model.config
-        self.D = cfg.hidden_size
-        self.I = cfg.intermediate_size
         self.V = model.lm_head.shape[0]
-        self.H, self.KV, self.hd = model.n_heads, model.n_kv, model.head_dim
-        self.eps = float(model.eps)
-        self.wcode = DTYPE_CODES[model.dtype]
-        assert model.act_dtype == torch.float32
-        self.x = torch.empty(self.D, dtype=torch.float32)
+        assert model.head_dim <= 1024 and all(t is None or t.is_contiguous()
+                                              for w in model.layers for t in w.values())
+        self._layers = (MsLayer * len(model.layers))(*[
+            MsLayer(*(w[name].data_ptr() if w[name] is not None else None for name in
+                      ("attn_norm", "wqkv", "bqkv", "wo", "mlp_norm", "w13", "w2")))
+            for w in model.layers])
+        self.struct = MsModel(
+            layers=len(model.layers), D=cfg.hidden_size, H=model.n_heads, KV=model.n_kv,
+            hd=model.head_dim, I=cfg.intermediate_size, V=self.V,
+            embed=model.embed.data_ptr(), final_norm=model.final_norm.data_ptr(),
+            lm_head=model.lm_head.data_ptr(), cos=model.cos.data_ptr(), sin=model.sin.data_ptr(),
+            layer=self._layers, eps=float(model.eps), wdtype=DTYPE_CODES[model.dtype],
+            math=MATH_CODES[math], threads=torch.get_num_threads())
+        self.max_positions = model.cos.shape[0]
         self.scratch = torch.empty(0, dtype=torch.float32)
-        self.layers = [(w["attn_norm"].data_ptr(), w["wqkv"].data_ptr(),
-                        w["bqkv"].data_ptr() if w["bqkv"] is not None else None,
-                        w["wo"].data_ptr(), w["mlp_norm"].data_ptr(), w["w13"].data_ptr(),
-                        w["w2"].data_ptr()) for w in model.layers]
-        assert self.hd <= 1024 and all(t is None or t.is_contiguous()
-                                       for w in model.layers for t in w.values())
 
-    def _scratch(self, positions: int, threads: int) -> int:
-        n = self.lib.ms_threads(threads)  # the pool's size (set by its first use)
-        need = (2 * self.D + (2 * self.H + 2 * self.KV) * self.hd + self.H * (positions + 2 * n)
-                + n * self.H * (self.hd + 2) + 4 * self.I + self.D)
+    def new_cache(self, capacity: int = 256) -> NativeCache:
+        m = self.model
+        return NativeCache(len(m.layers), m.n_kv, m.head_dim, capacity)
+
+    def __call__(self, entries, all_logits: bool = False) -> torch.Tensor:
+        """entries: (new token ids, NativeCache) per sequence. Appends each sequence's ids to
+        its cache and returns float32 logits of each one's last new token (len(entries),
+        vocab), or of every new token (total rows, vocab) with `all_logits`."""
+        tokens, pos, caps, ks, vs, out = [], [], [], [], [], []
+        for ids, cache in entries:
+            start, n = cache.length, len(ids)
+            if n == 0:
+                raise ValueError("each sequence in a pass needs at least one new token")
+            if start + n > self.max_positions:
+                raise ValueError(f"position {start + n - 1} is past the model's "
+                                 f"{self.max_positions} positions")
+            cache.reserve(start + n)
+            if all_logits:
+                out.extend(range(len(tokens), len(tokens) + n))
+            else:
+                out.append(len(tokens) + n - 1)
+            tokens.extend(int(t) for t in ids)
+            pos.extend(range(start, start + n))
+            caps += [cache.capacity] * n
+            ks += [cache.k.data_ptr()] * n
+            vs += [cache.v.data_ptr()] * n
+        arrays = [torch.tensor(a, dtype=torch.int64) for a in (tokens, pos, caps, out, ks, vs)]
+        logits = torch.empty(len(out), self.V, dtype=torch.float32)  # fresh: callers keep it
+        rows = MsRows(len(tokens), len(out), *(a.data_ptr() for a in arrays),
+                      logits.data_ptr())
+        need = self.lib.ms_scratch_floats(ctypes.byref(self.struct), len(tokens), max(pos) + 1)
         if self.scratch.numel() < need:
-            self.scratch = torch.empty(need * 2, dtype=torch.float32)
-        return self.scratch.data_ptr()
-
-    def __call__(self, token_id: int, cache) -> torch.Tensor:
-        """Float32 logits (1, vocab) for `token_id` at position cache.length."""
-        m, lib = self.model, self.lib
-        pos = cache.length
-        cache.reserve(pos + 1)
-        threads = torch.get_num_threads()
-        scratch = self._scratch(pos + 1, threads)
-        self.x.copy_(m.embed[token_id])
-        x = self.x.data_ptr()
-        cos, sin = m.cos[pos].data_ptr(), m.sin[pos].data_ptr()
-        k0, v0 = cache.k.data_ptr(), cache.v.data_ptr()
-        cap = cache.k.shape[2]
-        layer_bytes = cache.k[0].numel() * cache.k.element_size()
-        for i, (attn_norm, wqkv, bqkv, wo, mlp_norm, w13, w2) in enumerate(self.layers):
-            lib.ms_attn_block(self.wcode, x, attn_norm, self.eps, wqkv, bqkv, wo, cos, sin,
-                              k0 + i * layer_bytes, v0 + i * layer_bytes, cap, pos,
-                              self.D, self.H, self.KV, self.hd, scratch, threads)
-            lib.ms_mlp_block(self.wcode, x, mlp_norm, self.eps, w13, w2, self.D, self.I,
-                             scratch, threads)
-        cache.length = pos + 1
-        logits = torch.empty(1, self.V, dtype=torch.float32)  # fresh: callers may keep it
-        lib.ms_lm_head(self.wcode, x, m.final_norm.data_ptr(), self.eps, m.lm_head.data_ptr(),
-                       logits.data_ptr(), self.D, self.V, scratch, threads)
+            self.scratch = torch.empty(need, dtype=torch.float32)
+        self.lib.ms_forward(ctypes.byref(self.struct), ctypes.byref(rows),
+                            self.scratch.data_ptr())
+        for ids, cache in entries:
+            cache.length += len(ids)
         return logits

@@ -1,10 +1,13 @@
 """The runner interface: what the decode loop drives, whichever forward pass is behind it.
 
-    runner.new_cache()                                   an empty KV cache
+    runner.new_cache(capacity=None)                      an empty KV cache
     runner.forward(ids (1, T), cache=None, all_logits=False)
         -> logits of the last position (1, vocab), or of every position (T, vocab);
            with a cache, positions continue from its length and the new keys/values are
            appended to it
+    runner.step([(ids, cache), ...]) (optional)
+        -> the logits of each sequence's last new id (n, vocab), all in one pass (the native
+           runner); without it the scheduler calls forward for one sequence after another
     runner.name               "transformers", "lean" or "native"
     runner.dtype              the weights';  runner.act_dtype: the arithmetic's
     runner.device, runner.config, runner.generation_config
@@ -38,7 +41,7 @@ class TransformersRunner:
     def device(self) -> torch.device:
         return self.model.device
 
-    def new_cache(self):
+    def new_cache(self, capacity: int | None = None):
         from transformers import DynamicCache
         return DynamicCache(config=self.config)
 

@@ -144,7 +144,7 @@ def test_teacher_forced_logits_on_held_out_text(loaded, bf16, engine, lean_model
 def broken(loaded, how: str):
     """The engine's runner (native, or lean where it is off), deliberately wrong in one way."""
     from miniserve.lean import LeanModel
-    from miniserve.native import NativeStep
+    from miniserve.native import NativeForward
     model = LeanModel(loaded.model, native=native_expected())
     if how == "rope base 10000":  # the model's is 100000
         inv = 1.0 / (10000.0 ** (torch.arange(0, model.head_dim, 2).float() / model.head_dim))
@@ -158,7 +158,7 @@ def broken(loaded, how: str):
             for name in ("wqkv", "wo", "w13", "w2"):
                 w[name] = w[name].to(torch.bfloat16).float()
     if model.native is not None:
-        model.native = NativeStep(model)  # the step reads the (new) weights' addresses
+        model.native = NativeForward(model, model.math)  # it reads the (new) weights' addresses
     return model
 
 

@@ -1,33 +1,50 @@
-// One decode step of a Llama-family layer for a single new token, on the CPU.
+// The native forward pass of a Llama-family model on the CPU: any number of rows (tokens) in
+// one call, each row with its own sequence, position and KV cache -- the decode rows of every
+// running sequence and chunks of waiting prompts, all in one pass (miniserve/scheduler.py).
 //
 // The same computation as miniserve/lean.py (read that first; this file mirrors it), written
-// as plain loops so that a step costs what its weights cost to read from memory and little
-// else: PyTorch spends ~10 us per small op, ~45 ops per layer, for vectors of 576 numbers.
+// as plain loops:
 //
-//   attn_block:  x += Wo . attention(rope(Wqkv . rmsnorm(x)), KV cache)
-//   mlp_block:   x += W2 . (silu(gate) * up),  gate|up = W13 . rmsnorm(x)
-//   lm_head:     logits = Wlm . rmsnorm(x)
+//   per row:     x = embed[token]
+//   per layer:   x += Wo . attention(rope(Wqkv . rmsnorm(x)), this row's KV cache)
+//                x += W2 . (silu(gate) * up),  gate|up = W13 . rmsnorm(x)
+//   rows asked:  logits = Wlm . rmsnorm(x)
 //
-// Weights are float32 or bfloat16 (W); activations and the KV cache are float32. With
-// bfloat16 weights this computes exactly what a float32 model holding those same (rounded)
-// weights computes, which is what the tests compare it with. Sums use float32 accumulators
-// in another order than PyTorch's: results agree to rounding, not bit for bit.
+// Batch invariance, by construction. Every number a row produces is computed by the same
+// instructions in the same order whatever else is in the pass and however its prompt was cut
+// into chunks: a dot product of a weight row and an activation row is one vector accumulator
+// over the columns, reduced in one fixed way, whichever tile of rows it is computed in; a
+// row's attention runs over fixed blocks of BLOCK positions (counted from position 0), each
+// block's partial softmax computed alone, the blocks merged in order -- never a split that
+// depends on the thread count or the batch. Library matrix products promise none of this.
+// So a sequence yields the same tokens alone, beside seven others, or prefilled in pieces.
 //
-// Threads: the matrix-vector products (by rows) and attention (by positions) are split over a
-// small pool of our own (the calling thread plus threads-1 helpers). A step hands out ~150
-// pieces of work of 20-200 us each; helpers spin briefly between them, and sleep when no step
-// is running. Not OpenMP: once two Python threads have used PyTorch's OpenMP pool (the web
-// server loads the model on one thread and decodes on another), each parallel region wakes
+// Arithmetic (MsModel.math): 0 = float32 products and sums; 1 = bfloat16: the activations
+// entering a matrix product are rounded to bfloat16 and the products summed in float32 -- with
+// AVX512_BF16's vdpbf16ps where the CPU has it (two products per lane per instruction, no
+// widening of the weights), else in the float32 loops on the rounded values. Weights are
+// float32 or bfloat16; the residual stream, norms, RoPE, softmax and the KV cache are float32.
+//
+// KV cache, per sequence: K as (layers, kv_heads, capacity / 16, head_dim, 16) -- keys in tiles
+// of 16 positions, transposed, so that 16 scores are one vector accumulated over head_dim
+// with no horizontal sums -- and V as (layers, kv_heads, capacity, head_dim).
+//
+// Threads: a small pool of our own (the calling thread plus threads-1 helpers) runs the matrix
+// products split by output rows, and attention as a list of (row, head, block) items. Not
+// OpenMP: once two Python threads have used PyTorch's OpenMP pool, each parallel region wakes
 // its threads through the kernel, which measured 30% slower per token here.
 //
 // Built at first use by miniserve/native.py with the system C++ compiler (-O3 and, by default,
 // -march=native). Three versions of the inner loops, chosen when compiling: AVX-512 (16 floats
 // a vector), AVX2 + FMA (8 floats), and plain loops written for the compiler to vectorize on
-// any target (SSE2, NEON). ms_isa() says which one was built.
+// any target (SSE2, NEON). ms_isa() says which one was built, ms_bf16_dot() whether vdpbf16ps
+// was. -ffp-contract=off: the compiler may not fuse a multiply and an add on its own, which it
+// could do differently where the same function is inlined twice.
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -37,6 +54,11 @@
 #include <vector>
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define MS_BF16_DOT 1
+#else
+#define MS_BF16_DOT 0
 #endif
 
 typedef uint16_t bf16;
@@ -143,7 +165,7 @@ static void parallel(int threads, F &&f) {
 }
 
 
-// ---------------------------------------------------------------- dot products, row by row
+// ---------------------------------------------------------------- vector helpers
 
 #if defined(__AVX512F__)
 static inline __m512 load16(const bf16 *p) {  // 16 bfloat16 -> 16 float32: widen, shift left
@@ -155,6 +177,8 @@ static inline __m256 load8(const bf16 *p) {  // 8 bfloat16 -> 8 float32: widen, 
     __m128i h = _mm_loadu_si128((const __m128i *)p);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
+static inline __m256 wload8(const float *p) { return _mm256_loadu_ps(p); }
+static inline __m256 wload8(const bf16 *p) { return load8(p); }
 
 // The sum of the 8 lanes, always in the same order: halves, then pairs, then the last two.
 static inline float hsum8(__m256 v) {
@@ -183,131 +207,6 @@ static inline float row_dot(const W *row, const float *x, long cols) {
     float total = sum8(acc);
     for (long c = body; c < cols; c++) total += load(row, c) * x[c];
     return total;
-}
-
-// y[r] = sum_c w[r, c] * x[c] for rows [r0, r1). Measured on the model's matrices (2 cores,
-// weights streamed from memory): float32 is fastest four rows per pass (x loaded once for four
-// weight streams), ~23 GB/s; bfloat16 one row at a time with two accumulators and a software
-// prefetch 1 KB ahead, ~19 GB/s (four rows per pass: ~16 GB/s).
-// The AVX2 loops, measured the same way on an AVX-512 CPU built for AVX2: float32 one row at a
-// time with two accumulators, ~28 GB/s (four rows per pass: ~20 GB/s; with the prefetch:
-// ~25 GB/s); bfloat16 as above, ~25 GB/s (without the prefetch: ~23 GB/s). The plain loops
-// below get ~27 GB/s (float32) and ~25 GB/s (bfloat16): reading the weights is the cost.
-static void dot_rows(const float *w, const float *x, float *y, long r0, long r1, long cols) {
-    long r = r0;
-#if defined(__AVX512F__)
-    if (cols % 16 == 0) {
-        for (; r + 4 <= r1; r += 4) {
-            const float *w0 = w + r * cols, *w1 = w0 + cols, *w2 = w1 + cols, *w3 = w2 + cols;
-            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            for (long c = 0; c < cols; c += 16) {
-                __m512 xv = _mm512_loadu_ps(x + c);
-                a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w0 + c), xv, a0);
-                a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w1 + c), xv, a1);
-                a2 = _mm512_fmadd_ps(_mm512_loadu_ps(w2 + c), xv, a2);
-                a3 = _mm512_fmadd_ps(_mm512_loadu_ps(w3 + c), xv, a3);
-            }
-            y[r] = _mm512_reduce_add_ps(a0);
-            y[r + 1] = _mm512_reduce_add_ps(a1);
-            y[r + 2] = _mm512_reduce_add_ps(a2);
-            y[r + 3] = _mm512_reduce_add_ps(a3);
-        }
-    }
-#elif defined(__AVX2__) && defined(__FMA__)
-    if (cols % 8 == 0) {
-        for (; r < r1; r++) {
-            const float *row = w + r * cols;
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0;
-            long c = 0;
-            for (; c + 16 <= cols; c += 16) {
-                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(row + c), _mm256_loadu_ps(x + c), a0);
-                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(row + c + 8), _mm256_loadu_ps(x + c + 8),
-                                     a1);
-            }
-            if (c < cols)  // 8 left
-                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(row + c), _mm256_loadu_ps(x + c), a0);
-            y[r] = hsum8(_mm256_add_ps(a0, a1));
-        }
-    }
-#endif
-    for (; r < r1; r++) y[r] = row_dot(w + r * cols, x, cols);
-}
-
-static void dot_rows(const bf16 *w, const float *x, float *y, long r0, long r1, long cols) {
-    long r = r0;
-#if defined(__AVX512F__)
-    if (cols % 32 == 0) {
-        for (; r < r1; r++) {
-            const bf16 *row = w + r * cols;
-            __m512 a0 = _mm512_setzero_ps(), a1 = a0;
-            for (long c = 0; c < cols; c += 32) {  // 32 weights = one 64-byte cache line
-                _mm_prefetch((const char *)(row + c) + 1024, _MM_HINT_T0);
-                a0 = _mm512_fmadd_ps(load16(row + c), _mm512_loadu_ps(x + c), a0);
-                a1 = _mm512_fmadd_ps(load16(row + c + 16), _mm512_loadu_ps(x + c + 16), a1);
-            }
-            y[r] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
-        }
-    }
-#elif defined(__AVX2__) && defined(__FMA__)
-    if (cols % 16 == 0) {
-        for (; r < r1; r++) {
-            const bf16 *row = w + r * cols;
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0;
-            long c = 0;
-            for (; c + 32 <= cols; c += 32) {  // 32 weights = one 64-byte cache line
-                _mm_prefetch((const char *)(row + c) + 1024, _MM_HINT_T0);
-                a0 = _mm256_fmadd_ps(load8(row + c), _mm256_loadu_ps(x + c), a0);
-                a1 = _mm256_fmadd_ps(load8(row + c + 8), _mm256_loadu_ps(x + c + 8), a1);
-                a0 = _mm256_fmadd_ps(load8(row + c + 16), _mm256_loadu_ps(x + c + 16), a0);
-                a1 = _mm256_fmadd_ps(load8(row + c + 24), _mm256_loadu_ps(x + c + 24), a1);
-            }
-            if (c < cols) {  // 16 left
-                a0 = _mm256_fmadd_ps(load8(row + c), _mm256_loadu_ps(x + c), a0);
-                a1 = _mm256_fmadd_ps(load8(row + c + 8), _mm256_loadu_ps(x + c + 8), a1);
-            }
-            y[r] = hsum8(_mm256_add_ps(a0, a1));
-        }
-    }
-#endif
-    for (; r < r1; r++) y[r] = row_dot(w + r * cols, x, cols);
-}
-
-// y = W x (+ b), W of shape (rows, cols), rows split evenly over the threads.
-template <typename W>
-static void matvec(const W *w, const W *bias, const float *x, float *y, long rows, long cols,
-                   int threads) {
-    parallel(threads, [&](int t, int n) {
-        long per = ((rows + n - 1) / n + 3) / 4 * 4;  // a multiple of 4 rows per thread
-        long r0 = t * per, r1 = r0 + per < rows ? r0 + per : rows;
-        if (r0 < r1) {
-            dot_rows(w, x, y, r0, r1, cols);
-            if (bias)
-                for (long r = r0; r < r1; r++) y[r] += load(bias, r);
-        }
-    });
-}
-
-// out = weight * x / sqrt(mean(x^2) + eps)
-template <typename W>
-static void rms_norm(const float *x, const W *weight, float eps, float *out, long n) {
-    float ss = 0.f;
-    for (long i = 0; i < n; i++) ss += x[i] * x[i];
-    float inv = 1.f / std::sqrt(ss / n + eps);
-    for (long i = 0; i < n; i++) out[i] = load(weight, i) * (x[i] * inv);
-}
-
-// In place: v = v * cos + rotate_half(v) * sin, for `heads` vectors of head_dim numbers.
-static void rope(float *v, long heads, long hd, const float *cos, const float *sin) {
-    long half = hd / 2;
-    float tmp[1024];
-    for (long h = 0; h < heads; h++) {
-        float *p = v + h * hd;
-        std::memcpy(tmp, p, hd * sizeof(float));
-        for (long i = 0; i < hd; i++) {
-            float rotated = i < half ? -tmp[i + half] : tmp[i - half];
-            p[i] = tmp[i] * cos[i] + rotated * sin[i];
-        }
-    }
 }
 
 // ---------------------------------------------------------------- attention
@@ -357,25 +256,6 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
 }
 #endif
-
-static inline float dot(const float *a, const float *b, long n) {
-#if defined(__AVX512F__)
-    if (n % 16 == 0) {
-        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(b));
-        for (long i = 16; i < n; i += 16)
-            acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-        return _mm512_reduce_add_ps(acc);
-    }
-#elif defined(__AVX2__) && defined(__FMA__)
-    if (n % 8 == 0) {
-        __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(b));
-        for (long i = 8; i < n; i += 8)
-            acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-        return hsum8(acc);
-    }
-#endif
-    return row_dot(a, b, n);
-}
 
 static inline void axpy(float *y, float a, const float *x, long n) {  // y += a x
 #if defined(__AVX512F__)
@@ -435,117 +315,492 @@ static inline float exp_shifted(float *s, long n, float top) {
     return total;
 }
 
-// One thread's part of attention: positions [j0, j1) of one cached key/value head, for the
-// `group` query heads that share it (each key and value is read once for all of them). Per
-// head h: m[h] = the largest score, l[h] = sum of e^(score - m[h]), o[h] = sum of
-// e^(score - m[h]) v_j (divided by the total only when the parts are merged).
-// s: scratch for group * (j1 - j0) scores.
-static void attend_part(const float *q, const float *k, const float *v, long group, long j0,
-                        long j1, long hd, float scale, float *s, float *o, float *l, float *m) {
-    const long len = j1 - j0;
-    for (long h = 0; h < group; h++) {
-        m[h] = -INFINITY;
-        l[h] = 0.f;
-        for (long i = 0; i < hd; i++) o[h * hd + i] = 0.f;
-    }
-    if (len <= 0) return;
-    for (long j = j0; j < j1; j++)
-        for (long h = 0; h < group; h++) {
-            float score = dot(q + h * hd, k + j * hd, hd) * scale;
-            s[h * len + j - j0] = score;
-            m[h] = score > m[h] ? score : m[h];
+
+// ---------------------------------------------------------------- matrix products, many rows
+
+// y[b, r] = sum_c w[r, c] x[b, c]. One canonical order per (weight row, activation row) pair
+// and build, whatever tile computes it:
+//   AVX-512, float32 products (cols % 16 == 0): one 16-lane accumulator over the columns,
+//     acc = fma(w[c..c+16), x[c..c+16), acc), then _mm512_reduce_add_ps;
+//   AVX-512 + AVX512_BF16, bfloat16 products (bf16 weights, cols % 32 == 0): one accumulator,
+//     acc = vdpbf16ps(acc, x[c..c+32), w[c..c+32)), then _mm512_reduce_add_ps;
+//   AVX2 (cols % 8 or 16 == 0): two 8-lane accumulators taking alternate blocks of 8, added,
+//     then hsum8;
+//   otherwise: row_dot's eight running sums.
+// Tiles (4 weight rows x 4 activation rows: each weight vector loaded once for four rows of
+// activations, each activation vector once for four weight rows) only change how many such
+// sums run side by side, never the order inside one.
+
+#if defined(__AVX512F__)
+static inline __m512 wload16(const float *p) { return _mm512_loadu_ps(p); }
+static inline __m512 wload16(const bf16 *p) { return load16(p); }
+
+template <typename W, int NR, int NB>
+static inline void tile16(const W *w, long cols, const float *x, long ldx, float *y, long ldy) {
+    __m512 acc[NR][NB];
+    for (int i = 0; i < NR; i++)
+        for (int j = 0; j < NB; j++) acc[i][j] = _mm512_setzero_ps();
+    for (long c = 0; c < cols; c += 16) {
+        __m512 wv[NR];
+        for (int i = 0; i < NR; i++) {
+            if (NB == 1) _mm_prefetch((const char *)(w + i * cols + c) + 1024, _MM_HINT_T0);
+            wv[i] = wload16(w + i * cols + c);
         }
-    for (long h = 0; h < group; h++) l[h] = exp_shifted(s + h * len, len, m[h]);
-    for (long j = j0; j < j1; j++)
-        for (long h = 0; h < group; h++) axpy(o + h * hd, s[h * len + j - j0], v + j * hd, hd);
+        for (int j = 0; j < NB; j++) {
+            __m512 xv = _mm512_loadu_ps(x + j * ldx + c);
+            for (int i = 0; i < NR; i++) acc[i][j] = _mm512_fmadd_ps(wv[i], xv, acc[i][j]);
+        }
+    }
+    for (int i = 0; i < NR; i++)
+        for (int j = 0; j < NB; j++) y[j * ldy + i] = _mm512_reduce_add_ps(acc[i][j]);
+}
+#endif
+
+#if MS_BF16_DOT
+template <int NR, int NB>
+static inline void tile32bh(const bf16 *w, long cols, const bf16 *x, long ldx, float *y,
+                            long ldy) {
+    __m512 acc[NR][NB];
+    for (int i = 0; i < NR; i++)
+        for (int j = 0; j < NB; j++) acc[i][j] = _mm512_setzero_ps();
+    for (long c = 0; c < cols; c += 32) {
+        __m512bh wv[NR];
+        for (int i = 0; i < NR; i++) {
+            if (NB == 1) _mm_prefetch((const char *)(w + i * cols + c) + 1024, _MM_HINT_T0);
+            wv[i] = (__m512bh)_mm512_loadu_si512((const void *)(w + i * cols + c));
+        }
+        for (int j = 0; j < NB; j++) {
+            __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + j * ldx + c));
+            for (int i = 0; i < NR; i++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[i]);
+        }
+    }
+    for (int i = 0; i < NR; i++)
+        for (int j = 0; j < NB; j++) y[j * ldy + i] = _mm512_reduce_add_ps(acc[i][j]);
+}
+#endif
+
+// The canonical float32-product dot of one weight row and one activation row (see above).
+template <typename W>
+static inline float dot1(const W *w, const float *x, long cols) {
+#if defined(__AVX512F__)
+    if (cols % 16 == 0) {
+        float y;
+        tile16<W, 1, 1>(w, cols, x, 0, &y, 0);
+        return y;
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    const long step = std::is_same<W, bf16>::value ? 16 : 8;
+    if (cols % step == 0) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+        long c = 0;
+        for (; c + 16 <= cols; c += 16) {
+            if (std::is_same<W, bf16>::value)
+                _mm_prefetch((const char *)(w + c) + 1024, _MM_HINT_T0);
+            a0 = _mm256_fmadd_ps(wload8(w + c), _mm256_loadu_ps(x + c), a0);
+            a1 = _mm256_fmadd_ps(wload8(w + c + 8), _mm256_loadu_ps(x + c + 8), a1);
+        }
+        if (c < cols) a0 = _mm256_fmadd_ps(wload8(w + c), _mm256_loadu_ps(x + c), a0);
+        return hsum8(_mm256_add_ps(a0, a1));
+    }
+#endif
+    return row_dot(w, x, cols);
 }
 
-// ---------------------------------------------------------------- the two halves of a layer
-
+// One thread's share: output rows [r0, r1) for activation rows [0, B). x: float rows; xb: the
+// same rows in bfloat16 (bfloat16 products) or null. Activation rows go in blocks of 64 (kept
+// in the L2 cache while the thread's weight rows stream past), weight rows four at a time.
 template <typename W>
-static void attn_block(float *x, const W *norm_w, float eps, const W *wqkv, const W *bqkv,
-                       const W *wo, const float *cos, const float *sin, float *k_cache,
-                       float *v_cache, long capacity, long pos, long D, long H, long KV,
-                       long hd, float *scratch, int threads) {
-    float *h = scratch;                  // D
-    float *qkv = h + D;                  // (H + 2 KV) hd
-    float *att = qkv + (H + 2 * KV) * hd;  // H hd
-    float *y = att + H * hd;             // D
-    float *scores = y + D;  // H (pos + 1 + 2 threads), then the threads' parts (ms_threads)
-    rms_norm(x, norm_w, eps, h, D);
-    matvec(wqkv, bqkv, h, qkv, (H + 2 * KV) * hd, D, threads);
-    float *q = qkv, *k = qkv + H * hd, *v = k + KV * hd;
-    rope(q, H, hd, cos, sin);
-    rope(k, KV, hd, cos, sin);
-    for (long g = 0; g < KV; g++)  // append this position's keys and values to the cache
-        for (long i = 0; i < hd; i++) {
-            k_cache[(g * capacity + pos) * hd + i] = k[g * hd + i];
-            v_cache[(g * capacity + pos) * hd + i] = v[g * hd + i];
+static void matmul_part(const W *w, const float *x, const bf16 *xb, float *y, long B, long R,
+                        long C, long r0, long r1) {
+    const long XB = 64;
+#if MS_BF16_DOT
+    if (xb != nullptr && std::is_same<W, bf16>::value && C % 32 == 0) {
+        const bf16 *wb = (const bf16 *)w;
+        for (long b0 = 0; b0 < B; b0 += XB) {
+            long b1 = b0 + XB < B ? b0 + XB : B, r = r0;
+            for (; r + 4 <= r1; r += 4) {
+                long b = b0;
+                for (; b + 4 <= b1; b += 4)
+                    tile32bh<4, 4>(wb + r * C, C, xb + b * C, C, y + b * R + r, R);
+                for (; b < b1; b++) tile32bh<4, 1>(wb + r * C, C, xb + b * C, C, y + b * R + r, R);
+            }
+            for (; r < r1; r++)
+                for (long b = b0; b < b1; b++)
+                    tile32bh<1, 1>(wb + r * C, C, xb + b * C, C, y + b * R + r, R);
         }
-    // Attention, softmax(q k^T / sqrt(hd)) v per head: the positions are split over the
-    // threads; each thread's part is merged by rescaling to the largest score (the softmax
-    // of a split sequence, as flash-decoding does).
-    const long S = pos + 1, group = H / KV;
-    const float scale = 1.f / std::sqrt((float)hd);
-    const int n_parts = pool_for(threads)->size();
-    float *parts = scores + H * (S + 2 * n_parts);  // per thread: H hd outputs, H sums, H maxima
+        return;
+    }
+#endif
+    (void)xb;
+#if defined(__AVX512F__)
+    if (C % 16 == 0) {
+        for (long b0 = 0; b0 < B; b0 += XB) {
+            long b1 = b0 + XB < B ? b0 + XB : B, r = r0;
+            for (; r + 4 <= r1; r += 4) {
+                long b = b0;
+                for (; b + 4 <= b1; b += 4)
+                    tile16<W, 4, 4>(w + r * C, C, x + b * C, C, y + b * R + r, R);
+                for (; b < b1; b++) tile16<W, 4, 1>(w + r * C, C, x + b * C, C, y + b * R + r, R);
+            }
+            for (; r < r1; r++)
+                for (long b = b0; b < b1; b++)
+                    tile16<W, 1, 1>(w + r * C, C, x + b * C, C, y + b * R + r, R);
+        }
+        return;
+    }
+#endif
+    for (long b0 = 0; b0 < B; b0 += XB) {
+        long b1 = b0 + XB < B ? b0 + XB : B;
+        for (long r = r0; r < r1; r++)
+            for (long b = b0; b < b1; b++) y[b * R + r] = dot1(w + r * C, x + b * C, C);
+    }
+}
+
+// y (B x R) = x (B x C) w^T (+ bias), the weight rows split evenly over the threads.
+template <typename W>
+static void matmul(const W *w, const W *bias, const float *x, const bf16 *xb, float *y, long B,
+                   long R, long C, int threads) {
     parallel(threads, [&](int t, int n) {
-        long per = (S + n - 1) / n;
-        long j0 = t * per < S ? t * per : S, j1 = j0 + per < S ? j0 + per : S;
-        float *o = parts + t * H * (hd + 2), *l = o + H * hd, *m = l + H;
-        float *s = scores + t * group * (per + 1);
-        for (long g = 0; g < KV; g++)
-            attend_part(q + g * group * hd, k_cache + g * capacity * hd,
-                        v_cache + g * capacity * hd, group, j0, j1, hd, scale, s,
-                        o + g * group * hd, l + g * group, m + g * group);
+        long per = ((R + n - 1) / n + 3) / 4 * 4;  // a multiple of 4 rows per thread
+        long r0 = t * per, r1 = r0 + per < R ? r0 + per : R;
+        if (r0 >= r1) return;
+        matmul_part(w, x, xb, y, B, R, C, r0, r1);
+        if (bias)
+            for (long b = 0; b < B; b++)
+                for (long r = r0; r < r1; r++) y[b * R + r] += load(bias, r);
     });
-    for (long head = 0; head < H; head++) {
-        float top = -INFINITY, total = 0.f, *out = att + head * hd;
-        for (int t = 0; t < n_parts; t++) {
-            float mt = parts[t * H * (hd + 2) + H * hd + H + head];
-            top = mt > top ? mt : top;
-        }
-        for (long i = 0; i < hd; i++) out[i] = 0.f;
-        for (int t = 0; t < n_parts; t++) {
-            const float *o = parts + t * H * (hd + 2), *l = o + H * hd, *m = l + H;
-            if (l[head] == 0.f) continue;  // a thread with no positions
-            float c = std::exp(m[head] - top);
-            total += c * l[head];
-            axpy(out, c, o + head * hd, hd);
-        }
-        for (long i = 0; i < hd; i++) out[i] /= total;
+}
+
+// Rounds to the nearest bfloat16 (ties to even): xr the value as a float, xb its 16 bits.
+static inline void round_bf16(const float *x, float *xr, bf16 *xb, long n) {
+    for (long i = 0; i < n; i++) {
+        uint32_t u;
+        std::memcpy(&u, &x[i], 4);
+        u += 0x7fffu + ((u >> 16) & 1u);
+        u &= 0xffff0000u;
+        std::memcpy(&xr[i], &u, 4);
+        xb[i] = (bf16)(u >> 16);
     }
-    matvec(wo, (const W *)nullptr, att, y, D, H * hd, threads);
-    for (long i = 0; i < D; i++) x[i] += y[i];
+}
+
+// ---------------------------------------------------------------- row-wise pieces
+
+// Runs f(b) for rows [0, n): on the threads when there are enough rows, else here.
+template <typename F>
+static void for_rows(int threads, long n, F &&f) {
+    if (n < 8) {
+        for (long b = 0; b < n; b++) f(b);
+        return;
+    }
+    parallel(threads, [&](int t, int nt) {
+        long per = (n + nt - 1) / nt, b0 = t * per, b1 = b0 + per < n ? b0 + per : n;
+        for (long b = b0; b < b1; b++) f(b);
+    });
+}
+
+// out = weight * x / sqrt(mean(x^2) + eps), the sum of squares in dot1's order.
+template <typename W>
+static void rms_norm(const float *x, const W *weight, float eps, float *out, long n) {
+    float inv = 1.f / std::sqrt(dot1(x, x, n) / n + eps);
+    for (long i = 0; i < n; i++) out[i] = load(weight, i) * (x[i] * inv);
+}
+
+// In place: v = v * cos + rotate_half(v) * sin, for `heads` vectors of head_dim numbers.
+static void rope(float *v, long heads, long hd, const float *cos, const float *sin) {
+    long half = hd / 2;
+    float tmp[1024];
+    for (long h = 0; h < heads; h++) {
+        float *p = v + h * hd;
+        std::memcpy(tmp, p, hd * sizeof(float));
+        for (long i = 0; i < hd; i++) {
+            float rotated = i < half ? -tmp[i + half] : tmp[i - half];
+            p[i] = tmp[i] * cos[i] + rotated * sin[i];
+        }
+    }
+}
+
+// act[i] = silu(gate[i]) * up[i] = gate / (1 + e^-gate) * up, each element alike.
+static void silu_mul(const float *gate, const float *up, float *act, long n) {
+    long i = 0;
+#if defined(__AVX512F__)
+    const __m512 one = _mm512_set1_ps(1.f);
+    for (; i < n; i += 16) {
+        __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+        __m512 g = _mm512_maskz_loadu_ps(m, gate + i), u = _mm512_maskz_loadu_ps(m, up + i);
+        __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+        _mm512_mask_storeu_ps(act + i, m,
+                              _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)), u));
+    }
+#endif
+    for (; i < n; i++) act[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+}
+
+// One block of one row's attention, for the `group` query heads sharing one kv head: keys and
+// values at positions [p0, p0 + n), n <= BLOCK, p0 a multiple of BLOCK. Writes per head h the
+// block's largest score m, l = sum of e^(score - m) and o = sum of e^(score - m) v (its own
+// partial softmax; merge_blocks combines them in order). kt: this kv head's key tiles; v: its
+// values; s: scratch for group * BLOCK scores.
+static const long BLOCK = 256;
+
+static void block_scores(const float *q, const float *kt, long p0, long n, long hd, float scale,
+                         float *s) {
+    const long tiles = (n + 15) / 16;
+    const float *base = kt + (p0 / 16) * hd * 16;
+    long t = 0;
+#if defined(__AVX512F__)
+    for (; t + 4 <= tiles; t += 4) {  // four tiles side by side: four independent sums
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        const float *k0 = base + t * hd * 16;
+        for (long d = 0; d < hd; d++) {
+            __m512 qd = _mm512_set1_ps(q[d]);
+            a0 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(k0 + d * 16), a0);
+            a1 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(k0 + (hd + d) * 16), a1);
+            a2 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(k0 + (2 * hd + d) * 16), a2);
+            a3 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(k0 + (3 * hd + d) * 16), a3);
+        }
+        __m512 sc = _mm512_set1_ps(scale);
+        _mm512_storeu_ps(s + t * 16, _mm512_mul_ps(a0, sc));
+        _mm512_storeu_ps(s + t * 16 + 16, _mm512_mul_ps(a1, sc));
+        _mm512_storeu_ps(s + t * 16 + 32, _mm512_mul_ps(a2, sc));
+        _mm512_storeu_ps(s + t * 16 + 48, _mm512_mul_ps(a3, sc));
+    }
+    for (; t < tiles; t++) {
+        __m512 a = _mm512_setzero_ps();
+        const float *k0 = base + t * hd * 16;
+        for (long d = 0; d < hd; d++)
+            a = _mm512_fmadd_ps(_mm512_set1_ps(q[d]), _mm512_loadu_ps(k0 + d * 16), a);
+        _mm512_storeu_ps(s + t * 16, _mm512_mul_ps(a, _mm512_set1_ps(scale)));
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    for (; t < tiles; t++) {
+        __m256 lo = _mm256_setzero_ps(), hi = lo;
+        const float *k0 = base + t * hd * 16;
+        for (long d = 0; d < hd; d++) {
+            __m256 qd = _mm256_set1_ps(q[d]);
+            lo = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + d * 16), lo);
+            hi = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + d * 16 + 8), hi);
+        }
+        __m256 sc = _mm256_set1_ps(scale);
+        _mm256_storeu_ps(s + t * 16, _mm256_mul_ps(lo, sc));
+        _mm256_storeu_ps(s + t * 16 + 8, _mm256_mul_ps(hi, sc));
+    }
+#endif
+    for (; t < tiles; t++) {
+        float a[16] = {0.f};
+        const float *k0 = base + t * hd * 16;
+        for (long d = 0; d < hd; d++)
+            for (int l = 0; l < 16; l++) a[l] += q[d] * k0[d * 16 + l];
+        for (int l = 0; l < 16; l++) s[t * 16 + l] = a[l] * scale;
+    }
+}
+
+static void attend_block(const float *q, const float *kt, const float *v, long group, long p0,
+                         long n, long hd, float scale, float *s, float *part) {
+    for (long h = 0; h < group; h++) {  // part, per head: o (hd numbers), l, m
+        float *sh = s + h * BLOCK, *o = part + h * (hd + 2);
+        block_scores(q + h * hd, kt, p0, n, hd, scale, sh);
+        float top = -INFINITY;
+        for (long j = 0; j < n; j++) top = sh[j] > top ? sh[j] : top;
+        o[hd + 1] = top;
+        o[hd] = exp_shifted(sh, n, top);
+        for (long i = 0; i < hd; i++) o[i] = 0.f;
+        for (long j = 0; j < n; j++) axpy(o, sh[j], v + (p0 + j) * hd, hd);
+    }
+}
+
+// out = the blocks' partial softmaxes combined, first to last: rescaled to the running
+// largest score, summed, divided by the total.
+static void merge_blocks(const float *part, long blocks, long stride, long hd, float *out) {
+    const float *o = part, *l = o + hd, *m = l + 1;  // one head's numbers within a block
+    float top = *m, total = *l;
+    for (long i = 0; i < hd; i++) out[i] = o[i];
+    for (long j = 1; j < blocks; j++) {
+        const float *oj = part + j * stride, lj = oj[hd], mj = oj[hd + 1];
+        float new_top = mj > top ? mj : top, a = std::exp(top - new_top),
+              c = std::exp(mj - new_top);
+        for (long i = 0; i < hd; i++) out[i] = out[i] * a + oj[i] * c;
+        total = total * a + lj * c;
+        top = new_top;
+    }
+    for (long i = 0; i < hd; i++) out[i] /= total;
+}
+
+// ---------------------------------------------------------------- the forward pass
+
+// The model, as ctypes builds it (miniserve/native.py mirrors these structs field by field).
+struct MsLayer {
+    const void *attn_norm, *wqkv, *bqkv, *wo, *mlp_norm, *w13, *w2;  // bqkv may be null
+};
+
+struct MsModel {
+    long layers, D, H, KV, hd, I, V;
+    const void *embed, *final_norm, *lm_head;
+    const float *cos, *sin;  // RoPE tables, (max positions, hd)
+    const MsLayer *layer;
+    float eps;
+    int wdtype;   // 0 = float32 weights, 1 = bfloat16
+    int math;     // 0 = float32 products, 1 = bfloat16 products
+    int threads;
+};
+
+// One pass: n rows. Row b feeds token[b] at position pos[b] of the sequence whose cache is
+// k[b] / v[b] (layer 0's keys and values; cap[b] positions each, a multiple of 16). Rows of
+// one sequence must be consecutive positions; each sees its sequence up to itself. Logits
+// (n_out x V) are computed for the rows listed in out.
+struct MsRows {
+    long n, n_out;
+    const long *token, *pos, *cap, *out;
+    float *const *k;
+    float *const *v;
+    float *logits;
+};
+
+// The scratch a pass needs, in floats, carved in this order (one place for the layout).
+struct Scratch {
+    float *x, *h, *xr, *qkv, *att, *gu, *act, *y, *s, *part;
+    bf16 *xb;
+    long blocks;  // attention blocks of the longest row
+};
+
+static long carve(const MsModel *m, long n, long max_len, float *base, Scratch *sc) {
+    const long wide = std::max(std::max(m->D, m->H * m->hd), m->I), group = m->H / m->KV;
+    const long blocks = (max_len + BLOCK - 1) / BLOCK;
+    const int threads = pool_for(m->threads)->size();
+    const long sizes[] = {n * m->D, n * m->D, n * wide, n * (m->H + 2 * m->KV) * m->hd,
+                          n * m->H * m->hd, n * 2 * m->I, n * m->I, n * m->D,
+                          threads * group * BLOCK, n * m->KV * blocks * group * (m->hd + 2),
+                          (n * wide + 1) / 2 + 16};
+    float **slots[] = {&sc->x, &sc->h, &sc->xr, &sc->qkv, &sc->att, &sc->gu, &sc->act, &sc->y,
+                       &sc->s, &sc->part};
+    long total = 0;
+    for (int i = 0; i < 11; i++) {
+        if (base != nullptr) {
+            if (i < 10) *slots[i] = base + total;
+            else sc->xb = (bf16 *)(base + total);
+        }
+        total += (sizes[i] + 15) / 16 * 16;  // each 64-byte aligned from an aligned base
+    }
+    sc->blocks = blocks;
+    return total;
+}
+
+// y (B x R) = x (B x C) w^T (+ bias), in the model's arithmetic.
+static void linear(const MsModel *m, const void *w, const void *bias, const float *x, long B,
+                   long R, long C, float *y, Scratch *sc) {
+    const bf16 *xb = nullptr;
+    if (m->math == 1) {  // bfloat16 products: round the activations once
+        for_rows(m->threads, B, [&](long b) {
+            round_bf16(x + b * C, sc->xr + b * C, sc->xb + b * C, C);
+        });
+        x = sc->xr;
+        xb = sc->xb;
+    }
+    if (m->wdtype == 0)
+        matmul((const float *)w, (const float *)bias, x, xb, y, B, R, C, m->threads);
+    else
+        matmul((const bf16 *)w, (const bf16 *)bias, x, xb, y, B, R, C, m->threads);
 }
 
 template <typename W>
-static void mlp_block(float *x, const W *norm_w, float eps, const W *w13, const W *w2, long D,
-                      long I, float *scratch, int threads) {
-    float *h = scratch, *gate_up = h + D, *act = gate_up + 2 * I, *y = act + I;
-    rms_norm(x, norm_w, eps, h, D);
-    matvec(w13, (const W *)nullptr, h, gate_up, 2 * I, D, threads);
-    for (long i = 0; i < I; i++) {
-        float g = gate_up[i];
-        act[i] = g / (1.f + std::exp(-g)) * gate_up[I + i];
-    }
-    matvec(w2, (const W *)nullptr, act, y, D, I, threads);
-    for (long i = 0; i < D; i++) x[i] += y[i];
+static void norm_rows(const MsModel *m, const float *x, const void *weight, float *out, long n) {
+    for_rows(m->threads, n, [&](long b) {
+        rms_norm(x + b * m->D, (const W *)weight, m->eps, out + b * m->D, m->D);
+    });
 }
 
-template <typename W>
-static void lm_head(const float *x, const W *norm_w, float eps, const W *w, float *logits,
-                    long D, long V, float *scratch, int threads) {
-    rms_norm(x, norm_w, eps, scratch, D);
-    matvec(w, (const W *)nullptr, scratch, logits, V, D, threads);
+static void norm(const MsModel *m, const float *x, const void *weight, float *out, long n) {
+    if (m->wdtype == 0) norm_rows<float>(m, x, weight, out, n);
+    else norm_rows<bf16>(m, x, weight, out, n);
+}
+
+struct Item { long b, g, j; };
+
+static void attention(const MsModel *m, const MsRows *r, long layer, Scratch *sc,
+                      const std::vector<Item> &items) {
+    const long H = m->H, KV = m->KV, hd = m->hd, group = H / KV, QKV = (H + 2 * KV) * hd;
+    const float scale = 1.f / std::sqrt((float)hd);
+    // this layer's keys and values into each row's cache
+    for_rows(m->threads, r->n, [&](long b) {
+        const long cap = r->cap[b], p = r->pos[b];
+        float *q = sc->qkv + b * QKV, *k = q + H * hd, *v = k + KV * hd;
+        const float *cos = m->cos + p * hd, *sin = m->sin + p * hd;
+        rope(q, H, hd, cos, sin);
+        rope(k, KV, hd, cos, sin);
+        float *kc = r->k[b] + layer * KV * cap * hd, *vc = r->v[b] + layer * KV * cap * hd;
+        for (long g = 0; g < KV; g++) {
+            float *kt = kc + (g * (cap / 16) + p / 16) * hd * 16 + p % 16;
+            for (long i = 0; i < hd; i++) {
+                kt[i * 16] = k[g * hd + i];
+                vc[(g * cap + p) * hd + i] = v[g * hd + i];
+            }
+        }
+    });
+    // every (row, kv head, block) on whichever thread is free; each writes its own partial
+    std::atomic<long> next{0};
+    const long n_items = (long)items.size(), part_stride = group * (hd + 2);
+    parallel(m->threads, [&](int t, int) {
+        float *s = sc->s + t * group * BLOCK;
+        for (long i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n_items;) {
+            const Item it = items[i];
+            const long cap = r->cap[it.b], p0 = it.j * BLOCK, len = r->pos[it.b] + 1;
+            const long n = len - p0 < BLOCK ? len - p0 : BLOCK;
+            const float *kt = r->k[it.b] + layer * KV * cap * hd + it.g * (cap / 16) * hd * 16;
+            const float *v = r->v[it.b] + layer * KV * cap * hd + it.g * cap * hd;
+            attend_block(sc->qkv + it.b * QKV + it.g * group * hd, kt, v, group, p0, n, hd,
+                         scale, s, sc->part + ((it.b * KV + it.g) * sc->blocks + it.j) * part_stride);
+        }
+    });
+    for_rows(m->threads, r->n, [&](long b) {
+        const long blocks = (r->pos[b] + 1 + BLOCK - 1) / BLOCK;
+        for (long head = 0; head < H; head++) {
+            const long g = head / group, h = head % group;
+            merge_blocks(sc->part + (b * KV + g) * sc->blocks * part_stride + h * (hd + 2), blocks,
+                         part_stride, hd, sc->att + (b * H + head) * hd);
+        }
+    });
+}
+
+static void forward(const MsModel *m, const MsRows *r, float *scratch) {
+    const long n = r->n, D = m->D, I = m->I, QKV = (m->H + 2 * m->KV) * m->hd;
+    long max_len = 0;
+    for (long b = 0; b < n; b++) max_len = std::max(max_len, r->pos[b] + 1);
+    Scratch sc;
+    carve(m, n, max_len, scratch, &sc);
+    std::vector<Item> items;  // attention's work: (row, kv head, block)
+    for (long b = 0; b < n; b++)
+        for (long g = 0; g < m->KV; g++)
+            for (long j = 0; j * BLOCK < r->pos[b] + 1; j++) items.push_back({b, g, j});
+    for_rows(m->threads, n, [&](long b) {
+        for (long i = 0; i < D; i++)
+            sc.x[b * D + i] = m->wdtype == 0 ? load((const float *)m->embed, r->token[b] * D + i)
+                                             : load((const bf16 *)m->embed, r->token[b] * D + i);
+    });
+    for (long l = 0; l < m->layers; l++) {
+        const MsLayer &w = m->layer[l];
+        norm(m, sc.x, w.attn_norm, sc.h, n);
+        linear(m, w.wqkv, w.bqkv, sc.h, n, QKV, D, sc.qkv, &sc);
+        attention(m, r, l, &sc, items);
+        linear(m, w.wo, nullptr, sc.att, n, D, m->H * m->hd, sc.y, &sc);
+        for (long i = 0; i < n * D; i++) sc.x[i] += sc.y[i];
+        norm(m, sc.x, w.mlp_norm, sc.h, n);
+        linear(m, w.w13, nullptr, sc.h, n, 2 * I, D, sc.gu, &sc);
+        for_rows(m->threads, n, [&](long b) {
+            silu_mul(sc.gu + b * 2 * I, sc.gu + b * 2 * I + I, sc.act + b * I, I);
+        });
+        linear(m, w.w2, nullptr, sc.act, n, D, I, sc.y, &sc);
+        for (long i = 0; i < n * D; i++) sc.x[i] += sc.y[i];
+    }
+    for (long o = 0; o < r->n_out; o++)  // the rows asked for, side by side
+        std::memcpy(sc.y + o * D, sc.x + r->out[o] * D, D * sizeof(float));
+    norm(m, sc.y, m->final_norm, sc.h, r->n_out);
+    linear(m, m->lm_head, nullptr, sc.h, r->n_out, m->V, D, r->logits, &sc);
 }
 
 // ---------------------------------------------------------------- C entry points (ctypes)
-// wdtype, the weights' type: 0 = float32, 1 = bfloat16. Pointers are raw tensor data pointers.
 
 extern "C" {
 
-int ms_abi_version(void) { return 5; }
+int ms_abi_version(void) { return 6; }
 
 // Which inner loops were compiled: "avx512", "avx2" (with FMA) or "generic" (plain loops;
 // "generic+neon" where the compiler could use NEON for them).
@@ -561,45 +816,35 @@ const char *ms_isa(void) {
 #endif
 }
 
-#define MS_DISPATCH(wdtype, call) \
-    do {                          \
-        if ((wdtype) == 0) {      \
-            typedef float W;      \
-            call;                 \
-        } else {                  \
-            typedef bf16 W;       \
-            call;                 \
-        }                         \
-    } while (0)
+// 1 where bfloat16 products run on AVX512_BF16's vdpbf16ps.
+int ms_bf16_dot(void) { return MS_BF16_DOT; }
 
-void ms_attn_block(int wdtype, float *x, const void *norm_w, float eps, const void *wqkv,
-                   const void *bqkv, const void *wo, const float *cos, const float *sin,
-                   float *k_cache, float *v_cache, long capacity, long pos, long D, long H,
-                   long KV, long hd, float *scratch, int threads) {
-    MS_DISPATCH(wdtype, attn_block<W>(x, (const W *)norm_w, eps, (const W *)wqkv,
-                                      (const W *)bqkv, (const W *)wo, cos, sin, k_cache,
-                                      v_cache, capacity, pos, D, H, KV, hd, scratch, threads));
-}
-
-void ms_mlp_block(int wdtype, float *x, const void *norm_w, float eps, const void *w13,
-                  const void *w2, long D, long I, float *scratch, int threads) {
-    MS_DISPATCH(wdtype, mlp_block<W>(x, (const W *)norm_w, eps, (const W *)w13,
-                                     (const W *)w2, D, I, scratch, threads));
-}
-
-void ms_lm_head(int wdtype, const float *x, const void *norm_w, float eps, const void *w,
-                float *logits, long D, long V, float *scratch, int threads) {
-    MS_DISPATCH(wdtype, lm_head<W>(x, (const W *)norm_w, eps, (const W *)w, logits, D, V,
-                                   scratch, threads));
-}
-
-// The number of threads a step runs on (the pool is made by the first call).
+// The number of threads a pass runs on (the pool is made by the first call).
 int ms_threads(int threads) { return pool_for(threads)->size(); }
 
-// y = W x: the kernel alone, for tests and measurements.
-void ms_matvec(int wdtype, const void *w, const float *x, float *y, long rows, long cols,
-               int threads) {
-    MS_DISPATCH(wdtype, matvec<W>((const W *)w, nullptr, x, y, rows, cols, threads));
+// Floats of scratch a pass of n rows needs when its longest row ends at max_len positions.
+long ms_scratch_floats(const MsModel *m, long n, long max_len) {
+    Scratch sc;
+    return carve(m, n, max_len, nullptr, &sc);
+}
+
+// scratch: ms_scratch_floats() floats, 64-byte aligned.
+void ms_forward(const MsModel *m, const MsRows *r, float *scratch) { forward(m, r, scratch); }
+
+// y (B x R) = x (B x C) w^T in the given arithmetic: the kernel alone, for tests and
+// measurements.
+void ms_matmul(int wdtype, int math, const void *w, const float *x, float *y, long B, long R,
+               long C, int threads) {
+    MsModel m = {};
+    m.wdtype = wdtype;
+    m.math = math;
+    m.threads = threads;
+    std::vector<float> xr(math == 1 ? B * C : 0);
+    std::vector<bf16> xb(math == 1 ? B * C : 0);
+    Scratch sc = {};
+    sc.xr = xr.data();
+    sc.xb = xb.data();
+    linear(&m, w, nullptr, x, B, R, C, y, &sc);
 }
 
 }  // extern "C"

@@ -1,0 +1,230 @@
+"""The scheduler: many sequences, one forward pass per step (continuous batching).
+
+    submit ─▶ waiting ──admit: a free slot (max_batch) and room in the KV budget──▶ running
+                                                                                    │
+      each step:  rows = one decode row per running sequence past its prompt
+                       + chunks of prompts still being read, up to step_tokens rows in all
+                  runner.step(rows) ── one pass over every row
+                  per sequence with a new last row: sample (its params, its generator, its
+                  ids so far) ─▶ observer ─▶ emit ─▶ EOS / stop / budget / cancel? ─▶ retire
+
+KV policy: reserve at admission. A sequence is admitted only when its prompt plus its token
+budget (max_new_tokens, within the context) fits in what the budget has left, counting the
+positions the prefix cache holds, which are given up first (oldest first). It then runs to
+its end without ever being cut off or preempted; until it fits, it waits in order; a request
+that could not fit even in an empty budget is refused when it is submitted. Sequences join
+and leave at any step.
+
+Every sequence yields exactly the tokens `decode.generate` yields for it alone: the native
+runner computes each row in a fixed order whatever shares its pass (kernels/decode.cpp), and
+each sequence samples from its own logits with its own generator, in the loop's order.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from miniserve.config import KV_BUDGET, MAX_BATCH, STEP_TOKENS, SamplingParams
+from miniserve.decode import GenerationStats, LogitsObserver
+from miniserve.sampling import make_generator, sample
+
+
+class RequestTooLarge(ValueError):
+    """A request whose prompt and token budget cannot fit in the KV budget at all."""
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request in the scheduler. `emit(token_id) -> bool` receives each new token (False:
+    a stop string ended the reply); `finish(error)` is called once at the end."""
+
+    prompt: list[int]
+    params: SamplingParams
+    budget: int                      # new tokens at most (max_new_tokens, within the context)
+    emit: Callable[[int], bool]
+    finish: Callable[[BaseException | None], None]
+    eos_ids: frozenset = frozenset()
+    cancel: threading.Event = field(default_factory=threading.Event)
+    observer: LogitsObserver | None = None
+    reuse_prefix: bool = True
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    # set by the scheduler
+    cache: object = None
+    done_prompt: int = 0             # prompt positions in the cache
+    pending_logits: torch.Tensor | None = None  # what the cached whole prompt produced
+    first_logits: torch.Tensor | None = None
+    tokens: list[int] = field(default_factory=list)
+    ids: torch.Tensor | None = None  # prompt + tokens, for the repetition penalty
+    generator: torch.Generator | None = None
+
+    @property
+    def reserve(self) -> int:
+        """KV positions held from admission to the end."""
+        return len(self.prompt) + max(self.budget, 0)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.done_prompt < len(self.prompt) and self.pending_logits is None
+
+
+class Scheduler:
+    def __init__(self, runner, *, prefix_cache=None, max_batch: int = MAX_BATCH.default,
+                 step_tokens: int = STEP_TOKENS.default, kv_budget: int = KV_BUDGET.default):
+        self.runner = runner
+        self.prefix_cache = prefix_cache
+        self.max_batch = max_batch
+        self.step_tokens = max(step_tokens, max_batch)  # every running sequence gets its row
+        self.kv_budget = kv_budget
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    # -- bookkeeping --------------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def kv_used(self) -> int:
+        """Positions reserved by running sequences plus those the prefix cache holds."""
+        cached = self.prefix_cache.total_tokens() if self.prefix_cache is not None else 0
+        return sum(s.reserve for s in self.running) + cached
+
+    def check(self, seq: Sequence) -> None:
+        """Refuse now a request that could never be admitted."""
+        if seq.reserve > self.kv_budget:
+            raise RequestTooLarge(
+                f"this request needs {seq.reserve} positions of KV cache ({len(seq.prompt)} "
+                f"prompt + {seq.budget} new tokens) but the KV budget is {self.kv_budget} "
+                "(--kv-budget): shorten the prompt or max_tokens, or raise the budget")
+
+    def add(self, seq: Sequence) -> None:
+        self.check(seq)
+        seq.stats.prompt_tokens = len(seq.prompt)
+        seq.stats.finish_reason = "length"
+        self.waiting.append(seq)
+
+    # -- one step -------------------------------------------------------------------------
+    def step(self) -> None:
+        """Admit what fits, run one pass over every running sequence, sample, retire."""
+        self._drop_cancelled()
+        self._admit()
+        rows = self._rows()
+        ready = [s for s in self.running if s.pending_logits is not None]
+        logits = None
+        if rows:
+            try:
+                with torch.inference_mode():
+                    logits = self._forward(rows)
+            except Exception as e:  # noqa: BLE001 -- the pass's sequences end with the error
+                for seq in {id(s): s for s, _ in rows}.values():
+                    self._retire(seq, error=e)
+                return
+        with torch.inference_mode():
+            for seq in ready:
+                seq_logits, seq.pending_logits = seq.pending_logits, None
+                self._advance(seq, seq_logits)
+            for i, (seq, chunk) in enumerate(rows):
+                seq.done_prompt = min(len(seq.prompt), seq.done_prompt + len(chunk))
+                if not seq.prefilling:  # its prompt is in, or it is decoding
+                    self._advance(seq, logits[i:i + 1])
+
+    def _forward(self, rows) -> torch.Tensor:
+        entries = [(chunk, seq.cache) for seq, chunk in rows]
+        step = getattr(self.runner, "step", None)
+        if step is not None:
+            return step(entries)
+        return torch.cat([self.runner.forward(torch.tensor([ids]), cache)
+                          for ids, cache in entries])
+
+    def _rows(self) -> list[tuple[Sequence, list[int]]]:
+        """Decode rows first (every running sequence advances each step), then prompt chunks
+        in admission order while the step has rows left."""
+        rows = [(s, s.tokens[-1:]) for s in self.running
+                if not s.prefilling and s.pending_logits is None]
+        left = self.step_tokens - len(rows)
+        for s in self.running:
+            if s.prefilling and left > 0:
+                chunk = s.prompt[s.done_prompt:s.done_prompt + left]
+                rows.append((s, chunk))
+                left -= len(chunk)
+        return rows
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_batch:
+            seq = self.waiting[0]
+            cache, reused, logits = None, 0, None
+            if seq.reuse_prefix and self.prefix_cache is not None:
+                cache, reused, logits = self.prefix_cache.take(seq.prompt)
+            if not self._make_room(seq.reserve):
+                if cache is not None:  # not now: give it back for later
+                    self.prefix_cache.put(seq.prompt[:reused], cache,
+                                          reused if logits is not None else 0, logits)
+                return
+            self.waiting.popleft()
+            if cache is None:
+                cache = self.runner.new_cache(seq.reserve)
+            elif hasattr(cache, "reserve"):
+                cache.reserve(seq.reserve, exact=True)
+            seq.cache, seq.done_prompt, seq.pending_logits = cache, reused, logits
+            seq.stats.reused_tokens = reused
+            seq.ids = torch.tensor([seq.prompt], dtype=torch.long, device=self.runner.device)
+            if seq.params.seed is not None and not seq.params.greedy:
+                seq.generator = make_generator(seq.params.seed, self.runner.device)
+            self.running.append(seq)
+            if seq.budget <= 0:  # the prompt fills the context
+                self._retire(seq)
+
+    def _make_room(self, need: int) -> bool:
+        """Give up prefix-cache entries (oldest first) until `need` positions fit."""
+        while self.kv_used() + need > self.kv_budget:
+            if self.prefix_cache is None or not self.prefix_cache.entries:
+                return False
+            self.prefix_cache.entries.popitem(last=False)
+        return True
+
+    def _advance(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """Choose the sequence's next token from its logits, as decode.generate does."""
+        if seq.first_logits is None:
+            seq.first_logits = logits
+        token = sample(logits, seq.params, seq.ids, seq.generator)
+        token_id = int(token.item())
+        stats = seq.stats
+        now = time.perf_counter()
+        if not seq.tokens:
+            stats.ttft_s = now - stats.started
+        stats.total_s = now - stats.started
+        if seq.observer is not None:
+            seq.observer(logits, seq.ids, token_id)
+        if token_id in seq.eos_ids:
+            stats.finish_reason = "eos"
+            return self._retire(seq)
+        stats.new_tokens += 1
+        seq.tokens.append(token_id)
+        seq.ids = torch.cat([seq.ids, token.view(1, 1)], dim=1)
+        if not seq.emit(token_id):
+            stats.finish_reason = "stop"
+            return self._retire(seq)
+        if len(seq.tokens) >= seq.budget:
+            self._retire(seq)  # finish_reason stays "length"
+
+    def _drop_cancelled(self) -> None:
+        for seq in [s for s in (*self.waiting, *self.running) if s.cancel.is_set()]:
+            seq.stats.finish_reason = "cancelled"
+            self._retire(seq)
+
+    def _retire(self, seq: Sequence, error: BaseException | None = None) -> None:
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+            if error is None and seq.reuse_prefix and self.prefix_cache is not None:
+                held = seq.cache.get_seq_length()
+                self.prefix_cache.put((seq.prompt + seq.tokens)[:held], seq.cache,
+                                      len(seq.prompt), seq.first_logits)
+        seq.stats.total_s = time.perf_counter() - seq.stats.started
+        seq.finish(error)
