@@ -83,6 +83,9 @@ class Scheduler:
         self.kv_budget = kv_budget
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # what happened so far, for tests and the curious: passes run, the most sequences and
+        # rows one pass held, the most KV positions ever reserved
+        self.passes = self.widest = self.tallest = self.peak_kv = 0
 
     # -- bookkeeping --------------------------------------------------------------------
     @property
@@ -116,7 +119,11 @@ class Scheduler:
         rows = self._rows()
         ready = [s for s in self.running if s.pending_logits is not None]
         logits = None
+        self.peak_kv = max(self.peak_kv, self.kv_used())
         if rows:
+            self.passes += 1
+            self.widest = max(self.widest, len({id(s) for s, _ in rows}))
+            self.tallest = max(self.tallest, sum(len(chunk) for _, chunk in rows))
             try:
                 with torch.inference_mode():
                     logits = self._forward(rows)

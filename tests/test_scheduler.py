@@ -1,0 +1,135 @@
+"""The scheduler (miniserve/scheduler.py) against the one-sequence loop: each sequence of a
+batch gets exactly the tokens `decode.generate` gives it alone on the same runner -- greedy
+and seeded sampling, whatever shares its passes, however its prompt was chunked, with a
+reused prefix -- and the KV budget's policy: wait, never cut off, refuse only what can never
+fit."""
+
+import threading
+
+import pytest
+
+from conftest import chat_ids, needs_native
+from miniserve.config import SamplingParams
+from miniserve.decode import generate
+from miniserve.engine import Engine, EngineBusy, RequestTooLarge
+from reference import HELD_OUT
+
+QUESTIONS = ["Name a bird.", "What is 2 + 2?", "Say hello in French.", "Name a color.",
+             "What is the capital of Italy?", "Write a haiku about rain.", "Name a planet.",
+             "Give me a word that rhymes with cat."]
+
+
+def settings(n, new_tokens=24):
+    """Greedy and seeded sampling, alternating."""
+    return [SamplingParams(temperature=0, max_new_tokens=new_tokens) if i % 2 == 0 else
+            SamplingParams(temperature=0.9, top_p=0.95, seed=1000 + i, max_new_tokens=new_tokens)
+            for i in range(n)]
+
+
+def alone(engine, ids, params):
+    """The reference: the one-sequence loop, on the engine's runner and thread."""
+    return engine.run_on_worker(lambda: list(generate(
+        engine.model, ids, params, eos_ids=engine.eos_ids, max_length=engine.context_length)))
+
+
+def together(engine, prompts, params, **kwargs):
+    """Every request at once from its own thread; each one's token ids and last chunk."""
+    out = [None] * len(prompts)
+    start = threading.Barrier(len(prompts))
+
+    def one(i):
+        start.wait()
+        chunks = list(engine.complete(prompts[i], params[i], reuse_prefix=False, **kwargs))
+        out[i] = ([t for c in chunks for t in c.token_ids], chunks[-1])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+@pytest.fixture(scope="module")
+def bf16_engine(bf16):
+    return Engine(bf16)  # bfloat16 weights: bfloat16 products where the CPU has them
+
+
+@pytest.mark.parametrize("which", ["engine", "bf16_engine"])
+def test_eight_streams_get_the_tokens_each_gets_alone(request, which):
+    engine = request.getfixturevalue(which)
+    prompts = [chat_ids(engine.tokenizer, q) for q in QUESTIONS]
+    params = settings(8)
+    before = engine.scheduler.widest
+    got = together(engine, prompts, params)
+    for ids, p, (tokens, last) in zip(prompts, params, got):
+        assert tokens == alone(engine, ids, p)
+        assert last.stats.finish_reason in ("eos", "length")
+    if engine.runner == "native":  # one pass over several sequences did happen
+        assert max(engine.scheduler.widest, before) >= 2
+
+
+@needs_native
+def test_a_prompt_read_in_chunks_beside_other_streams_gets_the_same_tokens(bf16):
+    """Step of 24 rows: a 290-token prompt is read in chunks of what the decode rows of the
+    other streams leave, over more than ten passes."""
+    engine = Engine(bf16, step_tokens=24)
+    prompts = [chat_ids(engine.tokenizer, HELD_OUT + " Summarize this.")] + [
+        chat_ids(engine.tokenizer, q) for q in QUESTIONS[:3]]
+    params = settings(4, new_tokens=16)
+    got = together(engine, prompts, params)
+    for ids, p, (tokens, _) in zip(prompts, params, got):
+        assert tokens == alone(engine, ids, p)
+    assert engine.scheduler.tallest <= 24 and engine.scheduler.passes > len(prompts[0]) // 24
+
+
+@needs_native
+def test_a_reused_prefix_gives_the_tokens_of_a_fresh_prompt(engine):
+    """The next turn of a chat reuses the KV of the last one and reads only the rest: exact,
+    since a position's keys and values do not depend on how the prompt was cut."""
+    params = SamplingParams(temperature=0, max_new_tokens=12)
+    messages = [{"role": "user", "content": "Name three rivers."}]
+    first, _ = engine.chat_text(messages, params)
+    messages += [{"role": "assistant", "content": first},
+                 {"role": "user", "content": "Which is the longest?"}]
+    ids = engine.chat_prompt(messages, params)
+    chunks = list(engine.complete(ids, params))
+    assert 0 < chunks[-1].stats.reused_tokens < len(ids)
+    assert [t for c in chunks for t in c.token_ids] == alone(engine, ids, params)
+
+
+def test_the_kv_budget_makes_requests_wait_and_cuts_none_off(loaded):
+    """A budget that holds one request at a time: three requests at once run one after the
+    other, each to its full length, the budget never exceeded; a fourth while the queue of
+    three is full is refused as busy; one that could never fit, refused at once."""
+    params = SamplingParams(temperature=0, max_new_tokens=20)
+    engine = Engine(loaded, kv_budget=100, max_queue=3, prefix_cache_entries=0)
+    prompts = [chat_ids(engine.tokenizer, q) for q in QUESTIONS[:3]]
+    assert all(len(p) + 20 <= 100 < 2 * (len(p) + 20) for p in prompts)
+    streams = [engine.complete(p, params, reuse_prefix=False) for p in prompts]
+    with pytest.raises(EngineBusy):
+        engine.complete(prompts[0], params)
+    for ids, stream in zip(prompts, streams):
+        chunks = list(stream)
+        assert [t for c in chunks for t in c.token_ids] == alone(engine, ids, params)
+    assert engine.scheduler.widest == 1 and engine.scheduler.peak_kv <= 100
+    long_prompt = chat_ids(engine.tokenizer, HELD_OUT)
+    with pytest.raises(RequestTooLarge, match="KV budget is 100"):
+        engine.complete(long_prompt, params)
+    assert engine.queue_depth == 0
+
+
+def test_a_cancelled_stream_leaves_within_a_step_and_the_others_go_on(engine):
+    params = SamplingParams(temperature=0, max_new_tokens=40)
+    prompts = [chat_ids(engine.tokenizer, q) for q in QUESTIONS[:2]]
+    cancel = threading.Event()
+    leaving = engine.complete(prompts[0], params, cancel=cancel, reuse_prefix=False)
+    staying = engine.complete(prompts[1], params, reuse_prefix=False)
+    next(leaving)
+    cancel.set()
+    rest = list(leaving)
+    assert rest[-1].done and rest[-1].stats.finish_reason == "cancelled"
+    assert rest[-1].stats.new_tokens < 40
+    tokens = [t for c in staying for t in c.token_ids]
+    assert tokens == alone(engine, prompts[1], params)
+    assert engine.queue_depth == 0
