@@ -10,7 +10,7 @@ import torch
 from conftest import chat_ids, expected_runner, native_expected, needs_native
 from miniserve.config import SamplingParams
 from miniserve.decode import GenerationStats, generate
-from miniserve.verify import BOUND_BFLOAT16, BOUND_FLOAT32, check_tokens
+from miniserve.verify import BOUND_BF16_PRODUCTS, BOUND_BFLOAT16, BOUND_FLOAT32, check_tokens
 from reference import (AGREE_BFLOAT16, AGREE_FLOAT32, HELD_OUT, TINY_BOUND, assert_greedy,
                        one_token_at_a_time, teacher_forced, whole_prompt)
 
@@ -120,14 +120,19 @@ def paths(loaded, bf16, engine, lean_model):
         "lean prompt pass, float32": (whole_prompt(lean_model), "ref32", BOUND_FLOAT32,
                                       AGREE_FLOAT32),
         "native steps, bf16 weights": (lambda ids: one_token_at_a_time(
-            LeanModel(bf16.model, native=True))(ids), "ref16", BOUND_FLOAT32, AGREE_FLOAT32),
+            LeanModel(bf16.model, native=True, math="float32"))(ids), "ref16", BOUND_FLOAT32,
+            AGREE_FLOAT32),
+        "native steps, bf16 products": (lambda ids: one_token_at_a_time(
+            LeanModel(bf16.model, native=True, math="bfloat16"))(ids), "ref16",
+            BOUND_BF16_PRODUCTS, AGREE_BFLOAT16),
         "lean prompt pass, bf16": (whole_prompt(LeanModel(bf16.model)), "ref16",
                                    BOUND_BFLOAT16, AGREE_BFLOAT16),
     }
 
 
 PATHS = ["engine steps, float32", "lean prompt pass, float32",
-         pytest.param("native steps, bf16 weights", marks=needs_native), "lean prompt pass, bf16"]
+         pytest.param("native steps, bf16 weights", marks=needs_native),
+         pytest.param("native steps, bf16 products", marks=needs_native), "lean prompt pass, bf16"]
 
 
 @pytest.mark.parametrize("path", PATHS)
