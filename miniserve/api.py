@@ -1,8 +1,14 @@
 """OpenAI-compatible HTTP API: /v1/models and /v1/chat/completions, on the same Engine.
 
 Requests are checked field by field; a bad one gets a 400 with an OpenAI-style error
-object naming the field. A client that drops a stream cancels its generation within
-one decoding step.
+object naming the field. A client that goes away (mid-stream or while waiting for a whole
+reply) cancels its generations within one decoding step.
+
+`n` (1..MAX_CHOICES) asks for several choices: each is its own engine request, started
+together so the engine advances them together, and each takes one place in the queue (a
+request whose choices do not all fit gets 429 and starts none). With a `seed`, choice i
+samples with seed + i (modulo 2**63), so choice i equals a request for one choice with that
+seed; without one, each choice draws its own random numbers. Greedy choices are identical.
 """
 
 from __future__ import annotations
@@ -13,14 +19,18 @@ import secrets
 import threading
 import time
 import uuid
+import weakref
+from collections import deque
+from dataclasses import dataclass
 
 import torch
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from miniserve.chat import ChatError
-from miniserve.config import MAX_NEW_TOKENS, ConfigError, SamplingParams, check_seed
-from miniserve.engine import Engine, EngineBusy
+from miniserve.config import (MAX_CHOICES, MAX_NEW_TOKENS, SEED_MAX, ConfigError,
+                              SamplingParams, check_seed)
+from miniserve.engine import Engine, EngineBusy, RequestTooLarge
 
 PLACEHOLDER_MODELS = {"", "default", "miniserve", "local", "gpt-3.5-turbo", "gpt-4", "gpt-4o",
                       "gpt-4o-mini"}
@@ -103,7 +113,7 @@ class ChatAPI:
         if model not in PLACEHOLDER_MODELS and model != self.engine.name and model is not None:
             raise APIError(404, f"model '{model}' is not served here; use '{self.engine.name}' "
                                 f"(or 'default')", "model", code="model_not_found")
-        n = _number(body, "n", 1, 1, 1, integer=True)
+        n = _number(body, "n", 1, 1, MAX_CHOICES, integer=True)
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise APIError(400, "'stream' must be true or false", "stream")
@@ -154,118 +164,264 @@ class ChatAPI:
                 "top_logprobs": top_logprobs if logprobs else 0}
 
     # -- responses --------------------------------------------------------------------------
-    def check_capacity(self) -> None:
-        """Answer 429 before a response starts (the engine re-checks when it admits)."""
-        if self.engine.queue_depth >= self.engine.max_queue:
-            raise APIError(429, "the server is busy; try again in a moment", None,
-                           "rate_limit_error", "server_busy")
+    def start(self, req: dict) -> "_Choices":
+        """Admit the request's n choices as n engine requests, all or none (429 when they
+        do not all fit), and start reading them."""
+        n = req["n"]
+        free = self.engine.max_queue - self.engine.queue_depth
+        if n > free:
+            raise _busy("the server is busy; try again in a moment" if n == 1 else
+                        f"the server is busy: n={n} needs {n} places in the queue and "
+                        f"{max(free, 0)} are free; try again in a moment")
+        choices: list[_Choice] = []
+        try:
+            for i in range(n):
+                choices.append(self._start_choice(req, i))
+        except (EngineBusy, RequestTooLarge) as e:  # start none
+            for choice in choices:
+                choice.stop()
+            if isinstance(e, EngineBusy):  # lost a race for the last places
+                raise _busy(str(e)) from None
+            raise APIError(400, str(e), "max_tokens", code="context_length_exceeded") from None
+        return _Choices(choices, asyncio.get_running_loop())
 
-    def _start(self, req: dict, cancel: threading.Event):
+    def _start_choice(self, req: dict, index: int) -> "_Choice":
+        params = req["params"]
+        if params.seed is not None and index:
+            params = params.replace(seed=(params.seed + index) % (SEED_MAX + 1))
         recorder = LogprobRecorder(self.engine.tokenizer, req["top_logprobs"]) \
             if req["logprobs"] else None
-        stream = self.engine.complete(req["prompt_ids"], req["params"], cancel=cancel,
+        cancel = threading.Event()
+        stream = self.engine.complete(req["prompt_ids"], params, cancel=cancel,
                                       observer=recorder.observe if recorder else None)
-        return stream, recorder
+        return _Choice(stream, cancel, recorder)
 
-    def _usage(self, stats) -> dict:
-        return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.new_tokens,
-                "total_tokens": stats.prompt_tokens + stats.new_tokens}
+    @staticmethod
+    def _usage(stats: list) -> dict:
+        prompt = stats[0].prompt_tokens  # the same prompt for every choice: counted once
+        completion = sum(s.new_tokens for s in stats)
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}
 
     @staticmethod
     def _finish(stats) -> str:
         return "length" if stats.finish_reason == "length" else "stop"
 
-    def complete(self, req: dict) -> dict:
-        stream, recorder = self._start(req, threading.Event())
-        parts, last = [], None
+    async def complete(self, req: dict, choices: "_Choices") -> dict:
+        parts: list[list[str]] = [[] for _ in range(req["n"])]
+        last: list = [None] * req["n"]
         try:
-            for last in stream:
-                parts.append(last.text)
-        except EngineBusy as e:
-            raise APIError(429, str(e), None, "rate_limit_error", "server_busy") from None
-        choice = {"index": 0, "message": {"role": "assistant", "content": "".join(parts)},
-                  "finish_reason": self._finish(last.stats),
-                  "logprobs": {"content": recorder.entries} if recorder else None}
+            while choices.running:
+                for i, chunk, error in await choices.next_batch():
+                    if error is not None:
+                        if isinstance(error, EngineBusy):
+                            raise _busy(str(error)) from None
+                        raise error
+                    if chunk is not None:
+                        parts[i].append(chunk.text)
+                        if chunk.done:
+                            last[i] = chunk
+                    elif last[i] is None:
+                        raise RuntimeError(f"choice {i} ended without its final chunk")
+        finally:
+            choices.stop()
+        body = [{"index": i, "message": {"role": "assistant", "content": "".join(parts[i])},
+                 "finish_reason": self._finish(last[i].stats),
+                 "logprobs": {"content": c.recorder.entries} if c.recorder else None}
+                for i, c in enumerate(choices.choices)]
         return {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion",
-                "created": int(time.time()), "model": self.engine.name, "choices": [choice],
-                "usage": self._usage(last.stats), "system_fingerprint": "miniserve"}
+                "created": int(time.time()), "model": self.engine.name, "choices": body,
+                "usage": self._usage([c.stats for c in last]),
+                "system_fingerprint": "miniserve"}
 
-    async def stream(self, req: dict):
-        cancel = threading.Event()
-        try:
-            stream, recorder = self._start(req, cancel)
-        except EngineBusy as e:  # lost the race for the last place since check_capacity
-            err = {"error": {"message": str(e), "type": "rate_limit_error", "param": None,
-                             "code": "server_busy"}}
-            yield f"data: {json.dumps(err)}\n\n"
-            return
+    async def stream(self, req: dict, choices: "_Choices"):
         ident, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
-        sent_logprobs = 0
+        sent_logprobs = [0] * req["n"]
 
-        def event(delta: dict, finish=None, usage=None, with_choice=True) -> str:
-            nonlocal sent_logprobs
+        def event(index: int | None, delta: dict | None = None, finish=None, usage=None,
+                  logprobs: bool = True) -> str:
             chunk = {"id": ident, "object": "chat.completion.chunk", "created": created,
                      "model": self.engine.name, "system_fingerprint": "miniserve",
                      "choices": []}
-            if with_choice:
-                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-                if recorder and len(recorder.entries) > sent_logprobs:
-                    choice["logprobs"] = {"content": recorder.entries[sent_logprobs:]}
-                    sent_logprobs = len(recorder.entries)
+            if index is not None:
+                choice = {"index": index, "delta": delta, "finish_reason": finish,
+                          "logprobs": None}
+                recorder = choices.choices[index].recorder
+                if logprobs and recorder and len(recorder.entries) > sent_logprobs[index]:
+                    choice["logprobs"] = {"content": recorder.entries[sent_logprobs[index]:]}
+                    sent_logprobs[index] = len(recorder.entries)
                 chunk["choices"] = [choice]
             if usage is not None or req["include_usage"]:
                 chunk["usage"] = usage
             return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
 
-        yield event({"role": "assistant", "content": ""})
-        last = None
+        last: list = [None] * req["n"]
         try:
-            async for last in _in_thread(stream, cancel):
-                if last.text:
-                    yield event({"content": last.text})
-        except Exception as e:  # noqa: BLE001 -- the stream has started: report in-band
-            err = {"error": {"message": f"generation failed: {e}", "type": "server_error",
-                             "param": None, "code": None}}
-            yield f"data: {json.dumps(err)}\n\n"
-            return
-        yield event({}, finish=self._finish(last.stats))
-        if req["include_usage"]:
-            yield event({}, usage=self._usage(last.stats), with_choice=False)
-        yield "data: [DONE]\n\n"
-
-
-async def _in_thread(stream, cancel: threading.Event):
-    """Run a blocking chunk generator in a thread; if the consumer goes away (client
-    disconnect cancels this coroutine), tell the engine to stop."""
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue = asyncio.Queue()
-
-    def post(item):
-        try:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-        except RuntimeError:  # the loop is gone
-            cancel.set()
-
-    def worker():
-        try:
-            for chunk in stream:
-                post(("chunk", chunk))
-        except BaseException as e:  # noqa: BLE001 -- handed to the consumer
-            post(("error", e))
+            yield "".join(event(i, {"role": "assistant", "content": ""}, logprobs=False)
+                          for i in range(req["n"]))
+            while choices.running:
+                # every chunk that arrived since the last write goes out in one write
+                out = []
+                for i, chunk, error in await choices.next_batch():
+                    if error is not None or (chunk is None and last[i] is None):
+                        out.append(_error_event(error))
+                        yield "".join(out)
+                        return
+                    if chunk is None:
+                        continue
+                    if chunk.text:
+                        out.append(event(i, {"content": chunk.text}))
+                    if chunk.done:
+                        last[i] = chunk
+                        out.append(event(i, {}, finish=self._finish(chunk.stats)))
+                if out:
+                    yield "".join(out)
+            tail = [event(None, usage=self._usage([c.stats for c in last]))] \
+                if req["include_usage"] else []
+            yield "".join(tail) + "data: [DONE]\n\n"
         finally:
-            post(("end", None))
+            choices.stop()  # the client went away (this generator was cancelled) or done
 
-    threading.Thread(target=worker, daemon=True, name="miniserve-stream").start()
-    try:
-        while True:
-            kind, item = await queue.get()
-            if kind == "end":
-                return
-            if kind == "error":
-                raise item
-            yield item
-    finally:
-        cancel.set()
+
+def _busy(message: str) -> APIError:
+    return APIError(429, message, None, "rate_limit_error", "server_busy")
+
+
+def _error_event(error: BaseException | None) -> str:
+    """An error after the stream has started, reported in-band."""
+    if isinstance(error, EngineBusy):
+        err = {"message": str(error), "type": "rate_limit_error", "param": None,
+               "code": "server_busy"}
+    else:
+        reason = error or "the generation ended without its final chunk"
+        err = {"message": f"generation failed: {reason}", "type": "server_error",
+               "param": None, "code": None}
+    return f"data: {json.dumps({'error': err})}\n\n"
+
+
+@dataclass
+class _Choice:
+    stream: object  # the engine's iterator of Chunk
+    cancel: threading.Event
+    recorder: LogprobRecorder | None
+
+    def stop(self) -> None:
+        self.cancel.set()
+
+
+class _Choices:
+    """The engine streams of one request's choices, each read by a thread of its own (the
+    engine's iterators block). Readers append (choice, chunk, error) to one deque and ask the
+    loop's _Waker to wake this request only when no wake-up for it is already pending, so one
+    wake-up delivers every chunk that arrived meanwhile, and the response writes them at
+    once. (choice, None, None) marks the end of a choice."""
+
+    def __init__(self, choices: list[_Choice], loop: asyncio.AbstractEventLoop):
+        self.choices, self.loop = choices, loop
+        self._waker = _Waker.of(loop)
+        self._items: deque = deque()
+        self._wake_pending = False
+        self._waiter: asyncio.Future | None = None
+        self._open = len(choices)
+        for i in range(len(choices)):
+            threading.Thread(target=self._read, args=(i,), daemon=True,
+                             name="miniserve-api-reader").start()
+
+    @property
+    def running(self) -> bool:
+        return self._open > 0
+
+    def stop(self) -> None:
+        """Cancel every choice still generating (a no-op for those that finished)."""
+        for choice in self.choices:
+            choice.stop()
+
+    def _read(self, i: int) -> None:
+        choice = self.choices[i]
+        try:
+            for chunk in choice.stream:
+                if choice.cancel.is_set():
+                    break
+                self._post((i, chunk, None))
+        except BaseException as e:  # noqa: BLE001 -- handed to the response
+            self._post((i, None, e))
+        finally:
+            close = getattr(choice.stream, "close", None)
+            if close is not None:
+                close()
+            self._post((i, None, None))
+
+    def _post(self, item) -> None:  # reader threads
+        self._items.append(item)
+        if not self._wake_pending:
+            self._wake_pending = True
+            try:
+                self._waker.wake(self)
+            except RuntimeError:  # the event loop is gone: nobody is listening
+                self.stop()
+
+    def _wake(self) -> None:  # event loop
+        self._wake_pending = False
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def next_batch(self) -> list[tuple]:
+        """Everything the readers posted since the last call (waits for at least one)."""
+        while not self._items:
+            self._waiter = self.loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        batch = []
+        while self._items:
+            item = self._items.popleft()
+            if item[1] is None:
+                self._open -= 1
+            batch.append(item)
+        return batch
+
+
+class _Waker:
+    """One per event loop. Reader threads of all requests ask it to wake their request; it
+    asks the loop (a write to its self-pipe) only when no wake-up is already pending, then
+    wakes every request that became ready meanwhile: when the engine emits one chunk for
+    each of many streams at once, the loop wakes once, not once per stream."""
+
+    _by_loop: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Waker]" = \
+        weakref.WeakKeyDictionary()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = weakref.ref(loop)  # a strong one would keep the loop as a key for ever
+        self._ready: deque = deque()
+        self._pending = False
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> "_Waker":  # called on the loop's thread
+        waker = cls._by_loop.get(loop)
+        if waker is None:
+            waker = cls._by_loop[loop] = cls(loop)
+        return waker
+
+    def wake(self, choices: _Choices) -> None:  # reader threads
+        self._ready.append(choices)
+        if not self._pending:
+            self._pending = True
+            loop = self._loop()
+            if loop is None:
+                raise RuntimeError("the event loop is gone")
+            loop.call_soon_threadsafe(self._run)
+
+    def _run(self) -> None:  # the event loop
+        self._pending = False
+        while self._ready:
+            self._ready.popleft()._wake()
+
+
+async def _until_disconnect(receive) -> None:
+    """Return when the client has gone away (after the request body was read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def build_router(engine: Engine, api_key: str | None = None) -> APIRouter:
@@ -290,15 +446,30 @@ def build_router(engine: Engine, api_key: str | None = None) -> APIRouter:
             except (json.JSONDecodeError, UnicodeDecodeError):
                 raise APIError(400, "the request body is not valid JSON") from None
             req = api.parse(body)
-            api.check_capacity()
+            choices = api.start(req)
             if req["stream"]:
-                return StreamingResponse(api.stream(req), media_type="text/event-stream",
+                stream = api.stream(req, choices)
+                # a response dropped before its first write never runs the generator's
+                # `finally`: stop the choices when the generator is collected
+                weakref.finalize(stream, choices.stop)
+                return StreamingResponse(stream, media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache"})
-            return await asyncio.to_thread(api.complete, req)
+            reply = asyncio.ensure_future(api.complete(req, choices))
+            gone = asyncio.ensure_future(_until_disconnect(request.receive))
+            try:
+                await asyncio.wait((reply, gone), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                gone.cancel()
+                if not reply.done():  # the client went away: nobody reads the reply
+                    reply.cancel()
+                    choices.stop()
+            if not reply.done():
+                return JSONResponse(status_code=499, content={})
+            return reply.result()
         except APIError as e:
             return e.response()
         except EngineBusy as e:
-            return APIError(429, str(e), None, "rate_limit_error", "server_busy").response()
+            return _busy(str(e)).response()
 
     return router
 

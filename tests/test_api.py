@@ -1,15 +1,19 @@
 """The OpenAI-compatible API, driven by the official `openai` client against the real server."""
 
+import http.client
 import json
 import threading
+import time
 import urllib.request
 
 import openai
 import pytest
 
 from conftest import chat_ids
+from miniserve.config import MAX_CHOICES
 
 Q = [{"role": "user", "content": "Name three fruits."}]
+LONG = "Repeat the word 'apple' forever."
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +81,9 @@ def test_logprobs(client):
     ({"messages": Q, "top_p": 0}, "top_p"),
     ({"messages": Q, "top_p": 1.5}, "top_p"),
     ({"messages": Q, "max_tokens": 0}, "max_tokens"),
-    ({"messages": Q, "n": 2}, "n"),
+    ({"messages": Q, "n": 0}, "n"),
+    ({"messages": Q, "n": MAX_CHOICES + 1}, "n"),
+    ({"messages": Q, "n": 1.5}, "n"),
     ({"messages": Q, "stop": 5}, "stop"),
     ({"messages": [{"role": "user", "content": "word " * 9000}]}, "messages"),
 ])
@@ -128,3 +134,139 @@ def test_api_key_required_when_set():
         assert good.chat.completions.create(model="default", messages=Q, max_tokens=2).choices
     finally:
         server.stop()
+
+
+# -- n choices ----------------------------------------------------------------------------
+
+def test_n_choices_with_usage_summed(client, tokenizer):
+    r = client.chat.completions.create(model="default", messages=Q, temperature=0, max_tokens=4,
+                                       n=3)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert all(c.finish_reason == "length" for c in r.choices)
+    assert len({c.message.content for c in r.choices}) == 1  # greedy: the same reply 3 times
+    assert r.usage.prompt_tokens == len(chat_ids(tokenizer, Q[0]["content"]))  # counted once
+    assert r.usage.completion_tokens == 3 * 4
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 12
+
+
+def test_choice_i_is_the_request_with_seed_plus_i(client):
+    # Exact by construction: each choice is its own sequence with its own random generator.
+    kwargs = dict(model="default", messages=Q, temperature=0.9, max_tokens=6)
+    many = client.chat.completions.create(n=3, seed=11, **kwargs).choices
+    for i in range(3):
+        one = client.chat.completions.create(seed=11 + i, **kwargs).choices[0]
+        assert many[i].message.content == one.message.content, i
+
+
+def test_n_out_of_range_names_n_and_the_range(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="default", messages=Q, n=MAX_CHOICES + 1)
+    error = info.value.body
+    assert error["param"] == "n" and f"[1, {MAX_CHOICES}]" in error["message"]
+
+
+def sse_events(url: str, body: dict) -> list:
+    """POST a streaming request; the decoded `data:` payloads, '[DONE]' kept as a string."""
+    req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as response:
+        lines = [line.decode()[6:].strip() for line in response if line.startswith(b"data: ")]
+    return [line if line == "[DONE]" else json.loads(line) for line in lines]
+
+
+def test_streaming_n_choices_carry_their_index_and_finish(app_server):
+    events = sse_events(app_server.url, {"messages": Q, "n": 2, "max_tokens": 5, "stream": True,
+                                         "temperature": 0.8, "seed": 3,
+                                         "stream_options": {"include_usage": True}})
+    assert events.count("[DONE]") == 1 and events[-1] == "[DONE]"
+    chunks = [e for e in events[:-1] if e["choices"]]
+    assert {c["choices"][0]["index"] for c in chunks} == {0, 1}
+    for i in (0, 1):
+        own = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == i]
+        assert own[0]["delta"]["role"] == "assistant"
+        finishes = [c["finish_reason"] for c in own if c["finish_reason"]]
+        assert finishes == ["length"] and own[-1]["finish_reason"] == "length"
+        assert "".join(c["delta"].get("content") or "" for c in own)
+    usage = events[-2]["usage"]
+    assert events[-2]["choices"] == [] and usage["completion_tokens"] == 2 * 5
+
+
+# -- the API served in this process, to look at the engine it drives ------------------------
+
+@pytest.fixture(scope="module")
+def local_api(engine):
+    from miniserve.http_bench import serve_in_thread
+    with serve_in_thread(engine) as port:
+        yield port
+
+
+def wait_for_idle(engine, seconds=60) -> bool:
+    deadline = time.monotonic() + seconds
+    while engine.queue_depth and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return engine.queue_depth == 0
+
+
+def post(port: int, body: dict) -> http.client.HTTPConnection:
+    """Send a request; read the reply from the connection (`getresponse`) or leave."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    conn.request("POST", "/v1/chat/completions", json.dumps(body),
+                 {"Content-Type": "application/json"})
+    return conn
+
+
+def test_n_that_does_not_fit_the_queue_gets_429_and_starts_nothing(engine, local_api):
+    assert wait_for_idle(engine)
+    saved = engine.max_queue
+    engine.max_queue = 2
+    try:
+        response = post(local_api, {"messages": Q, "n": 3, "max_tokens": 4}).getresponse()
+        error = json.loads(response.read())["error"]
+    finally:
+        engine.max_queue = saved
+    assert response.status == 429 and error["code"] == "server_busy"
+    assert "n=3" in error["message"] and engine.queue_depth == 0
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_that_leaves_cancels_all_its_choices(engine, local_api, stream, monkeypatch):
+    # Greedy, this prompt gets 'apple, apple, ...' far past 2000 tokens: only cancelling ends
+    # these replies within the test.
+    stats, complete = [], engine.complete
+
+    def recording(*args, **kwargs):  # keeps each choice's stats (the engine updates them)
+        chunks = complete(*args, **kwargs)
+        try:
+            for chunk in chunks:
+                stats.append(chunk.stats)
+                yield chunk
+        finally:
+            chunks.close()
+
+    monkeypatch.setattr(engine, "complete", recording)
+    assert wait_for_idle(engine)
+    conn = post(local_api, {"messages": [{"role": "user", "content": LONG}], "n": 2,
+                            "max_tokens": 2000, "temperature": 0, "stream": stream})
+    deadline = time.monotonic() + 60
+    while len({id(s) for s in stats}) < 2 and time.monotonic() < deadline:  # both generating
+        time.sleep(0.05)
+    if stream:
+        assert conn.getresponse().readline().startswith(b"data: ")
+    conn.close()  # the client goes away mid-reply
+    assert wait_for_idle(engine), "the choices of a client that left kept running"
+    assert len({id(s) for s in stats}) == 2
+    assert all(s.finish_reason == "cancelled" and s.new_tokens < 2000 for s in stats)
+
+
+def test_measure_http_numbers_are_consistent(engine):
+    from miniserve.http_bench import measure_http
+    result = measure_http(engine, streams=2, prompt_tokens=32, new_tokens=8)
+    assert result["streams"] == 2 and result["new_tokens"] == 8
+    for mode in ("http", "in_process"):
+        m = result[mode]
+        assert 0 < m["tokens"] <= 2 * 8
+        assert m["wall_s"] > 0 and m["tokens_per_s"] == pytest.approx(m["tokens"] / m["wall_s"])
+        assert 0 < m["ttft_p50_s"] <= m["ttft_p95_s"] <= m["wall_s"]
+        assert 0 <= m["itl_p95_s"] <= m["wall_s"]
+        assert 0 < m["stream_tokens_per_s_p50"]
+        assert 0 <= m["client_cpu_s"] <= m["cpu_s"] + 0.01
