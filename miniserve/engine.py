@@ -304,6 +304,16 @@ class Engine:
                         dropped_messages)
         return self._drain(out, cancel)
 
+    def submit(self, prompt_ids: list[int], params: SamplingParams, sink, *,
+               cancel: threading.Event | None = None, reuse_prefix: bool = True,
+               observer: LogitsObserver | None = None) -> threading.Event:
+        """Start a request without a thread to read it: `sink(item)` is called on the engine
+        thread with each Chunk, an exception if it failed, then None. It must return at once
+        (e.g. hand the item to an event loop). Returns the event that cancels it."""
+        cancel = cancel or threading.Event()
+        self._start([(prompt_ids, params, sink)], cancel, reuse_prefix, observer, 0)
+        return cancel
+
     def compare(self, prompt_ids: list[int], settings: list[SamplingParams], *,
                 cancel: threading.Event | None = None) -> Iterator[tuple[int, Chunk, float]]:
         """Answer one prompt under several settings at once, as one batch: every step
