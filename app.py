@@ -2,6 +2,7 @@
 served on one port (http://127.0.0.1:7860 by default).
 
     python app.py [--model SRC] [--host 127.0.0.1] [--port 7860] [--share] [--api-key KEY]
+                  [--math auto|float32|bfloat16] [--kv-budget N] [--max-batch N] [--max-queue N]
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import os
 import sys
 import time
 
-from miniserve.cli import Parser, add_model_args, add_queue_arg, queue_error
+from miniserve.cli import Parser, add_model_args
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -25,7 +26,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--presets-file", default=None, help="another presets.yaml")
     p.add_argument("--preset", default="balanced", help="the preset selected at start")
-    add_queue_arg(p)
     add_model_args(p)
     return p.parse_args(argv)
 
@@ -39,14 +39,10 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if queue_error(args):
-        print(f"error: {queue_error(args)}", file=sys.stderr)
-        return 2
     from miniserve.cli import load_engine
-    engine, code = load_engine(args)
+    engine, code = load_engine(args)  # a flag out of its range: one line, exit 2
     if engine is None:
         return code
-    engine.max_queue = args.max_queue
     engine.warm_up()
 
     import gradio as gr

@@ -1,4 +1,6 @@
-"""Cache vs no-cache vs transformers' generate(), side by side in one run.
+"""Cache vs no-cache vs transformers' generate(), side by side in one run; and B streams at
+once (`run_concurrency`): aggregate and per-stream speed, latency, and the share of what this
+machine's memory and arithmetic allow.
 
 Shared by `python -m miniserve bench` and the web app's Benchmark tab. Greedy decoding
 throughout: a benchmark of wrong answers is worthless, so the tokens of every mode that runs
@@ -14,6 +16,7 @@ import copy
 import csv
 import json
 import statistics
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
@@ -377,7 +380,13 @@ def verdict(result: BenchResult) -> str:
     return f"{checked}; {alike}{note}"
 
 
-def to_dict(result: BenchResult) -> dict:
+def to_dict(result: BenchResult | ConcurrencyResult) -> dict:
+    if isinstance(result, ConcurrencyResult):
+        return {"model": result.model, "device": result.device, "dtype": result.dtype,
+                "runner": result.runner, "math": result.math, "native_isa": result.native_isa,
+                "cpu": result.cpu, "prompt_tokens": result.prompt_tokens,
+                "new_tokens": result.new_tokens, "ceiling": result.ceiling,
+                "note": result.note, "rows": [asdict(r) for r in result.rows]}
     return {"model": result.model, "device": result.device, "dtype": result.dtype,
             "runner": result.runner, "native_isa": result.native_isa, "cpu": result.cpu,
             "greedy_match": result.greedy_match, "tokens_verified": result.tokens_verified,
@@ -385,13 +394,456 @@ def to_dict(result: BenchResult) -> dict:
             "rows": [asdict(r) for r in result.rows], "prefix_reuse": result.prefix_reuse}
 
 
-def write_json(result: BenchResult, path: str) -> None:
+def write_json(result: BenchResult | ConcurrencyResult, path: str) -> None:
     with open(path, "w") as f:
         json.dump(to_dict(result), f, indent=2)
 
 
-def write_csv(result: BenchResult, path: str) -> None:
+def write_csv(result: BenchResult | ConcurrencyResult, path: str) -> None:
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(asdict(result.rows[0])))
         writer.writeheader()
         writer.writerows(asdict(r) for r in result.rows)
+
+
+# -- concurrency: B streams at once ------------------------------------------------------------
+# B callers submit at the same moment (a barrier), each with its own prompt of the same length
+# and its own seed, and read their replies as chunks arrive. From the arrival times: aggregate
+# tokens/s (every stream's new tokens over the wall time from the first submit to the last
+# finish), each stream's decode rate, time to first token and the gaps between tokens. The
+# ceiling -- what B rows a step could reach at most on this machine -- is measured in the same
+# run, so the share of it is the engine's, not the machine's.
+
+GREEDY = "greedy"  # a built-in preset: argmax, no filters (presets.yaml may define its own)
+
+
+@dataclass
+class ConcurrencyConfig:
+    levels: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    prompt_tokens: int = 64
+    new_tokens: int = 128
+    presets: tuple[str, ...] = (GREEDY, "balanced")
+    repeat: int = 1
+    peer: bool = False  # also llama.cpp decoding the same B greedy streams batched
+    presets_file: str | None = None
+
+    def __post_init__(self):
+        if not self.levels or any(not isinstance(b, int) or not 1 <= b <= 1000
+                                  for b in self.levels):
+            raise ValueError("concurrency levels must be whole numbers from 1 to 1000")
+        if not 2 <= self.prompt_tokens <= 32768:
+            raise ValueError(f"prompt tokens must be from 2 to 32768, got {self.prompt_tokens}")
+        if not 2 <= self.new_tokens <= MAX_NEW_TOKENS:
+            raise ValueError(f"new tokens must be from 2 to {MAX_NEW_TOKENS}, "
+                             f"got {self.new_tokens}")
+        if not 1 <= self.repeat <= 20:
+            raise ValueError(f"repeat must be from 1 to 20, got {self.repeat}")
+        if not self.presets:
+            raise ValueError("name at least one preset")
+
+
+@dataclass
+class ConcurrencyRow:
+    engine: str                # "miniserve", or "llama.cpp" (its own process, batched)
+    preset: str
+    concurrency: int           # B: streams submitted at once
+    dtype: str                 # weights (+ arithmetic where it differs)
+    prompt_tokens: int         # each stream's prompt
+    new_tokens: int            # asked of each stream
+    produced_tokens: int       # what all streams of all repeats produced (an end token stops one)
+    asked_tokens: int          # concurrency x new_tokens x repeats
+    min_stream_tokens: int     # the fewest one stream produced
+    wall_s: float              # first submit -> last finish (median over repeats)
+    aggregate_tokens_per_s: float      # all streams' new tokens / wall_s (median over repeats)
+    stream_decode_tokens_per_s: float  # one stream's tokens after its first / their time (median)
+    ttft_p50_s: float          # submit -> first token arrived, over the streams
+    ttft_p95_s: float
+    itl_p95_s: float           # gaps between a stream's chunks, per token they carry
+    ceiling_tokens_per_s: float | None  # min(B x bandwidth / weight bytes, GFLOPS / flops a token)
+    ceiling_share: float | None  # aggregate / ceiling
+    cpu: str
+    native_isa: str
+
+
+@dataclass
+class ConcurrencyResult:
+    rows: list[ConcurrencyRow]
+    model: str
+    device: str
+    dtype: str
+    runner: str
+    math: str                  # the arithmetic of the matrix products
+    cpu: str
+    native_isa: str
+    prompt_tokens: int
+    new_tokens: int
+    ceiling: dict = field(default_factory=dict)  # measured bandwidth, GFLOPS and how
+    note: str = ""
+
+
+@dataclass
+class _Stream:
+    """One stream's timeline: when it was submitted, (arrival, token ids) per chunk, the end."""
+
+    submit: float
+    arrivals: list[tuple[float, int]] = field(default_factory=list)
+    end: float = 0.0
+
+    @property
+    def tokens(self) -> int:
+        return sum(k for _, k in self.arrivals)
+
+    def first(self) -> tuple[float, int] | None:
+        return next(((t, k) for t, k in self.arrivals if k), None)
+
+    def ttft(self) -> float | None:
+        first = self.first()
+        return first[0] - self.submit if first else None
+
+    def decode_rate(self) -> float | None:
+        """Tokens after the first chunk's over the time from it to the last token's chunk."""
+        first = self.first()
+        if first is None:
+            return None
+        last = max(t for t, k in self.arrivals if k)
+        later = self.tokens - first[1]
+        return later / (last - first[0]) if later and last > first[0] else None
+
+    def token_gaps(self) -> list[float]:
+        """Each token after the first chunk: its chunk's gap from the previous one / the ids
+        the chunk carries (a chunk holds several ids while their text is incomplete)."""
+        gaps, previous = [], None
+        for t, k in self.arrivals:
+            if not k:
+                continue
+            if previous is not None:
+                gaps += [(t - previous) / k] * k
+            previous = t
+        return gaps
+
+
+def percentile(values, q: float) -> float:
+    """The q-th percentile (0-100), interpolated linearly between the sorted values."""
+    xs = sorted(values)
+    if not xs:
+        return 0.0
+    pos = (len(xs) - 1) * q / 100
+    low = int(pos)
+    high = min(low + 1, len(xs) - 1)
+    return xs[low] + (xs[high] - xs[low]) * (pos - low)
+
+
+def stream_prompt(tokenizer, n: int, index: int) -> list[int]:
+    """Stream `index`'s prompt: exactly n tokens, "<index + 1>. " then the filler, so no two
+    streams share a prompt (nor a cached prefix)."""
+    lead = tokenizer(f"{index + 1}. ", add_special_tokens=False)["input_ids"]
+    return (lead + prompt_of_length(tokenizer, n))[:n]
+
+
+def concurrency_params(config: ConcurrencyConfig) -> dict[str, SamplingParams]:
+    """The presets to run, by name, asking for new_tokens with no stop strings. `greedy` is
+    built in unless the presets file defines it."""
+    from miniserve.config import load_presets
+    presets = load_presets(config.presets_file)
+    presets.setdefault(GREEDY, SamplingParams(temperature=0, top_k=0, top_p=1.0, min_p=0.0,
+                                              repetition_penalty=1.0))
+    unknown = [p for p in config.presets if p not in presets]
+    if unknown:
+        raise ValueError(f"unknown preset {', '.join(unknown)} (available: "
+                         f"{', '.join(presets)})")
+    return {name: presets[name].replace(max_new_tokens=config.new_tokens, stop=())
+            for name in config.presets}
+
+
+def _run_streams(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]
+                 ) -> list[_Stream]:
+    """Submit every prompt at once from a thread each; time what comes back."""
+    streams: list[_Stream | None] = [None] * len(prompts)
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(len(prompts))
+
+    def one(i: int) -> None:
+        try:
+            barrier.wait()
+            stream = _Stream(time.perf_counter())
+            for chunk in engine.complete(prompts[i], params[i], reuse_prefix=False):
+                stream.arrivals.append((time.perf_counter(), len(chunk.token_ids)))
+            stream.end = time.perf_counter()
+            streams[i] = stream
+        except BaseException as e:  # noqa: BLE001 -- re-raised below
+            errors.append(e)
+            barrier.abort()
+
+    threads = [threading.Thread(target=one, args=(i,), name=f"bench-stream-{i}")
+               for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        real = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
+        raise (real or errors)[0]
+    return streams
+
+
+def _row(engine_name: str, preset: str, level: int, dtype: str, config: ConcurrencyConfig,
+         runs: list[list[_Stream]], ceiling: float | None, cpu: str, isa: str) -> ConcurrencyRow:
+    streams = [s for run in runs for s in run]
+    walls = [max(s.end for s in run) - min(s.submit for s in run) for run in runs]
+    aggregates = [sum(s.tokens for s in run) / wall if wall > 0 else 0.0
+                  for run, wall in zip(runs, walls)]
+    ttfts = [t for s in streams if (t := s.ttft()) is not None]
+    rates = [r for s in streams if (r := s.decode_rate()) is not None]
+    gaps = [g for s in streams for g in s.token_gaps()]
+    aggregate = statistics.median(aggregates)
+    return ConcurrencyRow(
+        engine_name, preset, level, dtype, config.prompt_tokens, config.new_tokens,
+        sum(s.tokens for s in streams), level * config.new_tokens * len(runs),
+        min(s.tokens for s in streams),
+        round(statistics.median(walls), 4), round(aggregate, 2),
+        round(statistics.median(rates), 2) if rates else 0.0,
+        round(percentile(ttfts, 50), 4), round(percentile(ttfts, 95), 4),
+        round(percentile(gaps, 95), 5),
+        round(ceiling, 1) if ceiling else None,
+        round(aggregate / ceiling, 3) if ceiling else None, cpu, isa)
+
+
+def run_concurrency(engine: Engine, config: ConcurrencyConfig,
+                    progress: Progress | None = None) -> ConcurrencyResult:
+    """Every preset at every concurrency level (and llama.cpp's greedy streams with `peer`),
+    with the ceiling measured first. Raises ValueError for a level the engine's queue cannot
+    hold or a preset that does not exist."""
+    progress = progress or (lambda f, m: None)
+    params = concurrency_params(config)
+    too_many = [b for b in config.levels if b > engine.max_queue]
+    if too_many:
+        raise ValueError(f"concurrency {max(too_many)} is more than the engine admits at once "
+                         f"(--max-queue {engine.max_queue})")
+    if config.prompt_tokens + config.new_tokens > engine.context_length:
+        raise ValueError(f"prompt tokens + new tokens ({config.prompt_tokens} + "
+                         f"{config.new_tokens}) exceed the context ({engine.context_length})")
+    cpu = cpu_model()
+    isa = (native.isa() or "") if engine.runner == "native" else ""
+    info = engine.info()
+    math = info.get("compute_dtype", "")
+    weights = str(engine.loaded.dtype).removeprefix("torch.")
+    dtype = f"{weights}+int8" if engine.quant == "int8" else weights
+    shown = dtype if math in ("", weights) else f"{dtype} ({math} math)"
+    prompts = [stream_prompt(engine.tokenizer, config.prompt_tokens, i)
+               for i in range(max(config.levels))]
+
+    progress(0.0, "measuring bandwidth and GFLOPS on the largest weight matrix")
+    ceiling = measure_ceiling(engine, math)
+    peer_model, peer_dtype, peer_bytes = None, "", 0
+    if config.peer:
+        peer_model, peer_dtype, peer_bytes = _concurrency_peer(engine, config, progress)
+    try:
+        progress(0.0, "warming up")  # first passes at each width pay one-off costs
+        warm = params[config.presets[0]].replace(max_new_tokens=4, seed=0)
+        for level in sorted(set(config.levels)):
+            _run_streams(engine, prompts[:level], [warm] * level)
+        if peer_model is not None:
+            peer_model.run_batch(prompts[:1], 4, engine.eos_ids)
+        rows = []
+        jobs = [(p, b) for p in config.presets for b in config.levels]
+        total = len(jobs) * config.repeat + (len(config.levels) * config.repeat
+                                             if peer_model else 0)
+        done = 0
+        for preset, level in jobs:
+            runs = []
+            for r in range(config.repeat):
+                progress(done / total, f"{preset}, {level} at once, run {r + 1}/{config.repeat}")
+                seeded = [params[preset].replace(seed=1000 + i) for i in range(level)]
+                runs.append(_run_streams(engine, prompts[:level], seeded))
+                done += 1
+            rows.append(_row("miniserve", preset, level, shown, config, runs,
+                             ceiling_tokens_per_s(ceiling, level), cpu, isa))
+        if peer_model is not None:
+            peer_ceiling = dict(ceiling, weight_bytes=peer_bytes) if ceiling else {}
+            for level in config.levels:
+                runs = []
+                for r in range(config.repeat):
+                    progress(done / total, f"llama.cpp, {level} at once, run {r + 1}/"
+                                           f"{config.repeat}")
+                    runs.append(_peer_streams(peer_model.run_batch(
+                        prompts[:level], config.new_tokens, engine.eos_ids)))
+                    done += 1
+                rows.append(_row("llama.cpp", GREEDY, level, peer_dtype, config, runs,
+                                 ceiling_tokens_per_s(peer_ceiling, level), cpu, ""))
+    finally:
+        if peer_model is not None:
+            peer_model.close()
+    progress(1.0, "done")
+    short = [r for r in rows if r.produced_tokens < r.asked_tokens]
+    note = ""
+    if short:
+        note = ("some streams ended on an end token before their new tokens: "
+                + ", ".join(f"{r.engine} {r.preset} x{r.concurrency} produced "
+                            f"{r.produced_tokens} of {r.asked_tokens}" for r in short))
+    return ConcurrencyResult(rows, engine.name, engine.loaded.device.type, dtype, engine.runner,
+                             math, cpu, isa, config.prompt_tokens, config.new_tokens,
+                             ceiling, note)
+
+
+def _peer_streams(reply: dict) -> list[_Stream]:
+    """llama.cpp's batch reply (seconds from its start) as stream timelines: every stream
+    was submitted at 0, and each token arrives when the step that chose it ends."""
+    return [_Stream(0.0, [(t, 1) for t in s["times"]], s["end"]) for s in reply["streams"]]
+
+
+def _concurrency_peer(engine: Engine, config: ConcurrencyConfig, progress: Progress):
+    """llama.cpp in its own process on the engine's weights as a GGUF copy (bfloat16, or
+    float32 when the engine runs float32 weights); (peer, dtype, weight bytes)."""
+    from miniserve import peer
+    from miniserve.loader import resolve_source
+    if not peer.available():
+        raise ValueError("--peer needs llama-cpp-python (`make bench-peer` installs it)")
+    kind, path, _ = resolve_source(engine.loaded.source)
+    if kind != "gguf":
+        raise ValueError("--peer needs a .gguf model source")
+    precision = "float32" if engine.loaded.dtype == torch.float32 else "bfloat16"
+    progress(0.0, f"preparing llama.cpp {precision}")
+    model = peer.LlamaCppPeer(peer.gguf_copy(path, precision), 0, torch.get_num_threads())
+    return model, precision, model.weight_bytes()
+
+
+# -- the ceiling ------------------------------------------------------------------------------
+
+CEILING_BATCH = 64  # rows for the GFLOPS measurement: enough that arithmetic, not memory, limits
+
+
+def largest_weight(runner) -> tuple[str, torch.Tensor] | None:
+    """(name, tensor) of the runner's largest 2-D float weight matrix; None if it has none
+    (int8 weights)."""
+    if hasattr(runner, "layers") and hasattr(runner, "lm_head"):
+        named = [("lm_head", runner.lm_head)] + [
+            (f"layers[0].{k}", t) for k, t in (runner.layers[0].items() if runner.layers else ())]
+    else:
+        named = list(getattr(runner, "model", runner).named_parameters())
+    named = [(n, t) for n, t in named if isinstance(t, torch.Tensor) and t.dim() == 2
+             and t.dtype in (torch.float32, torch.bfloat16, torch.float16)]
+    return max(named, key=lambda nt: nt[1].numel(), default=None)
+
+
+def weight_elements(runner) -> int:
+    """Weight elements read per decoded token: the tensors runner.weight_bytes() counts."""
+    if hasattr(runner, "layers") and hasattr(runner, "lm_head"):
+        tensors = [*(x for layer in runner.layers for x in layer.values()), runner.lm_head,
+                   getattr(runner, "final_norm", None)]
+        return sum((w.q if hasattr(w, "q") else w).numel() for w in tensors if w is not None)
+    m = runner.model
+    total = sum(p.numel() for p in m.parameters())
+    embed = m.get_input_embeddings().weight
+    out = m.get_output_embeddings()
+    tied = out is not None and out.weight.data_ptr() == embed.data_ptr()
+    return total if tied else total - embed.numel()
+
+
+def product_kernel(w: torch.Tensor, math: str) -> tuple[Callable[[torch.Tensor], torch.Tensor],
+                                                         Callable[[int], str]]:
+    """(x (B, C) float32 -> w @ x.T as (B, R) float32, what computes B rows): the native
+    matmul where the library has it; else the native matvec for one row and torch.matmul
+    (in the math dtype) for more."""
+    matmul = getattr(native, "matmul", None)
+    if w.device.type == "cpu" and native.load() is not None and w.dtype in native.DTYPE_CODES:
+        if matmul is not None:
+            return (lambda x: matmul(w, x, math)), lambda b: "native.matmul"
+        dtype = torch.float32 if math == "float32" else w.dtype
+        wt = w.to(dtype)
+
+        def fallback(x):
+            if x.shape[0] == 1:
+                return native.matvec(w, x[0])[None]
+            return torch.matmul(x.to(dtype), wt.t()).float()
+
+        return fallback, lambda b: ("native.matvec" if b == 1 else
+                                    f"torch.matmul ({str(dtype).removeprefix('torch.')})")
+    dtype = w.dtype if math != "float32" else torch.float32
+    wt = w.to(dtype)
+    label = f"torch.matmul ({str(dtype).removeprefix('torch.')})"
+    return (lambda x: torch.matmul(x.to(dtype), wt.t()).float()), lambda b: label
+
+
+def _best_time(fn, budget_s: float = 0.4, min_reps: int = 3, max_reps: int = 200) -> float:
+    fn()  # first call: page faults, thread pool start
+    best, spent, reps = float("inf"), 0.0, 0
+    while reps < min_reps or (spent < budget_s and reps < max_reps):
+        start = time.perf_counter()
+        fn()
+        took = time.perf_counter() - start
+        best, spent, reps = min(best, took), spent + took, reps + 1
+    return best
+
+
+def measure_ceiling(engine: Engine, math: str = "") -> dict:
+    """Memory bandwidth (one row through the largest weight matrix) and GFLOPS (CEILING_BATCH
+    rows through it), measured on the engine thread with the kernel that would run them; the
+    best of several runs. Empty when the runner has no float weight matrix."""
+    runner = engine.model
+    found = largest_weight(runner)
+    if found is None:
+        return {}
+    name, w = found
+    math = math or engine.info().get("compute_dtype", "float32")
+
+    def measure():
+        product, label = product_kernel(w, math)
+        rows, cols = w.shape
+        x1 = torch.randn(1, cols, dtype=torch.float32)
+        xb = torch.randn(CEILING_BATCH, cols, dtype=torch.float32)
+        with torch.inference_mode():
+            t1 = _best_time(lambda: product(x1))
+            tb = _best_time(lambda: product(xb))
+        return {"matrix": f"{name} ({rows}x{cols}, {str(w.dtype).removeprefix('torch.')})",
+                "bandwidth_gb_s": round(w.numel() * w.element_size() / t1 / 1e9, 2),
+                "gflops": round(2 * rows * cols * CEILING_BATCH / tb / 1e9, 2),
+                "gflops_rows": CEILING_BATCH,
+                "method": (f"{label(1)} for the bandwidth and GFLOPS"
+                           if label(1) == label(CEILING_BATCH) else
+                           f"{label(1)} for the bandwidth, {label(CEILING_BATCH)} for GFLOPS"),
+                "weight_bytes": runner.weight_bytes(),
+                "weight_elements": weight_elements(runner), "math": math}
+
+    run = getattr(engine, "run_on_worker", None)
+    return run(measure) if run else measure()
+
+
+def ceiling_tokens_per_s(ceiling: dict, level: int) -> float | None:
+    """min(B x bandwidth / weight bytes, GFLOPS / (2 x weight elements)): a step of B rows
+    reads every weight once and does two flops per weight element and row."""
+    if not ceiling:
+        return None
+    memory = level * ceiling["bandwidth_gb_s"] * 1e9 / ceiling["weight_bytes"]
+    compute = ceiling["gflops"] * 1e9 / (2 * ceiling["weight_elements"])
+    return min(memory, compute)
+
+
+def format_concurrency_table(result: ConcurrencyResult) -> str:
+    head = ("engine", "preset", "B", "tokens", "tok/s", "stream_tok/s", "ttft_p50", "ttft_p95",
+            "itl_p95_ms", "ceiling", "share")
+    widths = (10, 9, 4, 11, 9, 13, 9, 9, 11, 9, 7)
+    lines = [" ".join(f"{h:>{w}}" for h, w in zip(head, widths))]
+    for r in result.rows:
+        cells = (r.engine, r.preset, r.concurrency, f"{r.produced_tokens}/{r.asked_tokens}",
+                 f"{r.aggregate_tokens_per_s:.1f}",
+                 f"{r.stream_decode_tokens_per_s:.1f}", f"{r.ttft_p50_s:.3f}",
+                 f"{r.ttft_p95_s:.3f}", f"{r.itl_p95_s * 1000:.1f}",
+                 f"{r.ceiling_tokens_per_s:.0f}" if r.ceiling_tokens_per_s else "-",
+                 f"{r.ceiling_share:.0%}" if r.ceiling_share is not None else "-")
+        lines.append(" ".join(f"{c:>{w}}" for c, w in zip(cells, widths)))
+    lines.append(describe_concurrency(result))
+    return "\n".join(lines)
+
+
+def describe_concurrency(result: ConcurrencyResult) -> str:
+    """The line under the concurrency table: what ran, on which CPU, and the ceiling."""
+    c = result.ceiling
+    ceiling = (f"ceiling from {c['bandwidth_gb_s']:g} GB/s and {c['gflops']:g} GFLOPS measured "
+               f"on {c['matrix']} with {c['method']}" if c else
+               "no ceiling (no float weight matrix to measure)")
+    math = f", {result.math} math" if result.math else ""
+    return (f"{result.model} on {result.device} ({result.dtype} weights{math}, {result.runner} "
+            f"runner" + (f", {result.native_isa} kernels" if result.native_isa else "")
+            + f"; CPU: {result.cpu}); {result.prompt_tokens}-token prompts, "
+            f"{result.new_tokens} new tokens a stream; {ceiling}"
+            + (f"; {result.note}" if result.note else ""))

@@ -7,7 +7,8 @@ import json
 import os
 import sys
 
-from miniserve.config import FIELDS, MAX_QUEUE, ConfigError, SamplingParams, load_presets
+from miniserve.config import (FIELDS, KV_BUDGET, MATHS, MAX_BATCH, MAX_QUEUE, ConfigError,
+                              Field, SamplingParams, load_presets)
 
 DEFAULT_PRESET = "balanced"
 
@@ -24,6 +25,11 @@ def fail(message: str, code: int = 2):
     return code
 
 
+# The engine's whole-number settings, by flag; their ranges and defaults are in config.py.
+RANGED_FLAGS: dict[str, Field] = {"--kv-budget": KV_BUDGET, "--max-batch": MAX_BATCH,
+                                  "--max-queue": MAX_QUEUE}
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=os.environ.get("MINISERVE_MODEL"),
                    help="a .gguf file, a model folder or a Hugging Face id "
@@ -38,16 +44,23 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "auto: the fastest that applies")
     p.add_argument("--quant", default=None, choices=("int8",),
                    help="int8 weight-only quantization (lean runner, bfloat16 activations)")
+    p.add_argument("--math", default="auto", choices=MATHS,
+                   help="the arithmetic of the matrix products, apart from the weights' dtype: "
+                        "float32 (float32 products and sums); bfloat16 (activations rounded to "
+                        "bfloat16, products summed in float32); auto: bfloat16 where the CPU "
+                        "has bfloat16 dot products and the weights are bfloat16, else float32")
+    for flag, spec in RANGED_FLAGS.items():  # argparse checks the number, flag_error the range
+        p.add_argument(flag, type=int, default=spec.default, metavar="N",
+                       help=f"{spec.help}: {int(spec.low)} to {int(spec.high)} "
+                            f"(default {int(spec.default)})")
 
 
-def add_queue_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-queue", type=int, default=MAX_QUEUE.default,
-                   help=f"{MAX_QUEUE.help} {MAX_QUEUE.describe()}")
-
-
-def queue_error(args) -> str | None:
-    if not MAX_QUEUE.low <= args.max_queue <= MAX_QUEUE.high:
-        return f"--max-queue must be from {MAX_QUEUE.low:g} to {MAX_QUEUE.high:g}"
+def flag_error(args) -> str | None:
+    """One line naming the first ranged flag out of its range, or None."""
+    for flag, spec in RANGED_FLAGS.items():
+        value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
+        if value is not None and not spec.low <= value <= spec.high:
+            return f"{flag} must be from {int(spec.low)} to {int(spec.high)}, got {value}"
     return None
 
 
@@ -74,9 +87,13 @@ def load_engine(args):
     """(engine, None), or (None, exit code) after a one-line error."""
     from miniserve.engine import start_engine
     from miniserve.loader import ModelLoadError
+    if flag_error(args):
+        return None, fail(flag_error(args))
     try:
         return start_engine(args.model, device=args.device, dtype=args.dtype,
-                            runner=args.runner, quant=args.quant), None
+                            runner=args.runner, quant=args.quant, math=args.math,
+                            kv_budget=args.kv_budget, max_queue=args.max_queue,
+                            max_batch=args.max_batch), None
     except ModelLoadError as e:
         return None, fail(str(e), 1)
     except ValueError as e:
@@ -146,16 +163,34 @@ def cmd_chat(args) -> int:
     return session.run(sys.stdin, sys.stdout)
 
 
-def cmd_bench(args) -> int:
-    from miniserve.bench import BenchConfig, format_table, run_bench, write_csv, write_json
+def _whole_numbers(text: str, flag: str, low: int = 1, high: int | None = None) -> list[int]:
+    """Comma-separated whole numbers in [low, high], or ValueError naming the flag."""
+    allowed = f"from {low} to {high}" if high is not None else f"of at least {low}"
     try:
-        lengths = [int(x) for x in args.prompt_tokens.split(",") if x.strip()]
+        values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        return fail(f"--prompt-tokens must be comma-separated whole numbers, got "
-                    f"'{args.prompt_tokens}'")
+        values = []
+    if not values or any(v < low or (high is not None and v > high) for v in values):
+        raise ValueError(f"{flag} must be comma-separated whole numbers {allowed}, "
+                         f"got '{text}'")
+    return values
+
+
+def _given(value, default):
+    return default if value is None else value
+
+
+def cmd_bench(args) -> int:
+    if args.concurrency is not None:
+        return cmd_bench_concurrency(args)
+    from miniserve.bench import BenchConfig, format_table, run_bench
     try:
-        config = BenchConfig(prompt_tokens=lengths, new_tokens=args.new_tokens,
-                             repeat=args.repeat, modes=tuple(args.modes.split(",")),
+        lengths = _whole_numbers(args.prompt_tokens or "64,256,1024", "--prompt-tokens")
+    except ValueError as e:
+        return fail(str(e))
+    try:
+        config = BenchConfig(prompt_tokens=lengths, new_tokens=_given(args.new_tokens, 64),
+                             repeat=_given(args.repeat, 3), modes=tuple(args.modes.split(",")),
                              peer=args.peer)
     except ValueError as e:
         return fail(str(e))
@@ -175,13 +210,52 @@ def cmd_bench(args) -> int:
               f"token in {reuse['ttft_warm_s']:.3f} s with {reuse['reused_tokens']} tokens "
               f"reused from the prefix cache vs {reuse['ttft_cold_s']:.3f} s cold "
               f"({reuse['speedup']}x)")
+    _write_files(result, args)
+    return 0 if result.tokens_verified else 3
+
+
+def cmd_bench_concurrency(args) -> int:
+    """bench --concurrency 1,2,4,8: B streams at once per level and preset."""
+    from miniserve.bench import (ConcurrencyConfig, concurrency_params,
+                                 format_concurrency_table, run_concurrency)
+    try:
+        levels = _whole_numbers(args.concurrency, "--concurrency", 1, MAX_QUEUE.high)
+        lengths = _whole_numbers(args.prompt_tokens or "64", "--prompt-tokens")
+        if len(lengths) != 1:
+            raise ValueError("--prompt-tokens takes one length with --concurrency, "
+                             f"got '{args.prompt_tokens}'")
+        presets = tuple(p.strip() for p in args.presets.split(",") if p.strip())
+        config = ConcurrencyConfig(levels=levels, prompt_tokens=lengths[0],
+                                   new_tokens=_given(args.new_tokens, 128), presets=presets,
+                                   repeat=_given(args.repeat, 1), peer=args.peer,
+                                   presets_file=args.presets_file)
+        concurrency_params(config)  # an unknown preset is reported before the model loads
+    except (ValueError, ConfigError) as e:
+        return fail(str(e))
+    if not flag_error(args) and max(levels) > args.max_queue:
+        return fail(f"--concurrency {max(levels)} is more than --max-queue {args.max_queue} "
+                    "admits at once; raise --max-queue")
+    engine, code = load_engine(args)
+    if engine is None:
+        return code
+    try:
+        result = run_concurrency(engine, config, progress=_bar)
+    except ValueError as e:
+        return fail(str(e))
+    print(file=sys.stderr)
+    print(format_concurrency_table(result))
+    _write_files(result, args)
+    return 0
+
+
+def _write_files(result, args) -> None:
+    from miniserve.bench import write_csv, write_json
     if args.json:
         write_json(result, args.json)
         print(f"wrote {args.json}")
     if args.csv:
         write_csv(result, args.csv)
         print(f"wrote {args.csv}")
-    return 0 if result.tokens_verified else 3
 
 
 def _bar(fraction: float, message: str) -> None:
@@ -192,12 +266,9 @@ def _bar(fraction: float, message: str) -> None:
 
 
 def cmd_serve(args) -> int:
-    if queue_error(args):
-        return fail(queue_error(args))
     engine, code = load_engine(args)
     if engine is None:
         return code
-    engine.max_queue = args.max_queue
     from miniserve.api import serve
     serve(engine, host=args.host, port=args.port, api_key=args.api_key)
     return 0
@@ -240,16 +311,30 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(c)
     c.set_defaults(func=cmd_chat)
 
-    b = sub.add_parser("bench", help="no-cache vs KV-cache vs generate() over prompt lengths")
-    b.add_argument("--prompt-tokens", default="64,256,1024", help="comma-separated prompt lengths")
-    b.add_argument("--new-tokens", type=int, default=64)
-    b.add_argument("--repeat", type=int, default=3, help="runs per row; the median is reported")
+    b = sub.add_parser("bench", help="no-cache vs KV-cache vs generate() over prompt lengths; "
+                                     "or, with --concurrency, B streams at once")
+    b.add_argument("--prompt-tokens", default=None,
+                   help="comma-separated prompt lengths (default 64,256,1024; with "
+                        "--concurrency one length, default 64)")
+    b.add_argument("--new-tokens", type=int, default=None,
+                   help="new tokens a run (default 64; with --concurrency 128 a stream)")
+    b.add_argument("--repeat", type=int, default=None,
+                   help="runs per row; the median is reported (default 3; with --concurrency 1)")
+    b.add_argument("--concurrency", default=None, metavar="B,B,...",
+                   help="comma-separated numbers of streams submitted at once (e.g. 1,2,4,8): "
+                        "aggregate and per-stream tokens/s, time to first token, inter-token "
+                        "latency and the share of the measured ceiling, per preset")
+    b.add_argument("--presets", default="greedy,balanced",
+                   help="with --concurrency: comma-separated presets (greedy is built in; the "
+                        "others come from presets.yaml)")
+    b.add_argument("--presets-file", default=None, help="another presets.yaml")
     b.add_argument("--modes", default="no_cache,cache,hf_generate",
                    help="comma-separated: no_cache, cache, hf_generate, transformers_loop "
                         "(our cached loop on the transformers model), lean (our cached loop on "
                         "the PyTorch lean pass, to set beside the native step)")
     b.add_argument("--peer", action="store_true",
-                   help="also llama.cpp on the same GGUF weights at f32, bf16 and q4_1 "
+                   help="also llama.cpp on the same GGUF weights at f32, bf16 and q4_1; with "
+                        "--concurrency, its batched decoding of the same greedy streams "
                         "(needs llama-cpp-python: make bench-peer)")
     b.add_argument("--prefix-reuse", type=int, default=0, metavar="TOKENS",
                    help="also time a follow-up chat turn after this much history, with and "
@@ -264,7 +349,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=os.environ.get("MINISERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (or set MINISERVE_API_KEY)")
-    add_queue_arg(s)
     add_model_args(s)
     s.set_defaults(func=cmd_serve)
     return parser
