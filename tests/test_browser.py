@@ -1,4 +1,5 @@
-"""The real app in a real headless Chromium: chat streaming, presets, Stop, benchmark, inspector."""
+"""The real app in a real headless Chromium: chat streaming, presets, Stop, benchmarks,
+inspector, compare."""
 
 import os
 import re
@@ -172,12 +173,34 @@ def test_benchmark_tab_shows_rows_for_each_mode(page):
         page.screenshot(path=str(SHOTS / "benchmark.png"), full_page=True)
 
 
+def test_concurrency_benchmark_shows_a_row_per_preset_and_level(page):
+    from playwright.sync_api import expect
+    page.get_by_role("tab", name="Benchmark").click()
+    page.get_by_label("Concurrency levels").fill("1,2")
+    set_number(page, "Stream prompt tokens", 16)
+    set_number(page, "Stream new tokens", 6)
+    page.get_by_role("button", name="Run concurrency benchmark").click()
+    expect(page.locator("body")).to_contain_text("16-token prompts, 6 new tokens a stream",
+                                                 timeout=180000)
+    table = page.locator("#concurrency-table")
+    expect(table).to_contain_text("aggregate_tokens_per_s", timeout=30000)
+    rows = re.findall(r"\b(greedy|balanced)\s+(\d+)\s+\d", table.inner_text())
+    assert sorted(rows) == [("balanced", "1"), ("balanced", "2"), ("greedy", "1"),
+                            ("greedy", "2")], table.inner_text()[-1500:]
+    page.get_by_label("Concurrency levels").fill("1,x")
+    page.get_by_role("button", name="Run concurrency benchmark").click()
+    expect(page.locator("body")).to_contain_text(
+        "Concurrency: write whole numbers separated by commas", timeout=30000)
+
+
 def test_compare_tab_shows_one_column_per_preset(page):
     page.get_by_role("tab", name="Compare").click()
     page.get_by_label("balanced").uncheck()  # factual + creative stay checked
     set_number(page, "Tokens per column", 12)
     page.get_by_role("button", name="Compare", exact=True).click()
-    page.wait_for_function("document.body.innerText.includes('2 presets')", timeout=120000)
+    from playwright.sync_api import expect
+    expect(page.locator("body")).to_contain_text("same prompt, seed 42, 2 presets as one batch",
+                                                 timeout=120000)
     columns = page.locator(".block.ms-column:visible")
     assert columns.count() == 2
     texts = columns.all_inner_texts()

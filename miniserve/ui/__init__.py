@@ -1,0 +1,48 @@
+"""The Gradio web app: Chat, Compare and Benchmark tabs. No generation logic lives here:
+widget values become `SamplingParams`, and what the engine yields is rendered.
+
+Each tab has a module: a class holding its handlers (plain methods, the streaming ones
+generators, callable without a browser) and a builder that lays the tab out and wires them.
+"""
+
+from __future__ import annotations
+
+import gradio as gr
+
+from miniserve.config import SamplingParams
+from miniserve.engine import Engine
+from miniserve.ui.bench_tab import BenchmarkHandlers, build_benchmark_tab
+from miniserve.ui.chat_tab import ChatHandlers, build_chat_tab
+from miniserve.ui.common import Sessions
+from miniserve.ui.compare_tab import CompareHandlers, build_compare_tab
+
+__all__ = ["CSS", "BenchmarkHandlers", "ChatHandlers", "CompareHandlers", "build_ui",
+           "build_benchmark_tab", "build_chat_tab", "build_compare_tab", "header"]
+
+CSS = """
+#status {font-size: 0.9em; opacity: 0.85}
+.ms-inspector .ms-tok:hover {outline: 1px solid #333}
+"""
+
+
+def header(info: dict) -> str:
+    """The line above the tabs: the model, where and how it runs, its context."""
+    precision = info["dtype"] + (f" weights, {info['compute_dtype']} arithmetic"
+                                 if info["compute_dtype"] != info["dtype"] else "")
+    return (f"## MiniServeLM · {info['name']} on {info['device']} ({precision}, "
+            f"{info['runner']} runner"
+            + (f", {info['kernels']} kernels" if info["kernels"] else "")
+            + f"), context {info['context_length']} tokens")
+
+
+def build_ui(engine: Engine, presets: dict[str, SamplingParams],
+             default_preset: str = "balanced") -> gr.Blocks:
+    default_preset = default_preset if default_preset in presets else next(iter(presets))
+    sessions = Sessions()  # Stop in the Chat tab also ends the session's comparison
+    with gr.Blocks(title="MiniServeLM") as demo:
+        gr.Markdown(header(engine.info()))
+        build_chat_tab(ChatHandlers(engine, presets, sessions), default_preset)
+        build_compare_tab(CompareHandlers(engine, presets, sessions))
+        build_benchmark_tab(BenchmarkHandlers(engine, presets))
+    demo.queue(max_size=engine.max_queue * 4)
+    return demo
