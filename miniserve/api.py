@@ -166,35 +166,38 @@ class ChatAPI:
     # -- responses --------------------------------------------------------------------------
     def start(self, req: dict) -> "_Choices":
         """Admit the request's n choices as n engine requests, all or none (429 when they
-        do not all fit), and start reading them."""
+        do not all fit). The engine hands their chunks to the event loop: no thread waits
+        on them."""
         n = req["n"]
         free = self.engine.max_queue - self.engine.queue_depth
         if n > free:
             raise _busy("the server is busy; try again in a moment" if n == 1 else
                         f"the server is busy: n={n} needs {n} places in the queue and "
                         f"{max(free, 0)} are free; try again in a moment")
-        choices: list[_Choice] = []
+        choices = _Choices(asyncio.get_running_loop())
         try:
             for i in range(n):
-                choices.append(self._start_choice(req, i))
-        except (EngineBusy, RequestTooLarge) as e:  # start none
-            for choice in choices:
-                choice.stop()
+                self._start_choice(req, i, choices)
+        except BaseException as e:  # start none: cancel those already queued
+            choices.stop()
             if isinstance(e, EngineBusy):  # lost a race for the last places
                 raise _busy(str(e)) from None
-            raise APIError(400, str(e), "max_tokens", code="context_length_exceeded") from None
-        return _Choices(choices, asyncio.get_running_loop())
+            if isinstance(e, RequestTooLarge):
+                raise APIError(400, str(e), "max_tokens",
+                               code="context_length_exceeded") from None
+            raise
+        return choices
 
-    def _start_choice(self, req: dict, index: int) -> "_Choice":
+    def _start_choice(self, req: dict, index: int, choices: "_Choices") -> None:
         params = req["params"]
         if params.seed is not None and index:
             params = params.replace(seed=(params.seed + index) % (SEED_MAX + 1))
         recorder = LogprobRecorder(self.engine.tokenizer, req["top_logprobs"]) \
             if req["logprobs"] else None
-        cancel = threading.Event()
-        stream = self.engine.complete(req["prompt_ids"], params, cancel=cancel,
-                                      observer=recorder.observe if recorder else None)
-        return _Choice(stream, cancel, recorder)
+        self.engine.submit(req["prompt_ids"], params, choices.sink(index),
+                           cancel=choices.cancel,
+                           observer=recorder.observe if recorder else None)
+        choices.started(recorder)  # after submit: a choice that did not start is not waited for
 
     @staticmethod
     def _usage(stats: list) -> dict:
@@ -301,63 +304,58 @@ def _error_event(error: BaseException | None) -> str:
 
 @dataclass
 class _Choice:
-    stream: object  # the engine's iterator of Chunk
-    cancel: threading.Event
     recorder: LogprobRecorder | None
-
-    def stop(self) -> None:
-        self.cancel.set()
 
 
 class _Choices:
-    """The engine streams of one request's choices, each read by a thread of its own (the
-    engine's iterators block). Readers append (choice, chunk, error) to one deque and ask the
-    loop's _Waker to wake this request only when no wake-up for it is already pending, so one
+    """The engine requests of one request's choices. The engine calls each choice's sink on
+    its own thread; the sink appends (choice, chunk, error) to one deque and asks the loop's
+    _Waker to wake this request only when no wake-up for it is already pending, so one
     wake-up delivers every chunk that arrived meanwhile, and the response writes them at
-    once. (choice, None, None) marks the end of a choice."""
+    once. (choice, None, None) marks the end of a choice. One event cancels them all."""
 
-    def __init__(self, choices: list[_Choice], loop: asyncio.AbstractEventLoop):
-        self.choices, self.loop = choices, loop
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.choices: list[_Choice] = []
+        self.cancel = threading.Event()
         self._waker = _Waker.of(loop)
         self._items: deque = deque()
         self._wake_pending = False
         self._waiter: asyncio.Future | None = None
-        self._open = len(choices)
-        for i in range(len(choices)):
-            threading.Thread(target=self._read, args=(i,), daemon=True,
-                             name="miniserve-api-reader").start()
+        self._open = 0
 
     @property
     def running(self) -> bool:
         return self._open > 0
 
+    def started(self, recorder: LogprobRecorder | None) -> None:  # event loop
+        self.choices.append(_Choice(recorder))
+        self._open += 1
+
     def stop(self) -> None:
         """Cancel every choice still generating (a no-op for those that finished)."""
-        for choice in self.choices:
-            choice.stop()
+        self.cancel.set()
 
-    def _read(self, i: int) -> None:
-        choice = self.choices[i]
-        try:
-            for chunk in choice.stream:
-                if choice.cancel.is_set():
-                    break
-                self._post((i, chunk, None))
-        except BaseException as e:  # noqa: BLE001 -- handed to the response
-            self._post((i, None, e))
-        finally:
-            close = getattr(choice.stream, "close", None)
-            if close is not None:
-                close()
-            self._post((i, None, None))
+    def sink(self, i: int):
+        """What the engine calls with choice i's items: Chunks, an exception, then None."""
+        post = self._post
 
-    def _post(self, item) -> None:  # reader threads
+        def sink(item) -> None:  # the engine thread: must return at once and never raise
+            if item is None:
+                post((i, None, None))
+            elif isinstance(item, BaseException):
+                post((i, None, item))
+            else:
+                post((i, item, None))
+        return sink
+
+    def _post(self, item) -> None:  # the engine thread
         self._items.append(item)
         if not self._wake_pending:
             self._wake_pending = True
             try:
                 self._waker.wake(self)
-            except RuntimeError:  # the event loop is gone: nobody is listening
+            except Exception:  # noqa: BLE001 -- the event loop is gone: nobody is listening
                 self.stop()
 
     def _wake(self) -> None:  # event loop
@@ -366,7 +364,7 @@ class _Choices:
             self._waiter.set_result(None)
 
     async def next_batch(self) -> list[tuple]:
-        """Everything the readers posted since the last call (waits for at least one)."""
+        """Everything the engine posted since the last call (waits for at least one)."""
         while not self._items:
             self._waiter = self.loop.create_future()
             try:
@@ -376,17 +374,17 @@ class _Choices:
         batch = []
         while self._items:
             item = self._items.popleft()
-            if item[1] is None:
+            if item[1] is None and item[2] is None:
                 self._open -= 1
             batch.append(item)
         return batch
 
 
 class _Waker:
-    """One per event loop. Reader threads of all requests ask it to wake their request; it
-    asks the loop (a write to its self-pipe) only when no wake-up is already pending, then
-    wakes every request that became ready meanwhile: when the engine emits one chunk for
-    each of many streams at once, the loop wakes once, not once per stream."""
+    """One per event loop. The engine thread asks it to wake a request; it asks the loop (a
+    write to its self-pipe) only when no wake-up is already pending, then wakes every request
+    that became ready meanwhile: when the engine emits one chunk for each of many streams in
+    one step, the loop wakes once, not once per stream."""
 
     _by_loop: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Waker]" = \
         weakref.WeakKeyDictionary()
@@ -403,7 +401,7 @@ class _Waker:
             waker = cls._by_loop[loop] = cls(loop)
         return waker
 
-    def wake(self, choices: _Choices) -> None:  # reader threads
+    def wake(self, choices: _Choices) -> None:  # the engine thread
         self._ready.append(choices)
         if not self._pending:
             self._pending = True

@@ -16,7 +16,8 @@ runs report the same numbers, so what the HTTP layer costs is the difference bet
   (all streams pooled);
 - `cpu_s`: CPU time this process spent during the run (engine, server and clients together);
   `client_cpu_s`: the part the client threads spent (reading and parsing the replies), so
-  `cpu_s - client_cpu_s` is what serving cost.
+  `cpu_s - client_cpu_s` is what serving cost;
+- `server_cpu_ms_per_token`: that serving cost per completion token, in milliseconds.
 
     python -m miniserve.http_bench [--streams 8] [--prompt-tokens 64] [--new-tokens 128]
 """
@@ -67,12 +68,13 @@ def _summary(runs: list[_Stream], cpu_s: float) -> dict:
     gaps = [b - a for r in runs for a, b in zip(r.arrivals, r.arrivals[1:])]
     per_stream = [r.tokens / (r.end - r.start) for r in runs if r.end > r.start]
     wall = end - start
+    client_cpu = sum(r.cpu_s for r in runs)
     return {"tokens": tokens, "wall_s": wall,
             "tokens_per_s": tokens / wall if wall > 0 else 0.0,
             "stream_tokens_per_s_p50": _percentile(per_stream, 50),
             "ttft_p50_s": _percentile(ttft, 50), "ttft_p95_s": _percentile(ttft, 95),
-            "itl_p95_s": _percentile(gaps, 95), "cpu_s": cpu_s,
-            "client_cpu_s": sum(r.cpu_s for r in runs)}
+            "itl_p95_s": _percentile(gaps, 95), "cpu_s": cpu_s, "client_cpu_s": client_cpu,
+            "server_cpu_ms_per_token": (cpu_s - client_cpu) * 1000 / tokens if tokens else None}
 
 
 def make_prompts(engine, streams: int, prompt_tokens: int, params) -> list[list[dict]]:
@@ -244,7 +246,8 @@ def format_report(result: dict) -> str:
             ("per-stream tokens/s (median)", "stream_tokens_per_s_p50", "{:.1f}"),
             ("TTFT p50 (ms)", "ttft_p50_s", "ms"), ("TTFT p95 (ms)", "ttft_p95_s", "ms"),
             ("inter-token p95 (ms)", "itl_p95_s", "ms"), ("CPU time (s)", "cpu_s", "{:.2f}"),
-            ("  of it, client threads (s)", "client_cpu_s", "{:.2f}")]
+            ("  of it, client threads (s)", "client_cpu_s", "{:.2f}"),
+            ("server CPU per token (ms)", "server_cpu_ms_per_token", "{:.2f}")]
 
     def cell(value, fmt):
         if value is None:

@@ -232,18 +232,16 @@ def test_n_that_does_not_fit_the_queue_gets_429_and_starts_nothing(engine, local
 def test_client_that_leaves_cancels_all_its_choices(engine, local_api, stream, monkeypatch):
     # Greedy, this prompt gets 'apple, apple, ...' far past 2000 tokens: only cancelling ends
     # these replies within the test.
-    stats, complete = [], engine.complete
+    stats, submit = [], engine.submit
 
-    def recording(*args, **kwargs):  # keeps each choice's stats (the engine updates them)
-        chunks = complete(*args, **kwargs)
-        try:
-            for chunk in chunks:
-                stats.append(chunk.stats)
-                yield chunk
-        finally:
-            chunks.close()
+    def recording(prompt_ids, params, sink, **kwargs):
+        def keep(item):  # keeps each choice's stats (the engine updates them)
+            if item is not None and not isinstance(item, BaseException):
+                stats.append(item.stats)
+            sink(item)
+        return submit(prompt_ids, params, keep, **kwargs)
 
-    monkeypatch.setattr(engine, "complete", recording)
+    monkeypatch.setattr(engine, "submit", recording)
     assert wait_for_idle(engine)
     conn = post(local_api, {"messages": [{"role": "user", "content": LONG}], "n": 2,
                             "max_tokens": 2000, "temperature": 0, "stream": stream})
@@ -259,7 +257,7 @@ def test_client_that_leaves_cancels_all_its_choices(engine, local_api, stream, m
 
 
 def test_measure_http_numbers_are_consistent(engine):
-    from miniserve.http_bench import measure_http
+    from miniserve.http_bench import format_report, measure_http
     result = measure_http(engine, streams=2, prompt_tokens=32, new_tokens=8)
     assert result["streams"] == 2 and result["new_tokens"] == 8
     for mode in ("http", "in_process"):
@@ -270,3 +268,66 @@ def test_measure_http_numbers_are_consistent(engine):
         assert 0 <= m["itl_p95_s"] <= m["wall_s"]
         assert 0 < m["stream_tokens_per_s_p50"]
         assert 0 <= m["client_cpu_s"] <= m["cpu_s"] + 0.01
+        assert m["server_cpu_ms_per_token"] == pytest.approx(
+            (m["cpu_s"] - m["client_cpu_s"]) * 1000 / m["tokens"])
+    assert "server CPU per token (ms)" in format_report(result)
+
+
+def test_no_thread_is_held_per_request_or_choice(engine, local_api):
+    assert wait_for_idle(engine)
+    before = set(threading.enumerate())
+    conn = post(local_api, {"messages": [{"role": "user", "content": LONG}], "n": 3,
+                            "max_tokens": 2000, "temperature": 0, "stream": True})
+    response = conn.getresponse()
+    for _ in range(8):  # the role chunks, then text: every choice is generating
+        assert response.readline()
+    new = [t.name for t in set(threading.enumerate()) - before if t.is_alive()]
+    conn.close()
+    assert wait_for_idle(engine)
+    assert new == []
+
+
+def test_streamed_logprobs_follow_their_tokens(engine, local_api):
+    events = sse_events(f"http://127.0.0.1:{local_api}",
+                        {"messages": Q, "n": 2, "max_tokens": 5, "stream": True,
+                         "temperature": 0, "logprobs": True, "top_logprobs": 2,
+                         "stream_options": {"include_usage": True}})
+    for i in (0, 1):
+        own = [c["choices"][0] for c in events[:-1]
+               if c["choices"] and c["choices"][0]["index"] == i]
+        entries = [e for c in own if c["logprobs"] for e in c["logprobs"]["content"]]
+        assert len(entries) == 5 and all(len(e["top_logprobs"]) == 2 for e in entries)
+        assert "".join(e["token"] for e in entries) == \
+            "".join(c["delta"].get("content") or "" for c in own)
+    assert events[-2]["usage"]["completion_tokens"] == 10
+
+
+def test_an_error_mid_stream_is_reported_in_band(engine, local_api, monkeypatch):
+    submit = engine.submit
+
+    def failing(prompt_ids, params, sink, *, cancel=None, **kwargs):
+        state = {"chunks": 0, "over": False}
+
+        def fail_after_two(item):  # the engine thread
+            if state["over"]:
+                return
+            if item is not None and not isinstance(item, BaseException):
+                state["chunks"] += 1
+                if state["chunks"] > 2:
+                    state["over"] = True
+                    cancel.set()
+                    sink(RuntimeError("the device fell over"))
+                    sink(None)
+                    return
+            sink(item)
+        return submit(prompt_ids, params, fail_after_two, cancel=cancel, **kwargs)
+
+    monkeypatch.setattr(engine, "submit", failing)
+    assert wait_for_idle(engine)
+    events = sse_events(f"http://127.0.0.1:{local_api}",
+                        {"messages": Q, "max_tokens": 20, "temperature": 0, "stream": True})
+    assert "[DONE]" not in events
+    assert "the device fell over" in events[-1]["error"]["message"]
+    assert sum(bool(e.get("choices") and e["choices"][0]["delta"].get("content"))
+               for e in events[:-1]) == 2
+    assert wait_for_idle(engine)
