@@ -340,6 +340,12 @@ static inline __m512 wload16(const bf16 *p) { return load16(p); }
 // line per iteration, too fast for 1 KB ahead (89 tokens/s); 4 KB: 102, 8 KB: 104; the float32
 // loop, half a line per iteration, ~100 from 1 KB on.
 static const long PREFETCH_AHEAD = 4096;
+// Below this many activation rows a product is bound by reading the weights: one weight row at
+// a time against up to 8 activation rows (several weight rows streamed side by side measured
+// slower here: 17-20 GB/s against 25-35); from it on, 4x4 tiles over blocks of 64 rows.
+#ifndef FEW_ROWS
+#define FEW_ROWS 32
+#endif
 
 // The sums of the lanes of 16 vectors, each added exactly as _mm512_reduce_add_ps adds one --
 // the two halves of 8, then of 4, then pairs, then the last two; which operand is on which
@@ -378,7 +384,7 @@ static inline void tile16(const W *w, long cols, const float *x, long ldx, float
     for (long c = 0; c < cols; c += 16) {
         __m512 wv[NR];
         for (int i = 0; i < NR; i++) {
-            if (NB == 1 && (c * sizeof(W)) % 64 == 0)  // streaming: a prefetch per line
+            if ((c * sizeof(W)) % 64 == 0)  // streaming: a prefetch per line
                 _mm_prefetch((const char *)(w + i * cols + c) + PREFETCH_AHEAD, _MM_HINT_T0);
             wv[i] = wload16(w + i * cols + c);
         }
@@ -408,7 +414,7 @@ static inline void tile32bh(const bf16 *w, long cols, const bf16 *x, long ldx, f
     for (long c = 0; c < cols; c += 32) {
         __m512bh wv[NR];
         for (int i = 0; i < NR; i++) {
-            if (NB == 1) _mm_prefetch((const char *)(w + i * cols + c) + PREFETCH_AHEAD, _MM_HINT_T0);
+            _mm_prefetch((const char *)(w + i * cols + c) + PREFETCH_AHEAD, _MM_HINT_T0);
             wv[i] = (__m512bh)_mm512_loadu_si512((const void *)(w + i * cols + c));
         }
         for (int j = 0; j < NB; j++) {
@@ -464,10 +470,15 @@ static void matmul_part(const W *w, const float *x, const bf16 *xb, float *y, lo
 #if MS_BF16_DOT
     if (xb != nullptr && std::is_same<W, bf16>::value && C % 32 == 0) {
         const bf16 *wb = (const bf16 *)w;
-        if (B < 4) {  // few rows: the weights stream from memory, one row after another
-            for (long r = r0; r < r1; r++)
-                for (long b = 0; b < B; b++)
-                    tile32bh<1, 1>(wb + r * C, C, xb + b * C, C, y + b * R + r, R);
+        if (B < FEW_ROWS) {  // the weights stream from memory, one row after another
+            for (long r = r0; r < r1; r++) {
+                long b = 0;
+                for (; b + 8 <= B; b += 8)
+                    tile32bh<1, 8>(wb + r * C, C, xb + b * C, C, y + b * R + r, R);
+                for (; b + 4 <= B; b += 4)
+                    tile32bh<1, 4>(wb + r * C, C, xb + b * C, C, y + b * R + r, R);
+                for (; b < B; b++) tile32bh<1, 1>(wb + r * C, C, xb + b * C, C, y + b * R + r, R);
+            }
             return;
         }
         for (long b0 = 0; b0 < B; b0 += XB) {
@@ -488,10 +499,15 @@ static void matmul_part(const W *w, const float *x, const bf16 *xb, float *y, lo
     (void)xb;
 #if defined(__AVX512F__)
     if (C % 16 == 0) {
-        if (B < 4) {  // few rows: the weights stream from memory, one row after another
-            for (long r = r0; r < r1; r++)
-                for (long b = 0; b < B; b++)
-                    tile16<W, 1, 1>(w + r * C, C, x + b * C, C, y + b * R + r, R);
+        if (B < FEW_ROWS) {  // the weights stream from memory, one row after another
+            for (long r = r0; r < r1; r++) {
+                long b = 0;
+                for (; b + 8 <= B; b += 8)
+                    tile16<W, 1, 8>(w + r * C, C, x + b * C, C, y + b * R + r, R);
+                for (; b + 4 <= B; b += 4)
+                    tile16<W, 1, 4>(w + r * C, C, x + b * C, C, y + b * R + r, R);
+                for (; b < B; b++) tile16<W, 1, 1>(w + r * C, C, x + b * C, C, y + b * R + r, R);
+            }
             return;
         }
         for (long b0 = 0; b0 < B; b0 += XB) {
