@@ -26,7 +26,7 @@ import torch
 from miniserve import native
 from miniserve.config import MAX_NEW_TOKENS, SamplingParams
 from miniserve.engine import Engine, common_prefix
-from miniserve.platform_info import cpu_model
+from miniserve.platform_info import cpu_model, rss_mb
 from miniserve.runner import TransformersRunner
 from miniserve.verify import bound_for, check_tokens
 
@@ -463,6 +463,7 @@ class ConcurrencyRow:
     ceiling_share: float | None  # aggregate / ceiling
     cpu: str
     native_isa: str
+    kv_peak: int | None = None  # the most KV positions reserved at once (ours; budget apart)
 
 
 @dataclass
@@ -479,6 +480,9 @@ class ConcurrencyResult:
     new_tokens: int
     ceiling: dict = field(default_factory=dict)  # measured bandwidth, GFLOPS and how
     note: str = ""
+    kv_budget: int | None = None  # the engine's, in positions
+    rss_mb_before: float = 0.0    # this process's resident memory around the run
+    rss_mb_after: float = 0.0
 
 
 @dataclass
@@ -632,6 +636,8 @@ def run_concurrency(engine: Engine, config: ConcurrencyConfig,
     prompts = [stream_prompt(engine.tokenizer, config.prompt_tokens, i)
                for i in range(max(config.levels))]
 
+    scheduler = engine.scheduler
+    rss_before = rss_mb()
     progress(0.0, "measuring bandwidth and GFLOPS on the largest weight matrix")
     ceiling = measure_ceiling(engine, math)
     peer_model, peer_dtype, peer_bytes = None, "", 0
@@ -651,6 +657,7 @@ def run_concurrency(engine: Engine, config: ConcurrencyConfig,
         done = 0
         for preset, level in jobs:
             runs = []
+            scheduler.peak_kv = 0
             for r in range(config.repeat):
                 progress(done / total, f"{preset}, {level} at once, run {r + 1}/{config.repeat}")
                 seeded = [params[preset].replace(seed=1000 + i) for i in range(level)]
@@ -658,6 +665,7 @@ def run_concurrency(engine: Engine, config: ConcurrencyConfig,
                 done += 1
             rows.append(_row("miniserve", preset, level, shown, config, runs,
                              ceiling_tokens_per_s(ceiling, level), cpu, isa))
+            rows[-1].kv_peak = scheduler.peak_kv
         if peer_model is not None:
             peer_ceiling = dict(ceiling, weight_bytes=peer_bytes) if ceiling else {}
             for level in config.levels:
@@ -682,7 +690,8 @@ def run_concurrency(engine: Engine, config: ConcurrencyConfig,
                             f"{r.produced_tokens} of {r.asked_tokens}" for r in short))
     return ConcurrencyResult(rows, engine.name, engine.loaded.device.type, dtype, engine.runner,
                              math, cpu, isa, config.prompt_tokens, config.new_tokens,
-                             ceiling, note)
+                             ceiling, note, scheduler.kv_budget, round(rss_before, 1),
+                             round(rss_mb(), 1))
 
 
 def _peer_streams(reply: dict) -> list[_Stream]:
@@ -820,8 +829,8 @@ def ceiling_tokens_per_s(ceiling: dict, level: int) -> float | None:
 
 def format_concurrency_table(result: ConcurrencyResult) -> str:
     head = ("engine", "preset", "B", "tokens", "tok/s", "stream_tok/s", "ttft_p50", "ttft_p95",
-            "itl_p95_ms", "ceiling", "share")
-    widths = (10, 9, 4, 11, 9, 13, 9, 9, 11, 9, 7)
+            "itl_p95_ms", "ceiling", "share", "kv_peak")
+    widths = (10, 9, 4, 11, 9, 13, 9, 9, 11, 9, 7, 8)
     lines = [" ".join(f"{h:>{w}}" for h, w in zip(head, widths))]
     for r in result.rows:
         cells = (r.engine, r.preset, r.concurrency, f"{r.produced_tokens}/{r.asked_tokens}",
@@ -829,7 +838,8 @@ def format_concurrency_table(result: ConcurrencyResult) -> str:
                  f"{r.stream_decode_tokens_per_s:.1f}", f"{r.ttft_p50_s:.3f}",
                  f"{r.ttft_p95_s:.3f}", f"{r.itl_p95_s * 1000:.1f}",
                  f"{r.ceiling_tokens_per_s:.0f}" if r.ceiling_tokens_per_s else "-",
-                 f"{r.ceiling_share:.0%}" if r.ceiling_share is not None else "-")
+                 f"{r.ceiling_share:.0%}" if r.ceiling_share is not None else "-",
+                 r.kv_peak if r.kv_peak is not None else "-")
         lines.append(" ".join(f"{c:>{w}}" for c, w in zip(cells, widths)))
     lines.append(describe_concurrency(result))
     return "\n".join(lines)
@@ -846,4 +856,6 @@ def describe_concurrency(result: ConcurrencyResult) -> str:
             f"runner" + (f", {result.native_isa} kernels" if result.native_isa else "")
             + f"; CPU: {result.cpu}); {result.prompt_tokens}-token prompts, "
             f"{result.new_tokens} new tokens a stream; {ceiling}"
+            + (f"; KV budget {result.kv_budget} positions" if result.kv_budget else "")
+            + f"; memory {result.rss_mb_before:.0f} -> {result.rss_mb_after:.0f} MB resident"
             + (f"; {result.note}" if result.note else ""))

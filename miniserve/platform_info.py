@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import platform
+from pathlib import Path
 
 import torch
 
@@ -66,3 +67,17 @@ def summary() -> str:
             + (f" (capped: {caps})" if caps else "")
             + f"; native decode step {k['native']}"
             + (f" (target {k['native_target']})" if not k["native"].startswith("off") else ""))
+
+
+def rss_mb() -> float:
+    """This process's resident memory now (VmRSS), in MiB; where /proc is missing, the most
+    it has held."""
+    import resource
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    scale = 1024 * 1024 if platform.system() == "Darwin" else 1024  # bytes there, KiB here
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / scale

@@ -6,7 +6,6 @@ prints a summary: requests, errors, p50/p95 latency, resident memory.
 
 import json
 import os
-import resource
 import signal
 import statistics
 import subprocess
@@ -22,6 +21,7 @@ import pytest
 
 from miniserve.config import SamplingParams
 from miniserve.engine import Engine
+from miniserve.platform_info import rss_mb
 
 ROOT = Path(__file__).resolve().parent.parent
 SOAK = bool(os.environ.get("MINISERVE_SOAK"))
@@ -29,14 +29,6 @@ STREAMS = 32 if SOAK else 8
 TURNS = 1000 if SOAK else 200
 CONVERSATIONS = 200 if SOAK else 50
 GREEDY = SamplingParams(temperature=0, top_k=0, top_p=1.0, max_new_tokens=12)
-
-
-def rss_mb() -> float:
-    """Current resident memory of this process (VmRSS), in MiB."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def summary(name, latencies, errors, extra=""):
