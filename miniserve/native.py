@@ -178,6 +178,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_matmul.restype = None
     lib.ms_threads.argtypes = [I]
     lib.ms_threads.restype = I
+    lib.ms_kv_bf16.argtypes = [ctypes.POINTER(MsModel)]
+    lib.ms_kv_bf16.restype = I
     lib.ms_bf16_dot.argtypes = []
     lib.ms_bf16_dot.restype = I
     lib.ms_isa.argtypes = []
@@ -223,15 +225,17 @@ def matmul(w: torch.Tensor, x: torch.Tensor, math: str = "float32") -> torch.Ten
 
 
 class NativeCache:
-    """One sequence's keys and values in decode.cpp's layout, float32: K as (layers, kv_heads,
+    """One sequence's keys and values in decode.cpp's layout. float32: K as (layers, kv_heads,
     capacity / 16, head_dim, 16) -- tiles of 16 positions, transposed -- and V as (layers,
-    kv_heads, capacity, head_dim). `length` positions are valid. Same small interface as
-    transformers' caches (get_seq_length, crop)."""
+    kv_heads, capacity, head_dim); bfloat16 (bfloat16 products on the dot instruction): the
+    same sizes, with pairs side by side (decode.cpp, kv_bf16). `length` positions are valid.
+    Same small interface as transformers' caches (get_seq_length, crop)."""
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int = 256):
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int = 256,
+                 dtype: torch.dtype = torch.float32):
         capacity = -(-max(capacity, 16) // 16) * 16
-        self.k = torch.zeros(layers, kv_heads, capacity // 16, head_dim, 16)
-        self.v = torch.zeros(layers, kv_heads, capacity, head_dim)
+        self.k = torch.zeros(layers, kv_heads, capacity // 16, head_dim, 16, dtype=dtype)
+        self.v = torch.zeros(layers, kv_heads, capacity, head_dim, dtype=dtype)
         self.length = 0
 
     @property
@@ -239,7 +243,7 @@ class NativeCache:
         return self.v.shape[2]
 
     def nbytes(self) -> int:
-        return (self.k.numel() + self.v.numel()) * 4
+        return (self.k.numel() + self.v.numel()) * self.k.element_size()
 
     def get_seq_length(self) -> int:
         return self.length
@@ -293,10 +297,12 @@ class NativeForward:
             math=MATH_CODES[math], threads=torch.get_num_threads())
         self.max_positions = model.cos.shape[0]
         self.scratch = torch.empty(0, dtype=torch.float32)
+        self.kv_dtype = (torch.bfloat16 if self.lib.ms_kv_bf16(ctypes.byref(self.struct))
+                         else torch.float32)
 
     def new_cache(self, capacity: int = 256) -> NativeCache:
         m = self.model
-        return NativeCache(len(m.layers), m.n_kv, m.head_dim, capacity)
+        return NativeCache(len(m.layers), m.n_kv, m.head_dim, capacity, self.kv_dtype)
 
     def __call__(self, entries, all_logits: bool = False) -> torch.Tensor:
         """entries: (new token ids, NativeCache) per sequence. Appends each sequence's ids to

@@ -709,6 +709,98 @@ static void attend_block(const float *q, const float *kt, const float *v, long g
     }
 }
 
+#if MS_BF16_DOT
+static inline bf16 to_bf16(float x) {  // round to nearest, ties to even
+    uint32_t u;
+    std::memcpy(&u, &x, 4);
+    return (bf16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// block_scores with bfloat16 keys and query: keys in tiles of 16 positions with pairs of
+// dimensions side by side, (hd / 2, 16, 2), so one vdpbf16ps adds two dimensions to 16 scores.
+static void block_scores_bh(const bf16 *q, const bf16 *kt, long p0, long n, long hd, float scale,
+                            float *s) {
+    const long tiles = (n + 15) / 16, pairs = hd / 2;
+    const bf16 *base = kt + (p0 / 16) * hd * 16;
+    uint32_t q2[128];
+    std::memcpy(q2, q, hd * sizeof(bf16));
+    const __m512 sc = _mm512_set1_ps(scale);
+    long t = 0;
+    for (; t + 4 <= tiles; t += 4) {
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        const bf16 *k0 = base + t * hd * 16;
+        for (long d = 0; d < pairs; d++) {
+            __m512bh qd = (__m512bh)_mm512_set1_epi32((int)q2[d]);
+            a0 = _mm512_dpbf16_ps(a0, qd, (__m512bh)_mm512_loadu_si512(k0 + d * 32));
+            a1 = _mm512_dpbf16_ps(a1, qd, (__m512bh)_mm512_loadu_si512(k0 + (pairs + d) * 32));
+            a2 = _mm512_dpbf16_ps(a2, qd, (__m512bh)_mm512_loadu_si512(k0 + (2 * pairs + d) * 32));
+            a3 = _mm512_dpbf16_ps(a3, qd, (__m512bh)_mm512_loadu_si512(k0 + (3 * pairs + d) * 32));
+        }
+        _mm512_storeu_ps(s + t * 16, _mm512_mul_ps(a0, sc));
+        _mm512_storeu_ps(s + t * 16 + 16, _mm512_mul_ps(a1, sc));
+        _mm512_storeu_ps(s + t * 16 + 32, _mm512_mul_ps(a2, sc));
+        _mm512_storeu_ps(s + t * 16 + 48, _mm512_mul_ps(a3, sc));
+    }
+    for (; t < tiles; t++) {
+        __m512 a = _mm512_setzero_ps();
+        const bf16 *k0 = base + t * hd * 16;
+        for (long d = 0; d < pairs; d++)
+            a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_set1_epi32((int)q2[d]),
+                                 (__m512bh)_mm512_loadu_si512(k0 + d * 32));
+        _mm512_storeu_ps(s + t * 16, _mm512_mul_ps(a, sc));
+    }
+}
+
+// o = sum_j p[j] v[j] with p rounded to bfloat16, values in pairs of positions (hd, 2) so one
+// vdpbf16ps adds two positions to 16 dimensions; returns the sum of the rounded p (so the
+// weights that are used sum to the total that divides them). p0 is even (a block's start);
+// an odd n pairs its last position with a weight of 0.
+template <int NV>
+static float weighted_sum_bh(const float *p, const bf16 *v2, long n, float *o) {
+    __m512 acc[NV];
+    for (int k = 0; k < NV; k++) acc[k] = _mm512_setzero_ps();
+    float total = 0.f;
+    for (long j = 0; j < n; j += 2) {
+        bf16 a = to_bf16(p[j]), b = j + 1 < n ? to_bf16(p[j + 1]) : (bf16)0;
+        total += bf16_to_float(a);
+        total += bf16_to_float(b);
+        __m512bh pj = (__m512bh)_mm512_set1_epi32((int)((uint32_t)a | ((uint32_t)b << 16)));
+        const bf16 *vj = v2 + (j / 2) * NV * 32;
+        for (int k = 0; k < NV; k++)
+            acc[k] = _mm512_dpbf16_ps(acc[k], pj, (__m512bh)_mm512_loadu_si512(vj + k * 32));
+    }
+    for (int k = 0; k < NV; k++) _mm512_storeu_ps(o + k * 16, acc[k]);
+    return total;
+}
+
+static float weighted_sum_bh(const float *p, const bf16 *v2, long n, long hd, float *o) {
+    switch (hd) {
+        case 64: return weighted_sum_bh<4>(p, v2, n, o);
+        case 128: return weighted_sum_bh<8>(p, v2, n, o);
+        case 32: return weighted_sum_bh<2>(p, v2, n, o);
+        case 16: return weighted_sum_bh<1>(p, v2, n, o);
+        case 256: return weighted_sum_bh<16>(p, v2, n, o);
+        case 96: return weighted_sum_bh<6>(p, v2, n, o);
+        default: return weighted_sum_bh<12>(p, v2, n, o);  // 192
+    }
+}
+
+static void attend_block_bh(const float *q, const bf16 *kt, const bf16 *v2, long group, long p0,
+                            long n, long hd, float scale, float *s, float *part) {
+    bf16 qb[256];
+    for (long h = 0; h < group; h++) {
+        float *sh = s + h * BLOCK, *o = part + h * (hd + 2);
+        for (long i = 0; i < hd; i++) qb[i] = to_bf16(q[h * hd + i]);
+        block_scores_bh(qb, kt, p0, n, hd, scale, sh);
+        float top = -INFINITY;
+        for (long j = 0; j < n; j++) top = sh[j] > top ? sh[j] : top;
+        o[hd + 1] = top;
+        exp_shifted(sh, n, top);
+        o[hd] = weighted_sum_bh(sh, v2 + (p0 / 2) * hd * 2, n, hd, o);
+    }
+}
+#endif
+
 // out = the blocks' partial softmaxes combined, first to last: rescaled to the running
 // largest score, summed, divided by the total.
 static void merge_blocks(const float *part, long blocks, long stride, long hd, float *out) {
@@ -751,8 +843,8 @@ struct MsModel {
 struct MsRows {
     long n, n_out;
     const long *token, *pos, *cap, *out;
-    float *const *k;
-    float *const *v;
+    void *const *k;  // float, or bfloat16 where kv_bf16() (see attention())
+    void *const *v;
     float *logits;
 };
 
@@ -814,25 +906,48 @@ static void norm(const MsModel *m, const float *x, const void *weight, float *ou
     else norm_rows<bf16>(m, x, weight, out, n);
 }
 
+// The KV cache holds bfloat16 where attention can use the dot instruction too: bfloat16
+// products, AVX512_BF16, head_dim a multiple of 16 (up to 256). Keys then as (layers, kv_heads,
+// capacity / 16, head_dim / 2, 16, 2) and values as (layers, kv_heads, capacity / 2, head_dim,
+// 2): pairs for vdpbf16ps. Half the memory, half the bytes a decode row reads, half the
+// instructions of a prompt's attention; scores, softmax and sums stay float32.
+static inline bool kv_bf16(const MsModel *m) {
+    return MS_BF16_DOT && m->math == 1 && m->hd % 16 == 0 && m->hd <= 256;
+}
+
 struct Item { long b, g, j; };
 
 static void attention(const MsModel *m, const MsRows *r, long layer, Scratch *sc,
                       const std::vector<Item> &items) {
     const long H = m->H, KV = m->KV, hd = m->hd, group = H / KV, QKV = (H + 2 * KV) * hd;
     const float scale = 1.f / std::sqrt((float)hd);
+    const bool half = kv_bf16(m);
+    (void)half;
     // this layer's keys and values into each row's cache
     for_rows(m->threads, r->n, [&](long b) {
-        const long cap = r->cap[b], p = r->pos[b];
+        const long cap = r->cap[b], p = r->pos[b], at = layer * KV * cap * hd;
         float *q = sc->qkv + b * QKV, *k = q + H * hd, *v = k + KV * hd;
         const float *cos = m->cos + p * hd, *sin = m->sin + p * hd;
         rope(q, H, hd, cos, sin);
         rope(k, KV, hd, cos, sin);
-        float *kc = r->k[b] + layer * KV * cap * hd, *vc = r->v[b] + layer * KV * cap * hd;
         for (long g = 0; g < KV; g++) {
-            float *kt = kc + (g * (cap / 16) + p / 16) * hd * 16 + p % 16;
+            const long tile = (g * (cap / 16) + p / 16) * hd * 16;
+#if MS_BF16_DOT
+            if (half) {
+                bf16 *kt = (bf16 *)r->k[b] + at + tile + (p % 16) * 2;
+                bf16 *vp = (bf16 *)r->v[b] + at + (g * (cap / 2) + p / 2) * hd * 2 + p % 2;
+                for (long i = 0; i < hd; i++) {
+                    kt[(i / 2) * 32 + i % 2] = to_bf16(k[g * hd + i]);
+                    vp[i * 2] = to_bf16(v[g * hd + i]);
+                }
+                continue;
+            }
+#endif
+            float *kt = (float *)r->k[b] + at + tile + p % 16;
+            float *vc = (float *)r->v[b] + at + (g * cap + p) * hd;
             for (long i = 0; i < hd; i++) {
                 kt[i * 16] = k[g * hd + i];
-                vc[(g * cap + p) * hd + i] = v[g * hd + i];
+                vc[i] = v[g * hd + i];
             }
         }
     });
@@ -845,10 +960,18 @@ static void attention(const MsModel *m, const MsRows *r, long layer, Scratch *sc
             const Item it = items[i];
             const long cap = r->cap[it.b], p0 = it.j * BLOCK, len = r->pos[it.b] + 1;
             const long n = len - p0 < BLOCK ? len - p0 : BLOCK;
-            const float *kt = r->k[it.b] + layer * KV * cap * hd + it.g * (cap / 16) * hd * 16;
-            const float *v = r->v[it.b] + layer * KV * cap * hd + it.g * cap * hd;
-            attend_block(sc->qkv + it.b * QKV + it.g * group * hd, kt, v, group, p0, n, hd,
-                         scale, s, sc->part + ((it.b * KV + it.g) * sc->blocks + it.j) * part_stride);
+            const long at = layer * KV * cap * hd + it.g * cap * hd;  // this kv head's start
+            const float *q = sc->qkv + it.b * QKV + it.g * group * hd;
+            float *part = sc->part + ((it.b * KV + it.g) * sc->blocks + it.j) * part_stride;
+#if MS_BF16_DOT
+            if (half) {
+                attend_block_bh(q, (const bf16 *)r->k[it.b] + at, (const bf16 *)r->v[it.b] + at,
+                                group, p0, n, hd, scale, s, part);
+                continue;
+            }
+#endif
+            attend_block(q, (const float *)r->k[it.b] + at, (const float *)r->v[it.b] + at,
+                         group, p0, n, hd, scale, s, part);
         }
     });
     for_rows(m->threads, r->n, [&](long b) {
@@ -919,6 +1042,9 @@ const char *ms_isa(void) {
 
 // 1 where bfloat16 products run on AVX512_BF16's vdpbf16ps.
 int ms_bf16_dot(void) { return MS_BF16_DOT; }
+
+// 1 where this model's KV cache holds bfloat16 (see kv_bf16), 0 where float32.
+int ms_kv_bf16(const MsModel *m) { return kv_bf16(m) ? 1 : 0; }
 
 // The number of threads a pass runs on (the pool is made by the first call).
 int ms_threads(int threads) { return pool_for(threads)->size(); }
