@@ -124,26 +124,37 @@ def _loop(model, ids, params, budget, eos_ids, use_cache, cache, cancel, generat
             stats.finish_reason = "cancelled"
             break
         # inference_mode per step, never across a `yield`: grad mode is thread state, and
-        # interleaved generators (the Compare tab) would otherwise switch it for each other.
+        # interleaved generators would otherwise switch it for each other.
         with torch.inference_mode():
             if index == 0 and prompt_logits is not None:
                 logits = prompt_logits  # the whole prompt is cached, and what it produced
             else:
                 logits = model.forward(pending, cache if use_cache else None)
-            # Choose: repetition penalty sees every id so far; greedy skips the softmax.
-            token = sample(logits, params, ids, generator)
-            token_id = int(token.item())  # the one host sync per step
-            now = time.perf_counter()
-            if index == 0:
-                stats.ttft_s = now - stats.started
-            stats.total_s = now - stats.started
-            if observer is not None:
-                observer(logits, ids, token_id)
-            if token_id in eos_ids:
-                stats.finish_reason = "eos"
+            token_id, ids = choose(logits, params, ids, generator, eos_ids, stats, observer)
+            if ids is None:  # an end token
                 break
-            stats.new_tokens += 1
-            ids = torch.cat([ids, token.view(1, 1)], dim=1)
             # Next step's input: only the new token with a cache, everything without.
             pending = ids[:, -1:] if use_cache else ids
         yield token_id
+
+
+def choose(logits: torch.Tensor, params: SamplingParams, ids: torch.Tensor,
+           generator: torch.Generator | None, eos_ids, stats: GenerationStats,
+           observer: LogitsObserver | None = None) -> tuple[int, torch.Tensor | None]:
+    """One step's choice, the same in this loop and in the scheduler: sample (the repetition
+    penalty sees every id so far; greedy skips the softmax), time it, show it to the
+    observer. Returns (token id, ids with it appended), or (token id, None) for an end token
+    (stats.finish_reason = "eos")."""
+    token = sample(logits, params, ids, generator)
+    token_id = int(token.item())  # the one host sync per step
+    now = time.perf_counter()
+    if not stats.ttft_s:
+        stats.ttft_s = now - stats.started
+    stats.total_s = now - stats.started
+    if observer is not None:
+        observer(logits, ids, token_id)
+    if token_id in eos_ids:
+        stats.finish_reason = "eos"
+        return token_id, None
+    stats.new_tokens += 1
+    return token_id, torch.cat([ids, token.view(1, 1)], dim=1)

@@ -59,8 +59,9 @@ class PrefixCache:
     An entry also keeps the logits its request's prompt produced. The same prompt again (a
     Regenerate, a retried request) then reuses all of it and those logits: no prefill, and
     the reply is computed exactly as the first one was. A prompt that only shares a prefix
-    feeds the rest through the model -- other shapes, so other rounding than a fresh prefill
-    (tests/reference.py)."""
+    feeds the rest through the model: on the native runner exactly what a fresh prompt would
+    compute (each position's numbers do not depend on how the prompt was cut); on the others,
+    other shapes, so other rounding (tests/reference.py)."""
 
     max_entries: int = 4
     max_tokens: int = 32768
@@ -90,6 +91,10 @@ class PrefixCache:
             return
         if len(ids) < prompt_len:  # stopped before the prompt was in: its logits are not
             prompt_logits = None
+        prompt = tuple(ids[:prompt_len])
+        for key in [k for k, e in self.entries.items()  # one entry per prompt: of the n
+                    if prompt_len and e.ids[:prompt_len] == prompt]:  # choices, the last
+            del self.entries[key]
         self.entries[self._next] = _Entry(tuple(ids), cache, prompt_len, prompt_logits)
         self._next += 1
         while len(self.entries) > self.max_entries or (
@@ -98,6 +103,11 @@ class PrefixCache:
 
     def total_tokens(self) -> int:
         return sum(len(e.ids) for e in self.entries.values())
+
+    def held_positions(self) -> int:
+        """KV positions the kept caches hold in memory (their capacity, where they say)."""
+        return sum(max(getattr(e.cache, "capacity", 0), len(e.ids))
+                   for e in self.entries.values())
 
     def clear(self) -> None:
         self.entries.clear()
@@ -136,6 +146,27 @@ def make_runner(loaded: LoadedModel, runner: str = "auto", quant: str | None = N
     use_native = runner == "native" or (
         runner == "auto" and native.supports(loaded.device, loaded.model.dtype, quant))
     return lean.LeanModel(loaded.model, quant=quant, native=use_native, math=math)
+
+
+class Stream:
+    """A request's chunks as an iterator. Closing it -- or dropping it, even before its first
+    chunk -- cancels the request within one step."""
+
+    def __init__(self, items: Iterator, cancel: threading.Event):
+        self._items, self.cancel = items, cancel
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self._items)
+
+    def close(self) -> None:
+        self.cancel.set()
+        self._items.close()
+
+    def __del__(self):
+        self.cancel.set()
 
 
 class _Reply:
@@ -240,7 +271,10 @@ class Engine:
             except queue.Empty:
                 pass
             if self.scheduler.busy:
-                self.scheduler.step()
+                try:
+                    self.scheduler.step()
+                except Exception as e:  # noqa: BLE001 -- never lose the engine thread
+                    self.scheduler.fail_all(e)
 
     def run_on_worker(self, fn, *args, **kwargs):
         """Run fn on the engine thread, between two steps; return its result."""
@@ -302,7 +336,7 @@ class Engine:
         else:
             self._start([(prompt_ids, params, out.put)], cancel, reuse_prefix, observer,
                         dropped_messages)
-        return self._drain(out, cancel)
+        return Stream(self._drain(out, cancel), cancel)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, sink, *,
                cancel: threading.Event | None = None, reuse_prefix: bool = True,
@@ -327,8 +361,8 @@ class Engine:
 
         self._start([(prompt_ids, p, column(i)) for i, p in enumerate(settings)], cancel,
                     False, None, 0)
-        return ((col, chunk, chunk.stats.total_s)
-                for col, chunk in self._drain(out, cancel, ends=len(settings)))
+        return Stream(((col, chunk, chunk.stats.total_s)
+                       for col, chunk in self._drain(out, cancel, ends=len(settings))), cancel)
 
     def _start(self, requests, cancel: threading.Event, reuse_prefix: bool, observer,
                dropped_messages: int) -> None:
@@ -340,6 +374,11 @@ class Engine:
             prompt_ids = list(prompt_ids)
             if not prompt_ids:
                 raise ValueError("the prompt is empty: give at least one token")
+            vocab = self.model.config.vocab_size
+            bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(f"token id {bad} is out of range: the vocabulary has ids "
+                                 f"0..{vocab - 1}")
             stats = GenerationStats(prompt_tokens=len(prompt_ids))
             reply = _Reply(self.tokenizer, params, stats, sink, dropped_messages)
 

@@ -31,8 +31,8 @@ from typing import Callable
 import torch
 
 from miniserve.config import KV_BUDGET, MAX_BATCH, STEP_TOKENS, SamplingParams
-from miniserve.decode import GenerationStats, LogitsObserver
-from miniserve.sampling import make_generator, sample
+from miniserve.decode import GenerationStats, LogitsObserver, choose
+from miniserve.sampling import make_generator
 
 
 class RequestTooLarge(ValueError):
@@ -61,6 +61,7 @@ class Sequence:
     first_logits: torch.Tensor | None = None
     tokens: list[int] = field(default_factory=list)
     ids: torch.Tensor | None = None  # prompt + tokens, for the repetition penalty
+    held: int = 0                    # KV positions held while running (>= reserve)
     generator: torch.Generator | None = None
 
     @property
@@ -93,9 +94,10 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def kv_used(self) -> int:
-        """Positions reserved by running sequences plus those the prefix cache holds."""
-        cached = self.prefix_cache.total_tokens() if self.prefix_cache is not None else 0
-        return sum(s.reserve for s in self.running) + cached
+        """Positions of KV memory held: by running sequences (what they reserved, or the
+        capacity of a larger cache they reused) and by the prefix cache's kept caches."""
+        cached = self.prefix_cache.held_positions() if self.prefix_cache is not None else 0
+        return sum(s.held for s in self.running) + cached
 
     def check(self, seq: Sequence) -> None:
         """Refuse now a request that could never be admitted."""
@@ -134,11 +136,23 @@ class Scheduler:
         with torch.inference_mode():
             for seq in ready:
                 seq_logits, seq.pending_logits = seq.pending_logits, None
-                self._advance(seq, seq_logits)
+                self._advance_or_fail(seq, seq_logits)
             for i, (seq, chunk) in enumerate(rows):
                 seq.done_prompt = min(len(seq.prompt), seq.done_prompt + len(chunk))
                 if not seq.prefilling:  # its prompt is in, or it is decoding
-                    self._advance(seq, logits[i:i + 1])
+                    self._advance_or_fail(seq, logits[i:i + 1])
+
+    def _advance_or_fail(self, seq: Sequence, logits: torch.Tensor) -> None:
+        try:
+            self._advance(seq, logits)
+        except Exception as e:  # noqa: BLE001 -- a bad observer or sink ends its sequence only
+            if seq in self.running:
+                self._retire(seq, error=e)
+
+    def fail_all(self, error: BaseException) -> None:
+        """End every sequence with `error` (the engine thread caught something unexpected)."""
+        for seq in [*self.waiting, *self.running]:
+            self._retire(seq, error=error)
 
     def _forward(self, rows) -> torch.Tensor:
         entries = [(chunk, seq.cache) for seq, chunk in rows]
@@ -164,57 +178,50 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_batch:
             seq = self.waiting[0]
-            cache, reused, logits = None, 0, None
-            if seq.reuse_prefix and self.prefix_cache is not None:
-                cache, reused, logits = self.prefix_cache.take(seq.prompt)
-            if not self._make_room(seq.reserve):
-                if cache is not None:  # not now: give it back for later
-                    self.prefix_cache.put(seq.prompt[:reused], cache,
-                                          reused if logits is not None else 0, logits)
-                return
+            running = sum(s.held for s in self.running)
+            if running + seq.reserve > self.kv_budget:
+                return  # it waits, in order, until running sequences leave
             self.waiting.popleft()
-            if cache is None:
-                cache = self.runner.new_cache(seq.reserve)
-            elif hasattr(cache, "reserve"):
-                cache.reserve(seq.reserve, exact=True)
-            seq.cache, seq.done_prompt, seq.pending_logits = cache, reused, logits
-            seq.stats.reused_tokens = reused
-            seq.ids = torch.tensor([seq.prompt], dtype=torch.long, device=self.runner.device)
-            if seq.params.seed is not None and not seq.params.greedy:
-                seq.generator = make_generator(seq.params.seed, self.runner.device)
-            self.running.append(seq)
-            if seq.budget <= 0:  # the prompt fills the context
-                self._retire(seq)
+            try:
+                self._start(seq, running)
+            except Exception as e:  # noqa: BLE001 -- e.g. no memory for its cache
+                self._retire(seq, error=e)
 
-    def _make_room(self, need: int) -> bool:
-        """Give up prefix-cache entries (oldest first) until `need` positions fit."""
-        while self.kv_used() + need > self.kv_budget:
-            if self.prefix_cache is None or not self.prefix_cache.entries:
-                return False
+    def _start(self, seq: Sequence, running: int) -> None:
+        cache, reused, logits = None, 0, None
+        if seq.reuse_prefix and self.prefix_cache is not None:
+            cache, reused, logits = self.prefix_cache.take(seq.prompt)
+        capacity = getattr(cache, "capacity", 0)
+        seq.held = max(seq.reserve, capacity)
+        # room: give up kept caches, oldest first (the one just taken is no longer among them)
+        while self.prefix_cache is not None and self.prefix_cache.entries and (
+                running + seq.held + self.prefix_cache.held_positions() > self.kv_budget):
             self.prefix_cache.entries.popitem(last=False)
-        return True
+        if cache is None:
+            cache = self.runner.new_cache(seq.reserve)
+        elif hasattr(cache, "reserve"):
+            cache.reserve(seq.reserve, exact=True)
+        seq.cache, seq.done_prompt, seq.pending_logits = cache, reused, logits
+        seq.stats.reused_tokens = reused
+        seq.ids = torch.tensor([seq.prompt], dtype=torch.long, device=self.runner.device)
+        if seq.params.seed is not None and not seq.params.greedy:
+            seq.generator = make_generator(seq.params.seed, self.runner.device)
+        self.running.append(seq)
+        if seq.budget <= 0:  # the prompt fills the context
+            self._retire(seq)
 
     def _advance(self, seq: Sequence, logits: torch.Tensor) -> None:
         """Choose the sequence's next token from its logits, as decode.generate does."""
-        if seq.first_logits is None:
-            seq.first_logits = logits
-        token = sample(logits, seq.params, seq.ids, seq.generator)
-        token_id = int(token.item())
-        stats = seq.stats
-        now = time.perf_counter()
-        if not seq.tokens:
-            stats.ttft_s = now - stats.started
-        stats.total_s = now - stats.started
-        if seq.observer is not None:
-            seq.observer(logits, seq.ids, token_id)
-        if token_id in seq.eos_ids:
-            stats.finish_reason = "eos"
+        if seq.first_logits is None:  # kept with its cache: not a view of the pass's logits
+            seq.first_logits = logits.clone()
+        token_id, ids = choose(logits, seq.params, seq.ids, seq.generator, seq.eos_ids,
+                               seq.stats, seq.observer)
+        if ids is None:  # an end token
             return self._retire(seq)
-        stats.new_tokens += 1
+        seq.ids = ids
         seq.tokens.append(token_id)
-        seq.ids = torch.cat([seq.ids, token.view(1, 1)], dim=1)
         if not seq.emit(token_id):
-            stats.finish_reason = "stop"
+            seq.stats.finish_reason = "stop"
             return self._retire(seq)
         if len(seq.tokens) >= seq.budget:
             self._retire(seq)  # finish_reason stays "length"

@@ -71,15 +71,18 @@ def test_matmul_equals_its_definition(dtype, math, rows, cols, batch):
 
 
 @pytest.mark.parametrize("math", ["float32", "bfloat16"])
+@pytest.mark.parametrize("rows", [13, 45])
 @needs_native
-def test_each_row_of_a_matmul_is_computed_as_if_alone(math):
-    """Batch invariance of the products: row i of a 13-row product equals the product of row i
-    alone, bit for bit (the same sums in the same order, whatever tile computed them)."""
+def test_each_row_of_a_matmul_is_computed_as_if_alone(math, rows):
+    """Batch invariance of the products: each row of a product equals the product of that row
+    alone, bit for bit -- the same sums in the same order whichever tile computed them (13
+    rows: one weight row against blocks of 8, 4 and 1 rows; 45: 4x4 tiles and their
+    side-by-side reduction, and the remainders)."""
     torch.manual_seed(3)
-    w = torch.randn(200, 576).to(torch.bfloat16)
-    x = torch.randn(13, 576)
+    w = torch.randn(202, 576).to(torch.bfloat16)
+    x = torch.randn(rows, 576)
     together = native.matmul(w, x, math)
-    for i in range(13):
+    for i in range(rows):
         assert torch.equal(together[i], native.matmul(w, x[i:i + 1], math)[0])
 
 

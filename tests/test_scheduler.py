@@ -133,3 +133,62 @@ def test_a_cancelled_stream_leaves_within_a_step_and_the_others_go_on(engine):
     tokens = [t for c in staying for t in c.token_ids]
     assert tokens == alone(engine, prompts[1], params)
     assert engine.queue_depth == 0
+
+
+def test_a_failing_observer_ends_its_own_request_and_the_engine_goes_on(engine):
+    """An error while choosing a token (here the observer's) ends that sequence with the
+    error; the sequence beside it and later requests run as usual."""
+    params = SamplingParams(temperature=0, max_new_tokens=12)
+    prompts = [chat_ids(engine.tokenizer, q) for q in QUESTIONS[:2]]
+
+    def broken(logits, ids, token_id):
+        raise RuntimeError("observer broke")
+
+    failing = engine.complete(prompts[0], params, observer=broken, reuse_prefix=False)
+    fine = engine.complete(prompts[1], params, reuse_prefix=False)
+    with pytest.raises(RuntimeError, match="observer broke"):
+        list(failing)
+    assert [t for c in fine for t in c.token_ids] == alone(engine, prompts[1], params)
+    again = list(engine.complete(prompts[0], params, reuse_prefix=False))
+    assert again[-1].done and engine.queue_depth == 0
+
+
+def test_a_waiting_request_keeps_the_prefix_cache_it_cannot_use(loaded):
+    """While running sequences hold the budget, a waiting request does not empty the prefix
+    cache (giving it up would not make room); kept caches count with their capacity."""
+    params = SamplingParams(temperature=0, max_new_tokens=30)
+    engine = Engine(loaded)
+    first = chat_ids(engine.tokenizer, QUESTIONS[0])
+    list(engine.complete(first, params))  # leaves one kept cache
+    kept = engine.prefix_cache.held_positions()
+    assert len(engine.prefix_cache.entries) == 1 and kept >= len(first) + 30
+    second = chat_ids(engine.tokenizer, "Repeat the word 'apple' forever.")  # no early end
+    third = chat_ids(engine.tokenizer, QUESTIONS[2])
+    running = len(second) + 200
+    engine.scheduler.kv_budget = running + kept  # the kept cache and one long request fit
+    assert running + len(third) + kept + 40 > engine.scheduler.kv_budget
+    long_run = engine.complete(second, params.replace(max_new_tokens=200), reuse_prefix=False)
+    next(long_run)  # running: it holds the rest of the budget
+    waiting = engine.complete(third, params.replace(max_new_tokens=kept + 40),
+                              reuse_prefix=False)
+    assert engine.run_on_worker(lambda: len(engine.scheduler.waiting)) == 1
+    assert len(engine.prefix_cache.entries) == 1  # not given up in vain
+    list(long_run)
+    assert list(waiting)[-1].done
+    assert engine.scheduler.peak_kv <= engine.scheduler.kv_budget
+
+
+def test_bad_token_ids_and_a_dropped_stream(engine):
+    params = SamplingParams(temperature=0, max_new_tokens=40)
+    with pytest.raises(ValueError, match="token id 999999 is out of range"):
+        engine.complete([1, 2, 999999], params)
+    stream = engine.complete(chat_ids(engine.tokenizer, QUESTIONS[3]), params,
+                             reuse_prefix=False)
+    cancel = stream.cancel
+    del stream  # never read: dropping it cancels the request
+    assert cancel.is_set()
+    engine.run_on_worker(lambda: None)  # a step later
+    deadline = __import__("time").time() + 30
+    while engine.queue_depth and __import__("time").time() < deadline:
+        engine.run_on_worker(lambda: None)
+    assert engine.queue_depth == 0

@@ -172,6 +172,17 @@ static inline __m512 load16(const bf16 *p) {  // 16 bfloat16 -> 16 float32: wide
     __m256i h = _mm256_loadu_si256((const __m256i *)p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
+
+// The sum of a vector's 16 lanes: the two halves of 8 added, then of 4, then lanes 0 + 2 and
+// 1 + 3, then the last two -- GCC's _mm512_reduce_add_ps, written out, since other compilers'
+// headers leave the order of that reduction open (and batch invariance needs one order).
+static inline float reduce1(__m512 a) {
+    __m256 h = _mm256_add_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)),
+                             _mm512_castps512_ps256(a));
+    __m128 q = _mm_add_ps(_mm256_extractf128_ps(h, 1), _mm256_castps256_ps128(h));
+    __m128 p = _mm_add_ps(q, _mm_shuffle_ps(q, q, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtss_f32(_mm_add_ss(p, _mm_shuffle_ps(p, p, _MM_SHUFFLE(1, 1, 1, 1))));
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 static inline __m256 load8(const bf16 *p) {  // 8 bfloat16 -> 8 float32: widen, shift left
     __m128i h = _mm_loadu_si128((const __m128i *)p);
@@ -293,7 +304,7 @@ static inline float exp_shifted(float *s, long n, float top) {
         _mm512_mask_storeu_ps(s + j, m, e);
         sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, e));
     }
-    total = _mm512_reduce_add_ps(sum);
+    total = reduce1(sum);
 #elif defined(__AVX2__) && defined(__FMA__)
     __m256 sum = _mm256_setzero_ps(), topv = _mm256_set1_ps(top);
     for (; j + 8 <= n; j += 8) {
@@ -321,9 +332,9 @@ static inline float exp_shifted(float *s, long n, float top) {
 // y[b, r] = sum_c w[r, c] x[b, c]. One canonical order per (weight row, activation row) pair
 // and build, whatever tile computes it:
 //   AVX-512, float32 products (cols % 16 == 0): one 16-lane accumulator over the columns,
-//     acc = fma(w[c..c+16), x[c..c+16), acc), then _mm512_reduce_add_ps;
+//     acc = fma(w[c..c+16), x[c..c+16), acc), then reduce1;
 //   AVX-512 + AVX512_BF16, bfloat16 products (bf16 weights, cols % 32 == 0): one accumulator,
-//     acc = vdpbf16ps(acc, x[c..c+32), w[c..c+32)), then _mm512_reduce_add_ps;
+//     acc = vdpbf16ps(acc, x[c..c+32), w[c..c+32)), then reduce1;
 //   AVX2 (cols % 8 or 16 == 0): two 8-lane accumulators taking alternate blocks of 8, added,
 //     then hsum8;
 //   otherwise: row_dot's eight running sums.
@@ -347,7 +358,7 @@ static const long PREFETCH_AHEAD = 4096;
 #define FEW_ROWS 32
 #endif
 
-// The sums of the lanes of 16 vectors, each added exactly as _mm512_reduce_add_ps adds one --
+// The sums of the lanes of 16 vectors, each added exactly as reduce1 adds one --
 // the two halves of 8, then of 4, then pairs, then the last two; which operand is on which
 // side of an addition changes no bit -- but side by side, about a third of the instructions.
 // a[j * 4 + i] -> y[j * ldy + i], for i, j < 4.
@@ -400,7 +411,7 @@ static inline void tile16(const W *w, long cols, const float *x, long ldx, float
         return reduce16(a, y, ldy);
     }
     for (int i = 0; i < NR; i++)
-        for (int j = 0; j < NB; j++) y[j * ldy + i] = _mm512_reduce_add_ps(acc[i][j]);
+        for (int j = 0; j < NB; j++) y[j * ldy + i] = reduce1(acc[i][j]);
 }
 #endif
 
@@ -429,7 +440,7 @@ static inline void tile32bh(const bf16 *w, long cols, const bf16 *x, long ldx, f
         return reduce16(a, y, ldy);
     }
     for (int i = 0; i < NR; i++)
-        for (int j = 0; j < NB; j++) y[j * ldy + i] = _mm512_reduce_add_ps(acc[i][j]);
+        for (int j = 0; j < NB; j++) y[j * ldy + i] = reduce1(acc[i][j]);
 }
 #endif
 
