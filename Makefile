@@ -1,7 +1,7 @@
 # make run   -- create .venv, install, start the web app on http://127.0.0.1:7860
 # make test  -- same install, then the whole test suite (browser tests included), then the
-#               engine tests again as other CPUs run them: AVX2 only, the native step's plain
-#               loops, no native step (the first two on x86-64 only)
+#               engine tests again as other CPUs run them: AVX2 only, the native pass's plain
+#               loops, no native pass (the first two on x86-64 only)
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -24,7 +24,7 @@ LEGS := $(if $(filter x86_64 amd64,$(shell uname -m)),test-avx2 test-generic) te
 # (tests/test_native.py::test_this_leg_runs_the_kernels_it_names).
 AVX2_LEG := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
 	MINISERVE_NATIVE_ARCH=x86-64-v3 MINISERVE_EXPECT_ISA=avx2
-# The native step's plain loops (what a compiler makes of them for baseline x86-64: SSE2),
+# The native pass's plain loops (what a compiler makes of them for baseline x86-64: SSE2),
 # ATen's kernels without vector code; oneDNN at AVX2 (it has no lower setting that keeps its
 # bf16 products).
 GENERIC_LEG := ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=AVX2 \
@@ -49,14 +49,14 @@ $(CHROMIUM):
 	$(SUDO) apt-get update -qq
 	$(SUDO) apt-get install -y -qq chromium
 
-# a C++ compiler for the native decode step (miniserve/kernels/decode.cpp, built at first use);
+# a C++ compiler for the native forward pass (miniserve/kernels/decode.cpp, built at first use);
 # without one the app runs the PyTorch step, slower. The tests require it.
 compiler:
 	@command -v c++ >/dev/null || command -v g++ >/dev/null || command -v clang++ >/dev/null || \
 		{ $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq g++; }
 
 run: install
-	@$(MAKE) --no-print-directory compiler || echo "No C++ compiler: the slower PyTorch decode step will run."
+	@$(MAKE) --no-print-directory compiler || echo "No C++ compiler: the slower PyTorch forward pass will run."
 	$(PY) app.py
 
 test: install chromium compiler

@@ -127,7 +127,7 @@ RUNNERS = ("auto", "native", "lean", "transformers")
 def make_runner(loaded: LoadedModel, runner: str = "auto", quant: str | None = None,
                 math: str = "auto"):
     """The module the decode loop drives. transformers: the library model. lean: our readable
-    PyTorch forward pass (Llama family). native: lean, with one-token steps in compiled code
+    PyTorch forward pass (Llama family). native: lean, with every pass in compiled code
     (miniserve/native.py; CPU, float32 or bfloat16 weights). auto: the fastest that applies."""
     from miniserve import lean, native
     if runner not in RUNNERS:

@@ -109,7 +109,7 @@ def _rotate_half(x):
 
 class LeanModel:
     """Plain tensors and functions; no nn.Module machinery on the hot path. A runner
-    (miniserve/runner.py): "native" when one-token steps run the compiled step, else "lean"."""
+    (miniserve/runner.py): "native" when its passes run in compiled code, else "lean"."""
 
     def __init__(self, hf_model, quant: str | None = None, native: bool = False,
                  math: str = "auto"):

@@ -83,7 +83,7 @@ def pick_dtype(device: torch.device, requested: str | None = None) -> torch.dtyp
         return torch.float16
     # On CPU float32: with the transformers model, bf16 decoding measured no faster here
     # (per-op overhead dominates a 135M model) and float32 is the reference precision. The
-    # command line picks bfloat16 weights when the native step runs them (engine.auto_dtype).
+    # command line picks bfloat16 weights when the native runner runs them (engine.auto_dtype).
     return torch.float32
 
 

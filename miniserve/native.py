@@ -123,7 +123,7 @@ def load() -> ctypes.CDLL | None:
         try:
             path = library_path(compiler, _target)
             if not path.exists():
-                print(f"Compiling the native decode step ({SOURCE.name}, {_target}) ...",
+                print(f"Compiling the native forward pass ({SOURCE.name}, {_target}) ...",
                       file=sys.stderr, flush=True)
                 _build(compiler, path, _target)
             lib = ctypes.CDLL(str(path))
@@ -176,8 +176,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_scratch_floats.restype = L
     lib.ms_matmul.argtypes = [I, I, P, P, P, L, L, L, I]
     lib.ms_matmul.restype = None
-    lib.ms_threads.argtypes = [I]
-    lib.ms_threads.restype = I
     lib.ms_kv_bf16.argtypes = [ctypes.POINTER(MsModel)]
     lib.ms_kv_bf16.restype = I
     lib.ms_bf16_dot.argtypes = []
@@ -187,7 +185,7 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 
 def supports(device: torch.device, dtype: torch.dtype, quant: str | None = None) -> bool:
-    """The native step runs a lean model on the CPU with float32 or bfloat16 weights, no
+    """The native runner runs a lean model on the CPU with float32 or bfloat16 weights, no
     quantization, where the library could be built."""
     return (device.type == "cpu" and dtype in DTYPE_CODES and quant is None
             and load() is not None)
@@ -241,9 +239,6 @@ class NativeCache:
     @property
     def capacity(self) -> int:
         return self.v.shape[2]
-
-    def nbytes(self) -> int:
-        return (self.k.numel() + self.v.numel()) * self.k.element_size()
 
     def get_seq_length(self) -> int:
         return self.length

@@ -1,7 +1,7 @@
 """What this machine's CPU offers and which kernels run on it: the CPU, the instruction sets
 that matter for the matrix products, what PyTorch's kernels were capped to, and what the
-native decode step was compiled for. `python -m miniserve --version` shows all of it; the web
-app's header and the benchmark name the native step's kernels (and the benchmark the CPU),
+native forward pass was compiled for. `python -m miniserve --version` shows all of it; the web
+app's header and the benchmark name the native kernels (and the benchmark the CPU),
 because speed -- and the last bits of every sum -- depend on them."""
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def cpu_features() -> list[str]:
 
 
 def kernels() -> dict:
-    """Which kernels run here: PyTorch's vector level, the caps in force, the native step's."""
+    """Which kernels run here: PyTorch's vector level, the caps in force, the native pass's."""
     from miniserve import native
     caps = {name: os.environ[name] for name in CAPS if name in os.environ}
     return {"aten": torch.backends.cpu.get_cpu_capability(), "caps": caps,
@@ -65,7 +65,7 @@ def summary() -> str:
     return (f"CPU: {cpu_model()} ({platform.machine()}; {' '.join(cpu_features()) or 'no vector extensions named'})\n"
             f"kernels: PyTorch {torch.__version__} {k['aten']}"
             + (f" (capped: {caps})" if caps else "")
-            + f"; native decode step {k['native']}"
+            + f"; native forward pass {k['native']}"
             + (f" (target {k['native_target']})" if not k["native"].startswith("off") else ""))
 
 

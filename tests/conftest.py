@@ -63,7 +63,7 @@ def tiny_model():
 
 
 def native_expected() -> bool:
-    """The native step runs unless this leg turned it off (make test-no-native)."""
+    """The native runner runs unless this leg turned it off (make test-no-native)."""
     return os.environ.get("MINISERVE_NATIVE", "1") != "0"
 
 
@@ -72,7 +72,7 @@ def expected_runner() -> str:
 
 
 needs_native = pytest.mark.skipif(
-    not native_expected(), reason="MINISERVE_NATIVE=0: this leg runs without the native step "
+    not native_expected(), reason="MINISERVE_NATIVE=0: this leg runs without the native runner "
                                   "(the full leg runs this test)")
 
 

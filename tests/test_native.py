@@ -152,8 +152,8 @@ def test_a_sequence_gets_the_same_logits_whatever_shares_its_pass(family, math):
 
 @needs_native
 def test_prompt_and_steps_share_the_cache(tiny_model):
-    """A prompt (PyTorch, many tokens) then steps (native) and everything through PyTorch
-    (no cache): other sums, so both are held to the float64 twin, not to each other."""
+    """A prompt (one pass of many rows) then one-row steps, and the whole sequence again at
+    every step (no cache): both held to the float64 twin."""
     reference = float64_twin(tiny_model)
     model = LeanModel(tiny_model, native=True)
     ids = list(range(3, 60))
@@ -213,7 +213,7 @@ def test_without_the_library_auto_falls_back_and_native_says_why():
     r = run_cli("bench", "--prompt-tokens", "8", "--new-tokens", "3", "--repeat", "1",
                 "--modes", "cache", env=off)
     assert r.returncode == 0, r.stderr
-    assert "float32, lean runner" in r.stdout  # no native step: float32 weights, PyTorch lean
+    assert "float32, lean runner" in r.stdout  # no native pass: float32 weights, PyTorch lean
     r = run_cli("generate", "--prompt", "Hi", "--runner", "native", env=off)
     assert r.returncode == 2
     assert "native runner" in r.stderr and "MINISERVE_NATIVE=0" in r.stderr

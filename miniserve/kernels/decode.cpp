@@ -115,7 +115,7 @@ class Pool {
     void serve(int t) {
         uint64_t seen = 0;
         for (;;) {
-            // Spin for up to ~100 us (the Python between two calls of a step takes ~10 us);
+            // Spin for up to ~100 us (the Python between two passes takes ~0.1-1 ms per sequence);
             // past that the step is over and the core is better left to others.
             uint64_t g = generation_.load(std::memory_order_acquire);
             auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(100);
@@ -1056,9 +1056,6 @@ int ms_bf16_dot(void) { return MS_BF16_DOT; }
 
 // 1 where this model's KV cache holds bfloat16 (see kv_bf16), 0 where float32.
 int ms_kv_bf16(const MsModel *m) { return kv_bf16(m) ? 1 : 0; }
-
-// The number of threads a pass runs on (the pool is made by the first call).
-int ms_threads(int threads) { return pool_for(threads)->size(); }
 
 // Floats of scratch a pass of n rows needs when its longest row ends at max_len positions.
 long ms_scratch_floats(const MsModel *m, long n, long max_len) {
