@@ -28,8 +28,8 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from miniserve.chat import ChatError
-from miniserve.config import (MAX_CHOICES, MAX_NEW_TOKENS, SEED_MAX, ConfigError,
-                              SamplingParams, check_seed)
+from miniserve.config import (MAX_CHOICES, MAX_NEW_TOKENS, SEED_MAX, ConfigError, Field,
+                              SamplingParams, check_number, check_seed)
 from miniserve.engine import Engine, EngineBusy, RequestTooLarge
 
 PLACEHOLDER_MODELS = {"", "default", "miniserve", "local", "gpt-3.5-turbo", "gpt-4", "gpt-4o",
@@ -51,18 +51,17 @@ class APIError(Exception):
             "message": self.message, "type": self.kind, "param": self.param, "code": self.code}})
 
 
-def _number(body: dict, name: str, default, low=None, high=None, integer=False):
-    """A request field that is not a sampling setting (those are checked by SamplingParams)."""
+def _number(body: dict, name: str, default, low, high, integer=False):
+    """A request field that is not a sampling setting (those are checked by SamplingParams),
+    checked as every number is (config.check_number)."""
     value = body.get(name, default)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
-            integer and isinstance(value, float) and not value.is_integer()):
-        kind = "an integer" if integer else "a number"
-        raise APIError(400, f"'{name}' must be {kind}, got {value!r}", name)
-    if (low is not None and value < low) or (high is not None and value > high):
-        raise APIError(400, f"'{name}' must be in [{low}, {high}], got {value!r}", name)
-    return int(value) if integer else float(value)
+    try:
+        return check_number(name, value, Field(int if integer else float, low, high, default,
+                                                name, ""))
+    except ConfigError as e:
+        raise APIError(400, str(e), name) from None
 
 
 class LogprobRecorder:

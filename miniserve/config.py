@@ -83,12 +83,21 @@ MATHS = ("auto", "float32", "bfloat16")
 def check_value(name: str, value, where: str = "") -> float | int:
     """Validate one sampling field; return it converted to its kind."""
     spec = FIELDS.get(name)
-    prefix = f"{where}: " if where else ""
     if spec is None:
+        prefix = f"{where}: " if where else ""
         raise ConfigError(f"{prefix}unknown setting '{name}' (allowed: {', '.join(FIELDS)})", name)
+    return check_number(name, value, spec, where)
+
+
+def check_number(name: str, value, spec: Field, where: str = "") -> float | int:
+    """The one check of a number against its Field (kind and range), for sampling settings
+    and any other numeric field (the API's n, max_tokens, ...); return it as its kind.
+    Raises ConfigError naming the field and what is allowed."""
+    prefix = f"{where}: " if where else ""
+    whole = "a whole number" if spec.kind is int else "a number"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(
-            f"{prefix}'{name}' must be a number {spec.describe()}, got {value!r}", name)
+        raise ConfigError(f"{prefix}'{name}' must be {whole} {spec.describe()}, got {value!r}",
+                          name)
     if spec.kind is int and (isinstance(value, float) and not value.is_integer()):
         raise ConfigError(f"{prefix}'{name}' must be a whole number {spec.describe()}, got {value!r}",
                           name)
