@@ -19,16 +19,21 @@ import statistics
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 
 from miniserve import native
-from miniserve.config import MAX_NEW_TOKENS, SamplingParams
+from miniserve.config import MAX_NEW_TOKENS, MAX_QUEUE, SamplingParams
 from miniserve.engine import Engine, common_prefix
 from miniserve.platform_info import cpu_model, rss_mb
 from miniserve.runner import TransformersRunner
-from miniserve.verify import bound_for, check_tokens
+from miniserve.verify import bound_for, check_tokens, runner_bound
+
+# The benchmarks' limits, checked by their configs and by the CLI (concurrency levels: the
+# engine's queue, config.MAX_QUEUE).
+MAX_PROMPT_TOKENS = 32768
+REPEAT = range(1, 21)  # runs per row
 
 MODES = ("no_cache", "cache", "hf_generate", "transformers_loop", "lean")
 DEFAULT_MODES = ("no_cache", "cache", "hf_generate")
@@ -39,6 +44,12 @@ FILLER = ("The history of science is the study of the development of science and
           "phenomena. ")
 
 Progress = Callable[[float, str], None]
+T = TypeVar("T")
+
+
+def check_repeat(repeat) -> None:
+    if repeat not in REPEAT:
+        raise ValueError(f"repeat must be from {REPEAT.start} to {REPEAT.stop - 1}, got {repeat}")
 
 
 @dataclass
@@ -50,13 +61,13 @@ class BenchConfig:
     peer: bool = False  # also llama.cpp (f32, bf16, q4_1) on the same GGUF weights
 
     def __post_init__(self):
-        if not self.prompt_tokens or any(n < 1 or n > 32768 for n in self.prompt_tokens):
-            raise ValueError("prompt lengths must be whole numbers from 1 to 32768")
+        if not self.prompt_tokens or any(not 1 <= n <= MAX_PROMPT_TOKENS
+                                         for n in self.prompt_tokens):
+            raise ValueError(f"prompt lengths must be whole numbers from 1 to {MAX_PROMPT_TOKENS}")
         if not 2 <= self.new_tokens <= MAX_NEW_TOKENS:
             raise ValueError(f"new tokens must be from 2 to {MAX_NEW_TOKENS}, "
                              f"got {self.new_tokens}")
-        if not 1 <= self.repeat <= 20:
-            raise ValueError(f"repeat must be from 1 to 20, got {self.repeat}")
+        check_repeat(self.repeat)
         unknown = [m for m in self.modes if m not in MODES]
         if unknown or not self.modes:
             raise ValueError(f"unknown mode {', '.join(unknown) or '(none)'}; "
@@ -91,7 +102,7 @@ class BenchResult:
     prefix_reuse: dict | None = None
     note: str = ""
     runner: str = ""  # what ran our rows: native, lean or transformers
-    native_isa: str = ""  # what the native step was compiled for, when it ran
+    native_isa: str = ""  # what the native kernels were compiled for, when they ran
     cpu: str = ""
 
 
@@ -157,9 +168,9 @@ def _run_transformers_loop(engine: Engine, ids, params):
 
 
 def _run_lean(engine: Engine, ids, params, box: dict):
-    """Our cached loop on the PyTorch lean forward pass (miniserve/lean.py), one-token steps
-    included, next to the engine's own runner: what the native step gains. Built at first use
-    (its own fused copy of the weights, activations in the model's dtype)."""
+    """Our cached loop on the PyTorch lean forward pass (miniserve/lean.py), prompt and
+    decode steps alike, next to the engine's own runner: what the native forward pass gains.
+    Built at first use (its own fused copy of the weights, activations in the model's dtype)."""
     from miniserve.decode import GenerationStats, generate
     from miniserve.lean import LeanModel
 
@@ -237,9 +248,11 @@ def run_bench(engine: Engine, config: BenchConfig, progress: Progress | None = N
     nbytes = {m: (engine.model if m in ("no_cache", "cache") else
                   TransformersRunner(engine.loaded.model)).weight_bytes() for m in config.modes}
     modes = list(config.modes)
-    arithmetic = {"no_cache": engine.model.act_dtype, "cache": engine.model.act_dtype,
-                  "hf_generate": engine.loaded.dtype, "transformers_loop": engine.loaded.dtype,
-                  "lean": engine.loaded.dtype}
+    # the error bound of each mode's logits: the engine's runner's own (bfloat16 products on
+    # the native runner), else the arithmetic of the model's dtype
+    ours_bound, reference_bound = runner_bound(engine.model), bound_for(engine.loaded.dtype)
+    bounds = {"no_cache": ours_bound, "cache": ours_bound, "hf_generate": reference_bound,
+              "transformers_loop": reference_bound, "lean": reference_bound}
     peers = []
     if config.peer:  # llama.cpp: its own weights (a copy per precision), so not checked
         peer_runners, peer_dtypes, peer_bytes, peers = _peer_runners(engine, config, progress)
@@ -263,8 +276,8 @@ def run_bench(engine: Engine, config: BenchConfig, progress: Progress | None = N
             tokens = runs[0][0]
             agree = common_prefix(tokens, first)
             verified = None  # llama.cpp (its own weights) and int8 weights: not checked
-            if mode in arithmetic and not (engine.quant and mode in ("cache", "no_cache")):
-                verified = all(check(prompt_ids, r[0], arithmetic[mode]) for r in runs)
+            if mode in bounds and not (engine.quant and mode in ("cache", "no_cache")):
+                verified = all(check(prompt_ids, r[0], bounds[mode]) for r in runs)
             ttft = statistics.median(r[1] for r in runs)
             total = statistics.median(r[2] for r in runs)
             decode_tps = statistics.median(
@@ -280,7 +293,7 @@ def run_bench(engine: Engine, config: BenchConfig, progress: Progress | None = N
     progress(1.0, "done")
     note = ("ours computes in float32 over the bfloat16 weights, generate() in bfloat16"
             if mixed_precision(engine) else "")
-    ours_rows = [r for r in rows if r.mode in arithmetic]  # not llama.cpp's
+    ours_rows = [r for r in rows if r.mode in bounds]  # not llama.cpp's
     return BenchResult(rows, all(r.tokens_match for r in ours_rows),
                        all(r.verified is not False for r in rows), engine.name,
                        engine.loaded.device.type, ours, note=note, runner=engine.runner,
@@ -289,19 +302,20 @@ def run_bench(engine: Engine, config: BenchConfig, progress: Progress | None = N
 
 
 def _token_checker(engine: Engine, new_tokens: int):
-    """check(prompt ids, greedy tokens, arithmetic dtype) -> do they follow a float32
-    transformers model holding the engine's weights (a float32 copy for bfloat16 weights)?
-    Each distinct reply is checked once (the repeats of a mode give the same tokens)."""
+    """check(prompt ids, greedy tokens, error bound) -> do they follow a float32 transformers
+    model holding the engine's weights (a float32 copy for bfloat16 weights), within the bound
+    of the arithmetic that chose them? Each distinct reply is checked once (the repeats of a
+    mode give the same tokens)."""
     model = engine.loaded.model
     if model.dtype != torch.float32:
         model = copy.deepcopy(model).float()
     seen = {}
 
-    def check(prompt_ids, tokens, arithmetic) -> bool:
-        key = (tuple(prompt_ids), tuple(tokens), arithmetic)
+    def check(prompt_ids, tokens, bound: float) -> bool:
+        key = (tuple(prompt_ids), tuple(tokens), bound)
         if key not in seen:  # a shorter reply stopped on an end token (which is not recorded)
             ends = () if len(tokens) >= new_tokens else engine.eos_ids
-            seen[key] = check_tokens(model, prompt_ids, tokens, bound_for(arithmetic), ends).ok
+            seen[key] = check_tokens(model, prompt_ids, tokens, bound, ends).ok
         return seen[key]
 
     return check
@@ -309,6 +323,14 @@ def _token_checker(engine: Engine, new_tokens: int):
 
 def mixed_precision(engine: Engine) -> bool:
     return engine.model.act_dtype != engine.loaded.dtype
+
+
+def clear_prefix_cache(engine) -> None:
+    """Empty the engine's prefix cache, on the engine thread (which reads it between steps),
+    so that the next run finds nothing of an earlier one's prompts."""
+    cache = getattr(engine, "prefix_cache", None)
+    if cache is not None:
+        engine.run_on_worker(cache.clear)
 
 
 def prefix_reuse(engine: Engine, history_tokens: int = 1500, repeat: int = 3) -> dict:
@@ -325,7 +347,7 @@ def prefix_reuse(engine: Engine, history_tokens: int = 1500, repeat: int = 3) ->
     question = {"role": "user", "content": "Summarise our talk in one line."}
     warm, cold = [], []
     for _ in range(repeat):
-        engine.prefix_cache.clear()
+        clear_prefix_cache(engine)
         first = history + [{"role": "user", "content": "What did I say first?"}]
         reply, _ = engine.chat_text(first, params)  # this turn fills the cache
         follow = first + [{"role": "assistant", "content": reply}, question]
@@ -425,19 +447,20 @@ class ConcurrencyConfig:
     presets: tuple[str, ...] = (GREEDY, "balanced")
     repeat: int = 1
     peer: bool = False  # also llama.cpp decoding the same B greedy streams batched
-    presets_file: str | None = None
+    presets_file: str | None = None  # where `presets` are defined, when no table is given
 
     def __post_init__(self):
-        if not self.levels or any(not isinstance(b, int) or not 1 <= b <= 1000
+        low, high = int(MAX_QUEUE.low), int(MAX_QUEUE.high)
+        if not self.levels or any(not isinstance(b, int) or not low <= b <= high
                                   for b in self.levels):
-            raise ValueError("concurrency levels must be whole numbers from 1 to 1000")
-        if not 2 <= self.prompt_tokens <= 32768:
-            raise ValueError(f"prompt tokens must be from 2 to 32768, got {self.prompt_tokens}")
+            raise ValueError(f"concurrency levels must be whole numbers from {low} to {high}")
+        if not 2 <= self.prompt_tokens <= MAX_PROMPT_TOKENS:
+            raise ValueError(f"prompt tokens must be from 2 to {MAX_PROMPT_TOKENS}, "
+                             f"got {self.prompt_tokens}")
         if not 2 <= self.new_tokens <= MAX_NEW_TOKENS:
             raise ValueError(f"new tokens must be from 2 to {MAX_NEW_TOKENS}, "
                              f"got {self.new_tokens}")
-        if not 1 <= self.repeat <= 20:
-            raise ValueError(f"repeat must be from 1 to 20, got {self.repeat}")
+        check_repeat(self.repeat)
         if not self.presets:
             raise ValueError("name at least one preset")
 
@@ -486,12 +509,14 @@ class ConcurrencyResult:
 
 
 @dataclass
-class _Stream:
-    """One stream's timeline: when it was submitted, (arrival, token ids) per chunk, the end."""
+class StreamTimeline:
+    """One stream's timeline: when it was submitted, (arrival, tokens it carries) per chunk,
+    the end, and the CPU time of the thread that read it."""
 
     submit: float
     arrivals: list[tuple[float, int]] = field(default_factory=list)
     end: float = 0.0
+    cpu_s: float = 0.0
 
     @property
     def tokens(self) -> int:
@@ -514,8 +539,9 @@ class _Stream:
         return later / (last - first[0]) if later and last > first[0] else None
 
     def token_gaps(self) -> list[float]:
-        """Each token after the first chunk: its chunk's gap from the previous one / the ids
-        the chunk carries (a chunk holds several ids while their text is incomplete)."""
+        """Each token after the first chunk: its chunk's gap from the previous one / the tokens
+        the chunk carries (a chunk holds several ids while their text is incomplete). The
+        inter-token latency of every report is a percentile of these."""
         gaps, previous = [], None
         for t, k in self.arrivals:
             if not k:
@@ -526,11 +552,12 @@ class _Stream:
         return gaps
 
 
-def percentile(values, q: float) -> float:
-    """The q-th percentile (0-100), interpolated linearly between the sorted values."""
+def percentile(values, q: float, empty: float | None = 0.0) -> float | None:
+    """The q-th percentile (0-100), interpolated linearly between the sorted values; `empty`
+    when there are none."""
     xs = sorted(values)
     if not xs:
-        return 0.0
+        return empty
     pos = (len(xs) - 1) * q / 100
     low = int(pos)
     high = min(low + 1, len(xs) - 1)
@@ -544,11 +571,16 @@ def stream_prompt(tokenizer, n: int, index: int) -> list[int]:
     return (lead + prompt_of_length(tokenizer, n))[:n]
 
 
-def concurrency_params(config: ConcurrencyConfig) -> dict[str, SamplingParams]:
-    """The presets to run, by name, asking for new_tokens with no stop strings. `greedy` is
-    built in unless the presets file defines it."""
-    from miniserve.config import load_presets
-    presets = load_presets(config.presets_file)
+def concurrency_params(config: ConcurrencyConfig,
+                       presets: dict[str, SamplingParams] | None = None
+                       ) -> dict[str, SamplingParams]:
+    """The presets to run, by name, asking for new_tokens with no stop strings: from `presets`
+    (the table a caller has loaded, the web app's), else from config.presets_file (None: the
+    default presets.yaml). `greedy` is built in unless the table defines it."""
+    if presets is None:
+        from miniserve.config import load_presets
+        presets = load_presets(config.presets_file)
+    presets = dict(presets)
     presets.setdefault(GREEDY, SamplingParams(temperature=0, top_k=0, top_p=1.0, min_p=0.0,
                                               repetition_penalty=1.0))
     unknown = [p for p in config.presets if p not in presets]
@@ -559,27 +591,24 @@ def concurrency_params(config: ConcurrencyConfig) -> dict[str, SamplingParams]:
             for name in config.presets}
 
 
-def _run_streams(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]
-                 ) -> list[_Stream]:
-    """Submit every prompt at once from a thread each; time what comes back."""
-    streams: list[_Stream | None] = [None] * len(prompts)
+def at_once(count: int, one: Callable[[int, Callable[[], None]], T],
+            name: str = "bench-stream") -> list[T]:
+    """one(i, start) for i in range(count), each on a thread of its own: each calls start()
+    when it is ready, and all go on from there together (a barrier). Their results in order;
+    the first failure is re-raised -- the real one, not the broken barrier it left the others."""
+    results: list = [None] * count
     errors: list[BaseException] = []
-    barrier = threading.Barrier(len(prompts))
+    barrier = threading.Barrier(count)
 
-    def one(i: int) -> None:
+    def run(i: int) -> None:
         try:
-            barrier.wait()
-            stream = _Stream(time.perf_counter())
-            for chunk in engine.complete(prompts[i], params[i], reuse_prefix=False):
-                stream.arrivals.append((time.perf_counter(), len(chunk.token_ids)))
-            stream.end = time.perf_counter()
-            streams[i] = stream
+            results[i] = one(i, barrier.wait)
         except BaseException as e:  # noqa: BLE001 -- re-raised below
             errors.append(e)
             barrier.abort()
 
-    threads = [threading.Thread(target=one, args=(i,), name=f"bench-stream-{i}")
-               for i in range(len(prompts))]
+    threads = [threading.Thread(target=run, args=(i,), name=f"{name}-{i}", daemon=True)
+               for i in range(count)]
     for t in threads:
         t.start()
     for t in threads:
@@ -587,11 +616,29 @@ def _run_streams(engine: Engine, prompts: list[list[int]], params: list[Sampling
     if errors:
         real = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
         raise (real or errors)[0]
-    return streams
+    return results
+
+
+def run_streams(engine: Engine, prompts: list[list[int]], params: list[SamplingParams],
+                reuse_prefix: bool = False) -> list[StreamTimeline]:
+    """Submit every prompt at once from a thread each; time what comes back."""
+
+    def one(i: int, start: Callable[[], None]) -> StreamTimeline:
+        start()
+        cpu = time.thread_time()
+        stream = StreamTimeline(time.perf_counter())
+        for chunk in engine.complete(prompts[i], params[i], reuse_prefix=reuse_prefix):
+            stream.arrivals.append((time.perf_counter(), len(chunk.token_ids)))
+        stream.end = time.perf_counter()
+        stream.cpu_s = time.thread_time() - cpu
+        return stream
+
+    return at_once(len(prompts), one)
 
 
 def _row(engine_name: str, preset: str, level: int, dtype: str, config: ConcurrencyConfig,
-         runs: list[list[_Stream]], ceiling: float | None, cpu: str, isa: str) -> ConcurrencyRow:
+         runs: list[list[StreamTimeline]], ceiling: float | None, cpu: str,
+         isa: str) -> ConcurrencyRow:
     streams = [s for run in runs for s in run]
     walls = [max(s.end for s in run) - min(s.submit for s in run) for run in runs]
     aggregates = [sum(s.tokens for s in run) / wall if wall > 0 else 0.0
@@ -613,12 +660,14 @@ def _row(engine_name: str, preset: str, level: int, dtype: str, config: Concurre
 
 
 def run_concurrency(engine: Engine, config: ConcurrencyConfig,
-                    progress: Progress | None = None) -> ConcurrencyResult:
+                    progress: Progress | None = None,
+                    presets: dict[str, SamplingParams] | None = None) -> ConcurrencyResult:
     """Every preset at every concurrency level (and llama.cpp's greedy streams with `peer`),
-    with the ceiling measured first. Raises ValueError for a level the engine's queue cannot
-    hold or a preset that does not exist."""
+    with the ceiling measured first; the presets from `presets` or config.presets_file (see
+    concurrency_params). Raises ValueError for a level the engine's queue cannot hold or a
+    preset that does not exist."""
     progress = progress or (lambda f, m: None)
-    params = concurrency_params(config)
+    params = concurrency_params(config, presets)
     too_many = [b for b in config.levels if b > engine.max_queue]
     if too_many:
         raise ValueError(f"concurrency {max(too_many)} is more than the engine admits at once "
@@ -647,7 +696,7 @@ def run_concurrency(engine: Engine, config: ConcurrencyConfig,
         progress(0.0, "warming up")  # first passes at each width pay one-off costs
         warm = params[config.presets[0]].replace(max_new_tokens=4, seed=0)
         for level in sorted(set(config.levels)):
-            _run_streams(engine, prompts[:level], [warm] * level)
+            run_streams(engine, prompts[:level], [warm] * level)
         if peer_model is not None:
             peer_model.run_batch(prompts[:1], 4, engine.eos_ids)
         rows = []
@@ -661,7 +710,7 @@ def run_concurrency(engine: Engine, config: ConcurrencyConfig,
             for r in range(config.repeat):
                 progress(done / total, f"{preset}, {level} at once, run {r + 1}/{config.repeat}")
                 seeded = [params[preset].replace(seed=1000 + i) for i in range(level)]
-                runs.append(_run_streams(engine, prompts[:level], seeded))
+                runs.append(run_streams(engine, prompts[:level], seeded))
                 done += 1
             rows.append(_row("miniserve", preset, level, shown, config, runs,
                              ceiling_tokens_per_s(ceiling, level), cpu, isa))
@@ -694,10 +743,11 @@ def run_concurrency(engine: Engine, config: ConcurrencyConfig,
                              round(rss_mb(), 1))
 
 
-def _peer_streams(reply: dict) -> list[_Stream]:
+def _peer_streams(reply: dict) -> list[StreamTimeline]:
     """llama.cpp's batch reply (seconds from its start) as stream timelines: every stream
     was submitted at 0, and each token arrives when the step that chose it ends."""
-    return [_Stream(0.0, [(t, 1) for t in s["times"]], s["end"]) for s in reply["streams"]]
+    return [StreamTimeline(0.0, [(t, 1) for t in s["times"]], s["end"])
+            for s in reply["streams"]]
 
 
 def _concurrency_peer(engine: Engine, config: ConcurrencyConfig, progress: Progress):
@@ -748,29 +798,19 @@ def weight_elements(runner) -> int:
     return total if tied else total - embed.numel()
 
 
-def product_kernel(w: torch.Tensor, math: str) -> tuple[Callable[[torch.Tensor], torch.Tensor],
-                                                         Callable[[int], str]]:
-    """(x (B, C) float32 -> w @ x.T as (B, R) float32, what computes B rows): the native
-    matmul where the library has it; else the native matvec for one row and torch.matmul
-    (in the math dtype) for more."""
-    matmul = getattr(native, "matmul", None)
-    if w.device.type == "cpu" and native.load() is not None and w.dtype in native.DTYPE_CODES:
-        if matmul is not None:
-            return (lambda x: matmul(w, x, math)), lambda b: "native.matmul"
-        dtype = torch.float32 if math == "float32" else w.dtype
-        wt = w.to(dtype)
-
-        def fallback(x):
-            if x.shape[0] == 1:
-                return native.matvec(w, x[0])[None]
-            return torch.matmul(x.to(dtype), wt.t()).float()
-
-        return fallback, lambda b: ("native.matvec" if b == 1 else
-                                    f"torch.matmul ({str(dtype).removeprefix('torch.')})")
+def product_kernel(w: torch.Tensor, math: str, use_native: bool
+                   ) -> tuple[Callable[[torch.Tensor], torch.Tensor], str]:
+    """(x (B, C) float32 -> w @ x.T as (B, R) float32, what computes it): the native matmul
+    (the native runner's kernel) with `use_native`, else torch.matmul in the math dtype."""
+    if use_native:
+        if native.load() is None:
+            raise RuntimeError("the native kernels are not available: "
+                               f"{native.unavailable_reason()}")
+        return (lambda x: native.matmul(w, x, math)), "native.matmul"
     dtype = w.dtype if math != "float32" else torch.float32
     wt = w.to(dtype)
     label = f"torch.matmul ({str(dtype).removeprefix('torch.')})"
-    return (lambda x: torch.matmul(x.to(dtype), wt.t()).float()), lambda b: label
+    return (lambda x: torch.matmul(x.to(dtype), wt.t()).float()), label
 
 
 def _best_time(fn, budget_s: float = 0.4, min_reps: int = 3, max_reps: int = 200) -> float:
@@ -796,7 +836,7 @@ def measure_ceiling(engine: Engine, math: str = "") -> dict:
     math = math or engine.info().get("compute_dtype", "float32")
 
     def measure():
-        product, label = product_kernel(w, math)
+        product, label = product_kernel(w, math, getattr(engine, "runner", "") == "native")
         rows, cols = w.shape
         x1 = torch.randn(1, cols, dtype=torch.float32)
         xb = torch.randn(CEILING_BATCH, cols, dtype=torch.float32)
@@ -807,9 +847,7 @@ def measure_ceiling(engine: Engine, math: str = "") -> dict:
                 "bandwidth_gb_s": round(w.numel() * w.element_size() / t1 / 1e9, 2),
                 "gflops": round(2 * rows * cols * CEILING_BATCH / tb / 1e9, 2),
                 "gflops_rows": CEILING_BATCH,
-                "method": (f"{label(1)} for the bandwidth and GFLOPS"
-                           if label(1) == label(CEILING_BATCH) else
-                           f"{label(1)} for the bandwidth, {label(CEILING_BATCH)} for GFLOPS"),
+                "method": f"{label} for the bandwidth and GFLOPS",
                 "weight_bytes": runner.weight_bytes(),
                 "weight_elements": weight_elements(runner), "math": math}
 

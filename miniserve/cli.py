@@ -37,11 +37,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto (CUDA, then MPS, then CPU), cpu, cuda, mps")
     p.add_argument("--dtype", default="auto",
                    help="weights: auto, float32, bfloat16, float16 (auto: bfloat16 on CUDA and on "
-                        "a CPU with the native step, float16 on MPS, else float32)")
+                        "a CPU with the native runner, float16 on MPS, else float32)")
     p.add_argument("--runner", default="auto", choices=("auto", "native", "lean", "transformers"),
-                   help="lean: the readable fused forward pass (Llama family); native: lean with "
-                        "one-token steps in compiled C++ (CPU); transformers: the library model; "
-                        "auto: the fastest that applies")
+                   help="lean: the readable fused forward pass in PyTorch (Llama family); "
+                        "native: the same forward pass in compiled C++, every pass -- prompt "
+                        "chunks and the decode rows of many sequences together (CPU); "
+                        "transformers: the library model; auto: the fastest that applies")
     p.add_argument("--quant", default=None, choices=("int8",),
                    help="int8 weight-only quantization (lean runner, bfloat16 activations)")
     p.add_argument("--math", default="auto", choices=MATHS,
@@ -180,29 +181,37 @@ def _given(value, default):
     return default if value is None else value
 
 
+def _bench_and_print(args, measure, table):
+    """What both bench commands do: load the engine, measure with a progress bar, print the
+    table. (engine, result), or (None, exit code) after a one-line error."""
+    engine, code = load_engine(args)
+    if engine is None:
+        return None, code
+    try:
+        result = measure(engine, _bar)
+    except ValueError as e:
+        return None, fail(str(e))
+    print(file=sys.stderr)
+    print(table(result))
+    return engine, result
+
+
 def cmd_bench(args) -> int:
     if args.concurrency is not None:
         return cmd_bench_concurrency(args)
-    from miniserve.bench import BenchConfig, format_table, run_bench
+    from miniserve.bench import MAX_PROMPT_TOKENS, BenchConfig, format_table, run_bench
     try:
-        lengths = _whole_numbers(args.prompt_tokens or "64,256,1024", "--prompt-tokens")
-    except ValueError as e:
-        return fail(str(e))
-    try:
+        lengths = _whole_numbers(args.prompt_tokens or "64,256,1024", "--prompt-tokens", 1,
+                                 MAX_PROMPT_TOKENS)
         config = BenchConfig(prompt_tokens=lengths, new_tokens=_given(args.new_tokens, 64),
                              repeat=_given(args.repeat, 3), modes=tuple(args.modes.split(",")),
                              peer=args.peer)
     except ValueError as e:
         return fail(str(e))
-    engine, code = load_engine(args)
+    engine, result = _bench_and_print(
+        args, lambda engine, bar: run_bench(engine, config, progress=bar), format_table)
     if engine is None:
-        return code
-    try:
-        result = run_bench(engine, config, progress=_bar)
-    except ValueError as e:
-        return fail(str(e))
-    print(file=sys.stderr)
-    print(format_table(result))
+        return result
     if args.prefix_reuse:
         from miniserve.bench import prefix_reuse
         reuse = result.prefix_reuse = prefix_reuse(engine, args.prefix_reuse)
@@ -216,11 +225,13 @@ def cmd_bench(args) -> int:
 
 def cmd_bench_concurrency(args) -> int:
     """bench --concurrency 1,2,4,8: B streams at once per level and preset."""
-    from miniserve.bench import (ConcurrencyConfig, concurrency_params,
+    from miniserve.bench import (MAX_PROMPT_TOKENS, ConcurrencyConfig, concurrency_params,
                                  format_concurrency_table, run_concurrency)
     try:
-        levels = _whole_numbers(args.concurrency, "--concurrency", 1, MAX_QUEUE.high)
-        lengths = _whole_numbers(args.prompt_tokens or "64", "--prompt-tokens")
+        levels = _whole_numbers(args.concurrency, "--concurrency", int(MAX_QUEUE.low),
+                                int(MAX_QUEUE.high))
+        lengths = _whole_numbers(args.prompt_tokens or "64", "--prompt-tokens", 1,
+                                 MAX_PROMPT_TOKENS)
         if len(lengths) != 1:
             raise ValueError("--prompt-tokens takes one length with --concurrency, "
                              f"got '{args.prompt_tokens}'")
@@ -232,18 +243,12 @@ def cmd_bench_concurrency(args) -> int:
         concurrency_params(config)  # an unknown preset is reported before the model loads
     except (ValueError, ConfigError) as e:
         return fail(str(e))
-    if not flag_error(args) and max(levels) > args.max_queue:
-        return fail(f"--concurrency {max(levels)} is more than --max-queue {args.max_queue} "
-                    "admits at once; raise --max-queue")
-    engine, code = load_engine(args)
+    # a level past --max-queue: run_concurrency's ValueError, one line
+    engine, result = _bench_and_print(
+        args, lambda engine, bar: run_concurrency(engine, config, progress=bar),
+        format_concurrency_table)
     if engine is None:
-        return code
-    try:
-        result = run_concurrency(engine, config, progress=_bar)
-    except ValueError as e:
-        return fail(str(e))
-    print(file=sys.stderr)
-    print(format_concurrency_table(result))
+        return result
     _write_files(result, args)
     return 0
 
@@ -275,7 +280,7 @@ def cmd_serve(args) -> int:
 
 
 class VersionAction(argparse.Action):
-    """--version: worked out when asked for (it may compile the native step)."""
+    """--version: worked out when asked for (it may compile the native kernels)."""
 
     def __init__(self, option_strings, dest, **kwargs):
         super().__init__(option_strings, dest, nargs=0, **kwargs)
@@ -321,7 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeat", type=int, default=None,
                    help="runs per row; the median is reported (default 3; with --concurrency 1)")
     b.add_argument("--concurrency", default=None, metavar="B,B,...",
-                   help="comma-separated numbers of streams submitted at once (e.g. 1,2,4,8): "
+                   help="comma-separated numbers of streams submitted at once (e.g. 1,2,4,8; "
+                        "at most --max-queue): "
                         "aggregate and per-stream tokens/s, time to first token, inter-token "
                         "latency and the share of the measured ceiling, per preset")
     b.add_argument("--presets", default="greedy,balanced",
@@ -331,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--modes", default="no_cache,cache,hf_generate",
                    help="comma-separated: no_cache, cache, hf_generate, transformers_loop "
                         "(our cached loop on the transformers model), lean (our cached loop on "
-                        "the PyTorch lean pass, to set beside the native step)")
+                        "the PyTorch lean pass, to set beside the native runner)")
     b.add_argument("--peer", action="store_true",
                    help="also llama.cpp on the same GGUF weights at f32, bf16 and q4_1; with "
                         "--concurrency, its batched decoding of the same greedy streams "

@@ -12,8 +12,11 @@ runs report the same numbers, so what the HTTP layer costs is the difference bet
 - `stream_tokens_per_s_p50`: the median over streams of tokens / (end - start) of that stream;
 - `ttft_p50_s`, `ttft_p95_s`: time to first token, from sending the request to the first
   piece of text;
-- `itl_p95_s`: inter-token latency, the gaps between consecutive pieces of text of a stream
-  (all streams pooled);
+- `itl_p95_s`: inter-token latency per token, as `bench --concurrency` reports it: each piece
+  of text's gap from the previous one, divided among the tokens it carries (all streams
+  pooled; `bench.StreamTimeline.token_gaps`). In-process a chunk names its token ids; over
+  HTTP a piece's tokens are counted by encoding its text with the model's tokenizer, after
+  the run;
 - `cpu_s`: CPU time this process spent during the run (engine, server and clients together);
   `client_cpu_s`: the part the client threads spent (reading and parsing the replies), so
   `cpu_s - client_cpu_s` is what serving cost;
@@ -32,108 +35,64 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 
-FILLER = ("The lighthouse keeper wrote in his log every evening: the colour of the sea, the "
-          "ships that passed, the birds that rested on the rail, the weather coming in from "
-          "the west, and what the radio said about the harbour and the fishing boats. ")
-ASK = "\n\nContinue the keeper's log for the next days, in detail."
+from miniserve.bench import (StreamTimeline, at_once, clear_prefix_cache, percentile,
+                             run_streams, stream_prompt)
 
-
-@dataclass
-class _Stream:
-    start: float
-    end: float = 0.0
-    arrivals: list[float] = field(default_factory=list)  # when each piece of text arrived
-    tokens: int = 0
-    cpu_s: float = 0.0  # CPU time of the client thread itself
+ASK = "\n\nGo on writing this text, in detail."
 
 
-def _percentile(values: list[float], q: float) -> float | None:
-    """Linear interpolation between closest ranks (q in [0, 100]); None without values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    low = int(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
-
-
-def _summary(runs: list[_Stream], cpu_s: float) -> dict:
-    start = min(r.start for r in runs)
+def _summary(runs: list[StreamTimeline], tokens: list[int], cpu_s: float) -> dict:
+    """The numbers of one run: its streams' timelines and the tokens each produced."""
+    start = min(r.submit for r in runs)
     end = max(r.end for r in runs)
-    tokens = sum(r.tokens for r in runs)
-    ttft = [r.arrivals[0] - r.start for r in runs if r.arrivals]
-    gaps = [b - a for r in runs for a, b in zip(r.arrivals, r.arrivals[1:])]
-    per_stream = [r.tokens / (r.end - r.start) for r in runs if r.end > r.start]
+    total = sum(tokens)
+    ttft = [t for r in runs if (t := r.ttft()) is not None]
+    gaps = [g for r in runs for g in r.token_gaps()]
+    per_stream = [n / (r.end - r.submit) for r, n in zip(runs, tokens) if r.end > r.submit]
     wall = end - start
     client_cpu = sum(r.cpu_s for r in runs)
-    return {"tokens": tokens, "wall_s": wall,
-            "tokens_per_s": tokens / wall if wall > 0 else 0.0,
-            "stream_tokens_per_s_p50": _percentile(per_stream, 50),
-            "ttft_p50_s": _percentile(ttft, 50), "ttft_p95_s": _percentile(ttft, 95),
-            "itl_p95_s": _percentile(gaps, 95), "cpu_s": cpu_s, "client_cpu_s": client_cpu,
-            "server_cpu_ms_per_token": (cpu_s - client_cpu) * 1000 / tokens if tokens else None}
+    return {"tokens": total, "wall_s": wall,
+            "tokens_per_s": total / wall if wall > 0 else 0.0,
+            "stream_tokens_per_s_p50": percentile(per_stream, 50, None),
+            "ttft_p50_s": percentile(ttft, 50, None), "ttft_p95_s": percentile(ttft, 95, None),
+            "itl_p95_s": percentile(gaps, 95, None), "cpu_s": cpu_s, "client_cpu_s": client_cpu,
+            "server_cpu_ms_per_token": (cpu_s - client_cpu) * 1000 / total if total else None}
 
 
 def make_prompts(engine, streams: int, prompt_tokens: int, params) -> list[list[dict]]:
     """`streams` distinct one-message conversations whose rendered prompt is about
     `prompt_tokens` tokens, or the chat template's own tokens and a short request when that
-    is more (they differ from the user's first word on)."""
-    filler_ids = engine.tokenizer(FILLER * (prompt_tokens // 20 + 2),
-                                  add_special_tokens=False)["input_ids"]
-    out = []
-    for i in range(streams):
-        head = f"Log {i + 1}. "
-        overhead = len(engine.chat_prompt([{"role": "user", "content": head + ASK}], params))
-        body = engine.tokenizer.decode(filler_ids[:max(0, prompt_tokens - overhead)])
-        out.append([{"role": "user", "content": head + body + ASK}])
-    return out
+    is more: the benchmark's stream prompts (bench.stream_prompt: "<i>. " and the filler) as
+    text, and a request to go on."""
+    overhead = len(engine.chat_prompt([{"role": "user", "content": ASK}], params))
+    body = max(4, prompt_tokens - overhead)  # at least the stream's number and a word
+    return [[{"role": "user",
+              "content": engine.tokenizer.decode(stream_prompt(engine.tokenizer, body, i)) + ASK}]
+            for i in range(streams)]
 
 
-def _run_in_process(engine, prompts: list[list[int]], params) -> list[_Stream]:
-    barrier = threading.Barrier(len(prompts))
-    runs: list[_Stream | None] = [None] * len(prompts)
-    errors: list[BaseException] = []
-
-    def client(i: int) -> None:
-        try:
-            barrier.wait()
-            cpu = time.thread_time()
-            run = runs[i] = _Stream(time.perf_counter())
-            for chunk in engine.complete(prompts[i], params):
-                if chunk.text:
-                    run.arrivals.append(time.perf_counter())
-                if chunk.done:
-                    run.tokens = chunk.stats.new_tokens
-            run.end = time.perf_counter()
-            run.cpu_s = time.thread_time() - cpu
-        except BaseException as e:  # noqa: BLE001 -- re-raised by the caller
-            errors.append(e)
-            barrier.abort()
-
-    _join([threading.Thread(target=client, args=(i,), daemon=True) for i in range(len(prompts))])
-    if errors:
-        raise errors[0]
-    return runs
+Pieces = list[tuple[float, str]]  # (arrival, text) of each piece of a stream's reply
 
 
-def _run_http(port: int, conversations: list[list[dict]], new_tokens: int) -> list[_Stream]:
-    barrier = threading.Barrier(len(conversations))
-    runs: list[_Stream | None] = [None] * len(conversations)
-    errors: list[BaseException] = []
+def _run_http(port: int, conversations: list[list[dict]], new_tokens: int
+              ) -> tuple[list[StreamTimeline], list[Pieces], list[int]]:
+    """The conversations as streaming requests at once, a client thread each: their timelines
+    (without arrivals: see _count_tokens), the pieces of text each received and the
+    completion tokens the server reported for each."""
+    pieces: list[Pieces] = [[] for _ in conversations]
+    reported = [0] * len(conversations)
 
-    def client(i: int) -> None:
+    def client(i: int, start) -> StreamTimeline:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
         try:
             body = json.dumps({"model": "default", "messages": conversations[i],
                                "temperature": 0, "max_tokens": new_tokens, "stream": True,
                                "stream_options": {"include_usage": True}})
             conn.connect()
-            barrier.wait()
+            start()
             cpu = time.thread_time()
-            run = runs[i] = _Stream(time.perf_counter())
+            run = StreamTimeline(time.perf_counter())
             conn.request("POST", "/v1/chat/completions", body,
                          {"Content-Type": "application/json"})
             response = conn.getresponse()
@@ -148,30 +107,27 @@ def _run_http(port: int, conversations: list[list[dict]], new_tokens: int) -> li
                 event = json.loads(data)
                 if "error" in event:
                     raise RuntimeError(f"stream error: {event['error']['message']}")
-                if any(c["delta"].get("content") for c in event["choices"]):
-                    run.arrivals.append(time.perf_counter())
+                text = "".join(c["delta"].get("content") or "" for c in event["choices"])
+                if text:
+                    pieces[i].append((time.perf_counter(), text))
                 if event.get("usage"):
-                    run.tokens = event["usage"]["completion_tokens"]
+                    reported[i] = event["usage"]["completion_tokens"]
             run.end = time.perf_counter()
             run.cpu_s = time.thread_time() - cpu
-        except BaseException as e:  # noqa: BLE001 -- re-raised by the caller
-            errors.append(e)
-            barrier.abort()
+            return run
         finally:
             conn.close()
 
-    _join([threading.Thread(target=client, args=(i,), daemon=True)
-           for i in range(len(conversations))])
-    if errors:
-        raise errors[0]
-    return runs
+    runs = at_once(len(conversations), client, name="http-bench-client")
+    return runs, pieces, reported
 
 
-def _join(threads: list[threading.Thread]) -> None:
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+def _count_tokens(runs: list[StreamTimeline], pieces: list[Pieces], tokenizer) -> None:
+    """Each piece of text as an arrival of the tokens its text encodes to (at least one): the
+    server does not say how many ids an event carries. Done after the run, off its clock."""
+    for run, own in zip(runs, pieces):
+        run.arrivals = [(t, max(1, len(tokenizer(text, add_special_tokens=False)["input_ids"])))
+                        for t, text in own]
 
 
 @contextlib.contextmanager
@@ -202,13 +158,6 @@ def serve_in_thread(engine, port: int | None = None, api_key: str | None = None)
         sock.close()
 
 
-def _clear_prefix_cache(engine) -> None:
-    """Both runs send the same prompts: the second must not find the first's in the cache."""
-    cache = getattr(engine, "prefix_cache", None)
-    if cache is not None:
-        engine.run_on_worker(cache.clear)  # the engine thread uses it: clear it there
-
-
 def measure_http(engine, streams: int = 8, prompt_tokens: int = 64, new_tokens: int = 128,
                  port: int | None = None) -> dict:
     """`streams` concurrent greedy streaming requests over HTTP and the same ones in-process;
@@ -226,17 +175,22 @@ def measure_http(engine, streams: int = 8, prompt_tokens: int = 64, new_tokens: 
     result = {"streams": streams, "new_tokens": new_tokens,
               "prompt_tokens": round(sum(map(len, prompt_ids)) / streams)}
 
-    _clear_prefix_cache(engine)
+    # both runs reuse prefixes as the API does (the streams share the chat template's head),
+    # each starting from an empty prefix cache
+    clear_prefix_cache(engine)
     cpu = time.process_time()
-    runs = _run_in_process(engine, prompt_ids, params)
-    result["in_process"] = _summary(runs, time.process_time() - cpu)
+    runs = run_streams(engine, prompt_ids, [params] * streams, reuse_prefix=True)
+    cpu = time.process_time() - cpu
+    result["in_process"] = _summary(runs, [r.tokens for r in runs], cpu)
 
     with serve_in_thread(engine, port) as bound:
         _run_http(bound, [[{"role": "user", "content": "Hi"}]], 1)  # answers before timing
-        _clear_prefix_cache(engine)
+        clear_prefix_cache(engine)
         cpu = time.process_time()
-        runs = _run_http(bound, conversations, new_tokens)
-        result["http"] = _summary(runs, time.process_time() - cpu)
+        runs, pieces, tokens = _run_http(bound, conversations, new_tokens)
+        cpu = time.process_time() - cpu
+        _count_tokens(runs, pieces, engine.tokenizer)
+        result["http"] = _summary(runs, tokens, cpu)
         result["port"] = bound
     return result
 

@@ -6,15 +6,19 @@ import csv
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import expected_runner
-from miniserve import native, peer
-from miniserve.bench import (ConcurrencyConfig, _Stream, ceiling_tokens_per_s,
-                             format_concurrency_table, percentile, run_concurrency,
-                             stream_prompt, to_dict, weight_elements, write_csv, write_json)
+from miniserve import bench, http_bench, native, peer
+from miniserve.bench import (ConcurrencyConfig, StreamTimeline, at_once, ceiling_tokens_per_s,
+                             concurrency_params, format_concurrency_table, percentile,
+                             product_kernel, run_concurrency, stream_prompt, to_dict,
+                             weight_elements, write_csv, write_json)
+from miniserve.config import SamplingParams
 from miniserve.platform_info import cpu_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,17 +40,46 @@ def test_percentile_interpolates_between_sorted_values():
     assert percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
     assert percentile([0.0, 10.0], 95) == pytest.approx(9.5)
     assert percentile(range(101), 95) == 95
+    assert percentile([], 95) == 0.0 and percentile([], 95, None) is None
 
 
 def test_stream_metrics_count_every_token_of_a_chunk():
     # submitted at 1.0; first chunk (2 ids) at 1.5, then 3 ids at 2.1, 1 id at 2.2, and the
     # final chunk without ids at 2.25
-    s = _Stream(1.0, [(1.5, 2), (2.1, 3), (2.2, 1), (2.25, 0)], end=2.25)
+    s = StreamTimeline(1.0, [(1.5, 2), (2.1, 3), (2.2, 1), (2.25, 0)], end=2.25)
     assert s.tokens == 6
     assert s.ttft() == pytest.approx(0.5)
     assert s.decode_rate() == pytest.approx(4 / 0.7)  # the tokens after the first chunk's
     assert s.token_gaps() == pytest.approx([0.2, 0.2, 0.2, 0.1])
-    assert _Stream(0.0, [(0.3, 0)]).ttft() is None
+    assert StreamTimeline(0.0, [(0.3, 0)]).ttft() is None
+
+
+def test_http_bench_reports_the_same_per_token_numbers():
+    """One percentile, one stream timeline, one prompt maker: http_bench's inter-token p95 is
+    bench's, per token."""
+    assert http_bench.percentile is bench.percentile
+    assert http_bench.StreamTimeline is bench.StreamTimeline
+    assert http_bench.stream_prompt is bench.stream_prompt
+    s = StreamTimeline(1.0, [(1.5, 2), (2.1, 3), (2.2, 1), (2.25, 0)], end=2.25, cpu_s=0.1)
+    numbers = http_bench._summary([s], [6], cpu_s=0.5)
+    assert numbers["itl_p95_s"] == pytest.approx(percentile(s.token_gaps(), 95))
+    assert numbers["ttft_p50_s"] == pytest.approx(0.5)
+    assert numbers["server_cpu_ms_per_token"] == pytest.approx(400 / 6)
+
+
+def test_streams_at_once_report_the_real_error():
+    """A stream that fails breaks the barrier the others wait at: its own error is raised,
+    not theirs."""
+    def one(i, start):
+        if i == 2:
+            raise KeyError("the real failure")
+        start()
+        return i
+
+    with pytest.raises(KeyError, match="the real failure"):
+        at_once(4, one)
+    assert at_once(3, lambda i, start: (start(), i * i)[1]) == [0, 1, 4]
+    assert not [t for t in threading.enumerate() if t.name.startswith("bench-stream-")]
 
 
 def test_ceiling_is_the_lower_of_memory_and_arithmetic():
@@ -113,9 +146,44 @@ def test_concurrency_rows_are_consistent(engine, tmp_path):
                                "native_isa"} <= set(rows[0])
 
 
+def test_concurrency_presets_come_from_the_given_table_or_file(tmp_path):
+    config = ConcurrencyConfig(levels=[1], new_tokens=5, presets=("mine", "greedy"))
+    mine = SamplingParams(temperature=0.5, stop=("x",))
+    params = concurrency_params(config, {"mine": mine})
+    assert params["mine"] == mine.replace(max_new_tokens=5, stop=())
+    assert params["greedy"].temperature == 0  # built in
+    with pytest.raises(ValueError, match="unknown preset mine"):
+        concurrency_params(config)  # the default presets.yaml has no "mine"
+    f = tmp_path / "presets.yaml"
+    f.write_text("presets:\n  mine:\n    temperature: 0.5\n")
+    from_file = ConcurrencyConfig(levels=[1], new_tokens=5, presets=("mine",),
+                                  presets_file=str(f))
+    assert concurrency_params(from_file)["mine"].temperature == 0.5
+
+
+def test_product_kernel_is_the_runners_and_says_when_native_is_missing(monkeypatch):
+    w = torch.randn(24, 16)
+    x = torch.randn(3, 16)
+    product, label = product_kernel(w, "float32", use_native=False)
+    assert label == "torch.matmul (float32)"
+    assert torch.allclose(product(x), x @ w.t(), atol=1e-5)
+    if native.load() is not None:
+        product, label = product_kernel(w, "float32", use_native=True)
+        assert label == "native.matmul"
+        assert torch.allclose(product(x), x @ w.t(), atol=1e-4)
+    monkeypatch.setattr(native, "load", lambda: None)
+    monkeypatch.setattr(native, "unavailable_reason", lambda: "no C++ compiler found")
+    with pytest.raises(RuntimeError, match="native kernels are not available: no C\\+\\+"):
+        product_kernel(w, "float32", use_native=True)
+
+
 def test_concurrency_checks_its_levels_and_presets(engine):
-    with pytest.raises(ValueError, match="levels"):
+    with pytest.raises(ValueError, match="levels must be whole numbers from 1 to 1000"):
         ConcurrencyConfig(levels=[0, 2])
+    with pytest.raises(ValueError, match="prompt tokens must be from 2 to 32768"):
+        ConcurrencyConfig(prompt_tokens=32769)
+    with pytest.raises(ValueError, match="repeat must be from 1 to 20"):
+        ConcurrencyConfig(repeat=21)
     with pytest.raises(ValueError, match="unknown preset nope"):
         run_concurrency(engine, ConcurrencyConfig(levels=[1], new_tokens=2, presets=("nope",)))
     with pytest.raises(ValueError, match="max-queue"):
@@ -135,6 +203,22 @@ def test_cli_rejects_bad_levels_and_engine_flags_in_one_line():
     assert "--kv-budget must be from 256 to 10000000" in line
     r = run("bench", "--concurrency", "2", "--math", "float64")
     assert r.returncode == 2 and "--math" in r.stderr and "Traceback" not in r.stderr
+    line = one_error_line(run("bench", "--prompt-tokens", "64,40000"))
+    assert "--prompt-tokens must be comma-separated whole numbers from 1 to 32768" in line
+
+
+def test_cli_concurrency_presets_file_and_queue(tmp_path):
+    presets = tmp_path / "presets.yaml"
+    presets.write_text("presets:\n  mine:\n    temperature: 0.3\n")
+    line = one_error_line(run("bench", "--concurrency", "1", "--presets", "balanced",
+                              "--presets-file", str(presets)))
+    assert "unknown preset balanced (available: mine, greedy)" in line
+    # a level past the queue: run_concurrency's own check, one line after the model's loading
+    r = run("bench", "--concurrency", "1,3", "--max-queue", "2", "--presets", "mine",
+            "--presets-file", str(presets), "--dtype", "float32")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == \
+        "error: concurrency 3 is more than the engine admits at once (--max-queue 2)"
 
 
 def test_cli_concurrency_run(tmp_path):

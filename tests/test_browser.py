@@ -210,19 +210,31 @@ def test_compare_tab_shows_one_column_per_preset(page):
 
 
 def test_two_tabs_chat_at_once_without_mixing(browser, app_server):
+    """Two browsers' replies stream at the same time, in the engine's shared forward passes:
+    the second tab's first text appears while the first tab is still writing its reply (had
+    the second waited its turn, the first would be complete by then). Stop in each tab ends
+    its own reply; neither tab shows the other's conversation."""
+    from playwright.sync_api import expect
     pages = []
-    for question in ("Name a planet.", "Name a river."):
+    for question in ("Write a long story about a planet.", "Write a long story about a river."):
         p = browser.new_page(viewport={"width": 1200, "height": 900})
         p.goto(app_server.url)
         p.get_by_role("button", name="Send").wait_for()
-        set_number(p, "Max new tokens", 16)
+        set_number(p, "Max new tokens", 400)
+        set_number(p, "Temperature", 0)
         p.get_by_label("Message", exact=True).fill(question)
         pages.append((p, question))
     for p, _ in pages:  # both requests are in flight together
         p.get_by_role("button", name="Send").click()
+    (first, _), (second, _) = pages
+    expect(second.locator("[data-testid='bot']").last).to_contain_text(re.compile(r"\w"),
+                                                                       timeout=120000)
+    expect(first.locator("#status")).to_contain_text("generating…", timeout=1000)
+    expect(first.locator("[data-testid='bot']").last).to_contain_text(re.compile(r"\w"),
+                                                                      timeout=10000)
     for p, question in pages:
-        p.wait_for_function("document.querySelector('#status').innerText.includes('tokens/s')",
-                            timeout=120000)
+        p.get_by_role("button", name="Stop").click()
+        expect(p.locator("#status")).to_contain_text("tokens/s", timeout=60000)
         users = p.locator("[data-testid='user']").all_inner_texts()
         assert [u.strip() for u in users] == [question]
         assert bot_text(p).strip()

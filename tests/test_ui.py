@@ -5,7 +5,7 @@ import html
 
 import pytest
 
-from miniserve.config import FIELDS, load_presets
+from miniserve.config import FIELDS, SamplingParams, load_presets
 from miniserve.ui import BenchmarkHandlers, ChatHandlers, CompareHandlers, build_ui
 from miniserve.ui.common import Sessions, plain_history, seed_from
 
@@ -167,16 +167,52 @@ def test_stop_ends_the_reply_and_keeps_its_text(chat):
     assert len(chatbot[-1]["content"].split()) >= 3
 
 
-def test_stop_reaches_only_its_own_session():
-    class Request:
-        def __init__(self, session_hash):
-            self.session_hash = session_hash
+class Request:
+    def __init__(self, session_hash):
+        self.session_hash = session_hash
 
+
+def test_stop_reaches_only_its_own_session():
     sessions = Sessions()
     with sessions.running(Request("a")) as a, sessions.running(Request("b")) as b:
         assert sessions.stop(Request("a"))
         assert a.is_set() and not b.is_set()
     assert not sessions.stop(Request("a"))
+
+
+def test_stop_reaches_everything_a_session_runs():
+    """A session's chat reply and comparison each watch an event of their own: Stop sets
+    both, and one that ends takes only its own event away."""
+    sessions = Sessions()
+    with sessions.running(Request("a")) as reply:
+        with sessions.running(Request("a")) as comparison:
+            assert comparison is not reply
+        assert sessions.stop(Request("a"))  # the comparison has ended; the reply still runs
+        assert reply.is_set() and not comparison.is_set()
+        with sessions.running(Request("a")) as again, sessions.running(Request("a")) as other:
+            assert not again.is_set()  # a new run starts uncancelled
+            assert sessions.stop(Request("a"))
+            assert again.is_set() and other.is_set()
+    assert not sessions.stop(Request("a"))
+
+
+def test_stop_ends_a_reply_after_a_comparison_of_the_same_session(engine, presets):
+    """Chat and Compare share the app's sessions: a comparison started (and finished) while a
+    reply streams leaves the reply within Stop's reach."""
+    sessions = Sessions()
+    chat = ChatHandlers(engine, presets, sessions)
+    compare = CompareHandlers(engine, presets, sessions)
+    replies = chat.send("Write a very long story about a dragon.", [], "",
+                        *sliders(chat, max_new_tokens=1500), 1, False)
+    for chatbot, _, status, _ in replies:
+        if len(chatbot[-1]["content"].split()) >= 3:  # the reply is under way
+            break
+    status, *_ = last(compare.compare(PROMPT, ["factual"], 1, 4))
+    assert status.startswith("same prompt"), status
+    chat.stop()  # the "default" session, which both ran in
+    chatbot, _, status, _ = last(replies)
+    assert "finish: cancelled" in status and "stopped by you" in status
+    assert int(status.split(" new tokens")[0].split()[-1]) < 1500
 
 
 def test_undo_clear_and_presets(chat, presets):
@@ -221,6 +257,21 @@ def test_build_ui_lays_out_the_three_tabs(engine, presets):
     assert {"Chat", "Compare", "Benchmark", "Conversation", "Presets", "Results"} <= labels
 
 
+def test_replies_of_many_browsers_run_at_once(engine, presets):
+    """Gradio runs one event of a listener at a time unless told otherwise; the app lets as
+    many engine events (Send, Regenerate, Compare) run at once as the engine admits, as one
+    group, and the benchmarks one at a time."""
+    demo = build_ui(engine, presets)
+    assert demo._queue.default_concurrency_limit == engine.max_queue
+    assert demo.max_threads >= engine.max_queue
+    groups = {}
+    for fn in demo.fns.values():
+        groups.setdefault(fn.name, set()).add((fn.concurrency_id, fn.concurrency_limit))
+    for name in ("send", "regenerate", "compare"):
+        assert groups[name] == {("engine", "default")}, name  # the default: max_queue
+    assert groups["benchmark"] == groups["concurrency"] == {("benchmark", 1)}
+
+
 def test_concurrency_run_fills_the_table_and_the_plot(engine, presets):
     bench = BenchmarkHandlers(engine, presets)
     table, plot, status = bench.concurrency("1, 2", ["greedy"], 16, 4)
@@ -247,3 +298,13 @@ def test_concurrency_bad_values(engine, presets, levels, chosen, message):
 
 def test_concurrency_offers_greedy_and_the_apps_presets(engine, presets):
     assert BenchmarkHandlers(engine, presets).preset_names == ["greedy", *presets]
+
+
+def test_concurrency_runs_the_apps_own_presets(engine):
+    """The presets the app loaded (its --presets-file), not the default presets.yaml."""
+    own = {"terse": SamplingParams(temperature=0, top_k=0, top_p=1.0, max_new_tokens=3)}
+    bench = BenchmarkHandlers(engine, own)
+    table, _, status = bench.concurrency("1", ["terse"], 16, 4)
+    assert list(table["preset"]) == ["terse"] and not status.startswith("**Error"), status
+    table, _, status = bench.concurrency("1", ["balanced"], 16, 4)  # only in presets.yaml
+    assert table is None and "unknown preset balanced (available: terse, greedy)" in status

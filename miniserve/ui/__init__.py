@@ -19,6 +19,7 @@ from miniserve.ui.compare_tab import CompareHandlers, build_compare_tab
 __all__ = ["CSS", "BenchmarkHandlers", "ChatHandlers", "CompareHandlers", "build_ui",
            "build_benchmark_tab", "build_chat_tab", "build_compare_tab", "header"]
 
+SPARE_THREADS = 8  # Gradio threads beyond the engine's queue: Undo, presets, a benchmark
 CSS = """
 #status {font-size: 0.9em; opacity: 0.85}
 .ms-inspector .ms-tok:hover {outline: 1px solid #333}
@@ -44,5 +45,10 @@ def build_ui(engine: Engine, presets: dict[str, SamplingParams],
         build_chat_tab(ChatHandlers(engine, presets, sessions), default_preset)
         build_compare_tab(CompareHandlers(engine, presets, sessions))
         build_benchmark_tab(BenchmarkHandlers(engine, presets))
-    demo.queue(max_size=engine.max_queue * 4)
+    # Gradio runs one event of a listener at a time unless told otherwise: the replies of many
+    # browsers would then take turns instead of sharing the engine's forward passes. As many
+    # engine events run at once as the engine admits (common.ENGINE_EVENTS), on enough threads
+    # for them and the quick events beside them.
+    demo.max_threads = max(demo.max_threads, engine.max_queue + SPARE_THREADS)
+    demo.queue(max_size=engine.max_queue * 4, default_concurrency_limit=engine.max_queue)
     return demo

@@ -10,7 +10,7 @@ from miniserve.bench import (GREEDY, BenchConfig, ConcurrencyConfig, describe_co
                              describe_run, run_bench, run_concurrency, to_dict)
 from miniserve.config import ConfigError, SamplingParams
 from miniserve.engine import Engine
-from miniserve.ui.common import counts_from, error, whole
+from miniserve.ui.common import BENCHMARK_EVENTS, counts_from, error, whole
 
 # The concurrency table's columns, from the result's rows (the plot reads the first three).
 CONCURRENCY_COLUMNS = ["preset", "concurrency", "aggregate_tokens_per_s",
@@ -26,6 +26,9 @@ class BenchmarkHandlers:
 
     def __init__(self, engine: Engine, presets: dict[str, SamplingParams] | None = None):
         self.engine = engine
+        # the app's presets (from its --presets-file), which the concurrency run uses; None:
+        # the default presets.yaml
+        self.presets = presets
         # what the concurrency run may name: `greedy` (built in) and the app's presets
         self.preset_names = list(dict.fromkeys([GREEDY, *(presets or {})]))
 
@@ -49,7 +52,8 @@ class BenchmarkHandlers:
                                        new_tokens=whole(new_tokens),
                                        presets=tuple(presets or ()))
             result = run_concurrency(self.engine, config,
-                                     progress=lambda f, m: progress(f, desc=m))
+                                     progress=lambda f, m: progress(f, desc=m),
+                                     presets=self.presets)
         except (ConfigError, ValueError, TypeError) as e:  # a level past the queue, a preset
             return None, None, error(str(e))
         table = pd.DataFrame(to_dict(result)["rows"])[CONCURRENCY_COLUMNS]
@@ -95,6 +99,9 @@ def build_benchmark_tab(bench: BenchmarkHandlers) -> None:
                                        title="Aggregate tokens/s by concurrency",
                                        x_title="streams at once",
                                        y_title="aggregate tokens/s")
-    button.click(bench.benchmark, [lengths, new_tokens, repeat], [table, plot, status])
+    one_at_a_time = dict(concurrency_id=BENCHMARK_EVENTS, concurrency_limit=1)
+    button.click(bench.benchmark, [lengths, new_tokens, repeat], [table, plot, status],
+                 **one_at_a_time)
     concurrency_button.click(bench.concurrency, [levels, chosen, prompt_tokens, stream_tokens],
-                             [concurrency_table, concurrency_plot, concurrency_status])
+                             [concurrency_table, concurrency_plot, concurrency_status],
+                             **one_at_a_time)

@@ -11,8 +11,8 @@ import gradio as gr
 from miniserve.config import FIELDS, SamplingParams
 from miniserve.engine import Engine
 from miniserve.inspector import Inspector
-from miniserve.ui.common import (PAINT_INTERVAL_S, USER_ERRORS, Sessions, error, is_error,
-                                 params_from, plain_history)
+from miniserve.ui.common import (ENGINE_EVENTS, PAINT_INTERVAL_S, USER_ERRORS, Sessions, error,
+                                 is_error, params_from, plain_history)
 
 assert list(FIELDS) == ["temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                         "max_new_tokens"], "the handlers below take the sliders in this order"
@@ -159,11 +159,12 @@ def build_chat_tab(chat: ChatHandlers, default_preset: str) -> None:
 
     settings = [*sliders, seed, inspect_on]
     send_args = dict(fn=chat.send, inputs=[message, chatbot, system, *settings],
-                     outputs=[chatbot, message, status, inspector_view])
+                     outputs=[chatbot, message, status, inspector_view],
+                     concurrency_id=ENGINE_EVENTS)
     send_btn.click(**send_args)
     message.submit(**send_args)
     regen_btn.click(chat.regenerate, [chatbot, system, *settings],
-                    [chatbot, status, inspector_view])
+                    [chatbot, status, inspector_view], concurrency_id=ENGINE_EVENTS)
     stop_btn.click(chat.stop, None, None, queue=False)
     undo_btn.click(chat.undo, chatbot, [chatbot, message, status])
     clear_btn.click(chat.clear, None, [chatbot, message, status, inspector_view])

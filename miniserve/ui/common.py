@@ -1,5 +1,5 @@
 """What the tabs share: chat history as plain messages, the status and error lines, the number
-boxes' values, and one cancel event per browser session (Stop ends that session's reply)."""
+boxes' values, and the cancel events of each browser session (Stop ends what it runs)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,13 @@ from miniserve.engine import EngineBusy, RequestTooLarge
 # repaint costs browser CPU that a 2-core machine would otherwise give to the model.
 PAINT_INTERVAL_S = 0.08
 ERROR_PREFIX = "**Error:**"
+# The events that run the engine (Send, Regenerate, Compare) share one Gradio concurrency group:
+# as many run at once as the engine admits (the app's queue sets the limit to its max_queue),
+# so the replies of many browsers advance in the same forward passes; past it they wait their
+# turn in Gradio's queue.
+ENGINE_EVENTS = "engine"
+# The benchmarks run one at a time: two at once would measure each other.
+BENCHMARK_EVENTS = "benchmark"
 # What a user can fix or wait out (a setting, the conversation, a full queue, a request larger
 # than the KV budget): the message is shown as it is; anything else with its type's name.
 USER_ERRORS = (ConfigError, ChatError, EngineBusy, RequestTooLarge)
@@ -95,26 +102,33 @@ def session_of(request) -> str:
 
 
 class Sessions:
-    """One cancel event per browser session: a reply (or a comparison) watches its session's
-    event, and Stop sets it."""
+    """The cancel events of each browser session: every reply or comparison a session runs
+    watches an event of its own, and Stop sets all of the session's events (a comparison
+    started meanwhile does not hide a chat reply from Stop)."""
 
     def __init__(self):
-        self._cancels: dict[str, threading.Event] = {}
+        self._lock = threading.Lock()  # handlers of many sessions run on Gradio's threads
+        self._cancels: dict[str, set[threading.Event]] = {}
 
     @contextmanager
     def running(self, request) -> Iterator[threading.Event]:
         session = session_of(request)
-        cancel = self._cancels[session] = threading.Event()
+        cancel = threading.Event()
+        with self._lock:
+            self._cancels.setdefault(session, set()).add(cancel)
         try:
             yield cancel
         finally:
-            if self._cancels.get(session) is cancel:  # a newer run of the session keeps its own
-                del self._cancels[session]
+            with self._lock:
+                running = self._cancels.get(session, set())
+                running.discard(cancel)
+                if not running:
+                    self._cancels.pop(session, None)
 
     def stop(self, request) -> bool:
-        """Cancel what the request's session is running; False when it runs nothing."""
-        cancel = self._cancels.get(session_of(request))
-        if cancel is None:
-            return False
-        cancel.set()
-        return True
+        """Cancel everything the request's session is running; False when it runs nothing."""
+        with self._lock:
+            cancels = list(self._cancels.get(session_of(request), ()))
+        for cancel in cancels:
+            cancel.set()
+        return bool(cancels)

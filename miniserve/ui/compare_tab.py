@@ -10,8 +10,8 @@ import gradio as gr
 
 from miniserve.config import SamplingParams
 from miniserve.engine import Engine
-from miniserve.ui.common import (PAINT_INTERVAL_S, USER_ERRORS, Sessions, error, seed_from,
-                                 whole)
+from miniserve.ui.common import (ENGINE_EVENTS, PAINT_INTERVAL_S, USER_ERRORS, Sessions, error,
+                                 seed_from, whole)
 
 ABOUT = ("One prompt, several presets, the same seed: see what greedy, top-k and top-p change. "
          "The columns run as one batch: each engine step advances every column by a token.")
@@ -92,4 +92,5 @@ def build_compare_tab(compare: CompareHandlers) -> None:
         status = gr.Markdown()
         with gr.Row():
             columns = [gr.Markdown(visible=False, elem_classes=["ms-column"]) for _ in presets]
-    button.click(compare.compare, [prompt, chosen, seed, tokens], [status, *columns])
+    button.click(compare.compare, [prompt, chosen, seed, tokens], [status, *columns],
+                 concurrency_id=ENGINE_EVENTS)
