@@ -38,6 +38,10 @@ class KVCache:
         self.v = torch.empty(shape, dtype=dtype, device=device)
         self.length = 0
 
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
     def get_seq_length(self) -> int:
         return self.length
 
