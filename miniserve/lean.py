@@ -32,6 +32,8 @@ class KVCache:
     """Keys and values of every layer, (layers, kv_heads, capacity, head_dim) each, grown by
     doubling. `length` positions are valid. Same small interface as transformers' caches."""
 
+    TILE = 1  # capacities are a multiple of this
+
     def __init__(self, layers, kv_heads, head_dim, dtype, device, capacity=256):
         shape = (layers, kv_heads, capacity, head_dim)
         self.k = torch.empty(shape, dtype=dtype, device=device)
@@ -40,7 +42,7 @@ class KVCache:
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[2]
+        return self.v.shape[2]  # V is (layers, kv_heads, capacity, ...) in every layout
 
     def get_seq_length(self) -> int:
         return self.length
@@ -50,13 +52,18 @@ class KVCache:
         self.length = self.length + n if n < 0 else min(n, self.length)
 
     def reserve(self, needed: int, exact: bool = False) -> None:
-        capacity = self.k.shape[2]
+        """Room for `needed` positions: doubling, so that a growing sequence copies rarely, or
+        `exact`ly that many (rounded up to a multiple of TILE)."""
+        capacity = self.capacity
         if needed <= capacity:
             return
         if exact:
-            capacity = needed
+            capacity = -(-needed // self.TILE) * self.TILE
         while capacity < needed:
             capacity *= 2
+        self._grow(capacity)
+
+    def _grow(self, capacity: int) -> None:
         for name in ("k", "v"):
             old = getattr(self, name)
             new = old.new_empty((*old.shape[:2], capacity, old.shape[3]))

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from miniserve.config import MATHS
+from miniserve.lean import KVCache
 
 SOURCE = Path(__file__).parent / "kernels" / "decode.cpp"
 ABI_VERSION = 6
@@ -222,12 +223,13 @@ def matmul(w: torch.Tensor, x: torch.Tensor, math: str = "float32") -> torch.Ten
     return y
 
 
-class NativeCache:
+class NativeCache(KVCache):
     """One sequence's keys and values in decode.cpp's layout. float32: K as (layers, kv_heads,
     capacity / 16, head_dim, 16) -- tiles of 16 positions, transposed -- and V as (layers,
     kv_heads, capacity, head_dim); bfloat16 (bfloat16 products on the dot instruction): the
-    same sizes, with pairs side by side (decode.cpp, kv_bf16). `length` positions are valid.
-    Same small interface as transformers' caches (get_seq_length, crop)."""
+    same sizes, with pairs side by side (decode.cpp, kv_bf16). The rest is lean.KVCache's."""
+
+    TILE = 16
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int = 256,
                  dtype: torch.dtype = torch.float32):
@@ -236,27 +238,7 @@ class NativeCache:
         self.v = torch.zeros(layers, kv_heads, capacity, head_dim, dtype=dtype)
         self.length = 0
 
-    @property
-    def capacity(self) -> int:
-        return self.v.shape[2]
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-    def crop(self, n: int) -> None:
-        """transformers' convention: a negative n removes that many positions."""
-        self.length = self.length + n if n < 0 else min(n, self.length)
-
-    def reserve(self, needed: int, exact: bool = False) -> None:
-        """Room for `needed` positions: doubling, so that a growing sequence copies rarely, or
-        `exact`ly that many (rounded up to a tile of 16)."""
-        capacity = self.capacity
-        if needed <= capacity:
-            return
-        if exact:
-            capacity = -(-needed // 16) * 16
-        while capacity < needed:
-            capacity *= 2
+    def _grow(self, capacity: int) -> None:
         k = self.k.new_zeros((*self.k.shape[:2], capacity // 16, *self.k.shape[3:]))
         v = self.v.new_zeros((*self.v.shape[:2], capacity, self.v.shape[3]))
         k[:, :, :self.k.shape[2]] = self.k

@@ -387,6 +387,19 @@ static inline void reduce16(const __m512 *a, float *y, long ldy) {
     _mm_storeu_ps(y + 3 * ldy, _mm512_extractf32x4_ps(r, 3));
 }
 
+// A tile's NR x NB sums out: y[j * ldy + i] = the sum of acc[i][j]'s lanes.
+template <int NR, int NB>
+static inline void store_sums(__m512 (&acc)[NR][NB], float *y, long ldy) {
+    if (NR == 4 && NB == 4) {
+        __m512 a[16];
+        for (int i = 0; i < NR; i++)
+            for (int j = 0; j < NB; j++) a[j * 4 + i] = acc[i][j];
+        return reduce16(a, y, ldy);
+    }
+    for (int i = 0; i < NR; i++)
+        for (int j = 0; j < NB; j++) y[j * ldy + i] = reduce1(acc[i][j]);
+}
+
 template <typename W, int NR, int NB>
 static inline void tile16(const W *w, long cols, const float *x, long ldx, float *y, long ldy) {
     __m512 acc[NR][NB];
@@ -404,14 +417,7 @@ static inline void tile16(const W *w, long cols, const float *x, long ldx, float
             for (int i = 0; i < NR; i++) acc[i][j] = _mm512_fmadd_ps(wv[i], xv, acc[i][j]);
         }
     }
-    if (NR == 4 && NB == 4) {
-        __m512 a[16];
-        for (int i = 0; i < NR; i++)
-            for (int j = 0; j < NB; j++) a[j * 4 + i] = acc[i][j];
-        return reduce16(a, y, ldy);
-    }
-    for (int i = 0; i < NR; i++)
-        for (int j = 0; j < NB; j++) y[j * ldy + i] = reduce1(acc[i][j]);
+    store_sums<NR, NB>(acc, y, ldy);
 }
 #endif
 
@@ -433,14 +439,7 @@ static inline void tile32bh(const bf16 *w, long cols, const bf16 *x, long ldx, f
             for (int i = 0; i < NR; i++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[i]);
         }
     }
-    if (NR == 4 && NB == 4) {
-        __m512 a[16];
-        for (int i = 0; i < NR; i++)
-            for (int j = 0; j < NB; j++) a[j * 4 + i] = acc[i][j];
-        return reduce16(a, y, ldy);
-    }
-    for (int i = 0; i < NR; i++)
-        for (int j = 0; j < NB; j++) y[j * ldy + i] = reduce1(acc[i][j]);
+    store_sums<NR, NB>(acc, y, ldy);
 }
 #endif
 
@@ -471,76 +470,75 @@ static inline float dot1(const W *w, const float *x, long cols) {
     return row_dot(w, x, cols);
 }
 
+#if defined(__AVX512F__)
+// The order tiles are taken in, for one thread's output rows [r0, r1) and activation rows
+// [0, B): below FEW_ROWS rows one weight row at a time against blocks of 8, 4 and 1 rows;
+// from it on, activation rows in blocks of 64 (kept in the L2 cache while the thread's weight
+// rows stream past), 4x4 tiles and their remainders. tile.run<NR, NB>(r, b) computes one.
+template <typename Tiles>
+static void tile_loops(const Tiles &tile, long B, long r0, long r1) {
+    if (B < FEW_ROWS) {
+        for (long r = r0; r < r1; r++) {
+            long b = 0;
+            for (; b + 8 <= B; b += 8) tile.template run<1, 8>(r, b);
+            for (; b + 4 <= B; b += 4) tile.template run<1, 4>(r, b);
+            for (; b < B; b++) tile.template run<1, 1>(r, b);
+        }
+        return;
+    }
+    const long XB = 64;
+    for (long b0 = 0; b0 < B; b0 += XB) {
+        long b1 = b0 + XB < B ? b0 + XB : B, r = r0;
+        for (; r + 4 <= r1; r += 4) {
+            long b = b0;
+            for (; b + 4 <= b1; b += 4) tile.template run<4, 4>(r, b);
+            for (; b < b1; b++) tile.template run<4, 1>(r, b);
+        }
+        for (; r < r1; r++)
+            for (long b = b0; b < b1; b++) tile.template run<1, 1>(r, b);
+    }
+}
+
+template <typename W>
+struct Float32Tiles {  // float32 products: weight rows of W, activation rows of float
+    const W *w;
+    const float *x;
+    float *y;
+    long R, C;
+    template <int NR, int NB>
+    void run(long r, long b) const {
+        tile16<W, NR, NB>(w + r * C, C, x + b * C, C, y + b * R + r, R);
+    }
+};
+#endif
+
+#if MS_BF16_DOT
+struct Bf16DotTiles {  // bfloat16 products on vdpbf16ps
+    const bf16 *w, *x;
+    float *y;
+    long R, C;
+    template <int NR, int NB>
+    void run(long r, long b) const {
+        tile32bh<NR, NB>(w + r * C, C, x + b * C, C, y + b * R + r, R);
+    }
+};
+#endif
+
 // One thread's share: output rows [r0, r1) for activation rows [0, B). x: float rows; xb: the
-// same rows in bfloat16 (bfloat16 products) or null. Activation rows go in blocks of 64 (kept
-// in the L2 cache while the thread's weight rows stream past), weight rows four at a time.
+// same rows in bfloat16 (bfloat16 products) or null.
 template <typename W>
 static void matmul_part(const W *w, const float *x, const bf16 *xb, float *y, long B, long R,
                         long C, long r0, long r1) {
-    const long XB = 64;
 #if MS_BF16_DOT
-    if (xb != nullptr && std::is_same<W, bf16>::value && C % 32 == 0) {
-        const bf16 *wb = (const bf16 *)w;
-        if (B < FEW_ROWS) {  // the weights stream from memory, one row after another
-            for (long r = r0; r < r1; r++) {
-                long b = 0;
-                for (; b + 8 <= B; b += 8)
-                    tile32bh<1, 8>(wb + r * C, C, xb + b * C, C, y + b * R + r, R);
-                for (; b + 4 <= B; b += 4)
-                    tile32bh<1, 4>(wb + r * C, C, xb + b * C, C, y + b * R + r, R);
-                for (; b < B; b++) tile32bh<1, 1>(wb + r * C, C, xb + b * C, C, y + b * R + r, R);
-            }
-            return;
-        }
-        for (long b0 = 0; b0 < B; b0 += XB) {
-            long b1 = b0 + XB < B ? b0 + XB : B, r = r0;
-            for (; r + 4 <= r1; r += 4) {
-                long b = b0;
-                for (; b + 4 <= b1; b += 4)
-                    tile32bh<4, 4>(wb + r * C, C, xb + b * C, C, y + b * R + r, R);
-                for (; b < b1; b++) tile32bh<4, 1>(wb + r * C, C, xb + b * C, C, y + b * R + r, R);
-            }
-            for (; r < r1; r++)
-                for (long b = b0; b < b1; b++)
-                    tile32bh<1, 1>(wb + r * C, C, xb + b * C, C, y + b * R + r, R);
-        }
-        return;
-    }
+    if (xb != nullptr && std::is_same<W, bf16>::value && C % 32 == 0)
+        return tile_loops(Bf16DotTiles{(const bf16 *)w, xb, y, R, C}, B, r0, r1);
 #endif
     (void)xb;
 #if defined(__AVX512F__)
-    if (C % 16 == 0) {
-        if (B < FEW_ROWS) {  // the weights stream from memory, one row after another
-            for (long r = r0; r < r1; r++) {
-                long b = 0;
-                for (; b + 8 <= B; b += 8)
-                    tile16<W, 1, 8>(w + r * C, C, x + b * C, C, y + b * R + r, R);
-                for (; b + 4 <= B; b += 4)
-                    tile16<W, 1, 4>(w + r * C, C, x + b * C, C, y + b * R + r, R);
-                for (; b < B; b++) tile16<W, 1, 1>(w + r * C, C, x + b * C, C, y + b * R + r, R);
-            }
-            return;
-        }
-        for (long b0 = 0; b0 < B; b0 += XB) {
-            long b1 = b0 + XB < B ? b0 + XB : B, r = r0;
-            for (; r + 4 <= r1; r += 4) {
-                long b = b0;
-                for (; b + 4 <= b1; b += 4)
-                    tile16<W, 4, 4>(w + r * C, C, x + b * C, C, y + b * R + r, R);
-                for (; b < b1; b++) tile16<W, 4, 1>(w + r * C, C, x + b * C, C, y + b * R + r, R);
-            }
-            for (; r < r1; r++)
-                for (long b = b0; b < b1; b++)
-                    tile16<W, 1, 1>(w + r * C, C, x + b * C, C, y + b * R + r, R);
-        }
-        return;
-    }
+    if (C % 16 == 0) return tile_loops(Float32Tiles<W>{w, x, y, R, C}, B, r0, r1);
 #endif
-    for (long b0 = 0; b0 < B; b0 += XB) {
-        long b1 = b0 + XB < B ? b0 + XB : B;
-        for (long r = r0; r < r1; r++)
-            for (long b = b0; b < b1; b++) y[b * R + r] = dot1(w + r * C, x + b * C, C);
-    }
+    for (long r = r0; r < r1; r++)
+        for (long b = 0; b < B; b++) y[b * R + r] = dot1(w + r * C, x + b * C, C);
 }
 
 // y (B x R) = x (B x C) w^T (+ bias), the weight rows split evenly over the threads.
