@@ -91,10 +91,11 @@ def load_engine(args):
     if flag_error(args):
         return None, fail(flag_error(args))
     try:
-        return start_engine(args.model, device=args.device, dtype=args.dtype,
-                            runner=args.runner, quant=args.quant, math=args.math,
-                            kv_budget=args.kv_budget, max_queue=args.max_queue,
-                            max_batch=args.max_batch), None
+        args.engine = start_engine(args.model, device=args.device, dtype=args.dtype,
+                                   runner=args.runner, quant=args.quant, math=args.math,
+                                   kv_budget=args.kv_budget, max_queue=args.max_queue,
+                                   max_batch=args.max_batch)
+        return args.engine, None
     except ModelLoadError as e:
         return None, fail(str(e), 1)
     except ValueError as e:
@@ -369,4 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    finally:  # the engine thread ends before the interpreter does (no pass cut off mid-way)
+        if getattr(args, "engine", None) is not None:
+            args.engine.close()
 

@@ -33,6 +33,10 @@ class EngineBusy(RuntimeError):
     """Too many requests are waiting; try again shortly."""
 
 
+class EngineClosed(RuntimeError):
+    """The engine was shut down while the request ran."""
+
+
 @dataclass
 class Chunk:
     """One streamed piece of a reply. The last one has `done=True`."""
@@ -267,6 +271,9 @@ class Engine:
                 while True:
                     job = self._jobs.get(block=block)
                     block = False
+                    if job is None:  # close()
+                        self.scheduler.fail_all(EngineClosed("the engine was shut down"))
+                        return
                     job()
             except queue.Empty:
                 pass
@@ -275,6 +282,13 @@ class Engine:
                     self.scheduler.step()
                 except Exception as e:  # noqa: BLE001 -- never lose the engine thread
                     self.scheduler.fail_all(e)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """End the engine thread after what is queued (sequences still running end with
+        EngineClosed): a process exits cleanly, never in the middle of a pass."""
+        if self._worker.is_alive():
+            self._jobs.put(None)
+            self._worker.join(timeout)
 
     def run_on_worker(self, fn, *args, **kwargs):
         """Run fn on the engine thread, between two steps; return its result."""
