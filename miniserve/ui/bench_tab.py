@@ -93,6 +93,7 @@ def build_benchmark_tab(bench: BenchmarkHandlers) -> None:
         concurrency_button = gr.Button("Run concurrency benchmark", variant="primary")
         concurrency_status = gr.Markdown()
         concurrency_table = gr.Dataframe(label="Concurrency results", interactive=False,
+                                         headers=CONCURRENCY_COLUMNS,
                                          elem_id="concurrency-table")
         concurrency_plot = gr.LinePlot(x="concurrency", y="aggregate_tokens_per_s",
                                        color="preset",
