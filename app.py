@@ -3,6 +3,7 @@ served on one port (http://127.0.0.1:7860 by default).
 
     python app.py [--model SRC] [--host 127.0.0.1] [--port 7860] [--share] [--api-key KEY]
                   [--math auto|float32|bfloat16] [--kv-budget N] [--max-batch N] [--max-queue N]
+                  [--history-db PATH | --no-history] [--history-max-conversations N]
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import os
 import sys
 import time
 
-from miniserve.cli import Parser, add_model_args
+from miniserve.cli import Parser, add_history_args, add_model_args
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -27,6 +28,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--presets-file", default=None, help="another presets.yaml")
     p.add_argument("--preset", default="balanced", help="the preset selected at start")
     add_model_args(p)
+    add_history_args(p)
     return p.parse_args(argv)
 
 
@@ -39,10 +41,11 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from miniserve.cli import load_engine
+    from miniserve.cli import load_engine, open_history
     engine, code = load_engine(args)  # a flag out of its range: one line, exit 2
     if engine is None:
         return code
+    store = open_history(args)  # a damaged or unwritable file: said once, then kept aside
     engine.warm_up()
 
     import gradio as gr
@@ -52,7 +55,7 @@ def main(argv=None) -> int:
     from miniserve.api import build_router
     from miniserve.ui import CSS, build_ui
 
-    demo = build_ui(engine, presets, args.preset)
+    demo = build_ui(engine, presets, args.preset, store)
     url = f"http://{args.host}:{args.port}"
     if args.share:
         print(f"MiniServeLM ready in {time.perf_counter() - started:.1f} s (share link below)",

@@ -6,9 +6,13 @@ import argparse
 import json
 import os
 import sys
+from typing import TYPE_CHECKING
 
-from miniserve.config import (FIELDS, KV_BUDGET, MATHS, MAX_BATCH, MAX_QUEUE, ConfigError,
-                              Field, SamplingParams, load_presets)
+from miniserve.config import (FIELDS, KV_BUDGET, MATHS, MAX_BATCH, MAX_CONVERSATIONS, MAX_QUEUE,
+                              ConfigError, Field, SamplingParams, load_presets)
+
+if TYPE_CHECKING:
+    from miniserve.store import Store
 
 DEFAULT_PRESET = "balanced"
 
@@ -25,9 +29,19 @@ def fail(message: str, code: int = 2):
     return code
 
 
-# The engine's whole-number settings, by flag; their ranges and defaults are in config.py.
-RANGED_FLAGS: dict[str, Field] = {"--kv-budget": KV_BUDGET, "--max-batch": MAX_BATCH,
+# Whole-number settings, by flag; their ranges and defaults are in config.py. add_model_args
+# adds the engine's, add_history_args the store's; flag_error checks every one a parser has.
+ENGINE_FLAGS: dict[str, Field] = {"--kv-budget": KV_BUDGET, "--max-batch": MAX_BATCH,
                                   "--max-queue": MAX_QUEUE}
+HISTORY_FLAGS: dict[str, Field] = {"--history-max-conversations": MAX_CONVERSATIONS}
+RANGED_FLAGS: dict[str, Field] = {**ENGINE_FLAGS, **HISTORY_FLAGS}
+
+
+def _add_ranged(p: argparse.ArgumentParser, flags: dict[str, Field]) -> None:
+    for flag, spec in flags.items():  # argparse checks the number, flag_error the range
+        p.add_argument(flag, type=int, default=spec.default, metavar="N",
+                       help=f"{spec.help}: {int(spec.low)} to {int(spec.high)} "
+                            f"(default {int(spec.default)})")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -50,10 +64,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "float32 (float32 products and sums); bfloat16 (activations rounded to "
                         "bfloat16, products summed in float32); auto: bfloat16 where the CPU "
                         "has bfloat16 dot products and the weights are bfloat16, else float32")
-    for flag, spec in RANGED_FLAGS.items():  # argparse checks the number, flag_error the range
-        p.add_argument(flag, type=int, default=spec.default, metavar="N",
-                       help=f"{spec.help}: {int(spec.low)} to {int(spec.high)} "
-                            f"(default {int(spec.default)})")
+    _add_ranged(p, ENGINE_FLAGS)
 
 
 def flag_error(args) -> str | None:
@@ -63,6 +74,30 @@ def flag_error(args) -> str | None:
         if value is not None and not spec.low <= value <= spec.high:
             return f"{flag} must be from {int(spec.low)} to {int(spec.high)}, got {value}"
     return None
+
+
+def add_history_args(p: argparse.ArgumentParser) -> None:
+    """Where saved conversations go (miniserve/store.py)."""
+    p.add_argument("--history-db", default=os.environ.get("MINISERVE_HISTORY_DB"),
+                   metavar="PATH",
+                   help="the SQLite file of saved conversations (or set MINISERVE_HISTORY_DB; "
+                        "default: history.sqlite3 in the data folder, $MINISERVE_DATA_DIR "
+                        "if set)")
+    p.add_argument("--no-history", action="store_true",
+                   help="keep nothing on disk: conversations live in memory until the app stops")
+    _add_ranged(p, HISTORY_FLAGS)
+
+
+def open_history(args) -> Store:
+    """The conversation store the flags of add_history_args name; its notice (history off,
+    a file kept aside or not writable), if any, printed once to stderr. Range-check the flags
+    first (flag_error; load_engine does)."""
+    from miniserve import store
+    history = store.open_store(args.history_db, enabled=not args.no_history,
+                               max_conversations=args.history_max_conversations)
+    if history.notice:
+        print(f"note: {history.notice}", file=sys.stderr)
+    return history
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -160,9 +195,13 @@ def cmd_chat(args) -> int:
     engine, code = load_engine(args)
     if engine is None:
         return code
-    session = ChatSession(engine, params, presets, system=args.system,
-                          preset_name=args.preset or DEFAULT_PRESET)
-    return session.run(sys.stdin, sys.stdout)
+    history = open_history(args)
+    try:
+        session = ChatSession(engine, params, presets, system=args.system,
+                              preset_name=args.preset or DEFAULT_PRESET, store=history)
+        return session.run(sys.stdin, sys.stdout)
+    finally:
+        history.close()
 
 
 def _whole_numbers(text: str, flag: str, low: int = 1, high: int | None = None) -> list[int]:
@@ -315,6 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--system", default=None, help="system prompt")
     add_sampling_args(c)
     add_model_args(c)
+    add_history_args(c)
     c.set_defaults(func=cmd_chat)
 
     b = sub.add_parser("bench", help="no-cache vs KV-cache vs generate() over prompt lengths; "

@@ -57,6 +57,7 @@ FIELDS: dict[str, Field] = {
 }
 
 SEED_MAX = 2**63 - 1
+RANDOM_SEEDS = 2**32  # a seed drawn for "random" (shown and saved with a reply) is below this
 MAX_NEW_TOKENS = FIELDS["max_new_tokens"].high  # also the API's and the benchmark's ceiling
 # How many requests may be running or waiting at once; past it, "busy" / HTTP 429.
 MAX_QUEUE = Field(int, 1, 1000, 16, "Max queue",
@@ -78,6 +79,12 @@ KV_BUDGET = Field(int, 256, 10_000_000, 65536, "KV budget",
 # in float32 (AVX512_BF16's vdpbf16ps where the CPU has it); auto: bfloat16 where the CPU has
 # bfloat16 dot products and the weights are bfloat16, else float32.
 MATHS = ("auto", "float32", "bfloat16")
+# The conversation store (miniserve/store.py): how many conversations each user keeps (the
+# least recently used go first; 0 keeps all), and the largest file Import reads.
+MAX_CONVERSATIONS = Field(int, 0, 10_000_000, 0, "Max conversations",
+                          "conversations kept per user, the least recently updated removed "
+                          "first; 0 = keep all")
+MAX_IMPORT_BYTES = 5_000_000
 
 
 def check_value(name: str, value, where: str = "") -> float | int:

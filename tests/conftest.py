@@ -10,6 +10,11 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Saved conversations of the app and CLI processes the tests start go to a folder of their own,
+# never to the user's data folder.
+if "MINISERVE_DATA_DIR" not in os.environ:
+    import tempfile
+    os.environ["MINISERVE_DATA_DIR"] = tempfile.mkdtemp(prefix="miniserve-test-data-")
 
 
 @pytest.fixture(scope="session")

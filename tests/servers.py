@@ -18,8 +18,10 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, args: list[str], ready_path: str = "/", timeout: float = 180):
-        self.port = free_port()
+    def __init__(self, args: list[str], ready_path: str = "/", timeout: float = 180,
+                 port: int | None = None):
+        self.args, self.ready_path, self.timeout = args, ready_path, timeout
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(ROOT / ".pytest_cache" / f"server-{self.port}.log", "w") \
             if (ROOT / ".pytest_cache").is_dir() else subprocess.DEVNULL
@@ -37,6 +39,12 @@ class Server:
                 time.sleep(0.5)
         self.stop()
         raise RuntimeError(f"server did not answer within {timeout} s: {args}")
+
+    def restart(self) -> None:
+        """Stop the server and start it again on the same port (the browser's local storage
+        belongs to the address, port included)."""
+        self.stop()
+        self.__init__(self.args, self.ready_path, self.timeout, self.port)
 
     def stop(self):
         self.proc.terminate()

@@ -2,6 +2,8 @@
 
 import csv
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,9 +14,10 @@ from miniserve.verify import BOUND_FLOAT32, check_tokens
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run(*args, stdin=None, timeout=240):
+def run(*args, stdin=None, timeout=240, env=None):
     return subprocess.run([sys.executable, "-m", "miniserve", *args], cwd=ROOT, input=stdin,
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **env} if env else None)
 
 
 def test_generate_json_matches_the_engine(engine, ref32):
@@ -72,6 +75,84 @@ def test_chat_through_a_pipe():
     assert out.count("tokens/s") == 2  # both messages got a reply
     assert "presets: factual, conservative, balanced, creative" in out
     assert "SmolLM2-135M-Instruct on cpu" in out or "SmolLM2-135M-Instruct on" in out
+
+
+CHEAP = ("--max-new-tokens", "4", "--temperature", "0")
+
+
+def _lines(text: str, start: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith(start)]
+
+
+def test_chat_saves_lists_loads_exports_and_imports(tmp_path):
+    from miniserve.repl import CLI_OWNER
+    from miniserve.store import open_store
+    db, js, md, bad = (tmp_path / n for n in ("h.sqlite3", "x.json", "x.md", "bad.txt"))
+    bad.write_text("not json at all")
+    script = ["/export " + str(js), "Hello!", "/save Greeting", "What is 2+2?", "/list",
+              f"/export {js}", f"/export {md}", f"/import {js}", f"/import {bad}", "/load 99",
+              "/load two", f"/export {tmp_path / 'no' / 'such' / 'x.json'}"]
+    r = run("chat", *CHEAP, "--seed", "7", "--history-db", str(db),
+            stdin="\n".join(script) + "\n")
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    out = r.stdout
+    assert out.count("tokens/s") == 2
+    assert _lines(out, "error: ") == [
+        "error: this conversation is not saved; /save it first",
+        f"error: cannot import {bad}: the file is not JSON: Expecting value at line 1, column 1",
+        "error: no conversation 99; /list shows 2",
+        "error: /load takes the number of a conversation in /list, got 'two'",
+        f"error: cannot write {tmp_path / 'no' / 'such' / 'x.json'}: No such file or directory"]
+    assert "saved as 1: Greeting" in out and "  1. Greeting  (" in out
+    assert re.search(r"^imported 1 conversation as [12]: Greeting$", out, re.M)
+    # What the store holds: the turns, each reply's settings (seed included) and stats
+    store = open_store(db)
+    convs = store.conversations(CLI_OWNER)
+    assert [c.title for c in convs] == ["Greeting", "Greeting"] and store.conversations("web") == []
+    exports = [store.export(CLI_OWNER, c.id) for c in convs]
+    assert exports[0] == exports[1] == json.loads(js.read_text())  # the import round-trips
+    path = store.path(CLI_OWNER, convs[0].id)
+    assert [(m.role, m.status) for m in path] == \
+        [("user", "complete"), ("assistant", "complete")] * 2
+    assert [m.content for m in path[::2]] == ["Hello!", "What is 2+2?"]
+    for reply in path[1::2]:
+        assert reply.content and reply.content in out
+        assert reply.settings["seed"] == 7 and reply.settings["temperature"] == 0
+        assert reply.settings["max_new_tokens"] == 4 and reply.settings["preset"] == "balanced"
+        assert reply.stats["new_tokens"] == 4 and reply.stats["finish_reason"] == "length"
+        assert reply.stats["prompt_tokens"] > 0
+    assert md.read_text(encoding="utf-8").startswith("# Greeting\n")
+    assert f"**User:**\n\nWhat is 2+2?\n\n**Assistant:**\n\n{path[3].content}" in md.read_text()
+    store.close()
+
+    # A second process (the file named by MINISERVE_HISTORY_DB) lists, loads and goes on
+    r = run("chat", *CHEAP, stdin="/list\n/load 1\nAnd 3+3?\n/exit\n",
+            env={"MINISERVE_HISTORY_DB": str(db)})
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert len(_lines(r.stdout, "  ")) == 2 and "4 messages)" in r.stdout
+    assert _lines(r.stdout, "you> ") == ["you> Hello!", "you> What is 2+2?"]
+    assert _lines(r.stdout, "bot> ") == [f"bot> {path[1].content}", f"bot> {path[3].content}"]
+    store = open_store(db)
+    counts = sorted(c.messages for c in store.conversations(CLI_OWNER))
+    assert counts == [4, 6]  # the third turn went to the loaded conversation
+    longer = max(store.conversations(CLI_OWNER), key=lambda c: c.messages)
+    assert [m.content for m in store.path(CLI_OWNER, longer.id)][:5:2] == [
+        "Hello!", "What is 2+2?", "And 3+3?"]
+    store.close()
+
+
+def test_chat_history_flags(tmp_path):
+    r = run("chat", "--history-max-conversations", "-1")
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and "--history-max-conversations" in lines[0]
+    db, data = tmp_path / "h.sqlite3", tmp_path / "data"
+    r = run("chat", *CHEAP, "--no-history", "--history-db", str(db),
+            stdin="Hi\n/save\n/list\n", env={"MINISERVE_DATA_DIR": str(data)})
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert "note: history is off" in r.stderr
+    assert "saved as 1: Hi (in memory only: history is not kept on disk)" in r.stdout
+    assert "  1. Hi  (" in r.stdout
+    assert not db.exists() and not data.exists() and list(tmp_path.iterdir()) == []
 
 
 def test_bench_writes_json_and_csv(tmp_path):

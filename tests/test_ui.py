@@ -2,12 +2,18 @@
 engine: what each tab shows for good values, and the readable error for a bad one."""
 
 import html
+import json
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from miniserve.config import FIELDS, SamplingParams, load_presets
 from miniserve.ui import BenchmarkHandlers, ChatHandlers, CompareHandlers, build_ui
-from miniserve.ui.common import Sessions, plain_history, seed_from
+from miniserve.store import open_store
+from miniserve.ui.common import Sessions, seed_from
+from miniserve.ui.conversation import SHOWN, Shown, new_view
+from miniserve.ui.sidebar import SidebarHandlers, file_name
 
 PROMPT = "Write one sentence about a cat."
 
@@ -107,27 +113,103 @@ def test_compare_negative_seed_is_random(compare):
 
 
 # -- Chat ------------------------------------------------------------------------------------
+# The handlers return SHOWN values (browser, view, chatbot, conversations, title, system,
+# branches, status), the generating ones + (message box, inspector HTML).
+
+def send(chat, browser, view, message, preset="factual", max_new_tokens=12, seed=1,
+         inspect=False, system=""):
+    return chat.send(message, browser, view, "", system, preset,
+                     *sliders(chat, preset, max_new_tokens), seed, inspect)
+
+
+def first_visit(chat):
+    shown = SidebarHandlers(chat.conversations).load({})
+    return shown.browser, shown.view
+
+
+def contents(chatbot):
+    return [m["content"] for m in chatbot]
+
 
 def test_send_streams_then_shows_the_stats(chat):
-    updates = list(chat.send("Name a colour.", [], "", *sliders(chat), 1, False))
-    assert updates[0][2] == "generating…"
-    chatbot, box, status, inspected = updates[-1]
-    assert [m["role"] for m in chatbot] == ["user", "assistant"]
-    assert chatbot[0]["content"] == "Name a colour." and chatbot[1]["content"].strip()
+    browser, view = first_visit(chat)
+    updates = list(send(chat, browser, view, "Name a colour."))
+    assert updates[1][SHOWN.index("status")] == "generating…"
+    *shown, box, inspected = updates[-1]
+    shown = Shown(*shown)
+    assert [m["role"] for m in shown.chatbot] == ["user", "assistant"]
+    assert shown.chatbot[0]["content"] == "Name a colour." and shown.chatbot[1]["content"].strip()
     assert box == "" and inspected == ""
-    assert "prompt tokens" in status and "tokens/s" in status and "history not trimmed" in status
+    assert "prompt tokens" in shown.status and "tokens/s" in shown.status
+    assert "history not trimmed" in shown.status and "seed 1" in shown.status
+    assert shown.title == "Name a colour." and shown.browser["open"] == shown.view["cid"]
+    assert shown.conversations["value"] == shown.view["cid"]
 
 
 def test_send_with_the_inspector_returns_its_html(chat):
-    *_, inspected = last(chat.send("Name a colour.", [], "", *sliders(chat, max_new_tokens=4),
-                                   -1, True))
+    browser, view = first_visit(chat)
+    *_, inspected = last(send(chat, browser, view, "Name a colour.", max_new_tokens=4,
+                              seed=-1, inspect=True))
     assert "ms-tok" in inspected
 
 
-def test_regenerate_repeats_a_greedy_reply(chat):
-    chatbot, *_ = last(chat.send("Name a fruit.", [], "", *sliders(chat), -1, False))
-    again, status, _ = last(chat.regenerate(chatbot, "", *sliders(chat), -1, False))
-    assert again == chatbot and "tokens/s" in status
+def test_a_reply_is_saved_with_its_settings_stats_and_the_seed_drawn(chat):
+    """Seed box -1 (random): a seed is drawn, used, saved and shown; the saved settings
+    reproduce the reply."""
+    browser, view = first_visit(chat)
+    shown = Shown(*last(send(chat, browser, view, "Name an animal.", preset="creative",
+                             seed=-1, system="Answer in one word."))[:8])
+    owner, cid = shown.browser["owner"], shown.view["cid"]
+    user, reply = chat.store.path(owner, cid)
+    assert (user.role, user.content) == ("user", "Name an animal.")
+    seed = reply.settings["seed"]
+    assert isinstance(seed, int) and f"seed {seed}" in shown.status
+    assert reply.settings["preset"] == "creative" and reply.settings["temperature"] == 1.0
+    assert reply.settings["system"] == "Answer in one word." and reply.status == "complete"
+    assert reply.stats["new_tokens"] >= 1 and reply.stats["finish_reason"] in ("eos", "length")
+    assert chat.store.get(owner, cid).system == "Answer in one word."
+    # the same settings and seed again: the same reply
+    browser, view = first_visit(chat)
+    again = Shown(*last(send(chat, browser, view, "Name an animal.", preset="creative",
+                             seed=seed, system="Answer in one word."))[:8])
+    assert again.chatbot[-1]["content"] == reply.content
+
+
+def test_regenerate_and_edit_make_branches_and_the_arrows_switch(chat):
+    browser, view = first_visit(chat)
+    shown = Shown(*last(send(chat, browser, view, "Name a fruit."))[:8])
+    first_reply = shown.chatbot[-1]["content"]
+    regen = Shown(*last(chat.regenerate(shown.browser, shown.view, "", "", "factual",
+                                        *sliders(chat), -1, False))[:8])
+    assert regen.chatbot[-1]["content"].endswith("‹ 2/2 ›")
+    assert "versions of the reply #2 (now 2 of 2)" in regen.branches
+    back = chat.previous_version(regen.browser, regen.view)
+    assert back.chatbot[-1]["content"] == first_reply + "\n\n‹ 1/2 ›"
+    edited = SimpleNamespace(index=0, value="Name a vegetable.\n\n‹ 1/1 ›", previous_value="")
+    after = Shown(*last(chat.edit(back.browser, back.view, "", "", "factual", *sliders(chat),
+                                  1, False, edited))[:8])
+    assert after.chatbot[0]["content"] == "Name a vegetable.\n\n‹ 2/2 ›"
+    assert "versions of your message #1 (now 2 of 2)" in after.branches
+    old = chat.previous_version(after.browser, after.view)
+    assert contents(old.chatbot)[0] == "Name a fruit.\n\n‹ 1/2 ›"
+    # back on the first version of the message, down its newest reply (the regenerated one)
+    assert contents(old.chatbot)[1] == regen.chatbot[-1]["content"]
+    owner, cid = after.browser["owner"], after.view["cid"]
+    assert len(chat.store.export(owner, cid)["messages"]) == 5  # nothing was overwritten
+
+
+def test_a_turn_from_a_stale_view_becomes_a_branch(chat):
+    """Two browser tabs on one conversation: the second sends from where it last looked."""
+    browser, view = first_visit(chat)
+    one = Shown(*last(send(chat, browser, view, "Hello."))[:8])
+    tab_a = tab_b = one.view
+    a = Shown(*last(send(chat, one.browser, tab_a, "Name a colour."))[:8])
+    b = Shown(*last(send(chat, one.browser, tab_b, "Name a number."))[:8])
+    assert contents(b.chatbot)[2] == "Name a number.\n\n‹ 2/2 ›"
+    owner, cid = one.browser["owner"], one.view["cid"]
+    texts = [m["content"] for m in chat.store.export(owner, cid)["messages"]]
+    assert "Name a colour." in texts and "Name a number." in texts and len(texts) == 6
+    assert contents(a.chatbot)[2] == "Name a colour."
 
 
 @pytest.mark.parametrize("message, seed, settings, error", [
@@ -139,32 +221,44 @@ def test_regenerate_repeats_a_greedy_reply(chat):
     ("a long message " * 3000, 1, {}, "too long"),
 ])
 def test_send_bad_values_keep_the_chat_and_the_message(chat, message, seed, settings, error):
-    chatbot = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi!"}]
+    browser, view = first_visit(chat)
+    before = Shown(*last(send(chat, browser, view, "Hello", max_new_tokens=3))[:8])
     values = sliders(chat)
     for name, value in settings.items():
         values[list(FIELDS).index(name)] = value
-    updates = list(chat.send(message, chatbot, "", *values, seed, False))
-    shown, box, status, _ = updates[-1]
-    assert status.startswith("**Error:**") and error in status, status
-    assert shown == chatbot and box == message
+    updates = list(chat.send(message, before.browser, before.view, "", "", "factual", *values,
+                             seed, False))
+    *shown, box, _ = updates[-1]
+    shown = Shown(*shown)
+    assert shown.status.startswith("**Error:**") and error in shown.status, shown.status
+    assert shown.chatbot == before.chatbot and box == message
+    owner, cid = before.browser["owner"], before.view["cid"]
+    assert len(chat.store.path(owner, cid)) == 2  # nothing saved
 
 
 def test_regenerate_with_nothing_to_regenerate(chat):
-    assert list(chat.regenerate([], "", *sliders(chat), 1, False)) == \
-        [([], "**Error:** nothing to regenerate yet", "")]
+    browser, view = first_visit(chat)
+    *shown, box, inspected = last(chat.regenerate(browser, view, "", "", "factual",
+                                                  *sliders(chat), 1, False))
+    assert Shown(*shown).status == "**Error:** nothing to regenerate yet"
+    assert Shown(*shown).chatbot == []
 
 
-def test_stop_ends_the_reply_and_keeps_its_text(chat):
-    replies = chat.send("Write a very long story about a dragon.", [], "",
-                        *sliders(chat, max_new_tokens=1500), 1, False)
-    for chatbot, _, status, _ in replies:
-        if len(chatbot[-1]["content"].split()) >= 3:  # the reply is under way
+def test_stop_ends_the_reply_keeps_its_text_and_saves_it_as_stopped(chat):
+    browser, view = first_visit(chat)
+    replies = send(chat, browser, view, "Write a very long story about a dragon.",
+                   max_new_tokens=1500)
+    for update in replies:
+        chatbot = update[SHOWN.index("chatbot")]
+        if chatbot and len(chatbot[-1]["content"].split()) >= 3:  # the reply is under way
             break
     chat.stop()  # no request: the "default" session, the one the reply runs in
-    chatbot, _, status, _ = last(replies)
-    assert "finish: cancelled" in status and "stopped by you" in status
-    assert int(status.split(" new tokens")[0].split()[-1]) < 1500
-    assert len(chatbot[-1]["content"].split()) >= 3
+    shown = Shown(*last(replies)[:8])
+    assert "finish: cancelled" in shown.status and "stopped by you" in shown.status
+    assert int(shown.status.split(" new tokens")[0].split()[-1]) < 1500
+    assert shown.chatbot[-1]["content"].endswith("*(stopped)*")
+    reply = chat.store.path(shown.browser["owner"], shown.view["cid"])[-1]
+    assert reply.status == "stopped" and len(reply.content.split()) >= 3
 
 
 class Request:
@@ -202,32 +296,117 @@ def test_stop_ends_a_reply_after_a_comparison_of_the_same_session(engine, preset
     sessions = Sessions()
     chat = ChatHandlers(engine, presets, sessions)
     compare = CompareHandlers(engine, presets, sessions)
-    replies = chat.send("Write a very long story about a dragon.", [], "",
-                        *sliders(chat, max_new_tokens=1500), 1, False)
-    for chatbot, _, status, _ in replies:
-        if len(chatbot[-1]["content"].split()) >= 3:  # the reply is under way
+    browser, view = first_visit(chat)
+    replies = send(chat, browser, view, "Write a very long story about a dragon.",
+                   max_new_tokens=1500)
+    for update in replies:
+        chatbot = update[SHOWN.index("chatbot")]
+        if chatbot and len(chatbot[-1]["content"].split()) >= 3:  # the reply is under way
             break
     status, *_ = last(compare.compare(PROMPT, ["factual"], 1, 4))
     assert status.startswith("same prompt"), status
     chat.stop()  # the "default" session, which both ran in
-    chatbot, _, status, _ = last(replies)
+    status = Shown(*last(replies)[:8]).status
     assert "finish: cancelled" in status and "stopped by you" in status
     assert int(status.split(" new tokens")[0].split()[-1]) < 1500
 
 
 def test_undo_clear_and_presets(chat, presets):
-    chatbot = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
-    assert chat.undo(chatbot) == ([], "Hi", "last turn removed")
-    assert chat.undo([]) == ([], "", "nothing to undo")
-    assert chat.clear() == ([], "", "conversation cleared", "")
+    browser, view = first_visit(chat)
+    one = Shown(*last(send(chat, browser, view, "Hi", max_new_tokens=3))[:8])
+    *shown, box = chat.undo(one.browser, one.view)
+    shown = Shown(*shown)
+    assert shown.chatbot == [] and box == "Hi" and shown.status == "last turn removed"
+    assert chat.store.path(one.browser["owner"], one.view["cid"]) == []
+    *shown, box = chat.undo(shown.browser, shown.view)
+    assert Shown(*shown).status == "nothing to undo" and box == ""
+    two = Shown(*last(send(chat, one.browser, new_view(), "Hello", max_new_tokens=3))[:8])
+    *cleared, box, inspected = chat.clear(two.browser)
+    cleared = Shown(*cleared)
+    assert cleared.chatbot == [] and cleared.view == new_view() and cleared.status == "new chat"
+    assert two.view["cid"] in {cid for _, cid in cleared.conversations["choices"]}  # kept
     assert chat.apply_preset("creative") == [1.0, 80, 0.98, 0.02, 1.15, 512]
 
 
-def test_history_takes_content_parts_as_text():
-    chatbot = [{"role": "user", "content": [{"type": "text", "text": "Hi "}, "there"]},
-               {"role": "assistant", "content": {"value": "Hello"}}, "not a message"]
-    assert plain_history(chatbot) == [{"role": "user", "content": "Hi there"},
-                                      {"role": "assistant", "content": "Hello"}]
+def test_a_reload_and_a_restart_bring_back_the_open_conversation(engine, presets, tmp_path):
+    store = open_store(tmp_path / "history.sqlite3")
+    chat = ChatHandlers(engine, presets, store=store)
+    browser, view = first_visit(chat)
+    one = Shown(*last(send(chat, browser, view, "Remember me."))[:8])
+    reload = SidebarHandlers(chat.conversations).load(one.browser)
+    assert reload.chatbot == one.chatbot and reload.view["cid"] == one.view["cid"]
+    store.close()
+    restarted = ChatHandlers(engine, presets, store=open_store(tmp_path / "history.sqlite3"))
+    again = SidebarHandlers(restarted.conversations).load(one.browser)
+    assert again.chatbot == one.chatbot and again.title == "Remember me."
+    assert restarted.store.secret() == store_secret_of(tmp_path)
+
+
+def store_secret_of(tmp_path):
+    return open_store(tmp_path / "history.sqlite3").secret()
+
+
+def test_another_browsers_conversation_is_refused(chat):
+    browser, view = first_visit(chat)
+    mine = Shown(*last(send(chat, browser, view, "My secret.", max_new_tokens=3))[:8])
+    other, _ = first_visit(chat)
+    side = SidebarHandlers(chat.conversations)
+    assert side.load(other).conversations["choices"] == [] or mine.view["cid"] not in {
+        c for _, c in side.load(other).conversations["choices"]}
+    opened = side.open(other, mine.view["cid"])
+    assert opened.chatbot == [] and opened.status.startswith("**Error:** no conversation")
+    *sent, box, _ = last(chat.send("Reply here.", other, mine.view, "", "", "factual",
+                                   *sliders(chat), 1, False))
+    assert Shown(*sent).status.startswith("**Error:** no conversation") and box == "Reply here."
+    assert side.export(other, mine.view, "json")[0] is None
+    assert len(chat.store.path(mine.browser["owner"], mine.view["cid"])) == 2
+
+
+def test_sidebar_rename_search_delete_and_undo(chat):
+    side = SidebarHandlers(chat.conversations)
+    browser, view = first_visit(chat)
+    one = Shown(*last(send(chat, browser, view, "Tell me about zebras.", max_new_tokens=3))[:8])
+    renamed = side.rename(one.browser, one.view, "Stripes")
+    assert renamed.title == "Stripes" and renamed.conversations["choices"][0][0].startswith(
+        "Stripes · ")
+    assert side.rename(one.browser, one.view, "   ").status.startswith("**Error:** the title")
+    found, line = side.search(one.browser, one.view, "zebra")
+    assert [c for _, c in found["choices"]] == [one.view["cid"]] and line == "1 conversation match"
+    assert side.search(one.browser, one.view, "giraffe")[0]["choices"] == []
+    gone = side.delete(one.browser, one.view)
+    assert gone.chatbot == [] and "Undo delete" in gone.status
+    assert gone.conversations["choices"] == []
+    back = side.undo_delete(gone.browser, gone.view)
+    assert back.view["cid"] == one.view["cid"] and back.title == "Stripes"
+
+
+def test_export_and_import_round_trip_and_bad_files(chat, tmp_path):
+    side = SidebarHandlers(chat.conversations)
+    browser, view = first_visit(chat)
+    one = Shown(*last(send(chat, browser, view, "Name a bird.", max_new_tokens=4))[:8])
+    path, status = side.export(one.browser, one.view, "JSON (whole tree)")
+    assert status.startswith("exported") and path.endswith("Name-a-bird.json")
+    imported = side.import_file(one.browser, new_view(), path)
+    assert imported.status == "imported 1 conversation" and imported.chatbot == one.chatbot
+    owner = one.browser["owner"]
+    assert chat.store.export(owner, imported.view["cid"]) == json.loads(Path(path).read_text())
+    md, _ = side.export(one.browser, one.view, "Markdown (this branch)")
+    assert "**User:**" in Path(md).read_text() and md.endswith(".md")
+    count = len(chat.store.conversations(owner))
+    for content in (b"not json", b'{"format": "miniserve.conversation", "version": 9}',
+                    b'[{"role": "assistant", "content": "first?"}]'):
+        bad = tmp_path / "bad.json"
+        bad.write_bytes(content)
+        shown = side.import_file(one.browser, one.view, str(bad))
+        assert shown.status.startswith("**Error:** import failed, nothing was imported")
+    assert len(chat.store.conversations(owner)) == count
+
+
+@pytest.mark.parametrize("title, name", [("../../etc/passwd", "etc-passwd.json"),
+                                         ("", "conversation.json"),
+                                         ("C:\\x\\y ü", "C-x-y.json")])
+def test_export_names_cannot_leave_their_folder(title, name):
+    assert file_name(title, ".json") == name
 
 
 @pytest.mark.parametrize("value, seed", [(None, None), ("", None), (-1, None), (-1.0, None),

@@ -11,6 +11,7 @@ import gradio as gr
 
 from miniserve.config import SamplingParams
 from miniserve.engine import Engine
+from miniserve.store import Store
 from miniserve.ui.bench_tab import BenchmarkHandlers, build_benchmark_tab
 from miniserve.ui.chat_tab import ChatHandlers, build_chat_tab
 from miniserve.ui.common import Sessions
@@ -37,14 +38,17 @@ def header(info: dict) -> str:
 
 
 def build_ui(engine: Engine, presets: dict[str, SamplingParams],
-             default_preset: str = "balanced") -> gr.Blocks:
+             default_preset: str = "balanced", store: Store | None = None) -> gr.Blocks:
+    """The app. `store`: the saved conversations (None: kept in memory only)."""
     default_preset = default_preset if default_preset in presets else next(iter(presets))
     sessions = Sessions()  # Stop in the Chat tab also ends the session's comparison
     with gr.Blocks(title="MiniServeLM") as demo:
         gr.Markdown(header(engine.info()))
-        build_chat_tab(ChatHandlers(engine, presets, sessions), default_preset)
+        chat_tab = build_chat_tab(ChatHandlers(engine, presets, sessions, store),
+                                  default_preset)
         build_compare_tab(CompareHandlers(engine, presets, sessions))
         build_benchmark_tab(BenchmarkHandlers(engine, presets))
+        chat_tab.on_load(demo)
     # Gradio runs one event of a listener at a time unless told otherwise: the replies of many
     # browsers would then take turns instead of sharing the engine's forward passes. As many
     # engine events run at once as the engine admits (common.ENGINE_EVENTS), on enough threads

@@ -1,24 +1,32 @@
-"""The Chat tab: a streaming conversation with sliders, Stop, Regenerate, Undo and the token
-inspector. `ChatHandlers` holds what its buttons call; each handler is a plain method (the
-streaming ones generators) that runs without a browser."""
+"""The Chat tab: a streaming conversation with sliders, Stop, Regenerate, Undo, edits that
+branch, the token inspector, and the Conversations sidebar (sidebar.py) over the saved history.
+`ChatHandlers` holds what its buttons call; each handler is a plain method (the streaming ones
+generators) that runs without a browser."""
 
 from __future__ import annotations
 
+import secrets
 import time
+from typing import NamedTuple
 
 import gradio as gr
 
-from miniserve.config import FIELDS, SamplingParams
+from miniserve.config import FIELDS, RANDOM_SEEDS, SamplingParams
 from miniserve.engine import Engine
 from miniserve.inspector import Inspector
+from miniserve.store import Store, StoreError, open_store
 from miniserve.ui.common import (ENGINE_EVENTS, PAINT_INTERVAL_S, USER_ERRORS, Sessions, error,
-                                 is_error, params_from, plain_history)
+                                 is_error, message_text, params_from)
+from miniserve.ui.conversation import (SHOWN, Conversations, Shown, new_view, owner_of,
+                                       strip_marks)
+from miniserve.ui.sidebar import SidebarHandlers, build_sidebar, wire_sidebar
 
 assert list(FIELDS) == ["temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                         "max_new_tokens"], "the handlers below take the sliders in this order"
 SLIDER_MAX = {"top_k": 200}  # the slider's range; larger values are still valid via CLI/API
 SLIDER_STEP = {"temperature": 0.05, "top_k": 1, "top_p": 0.01, "min_p": 0.01,
                "repetition_penalty": 0.01, "max_new_tokens": 1}
+BROWSER_KEY = "miniserve"  # the browser's local-storage key for its owner id and open chat
 
 
 def chat_status(stats, dropped: int, note: str = "") -> str:
@@ -29,95 +37,218 @@ def chat_status(stats, dropped: int, note: str = "") -> str:
 
 
 class ChatHandlers:
-    """The Chat tab's handlers over one engine and its presets. The sliders arrive in FIELDS
-    order; `request` (injected by Gradio) names the browser session that Stop cancels."""
+    """The Chat tab's handlers over one engine, its presets and the conversation store.
+    Handlers that show a conversation take the browser's state and the tab's view
+    (conversation.py) and return `Shown` values; the ones that generate add the message box
+    and the inspector's HTML. The sliders arrive in FIELDS order; `request` (injected by
+    Gradio) names the browser session that Stop cancels."""
 
     def __init__(self, engine: Engine, presets: dict[str, SamplingParams],
-                 sessions: Sessions | None = None):
+                 sessions: Sessions | None = None, store: Store | None = None):
         self.engine = engine
         self.presets = presets
         self.sessions = sessions or Sessions()
+        self.store = store if store is not None else open_store(enabled=False)
+        self.conversations = Conversations(self.store)
 
-    def reply(self, history: list[dict], system: str, settings, seed, inspect_on, request=None):
-        """Shared by Send and Regenerate: stream the assistant's reply to `history`.
-        Yields (messages shown, status line, inspector HTML); on an error, `history` as it was
-        and the error as the status."""
+    def _show(self, browser, view, status, query="") -> Shown:
+        """The view as it is, or a new chat when its conversation is gone (deleted in another
+        tab): never an exception out of a handler."""
+        try:
+            return self.conversations.show(browser, view, status, query)
+        except StoreError as e:
+            return self.conversations.show(browser, new_view(),
+                                           status if is_error(status) else error(str(e)), query)
+
+    def _respond(self, browser, view, query, system, preset, settings, seed, inspect_on,
+                 request, *, text: str | None = None, under: str | None = None,
+                 reply_to: str | None = None, focus_new: bool = False):
+        """Add the user's `text` under the message `under` (None: as a first message) and
+        stream the reply to it; with `text` None, stream a new reply to the user message
+        `reply_to` (Regenerate). The user's message is saved when the engine takes the
+        request, the reply when it ends (finished or stopped), with its settings and stats.
+        Yields SHOWN values + (message box, inspector HTML); on an error the conversation as
+        it was, the typed message kept in the box, and the error as the status."""
+        box = text if text is not None else gr.update()
+        try:
+            owner = owner_of(browser)
+            params = params_from(settings, seed)
+            if params.seed is None:  # a random seed is drawn, used, saved and shown
+                params = params.replace(seed=secrets.randbelow(RANDOM_SEEDS))
+            cid = view.get("cid")
+            before = self.conversations.path(owner, new_view(cid, reply_to or under))
+            messages = (([{"role": "system", "content": system}] if (system or "").strip()
+                         else []) + [{"role": m.role, "content": m.content} for m in before]
+                        + ([{"role": "user", "content": text}] if text is not None else []))
+        except (*USER_ERRORS, StoreError) as e:
+            yield (*self._show(browser, view, error(str(e)), query), box, "")
+            return
         with self.sessions.running(request) as cancel:
-            shown = [*history, {"role": "assistant", "content": ""}]
             try:
-                params = params_from(settings, seed)
-                messages = (([{"role": "system", "content": system}] if (system or "").strip()
-                             else []) + history)
                 inspector = Inspector(self.engine.tokenizer, params) if inspect_on else None
                 stream = self.engine.chat(messages, params, cancel=cancel,
                                           observer=inspector.observe if inspector else None)
-                text = ""
-                yield shown, "generating…", ""
-                last_paint = time.perf_counter()
-                for chunk in stream:
-                    text += chunk.text
-                    shown[-1] = {"role": "assistant", "content": text}
-                    if chunk.done:
-                        note = "stopped by you" if chunk.stats.finish_reason == "cancelled" else ""
-                        yield (shown, chat_status(chunk.stats, chunk.dropped_messages, note),
-                               inspector.as_html() if inspector else "")
-                    elif chunk.text and time.perf_counter() - last_paint >= PAINT_INTERVAL_S:
+                if cid is None:
+                    cid = self.store.create(owner, system=system or "")
+                elif (system or "") != self.store.get(owner, cid).system:
+                    self.store.set_system(owner, cid, system or "")
+                if text is not None:
+                    reply_to = self.store.add(owner, cid, under, "user", text).id
+            except (*USER_ERRORS, StoreError) as e:
+                yield (*self._show(browser, view, error(str(e)), query), box, "")
+                return
+            view = new_view(cid, reply_to, reply_to if focus_new and text is not None else None)
+            base = self.conversations.show(browser, view, "generating…", query)
+            streaming = base._replace(conversations=gr.update(), title=gr.update(),
+                                      system=gr.update())
+            shown = [*base.chatbot, {"role": "assistant", "content": ""}]
+            yield (*base._replace(chatbot=shown), "", "")
+            text_so_far, last_paint, last = "", time.perf_counter(), None
+            try:
+                for last in stream:
+                    text_so_far += last.text
+                    if last.done:
+                        break
+                    if last.text and time.perf_counter() - last_paint >= PAINT_INTERVAL_S:
                         last_paint = time.perf_counter()
-                        yield shown, "generating…", ""
-            except USER_ERRORS as e:
-                yield history, error(str(e)), ""
-            except Exception as e:  # noqa: BLE001 -- show it, keep the conversation
-                yield history, error(f"{type(e).__name__}: {e}"), ""
+                        shown[-1] = {"role": "assistant", "content": text_so_far}
+                        yield (*streaming._replace(chatbot=shown), "", "")
+            except Exception as e:  # noqa: BLE001 -- show it; the user's message is saved
+                yield (*self._show(browser, view, error(f"{type(e).__name__}: {e}"), query),
+                       "", "")
+                return
+            if last is None or not last.done:
+                yield (*self._show(browser, view, error("the reply ended without its stats"),
+                                   query), "", "")
+                return
+            stats = last.stats
+            stopped = stats.finish_reason == "cancelled"
+            settings_used = {"preset": preset, **params.as_dict(), "system": system or "",
+                             "model": self.engine.name}
+            try:
+                reply = self.store.add(owner, cid, reply_to, "assistant", text_so_far,
+                                       status="stopped" if stopped else "complete",
+                                       settings=settings_used, stats=stats.as_dict())
+            except StoreError as e:
+                yield (*self._show(browser, view, error(f"the reply was not saved: {e}"),
+                                   query), "", "")
+                return
+            note = f"seed {params.seed}" + (" · stopped by you" if stopped else "")
+            final = self.conversations.show(
+                browser, new_view(cid, reply.id, reply.id if focus_new and text is None
+                                  else view["focus"]),
+                chat_status(stats, last.dropped_messages, note), query)
+            yield (*final, "", inspector.as_html() if inspector else "")
 
-    # explicit parameters: Gradio injects `request` only into functions without *args
-    def send(self, message, chatbot, system, temperature, top_k, top_p, min_p,
-             repetition_penalty, max_new_tokens, seed, inspect_on,
+    # explicit parameters: Gradio injects `request` and event data only into functions
+    # without *args
+    def send(self, message, browser, view, query, system, preset, temperature, top_k, top_p,
+             min_p, repetition_penalty, max_new_tokens, seed, inspect_on,
              request: gr.Request | None = None):
-        """Send: yields (chatbot, message box, status, inspector HTML). On an error the typed
-        message stays in the box and the conversation as it was."""
+        """Send: the message goes under the leaf this tab shows."""
         settings = [temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens]
-        history = plain_history(chatbot)
         if not (message or "").strip():
-            yield chatbot, message, error("the message is empty; type something to send"), ""
+            yield (*self._show(browser, view, error("the message is empty; type something to "
+                                                    "send"), query), message, "")
             return
-        pending = [*history, {"role": "user", "content": message}]
-        for shown, status, inspected in self.reply(pending, system, settings, seed, inspect_on,
-                                                   request):
-            failed = is_error(status)
-            yield (chatbot if failed else shown), (message if failed else ""), status, inspected
+        yield from self._respond(browser, view, query, system, preset, settings, seed,
+                                 inspect_on, request, text=message, under=view.get("leaf"))
 
-    def regenerate(self, chatbot, system, temperature, top_k, top_p, min_p, repetition_penalty,
-                   max_new_tokens, seed, inspect_on, request: gr.Request | None = None):
-        """Regenerate the last reply: yields (chatbot, status, inspector HTML)."""
+    def edit(self, browser, view, query, system, preset, temperature, top_k, top_p, min_p,
+             repetition_penalty, max_new_tokens, seed, inspect_on, edited: gr.EditData,
+             request: gr.Request | None = None):
+        """An edited user message: a new version of it (a branch; the old one is kept) and a
+        reply to it."""
         settings = [temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens]
-        history = plain_history(chatbot)
-        while history and history[-1]["role"] == "assistant":
-            history.pop()
-        if not history:
-            yield chatbot, error("nothing to regenerate yet"), ""
+        try:
+            path = self.conversations.path(owner_of(browser), view)
+        except StoreError as e:
+            yield (*self._show(browser, view, error(str(e)), query), gr.update(), "")
             return
-        for shown, status, inspected in self.reply(history, system, settings, seed, inspect_on,
-                                                   request):
-            yield (chatbot if is_error(status) else shown), status, inspected
+        index = edited.index[0] if isinstance(edited.index, (list, tuple)) else edited.index
+        text = strip_marks(message_text(edited.value))
+        if not isinstance(index, int) or not 0 <= index < len(path) or \
+                path[index].role != "user":
+            yield (*self._show(browser, view, error("only your own messages can be edited"),
+                               query), gr.update(), "")
+            return
+        if not text.strip():
+            yield (*self._show(browser, view, error("the edited message is empty"), query),
+                   gr.update(), "")
+            return
+        yield from self._respond(browser, view, query, system, preset, settings, seed,
+                                 inspect_on, request, text=text, under=path[index].parent_id,
+                                 focus_new=True)
+
+    def regenerate(self, browser, view, query, system, preset, temperature, top_k, top_p,
+                   min_p, repetition_penalty, max_new_tokens, seed, inspect_on,
+                   request: gr.Request | None = None):
+        """A new version of the last reply (a branch; the old reply is kept)."""
+        settings = [temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens]
+        try:
+            path = self.conversations.path(owner_of(browser), view)
+        except StoreError as e:
+            yield (*self._show(browser, view, error(str(e)), query), gr.update(), "")
+            return
+        while path and path[-1].role == "assistant":
+            path.pop()
+        if not path:
+            yield (*self._show(browser, view, error("nothing to regenerate yet"), query),
+                   gr.update(), "")
+            return
+        yield from self._respond(browser, view, query, system, preset, settings, seed,
+                                 inspect_on, request, reply_to=path[-1].id, focus_new=True)
 
     def stop(self, request: gr.Request | None = None) -> None:
         self.sessions.stop(request)
 
-    @staticmethod
-    def undo(chatbot):
-        """Remove the last turn: (chatbot, its message back in the box, status)."""
-        history = plain_history(chatbot)
-        text = ""
-        while history and history[-1]["role"] == "assistant":
-            history.pop()
-        if history and history[-1]["role"] == "user":
-            text = history.pop()["content"]
-        return history, text, "last turn removed" if text else "nothing to undo"
+    def undo(self, browser, view, query=""):
+        """Take back the last turn of this branch: SHOWN values + its message back in the box."""
+        try:
+            if not view.get("leaf"):
+                return (*self._show(browser, view, "nothing to undo", query), "")
+            leaf, text = self.store.undo_turn(owner_of(browser), view["cid"], view["leaf"])
+        except StoreError as e:
+            return (*self._show(browser, view, error(str(e)), query), "")
+        return (*self._show(browser, new_view(view["cid"], leaf),
+                            "last turn removed" if text else "nothing to undo", query), text)
 
-    @staticmethod
-    def clear():
-        """(chatbot, message box, status, inspector HTML) of an empty conversation."""
-        return [], "", "conversation cleared", ""
+    def clear(self, browser, query=""):
+        """A new chat (the old one stays in the list): SHOWN values, message box, inspector."""
+        return (*self.conversations.show(browser, new_view(), "new chat", query), "", "")
+
+    def choose(self, browser, view, query, chosen: gr.SelectData):
+        """A click on a message: ‹ › will step through its versions (when it has some)."""
+        try:
+            path = self.conversations.path(owner_of(browser), view)
+        except StoreError as e:
+            return self._show(browser, view, error(str(e)), query)
+        index = chosen.index[0] if isinstance(chosen.index, (list, tuple)) else chosen.index
+        focus = path[index].id if isinstance(index, int) and 0 <= index < len(path) else None
+        return self._show(browser, {**view, "focus": focus}, "", query)
+
+    def step(self, browser, view, query, step: int):
+        """Show the previous (-1) or next (+1) version of the focused message."""
+        try:
+            owner = owner_of(browser)
+            shown = self.conversations.show(browser, view, "", query)
+            focus = shown.view["focus"]
+            if focus is None:
+                return shown._replace(status="this branch has no other versions")
+            depth = next(i for i, m in enumerate(self.conversations.path(owner, view))
+                         if m.id == focus)
+            leaf = self.store.switch(owner, focus, step)
+            path = self.conversations.path(owner, new_view(view["cid"], leaf))
+            return self.conversations.show(browser, new_view(view["cid"], leaf,
+                                                             path[depth].id), "", query)
+        except StoreError as e:
+            return self._show(browser, view, error(str(e)), query)
+
+    def previous_version(self, browser, view, query=""):
+        return self.step(browser, view, query, -1)
+
+    def next_version(self, browser, view, query=""):
+        return self.step(browser, view, query, +1)
 
     def apply_preset(self, name) -> list:
         """The sliders' values (FIELDS order) of a preset."""
@@ -125,13 +256,27 @@ class ChatHandlers:
         return [getattr(preset, k) for k in FIELDS]
 
 
-def build_chat_tab(chat: ChatHandlers, default_preset: str) -> None:
-    """The Chat tab and its events; call inside the app's `gr.Blocks`."""
+def build_chat_tab(chat: ChatHandlers, default_preset: str) -> "ChatTab":
+    """The Chat tab, its sidebar and their events; call inside the app's `gr.Blocks`.
+    Returns what the page-load event needs (`ChatTab.on_load`)."""
     start = chat.presets[default_preset]
+    side = SidebarHandlers(chat.conversations)
+    # what the browser keeps: its owner id and open conversation, encrypted with a key kept in
+    # the history database, so it still reads after a restart
+    browser = gr.BrowserState({"owner": None, "open": None}, storage_key=BROWSER_KEY,
+                              secret=chat.store.secret())
+    view = gr.State(new_view())
     with gr.Tab("Chat"):
         with gr.Row():
+            with gr.Column(scale=1, min_width=220):
+                bar = build_sidebar(side)
             with gr.Column(scale=3):
-                chatbot = gr.Chatbot(label="Conversation", height=460, buttons=["copy"])
+                chatbot = gr.Chatbot(label="Conversation", height=460, buttons=["copy"],
+                                     editable="user", elem_id="chatbot")
+                with gr.Row():
+                    branches = gr.Markdown("", elem_id="branches")
+                    prev_btn = gr.Button("‹", size="sm", scale=0, min_width=40)
+                    next_btn = gr.Button("›", size="sm", scale=0, min_width=40)
                 message = gr.Textbox(label="Message", placeholder="Type a message and press "
                                      "Enter", lines=2, autofocus=True)
                 with gr.Row():
@@ -153,19 +298,43 @@ def build_chat_tab(chat: ChatHandlers, default_preset: str) -> None:
                                      label=spec.label, info=spec.help)
                            for k, spec in FIELDS.items()]
                 seed = gr.Number(label="Seed", value=-1, precision=0,
-                                 info="-1 = random; a fixed seed repeats a sampled reply")
+                                 info="-1 = random (the seed drawn is shown and saved with "
+                                      "the reply); a fixed seed repeats a sampled reply")
                 system = gr.Textbox(label="System prompt", lines=3,
                                     placeholder="(the model's default)")
 
-    settings = [*sliders, seed, inspect_on]
-    send_args = dict(fn=chat.send, inputs=[message, chatbot, system, *settings],
-                     outputs=[chatbot, message, status, inspector_view],
-                     concurrency_id=ENGINE_EVENTS)
-    send_btn.click(**send_args)
-    message.submit(**send_args)
-    regen_btn.click(chat.regenerate, [chatbot, system, *settings],
-                    [chatbot, status, inspector_view], concurrency_id=ENGINE_EVENTS)
+    parts = {"browser": browser, "view": view, "chatbot": chatbot,
+             "conversations": bar["conversations"], "title": bar["title"], "system": system,
+             "branches": branches, "status": status}
+    shown = [parts[name] for name in SHOWN]
+    q = bar["search"]
+    settings = [system, preset, *sliders, seed, inspect_on]
+    generating = dict(outputs=[*shown, message, inspector_view], concurrency_id=ENGINE_EVENTS)
+    send_btn.click(chat.send, [message, browser, view, q, *settings], **generating)
+    message.submit(chat.send, [message, browser, view, q, *settings], **generating)
+    regen_btn.click(chat.regenerate, [browser, view, q, *settings], **generating)
+    chatbot.edit(chat.edit, [browser, view, q, *settings], **generating)
     stop_btn.click(chat.stop, None, None, queue=False)
-    undo_btn.click(chat.undo, chatbot, [chatbot, message, status])
-    clear_btn.click(chat.clear, None, [chatbot, message, status, inspector_view])
+    undo_btn.click(chat.undo, [browser, view, q], [*shown, message])
+    clear_btn.click(chat.clear, [browser, q], [*shown, message, inspector_view])
+    chatbot.select(chat.choose, [browser, view, q], shown)
+    prev_btn.click(chat.previous_version, [browser, view, q], shown)
+    next_btn.click(chat.next_version, [browser, view, q], shown)
     preset.change(chat.apply_preset, preset, sliders)
+    wire_sidebar(side, bar, shown, browser, view)
+    return ChatTab(side, browser, shown, q, bar["info"])
+
+
+class ChatTab(NamedTuple):
+    """What the app needs after laying the tab out: the page-load event's parts."""
+    sidebar: SidebarHandlers
+    browser: gr.BrowserState
+    shown: list
+    query: gr.Textbox
+    info: gr.Markdown
+
+    def on_load(self, demo: gr.Blocks) -> None:
+        """On page load: the browser's owner id (new on a first visit), the list, and the
+        conversation it had open before a reload or a restart."""
+        demo.load(self.sidebar.load, [self.browser, self.query], self.shown).then(
+            self.sidebar.info, None, self.info)

@@ -48,12 +48,6 @@ def message_text(content) -> str:
     return "" if content is None else str(content)
 
 
-def plain_history(chatbot) -> list[dict]:
-    """The Chatbot's value as the engine's messages: user and assistant turns, plain text."""
-    return [{"role": m["role"], "content": message_text(m["content"])} for m in (chatbot or [])
-            if isinstance(m, dict) and m.get("role") in ("user", "assistant")]
-
-
 def whole(value):
     """A number box's value: an int when it is a whole number, else as given (so that the
     settings' checks name a fraction instead of it being cut off silently)."""

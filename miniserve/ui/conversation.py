@@ -1,0 +1,142 @@
+"""What the Chat tab and its Conversations sidebar share: which conversation a browser tab
+shows, and how a saved conversation (miniserve/store.py) is drawn.
+
+Two values say where a browser is:
+- `browser` (kept in the browser's local storage, so it outlives a reload and a restart):
+  {"owner": the browser's random id, "open": the conversation it had open}. The store only
+  answers for that owner.
+- `view` (one per browser tab): {"cid": conversation, "leaf": the last message this tab shows,
+  "focus": the message whose versions ‹ › step through}. A turn sent from a tab is added
+  under *its* leaf: when another tab has moved on meanwhile, the turn becomes a branch where
+  the two views diverged, and nothing is overwritten.
+
+Every handler that shows a conversation returns `Shown`, the same eight values in the order
+of `SHOWN` (the components they go to, named in build_chat_tab).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from typing import NamedTuple
+
+import gradio as gr
+
+from miniserve.store import Message, NotFound, Store
+
+SHOWN = ("browser", "view", "chatbot", "conversations", "title", "system", "branches", "status")
+BRANCH_MARK = re.compile(r"\s*‹ \d+/\d+ ›\s*$")
+LIST_LIMIT = 500
+
+
+class Shown(NamedTuple):
+    browser: dict
+    view: dict
+    chatbot: list
+    conversations: dict  # a gr.update of the sidebar's list
+    title: str
+    system: str
+    branches: str
+    status: str
+
+
+def new_view(cid: str | None = None, leaf: str | None = None, focus: str | None = None) -> dict:
+    return {"cid": cid, "leaf": leaf, "focus": focus}
+
+
+def owner_of(browser) -> str:
+    """The browser's owner id; a browser without one (its first visit) is given one by
+    `Conversations.start`, before any handler that reads it runs."""
+    owner = (browser or {}).get("owner")
+    if not isinstance(owner, str) or not re.fullmatch(r"[0-9a-f]{32}", owner):
+        raise NotFound("this browser has no history id yet; reload the page")
+    return owner
+
+
+def strip_marks(text: str) -> str:
+    """A message as the user wrote it, without the ‹ 1/2 › the view adds."""
+    return BRANCH_MARK.sub("", text or "")
+
+
+def when(seconds: float) -> str:
+    """A date for the list: the time today, else the day."""
+    t = time.localtime(seconds)
+    today = time.localtime()
+    return time.strftime("%H:%M" if t[:3] == today[:3] else "%Y-%m-%d", t)
+
+
+class Conversations:
+    """Draws conversations of one store for the handlers of the Chat tab and the sidebar."""
+
+    def __init__(self, store: Store):
+        self.store = store
+
+    def start(self, browser) -> dict:
+        """The browser's state with an owner id (a new random one on its first visit)."""
+        browser = dict(browser or {})
+        try:
+            owner_of(browser)
+        except NotFound:
+            browser = {"owner": uuid.uuid4().hex, "open": None}
+        return browser
+
+    def choices(self, owner: str, query: str = "") -> list[tuple[str, str]]:
+        return [(f"{c.title or 'New chat'} · {when(c.updated)}", c.id)
+                for c in self.store.conversations(owner, query or "", LIST_LIMIT)]
+
+    def listing(self, owner: str, cid: str | None, query: str = "") -> dict:
+        choices = self.choices(owner, query)
+        return gr.update(choices=choices, value=cid if cid in {c for _, c in choices} else None)
+
+    def path(self, owner: str, view: dict) -> list[Message]:
+        return self.store.path(owner, view["cid"], view["leaf"]) if view.get("cid") and \
+            view.get("leaf") else []
+
+    def show(self, browser: dict, view: dict, status: str = "", query: str = "") -> Shown:
+        """The browser tab showing `view`'s conversation up to its leaf."""
+        owner = owner_of(browser)
+        cid = view.get("cid")
+        if cid is None:
+            return Shown({**browser, "open": None}, new_view(), [],
+                         self.listing(owner, None, query), "", gr.update(), "", status)
+        conv = self.store.get(owner, cid)
+        path = self.path(owner, view)
+        branches = self.store.branches(owner, path)
+        shown = []
+        for m, b in zip(path, branches):
+            text = m.content
+            if m.status == "stopped":
+                text += " *(stopped)*"
+            if b.count > 1:
+                text += f"\n\n‹ {b.index}/{b.count} ›"
+            shown.append({"role": m.role, "content": text})
+        focus = self.focus(path, branches, view.get("focus"))
+        view = new_view(cid, view.get("leaf"), focus)
+        return Shown({**browser, "open": cid}, view, shown, self.listing(owner, cid, query),
+                     conv.title, conv.system, self.branch_line(path, branches, focus), status)
+
+    @staticmethod
+    def focus(path, branches, wanted: str | None) -> str | None:
+        """The message ‹ › act on: the one chosen (clicked) if it has versions, else the last
+        message of the branch that has."""
+        with_versions = [m.id for m, b in zip(path, branches) if b.count > 1]
+        if wanted in with_versions:
+            return wanted
+        return with_versions[-1] if with_versions else None
+
+    @staticmethod
+    def branch_line(path, branches, focus: str | None) -> str:
+        if focus is None:
+            return ""
+        i = next(i for i, m in enumerate(path) if m.id == focus)
+        b = branches[i]
+        who = "your message" if path[i].role == "user" else "the reply"
+        return (f"‹ › step through the versions of {who} #{i + 1} (now {b.index} of {b.count}); "
+                f"click another message marked ‹ › to choose it")
+
+    def open(self, browser, cid: str, status: str = "", query: str = "",
+             focus: str | None = None) -> Shown:
+        """Open a conversation at its open leaf."""
+        conv = self.store.get(owner_of(browser), cid)
+        return self.show(browser, new_view(cid, conv.leaf, focus), status, query)

@@ -1,0 +1,175 @@
+"""The Conversations sidebar of the Chat tab: New chat, the saved conversations (newest first),
+Search, Rename, Delete (with Undo), Export (JSON, Markdown, OpenAI messages) and Import.
+`SidebarHandlers` holds what its controls call; each returns `Shown` (conversation.py), plus
+a file for the exports."""
+
+from __future__ import annotations
+
+import json
+import re
+import tempfile
+from pathlib import Path
+
+import gradio as gr
+
+from miniserve.config import MAX_IMPORT_BYTES
+from miniserve.store import StoreError
+from miniserve.ui.common import error
+from miniserve.ui.conversation import Conversations, Shown, new_view, owner_of
+
+EXPORTS = {"JSON (whole tree)": "json", "Markdown (this branch)": "md",
+           "OpenAI messages (this branch)": "openai"}
+
+
+def file_name(title: str, suffix: str) -> str:
+    """A download's name from a conversation's title: letters, digits, '.', '-' and '_' only,
+    so a title can never name a path."""
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", title or "").strip("-.")[:40] or "conversation"
+    return f"{stem}{suffix}"
+
+
+class SidebarHandlers:
+    def __init__(self, conversations: Conversations):
+        self.conversations = conversations
+        self.store = conversations.store
+
+    def load(self, browser, query=""):
+        """Page load: the browser's owner id (new on a first visit) and what it had open."""
+        browser = self.conversations.start(browser)
+        cid = browser.get("open")
+        if cid:
+            try:
+                return self.conversations.open(browser, cid, self.info(), query)
+            except StoreError:
+                pass  # deleted meanwhile, or another browser's: start empty
+        return self.conversations.show(browser, new_view(), self.info(), query)
+
+    def info(self) -> str:
+        return (f"{self.store.notice} · " if self.store.notice else "") + self.store.describe()
+
+    def _guard(self, browser, view, query, action) -> Shown:
+        try:
+            return action()
+        except StoreError as e:
+            return self.conversations.show(browser, new_view(), error(str(e)), query)
+
+    def new_chat(self, browser, query=""):
+        return self.conversations.show(browser, new_view(), "new chat", query)
+
+    def open(self, browser, cid, query=""):
+        if not cid:
+            return self.conversations.show(browser, new_view(), "", query)
+        return self._guard(browser, None, query,
+                           lambda: self.conversations.open(browser, cid, "", query))
+
+    def search(self, browser, view, query):
+        owner = owner_of(browser)
+        found = self.conversations.listing(owner, view.get("cid"), query)
+        n = len(found["choices"])
+        return found, (f"{n} conversation{'s' * (n != 1)} match" if (query or "").strip()
+                       else "")
+
+    def rename(self, browser, view, title, query=""):
+        def action():
+            if not view.get("cid"):
+                raise StoreError("nothing to rename yet: send a message first")
+            self.store.rename(owner_of(browser), view["cid"], title)
+            return self.conversations.show(browser, view, "renamed", query)
+        return self._guard(browser, view, query, action)
+
+    def delete(self, browser, view, query=""):
+        def action():
+            if not view.get("cid"):
+                raise StoreError("no conversation is open")
+            title = self.store.get(owner_of(browser), view["cid"]).title
+            self.store.delete(owner_of(browser), view["cid"])
+            return self.conversations.show(browser, new_view(),
+                                           f"deleted “{title}” · Undo delete brings it back",
+                                           query)
+        return self._guard(browser, view, query, action)
+
+    def undo_delete(self, browser, view, query=""):
+        cid = self.store.restore(owner_of(browser))
+        if cid is None:
+            return self.conversations.show(browser, view, "nothing to restore", query)
+        return self.conversations.open(browser, cid, "restored", query)
+
+    def export(self, browser, view, kind):
+        """(a file to download or None, status)."""
+        try:
+            if not view.get("cid"):
+                raise StoreError("nothing to export yet: open or start a conversation")
+            owner, cid = owner_of(browser), view["cid"]
+            kind = EXPORTS.get(kind, kind)
+            title = self.store.get(owner, cid).title
+            if kind == "json":
+                text, suffix = json.dumps(self.store.export(owner, cid), indent=2,
+                                          ensure_ascii=False), ".json"
+            elif kind == "md":
+                text, suffix = self.store.export_markdown(owner, cid, view.get("leaf")), ".md"
+            elif kind == "openai":
+                text, suffix = json.dumps(self.store.export_openai(owner, cid, view.get("leaf")),
+                                          indent=2, ensure_ascii=False), ".messages.json"
+            else:
+                raise StoreError(f"unknown export {kind!r} (choose one of {', '.join(EXPORTS)})")
+        except StoreError as e:
+            return None, error(str(e))
+        path = Path(tempfile.mkdtemp(prefix="miniserve-export-")) / file_name(title, suffix)
+        path.write_text(text, encoding="utf-8")
+        return str(path), f"exported “{title}” ({path.name})"
+
+    def import_file(self, browser, view, upload, query=""):
+        """Import an uploaded file; opens the (first) imported conversation."""
+        try:
+            if not upload:
+                raise StoreError("no file was uploaded")
+            path = Path(upload if isinstance(upload, str) else getattr(upload, "name", upload))
+            if path.stat().st_size > MAX_IMPORT_BYTES:
+                raise StoreError(f"the file is {path.stat().st_size / 1e6:.1f} MB; an import "
+                                 f"may be at most {MAX_IMPORT_BYTES / 1e6:.0f} MB")
+            ids = self.store.import_(owner_of(browser), path.read_bytes())
+        except (StoreError, OSError) as e:
+            return self.conversations.show(browser, view, error(f"import failed, nothing was "
+                                                                f"imported: {e}"), query)
+        n = len(ids)
+        return self.conversations.open(browser, ids[0],
+                                       f"imported {n} conversation{'s' * (n != 1)}", query)
+
+
+def build_sidebar(side: SidebarHandlers) -> dict:
+    """The sidebar's components (call inside a Column); `wire_sidebar` connects them once the
+    Chat tab's components exist."""
+    c = {}
+    c["new"] = gr.Button("New chat", variant="primary", size="sm")
+    c["search"] = gr.Textbox(label="Search", placeholder="words in titles and messages",
+                             max_lines=1)
+    c["found"] = gr.Markdown("", elem_id="search-status")
+    c["conversations"] = gr.Radio(label="Conversations", choices=[], elem_id="conversations")
+    with gr.Accordion("This conversation", open=False):
+        c["title"] = gr.Textbox(label="Title", max_lines=1)
+        with gr.Row():
+            c["rename"] = gr.Button("Rename", size="sm")
+            c["delete"] = gr.Button("Delete", variant="stop", size="sm")
+            c["undo_delete"] = gr.Button("Undo delete", size="sm")
+        c["export_kind"] = gr.Dropdown(list(EXPORTS), value=next(iter(EXPORTS)),
+                                       label="Export as")
+        c["export"] = gr.Button("Export", size="sm")
+        c["file"] = gr.File(label="Exported file", interactive=False, elem_id="export-file")
+        c["import"] = gr.UploadButton("Import JSON", file_types=[".json"], size="sm")
+    c["info"] = gr.Markdown("", elem_id="history-info")
+    return c
+
+
+def wire_sidebar(side: SidebarHandlers, c: dict, shown: list, browser, view) -> None:
+    """Connect the sidebar's events; `shown` are the components of SHOWN, in order."""
+    q = c["search"]
+    c["new"].click(side.new_chat, [browser, q], shown)
+    c["conversations"].input(side.open, [browser, c["conversations"], q], shown)
+    q.change(side.search, [browser, view, q], [c["conversations"], c["found"]])
+    c["rename"].click(side.rename, [browser, view, c["title"], q], shown)
+    c["title"].submit(side.rename, [browser, view, c["title"], q], shown)
+    c["delete"].click(side.delete, [browser, view, q], shown)
+    c["undo_delete"].click(side.undo_delete, [browser, view, q], shown)
+    status = shown[-1]
+    c["export"].click(side.export, [browser, view, c["export_kind"]], [c["file"], status])
+    c["import"].upload(side.import_file, [browser, view, c["import"], q], shown)
