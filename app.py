@@ -67,7 +67,9 @@ def main(argv=None) -> int:
     app = gr.mount_gradio_app(app, demo, path="/", css=CSS, footer_links=[])
     print(f"MiniServeLM ready in {time.perf_counter() - started:.1f} s: chat at {url} , "
           f"API at {url}/v1", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    # Ctrl-C: open browser tabs hold connections; they get a few seconds, not forever
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
+                timeout_graceful_shutdown=3)
     return 0
 
 

@@ -40,10 +40,14 @@ class Server:
         self.stop()
         raise RuntimeError(f"server did not answer within {timeout} s: {args}")
 
-    def restart(self) -> None:
-        """Stop the server and start it again on the same port (the browser's local storage
-        belongs to the address, port included)."""
-        self.stop()
+    def restart(self, kill: bool = False) -> None:
+        """Stop the server (`kill`: SIGKILL, as a crash would) and start it again on the same
+        port (the browser's local storage belongs to the address, port included)."""
+        if kill:
+            self.proc.kill()
+            self.proc.wait(timeout=20)
+        else:
+            self.stop()
         self.__init__(self.args, self.ready_path, self.timeout, self.port)
 
     def stop(self):

@@ -1,6 +1,7 @@
-"""Saved conversations in a real headless Chromium: a conversation outlives a reload and a
-restart of the app, two browsers never see each other's conversations, an edit makes a branch
-that ‹ › switches, Export → Import round-trips, Delete removes."""
+"""Saved conversations in a real headless Chromium: a conversation outlives a reload, a
+restart of the app and a crash in the middle of a reply; two browsers never see each other's
+conversations; an edit makes a branch that ‹ › switches; Export → Import round-trips; Delete
+removes."""
 
 import json
 import shutil
@@ -71,7 +72,7 @@ def conversations(page):
     return page.locator("#conversations")
 
 
-def test_a_conversation_survives_a_reload_and_a_restart(context, app):
+def test_a_conversation_survives_a_reload_a_restart_and_a_crash(context, app):
     page = open_app(context, app.url)
     say(page, "Remember the word pelican.")
     reply = page.locator("[data-testid='bot']").last.inner_text()
@@ -83,6 +84,18 @@ def test_a_conversation_survives_a_reload_and_a_restart(context, app):
     expect(users(page)).to_have_text(["Remember the word pelican."])
     expect(page.locator("[data-testid='bot']")).to_have_text([reply])
     expect(conversations(page)).to_contain_text("Remember the word pelican.")
+    # killed (SIGKILL) in the middle of the next reply: what was saved before is all there
+    set_number(page, "Max new tokens", 2000)
+    page.get_by_label("Message", exact=True).fill("Write a very long story about a pelican.")
+    page.get_by_role("button", name="Send").click()
+    expect(page.locator("#status")).to_contain_text("generating", timeout=REPLY_TIMEOUT_MS)
+    expect(page.locator("[data-testid='bot']").nth(1)).not_to_have_text("",
+                                                                       timeout=REPLY_TIMEOUT_MS)
+    app.restart(kill=True)
+    page.goto(app.url)
+    expect(users(page)).to_have_text(["Remember the word pelican.",
+                                      "Write a very long story about a pelican."])
+    expect(page.locator("[data-testid='bot']")).to_have_text([reply])
 
 
 def test_two_browsers_do_not_see_each_others_conversations(chromium, app):

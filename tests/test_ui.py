@@ -487,3 +487,14 @@ def test_concurrency_runs_the_apps_own_presets(engine):
     assert list(table["preset"]) == ["terse"] and not status.startswith("**Error"), status
     table, _, status = bench.concurrency("1", ["balanced"], 16, 4)  # only in presets.yaml
     assert table is None and "unknown preset balanced (available: terse, greedy)" in status
+
+
+def test_a_damaged_history_file_is_said_in_the_sidebar(engine, presets, tmp_path):
+    bad = tmp_path / "history.sqlite3"
+    bad.write_bytes(b"this is not a database" * 100)
+    chat = ChatHandlers(engine, presets, store=open_store(bad))
+    shown = SidebarHandlers(chat.conversations).load({})
+    assert "could not be read" in shown.status and "kept aside" in shown.status
+    browser, view = shown.browser, shown.view
+    saved = Shown(*last(send(chat, browser, view, "Still works?", max_new_tokens=3))[:8])
+    assert len(chat.store.path(saved.browser["owner"], saved.view["cid"])) == 2

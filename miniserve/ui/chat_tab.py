@@ -317,6 +317,7 @@ def build_chat_tab(chat: ChatHandlers, default_preset: str) -> "ChatTab":
     stop_btn.click(chat.stop, None, None, queue=False)
     undo_btn.click(chat.undo, [browser, view, q], [*shown, message])
     clear_btn.click(chat.clear, [browser, q], [*shown, message, inspector_view])
+    chatbot.clear(chat.clear, [browser, q], [*shown, message, inspector_view])  # its own 🗑
     chatbot.select(chat.choose, [browser, view, q], shown)
     prev_btn.click(chat.previous_version, [browser, view, q], shown)
     next_btn.click(chat.next_version, [browser, view, q], shown)

@@ -27,7 +27,7 @@ from miniserve.store import Message, NotFound, Store
 
 SHOWN = ("browser", "view", "chatbot", "conversations", "title", "system", "branches", "status")
 BRANCH_MARK = re.compile(r"\s*‹ \d+/\d+ ›\s*$")
-LIST_LIMIT = 500
+LIST_LIMIT = 1000  # the sidebar lists the newest this many; Search finds any
 
 
 class Shown(NamedTuple):
