@@ -127,6 +127,7 @@ def test_an_edit_makes_a_branch_and_the_arrows_switch(context, app):
     page.get_by_role("button", name="Submit").click()
     expect(page.locator("#branches")).to_contain_text("your message #1 (now 2 of 2)",
                                                       timeout=REPLY_TIMEOUT_MS)
+    expect(page.locator("#status")).to_contain_text("tokens/s", timeout=REPLY_TIMEOUT_MS)
     expect(users(page).first).to_contain_text("Name a vegetable.")
     expect(users(page).first).to_contain_text("‹ 2/2 ›")
     page.get_by_role("button", name="‹", exact=True).click()

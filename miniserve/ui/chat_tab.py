@@ -273,7 +273,7 @@ def build_chat_tab(chat: ChatHandlers, default_preset: str) -> "ChatTab":
             with gr.Column(scale=3):
                 chatbot = gr.Chatbot(label="Conversation", height=460, buttons=["copy"],
                                      editable="user", elem_id="chatbot")
-                with gr.Row():
+                with gr.Row(visible=False) as versions:  # shown where a message has versions
                     branches = gr.Markdown("", elem_id="branches")
                     prev_btn = gr.Button("‹", size="sm", scale=0, min_width=40)
                     next_btn = gr.Button("›", size="sm", scale=0, min_width=40)
@@ -322,6 +322,8 @@ def build_chat_tab(chat: ChatHandlers, default_preset: str) -> "ChatTab":
     prev_btn.click(chat.previous_version, [browser, view, q], shown)
     next_btn.click(chat.next_version, [browser, view, q], shown)
     preset.change(chat.apply_preset, preset, sliders)
+    branches.change(lambda line: gr.update(visible=bool(line)), branches, versions,
+                    queue=False)
     wire_sidebar(side, bar, shown, browser, view)
     return ChatTab(side, browser, shown, q, bar["info"])
 
