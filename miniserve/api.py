@@ -28,9 +28,10 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from miniserve.chat import ChatError
-from miniserve.config import (MAX_CHOICES, MAX_NEW_TOKENS, SEED_MAX, ConfigError, Field,
-                              SamplingParams, check_number, check_seed)
+from miniserve.config import (MAX_CHOICES, MAX_NEW_TOKENS, SEED_MAX, ConfigError, Constraint,
+                              Field, SamplingParams, check_number, check_seed)
 from miniserve.engine import Engine, EngineBusy, RequestTooLarge
+from miniserve.grammar import GrammarError
 
 PLACEHOLDER_MODELS = {"", "default", "miniserve", "local", "gpt-3.5-turbo", "gpt-4", "gpt-4o",
                       "gpt-4o-mini"}
@@ -38,6 +39,14 @@ DEFAULT_MAX_TOKENS = 1024
 # OpenAI's defaults (sampling with temperature 1, no filters) where a request is silent
 API_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
                 "repetition_penalty": 1.0}
+
+
+# Fields that would change what a reply means if they were ignored: refused, never dropped.
+UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls")
+# The extension for output formats OpenAI's response_format has no type for (vLLM's name):
+# {"structured_outputs": {"regex": ...} | {"choice": [...]} | {"grammar": ...} | {"json": ...}}
+STRUCTURED_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice",
+                    "grammar": "grammar"}
 
 
 class APIError(Exception):
@@ -64,13 +73,76 @@ def _number(body: dict, name: str, default, low, high, integer=False):
         raise APIError(400, str(e), name) from None
 
 
+def _constraint(body: dict) -> tuple[Constraint | None, str | None]:
+    """`response_format` or `structured_outputs` as a Constraint, and the field it came from.
+    The format is checked here (its shape); whether the library can compile and enforce it,
+    by the engine's grammar compiler."""
+    fmt, extra = body.get("response_format"), body.get("structured_outputs")
+    if fmt is not None and extra is not None:
+        raise APIError(400, "give either 'response_format' or 'structured_outputs', not both",
+                       "structured_outputs")
+    if fmt is not None:
+        field = "response_format"
+        if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object",
+                                                                  "json_schema"):
+            raise APIError(400, "'response_format' must be {\"type\": \"text\"}, "
+                                "{\"type\": \"json_object\"} or {\"type\": \"json_schema\", "
+                                "\"json_schema\": {\"name\": ..., \"schema\": {...}}}", field)
+        if fmt["type"] == "text":
+            return None, None
+        if fmt["type"] == "json_object":
+            return Constraint("json_object"), field
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict):
+            raise APIError(400, "'response_format.json_schema' must be an object with 'name' "
+                                "and 'schema'", "response_format.json_schema")
+        name = spec.get("name")
+        if name is not None and (not isinstance(name, str) or not name):
+            raise APIError(400, "'response_format.json_schema.name' must be a non-empty string",
+                           "response_format.json_schema.name")
+        if not isinstance(spec.get("strict", False), bool):
+            raise APIError(400, "'response_format.json_schema.strict' must be true or false",
+                           "response_format.json_schema.strict")
+        schema = spec.get("schema")
+        if not isinstance(schema, dict):
+            raise APIError(400, "'response_format.json_schema.schema' is required: the JSON "
+                                "Schema the reply must follow (an object)",
+                           "response_format.json_schema.schema")
+        return Constraint("json_schema", json.dumps(schema)), "response_format.json_schema.schema"
+    if extra is None:
+        return None, None
+    if not isinstance(extra, dict) or len([k for k in extra if extra[k] is not None]) != 1 or \
+            next(k for k in extra if extra[k] is not None) not in STRUCTURED_KINDS:
+        raise APIError(400, "'structured_outputs' must hold exactly one of "
+                            f"{', '.join(STRUCTURED_KINDS)}", "structured_outputs")
+    key = next(k for k in extra if extra[k] is not None)
+    value, field = extra[key], f"structured_outputs.{key}"
+    if key == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise APIError(400, f"'{field}' is not JSON: {e.msg}", field) from None
+        if not isinstance(value, dict):
+            raise APIError(400, f"'{field}' must be a JSON Schema (an object)", field)
+        return Constraint("json_schema", json.dumps(value)), field
+    if key == "choice":
+        if not isinstance(value, list) or not value or \
+                any(not isinstance(c, str) or not c for c in value):
+            raise APIError(400, f"'{field}' must be a list of non-empty strings", field)
+        return Constraint("choice", json.dumps(value)), field
+    if not isinstance(value, str) or not value.strip():
+        raise APIError(400, f"'{field}' must be a non-empty string", field)
+    return Constraint(STRUCTURED_KINDS[key], value), field
+
+
 class LogprobRecorder:
     """Observer for the decode loop: log-probabilities of each chosen token (before filters)."""
 
     def __init__(self, tokenizer, top: int):
         self.tokenizer, self.top, self.entries = tokenizer, top, []
 
-    def observe(self, logits, previous_ids, token_id):
+    def observe(self, logits, previous_ids, token_id, allowed=None):
         logp = torch.log_softmax(logits[0].float(), -1)
         entry = self._item(token_id, float(logp[token_id]))
         if self.top:
@@ -116,9 +188,19 @@ class ChatAPI:
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise APIError(400, "'stream' must be true or false", "stream")
-        options = body.get("stream_options") or {}
+        options = body.get("stream_options")
+        if options is not None and not stream:
+            raise APIError(400, "'stream_options' is only allowed with 'stream': true",
+                           "stream_options")
+        options = options or {}
         if not isinstance(options, dict):
             raise APIError(400, "'stream_options' must be an object", "stream_options")
+        for name in UNSUPPORTED:
+            if body.get(name) not in (None, [], {}, "none"):
+                raise APIError(400, f"'{name}' is not supported by this server (no tool or "
+                                    f"function calling); for JSON output use "
+                                    f"'response_format'", name, code="unsupported_parameter")
+        constraint, constraint_field = _constraint(body)
         stop = body.get("stop")
         if stop is None:
             stop = []
@@ -146,10 +228,20 @@ class ChatAPI:
             # ranges and types are checked by SamplingParams, from the one table in config
             sampling = {name: body[name] if body.get(name) is not None else default
                         for name, default in API_DEFAULTS.items()}
+            bias = body.get("logit_bias")
+            if bias is not None and not isinstance(bias, dict):
+                raise ConfigError("'logit_bias' must be an object mapping token ids to a bias "
+                                  "in [-100, 100]", "logit_bias")
             params = SamplingParams(**sampling, max_new_tokens=min(max_tokens, MAX_NEW_TOKENS), seed=seed,
-                                    stop=tuple(stop))
+                                    stop=tuple(stop), logit_bias=bias, constraint=constraint)
         except ConfigError as e:
             raise APIError(400, str(e), e.field) from None
+        if constraint is not None:
+            try:
+                self.engine.grammars.check(constraint)  # compiled once; the replies reuse it
+            except GrammarError as e:
+                raise APIError(400, f"'{e.field or constraint_field}': {e}",
+                               e.field or constraint_field) from None
         try:
             trimmed = self.engine.trim(body["messages"], params)
         except ChatError as e:
@@ -207,7 +299,11 @@ class ChatAPI:
 
     @staticmethod
     def _finish(stats) -> str:
-        return "length" if stats.finish_reason == "length" else "stop"
+        """OpenAI's finish reasons, and one of ours: "no_token_allowed" when the output
+        format (its grammar) and logit_bias left no token that could come next."""
+        if stats.finish_reason in ("length", "no_token_allowed"):
+            return stats.finish_reason
+        return "stop"
 
     async def complete(self, req: dict, choices: "_Choices") -> dict:
         parts: list[list[str]] = [[] for _ in range(req["n"])]

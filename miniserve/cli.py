@@ -108,6 +108,69 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--" + name.replace("_", "-"), type=spec.kind, default=None,
                        metavar="N", help=f"{spec.help} {spec.describe()}")
     p.add_argument("--seed", type=int, default=None, help="random seed for a reproducible run")
+    p.add_argument("--logit-bias", metavar="ID:BIAS,...", default=None,
+                   help="add BIAS (-100..100; -100 bans) to token ID's logit, e.g. 13:-100,42:2.5")
+    fmt = p.add_argument_group("output format (the reply is held to it, token by token)")
+    one = fmt.add_mutually_exclusive_group()
+    one.add_argument("--json-object", action="store_true", help="any JSON object")
+    one.add_argument("--json-schema", metavar="FILE",
+                     help="JSON valid against the JSON Schema in FILE")
+    one.add_argument("--regex", metavar="PATTERN", help="text matching PATTERN, whole")
+    one.add_argument("--choice", metavar="A,B,C", help="exactly one of these strings")
+    one.add_argument("--grammar", metavar="FILE",
+                     help="a grammar in FILE: GBNF (llama.cpp's, with ::=) or Lark")
+
+
+# the flag each output format comes from, for errors
+FORMAT_FLAGS = {"json_object": "--json-object", "json_schema": "--json-schema",
+                "regex": "--regex", "choice": "--choice", "grammar": "--grammar"}
+
+
+def constraint_from_args(args):
+    """The output-format flag as a Constraint (None without one); ConfigError naming the flag
+    for a file that cannot be read or a schema that is not JSON."""
+    from miniserve.config import Constraint
+    if getattr(args, "json_object", False):
+        return Constraint("json_object")
+    if getattr(args, "regex", None) is not None:
+        return Constraint("regex", args.regex)
+    if getattr(args, "choice", None) is not None:
+        choices = [c for c in args.choice.split(",") if c]
+        if not choices:
+            raise ConfigError("--choice: give the strings separated by commas, like yes,no",
+                              "choice")
+        return Constraint("choice", json.dumps(choices))
+    for kind, flag in (("json_schema", "--json-schema"), ("grammar", "--grammar")):
+        path = getattr(args, kind, None)
+        if path is None:
+            continue
+        try:
+            text = open(path, encoding="utf-8").read()
+        except OSError as e:
+            raise ConfigError(f"{flag}: cannot read {path} ({e.strerror})", kind) from None
+        if kind == "json_schema":
+            try:
+                json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{flag}: {path} is not JSON: {e.msg} at line {e.lineno}",
+                                  kind) from None
+        return Constraint(kind, text)
+    return None
+
+
+def logit_bias_from(text: str | None) -> dict:
+    """"13:-100,42:2.5" as {13: -100.0, 42: 2.5}; ConfigError naming --logit-bias."""
+    if not text:
+        return {}
+    out = {}
+    for part in text.split(","):
+        key, _, value = part.partition(":")
+        try:
+            out[int(key)] = float(value)
+        except ValueError:
+            raise ConfigError(f"--logit-bias: write ID:BIAS pairs separated by commas, like "
+                              f"13:-100,42:2.5 (got {part!r})", "logit_bias") from None
+    return out
 
 
 def params_from_args(args) -> tuple[SamplingParams, dict[str, SamplingParams]]:
@@ -116,7 +179,25 @@ def params_from_args(args) -> tuple[SamplingParams, dict[str, SamplingParams]]:
     if name not in presets:
         raise ConfigError(f"unknown preset '{name}' (available: {', '.join(presets)})", "preset")
     changes = {k: getattr(args, k) for k in FIELDS if getattr(args, k) is not None}
-    return presets[name].replace(seed=args.seed, **changes), presets
+    return presets[name].replace(seed=args.seed, logit_bias=logit_bias_from(args.logit_bias),
+                                 constraint=constraint_from_args(args), **changes), presets
+
+
+def check_format(engine, params) -> str | None:
+    """One line when the output format cannot be compiled or enforced (or a logit-bias id is
+    out of the vocabulary), else None."""
+    from miniserve.grammar import GrammarError
+    vocab = engine.model.config.vocab_size
+    bad = next((t for t, _ in params.logit_bias if t >= vocab), None)
+    if bad is not None:
+        return f"--logit-bias: token id {bad} is out of range (the vocabulary has 0..{vocab - 1})"
+    if params.constraint is None:
+        return None
+    try:
+        engine.grammars.check(params.constraint)
+    except GrammarError as e:
+        return f"{FORMAT_FLAGS[params.constraint.kind]}: {e}"
+    return None
 
 
 def load_engine(args):
@@ -150,6 +231,8 @@ def cmd_generate(args) -> int:
     engine, code = load_engine(args)
     if engine is None:
         return code
+    if check_format(engine, params):
+        return fail(check_format(engine, params))
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
         [{"role": "user", "content": args.prompt}]
     inspector = None
@@ -183,6 +266,9 @@ def cmd_generate(args) -> int:
         if inspector:
             print(inspector.as_text(), file=sys.stderr)
         print(f"[{stats.summary()}, cache {'off' if args.no_cache else 'on'}]", file=sys.stderr)
+        if params.constraint is not None and stats.finish_reason == "length":
+            print("[incomplete: --max-new-tokens ended the reply before its format was complete]",
+                  file=sys.stderr)
     return 0
 
 
@@ -195,6 +281,8 @@ def cmd_chat(args) -> int:
     engine, code = load_engine(args)
     if engine is None:
         return code
+    if check_format(engine, params):
+        return fail(check_format(engine, params))
     history = open_history(args)
     try:
         session = ChatSession(engine, params, presets, system=args.system,

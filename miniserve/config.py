@@ -131,6 +131,62 @@ def check_seed(seed, where: str = "") -> int | None:
     return seed
 
 
+LOGIT_BIAS = Field(float, -100.0, 100.0, 0.0, "Logit bias",
+                   "added to a token's logit before the other stages; -100 bans the token")
+MAX_LOGIT_BIAS_TOKENS = 300  # as OpenAI: at most this many tokens in one logit_bias
+# The kinds of output a constraint (miniserve/grammar.py) can hold the reply to: any JSON
+# object, JSON that validates against a JSON Schema, a regular expression, one string of a
+# list, or a grammar (EBNF).
+CONSTRAINT_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What the reply must match. `value`: the schema as JSON text (json_schema), the pattern
+    (regex), the grammar's text (grammar), the choices as a JSON list (choice), "" for
+    json_object. Compiled, checked and enforced by miniserve/grammar.py."""
+    kind: str
+    value: str = ""
+
+    def __post_init__(self):
+        if self.kind not in CONSTRAINT_KINDS:
+            raise ConfigError(f"the output format must be one of {', '.join(CONSTRAINT_KINDS)}, "
+                              f"got {self.kind!r}", "constraint")
+        if not isinstance(self.value, str):
+            raise ConfigError("the constraint's value must be text", "constraint")
+
+    def as_dict(self) -> dict:
+        return {"kind": self.kind, "value": self.value}
+
+
+def check_logit_bias(bias, where: str = "logit_bias") -> tuple[tuple[int, float], ...]:
+    """{token id: bias} (ids as ints or digit strings, as JSON sends them) or (id, bias) pairs,
+    each bias in [-100, 100]; returned as sorted (id, bias) pairs."""
+    if not bias:
+        return ()
+    items = bias.items() if isinstance(bias, dict) else bias
+    try:
+        items = list(items)
+    except TypeError:
+        raise ConfigError(f"'{where}' must map token ids to numbers", where) from None
+    if len(items) > MAX_LOGIT_BIAS_TOKENS:
+        raise ConfigError(f"'{where}' may name at most {MAX_LOGIT_BIAS_TOKENS} tokens, got "
+                          f"{len(items)}", where)
+    out = {}
+    for item in items:
+        if not (isinstance(item, (tuple, list)) and len(item) == 2):
+            raise ConfigError(f"'{where}' must map token ids to numbers", where)
+        key, value = item
+        token = key
+        if isinstance(key, str) and key.strip().isdigit():
+            token = int(key)
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise ConfigError(f"'{where}': keys must be token ids (whole numbers >= 0), got "
+                              f"{key!r}", where)
+        out[token] = float(check_number(f"{where}[{key}]", value, LOGIT_BIAS))
+    return tuple(sorted(out.items()))
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to choose each token. Validated on construction."""
@@ -143,6 +199,8 @@ class SamplingParams:
     max_new_tokens: int = FIELDS["max_new_tokens"].default
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs; see check_logit_bias
+    constraint: Constraint | None = None            # what the reply must match; None: free text
 
     def __post_init__(self):
         for name in FIELDS:
@@ -152,6 +210,9 @@ class SamplingParams:
         if any(not isinstance(s, str) or not s for s in stop):
             raise ConfigError("'stop' must be a list of non-empty strings", "stop")
         object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "logit_bias", check_logit_bias(self.logit_bias))
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise ConfigError("'constraint' must be a Constraint", "constraint")
 
     @property
     def greedy(self) -> bool:
@@ -161,7 +222,14 @@ class SamplingParams:
         return dataclasses.replace(self, **changes)
 
     def as_dict(self) -> dict:
-        return {name: getattr(self, name) for name in (*FIELDS, "seed")}
+        """The settings as plain values (saved with a reply, printed by the CLI); the logit
+        bias and the constraint only when they are set."""
+        out = {name: getattr(self, name) for name in (*FIELDS, "seed")}
+        if self.logit_bias:
+            out["logit_bias"] = {str(i): b for i, b in self.logit_bias}
+        if self.constraint is not None:
+            out["constraint"] = self.constraint.as_dict()
+        return out
 
 
 def load_presets(path: str | Path | None = None) -> dict[str, SamplingParams]:

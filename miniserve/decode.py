@@ -13,16 +13,29 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Protocol
 
 import torch
 
 from miniserve.config import SamplingParams
 from miniserve.runner import as_runner
-from miniserve.sampling import make_generator, sample
+from miniserve.sampling import NoTokenAllowed, make_generator, sample
 
-# A hook that sees each step's raw logits and the chosen id (the token inspector).
-LogitsObserver = Callable[[torch.Tensor, torch.Tensor, int], None]
+# A hook that sees each step's raw logits, the ids so far, the chosen id and the grammar's
+# mask of allowed tokens (None when the reply is not constrained): the token inspector.
+LogitsObserver = Callable[[torch.Tensor, torch.Tensor, int, "torch.Tensor | None"], None]
+
+
+class Matcher(Protocol):
+    """A grammar's state for one sequence (miniserve/grammar.py): which tokens may come next,
+    the token that came, and whether the text is complete."""
+
+    def allowed(self, width: int) -> torch.Tensor: ...  # bool, shape (1, width)
+
+    def accept(self, token_id: int) -> None: ...
+
+    @property
+    def done(self) -> bool: ...
 
 
 @dataclass
@@ -34,7 +47,9 @@ class GenerationStats:
     new_tokens: int = 0
     ttft_s: float = 0.0        # prompt in -> first token chosen (prefill + one sample)
     total_s: float = 0.0
-    finish_reason: str = ""    # "eos" | "length" | "stop" | "cancelled"
+    # "eos" | "length" | "stop" (a stop string, or the grammar complete) | "cancelled" |
+    # "no_token_allowed" (the grammar and the logit bias left no token to choose)
+    finish_reason: str = ""
     started: float = field(default_factory=time.perf_counter, repr=False)
 
     @property
@@ -76,7 +91,8 @@ def generate(model, prompt_ids: list[int] | torch.Tensor, params: SamplingParams
              cache=None, cancel: threading.Event | None = None,
              generator: torch.Generator | None = None, stats: GenerationStats | None = None,
              max_length: int | None = None, observer: LogitsObserver | None = None,
-             prompt_logits: torch.Tensor | None = None) -> Iterator[int]:
+             prompt_logits: torch.Tensor | None = None,
+             matcher: Matcher | None = None) -> Iterator[int]:
     """Yield new token ids one at a time until EOS, the token budget, or `cancel`.
 
     `cache` may already hold the keys/values of a prefix of `prompt_ids` (prefix reuse);
@@ -84,6 +100,8 @@ def generate(model, prompt_ids: list[int] | torch.Tensor, params: SamplingParams
     logits that prompt produced before (a repeated prompt): step 0 then needs no forward
     pass, and the reply is computed exactly as the first one was. `stats` is updated as the
     loop runs. The caller stops on stop strings simply by not asking for the next token.
+    `matcher`: the grammar the reply must follow (its mask is a stage of the sampling); the
+    loop ends when the grammar is complete.
     """
     model = as_runner(model)  # a transformers model is wrapped (miniserve/runner.py)
     stats = stats if stats is not None else GenerationStats()
@@ -110,13 +128,13 @@ def generate(model, prompt_ids: list[int] | torch.Tensor, params: SamplingParams
 
     try:
         yield from _loop(model, ids, params, budget, eos_ids, use_cache, cache, cancel,
-                         generator, stats, observer, prompt_logits)
+                         generator, stats, observer, prompt_logits, matcher)
     finally:
         stats.total_s = time.perf_counter() - stats.started
 
 
 def _loop(model, ids, params, budget, eos_ids, use_cache, cache, cancel, generator, stats,
-          observer, prompt_logits) -> Iterator[int]:
+          observer, prompt_logits, matcher) -> Iterator[int]:
     # Step 0: the prompt (or its uncached tail) goes through the model once.
     pending = ids[:, stats.reused_tokens:] if use_cache else ids
     for index in range(max(budget, 0)):
@@ -130,29 +148,43 @@ def _loop(model, ids, params, budget, eos_ids, use_cache, cache, cancel, generat
                 logits = prompt_logits  # the whole prompt is cached, and what it produced
             else:
                 logits = model.forward(pending, cache if use_cache else None)
-            token_id, ids = choose(logits, params, ids, generator, eos_ids, stats, observer)
-            if ids is None:  # an end token
+            token_id, ids = choose(logits, params, ids, generator, eos_ids, stats, observer,
+                                   matcher)
+            if ids is None:  # an end token, or no token allowed
                 break
             # Next step's input: only the new token with a cache, everything without.
             pending = ids[:, -1:] if use_cache else ids
         yield token_id
+        if matcher is not None and matcher.done:
+            stats.finish_reason = "stop"
+            break
 
 
 def choose(logits: torch.Tensor, params: SamplingParams, ids: torch.Tensor,
            generator: torch.Generator | None, eos_ids, stats: GenerationStats,
-           observer: LogitsObserver | None = None) -> tuple[int, torch.Tensor | None]:
+           observer: LogitsObserver | None = None,
+           matcher: Matcher | None = None) -> tuple[int | None, torch.Tensor | None]:
     """One step's choice, the same in this loop and in the scheduler: sample (the repetition
-    penalty sees every id so far; greedy skips the softmax), time it, show it to the
-    observer. Returns (token id, ids with it appended), or (token id, None) for an end token
-    (stats.finish_reason = "eos")."""
-    token = sample(logits, params, ids, generator)
+    penalty sees every id so far; the grammar's mask is a stage; greedy skips the softmax),
+    time it, show it to the observer, advance the grammar. Returns (token id, ids with it
+    appended), or (token id, None) for an end token (stats.finish_reason = "eos"), or
+    (None, None) when the grammar and the logit bias allow no token
+    (stats.finish_reason = "no_token_allowed")."""
+    allowed = matcher.allowed(logits.shape[-1]) if matcher is not None else None
+    try:
+        token = sample(logits, params, ids, generator, allowed)
+    except NoTokenAllowed:
+        stats.finish_reason = "no_token_allowed"
+        return None, None
     token_id = int(token.item())  # the one host sync per step
     now = time.perf_counter()
     if not stats.ttft_s:
         stats.ttft_s = now - stats.started
     stats.total_s = now - stats.started
     if observer is not None:
-        observer(logits, ids, token_id)
+        observer(logits, ids, token_id, allowed)
+    if matcher is not None:
+        matcher.accept(token_id)
     if token_id in eos_ids:
         stats.finish_reason = "eos"
         return token_id, None

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from miniserve.chat import check_messages, trim_history
-from miniserve.config import KV_BUDGET, MAX_BATCH, MAX_QUEUE, STEP_TOKENS, SamplingParams
+from miniserve.config import (KV_BUDGET, MAX_BATCH, MAX_QUEUE, STEP_TOKENS, ConfigError,
+                              SamplingParams)
 from miniserve.decode import GenerationStats, LogitsObserver, crop_cache, generate
 from miniserve.scheduler import RequestTooLarge, Scheduler, Sequence  # noqa: F401
 from miniserve.loader import LoadedModel, describe
@@ -226,6 +227,7 @@ class Engine:
             kv_budget=kv_budget or KV_BUDGET.default)
         self._count_lock = threading.Lock()
         self._in_flight = 0  # running + waiting
+        self._grammars = None
         self._start_worker()
 
     @property
@@ -325,6 +327,22 @@ class Engine:
         return self._in_flight
 
     # -- generation ------------------------------------------------------------------------
+    @property
+    def grammars(self):
+        """The grammar compiler for this model's tokenizer (built on first use; a constraint
+        compiled once is reused)."""
+        if self._grammars is None:
+            from miniserve.grammar import Grammars
+            self._grammars = Grammars(self.tokenizer, self.eos_ids,
+                                      self.model.config.vocab_size)
+        return self._grammars
+
+    def matcher(self, params: SamplingParams):
+        """A new grammar state for one reply under `params.constraint`, or None. Raises
+        GrammarError (a ValueError naming the field and the library's reason) for a schema,
+        pattern or grammar that cannot be used."""
+        return None if params.constraint is None else self.grammars.matcher(params.constraint)
+
     def complete(self, prompt_ids: list[int], params: SamplingParams, *,
                  cancel: threading.Event | None = None, use_cache: bool = True,
                  reuse_prefix: bool = True, observer: LogitsObserver | None = None,
@@ -393,6 +411,11 @@ class Engine:
             if bad is not None:
                 raise ValueError(f"token id {bad} is out of range: the vocabulary has ids "
                                  f"0..{vocab - 1}")
+            bad = next((t for t, _ in params.logit_bias if t >= vocab), None)
+            if bad is not None:
+                raise ConfigError(f"'logit_bias': token id {bad} is out of range: the "
+                                  f"vocabulary has ids 0..{vocab - 1}", "logit_bias")
+            matcher = self.matcher(params)  # a bad schema, pattern or grammar raises here
             stats = GenerationStats(prompt_tokens=len(prompt_ids))
             reply = _Reply(self.tokenizer, params, stats, sink, dropped_messages)
 
@@ -405,8 +428,8 @@ class Engine:
 
             seq = Sequence(prompt_ids, params,
                            min(params.max_new_tokens, self.context_length - len(prompt_ids)),
-                           reply.token, finish, self.eos_ids, cancel, observer, reuse_prefix,
-                           stats)
+                           reply.token, finish, self.eos_ids, cancel, observer, matcher,
+                           reuse_prefix, stats)
             self.scheduler.check(seq)
             seqs.append(seq)
         self._admit(len(seqs))
@@ -434,7 +457,8 @@ class Engine:
             if not cancel.is_set():  # a caller that left while queued costs nothing
                 for token_id in generate(self.model, prompt_ids, params, eos_ids=self.eos_ids,
                                          use_cache=False, cancel=cancel, stats=stats,
-                                         max_length=self.context_length, observer=observer):
+                                         max_length=self.context_length, observer=observer,
+                                         matcher=self.matcher(params)):
                     if not reply.token(token_id):
                         stats.finish_reason = "stop"
                         break

@@ -1,20 +1,48 @@
 """Choosing the next token: pure functions over a logits tensor.
 
-Each filter takes logits of shape (..., vocab) and returns new logits in which
-removed tokens are -inf. They are applied in one order:
+Each stage takes logits of shape (..., vocab) and returns new logits in which removed tokens
+are -inf. They are applied in one order (`stages`, which the sampler and the token inspector
+both run):
 
-    repetition penalty -> temperature -> top-k -> top-p -> min-p -> softmax -> draw
+    logit bias -> repetition penalty -> grammar mask -> temperature -> top-k -> top-p -> min-p
+    -> softmax -> draw
 
-Temperature 0 means greedy: the argmax of the (penalised) logits, no softmax.
+Temperature 0 means greedy: the argmax after the grammar mask, no softmax. The grammar mask
+(miniserve/grammar.py) keeps only the tokens that can continue text the grammar accepts; when
+it and the logit bias leave no token at all, `NoTokenAllowed` is raised.
 """
 
 from __future__ import annotations
+
+from typing import Iterator
 
 import torch
 
 from miniserve.config import SamplingParams
 
 NEG_INF = float("-inf")
+BAN = -100.0  # a logit bias of -100 removes the token (as OpenAI documents it)
+
+
+class NoTokenAllowed(RuntimeError):
+    """The grammar mask and the logit bias together left no token to choose."""
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: tuple[tuple[int, float], ...]) -> torch.Tensor:
+    """Add a bias to chosen tokens' logits; -100 bans a token (its logit becomes -inf)."""
+    if not bias:
+        return logits
+    ids = torch.tensor([i for i, _ in bias], dtype=torch.long, device=logits.device)
+    values = torch.tensor([NEG_INF if b <= BAN else b for _, b in bias], dtype=logits.dtype,
+                          device=logits.device)
+    return logits.index_add(-1, ids, values.expand(*logits.shape[:-1], -1))
+
+
+def apply_mask(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """Keep the tokens `allowed` (a bool tensor over the vocabulary) allows. None: all."""
+    if allowed is None:
+        return logits
+    return logits.masked_fill(~allowed, NEG_INF)
 
 
 def apply_repetition_penalty(logits: torch.Tensor, previous_ids: torch.Tensor | None,
@@ -77,14 +105,36 @@ def min_p_filter(logits: torch.Tensor, min_p: float) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, NEG_INF)
 
 
+def stages(logits: torch.Tensor, params: SamplingParams, previous_ids: torch.Tensor | None = None,
+           allowed: torch.Tensor | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(stage name, logits after it) for each stage that is on, in the one sampling order.
+    Greedy (temperature 0) ends with the grammar mask: the argmax is taken there."""
+    if params.logit_bias:
+        logits = apply_logit_bias(logits, params.logit_bias)
+        yield "logit bias", logits
+    if params.repetition_penalty != 1.0:
+        logits = apply_repetition_penalty(logits, previous_ids, params.repetition_penalty)
+        yield "repetition penalty", logits
+    if allowed is not None:
+        logits = apply_mask(logits, allowed)
+        yield "grammar", logits
+    if params.greedy:
+        return
+    for name, stage, value in (("temperature", apply_temperature, params.temperature),
+                               ("top-k", top_k_filter, params.top_k),
+                               ("top-p", top_p_filter, params.top_p),
+                               ("min-p", min_p_filter, params.min_p)):
+        logits = stage(logits, value)
+        yield name, logits
+
+
 def filter_logits(logits: torch.Tensor, params: SamplingParams,
-                  previous_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """All of the filters, in order, for a sampled (temperature > 0) draw."""
-    logits = apply_repetition_penalty(logits, previous_ids, params.repetition_penalty)
-    logits = apply_temperature(logits, params.temperature)
-    logits = top_k_filter(logits, params.top_k)
-    logits = top_p_filter(logits, params.top_p)
-    return min_p_filter(logits, params.min_p)
+                  previous_ids: torch.Tensor | None = None,
+                  allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """All of the stages, in order: the logits the draw (or the argmax) sees."""
+    for _, logits in stages(logits, params, previous_ids, allowed):
+        pass
+    return logits
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
@@ -97,12 +147,20 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, previous_ids: torch.Tensor | None = None,
-           generator: torch.Generator | None = None) -> torch.Tensor:
-    """Choose one token per row of `logits` (shape (B, vocab)); returns ids of shape (B,)."""
+           generator: torch.Generator | None = None,
+           allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """Choose one token per row of `logits` (shape (B, vocab)); returns ids of shape (B,).
+    `allowed`: the grammar's mask (bool, same shape), or None."""
+    constrained = allowed is not None or bool(params.logit_bias)
     if params.greedy:  # no softmax needed: the argmax of the logits is the argmax of the probs
-        logits = apply_repetition_penalty(logits, previous_ids, params.repetition_penalty)
+        logits = filter_logits(logits, params, previous_ids, allowed)
+        if constrained and not torch.isfinite(logits).any(dim=-1).all():
+            raise NoTokenAllowed("the grammar and the logit bias allow no token")
         return logits.argmax(dim=-1)
-    probs = filter_logits(logits.float(), params, previous_ids).softmax(dim=-1)
+    logits = filter_logits(logits.float(), params, previous_ids, allowed)
+    if constrained and not torch.isfinite(logits).any(dim=-1).all():
+        raise NoTokenAllowed("the grammar and the logit bias allow no token")
+    probs = logits.softmax(dim=-1)
     if probs.shape[0] == 1:  # draw among the tokens left: the same distribution, ~10x cheaper
         left = probs[0].nonzero().squeeze(-1)  # than a draw over all ~50,000 (1 ms here)
         pick = torch.multinomial(probs[0, left], num_samples=1, generator=generator)

@@ -6,7 +6,8 @@
                        + chunks of prompts still being read, up to step_tokens rows in all
                   runner.step(rows) ── one pass over every row
                   per sequence with a new last row: sample (its params, its generator, its
-                  ids so far) ─▶ observer ─▶ emit ─▶ EOS / stop / budget / cancel? ─▶ retire
+                  ids so far, its grammar's mask) ─▶ observer ─▶ emit ─▶ EOS / stop /
+                  grammar complete / budget / cancel? ─▶ retire
 
 KV policy: reserve at admission. A sequence is admitted only when its prompt plus its token
 budget (max_new_tokens, within the context) fits in what the budget has left, counting the
@@ -31,7 +32,7 @@ from typing import Callable
 import torch
 
 from miniserve.config import KV_BUDGET, MAX_BATCH, STEP_TOKENS, SamplingParams
-from miniserve.decode import GenerationStats, LogitsObserver, choose
+from miniserve.decode import GenerationStats, LogitsObserver, Matcher, choose
 from miniserve.sampling import make_generator
 
 
@@ -52,6 +53,7 @@ class Sequence:
     eos_ids: frozenset = frozenset()
     cancel: threading.Event = field(default_factory=threading.Event)
     observer: LogitsObserver | None = None
+    matcher: Matcher | None = None   # the grammar the reply follows (its own state)
     reuse_prefix: bool = True
     stats: GenerationStats = field(default_factory=GenerationStats)
     # set by the scheduler
@@ -215,13 +217,13 @@ class Scheduler:
         if seq.first_logits is None:  # kept with its cache: not a view of the pass's logits
             seq.first_logits = logits.clone()
         token_id, ids = choose(logits, seq.params, seq.ids, seq.generator, seq.eos_ids,
-                               seq.stats, seq.observer)
-        if ids is None:  # an end token
+                               seq.stats, seq.observer, seq.matcher)
+        if ids is None:  # an end token, or no token allowed
             return self._retire(seq)
         seq.ids = ids
         seq.tokens.append(token_id)
-        if not seq.emit(token_id):
-            seq.stats.finish_reason = "stop"
+        if not seq.emit(token_id) or (seq.matcher is not None and seq.matcher.done):
+            seq.stats.finish_reason = "stop"  # a stop string, or the grammar complete
             return self._retire(seq)
         if len(seq.tokens) >= seq.budget:
             self._retire(seq)  # finish_reason stays "length"

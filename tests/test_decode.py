@@ -42,7 +42,7 @@ def run(model, ids, params=GREEDY, **kwargs):
     """(tokens, end id or None, logits of every step) of our loop."""
     steps = []
     tokens = list(generate(model, ids, params, eos_ids=kwargs.pop("eos_ids", {2}),
-                           observer=lambda logits, _, t: steps.append((logits[0], t)), **kwargs))
+                           observer=lambda logits, _, t, _allowed: steps.append((logits[0], t)), **kwargs))
     end = steps[-1][1] if len(steps) > len(tokens) else None
     return tokens, end, [logits for logits, _ in steps]
 

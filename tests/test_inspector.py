@@ -14,9 +14,9 @@ def inspect_run(loaded, engine, params, text="Name three animals."):
     inspector = Inspector(loaded.tokenizer, params, keep_distributions=True)
     seen_logits = []
 
-    def observe(logits, ids, token):
+    def observe(logits, ids, token, allowed=None):
         seen_logits.append(logits[0].float().clone())
-        inspector.observe(logits, ids, token)
+        inspector.observe(logits, ids, token, allowed)
 
     tokens = list(generate(loaded.model, chat_ids(loaded.tokenizer, text), params,
                            eos_ids=engine.eos_ids, observer=observe))
