@@ -9,6 +9,22 @@ together so the engine advances them together, and each takes one place in the q
 request whose choices do not all fit gets 429 and starts none). With a `seed`, choice i
 samples with seed + i (modulo 2**63), so choice i equals a request for one choice with that
 seed; without one, each choice draws its own random numbers. Greedy choices are identical.
+
+Structured output: `response_format` ({"type": "text"}, {"type": "json_object"}, or
+{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}), or the extension
+`structured_outputs` (vLLM's name) with exactly one of `json` (a JSON Schema), `regex`,
+`choice` (a list of strings) or `grammar` (Lark, or GBNF as llama.cpp writes it); never both.
+A schema, pattern or grammar the library (llguidance) cannot compile is a 400 naming the field
+with the library's reason; a JSON Schema keyword it cannot enforce (`uniqueItems`, `not`,
+`if`/`then`/`else`, `contains`, ...) is a 400 naming the keyword, never silently relaxed.
+`logit_bias` maps token ids (< the vocabulary size) to a bias in [-100, 100]; -100 bans the
+token. Finish reasons: "stop" (an end token, a stop string, or the output format complete),
+"length" (max_tokens), and ours, "no_token_allowed": the output format and the logit bias
+left no token that could come next.
+
+Refused with a 400 rather than ignored: `stream_options` without `stream: true`, and tool or
+function calling (`tools`, `tool_choice`, `functions`, `function_call`,
+`parallel_tool_calls`; code "unsupported_parameter").
 """
 
 from __future__ import annotations
@@ -234,14 +250,11 @@ class ChatAPI:
                                   "in [-100, 100]", "logit_bias")
             params = SamplingParams(**sampling, max_new_tokens=min(max_tokens, MAX_NEW_TOKENS), seed=seed,
                                     stop=tuple(stop), logit_bias=bias, constraint=constraint)
+            self.engine.check(params)  # ids in the vocabulary; the format compiled once
         except ConfigError as e:
             raise APIError(400, str(e), e.field) from None
-        if constraint is not None:
-            try:
-                self.engine.grammars.check(constraint)  # compiled once; the replies reuse it
-            except GrammarError as e:
-                raise APIError(400, f"'{e.field or constraint_field}': {e}",
-                               e.field or constraint_field) from None
+        except GrammarError as e:
+            raise APIError(400, f"'{constraint_field}': {e}", constraint_field) from None
         try:
             trimmed = self.engine.trim(body["messages"], params)
         except ChatError as e:
@@ -276,6 +289,8 @@ class ChatAPI:
             if isinstance(e, RequestTooLarge):
                 raise APIError(400, str(e), "max_tokens",
                                code="context_length_exceeded") from None
+            if isinstance(e, (ConfigError, GrammarError)):  # the engine's own admission checks
+                raise APIError(400, str(e), e.field) from None
             raise
         return choices
 

@@ -24,7 +24,7 @@ from typing import Callable, TypeVar
 import torch
 
 from miniserve import native
-from miniserve.config import MAX_NEW_TOKENS, MAX_QUEUE, SamplingParams
+from miniserve.config import MAX_NEW_TOKENS, MAX_QUEUE, Constraint, SamplingParams
 from miniserve.engine import Engine, common_prefix
 from miniserve.platform_info import cpu_model, rss_mb
 from miniserve.runner import TransformersRunner
@@ -35,8 +35,14 @@ from miniserve.verify import bound_for, check_tokens, runner_bound
 MAX_PROMPT_TOKENS = 32768
 REPEAT = range(1, 21)  # runs per row
 
-MODES = ("no_cache", "cache", "hf_generate", "transformers_loop", "lean")
-DEFAULT_MODES = ("no_cache", "cache", "hf_generate")
+MODES = ("no_cache", "cache", "cache+json_schema", "hf_generate", "transformers_loop", "lean")
+DEFAULT_MODES = ("no_cache", "cache", "cache+json_schema", "hf_generate")
+# cache+json_schema: the cached loop with the grammar stage on, under a schema that cannot end
+# before the token budget (a string of at least this many characters): what each step's mask
+# costs. Its tokens follow the schema, so they are not checked against the free reference.
+CONSTRAINED_MODES = ("cache+json_schema",)
+BENCH_SCHEMA = {"type": "object", "properties": {"text": {"type": "string", "minLength": 100000}},
+                "required": ["text"]}
 FILLER = ("The history of science is the study of the development of science and scientific "
           "knowledge, including both the natural and social sciences. Science is a body of "
           "empirical, theoretical, and practical knowledge about the natural world, produced by "
@@ -237,15 +243,17 @@ def run_bench(engine: Engine, config: BenchConfig, progress: Progress | None = N
                             max_new_tokens=config.new_tokens)
     dtype = str(engine.loaded.dtype).removeprefix("torch.")
     ours = f"{dtype}+int8" if engine.quant == "int8" else dtype  # activations+weights
-    dtypes = {"no_cache": ours, "cache": ours, "hf_generate": dtype, "transformers_loop": dtype,
-              "lean": dtype}
+    dtypes = {"no_cache": ours, "cache": ours, "cache+json_schema": ours, "hf_generate": dtype,
+              "transformers_loop": dtype, "lean": dtype}
+    schema_params = params.replace(constraint=Constraint("json_schema", json.dumps(BENCH_SCHEMA)))
     lean_box: dict = {}  # the PyTorch lean model of the `lean` mode, built at its first run
     runners = {"no_cache": lambda ids: _run_ours(engine, ids, params, False),
                "cache": lambda ids: _run_ours(engine, ids, params, True),
+               "cache+json_schema": lambda ids: _run_ours(engine, ids, schema_params, True),
                "hf_generate": lambda ids: _run_hf(engine, ids, params),
                "transformers_loop": lambda ids: _run_transformers_loop(engine, ids, params),
                "lean": lambda ids: _run_lean(engine, ids, params, lean_box)}
-    nbytes = {m: (engine.model if m in ("no_cache", "cache") else
+    nbytes = {m: (engine.model if m in ("no_cache", "cache", "cache+json_schema") else
                   TransformersRunner(engine.loaded.model)).weight_bytes() for m in config.modes}
     modes = list(config.modes)
     # the error bound of each mode's logits: the engine's runner's own (bfloat16 products on
@@ -393,9 +401,12 @@ def verdict(result: BenchResult) -> str:
         alike = ("the int8 rows run rounded weights, so their tokens differ from the float "
                  "reference as expected and are not checked (BENCHMARKS.md has the agreement)")
     elif result.greedy_match:
-        alike = "identical across modes"
+        alike = "identical across modes" + (" (the json_schema rows follow their schema)"
+                                            if any(r.mode in CONSTRAINED_MODES
+                                                   for r in result.rows) else "")
     else:
-        parted = min(r.agree_tokens for r in result.rows if r.mode in MODES)
+        parted = min(r.agree_tokens for r in result.rows
+                     if r.mode in MODES and r.mode not in CONSTRAINED_MODES)
         alike = (f"the modes part at a near-tie after {parted} tokens (other kernels, other "
                  "rounding)")
     note = f"; {result.note}" if result.note else ""

@@ -184,19 +184,15 @@ def params_from_args(args) -> tuple[SamplingParams, dict[str, SamplingParams]]:
 
 
 def check_format(engine, params) -> str | None:
-    """One line when the output format cannot be compiled or enforced (or a logit-bias id is
-    out of the vocabulary), else None."""
+    """One line when the output format cannot be compiled or enforced, or a --logit-bias
+    id is out of the vocabulary; else None."""
     from miniserve.grammar import GrammarError
-    vocab = engine.model.config.vocab_size
-    bad = next((t for t, _ in params.logit_bias if t >= vocab), None)
-    if bad is not None:
-        return f"--logit-bias: token id {bad} is out of range (the vocabulary has 0..{vocab - 1})"
-    if params.constraint is None:
-        return None
     try:
-        engine.grammars.check(params.constraint)
+        engine.check(params)
     except GrammarError as e:
         return f"{FORMAT_FLAGS[params.constraint.kind]}: {e}"
+    except ConfigError as e:
+        return "--logit-bias: " + str(e).removeprefix("'logit_bias': ")
     return None
 
 

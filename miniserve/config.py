@@ -178,7 +178,7 @@ def check_logit_bias(bias, where: str = "logit_bias") -> tuple[tuple[int, float]
             raise ConfigError(f"'{where}' must map token ids to numbers", where)
         key, value = item
         token = key
-        if isinstance(key, str) and key.strip().isdigit():
+        if isinstance(key, str) and key.strip().isascii() and key.strip().isdigit():
             token = int(key)
         if isinstance(token, bool) or not isinstance(token, int) or token < 0:
             raise ConfigError(f"'{where}': keys must be token ids (whole numbers >= 0), got "

@@ -337,6 +337,18 @@ class Engine:
                                       self.model.config.vocab_size)
         return self._grammars
 
+    def check(self, params: SamplingParams) -> None:
+        """What only the model can check in settings: logit-bias ids within its vocabulary
+        (ConfigError), and an output format its tokenizer's grammar compiler can enforce
+        (GrammarError with the library's reason; compiled once, reused by the replies)."""
+        vocab = self.model.config.vocab_size
+        bad = next((t for t, _ in params.logit_bias if t >= vocab), None)
+        if bad is not None:
+            raise ConfigError(f"'logit_bias': token id {bad} is out of range: the vocabulary "
+                              f"has ids 0..{vocab - 1}", "logit_bias")
+        if params.constraint is not None:
+            self.grammars.check(params.constraint)
+
     def matcher(self, params: SamplingParams):
         """A new grammar state for one reply under `params.constraint`, or None. Raises
         GrammarError (a ValueError naming the field and the library's reason) for a schema,
@@ -411,11 +423,8 @@ class Engine:
             if bad is not None:
                 raise ValueError(f"token id {bad} is out of range: the vocabulary has ids "
                                  f"0..{vocab - 1}")
-            bad = next((t for t, _ in params.logit_bias if t >= vocab), None)
-            if bad is not None:
-                raise ConfigError(f"'logit_bias': token id {bad} is out of range: the "
-                                  f"vocabulary has ids 0..{vocab - 1}", "logit_bias")
-            matcher = self.matcher(params)  # a bad schema, pattern or grammar raises here
+            self.check(params)
+            matcher = self.matcher(params)
             stats = GenerationStats(prompt_tokens=len(prompt_ids))
             reply = _Reply(self.tokenizer, params, stats, sink, dropped_messages)
 

@@ -15,7 +15,10 @@ of one sequence, which the decode loop and the scheduler ask for its mask each s
 tell the token chosen. A reply ends when its grammar is complete (`done`).
 
 JSON is generated compactly (", " and ": " separators, no newlines or indentation): with
-free whitespace small models tend to fill the token budget with spaces and newlines.
+free whitespace small models tend to fill the token budget with spaces and newlines. And an
+object schema that lists its properties but says nothing of others gets only those
+(`closed_objects`): JSON Schema allows extra keys there, so the output is valid either way,
+but a small model given the freedom keeps inventing keys until the budget runs out.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ def grammar_text(constraint: Constraint) -> str:
                                f"column {e.colno})") from None
         if not isinstance(schema, (dict, bool)):
             raise GrammarError("a JSON Schema must be an object")
-        return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema),
+        return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(closed_objects(schema)),
                                                              overrides=COMPACT_JSON)
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(value)
@@ -76,6 +79,40 @@ def grammar_text(constraint: Constraint) -> str:
         # a Lark grammar (llguidance's own format) or GBNF, as llama.cpp writes it ("::=")
         return llguidance.grammar_from("gbnf" if "::=" in value else "lark", value)
     raise GrammarError(f"unknown output format {kind!r}")
+
+
+# the keywords whose values are schemas, or maps or lists of them
+_SUBSCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else",
+              "propertyNames", "unevaluatedItems", "unevaluatedProperties")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions",
+                   "dependentSchemas")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")  # not allOf: its parts add up
+# beside these, other keys may be declared elsewhere: such an object is left open
+_COMBINED = ("additionalProperties", "patternProperties", "unevaluatedProperties", "allOf",
+             "anyOf", "oneOf", "$ref", "dependentSchemas", "if", "then", "else")
+
+
+def closed_objects(schema):
+    """The schema with `"additionalProperties": false` added to every object schema that has
+    `properties` and no word on other keys (no additionalProperties, patternProperties,
+    unevaluatedProperties, and no allOf, anyOf, oneOf, $ref or conditional beside them that
+    could declare more): what is generated is then exactly the declared keys, which the
+    original schema accepts too. allOf's parts are left as they are."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA:
+        if isinstance(out.get(key), dict):
+            out[key] = closed_objects(out[key])
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: closed_objects(v) for k, v in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(v) for v in out[key]]
+    if isinstance(out.get("properties"), dict) and not any(k in out for k in _COMBINED):
+        out["additionalProperties"] = False
+    return out
 
 
 class GrammarMatcher:

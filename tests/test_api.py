@@ -2,6 +2,7 @@
 
 import http.client
 import json
+import re
 import threading
 import time
 import urllib.request
@@ -331,3 +332,169 @@ def test_an_error_mid_stream_is_reported_in_band(engine, local_api, monkeypatch)
     assert sum(bool(e.get("choices") and e["choices"][0]["delta"].get("content"))
                for e in events[:-1]) == 2
     assert wait_for_idle(engine)
+
+
+# -- structured output: response_format, structured_outputs, logit_bias ---------------------
+
+FRUIT_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "kind": {"type": "string", "enum": ["fruit", "vegetable"]},
+        "rating": {"type": "integer", "minimum": 1, "maximum": 5},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 3},
+        "origin": {"type": "object", "properties": {"country": {"type": "string",
+                                                                "maxLength": 20}},
+                   "required": ["country"], "additionalProperties": False},
+    },
+    "required": ["name", "kind", "rating", "tags", "origin"],
+    "additionalProperties": False,
+}
+FRUIT_FORMAT = {"type": "json_schema",
+                "json_schema": {"name": "fruit", "schema": FRUIT_SCHEMA, "strict": True}}
+
+
+def call(url: str, body: dict) -> tuple[int, dict]:
+    """POST a (non-streaming) request with raw HTTP: the status and the decoded body."""
+    req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_json_object_reply_is_a_json_object(client):
+    r = client.chat.completions.create(
+        model="default", temperature=0, max_tokens=120, response_format={"type": "json_object"},
+        messages=[{"role": "user", "content": "Describe an apple in JSON."}])
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop"
+    assert isinstance(json.loads(choice.message.content), dict)
+
+
+def test_json_schema_reply_validates_streamed_or_not(client):
+    import jsonschema
+    kwargs = dict(model="default", messages=Q, temperature=0, max_tokens=150,
+                  response_format=FRUIT_FORMAT)
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    assert whole.finish_reason == "stop"
+    jsonschema.validate(json.loads(whole.message.content), FRUIT_SCHEMA)
+    chunks = [c for c in client.chat.completions.create(stream=True, **kwargs) if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["stop"]
+
+
+def test_every_sampled_choice_follows_the_schema(client):
+    import jsonschema
+    r = client.chat.completions.create(model="default", messages=Q, temperature=0.8, seed=7,
+                                       n=3, max_tokens=150, response_format=FRUIT_FORMAT)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    for c in r.choices:
+        assert c.finish_reason == "stop", c.message.content
+        jsonschema.validate(json.loads(c.message.content), FRUIT_SCHEMA)
+
+
+def test_max_tokens_cuts_a_schema_reply_with_length(client):
+    r = client.chat.completions.create(model="default", messages=Q, temperature=0, max_tokens=5,
+                                       response_format=FRUIT_FORMAT)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 5
+    assert r.choices[0].message.content.startswith("{")
+
+
+@pytest.mark.parametrize("extension, check", [
+    ({"regex": r"[A-Z][a-z]{2,9}(, [A-Z][a-z]{2,9}){2}"},
+     lambda text: re.fullmatch(r"[A-Z][a-z]{2,9}(, [A-Z][a-z]{2,9}){2}", text)),
+    ({"choice": ["apple", "banana", "cherry"]},
+     lambda text: text in ("apple", "banana", "cherry")),
+    ({"grammar": 'root ::= "yes" | "no"'}, lambda text: text in ("yes", "no")),
+])
+def test_structured_outputs_extension(app_server, extension, check):
+    status, body = call(app_server.url, {"messages": Q, "temperature": 0, "max_tokens": 40,
+                                         "structured_outputs": extension})
+    assert status == 200, body
+    choice = body["choices"][0]
+    assert check(choice["message"]["content"]), choice["message"]["content"]
+    assert choice["finish_reason"] == "stop"
+
+
+def test_logit_bias_bans_the_greedy_first_token(client, tokenizer):
+    kwargs = dict(model="default", messages=Q, temperature=0, max_tokens=5)
+    free = client.chat.completions.create(**kwargs).choices[0].message.content
+    first = tokenizer(free, add_special_tokens=False)["input_ids"][0]
+    biased = client.chat.completions.create(logit_bias={str(first): -100}, **kwargs)
+    text = biased.choices[0].message.content
+    assert text and text != free
+    assert tokenizer(text, add_special_tokens=False)["input_ids"][0] != first
+
+
+def test_no_token_allowed_when_the_grammar_and_the_bias_leave_nothing(app_server, tokenizer):
+    pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    digits = [i for i, piece in enumerate(pieces) if piece[:1] in tuple("0123456789")]
+    assert 10 <= len(digits) <= 300  # every digit, and few enough for one logit_bias
+    body = {"messages": Q, "temperature": 0, "max_tokens": 10,
+            "structured_outputs": {"regex": "[0-9]+"},
+            "logit_bias": {str(i): -100 for i in digits}}
+    status, reply = call(app_server.url, body)
+    assert status == 200, reply
+    assert reply["choices"][0]["finish_reason"] == "no_token_allowed"
+    assert reply["choices"][0]["message"]["content"] == ""
+    assert reply["usage"]["completion_tokens"] == 0
+    events = sse_events(app_server.url, {**body, "stream": True})
+    assert events[-1] == "[DONE]"
+    assert [e["choices"][0]["finish_reason"] for e in events[:-1]
+            if e["choices"] and e["choices"][0]["finish_reason"]] == ["no_token_allowed"]
+
+
+SCHEMA_FIELD = "response_format.json_schema.schema"
+
+
+def schema_format(schema) -> dict:
+    return {"response_format": {"type": "json_schema",
+                                "json_schema": {"name": "x", "schema": schema}}}
+
+
+@pytest.mark.parametrize("extra, param, words", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     SCHEMA_FIELD, ["schema", "required"]),
+    (schema_format("an object, please"), SCHEMA_FIELD, ["schema", "object"]),
+    (schema_format({"type": "array", "items": {"type": "string"}, "uniqueItems": True}),
+     SCHEMA_FIELD, ["uniqueItems"]),
+    (schema_format({"type": "object", "properties": {"a": {"not": {"type": "string"}}}}),
+     SCHEMA_FIELD, ['"not"']),
+    (schema_format({"if": {"type": "string"}, "then": {"maxLength": 3},
+                    "else": {"type": "number"}}), SCHEMA_FIELD, ['"if"', '"then"', '"else"']),
+    (schema_format({"type": "array", "contains": {"type": "string"}}), SCHEMA_FIELD,
+     ["contains"]),
+    ({"structured_outputs": {"json": {"type": "array", "uniqueItems": True}}},
+     "structured_outputs.json", ["uniqueItems"]),
+    ({"structured_outputs": {"regex": "([a-z"}}, "structured_outputs.regex",
+     ["structured_outputs.regex", "invalid regex", "([a-z"]),
+    ({"structured_outputs": {"grammar": "root ::= fruit"}}, "structured_outputs.grammar",
+     ["structured_outputs.grammar", "fruit"]),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a+"}},
+     "structured_outputs", ["response_format", "structured_outputs", "not both"]),
+    ({"structured_outputs": {"regex": "a+", "choice": ["a"]}}, "structured_outputs",
+     ["exactly one"]),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice", ["list"]),
+    ({"stream_options": {"include_usage": True}}, "stream_options", ["'stream': true"]),
+    ({"stream": False, "stream_options": {"include_usage": True}}, "stream_options",
+     ["'stream': true"]),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools",
+     ["'tools'", "not supported"]),
+    ({"tool_choice": "auto"}, "tool_choice", ["'tool_choice'", "not supported"]),
+    ({"logit_bias": {"5": 101}}, "logit_bias[5]", ["[-100, 100]", "101"]),
+    ({"logit_bias": {"abc": -100}}, "logit_bias", ["token ids", "'abc'"]),
+    ({"logit_bias": {"²": -100}}, "logit_bias", ["token ids"]),
+    ({"logit_bias": {"49152": -100}}, "logit_bias", ["49152", "out of range"]),
+    ({"logit_bias": {"99999999999999999999": -100}}, "logit_bias", ["out of range"]),
+    ({"n": 2, "logit_bias": {"49152": -100}}, "logit_bias", ["out of range"]),
+    ({"response_format": {"type": "yaml"}}, "response_format", ["json_object", "json_schema"]),
+])
+def test_bad_output_formats_get_400_naming_the_problem(app_server, extra, param, words):
+    status, body = call(app_server.url, {"messages": Q, "max_tokens": 3, **extra})
+    assert status == 400, body
+    error = body["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    assert all(w in error["message"] for w in words), error["message"]

@@ -180,3 +180,26 @@ def test_bench_writes_json_and_csv(tmp_path):
 def test_bench_bad_arguments():
     r = run("bench", "--prompt-tokens", "8,x")
     assert r.returncode == 2 and "prompt-tokens" in r.stderr
+
+
+def test_output_format_flags(tmp_path):
+    """--regex holds the reply to the pattern; a schema the grammar library cannot enforce, a
+    bad pattern, an unreadable file, a logit-bias id beyond the vocabulary: one line each
+    naming the flag, exit 2, no traceback."""
+    r = run("generate", "--prompt", "What is today's date?", "--regex", r"\d{4}-\d{2}-\d{2}",
+            "--temperature", "0", "--max-new-tokens", "20", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", out["text"]) and out["finish_reason"] == "stop"
+    assert out["params"]["constraint"] == {"kind": "regex", "value": r"\d{4}-\d{2}-\d{2}"}
+    unique = tmp_path / "unique.json"
+    unique.write_text('{"type": "array", "uniqueItems": true}')
+    for args, words in [(["--json-schema", str(unique)], "--json-schema: Unimplemented keys"),
+                        (["--regex", "a("], "--regex: "),
+                        (["--grammar", str(tmp_path / "missing.gbnf")], "--grammar: cannot read"),
+                        (["--logit-bias", "99999:-100"], "--logit-bias: token id 99999"),
+                        (["--logit-bias", "7:-101"], "must be in [-100, 100]")]:
+        r = run("generate", "--prompt", "Hi", "--max-new-tokens", "2", *args)
+        assert r.returncode == 2 and words in r.stderr, (args, r.stderr)
+        errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+        assert "Traceback" not in r.stderr and len(errors) == 1 and words in errors[0]

@@ -203,3 +203,20 @@ def test_what_cannot_be_enforced_is_an_error_naming_why(engine, constraint, word
     with pytest.raises(GrammarError):
         engine.chat_text([{"role": "user", "content": "Hi"}],
                          SamplingParams(max_new_tokens=4, constraint=constraint))
+
+
+def test_objects_get_only_their_declared_keys_unless_the_schema_says_otherwise():
+    from miniserve.grammar import closed_objects
+    closed = closed_objects(ORDER)
+    assert closed["additionalProperties"] is False
+    assert closed["$defs"]["item"]["additionalProperties"] is False
+    assert "additionalProperties" not in ORDER  # the caller's schema is not changed
+    open_map = {"type": "object", "additionalProperties": {"type": "number"}}
+    assert closed_objects(open_map) == open_map
+    combined = {"allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}],
+                "properties": {"c": {}}}
+    assert closed_objects(combined) == combined  # allOf's parts add up: left open
+    # what the closed schema generates, the original accepts
+    sample = {"id": 1, "items": [{"sku": "ABC", "qty": 2}]}
+    jsonschema.validate(sample, closed)
+    jsonschema.validate(sample, ORDER)
