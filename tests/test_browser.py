@@ -239,3 +239,27 @@ def test_two_tabs_chat_at_once_without_mixing(browser, app_server):
         assert [u.strip() for u in users] == [question]
         assert bot_text(p).strip()
         p.close()
+
+
+def test_json_schema_output_format_gives_a_reply_that_follows_it(page):
+    """Choose JSON schema, paste a schema, send: the reply parses as JSON and validates."""
+    import json
+
+    import jsonschema
+    from playwright.sync_api import expect
+    schema = {"type": "object", "properties": {"colour": {"type": "string", "maxLength": 12},
+                                               "bright": {"type": "boolean"}},
+              "required": ["colour", "bright"], "additionalProperties": False}
+    set_number(page, "Max new tokens", 40)
+    set_number(page, "Temperature", 0)
+    schema_box = page.get_by_role("textbox", name=re.compile(r"^Schema"))
+    expect(schema_box).to_be_hidden()  # free text needs no box
+    page.get_by_role("combobox", name="Output format", exact=True).first.click()
+    page.get_by_role("option", name="JSON schema", exact=True).click()
+    expect(schema_box).to_be_visible()
+    schema_box.fill(json.dumps(schema, indent=2))
+    page.get_by_label("Message", exact=True).fill("Name a colour and say if it is bright.")
+    page.get_by_role("button", name="Send").click()
+    expect(page.locator("#status")).to_contain_text("tokens/s", timeout=120000)
+    assert "Error" not in status(page) and "incomplete" not in status(page), status(page)
+    jsonschema.validate(json.loads(bot_text(page)), schema)

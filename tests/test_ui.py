@@ -3,15 +3,19 @@ engine: what each tab shows for good values, and the readable error for a bad on
 
 import html
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
+import gradio as gr
+import jsonschema
 import pytest
 
-from miniserve.config import FIELDS, SamplingParams, load_presets
+from miniserve.config import FIELDS, ConfigError, Constraint, SamplingParams, load_presets
 from miniserve.ui import BenchmarkHandlers, ChatHandlers, CompareHandlers, build_ui
 from miniserve.store import open_store
-from miniserve.ui.common import Sessions, seed_from
+from miniserve.ui.common import (FORMATS, Sessions, constraint_from, format_note, params_from,
+                                 seed_from)
 from miniserve.ui.conversation import SHOWN, Shown, new_view
 from miniserve.ui.sidebar import SidebarHandlers, file_name
 
@@ -51,7 +55,8 @@ def test_compare_shows_one_column_per_chosen_preset(compare, presets):
     status, *columns = updates[-1]
     assert status == "same prompt, seed 42, 2 presets as one batch"
     assert all(u[0].startswith("comparing 2 presets as one batch") for u in updates[:-1])
-    assert len(columns) == len(presets)
+    assert len(columns) == 2 * len(presets)  # each preset with, then without the format
+    assert not any(c["visible"] for c in columns[len(presets):])  # no format: no second run
     shown = {name: col for name, col in zip(presets, columns) if col["visible"]}
     assert list(shown) == ["factual", "creative"]
     for name, col in shown.items():
@@ -104,12 +109,52 @@ def test_compare_bad_values_read_as_one_error(compare, presets, prompt, chosen, 
     assert len(updates) == 1
     status, *columns = updates[0]
     assert status.startswith("**Error:**") and message in status, status
-    assert len(columns) == len(presets) and not any(c["visible"] for c in columns)
+    assert len(columns) == 2 * len(presets) and not any(c["visible"] for c in columns)
 
 
 def test_compare_negative_seed_is_random(compare):
     status, *_ = last(compare.compare(PROMPT, ["balanced"], -1, 4))
     assert status == "same prompt, seed random, 1 preset as one batch"
+
+
+def test_compare_with_and_without_the_output_format_doubles_the_columns(compare, presets):
+    """The output format holds every column; "Also without" runs each preset a second time
+    without it, in the same batch, and the titles say which column is which."""
+    status, *columns = last(compare.compare(PROMPT, ["factual", "creative"], 42, 6, "JSON",
+                                            "", False))
+    assert status == "same prompt, seed 42, 2 presets as one batch, output format JSON"
+    assert sum(c["visible"] for c in columns) == 2
+    status, *columns = last(compare.compare(PROMPT, ["factual", "creative"], 42, 6, "JSON",
+                                            "", True))
+    assert status == ("same prompt, seed 42, 2 presets with and without the JSON format, "
+                      "4 replies as one batch")
+    shown = {slot: col["value"] for slot, col in zip(compare.slots, columns) if col["visible"]}
+    assert set(shown) == {("factual", False), ("creative", False), ("factual", True),
+                          ("creative", True)}
+    for (name, free), value in shown.items():
+        head, text = value.split("\n\n")[:2]
+        assert head.startswith(f"### {name} · {'Free text' if free else 'JSON'}\n"), head
+        if not free:
+            assert html.unescape(text).startswith("{"), text
+            assert value.endswith("incomplete JSON (cut by max new tokens)*"), value
+    # the free factual column is the free comparison's column: the format changed the reply
+    _, *alone = last(compare.compare(PROMPT, ["factual"], 42, 6))
+    free = shown[("factual", True)].split("\n\n")[1]
+    assert free == alone[list(presets).index("factual")]["value"].split("\n\n")[1]
+    assert free != shown[("factual", False)].split("\n\n")[1]
+    # the checkbox without a format runs the presets once and says why
+    status, *columns = last(compare.compare(PROMPT, ["factual"], 42, 4, "Free text", "", True))
+    assert status.endswith("“Also without the output format” needs an output format")
+    assert sum(c["visible"] for c in columns) == 1
+
+
+def test_compare_bad_output_format_reads_as_one_error(compare):
+    updates = list(compare.compare(PROMPT, ["factual"], 42, 4, "Regex", "[a-", True))
+    assert len(updates) == 1
+    status, *columns = updates[0]
+    assert status.startswith("**Error:** the output format cannot be used: ") and \
+        "unclosed character class" in status, status
+    assert not any(c["visible"] for c in columns)
 
 
 # -- Chat ------------------------------------------------------------------------------------
@@ -413,6 +458,147 @@ def test_export_names_cannot_leave_their_folder(title, name):
                                          (7.0, 7), ("12", 12), (2**63 - 1, 2**63 - 1)])
 def test_seed_box(value, seed):
     assert seed_from(value) == seed
+
+
+# -- Output format ---------------------------------------------------------------------------
+
+SCHEMA = {"type": "object", "properties": {"animal": {"type": "string", "maxLength": 16},
+                                           "legs": {"type": "integer", "minimum": 0,
+                                                    "maximum": 100}},
+          "required": ["animal", "legs"], "additionalProperties": False}
+ANIMAL = "Name an animal and its number of legs."
+
+
+def test_a_json_schema_reply_parses_validates_and_is_saved_with_its_format(chat):
+    browser, view = first_visit(chat)
+    *shown, box, inspected = last(send_as(chat, browser, view, ANIMAL, "JSON schema",
+                                          json.dumps(SCHEMA, indent=2), max_new_tokens=48))
+    shown = Shown(*shown)
+    reply = json.loads(shown.chatbot[-1]["content"])
+    jsonschema.validate(reply, SCHEMA)
+    assert "finish: stop" in shown.status and "incomplete" not in shown.status, shown.status
+    saved = chat.store.path(shown.browser["owner"], shown.view["cid"])[-1]
+    assert saved.settings["constraint"] == {"kind": "json_schema", "value": json.dumps(SCHEMA)}
+    assert inspected == ""
+
+
+@pytest.mark.parametrize("fmt, text, note", [
+    ("JSON", "", "incomplete JSON (cut by max new tokens)"),
+    ("JSON schema", json.dumps(SCHEMA), "incomplete JSON (cut by max new tokens)"),
+    ("Regex", "[A-Z][a-z]+( [a-z]+){5,}\\.",
+     "incomplete: cut by max new tokens before the format was complete"),
+])
+def test_a_reply_cut_by_max_new_tokens_says_its_format_is_incomplete(chat, fmt, text, note):
+    browser, view = first_visit(chat)
+    shown = Shown(*last(send_as(chat, browser, view, ANIMAL, fmt, text, max_new_tokens=3))[:8])
+    assert "finish: length" in shown.status and shown.status.endswith(note), shown.status
+
+
+def test_the_inspector_says_how_much_the_grammar_bent_the_reply(chat):
+    browser, view = first_visit(chat)
+    *shown, _, inspected = last(send_as(chat, browser, view, ANIMAL, "JSON schema",
+                                        json.dumps(SCHEMA), max_new_tokens=48, inspect=True))
+    steps = int(re.search(r"(\d+) new tokens", Shown(*shown).status).group(1))
+    line = re.search(r"grammar bent (\d+) of (\d+) steps, up to (\d+)% of the probability",
+                     inspected)
+    assert line, inspected[:300]
+    bent, total, most = map(int, line.groups())
+    assert total == steps and 0 < bent <= total and 1 <= most <= 100
+    assert inspected.count("data-grammar-removed=") == steps
+
+
+@pytest.mark.parametrize("fmt, text, message", [
+    ("JSON schema", '{"type": "strin"}', "the output format cannot be used: Invalid type: strin"),
+    ("JSON schema", '{"type": "string", "pattern": "(?=x)"}', "look-around"),
+    ("Regex", "[a-", "unclosed character class"),
+    ("Grammar", "root ::= missing", "Rule &#x27;missing&#x27; not found"),
+    ("JSON schema", "  ", "the JSON schema is empty: paste a JSON Schema, like {"),
+    ("JSON schema", '{"type": object}', "the JSON schema is not JSON: Expecting value"),
+    ("Regex", "", "the regex pattern is empty"),
+    ("Choice", " , ,", "no choices given: write them one per line or separated by commas"),
+    ("Grammar", "\n", "the grammar is empty"),
+    ("XML", "", "unknown output format &#x27;XML&#x27;"),
+])
+def test_a_bad_output_format_is_an_error_line_and_nothing_is_saved(chat, fmt, text, message):
+    """In a new chat and in a conversation: the error names the library's reason, the typed
+    message stays in the box, nothing is saved (no message, no new conversation)."""
+    browser, view = first_visit(chat)
+    owner = browser["owner"]
+    *shown, box, _ = last(send_as(chat, browser, view, "Hi", fmt, text))
+    shown = Shown(*shown)
+    assert shown.status.startswith("**Error:**") and message in shown.status, shown.status
+    assert box == "Hi" and shown.chatbot == [] and chat.store.conversations(owner) == []
+    before = Shown(*last(send(chat, browser, view, "Hello", max_new_tokens=3))[:8])
+    *shown, box, _ = last(send_as(chat, before.browser, before.view, "Hi", fmt, text))
+    shown = Shown(*shown)
+    assert shown.status.startswith("**Error:**") and message in shown.status, shown.status
+    assert box == "Hi" and shown.chatbot == before.chatbot
+    assert len(chat.store.path(owner, before.view["cid"])) == 2
+    assert len(chat.store.conversations(owner)) == 1
+
+
+def test_regenerate_and_edit_follow_the_output_format(chat):
+    browser, view = first_visit(chat)
+    one = Shown(*last(send(chat, browser, view, "Name a colour.", max_new_tokens=6))[:8])
+    choice = ("Choice", "teal\nmauve")
+    regen = Shown(*last(chat.regenerate(one.browser, one.view, "", "", "factual",
+                                        *sliders(chat), 1, False, *choice))[:8])
+    assert regen.chatbot[-1]["content"].split("\n\n")[0] in ("teal", "mauve")
+    edited = SimpleNamespace(index=0, value="Name a fruit.", previous_value="")
+    after = Shown(*last(chat.edit(regen.browser, regen.view, "", "", "factual",
+                                  *sliders(chat), 1, False, edited, "Choice",
+                                  "plum, fig"))[:8])
+    assert after.chatbot[-1]["content"] in ("plum", "fig")
+
+
+def test_gradio_hands_the_output_format_to_the_handlers(engine, presets):
+    """The events pass the Output format's two values last; an edit's EditData goes where the
+    handler's parameter is, before them (Gradio inserts it by its annotation)."""
+    from gradio.helpers import special_args
+    demo = build_ui(engine, presets)
+    for fn in demo.fns.values():
+        if fn.name in ("send", "regenerate", "edit", "compare"):
+            labels = [getattr(b, "label", None) for b in fn.inputs]
+            assert labels[-2:] == ["Output format", "Format"] or (
+                fn.name == "compare" and labels[-3:-1] == ["Output format", "Format"]), labels
+    chat = ChatHandlers(engine, presets)
+    values = [{}, new_view(), "", "", "factual", *sliders(chat), 1, False, "JSON", ""]
+    data = gr.EventData(None, {"index": 0, "value": "x", "previous_value": ""})
+    args, *_ = special_args(chat.edit, values, None, data)
+    assert isinstance(args[13], gr.EditData) and args[13].value == "x"
+    assert args[14:16] == ["JSON", ""] and len(args) == 17, args
+
+
+def test_output_format_values_become_a_constraint():
+    assert constraint_from("Free text", "ignored") is None and constraint_from(None, "") is None
+    assert constraint_from("JSON", "ignored") == Constraint("json_object")
+    assert constraint_from("JSON schema", '{ "type" : "object" }') == \
+        Constraint("json_schema", '{"type": "object"}')
+    assert constraint_from("Regex", "\\d+\n") == Constraint("regex", "\\d+")
+    assert constraint_from("Choice", "red, green ,blue") == \
+        Constraint("choice", '["red", "green", "blue"]')
+    assert constraint_from("Choice", "yes, really\nno\n\n") == \
+        Constraint("choice", '["yes, really", "no"]')
+    assert constraint_from("Grammar", 'root ::= "a"') == Constraint("grammar", 'root ::= "a"')
+    with pytest.raises(ConfigError, match="the JSON schema is not JSON"):
+        constraint_from("JSON schema", "{")
+    params = params_from(sliders_values(), 5, "Regex", "[0-9]+")
+    assert params.constraint == Constraint("regex", "[0-9]+") and params.seed == 5
+    assert params_from(sliders_values(), 5).constraint is None
+    assert set(FORMATS) == {"Free text", "JSON", "JSON schema", "Regex", "Choice", "Grammar"}
+    assert format_note(None, "length") == "" and format_note(Constraint("regex", "a"), "stop") == ""
+    assert "no next token" in format_note(Constraint("json_object"), "no_token_allowed")
+
+
+def sliders_values():
+    return [0.0, 0, 1.0, 0.0, 1.0, 8]
+
+
+def send_as(chat, browser, view, message, fmt, text, preset="factual", max_new_tokens=12,
+            seed=1, inspect=False):
+    """Send with the Output format set to `fmt` and its text box to `text`."""
+    return chat.send(message, browser, view, "", "", preset,
+                     *sliders(chat, preset, max_new_tokens), seed, inspect, fmt, text)
 
 
 # -- Benchmark -------------------------------------------------------------------------------

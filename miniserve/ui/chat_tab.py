@@ -1,10 +1,12 @@
-"""The Chat tab: a streaming conversation with sliders, Stop, Regenerate, Undo, edits that
-branch, the token inspector, and the Conversations sidebar (sidebar.py) over the saved history.
+"""The Chat tab: a streaming conversation with sliders, an output format, Stop, Regenerate, Undo,
+edits that branch, the token inspector, and the Conversations sidebar (sidebar.py) over the saved
+history.
 `ChatHandlers` holds what its buttons call; each handler is a plain method (the streaming ones
 generators) that runs without a browser."""
 
 from __future__ import annotations
 
+import html
 import secrets
 import time
 from typing import NamedTuple
@@ -15,8 +17,9 @@ from miniserve.config import FIELDS, RANDOM_SEEDS, SamplingParams
 from miniserve.engine import Engine
 from miniserve.inspector import Inspector
 from miniserve.store import Store, StoreError, open_store
-from miniserve.ui.common import (ENGINE_EVENTS, PAINT_INTERVAL_S, USER_ERRORS, Sessions, error,
-                                 is_error, message_text, params_from)
+from miniserve.ui.common import (ENGINE_EVENTS, FREE_TEXT, PAINT_INTERVAL_S, USER_ERRORS,
+                                 Sessions, build_output_format, error, format_note, is_error,
+                                 message_text, params_from, user_message)
 from miniserve.ui.conversation import (SHOWN, Conversations, Shown, new_view, owner_of,
                                        strip_marks)
 from miniserve.ui.sidebar import SidebarHandlers, build_sidebar, wire_sidebar
@@ -27,6 +30,7 @@ SLIDER_MAX = {"top_k": 200}  # the slider's range; larger values are still valid
 SLIDER_STEP = {"temperature": 0.05, "top_k": 1, "top_p": 0.01, "min_p": 0.01,
                "repetition_penalty": 0.01, "max_new_tokens": 1}
 BROWSER_KEY = "miniserve"  # the browser's local-storage key for its owner id and open chat
+BENT = 0.01  # a step the grammar bent: its mask took at least this share of the probability
 
 
 def chat_status(stats, dropped: int, note: str = "") -> str:
@@ -34,6 +38,18 @@ def chat_status(stats, dropped: int, note: str = "") -> str:
     trimmed = (f" · history trimmed: {dropped} older messages dropped to fit the context"
                if dropped else " · history not trimmed")
     return stats.summary(" · ") + trimmed + (f" · {note}" if note else "")
+
+
+def grammar_line(steps) -> str:
+    """The inspector's summary of an output format's grammar: at how many of the reply's steps
+    its mask took probability away, and the most it took ("" without a grammar)."""
+    masses = [s.masked_mass for s in steps if s.masked_mass is not None]
+    if not masses:
+        return ""
+    bent = sum(m >= BENT for m in masses)
+    return (f"grammar bent {bent} of {len(masses)} steps, up to {max(masses):.0%} of the "
+            f"probability (a step counts when its mask removed ≥ {BENT:.0%}; hover an "
+            f"underlined token for what it removed)")
 
 
 class ChatHandlers:
@@ -61,18 +77,20 @@ class ChatHandlers:
                                            status if is_error(status) else error(str(e)), query)
 
     def _respond(self, browser, view, query, system, preset, settings, seed, inspect_on,
-                 request, *, text: str | None = None, under: str | None = None,
-                 reply_to: str | None = None, focus_new: bool = False):
+                 request, *, output=(FREE_TEXT, ""), text: str | None = None,
+                 under: str | None = None, reply_to: str | None = None,
+                 focus_new: bool = False):
         """Add the user's `text` under the message `under` (None: as a first message) and
         stream the reply to it; with `text` None, stream a new reply to the user message
-        `reply_to` (Regenerate). The user's message is saved when the engine takes the
-        request, the reply when it ends (finished or stopped), with its settings and stats.
+        `reply_to` (Regenerate); `output` is the Output format control's (format, text). The
+        user's message is saved when the engine takes the request, the reply when it ends
+        (finished or stopped), with its settings (the output format among them) and stats.
         Yields SHOWN values + (message box, inspector HTML); on an error the conversation as
         it was, the typed message kept in the box, and the error as the status."""
         box = text if text is not None else gr.update()
         try:
             owner = owner_of(browser)
-            params = params_from(settings, seed)
+            params = params_from(settings, seed, *output)
             if params.seed is None:  # a random seed is drawn, used, saved and shown
                 params = params.replace(seed=secrets.randbelow(RANDOM_SEEDS))
             cid = view.get("cid")
@@ -81,7 +99,7 @@ class ChatHandlers:
                          else []) + [{"role": m.role, "content": m.content} for m in before]
                         + ([{"role": "user", "content": text}] if text is not None else []))
         except (*USER_ERRORS, StoreError) as e:
-            yield (*self._show(browser, view, error(str(e)), query), box, "")
+            yield (*self._show(browser, view, error(user_message(e)), query), box, "")
             return
         with self.sessions.running(request) as cancel:
             try:
@@ -95,7 +113,7 @@ class ChatHandlers:
                 if text is not None:
                     reply_to = self.store.add(owner, cid, under, "user", text).id
             except (*USER_ERRORS, StoreError) as e:
-                yield (*self._show(browser, view, error(str(e)), query), box, "")
+                yield (*self._show(browser, view, error(user_message(e)), query), box, "")
                 return
             view = new_view(cid, reply_to, reply_to if focus_new and text is not None else None)
             base = self.conversations.show(browser, view, "generating…", query)
@@ -133,18 +151,25 @@ class ChatHandlers:
                 yield (*self._show(browser, view, error(f"the reply was not saved: {e}"),
                                    query), "", "")
                 return
-            note = f"seed {params.seed}" + (" · stopped by you" if stopped else "")
+            notes = (f"seed {params.seed}", "stopped by you" if stopped else "",
+                     format_note(params.constraint, stats.finish_reason))
+            note = " · ".join(n for n in notes if n)
             final = self.conversations.show(
                 browser, new_view(cid, reply.id, reply.id if focus_new and text is None
                                   else view["focus"]),
                 chat_status(stats, last.dropped_messages, note), query)
-            yield (*final, "", inspector.as_html() if inspector else "")
+            inspected = ""
+            if inspector:
+                line = grammar_line(inspector.steps)
+                inspected = (f'<div class="ms-grammar">{html.escape(line)}</div>' if line
+                             else "") + inspector.as_html()
+            yield (*final, "", inspected)
 
     # explicit parameters: Gradio injects `request` and event data only into functions
     # without *args
     def send(self, message, browser, view, query, system, preset, temperature, top_k, top_p,
              min_p, repetition_penalty, max_new_tokens, seed, inspect_on,
-             request: gr.Request | None = None):
+             output_format=FREE_TEXT, format_text="", request: gr.Request | None = None):
         """Send: the message goes under the leaf this tab shows."""
         settings = [temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens]
         if not (message or "").strip():
@@ -152,11 +177,12 @@ class ChatHandlers:
                                                     "send"), query), message, "")
             return
         yield from self._respond(browser, view, query, system, preset, settings, seed,
-                                 inspect_on, request, text=message, under=view.get("leaf"))
+                                 inspect_on, request, output=(output_format, format_text),
+                                 text=message, under=view.get("leaf"))
 
     def edit(self, browser, view, query, system, preset, temperature, top_k, top_p, min_p,
              repetition_penalty, max_new_tokens, seed, inspect_on, edited: gr.EditData,
-             request: gr.Request | None = None):
+             output_format=FREE_TEXT, format_text="", request: gr.Request | None = None):
         """An edited user message: a new version of it (a branch; the old one is kept) and a
         reply to it."""
         settings = [temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens]
@@ -177,12 +203,12 @@ class ChatHandlers:
                    gr.update(), "")
             return
         yield from self._respond(browser, view, query, system, preset, settings, seed,
-                                 inspect_on, request, text=text, under=path[index].parent_id,
-                                 focus_new=True)
+                                 inspect_on, request, output=(output_format, format_text),
+                                 text=text, under=path[index].parent_id, focus_new=True)
 
     def regenerate(self, browser, view, query, system, preset, temperature, top_k, top_p,
                    min_p, repetition_penalty, max_new_tokens, seed, inspect_on,
-                   request: gr.Request | None = None):
+                   output_format=FREE_TEXT, format_text="", request: gr.Request | None = None):
         """A new version of the last reply (a branch; the old reply is kept)."""
         settings = [temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens]
         try:
@@ -197,7 +223,8 @@ class ChatHandlers:
                    gr.update(), "")
             return
         yield from self._respond(browser, view, query, system, preset, settings, seed,
-                                 inspect_on, request, reply_to=path[-1].id, focus_new=True)
+                                 inspect_on, request, output=(output_format, format_text),
+                                 reply_to=path[-1].id, focus_new=True)
 
     def stop(self, request: gr.Request | None = None) -> None:
         self.sessions.stop(request)
@@ -302,13 +329,15 @@ def build_chat_tab(chat: ChatHandlers, default_preset: str) -> "ChatTab":
                                       "the reply); a fixed seed repeats a sampled reply")
                 system = gr.Textbox(label="System prompt", lines=3,
                                     placeholder="(the model's default)")
+                output = build_output_format()
 
     parts = {"browser": browser, "view": view, "chatbot": chatbot,
              "conversations": bar["conversations"], "title": bar["title"], "system": system,
              "branches": branches, "status": status}
     shown = [parts[name] for name in SHOWN]
     q = bar["search"]
-    settings = [system, preset, *sliders, seed, inspect_on]
+    # the handlers' parameters in order; Gradio puts an edit's EditData before the format's
+    settings = [system, preset, *sliders, seed, inspect_on, *output.inputs]
     generating = dict(outputs=[*shown, message, inspector_view], concurrency_id=ENGINE_EVENTS)
     send_btn.click(chat.send, [message, browser, view, q, *settings], **generating)
     message.submit(chat.send, [message, browser, view, q, *settings], **generating)
