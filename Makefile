@@ -72,8 +72,10 @@ test-avx2: install compiler
 test-generic: install compiler
 	$(GENERIC_LEG) $(PY) -m pytest -q tests/test_native.py
 
+# (the CLI's history and output-format tests do not depend on the runner: the full suite has them)
 test-no-native: install
-	MINISERVE_NATIVE=0 $(PY) -m pytest -q $(ENGINE_TESTS) tests/test_cli.py
+	MINISERVE_NATIVE=0 $(PY) -m pytest -q $(ENGINE_TESTS) tests/test_cli.py \
+		-k "not saves_lists_loads and not history_flags and not output_format"
 
 bench: install
 	$(PY) -m miniserve bench --prompt-tokens 64,256,1024 --new-tokens 64 --repeat 3 \

@@ -28,8 +28,6 @@ import threading
 from collections import OrderedDict
 
 import llguidance
-import llguidance.hf
-import llguidance.torch
 import torch
 
 from miniserve.config import Constraint
@@ -120,14 +118,16 @@ class GrammarMatcher:
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab: int):
         self._m = matcher
-        self._bits = llguidance.torch.allocate_token_bitmask(1, vocab)
+        # one bit a token, 32 to an int32 (llguidance's layout); its torch helpers are not
+        # imported: they compile a kernel at import (2 s) that this path does not need
+        self._bits = torch.full(((vocab + 31) // 32,), -1, dtype=torch.int32)
         self._shifts = torch.arange(32, dtype=torch.int32)
 
     def allowed(self, width: int) -> torch.Tensor:
         """The tokens that may come next: bool, shape (1, width); ids past the tokenizer's
         vocabulary (padding rows of the model's output) are never allowed."""
-        llguidance.torch.fill_next_token_bitmask(self._m, self._bits, 0)
-        bits = ((self._bits[0].unsqueeze(-1) >> self._shifts) & 1).bool().flatten()
+        self._m.unsafe_compute_mask_ptr(self._bits.data_ptr(), self._bits.numel() * 4)
+        bits = ((self._bits.unsqueeze(-1) >> self._shifts) & 1).bool().flatten()
         if bits.numel() >= width:
             return bits[:width].unsqueeze(0)
         out = torch.zeros(1, width, dtype=torch.bool)
@@ -150,6 +150,7 @@ class Grammars:
 
     def __init__(self, tokenizer, eos_ids, vocab: int | None = None):
         self.vocab = max(vocab or 0, len(tokenizer))
+        import llguidance.hf  # imports transformers: at first use, not with this module
         self._tokenizer = llguidance.hf.from_tokenizer(
             tokenizer, n_vocab=self.vocab, eos_token=sorted(eos_ids) or None)
         self._lock = threading.Lock()  # the API's threads and the engine thread share it
