@@ -60,11 +60,16 @@ def main(argv=None) -> int:
     if args.share:
         print(f"MiniServeLM ready in {time.perf_counter() - started:.1f} s (share link below)",
               flush=True)
-        demo.launch(server_name=args.host, server_port=args.port, share=True, css=CSS)
+        demo.launch(server_name=args.host, server_port=args.port, share=True, css=CSS,
+                    run_history=False)
         return 0
     app = FastAPI(title="MiniServeLM")
     app.include_router(build_router(engine, args.api_key))
-    app = gr.mount_gradio_app(app, demo, path="/", css=CSS, footer_links=[])
+    # run_history off: Gradio would otherwise keep every event's inputs and outputs (whole
+    # conversations, the sidebar's list, the owner id) in the browser's local storage, in plain
+    # text, rewritten at each event: after ~80 searches of a 1,000-entry list every event took
+    # 0.7 s instead of 0.1-0.2 (BENCHMARKS.md, "Saved conversations")
+    app = gr.mount_gradio_app(app, demo, path="/", css=CSS, footer_links=[], run_history=False)
     print(f"MiniServeLM ready in {time.perf_counter() - started:.1f} s: chat at {url} , "
           f"API at {url}/v1", flush=True)
     # Ctrl-C: open browser tabs hold connections; they get a few seconds, not forever
