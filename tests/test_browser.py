@@ -3,28 +3,13 @@ inspector, compare."""
 
 import os
 import re
-import shutil
 import time
 from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.browser
-CHROMIUM = os.environ.get("MINISERVE_CHROMIUM", "/usr/bin/chromium")
 SHOTS = Path(__file__).resolve().parent.parent / "docs"
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if not shutil.which(CHROMIUM):
-        pytest.fail(f"Chromium not found at {CHROMIUM}; `make chromium` installs it")
-    from playwright.sync_api import sync_playwright
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync"])
-        yield b
-        b.close()
 
 
 @pytest.fixture

@@ -4,29 +4,15 @@ conversations; an edit makes a branch that ‹ › switches; Export → Import r
 removes."""
 
 import json
-import shutil
 
 import pytest
 from playwright.sync_api import expect
 
 from servers import Server
-from test_browser import CHROMIUM, set_number
+from test_browser import set_number
 
 pytestmark = pytest.mark.browser
 REPLY_TIMEOUT_MS = 90_000
-
-
-@pytest.fixture(scope="module")
-def chromium():
-    if not shutil.which(CHROMIUM):
-        pytest.fail(f"Chromium not found at {CHROMIUM}; `make chromium` installs it")
-    from playwright.sync_api import sync_playwright
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync"])
-        yield b
-        b.close()
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +25,9 @@ def app(tmp_path_factory):
 
 
 @pytest.fixture
-def context(chromium):
+def context(browser):
     """A browser profile of its own (its own local storage: its own owner id)."""
-    ctx = chromium.new_context(viewport={"width": 1400, "height": 1000}, accept_downloads=True)
+    ctx = browser.new_context(viewport={"width": 1400, "height": 1000}, accept_downloads=True)
     yield ctx
     ctx.close()
 
@@ -98,9 +84,9 @@ def test_a_conversation_survives_a_reload_a_restart_and_a_crash(context, app):
     expect(page.locator("[data-testid='bot']")).to_have_text([reply])
 
 
-def test_two_browsers_do_not_see_each_others_conversations(chromium, app):
-    one = chromium.new_context(viewport={"width": 1400, "height": 1000})
-    two = chromium.new_context(viewport={"width": 1400, "height": 1000})
+def test_two_browsers_do_not_see_each_others_conversations(browser, app):
+    one = browser.new_context(viewport={"width": 1400, "height": 1000})
+    two = browser.new_context(viewport={"width": 1400, "height": 1000})
     try:
         first = open_app(one, app.url)
         say(first, "My secret plan about turnips.")
