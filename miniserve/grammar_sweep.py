@@ -184,12 +184,17 @@ SEEDS = (1, 2, 3)
 
 
 def run_sweep(engine, max_tokens: int = 256, repetition_penalty: float = 1.0,
-              progress=print) -> dict:
-    """Every schema greedy and with each seed, the four replies of a schema as one batch."""
+              progress=print, sampled=None) -> dict:
+    """Every schema greedy and with each seed, the four replies of a schema as one batch.
+    `sampled`: the seeded runs' settings (default temperature 0.8, top-k 50, top-p 0.95);
+    the greedy run takes its repetition penalty."""
     import jsonschema
 
     from miniserve.chat import render
     from miniserve.config import Constraint, SamplingParams
+    sampled = sampled or SamplingParams(temperature=0.8, top_p=0.95,
+                                        repetition_penalty=repetition_penalty)
+    repetition_penalty = sampled.repetition_penalty
     rows = []
     for name, (question, schema) in SCHEMAS.items():
         constraint = Constraint("json_schema", json.dumps(schema))
@@ -200,8 +205,7 @@ def run_sweep(engine, max_tokens: int = 256, repetition_penalty: float = 1.0,
         settings = [SamplingParams(temperature=0, max_new_tokens=max_tokens,
                                    repetition_penalty=repetition_penalty,
                                    constraint=constraint)] + \
-            [SamplingParams(temperature=0.8, top_p=0.95, seed=s, max_new_tokens=max_tokens,
-                            repetition_penalty=repetition_penalty, constraint=constraint)
+            [sampled.replace(seed=s, max_new_tokens=max_tokens, constraint=constraint)
              for s in SEEDS]
         results: list = [None] * len(settings)
 
@@ -237,6 +241,7 @@ def run_sweep(engine, max_tokens: int = 256, repetition_penalty: float = 1.0,
             "valid_of_stopped": sum(1 for r in stopped if r["valid"]) / max(len(stopped), 1),
             "invalid": [r for r in stopped if not r["valid"]], "max_tokens": max_tokens,
             "repetition_penalty": repetition_penalty,
+            "sampled": {k: v for k, v in sampled.as_dict().items() if k != "seed"},
             "rows": rows}
 
 
@@ -247,16 +252,24 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--repetition-penalty", type=float, default=1.0,
                    help="for every run (1 = off; the app's balanced preset uses 1.1)")
+    p.add_argument("--preset", default=None,
+                   help="the seeded runs use this preset of presets.yaml (the greedy run its "
+                        "repetition penalty); default: temperature 0.8, top-p 0.95")
     p.add_argument("--json", default=None, help="write every reply and the totals here")
     p.add_argument("--model", default=None)
     args = p.parse_args(argv)
     from miniserve.engine import start_engine
     from miniserve.platform_info import cpu_model
     engine = start_engine(args.model)
-    result = run_sweep(engine, args.max_tokens, args.repetition_penalty)
+    sampled = None
+    if args.preset:
+        from miniserve.config import load_presets
+        sampled = load_presets()[args.preset]
+    result = run_sweep(engine, args.max_tokens, args.repetition_penalty, sampled=sampled)
     result["cpu"] = cpu_model()
     print(f"\n{result['schemas']} schemas x {1 + len(SEEDS)} runs = {result['replies']} replies "
-          f"(max_tokens {args.max_tokens}, repetition penalty {args.repetition_penalty:g}) on "
+          f"(max_tokens {args.max_tokens}, repetition penalty {result['repetition_penalty']:g}"
+          f"{', preset ' + args.preset if args.preset else ''}) on "
           f"{result['cpu']}: {result['stopped']} ended "
           f"with stop ({result['stop_share']:.0%}); {result['valid_of_stopped']:.0%} of those "
           f"validate")
