@@ -10,7 +10,6 @@ from then on each message is added to it as it is sent or completes.
 
 from __future__ import annotations
 
-import json
 import secrets
 import sqlite3
 import threading
@@ -237,11 +236,9 @@ class ChatSession:
             self.say("error: this conversation is not saved; /save it first")
             return
         try:
-            if Path(file).suffix.lower() == ".md":
-                text = self.store.export_markdown(CLI_OWNER, self.cid)
-            else:
-                text = json.dumps(self.store.export(CLI_OWNER, self.cid), indent=2,
-                                  ensure_ascii=False) + "\n"
+            text, _ = self.store.export_text(
+                CLI_OWNER, self.cid, "md" if Path(file).suffix.lower() == ".md" else "json")
+            text += "" if text.endswith("\n") else "\n"
             Path(file).expanduser().write_text(text, encoding="utf-8")
         except (StoreError, sqlite3.Error) as e:
             self.say(f"error: cannot export: {e}")
@@ -258,14 +255,12 @@ class ChatSession:
             self.say("error: /import takes a file name")
             return
         try:
-            data = Path(file).expanduser().read_bytes()
+            cids = self.store.import_file(CLI_OWNER, file)
+            numbers = self._numbers(cids)
+            titles = [self.store.get(CLI_OWNER, cid).title or "(untitled)" for cid in cids]
         except OSError as e:
             self.say(f"error: cannot read {file}: {e.strerror or e}")
             return
-        try:
-            cids = self.store.import_(CLI_OWNER, data)
-            numbers = self._numbers(cids)
-            titles = [self.store.get(CLI_OWNER, cid).title or "(untitled)" for cid in cids]
         except (StoreError, sqlite3.Error) as e:
             self.say(f"error: cannot import {file}: {e}")
             return

@@ -541,6 +541,29 @@ class Store:
                                                          else ""), "", m.content, ""]
         return "\n".join(parts)
 
+    def export_text(self, owner: str, cid: str, kind: str,
+                    leaf_id: str | None = None) -> tuple[str, str]:
+        """An export as a file's text and suffix: "json" (the whole tree), "md" (the open
+        branch as Markdown) or "openai" (the open branch as a `messages` list)."""
+        if kind == "json":
+            return json.dumps(self.export(owner, cid), indent=2, ensure_ascii=False), ".json"
+        if kind == "md":
+            return self.export_markdown(owner, cid, leaf_id), ".md"
+        if kind == "openai":
+            return (json.dumps(self.export_openai(owner, cid, leaf_id), indent=2,
+                               ensure_ascii=False), ".messages.json")
+        raise StoreError(f"unknown export {kind!r} (json, md or openai)")
+
+    def import_file(self, owner: str, path: str | Path) -> list[str]:
+        """`import_` of a file, its size checked before it is read. OSError when it cannot be
+        read."""
+        path = Path(path).expanduser()
+        size = path.stat().st_size
+        if size > MAX_IMPORT_BYTES:
+            raise BadImport(f"the file is {size / 1e6:.1f} MB; an import may be at most "
+                            f"{MAX_IMPORT_BYTES / 1e6:.0f} MB")
+        return self.import_(owner, path.read_bytes())
+
     def import_(self, owner: str, data) -> list[str]:
         """Import an export (one conversation or all), or a plain OpenAI `messages` list (a
         JSON list, or an object with "messages"). `data`: bytes, str or parsed JSON.

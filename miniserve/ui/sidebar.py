@@ -5,14 +5,12 @@ a file for the exports."""
 
 from __future__ import annotations
 
-import json
 import re
 import tempfile
 from pathlib import Path
 
 import gradio as gr
 
-from miniserve.config import MAX_IMPORT_BYTES
 from miniserve.store import StoreError
 from miniserve.ui.common import error
 from miniserve.ui.conversation import Conversations, Shown, new_view, owner_of
@@ -102,16 +100,7 @@ class SidebarHandlers:
             owner, cid = owner_of(browser), view["cid"]
             kind = EXPORTS.get(kind, kind)
             title = self.store.get(owner, cid).title
-            if kind == "json":
-                text, suffix = json.dumps(self.store.export(owner, cid), indent=2,
-                                          ensure_ascii=False), ".json"
-            elif kind == "md":
-                text, suffix = self.store.export_markdown(owner, cid, view.get("leaf")), ".md"
-            elif kind == "openai":
-                text, suffix = json.dumps(self.store.export_openai(owner, cid, view.get("leaf")),
-                                          indent=2, ensure_ascii=False), ".messages.json"
-            else:
-                raise StoreError(f"unknown export {kind!r} (choose one of {', '.join(EXPORTS)})")
+            text, suffix = self.store.export_text(owner, cid, kind, view.get("leaf"))
         except StoreError as e:
             return None, error(str(e))
         path = Path(tempfile.mkdtemp(prefix="miniserve-export-")) / file_name(title, suffix)
@@ -123,11 +112,8 @@ class SidebarHandlers:
         try:
             if not upload:
                 raise StoreError("no file was uploaded")
-            path = Path(upload if isinstance(upload, str) else getattr(upload, "name", upload))
-            if path.stat().st_size > MAX_IMPORT_BYTES:
-                raise StoreError(f"the file is {path.stat().st_size / 1e6:.1f} MB; an import "
-                                 f"may be at most {MAX_IMPORT_BYTES / 1e6:.0f} MB")
-            ids = self.store.import_(owner_of(browser), path.read_bytes())
+            path = upload if isinstance(upload, str) else getattr(upload, "name", upload)
+            ids = self.store.import_file(owner_of(browser), path)
         except (StoreError, OSError) as e:
             return self.conversations.show(browser, view, error(f"import failed, nothing was "
                                                                 f"imported: {e}"), query)
