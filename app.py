@@ -1,7 +1,8 @@
 """MiniServeLM web app: the browser chat, the benchmark tab and the OpenAI-compatible API,
 served on one port (http://127.0.0.1:7860 by default).
 
-    python app.py [--model SRC] [--host 127.0.0.1] [--port 7860] [--share] [--api-key KEY]
+    python app.py [--model SRC ...] [--models-file models.yaml] [--max-loaded-models N]
+                  [--host 127.0.0.1] [--port 7860] [--share] [--api-key KEY]
                   [--math auto|float32|bfloat16] [--kv-budget N] [--max-batch N] [--max-queue N]
                   [--history-db PATH | --no-history] [--history-max-conversations N]
 """
@@ -42,11 +43,11 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     from miniserve.cli import load_engine, open_history
-    engine, code = load_engine(args)  # a flag out of its range: one line, exit 2
+    engine, code = load_engine(args)  # the default model, warmed up; a bad flag: one line
     if engine is None:
         return code
+    models = args.models  # the others load when first chosen
     store = open_history(args)  # a damaged or unwritable file: said once, then kept aside
-    engine.warm_up()
 
     import gradio as gr
     import uvicorn
@@ -55,7 +56,7 @@ def main(argv=None) -> int:
     from miniserve.api import build_router
     from miniserve.ui import CSS, build_ui
 
-    demo = build_ui(engine, presets, args.preset, store)
+    demo = build_ui(models, presets, args.preset, store)
     url = f"http://{args.host}:{args.port}"
     if args.share:
         print(f"MiniServeLM ready in {time.perf_counter() - started:.1f} s (share link below)",
@@ -64,14 +65,16 @@ def main(argv=None) -> int:
                     run_history=False)
         return 0
     app = FastAPI(title="MiniServeLM")
-    app.include_router(build_router(engine, args.api_key))
+    app.include_router(build_router(models, args.api_key))
     # run_history off: Gradio would otherwise keep every event's inputs and outputs (whole
     # conversations, the sidebar's list, the owner id) in the browser's local storage, in plain
     # text, rewritten at each event: after ~80 searches of a 1,000-entry list every event took
     # 0.7 s instead of 0.1-0.2 (BENCHMARKS.md, "Saved conversations")
     app = gr.mount_gradio_app(app, demo, path="/", css=CSS, footer_links=[], run_history=False)
+    served = "" if len(models.names) == 1 else f" ({len(models.names)} models: " + \
+        ", ".join(models.names) + ")"
     print(f"MiniServeLM ready in {time.perf_counter() - started:.1f} s: chat at {url} , "
-          f"API at {url}/v1", flush=True)
+          f"API at {url}/v1{served}", flush=True)
     # Ctrl-C: open browser tabs hold connections; they get a few seconds, not forever
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
                 timeout_graceful_shutdown=3)

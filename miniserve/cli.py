@@ -8,8 +8,9 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from miniserve.config import (FIELDS, KV_BUDGET, MATHS, MAX_BATCH, MAX_CONVERSATIONS, MAX_QUEUE,
-                              ConfigError, Field, SamplingParams, load_presets)
+from miniserve.config import (CONTEXT, FIELDS, KV_BUDGET, MATHS, MAX_BATCH, MAX_CONVERSATIONS,
+                              MAX_LOADED_MODELS, MAX_QUEUE, ConfigError, Field, SamplingParams,
+                              load_presets)
 
 if TYPE_CHECKING:
     from miniserve.store import Store
@@ -32,9 +33,9 @@ def fail(message: str, code: int = 2):
 # Whole-number settings, by flag; their ranges and defaults are in config.py. add_model_args
 # adds the engine's, add_history_args the store's; flag_error checks every one a parser has.
 ENGINE_FLAGS: dict[str, Field] = {"--kv-budget": KV_BUDGET, "--max-batch": MAX_BATCH,
-                                  "--max-queue": MAX_QUEUE}
+                                  "--max-queue": MAX_QUEUE, "--max-loaded-models": MAX_LOADED_MODELS}
 HISTORY_FLAGS: dict[str, Field] = {"--history-max-conversations": MAX_CONVERSATIONS}
-RANGED_FLAGS: dict[str, Field] = {**ENGINE_FLAGS, **HISTORY_FLAGS}
+RANGED_FLAGS: dict[str, Field] = {**ENGINE_FLAGS, **HISTORY_FLAGS, "--context": CONTEXT}
 
 
 def _add_ranged(p: argparse.ArgumentParser, flags: dict[str, Field]) -> None:
@@ -45,9 +46,22 @@ def _add_ranged(p: argparse.ArgumentParser, flags: dict[str, Field]) -> None:
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=os.environ.get("MINISERVE_MODEL"),
-                   help="a .gguf file, a model folder or a Hugging Face id "
-                        "(default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", action="append", default=None, metavar="[NAME=]SOURCE",
+                   help="a .gguf file, a model folder, a Hugging Face id, gemma-3-270m "
+                        "(installed on request; Gemma terms apply), or the URL of an "
+                        "OpenAI-compatible server, http://HOST:PORT/v1[#served-name]; "
+                        "repeatable: the first is the default (default: $MINISERVE_MODEL, "
+                        "else the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--models-file", default=None, metavar="YAML",
+                   help="the models to serve as a file (a list of sources, or of mappings with "
+                        "source, name, context, api_key_env); after any --model")
+    p.add_argument("--remote-api-key", default=os.environ.get("MINISERVE_REMOTE_API_KEY"),
+                   metavar="KEY", help="the key remote models' servers ask for (or set "
+                                       "MINISERVE_REMOTE_API_KEY); not this server's --api-key")
+    p.add_argument("--context", type=int, default=None, metavar="N",
+                   help=f"the context of remote models whose server does not report it "
+                        f"({int(CONTEXT.low)} to {int(CONTEXT.high)}; default "
+                        f"{int(CONTEXT.default)})")
     p.add_argument("--device", default="auto", help="auto (CUDA, then MPS, then CPU), cpu, cuda, mps")
     p.add_argument("--dtype", default="auto",
                    help="weights: auto, float32, bfloat16, float16 (auto: bfloat16 on CUDA and on "
@@ -196,18 +210,30 @@ def check_format(engine, params) -> str | None:
     return None
 
 
+def open_models(args):
+    """The models the flags name (nothing loaded yet); ModelSpecError for a bad entry."""
+    from miniserve.models import EngineOptions, open_models as open_registry
+    env = os.environ.get("MINISERVE_MODEL")
+    sources = args.model or ([env] if env and not args.models_file else [])
+    options = EngineOptions(device=args.device, dtype=args.dtype, runner=args.runner,
+                            quant=args.quant, math=args.math, kv_budget=args.kv_budget,
+                            max_queue=args.max_queue, max_batch=args.max_batch)
+    return open_registry(sources, args.models_file, options, args.max_loaded_models,
+                         args.context, args.remote_api_key)
+
+
 def load_engine(args):
-    """(engine, None), or (None, exit code) after a one-line error."""
-    from miniserve.engine import start_engine
+    """(engine of the default model, None), or (None, exit code) after a one-line error.
+    args.models is then the registry of every model the flags name."""
     from miniserve.loader import ModelLoadError
+    from miniserve.models import ModelSpecError
     if flag_error(args):
         return None, fail(flag_error(args))
     try:
-        args.engine = start_engine(args.model, device=args.device, dtype=args.dtype,
-                                   runner=args.runner, quant=args.quant, math=args.math,
-                                   kv_budget=args.kv_budget, max_queue=args.max_queue,
-                                   max_batch=args.max_batch)
-        return args.engine, None
+        args.models = open_models(args)
+        return args.models.get(None), None
+    except ModelSpecError as e:
+        return None, fail(str(e), 2)
     except ModelLoadError as e:
         return None, fail(str(e), 1)
     except ValueError as e:
@@ -229,6 +255,8 @@ def cmd_generate(args) -> int:
         return code
     if check_format(engine, params):
         return fail(check_format(engine, params))
+    if args.raw and args.system:
+        return fail("--system needs a chat template; --raw continues the prompt as it is")
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
         [{"role": "user", "content": args.prompt}]
     inspector = None
@@ -236,9 +264,12 @@ def cmd_generate(args) -> int:
         from miniserve.inspector import Inspector
         inspector = Inspector(engine.tokenizer, params)
     parts, ids, last = [], [], None
+    observer = inspector.observe if inspector else None
     try:
-        for last in engine.chat(messages, params, use_cache=not args.no_cache,
-                                observer=inspector.observe if inspector else None):
+        stream = (engine.complete_text(args.prompt, params, use_cache=not args.no_cache,
+                                       observer=observer) if args.raw else
+                  engine.chat(messages, params, use_cache=not args.no_cache, observer=observer))
+        for last in stream:
             parts.append(last.text)
             ids.extend(last.token_ids)
             if not args.json and last.text:
@@ -253,7 +284,8 @@ def cmd_generate(args) -> int:
                "tokens_per_s": round(stats.tokens_per_s, 2),
                "decode_tokens_per_s": round(stats.decode_tokens_per_s, 2),
                "total_s": round(stats.total_s, 4), "finish_reason": stats.finish_reason,
-               "cache": not args.no_cache, "model": engine.name, "params": params.as_dict()}
+               "cache": not args.no_cache, "model": engine.name, "raw": args.raw,
+               "params": params.as_dict()}
         if inspector:
             out["steps"] = inspector.as_json()
         print(json.dumps(out, ensure_ascii=False))
@@ -279,10 +311,14 @@ def cmd_chat(args) -> int:
         return code
     if check_format(engine, params):
         return fail(check_format(engine, params))
+    if not engine.has_chat_template and not args.raw:
+        from miniserve.chat import NoChatTemplate
+        return fail(str(NoChatTemplate(engine.name)))
     history = open_history(args)
     try:
-        session = ChatSession(engine, params, presets, system=args.system,
-                              preset_name=args.preset or DEFAULT_PRESET, store=history)
+        session = ChatSession(args.models, params, presets, system=args.system,
+                              preset_name=args.preset or DEFAULT_PRESET, store=history,
+                              raw=args.raw)
         return session.run(sys.stdin, sys.stdout)
     finally:
         history.close()
@@ -395,11 +431,11 @@ def _bar(fraction: float, message: str) -> None:
 
 
 def cmd_serve(args) -> int:
-    engine, code = load_engine(args)
+    engine, code = load_engine(args)  # the default model loads now; the others on first use
     if engine is None:
         return code
     from miniserve.api import serve
-    serve(engine, host=args.host, port=args.port, api_key=args.api_key)
+    serve(args.models, host=args.host, port=args.port, api_key=args.api_key)
     return 0
 
 
@@ -430,12 +466,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     g.add_argument("--show-probs", action="store_true",
                    help="show each token's probability and the top-5 alternatives")
+    g.add_argument("--raw", action="store_true",
+                   help="completion mode: continue the prompt as it is, no chat template (what "
+                        "a base model needs)")
     add_sampling_args(g)
     add_model_args(g)
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("chat", help="a terminal chat (reads one message a line from a pipe)")
     c.add_argument("--system", default=None, help="system prompt")
+    c.add_argument("--raw", action="store_true",
+                   help="completion mode: each line is added to one running text, which the "
+                        "model continues (no chat template; for base models)")
     add_sampling_args(c)
     add_model_args(c)
     add_history_args(c)
@@ -494,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
-    finally:  # the engine thread ends before the interpreter does (no pass cut off mid-way)
-        if getattr(args, "engine", None) is not None:
-            args.engine.close()
+    finally:  # engine threads end before the interpreter does (no pass cut off mid-way)
+        if getattr(args, "models", None) is not None:
+            args.models.close()
 

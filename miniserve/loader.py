@@ -273,6 +273,7 @@ def resolve_source(source: str | None, progress: Progress | None = None,
     if not source or source == "default":
         return "gguf", embedded_gguf(), None
     if source in KNOWN_MODELS:
+        _say(progress, KNOWN_MODELS[source].terms + ".")
         return "gguf", known_model_path(source, progress, install), None
     path = Path(source).expanduser()
     if path.is_file():

@@ -6,6 +6,10 @@ or Ctrl-D at the prompt ends the session.
 
 With a store (miniserve/store.py), /save keeps the conversation under the owner CLI_OWNER;
 from then on each message is added to it as it is sent or completes.
+
+Raw mode (`chat --raw`, /raw; what a base model without a chat template needs): no turns, one
+running text -- each line typed is added to it and the model continues it, as the web app's
+Notebook tab does. /model NAME switches between the models the app was started with.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from pathlib import Path
 
 from miniserve.config import FIELDS, RANDOM_SEEDS, ConfigError, SamplingParams, check_seed
 from miniserve.engine import Engine, EngineBusy
+from miniserve.models import Models, UnknownModel
 from miniserve.store import Store, StoreError
 
 CLI_OWNER = "cli"  # the store's owner of the terminal chat's conversations
@@ -34,15 +39,19 @@ HELP = """commands:
   /load N               continue conversation N of the last /list
   /export FILE          write the saved conversation: FILE.md as Markdown, else JSON
   /import FILE          import a JSON export or an OpenAI messages list
-  /model                show the loaded model
+  /model [NAME]         show the model and the others served, or switch to NAME
+  /raw                  turn raw mode (continue one running text, no chat template) on or off
   /exit                 leave (also Ctrl-D)"""
 
 
 class ChatSession:
-    def __init__(self, engine: Engine, params: SamplingParams, presets: dict[str, SamplingParams],
-                 system: str | None = None, preset_name: str = "",
-                 store: Store | None = None):
-        self.engine = engine
+    def __init__(self, models: Models | Engine, params: SamplingParams,
+                 presets: dict[str, SamplingParams], system: str | None = None,
+                 preset_name: str = "", store: Store | None = None, raw: bool = False):
+        self.models = Models.of(models)
+        self.model_name = self.models.default
+        self.raw = raw
+        self.text = ""  # raw mode: the running text the model continues
         self.params = params
         self.presets = presets
         self.preset_name = preset_name
@@ -54,6 +63,10 @@ class ChatSession:
         self.leaf: str | None = None  # its last message on this session's branch
         self.listing: list[str] | None = None  # the conversations /list numbered last
         self.out = None
+
+    @property
+    def engine(self):
+        return self.models.get(self.model_name)
 
     def say(self, text: str = "", end: str = "\n") -> None:
         self.out.write(text + end)
@@ -70,7 +83,7 @@ class ChatSession:
                    "set": self.cmd_set, "system": self.cmd_system, "reset": self.cmd_reset,
                    "model": self.cmd_model, "save": self.cmd_save, "list": self.cmd_list,
                    "load": self.cmd_load, "export": self.cmd_export,
-                   "import": self.cmd_import}.get(name)
+                   "import": self.cmd_import, "raw": self.cmd_raw}.get(name)
         if handler is None:
             self.say(f"unknown command /{name}; /help lists the commands")
         else:
@@ -131,13 +144,48 @@ class ChatSession:
         """An empty, unsaved conversation (a saved one stays in the store)."""
         self.history, self.details = [], []
         self.cid = self.leaf = None
+        self.text = ""
 
-    def cmd_model(self, _):
+    def cmd_model(self, name):
+        from miniserve.loader import ModelLoadError
+        if name:
+            try:
+                name = self.models.resolve(name)
+                if not self.models.is_loaded(name):
+                    self.say(f"loading {name} ...")
+                self.models.get(name, progress=lambda m: self.say(f"  {m}"))
+            except UnknownModel as e:
+                self.say(f"error: {e}")
+                return
+            except (ModelLoadError, ValueError) as e:
+                self.say(f"error: {name} could not be loaded: {e}")
+                return
+            self.model_name = name
+            if not self.engine.has_chat_template and not self.raw:
+                self.raw = True
+                self.say(f"{name} has no chat template (a base model): raw mode on")
         info = self.engine.info()
-        self.say(f"{info['name']} on {info['device']} ({info['dtype']}, {info['runner']} "
-                 f"runner), context {info['context_length']} tokens, "
-                 f"{info['parameters'] / 1e6:.0f}M parameters, "
-                 f"from {info['source']}")
+        if info.get("remote"):
+            self.say(f"{info['name']}: remote, {info.get('url', info.get('source', ''))}, "
+                     f"context {info['context_length']} tokens")
+        else:
+            self.say(f"{info['name']} on {info['device']} ({info['dtype']}, {info['runner']} "
+                     f"runner), context {info['context_length']} tokens, "
+                     f"{info['parameters'] / 1e6:.0f}M parameters, from {info['source']}"
+                     + (", no chat template (raw mode)" if not info.get("chat", True) else ""))
+        others = [n + ("" if self.models.is_loaded(n) else " (not loaded)")
+                  for n in self.models.names if n != self.model_name]
+        if others:
+            self.say("also served: " + ", ".join(others) + "; /model NAME switches")
+
+    def cmd_raw(self, _):
+        if self.raw and not self.engine.has_chat_template:
+            self.say(f"{self.model_name} has no chat template: raw mode stays on")
+            return
+        self.raw = not self.raw
+        self.new_conversation()
+        self.say("raw mode on: each line is added to one text the model continues; /reset "
+                 "clears it" if self.raw else "raw mode off: chat turns; new conversation")
 
     # -- saved conversations ------------------------------------------------------------------
     def _no_store(self) -> bool:
@@ -292,7 +340,32 @@ class ChatSession:
         self.leaf = parent_id
 
     # -- one turn -----------------------------------------------------------------------------
+    def continue_text(self, line: str) -> None:
+        """Raw mode: add the line to the running text and stream its continuation."""
+        text = (self.text + "\n" if self.text else "") + line
+        cancel = threading.Event()
+        params = self.params if self.params.seed is not None else \
+            self.params.replace(seed=secrets.randbelow(RANDOM_SEEDS))
+        parts, last = [], None
+        try:
+            for last in self.engine.complete_text(text, params, trim=True, cancel=cancel):
+                parts.append(last.text)
+                self.say(last.text, end="")
+        except KeyboardInterrupt:
+            cancel.set()
+            self.say(" [stopped]", end="")
+        except (ValueError, EngineBusy, RuntimeError) as e:
+            self.say(f"error: {e}")
+            return
+        self.say()
+        self.text = text + "".join(parts)
+        if last is not None and last.done:
+            self.say(f"[{last.stats.summary()}, seed {params.seed}]")
+
     def reply(self, text: str) -> None:
+        if self.raw:
+            self.continue_text(text)
+            return
         messages = ([{"role": "system", "content": self.system}] if self.system else []) + \
             self.history + [{"role": "user", "content": text}]
         cancel = threading.Event()
