@@ -1,4 +1,13 @@
-"""OpenAI-compatible HTTP API: /v1/models and /v1/chat/completions, on the same Engine.
+"""OpenAI-compatible HTTP API: /v1/models, /v1/chat/completions and /v1/completions, for every
+model the app serves (miniserve.models.Models).
+
+Models: a request's `model` names one of the served models (GET /v1/models lists them, with
+whether each is loaded); none, or a placeholder clients send without asking ("default",
+"gpt-4o", ...), means the default. An unknown name is a 404 listing the served ones; a model
+that cannot be loaded (a missing file, a remote server that does not answer) a 502 naming it
+and why, and the other models keep answering. A model loads on the first request that names
+it, on a worker thread (the event loop keeps serving the others), and is not unloaded while
+one of its replies is being written. The reply's `model` is the served name.
 
 Requests are checked field by field; a bad one gets a 400 with an OpenAI-style error
 object naming the field. A client that goes away (mid-stream or while waiting for a whole
@@ -22,6 +31,22 @@ token. Finish reasons: "stop" (an end token, a stop string, or the output format
 "length" (max_tokens), and ours, "no_token_allowed": the output format and the logit bias
 left no token that could come next.
 
+Chat to a model without a chat template (a base model) is a 400 (code
+"model_has_no_chat_template") pointing to /v1/completions.
+
+Completions (OpenAI's legacy /v1/completions): the text continues the prompt, no template, so
+base and chat models alike. `prompt` is a string, a list of token ids, or a list of up to
+MAX_PROMPTS of either; with several, choice p * n + j is prompt p's choice j (with a `seed`,
+sampled with seed + j), and usage counts each prompt once. `max_tokens` is 16 by default, as
+OpenAI's. `logprobs` (0..5): {tokens, token_logprobs, top_logprobs, text_offset}, each
+top_logprobs entry the `logprobs` most likely tokens and the chosen one (so up to logprobs + 1,
+as OpenAI's), text_offset where each token starts when the tokens' texts are laid end to end
+from the start of the returned text. `echo` puts the prompt in front of the text; with
+logprobs, the prompt's tokens come first, the first one's logprob null (nothing predicts it).
+The sampling fields and extensions are the chat route's. Refused with a 400: `suffix`
+(insertion), `best_of` other than n, and for a remote model `echo` with `logprobs` or of token
+ids (the prompt's log-probabilities and tokens are the remote server's, not known here).
+
 Refused with a 400 rather than ignored: `stream_options` without `stream: true`, and tool or
 function calling (`tools`, `tool_choice`, `functions`, `function_call`,
 `parallel_tool_calls`; code "unsupported_parameter").
@@ -43,15 +68,16 @@ import torch
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from miniserve.chat import ChatError
-from miniserve.config import (MAX_CHOICES, MAX_NEW_TOKENS, SEED_MAX, ConfigError, Constraint,
-                              Field, SamplingParams, check_number, check_seed)
-from miniserve.engine import Engine, EngineBusy, RequestTooLarge
+from miniserve.chat import ChatError, NoChatTemplate, check_messages
+from miniserve.config import (MAX_CHOICES, MAX_NEW_TOKENS, MAX_PROMPTS, SEED_MAX, ConfigError,
+                              Constraint, Field, SamplingParams, check_number, check_seed)
+from miniserve.engine import EngineBusy, RequestTooLarge
 from miniserve.grammar import GrammarError
+from miniserve.models import Models, UnknownModel
 
-PLACEHOLDER_MODELS = {"", "default", "miniserve", "local", "gpt-3.5-turbo", "gpt-4", "gpt-4o",
-                      "gpt-4o-mini"}
-DEFAULT_MAX_TOKENS = 1024
+DEFAULT_MAX_TOKENS = 1024        # chat
+DEFAULT_COMPLETION_TOKENS = 16   # /v1/completions, as OpenAI's
+MAX_COMPLETION_LOGPROBS = 5      # /v1/completions `logprobs`, as OpenAI's
 # OpenAI's defaults (sampling with temperature 1, no filters) where a request is silent
 API_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
                 "repetition_penalty": 1.0}
@@ -87,6 +113,15 @@ def _number(body: dict, name: str, default, low, high, integer=False):
                                                 name, ""))
     except ConfigError as e:
         raise APIError(400, str(e), name) from None
+
+
+def _flag(body: dict, name: str) -> bool:
+    value = body.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise APIError(400, f"'{name}' must be true or false", name)
+    return value
 
 
 def _constraint(body: dict) -> tuple[Constraint | None, str | None]:
@@ -152,31 +187,185 @@ def _constraint(body: dict) -> tuple[Constraint | None, str | None]:
     return Constraint(STRUCTURED_KINDS[key], value), field
 
 
+@dataclass
+class Settings:
+    """What both routes take alike, checked."""
+    params: SamplingParams
+    n: int
+    stream: bool
+    include_usage: bool
+
+
+def parse_settings(body: dict, engine, default_max_tokens: int,
+                   max_tokens_fields: tuple[str, ...] = ("max_tokens",)) -> Settings:
+    """The fields the chat and completion routes share: n, stream, stream_options, stop, the
+    token limit (the first of `max_tokens_fields` given), seed, the penalties, the sampling
+    settings, logit_bias and the output format; then what only the model can check (ids in
+    its vocabulary, the format compiled once)."""
+    n = _number(body, "n", 1, 1, MAX_CHOICES, integer=True)
+    stream = _flag(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and not stream:
+        raise APIError(400, "'stream_options' is only allowed with 'stream': true",
+                       "stream_options")
+    options = options or {}
+    if not isinstance(options, dict):
+        raise APIError(400, "'stream_options' must be an object", "stream_options")
+    constraint, constraint_field = _constraint(body)
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or len(stop) > 4 or \
+            any(not isinstance(s, str) or not s for s in stop):
+        raise APIError(400, "'stop' must be a non-empty string or a list of up to 4 of them",
+                       "stop")
+    field = next((f for f in max_tokens_fields if body.get(f) is not None),
+                 max_tokens_fields[-1])
+    # a remote model whose server does not say its context: the API's own ceiling
+    max_tokens = _number(body, field, default_max_tokens, 1,
+                         engine.context_length or MAX_NEW_TOKENS, integer=True)
+    try:
+        seed = check_seed(body.get("seed"))
+    except ConfigError as e:
+        raise APIError(400, str(e), "seed") from None
+    for name in ("presence_penalty", "frequency_penalty"):
+        _number(body, name, 0.0, -2.0, 2.0)
+    try:
+        # ranges and types are checked by SamplingParams, from the one table in config
+        sampling = {name: body[name] if body.get(name) is not None else default
+                    for name, default in API_DEFAULTS.items()}
+        bias = body.get("logit_bias")
+        if bias is not None and not isinstance(bias, dict):
+            raise ConfigError("'logit_bias' must be an object mapping token ids to a bias "
+                              "in [-100, 100]", "logit_bias")
+        params = SamplingParams(**sampling, max_new_tokens=min(max_tokens, MAX_NEW_TOKENS),
+                                seed=seed, stop=tuple(stop), logit_bias=bias,
+                                constraint=constraint)
+        engine.check(params)  # ids in the vocabulary; the format compiled once
+    except ConfigError as e:
+        raise APIError(400, str(e), e.field) from None
+    except GrammarError as e:
+        raise APIError(400, f"'{constraint_field}': {e}", constraint_field) from None
+    return Settings(params, n, stream, bool(options.get("include_usage")))
+
+
+def _prompt_list(value) -> list:
+    """`prompt` as a list of prompts, each a string or a list of token ids: OpenAI's four
+    shapes (a string, a list of ids, a list of strings, a list of id lists)."""
+    shapes = ("'prompt' must be a string, a list of token ids, or a list of strings or of "
+              "token id lists")
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list):
+        raise APIError(400, shapes, "prompt")
+    if not value:
+        raise APIError(400, "'prompt' is empty; give the text to continue, or token ids",
+                       "prompt")
+    if all(_is_id(t) for t in value):
+        return [value]
+    if not (all(isinstance(p, str) for p in value) or
+            all(isinstance(p, list) and all(_is_id(t) for t in p) for p in value)):
+        raise APIError(400, shapes, "prompt")
+    if len(value) > MAX_PROMPTS:
+        raise APIError(400, f"'prompt' holds {len(value)} prompts; at most {MAX_PROMPTS} in "
+                            "one request", "prompt")
+    return list(value)
+
+
+def _is_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 class LogprobRecorder:
-    """Observer for the decode loop: log-probabilities of each chosen token (before filters)."""
+    """Observer for the decode loop: log-probabilities of each chosen token (before filters).
+    A remote engine hands it what its server sent instead (add_remote_step)."""
 
     def __init__(self, tokenizer, top: int):
         self.tokenizer, self.top, self.entries = tokenizer, top, []
 
     def observe(self, logits, previous_ids, token_id, allowed=None):
         logp = torch.log_softmax(logits[0].float(), -1)
-        entry = self._item(token_id, float(logp[token_id]))
+        entry = self._item(self.tokenizer.decode([token_id]), float(logp[token_id]))
         if self.top:
             values, indices = torch.topk(logp, self.top)
-            entry["top_logprobs"] = [self._item(i, v) for v, i in zip(values.tolist(),
-                                                                      indices.tolist())]
+            entry["top_logprobs"] = [self._item(self.tokenizer.decode([i]), v)
+                                     for v, i in zip(values.tolist(), indices.tolist())]
         else:
             entry["top_logprobs"] = []
         self.entries.append(entry)
 
-    def _item(self, token_id, logprob):
-        text = self.tokenizer.decode([token_id])
+    def add_remote_step(self, text: str, logprob: float, top=()) -> None:
+        entry = self._item(text, logprob)
+        entry["top_logprobs"] = [self._item(t, lp) for t, lp in list(top)[:self.top]]
+        self.entries.append(entry)
+
+    @staticmethod
+    def _item(text: str, logprob: float) -> dict:
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 
-class ChatAPI:
-    def __init__(self, engine: Engine, api_key: str | None = None):
-        self.engine = engine
+@dataclass
+class APIRequest:
+    """A checked request, ready to start: `prompts` are token ids for a local engine, what
+    the remote engine takes (messages, a prompt) for a remote one."""
+    model: str          # the served name
+    engine: object
+    kind: str           # "chat" or "text"
+    prompts: list
+    settings: Settings
+    logprobs: bool = False
+    top_logprobs: int = 0
+    echo: list | None = None  # text: per prompt, (its text, its tokens' logprob entries)
+
+    @property
+    def choices(self) -> int:
+        return len(self.prompts) * self.settings.n
+
+
+class _Lease:
+    """`models.use(name)` held across awaits: the model is loaded (on a worker thread when it
+    is not yet: loading takes seconds) and is not unloaded until release()."""
+
+    def __init__(self, models: Models, name: str):
+        self.models, self.name = models, name
+        self._use = models.use(name)
+        self.engine = None
+
+    async def acquire(self):
+        if self.models.is_loaded(self.name):  # `use` only looks it up: no thread needed
+            self.engine = self._use.__enter__()
+            return self.engine
+        loading = asyncio.ensure_future(asyncio.to_thread(self._use.__enter__))
+        try:
+            self.engine = await asyncio.shield(loading)
+        except asyncio.CancelledError:  # the request was dropped: release once it is loaded
+            loading.add_done_callback(self._release_late)
+            raise
+        return self.engine
+
+    def _release_late(self, loading: asyncio.Future) -> None:
+        if not loading.cancelled() and loading.exception() is None:
+            self._use.__exit__(None, None, None)
+
+    def release(self) -> None:
+        if self.engine is not None:
+            self.engine = None
+            self._use.__exit__(None, None, None)
+
+
+def _model_entry(models: Models, described: dict) -> dict:
+    engine = models.loaded_engine(described["name"])
+    return {"id": described["name"], "object": "model", "created": 0, "owned_by": "miniserve",
+            "default": described["default"], "loaded": described["loaded"],
+            "remote": described["remote"], "context_length": described["context_length"],
+            "chat": engine.has_chat_template if engine is not None else None}
+
+
+class OpenAIAPI:
+    def __init__(self, models, api_key: str | None = None):
+        self.models = Models.of(models)
         self.api_key = api_key
 
     # -- checks ---------------------------------------------------------------------------
@@ -189,98 +378,134 @@ class ChatAPI:
             raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
                            None, "authentication_error", "invalid_api_key")
 
-    def parse(self, body) -> dict:
-        if not isinstance(body, dict):
-            raise APIError(400, "the request body must be a JSON object")
-        if "messages" not in body:
-            raise APIError(400, "'messages' is required", "messages")
-        model = body.get("model", "default")
+    def resolve(self, model) -> str:
         if model is not None and not isinstance(model, str):
             raise APIError(400, "'model' must be a string", "model")
-        if model not in PLACEHOLDER_MODELS and model != self.engine.name and model is not None:
-            raise APIError(404, f"model '{model}' is not served here; use '{self.engine.name}' "
-                                f"(or 'default')", "model", code="model_not_found")
-        n = _number(body, "n", 1, 1, MAX_CHOICES, integer=True)
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise APIError(400, "'stream' must be true or false", "stream")
-        options = body.get("stream_options")
-        if options is not None and not stream:
-            raise APIError(400, "'stream_options' is only allowed with 'stream': true",
-                           "stream_options")
-        options = options or {}
-        if not isinstance(options, dict):
-            raise APIError(400, "'stream_options' must be an object", "stream_options")
+        try:
+            return self.models.resolve(model)
+        except UnknownModel as e:
+            raise APIError(404, str(e), "model", code="model_not_found") from None
+
+    async def open(self, body: dict) -> _Lease:
+        """The lease on the model the request names, loaded."""
+        lease = _Lease(self.models, self.resolve(body.get("model")))
+        try:
+            await lease.acquire()
+        except Exception as e:  # noqa: BLE001 -- whatever loading raised, said with the name
+            raise APIError(502, f"model '{lease.name}' could not be loaded: {e}", "model",
+                           "server_error", "model_unavailable") from None
+        return lease
+
+    def parse_chat(self, body: dict, model: str, engine) -> APIRequest:
         for name in UNSUPPORTED:
             if body.get(name) not in (None, [], {}, "none"):
                 raise APIError(400, f"'{name}' is not supported by this server (no tool or "
                                     f"function calling); for JSON output use "
                                     f"'response_format'", name, code="unsupported_parameter")
-        constraint, constraint_field = _constraint(body)
-        stop = body.get("stop")
-        if stop is None:
-            stop = []
-        elif isinstance(stop, str):
-            stop = [stop]
-        if not isinstance(stop, list) or len(stop) > 4 or \
-                any(not isinstance(s, str) or not s for s in stop):
-            raise APIError(400, "'stop' must be a non-empty string or a list of up to 4 of them",
-                           "stop")
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-        max_tokens = _number({field: max_tokens}, field, DEFAULT_MAX_TOKENS, 1,
-                             self.engine.context_length, integer=True)
-        try:
-            seed = check_seed(body.get("seed"))
-        except ConfigError as e:
-            raise APIError(400, str(e), "seed") from None
-        for name in ("presence_penalty", "frequency_penalty"):
-            _number(body, name, 0.0, -2.0, 2.0)
-        logprobs = body.get("logprobs", False)
-        if not isinstance(logprobs, bool):
-            raise APIError(400, "'logprobs' must be true or false", "logprobs")
+        if not engine.has_chat_template:
+            raise APIError(400, str(NoChatTemplate(model)), "messages",
+                           code="model_has_no_chat_template")
+        settings = parse_settings(body, engine, DEFAULT_MAX_TOKENS,
+                                  ("max_completion_tokens", "max_tokens"))
+        logprobs = _flag(body, "logprobs")
         top_logprobs = _number(body, "top_logprobs", 0, 0, 20, integer=True)
+        params = settings.params
         try:
-            # ranges and types are checked by SamplingParams, from the one table in config
-            sampling = {name: body[name] if body.get(name) is not None else default
-                        for name, default in API_DEFAULTS.items()}
-            bias = body.get("logit_bias")
-            if bias is not None and not isinstance(bias, dict):
-                raise ConfigError("'logit_bias' must be an object mapping token ids to a bias "
-                                  "in [-100, 100]", "logit_bias")
-            params = SamplingParams(**sampling, max_new_tokens=min(max_tokens, MAX_NEW_TOKENS), seed=seed,
-                                    stop=tuple(stop), logit_bias=bias, constraint=constraint)
-            self.engine.check(params)  # ids in the vocabulary; the format compiled once
-        except ConfigError as e:
-            raise APIError(400, str(e), e.field) from None
-        except GrammarError as e:
-            raise APIError(400, f"'{constraint_field}': {e}", constraint_field) from None
-        try:
-            trimmed = self.engine.trim(body["messages"], params)
+            if engine.remote:  # its server trims or refuses what does not fit
+                prompt = check_messages(body["messages"])
+            else:
+                trimmed = engine.trim(body["messages"], params)
+                prompt = trimmed.prompt_ids
         except ChatError as e:
             raise APIError(400, str(e), e.field) from None
-        if trimmed.dropped:  # an API caller sent this history on purpose: do not cut it
-            raise APIError(400, f"the conversation is longer than the context window of {self.engine.context_length} tokens allows "
-                                f"with max_tokens={params.max_new_tokens}; shorten it",
+        if not engine.remote and trimmed.dropped:  # sent on purpose: never cut it
+            raise APIError(400, f"the conversation is longer than the context window of "
+                                f"{engine.context_length} tokens allows with "
+                                f"max_tokens={params.max_new_tokens}; shorten it",
                            "messages", code="context_length_exceeded")
-        return {"params": params, "prompt_ids": trimmed.prompt_ids, "stream": stream, "n": n,
-                "include_usage": bool(options.get("include_usage")), "logprobs": logprobs,
-                "top_logprobs": top_logprobs if logprobs else 0}
+        return APIRequest(model, engine, "chat", [prompt], settings, logprobs,
+                          top_logprobs if logprobs else 0)
+
+    async def parse_text(self, body: dict, model: str, engine) -> APIRequest:
+        if body.get("suffix") not in (None, ""):
+            raise APIError(400, "'suffix' is not supported by this server (no insertion): "
+                                "send the text before the gap as 'prompt'", "suffix",
+                           code="unsupported_parameter")
+        settings = parse_settings(body, engine, DEFAULT_COMPLETION_TOKENS)
+        best_of = _number(body, "best_of", None, 1, MAX_CHOICES, integer=True)
+        if best_of is not None and best_of != settings.n:
+            raise APIError(400, f"'best_of' must equal n ({settings.n}) or be left out: this "
+                                "server returns every choice it generates", "best_of",
+                           code="unsupported_parameter")
+        echo = _flag(body, "echo")
+        top = _number(body, "logprobs", None, 0, MAX_COMPLETION_LOGPROBS, integer=True)
+        prompts = _prompt_list(body.get("prompt"))
+        fields = ["prompt"] if len(prompts) == 1 else [f"prompt[{i}]" for i in range(len(prompts))]
+        for prompt, field in zip(prompts, fields):
+            if not prompt:
+                raise APIError(400, f"'{field}' is empty; give the text to continue, or token "
+                                    "ids", field)
+        req = APIRequest(model, engine, "text", prompts, settings, top is not None, top or 0)
+        if engine.remote:
+            if echo and (top is not None or any(isinstance(p, list) for p in prompts)):
+                raise APIError(400, f"'echo' with {'logprobs' if top is not None else 'token ids'}"
+                                    f" is not available for the remote model '{model}': its "
+                                    "prompt tokens and their log-probabilities are its "
+                                    "server's", "echo", code="unsupported_parameter")
+            req.echo = [(p, []) for p in prompts] if echo else None
+            return req
+        req.prompts = [self._prompt_ids(engine, p, settings.params, f)
+                       for p, f in zip(prompts, fields)]
+        if echo:
+            req.echo = [await self._echo(engine, p, ids, top)
+                        for p, ids in zip(prompts, req.prompts)]
+        return req
+
+    @staticmethod
+    def _prompt_ids(engine, prompt, params: SamplingParams, field: str) -> list[int]:
+        vocab = engine.model.config.vocab_size
+        if isinstance(prompt, list):
+            bad = next((t for t in prompt if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise APIError(400, f"'{field}': token id {bad} is out of range: the "
+                                    f"vocabulary has ids 0..{vocab - 1}", field)
+        try:
+            return engine.prompt_ids(prompt, params, field=field)
+        except ChatError as e:  # too long for the context with max_tokens
+            raise APIError(400, str(e), e.field) from None
+
+    @staticmethod
+    async def _echo(engine, prompt, ids: list[int], top: int | None) -> tuple[str, list]:
+        """The echoed prompt: its text, and with logprobs its tokens' entries (the first
+        without a logprob: nothing comes before it to predict it)."""
+        text = prompt if isinstance(prompt, str) else engine.tokenizer.decode(ids)
+        if top is None:
+            return text, []
+        token = [engine.tokenizer.decode([i]) for i in ids]
+        # the model runs on its engine thread; this waits for it off the event loop
+        scored = await asyncio.to_thread(engine.prompt_logprobs, ids, top)
+        entries = [(token[0], None, None)]
+        for pos, (logprob, alts) in enumerate(scored, 1):
+            best = {engine.tokenizer.decode([i]): lp for i, lp in alts}
+            best.setdefault(token[pos], logprob)
+            entries.append((token[pos], logprob, best))
+        return text, entries
 
     # -- responses --------------------------------------------------------------------------
-    def start(self, req: dict) -> "_Choices":
-        """Admit the request's n choices as n engine requests, all or none (429 when they
-        do not all fit). The engine hands their chunks to the event loop: no thread waits
-        on them."""
-        n = req["n"]
-        free = self.engine.max_queue - self.engine.queue_depth
-        if n > free:
-            raise _busy("the server is busy; try again in a moment" if n == 1 else
-                        f"the server is busy: n={n} needs {n} places in the queue and "
+    def start(self, req: APIRequest) -> "_Choices":
+        """Admit the request's choices as engine requests, all or none (429 when they do not
+        all fit). The engine hands their chunks to the event loop: no thread waits on them
+        (a remote engine's reply is read on a thread of its own: it waits on the network)."""
+        engine, n, total = req.engine, req.settings.n, req.choices
+        free = engine.max_queue - engine.queue_depth
+        if total > free:
+            need = f"n={n}" if len(req.prompts) == 1 else f"{len(req.prompts)} prompts x n={n}"
+            raise _busy("the server is busy; try again in a moment" if total == 1 else
+                        f"the server is busy: {need} needs {total} places in the queue and "
                         f"{max(free, 0)} are free; try again in a moment")
         choices = _Choices(asyncio.get_running_loop())
         try:
-            for i in range(n):
+            for i in range(total):
                 self._start_choice(req, i, choices)
         except BaseException as e:  # start none: cancel those already queued
             choices.stop()
@@ -294,21 +519,28 @@ class ChatAPI:
             raise
         return choices
 
-    def _start_choice(self, req: dict, index: int, choices: "_Choices") -> None:
-        params = req["params"]
-        if params.seed is not None and index:
-            params = params.replace(seed=(params.seed + index) % (SEED_MAX + 1))
-        recorder = LogprobRecorder(self.engine.tokenizer, req["top_logprobs"]) \
-            if req["logprobs"] else None
-        self.engine.submit(req["prompt_ids"], params, choices.sink(index),
-                           cancel=choices.cancel,
-                           observer=recorder.observe if recorder else None)
+    def _start_choice(self, req: APIRequest, index: int, choices: "_Choices") -> None:
+        prompt, j = divmod(index, req.settings.n)  # choice j of prompt `prompt`
+        params = req.settings.params
+        if params.seed is not None and j:
+            params = params.replace(seed=(params.seed + j) % (SEED_MAX + 1))
+        recorder = LogprobRecorder(req.engine.tokenizer, req.top_logprobs) \
+            if req.logprobs else None
+        observer = recorder.observe if recorder else None
+        if req.engine.remote:
+            _read_remote(req, req.prompts[prompt], params, choices.sink(index), choices.cancel,
+                         observer)
+        else:
+            req.engine.submit(req.prompts[prompt], params, choices.sink(index),
+                              cancel=choices.cancel, observer=observer)
         choices.started(recorder)  # after submit: a choice that did not start is not waited for
 
     @staticmethod
-    def _usage(stats: list) -> dict:
-        prompt = stats[0].prompt_tokens  # the same prompt for every choice: counted once
-        completion = sum(s.new_tokens for s in stats)
+    def _usage(req: APIRequest, last: list) -> dict:
+        # each prompt counted once, whatever its number of choices
+        prompt = sum(last[p * req.settings.n].stats.prompt_tokens
+                     for p in range(len(req.prompts)))
+        completion = sum(c.stats.new_tokens for c in last)
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion}
 
@@ -320,16 +552,14 @@ class ChatAPI:
             return stats.finish_reason
         return "stop"
 
-    async def complete(self, req: dict, choices: "_Choices") -> dict:
-        parts: list[list[str]] = [[] for _ in range(req["n"])]
-        last: list = [None] * req["n"]
+    async def complete(self, req: APIRequest, choices: "_Choices") -> dict:
+        parts: list[list[str]] = [[] for _ in range(req.choices)]
+        last: list = [None] * req.choices
         try:
             while choices.running:
                 for i, chunk, error in await choices.next_batch():
                     if error is not None:
-                        if isinstance(error, EngineBusy):
-                            raise _busy(str(error)) from None
-                        raise error
+                        raise _failed(req, error) from None
                     if chunk is not None:
                         parts[i].append(chunk.text)
                         if chunk.done:
@@ -338,40 +568,31 @@ class ChatAPI:
                         raise RuntimeError(f"choice {i} ended without its final chunk")
         finally:
             choices.stop()
-        body = [{"index": i, "message": {"role": "assistant", "content": "".join(parts[i])},
-                 "finish_reason": self._finish(last[i].stats),
-                 "logprobs": {"content": c.recorder.entries} if c.recorder else None}
-                for i, c in enumerate(choices.choices)]
-        return {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion",
-                "created": int(time.time()), "model": self.engine.name, "choices": body,
-                "usage": self._usage([c.stats for c in last]),
-                "system_fingerprint": "miniserve"}
+        shape = _shape(req, choices)
+        return {"id": f"{shape.prefix}-{uuid.uuid4().hex[:24]}", "object": shape.object,
+                "created": int(time.time()), "model": req.model,
+                "choices": [shape.whole(i, "".join(parts[i]), self._finish(last[i].stats))
+                            for i in range(req.choices)],
+                "usage": self._usage(req, last), "system_fingerprint": "miniserve"}
 
-    async def stream(self, req: dict, choices: "_Choices"):
-        ident, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
-        sent_logprobs = [0] * req["n"]
+    async def stream(self, req: APIRequest, choices: "_Choices", lease: _Lease):
+        shape = _shape(req, choices)
+        ident, created = f"{shape.prefix}-{uuid.uuid4().hex[:24]}", int(time.time())
 
-        def event(index: int | None, delta: dict | None = None, finish=None, usage=None,
-                  logprobs: bool = True) -> str:
-            chunk = {"id": ident, "object": "chat.completion.chunk", "created": created,
-                     "model": self.engine.name, "system_fingerprint": "miniserve",
-                     "choices": []}
-            if index is not None:
-                choice = {"index": index, "delta": delta, "finish_reason": finish,
-                          "logprobs": None}
-                recorder = choices.choices[index].recorder
-                if logprobs and recorder and len(recorder.entries) > sent_logprobs[index]:
-                    choice["logprobs"] = {"content": recorder.entries[sent_logprobs[index]:]}
-                    sent_logprobs[index] = len(recorder.entries)
-                chunk["choices"] = [choice]
-            if usage is not None or req["include_usage"]:
+        def event(choice: dict | None, usage=None) -> str:
+            chunk = {"id": ident, "object": shape.chunk_object, "created": created,
+                     "model": req.model, "system_fingerprint": "miniserve",
+                     "choices": [choice] if choice is not None else []}
+            if usage is not None or req.settings.include_usage:
                 chunk["usage"] = usage
             return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
 
-        last: list = [None] * req["n"]
+        last: list = [None] * req.choices
         try:
-            yield "".join(event(i, {"role": "assistant", "content": ""}, logprobs=False)
-                          for i in range(req["n"]))
+            opening = "".join(event(c) for i in range(req.choices)
+                              if (c := shape.opening(i)) is not None)
+            if opening:
+                yield opening
             while choices.running:
                 # every chunk that arrived since the last write goes out in one write
                 out = []
@@ -383,17 +604,141 @@ class ChatAPI:
                     if chunk is None:
                         continue
                     if chunk.text:
-                        out.append(event(i, {"content": chunk.text}))
+                        out.append(event(shape.piece(i, chunk.text)))
                     if chunk.done:
                         last[i] = chunk
-                        out.append(event(i, {}, finish=self._finish(chunk.stats)))
+                        out.append(event(shape.piece(i, "", self._finish(chunk.stats))))
                 if out:
                     yield "".join(out)
-            tail = [event(None, usage=self._usage([c.stats for c in last]))] \
-                if req["include_usage"] else []
+            tail = [event(None, usage=self._usage(req, last))] \
+                if req.settings.include_usage else []
             yield "".join(tail) + "data: [DONE]\n\n"
         finally:
-            choices.stop()  # the client went away (this generator was cancelled) or done
+            _end(choices, lease)  # the client went away (this generator was cancelled) or done
+
+
+def _end(choices: "_Choices", lease: _Lease) -> None:
+    choices.stop()
+    lease.release()
+
+
+def _read_remote(req: APIRequest, prompt, params: SamplingParams, sink, cancel, observer):
+    """Start one choice on a remote engine: its reply is an iterator that waits on the
+    network, read on a thread of its own that hands each item to the sink, as the local
+    engine thread does (Chunks, an exception if it failed, then None)."""
+    engine = req.engine
+
+    def run() -> None:
+        try:
+            reply = engine.chat if req.kind == "chat" else engine.complete_text
+            for chunk in reply(prompt, params, cancel=cancel, observer=observer):
+                sink(chunk)
+        except BaseException as e:  # noqa: BLE001 -- reported to the client
+            sink(e)
+        finally:
+            sink(None)
+
+    threading.Thread(target=run, name="miniserve-remote-reply", daemon=True).start()
+
+
+def _failed(req: APIRequest, error: BaseException) -> APIError:
+    """An error from a choice before the reply was sent, as the status it means."""
+    if isinstance(error, EngineBusy):
+        return _busy(str(error))
+    if isinstance(error, (ChatError, ConfigError)):  # a remote server refused the request
+        return APIError(400, str(error), error.field)
+    if req.engine.remote:
+        return APIError(502, f"model '{req.model}' failed: {error}", None, "server_error",
+                        "model_unavailable")
+    return APIError(500, f"generation failed: {error}", None, "server_error")
+
+
+class _ChatShape:
+    """How a chat reply is written: messages, and streamed deltas."""
+    prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
+
+    def __init__(self, req: APIRequest, choices: "_Choices"):
+        self.choices = choices
+        self.sent = [0] * req.choices  # logprob entries already streamed, per choice
+
+    def _recorder(self, i: int):
+        return self.choices.choices[i].recorder
+
+    def whole(self, i: int, text: str, finish: str) -> dict:
+        recorder = self._recorder(i)
+        return {"index": i, "message": {"role": "assistant", "content": text},
+                "finish_reason": finish,
+                "logprobs": {"content": recorder.entries} if recorder else None}
+
+    def opening(self, i: int) -> dict:
+        return {"index": i, "delta": {"role": "assistant", "content": ""},
+                "finish_reason": None, "logprobs": None}
+
+    def piece(self, i: int, text: str, finish: str | None = None) -> dict:
+        choice = {"index": i, "delta": {"content": text} if text else {},
+                  "finish_reason": finish, "logprobs": None}
+        recorder = self._recorder(i)
+        if recorder and len(recorder.entries) > self.sent[i]:
+            choice["logprobs"] = {"content": recorder.entries[self.sent[i]:]}
+            self.sent[i] = len(recorder.entries)
+        return choice
+
+
+class _TextShape:
+    """How a completion is written: text (the prompt in front with echo) and OpenAI's legacy
+    logprobs, streamed as pieces of text."""
+    prefix, object, chunk_object = "cmpl", "text_completion", "text_completion"
+
+    def __init__(self, req: APIRequest, choices: "_Choices"):
+        self.req, self.choices = req, choices
+        self.sent = [0] * req.choices     # recorder entries already written, per choice
+        self.offset = [0] * req.choices   # text_offset of the next token, per choice
+
+    def _echo(self, i: int) -> tuple[str, list]:
+        return self.req.echo[i // self.req.settings.n] if self.req.echo else ("", [])
+
+    def _logprobs(self, i: int, entries: list, generated: bool = True) -> dict | None:
+        """The legacy logprobs of `entries` (the echoed prompt's), then of choice i's
+        generated tokens not written yet."""
+        if not self.req.logprobs:
+            return None
+        recorder = self.choices.choices[i].recorder
+        if generated:
+            for e in recorder.entries[self.sent[i]:]:
+                best = {t["token"]: t["logprob"] for t in e["top_logprobs"]}
+                best.setdefault(e["token"], e["logprob"])  # the chosen token is always there
+                entries = entries + [(e["token"], e["logprob"], best)]
+            self.sent[i] = len(recorder.entries)
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token, logprob, best in entries:
+            out["tokens"].append(token)
+            out["token_logprobs"].append(logprob)
+            out["top_logprobs"].append(best)
+            out["text_offset"].append(self.offset[i])
+            self.offset[i] += len(token)
+        return out
+
+    def whole(self, i: int, text: str, finish: str) -> dict:
+        echo, entries = self._echo(i)
+        return {"index": i, "text": echo + text, "logprobs": self._logprobs(i, entries),
+                "finish_reason": finish}
+
+    def opening(self, i: int) -> dict | None:
+        if not self.req.echo:
+            return None
+        echo, entries = self._echo(i)
+        return {"index": i, "text": echo, "logprobs": self._logprobs(i, entries, False),
+                "finish_reason": None}
+
+    def piece(self, i: int, text: str, finish: str | None = None) -> dict:
+        logprobs = self._logprobs(i, [])
+        return {"index": i, "text": text,
+                "logprobs": logprobs if logprobs and logprobs["tokens"] else None,
+                "finish_reason": finish}
+
+
+def _shape(req: APIRequest, choices: "_Choices"):
+    return (_ChatShape if req.kind == "chat" else _TextShape)(req, choices)
 
 
 def _busy(message: str) -> APIError:
@@ -532,64 +877,106 @@ async def _until_disconnect(receive) -> None:
         pass
 
 
-def build_router(engine: Engine, api_key: str | None = None) -> APIRouter:
-    api = ChatAPI(engine, api_key)
+async def _read_body(request: Request, required: str) -> dict:
+    try:
+        body = json.loads(await request.body() or b"null")
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise APIError(400, "the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    if required not in body:
+        raise APIError(400, f"'{required}' is required", required)
+    return body
+
+
+def build_router(models, api_key: str | None = None) -> APIRouter:
+    """The /v1 routes over `models` (a Models registry, or one Engine)."""
+    api = OpenAIAPI(models, api_key)
     router = APIRouter(prefix="/v1")
 
     @router.get("/models")
-    def models(request: Request):
+    def list_models(request: Request):
         try:
             api.authorize(request)
         except APIError as e:
             return e.response()
-        return {"object": "list", "data": [{"id": engine.name, "object": "model",
-                                            "created": 0, "owned_by": "local"}]}
+        return {"object": "list", "data": [_model_entry(api.models, d)
+                                           for d in api.models.describe()]}
 
-    @router.post("/chat/completions")
-    async def chat_completions(request: Request):
+    @router.get("/models/{model:path}")
+    def get_model(model: str, request: Request):
         try:
             api.authorize(request)
-            try:
-                body = json.loads(await request.body() or b"null")
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise APIError(400, "the request body is not valid JSON") from None
-            req = api.parse(body)
+            name = api.resolve(model)
+        except APIError as e:
+            return e.response()
+        return next(_model_entry(api.models, d) for d in api.models.describe()
+                    if d["name"] == name)
+
+    async def answer(request: Request, kind: str):
+        lease = None
+        try:
+            api.authorize(request)
+            body = await _read_body(request, "messages" if kind == "chat" else "prompt")
+            lease = await api.open(body)
+            req = api.parse_chat(body, lease.name, lease.engine) if kind == "chat" else \
+                await api.parse_text(body, lease.name, lease.engine)
             choices = api.start(req)
-            if req["stream"]:
-                stream = api.stream(req, choices)
+            if req.settings.stream:
+                stream = api.stream(req, choices, lease)
                 # a response dropped before its first write never runs the generator's
-                # `finally`: stop the choices when the generator is collected
-                weakref.finalize(stream, choices.stop)
+                # `finally`: end the choices when the generator is collected
+                weakref.finalize(stream, _end, choices, lease)
+                lease = None  # the stream releases it when it ends
                 return StreamingResponse(stream, media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache"})
-            reply = asyncio.ensure_future(api.complete(req, choices))
-            gone = asyncio.ensure_future(_until_disconnect(request.receive))
-            try:
-                await asyncio.wait((reply, gone), return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                gone.cancel()
-                if not reply.done():  # the client went away: nobody reads the reply
-                    reply.cancel()
-                    choices.stop()
-            if not reply.done():
-                return JSONResponse(status_code=499, content={})
-            return reply.result()
+            return await _whole_reply(request, api.complete(req, choices), choices)
         except APIError as e:
             return e.response()
         except EngineBusy as e:
             return _busy(str(e)).response()
+        finally:
+            if lease is not None:
+                lease.release()
+
+    @router.post("/chat/completions")
+    async def chat_completions(request: Request):
+        return await answer(request, "chat")
+
+    @router.post("/completions")
+    async def completions(request: Request):
+        return await answer(request, "text")
 
     return router
 
 
-def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
+async def _whole_reply(request: Request, reply, choices: "_Choices"):
+    """The reply once it is complete, unless the client goes away first (then its choices
+    are cancelled)."""
+    reply = asyncio.ensure_future(reply)
+    gone = asyncio.ensure_future(_until_disconnect(request.receive))
+    try:
+        await asyncio.wait((reply, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not reply.done():  # the client went away: nobody reads the reply
+            reply.cancel()
+            choices.stop()
+    if not reply.done():
+        return JSONResponse(status_code=499, content={})
+    return reply.result()
+
+
+def create_app(models, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="MiniServeLM API")
-    app.include_router(build_router(engine, api_key))
+    app.include_router(build_router(models, api_key))
     return app
 
 
-def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000,
+def serve(models, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None) -> None:
     import uvicorn
-    print(f"MiniServeLM API on http://{host}:{port}/v1 (model {engine.name})", flush=True)
-    uvicorn.run(create_app(engine, api_key), host=host, port=port, log_level="warning")
+    models = Models.of(models)
+    print(f"MiniServeLM API on http://{host}:{port}/v1 (models: {', '.join(models.names)}; "
+          f"default {models.default})", flush=True)
+    uvicorn.run(create_app(models, api_key), host=host, port=port, log_level="warning")

@@ -63,6 +63,7 @@ MAX_NEW_TOKENS = FIELDS["max_new_tokens"].high  # also the API's and the benchma
 MAX_QUEUE = Field(int, 1, 1000, 16, "Max queue",
                   "requests running or waiting before new ones get 'busy' (HTTP 429)")
 MAX_CHOICES = 8  # the API's largest n; each choice takes one place in the queue
+MAX_PROMPTS = 16  # prompts in one /v1/completions request (each with its n choices)
 # The scheduler (miniserve/scheduler.py): how many sequences advance in one forward pass, how
 # many tokens one pass may take (decode rows + a chunk of a waiting prompt), and how many
 # positions of keys and values all sequences together may hold (prompt + max_new_tokens is

@@ -229,12 +229,12 @@ class Models:
                     self._engines.move_to_end(name)
                     return engine
             spec = self.specs[name]
-            if not spec.remote:
-                self._make_room(keep=name)
             engine = self.factory(spec, progress)
             with self._lock:
                 self._engines[name] = engine
                 self._engines.move_to_end(name)
+            if not spec.remote:  # after the load: one that fails unloads nothing
+                self._make_room(keep=name)
             return engine
 
     @contextlib.contextmanager
@@ -253,17 +253,18 @@ class Models:
         engine = self._engines[name]
         return self._leases.get(name, 0) > 0 or getattr(engine, "queue_depth", 0) > 0
 
-    def _make_room(self, keep: str) -> None:
-        """Unload least recently used idle local models until one more fits. When every loaded
-        one is busy, the new one loads anyway (over the limit until one is idle): a request is
-        never refused for memory that a finished one will free."""
+    def _make_room(self, keep: str, adding: int = 0) -> None:
+        """Unload least recently used idle local models (never `keep`) until at most
+        max_loaded remain, counting `adding` more to come. When the others are busy, the limit
+        is passed until one is idle: a request is never refused for memory that a finished
+        one will free."""
         with self._lock:
-            local = [n for n in self._engines if not self.specs[n].remote and n != keep]
-            excess = len(local) + 1 - self.max_loaded
+            local = [n for n in self._engines if not self.specs[n].remote]
+            excess = len(local) + adding - self.max_loaded
             for name in local:
                 if excess <= 0:
                     break
-                if not self._busy(name):
+                if name != keep and not self._busy(name):
                     self.unload(name)
                     excess -= 1
 

@@ -498,3 +498,99 @@ def test_bad_output_formats_get_400_naming_the_problem(app_server, extra, param,
     error = body["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error"
     assert all(w in error["message"] for w in words), error["message"]
+
+
+# -- several models: each request answered by the one it names ------------------------------
+
+@pytest.fixture(scope="module")
+def routed():
+    """Two local models over the embedded weights, each its own engine, and one whose file is
+    missing; nothing is loaded before a request names it."""
+    from miniserve.http_bench import serve_in_thread
+    from miniserve.models import open_models
+    # room for all three: a failed load must not cost a loaded model its place here
+    models = open_models(["default", "second=default", "broken=/nonexistent/missing.gguf"],
+                         max_loaded=3)
+    with serve_in_thread(models) as port:
+        yield models, f"http://127.0.0.1:{port}"
+    models.close()
+
+
+def send(url: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+    """GET (no body) or POST a JSON body: the status and the decoded reply."""
+    req = urllib.request.Request(url + path, data=None if body is None else
+                                 json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_each_model_loads_on_first_use_and_answers_by_name(routed):
+    models, url = routed
+    default = models.default
+    status, listed = send(url, "/v1/models")
+    assert status == 200
+    assert [(m["id"], m["loaded"], m["default"], m["owned_by"]) for m in listed["data"]] == [
+        (default, False, True, "miniserve"), ("second", False, False, "miniserve"),
+        ("broken", False, False, "miniserve")]
+
+    status, reply = send(url, "/v1/chat/completions", {"model": "second", "messages": Q,
+                                                       "max_tokens": 3})
+    assert status == 200 and reply["model"] == "second"
+    assert models.is_loaded("second") and not models.is_loaded(default)  # second answered
+
+    # the default loads on a worker thread: meanwhile the event loop serves the other model
+    loading, make = threading.Event(), models.factory
+
+    def factory(spec, progress):
+        loading.set()
+        return make(spec, progress)
+
+    models.factory = factory
+    first = {}
+    request = threading.Thread(target=lambda: first.update(reply=send(
+        url, "/v1/completions", {"model": "gpt-4o", "prompt": "Hello", "max_tokens": 2})))
+    request.start()
+    assert loading.wait(60)
+    status, reply = send(url, "/v1/completions", {"model": "second", "prompt": "Hi",
+                                                  "max_tokens": 2})
+    assert status == 200 and reply["model"] == "second"
+    assert not models.is_loaded(default), "the other model waited for the load"
+    request.join(120)
+    status, reply = first["reply"]
+    assert status == 200 and reply["model"] == default  # a placeholder: the default
+
+    _, listed = send(url, "/v1/models")
+    assert [m["loaded"] for m in listed["data"]] == [True, True, False]
+    assert [m["context_length"] for m in listed["data"][:2]] == [8192, 8192]
+    status, one = send(url, "/v1/models/second")
+    assert status == 200 and one["id"] == "second" and one["loaded"] and one["chat"]
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"model": "gpt-5-turbo", "messages": Q}),
+    ("/v1/completions", {"model": "gpt-5-turbo", "prompt": "Hi"}),
+    ("/v1/models/gpt-5-turbo", None),
+])
+def test_an_unknown_model_is_a_404_listing_the_served_ones(routed, path, body):
+    models, url = routed
+    status, reply = send(url, path, body)
+    error = reply["error"]
+    assert status == 404 and error["param"] == "model" and error["code"] == "model_not_found"
+    assert "gpt-5-turbo" in error["message"]
+    assert all(name in error["message"] for name in models.names)
+
+
+def test_a_model_that_fails_to_load_is_a_502_and_the_others_keep_answering(routed):
+    models, url = routed
+    status, reply = send(url, "/v1/chat/completions", {"model": "broken", "messages": Q,
+                                                       "max_tokens": 2})
+    error = reply["error"]
+    assert status == 502 and error["param"] == "model" and error["type"] == "server_error"
+    assert "'broken'" in error["message"] and "does not exist" in error["message"]
+    status, reply = send(url, "/v1/chat/completions", {"model": "second", "messages": Q,
+                                                       "max_tokens": 2})
+    assert status == 200 and reply["model"] == "second"

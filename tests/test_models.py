@@ -86,7 +86,7 @@ def test_models_load_on_first_use_and_make_room(two):
         two.unload("a")
         assert two.get("a") is not a and two.loaded() == ["b", "a"]
     two.max_loaded = 2
-    two._make_room(keep="x")  # one more would come: the least recently used idle one goes
+    two._make_room(keep="x", adding=1)  # one more to come: the least recently used idle one goes
     assert two.loaded() == ["a"]
     again = "".join(c.text for c in two.get("a").complete_text("Once upon a time", GREEDY))
     assert again == text_b  # the same weights, the same arithmetic, the same tokens
