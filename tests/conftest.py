@@ -52,6 +52,16 @@ def engine(loaded):
 
 
 @pytest.fixture(scope="session")
+def two_models():
+    """Two names over the embedded GGUF, the default and "second", each its own engine,
+    loaded on first use (the web app's and the API's several-model tests)."""
+    from miniserve.models import open_models
+    models = open_models(["default", "second=default"])
+    yield models
+    models.close()
+
+
+@pytest.fixture(scope="session")
 def tokenizer(loaded):
     return loaded.tokenizer
 

@@ -128,7 +128,8 @@ def test_compare_with_and_without_the_output_format_doubles_the_columns(compare,
                                             "", True))
     assert status == ("same prompt, seed 42, 2 presets with and without the JSON format, "
                       "4 replies as one batch")
-    shown = {slot: col["value"] for slot, col in zip(compare.slots, columns) if col["visible"]}
+    shown = {slot[1:]: col["value"] for slot, col in zip(compare.slots, columns)
+             if col["visible"]}  # slots: (model, preset, without the format)
     assert set(shown) == {("factual", False), ("creative", False), ("factual", True),
                           ("creative", True)}
     for (name, free), value in shown.items():
@@ -552,21 +553,24 @@ def test_regenerate_and_edit_follow_the_output_format(chat):
 
 
 def test_gradio_hands_the_output_format_to_the_handlers(engine, presets):
-    """The events pass the Output format's two values last; an edit's EditData goes where the
-    handler's parameter is, before them (Gradio inserts it by its annotation)."""
+    """The events pass the Output format's two values, then the Model dropdown, last (Compare:
+    the format, "Also without", the Models); an edit's EditData goes where the handler's
+    parameter is, before them (Gradio inserts it by its annotation)."""
     from gradio.helpers import special_args
     demo = build_ui(engine, presets)
     for fn in demo.fns.values():
-        if fn.name in ("send", "regenerate", "edit", "compare"):
+        if fn.name in ("send", "regenerate", "edit", "generate", "compare"):
             labels = [getattr(b, "label", None) for b in fn.inputs]
-            assert labels[-2:] == ["Output format", "Format"] or (
-                fn.name == "compare" and labels[-3:-1] == ["Output format", "Format"]), labels
+            assert labels[-3:] == ["Output format", "Format", "Model"] or (
+                fn.name == "compare" and labels[-4:] == ["Output format", "Format",
+                                                         "Also without the output format",
+                                                         "Models"]), labels
     chat = ChatHandlers(engine, presets)
-    values = [{}, new_view(), "", "", "factual", *sliders(chat), 1, False, "JSON", ""]
+    values = [{}, new_view(), "", "", "factual", *sliders(chat), 1, False, "JSON", "", "m"]
     data = gr.EventData(None, {"index": 0, "value": "x", "previous_value": ""})
     args, *_ = special_args(chat.edit, values, None, data)
     assert isinstance(args[13], gr.EditData) and args[13].value == "x"
-    assert args[14:16] == ["JSON", ""] and len(args) == 17, args
+    assert args[14:17] == ["JSON", "", "m"] and len(args) == 18, args
 
 
 def test_output_format_values_become_a_constraint():
@@ -616,23 +620,27 @@ def test_benchmark_bad_values(engine, lengths, new_tokens, repeat, message):
     assert status.startswith("**Error:**") and message in status, status
 
 
-def test_build_ui_lays_out_the_three_tabs(engine, presets):
+def test_build_ui_lays_out_the_four_tabs(engine, presets):
     demo = build_ui(engine, presets, "no such preset")
     labels = {getattr(block, "label", None) for block in demo.blocks.values()}
-    assert {"Chat", "Compare", "Benchmark", "Conversation", "Presets", "Results"} <= labels
+    assert {"Chat", "Notebook", "Compare", "Benchmark", "Conversation", "Text", "Presets",
+            "Results"} <= labels
+    # one model: no dropdown to choose it (the header names it)
+    assert not any(b.visible for b in demo.blocks.values()
+                   if getattr(b, "label", None) in ("Model", "Models"))
 
 
 def test_replies_of_many_browsers_run_at_once(engine, presets):
     """Gradio runs one event of a listener at a time unless told otherwise; the app lets as
-    many engine events (Send, Regenerate, Compare) run at once as the engine admits, as one
-    group, and the benchmarks one at a time."""
+    many engine events (Send, Regenerate, Generate, Compare) run at once as the engine admits,
+    as one group, and the benchmarks one at a time."""
     demo = build_ui(engine, presets)
     assert demo._queue.default_concurrency_limit == engine.max_queue
     assert demo.max_threads >= engine.max_queue
     groups = {}
     for fn in demo.fns.values():
         groups.setdefault(fn.name, set()).add((fn.concurrency_id, fn.concurrency_limit))
-    for name in ("send", "regenerate", "compare"):
+    for name in ("send", "regenerate", "generate", "compare"):
         assert groups[name] == {("engine", "default")}, name  # the default: max_queue
     assert groups["benchmark"] == groups["concurrency"] == {("benchmark", 1)}
 

@@ -1,7 +1,11 @@
 """The Benchmark tab: no-cache vs KV cache vs `generate()` over several prompt lengths, and
-several streams at once (concurrency); the same code as `python -m miniserve bench`."""
+several streams at once (concurrency); the same code as `python -m miniserve bench`. The Model
+dropdown picks the engine measured; both benchmarks time this machine's own engine (its runners,
+KV cache and scheduler), so a model served by a remote server is not measured here."""
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import gradio as gr
 import pandas as pd
@@ -10,7 +14,10 @@ from miniserve.bench import (GREEDY, BenchConfig, ConcurrencyConfig, describe_co
                              describe_run, run_bench, run_concurrency, to_dict)
 from miniserve.config import ConfigError, SamplingParams
 from miniserve.engine import Engine
-from miniserve.ui.common import BENCHMARK_EVENTS, counts_from, error, whole
+from miniserve.models import Models
+from miniserve.ui.common import (BENCHMARK_EVENTS, USER_ERRORS, ModelHeader, ModelUnavailable,
+                                 build_model_picker, counts_from, error, user_message, using,
+                                 whole)
 
 # The concurrency table's columns, from the result's rows (the plot reads the first three).
 CONCURRENCY_COLUMNS = ["preset", "concurrency", "aggregate_tokens_per_s",
@@ -20,30 +27,60 @@ CONCURRENCY_COLUMNS = ["preset", "concurrency", "aggregate_tokens_per_s",
 CONCURRENCY_PRESETS = (GREEDY, "balanced")
 
 
-class BenchmarkHandlers:
-    """The Benchmark tab's handlers over one engine. Each returns (table, plot data, status);
-    on a bad value (None, None, the error)."""
+def remote_note(name: str) -> str:
+    """Why a remote model is not benchmarked here, and what measures it."""
+    return (f"model '{name}' runs on a remote server: these benchmarks time this machine's own "
+            "engine (its runners, KV cache and scheduler), so they do not apply to it. Only a "
+            "measurement at the client applies: the first-token time and tokens/s that Chat, "
+            "Notebook and Compare show for each of its replies")
 
-    def __init__(self, engine: Engine, presets: dict[str, SamplingParams] | None = None):
-        self.engine = engine
+
+class BenchmarkHandlers:
+    """The Benchmark tab's handlers over the app's models. Each takes the Model dropdown last
+    (None: the default model) and returns (table, plot data, status); on a bad value, a model
+    that cannot be loaded or a remote one (None, None, the error)."""
+
+    def __init__(self, models: Models | Engine, presets: dict[str, SamplingParams] | None = None):
+        self.models = Models.of(models)
         # the app's presets (from its --presets-file), which the concurrency run uses; None:
         # the default presets.yaml
         self.presets = presets
         # what the concurrency run may name: `greedy` (built in) and the app's presets
         self.preset_names = list(dict.fromkeys([GREEDY, *(presets or {})]))
 
-    def benchmark(self, lengths_text, new_tokens, repeat, progress=gr.Progress()):
+    @contextmanager
+    def measured(self, model, progress):
+        """The engine of a local model, held (`using`) while it is measured; a model not loaded
+        yet loads first, its progress on the progress bar. Raises USER_ERRORS for a model not
+        served or not loadable, and for a remote one (said before connecting to it)."""
+        name = self.models.resolve(model)
+        if self.models.specs[name].remote:
+            raise ConfigError(remote_note(name), "model")
+        if not self.models.is_loaded(name):
+            progress(0, desc=f"loading model {name}…")
+            try:
+                self.models.get(name, progress=lambda m: progress(
+                    0, desc=f"loading model {name}: {m}"))
+            except Exception as e:  # noqa: BLE001 -- the tab's error line
+                raise ModelUnavailable(name, e) from e
+        with using(self.models, name) as engine:
+            if engine.remote:
+                raise ConfigError(remote_note(name), "model")
+            yield engine
+
+    def benchmark(self, lengths_text, new_tokens, repeat, model=None, progress=gr.Progress()):
         try:
             lengths = counts_from(lengths_text, "Prompt lengths", "32,128,512")
             config = BenchConfig(prompt_tokens=lengths, new_tokens=whole(new_tokens),
                                  repeat=whole(repeat))
-        except (ConfigError, ValueError, TypeError) as e:
-            return None, None, error(str(e))
-        result = run_bench(self.engine, config, progress=lambda f, m: progress(f, desc=m))
+            with self.measured(model, progress) as engine:
+                result = run_bench(engine, config, progress=lambda f, m: progress(f, desc=m))
+        except (*USER_ERRORS, ValueError, TypeError) as e:
+            return None, None, error(user_message(e))
         table = pd.DataFrame(to_dict(result)["rows"])
         return table, table, describe_run(result)
 
-    def concurrency(self, levels_text, presets, prompt_tokens, new_tokens,
+    def concurrency(self, levels_text, presets, prompt_tokens, new_tokens, model=None,
                     progress=gr.Progress()):
         """Every chosen preset at every concurrency level (streams submitted at once)."""
         try:
@@ -51,18 +88,34 @@ class BenchmarkHandlers:
             config = ConcurrencyConfig(levels=levels, prompt_tokens=whole(prompt_tokens),
                                        new_tokens=whole(new_tokens),
                                        presets=tuple(presets or ()))
-            result = run_concurrency(self.engine, config,
-                                     progress=lambda f, m: progress(f, desc=m),
-                                     presets=self.presets)
-        except (ConfigError, ValueError, TypeError) as e:  # a level past the queue, a preset
-            return None, None, error(str(e))
+            with self.measured(model, progress) as engine:
+                result = run_concurrency(engine, config,
+                                         progress=lambda f, m: progress(f, desc=m),
+                                         presets=self.presets)
+        except (*USER_ERRORS, ValueError, TypeError) as e:  # a level past the queue, a preset
+            return None, None, error(user_message(e))
         table = pd.DataFrame(to_dict(result)["rows"])[CONCURRENCY_COLUMNS]
         return table, table, describe_concurrency(result)
 
+    def model_note(self, model) -> str:
+        """The line under the Model dropdown: empty for a local model, why not for a remote
+        one (from its spec: drawing it never loads the model)."""
+        try:
+            name = self.models.resolve(model)
+        except USER_ERRORS as e:
+            return error(user_message(e))
+        return f"*{remote_note(name)}.*" if self.models.specs[name].remote else ""
 
-def build_benchmark_tab(bench: BenchmarkHandlers) -> None:
-    """The Benchmark tab and its events; call inside the app's `gr.Blocks`."""
+
+def build_benchmark_tab(bench: BenchmarkHandlers, header: ModelHeader | None = None) -> None:
+    """The Benchmark tab and its events; call inside the app's `gr.Blocks`. `header`: the line
+    above the tabs, which follows this tab's Model dropdown."""
     with gr.Tab("Benchmark"):
+        remote = bench.model_note(None)
+        # the dropdown shows with several models; the note with a remote model
+        with gr.Row(visible=len(bench.models.names) > 1 or bool(remote)):
+            model = build_model_picker(bench.models)
+            note = gr.Markdown(remote)
         gr.Markdown("Manual decoding with and without the KV cache, and transformers' "
                     "`generate()` as the reference, greedy, over several prompt lengths.")
         with gr.Row():
@@ -101,8 +154,12 @@ def build_benchmark_tab(bench: BenchmarkHandlers) -> None:
                                        x_title="streams at once",
                                        y_title="aggregate tokens/s")
     one_at_a_time = dict(concurrency_id=BENCHMARK_EVENTS, concurrency_limit=1)
-    button.click(bench.benchmark, [lengths, new_tokens, repeat], [table, plot, status],
-                 **one_at_a_time)
-    concurrency_button.click(bench.concurrency, [levels, chosen, prompt_tokens, stream_tokens],
-                             [concurrency_table, concurrency_plot, concurrency_status],
-                             **one_at_a_time)
+    runs = [button.click(bench.benchmark, [lengths, new_tokens, repeat, model],
+                         [table, plot, status], **one_at_a_time),
+            concurrency_button.click(bench.concurrency,
+                                     [levels, chosen, prompt_tokens, stream_tokens, model],
+                                     [concurrency_table, concurrency_plot, concurrency_status],
+                                     **one_at_a_time)]
+    model.change(bench.model_note, model, note, queue=False, show_progress="hidden")
+    if header is not None:
+        header.follow(model, runs)

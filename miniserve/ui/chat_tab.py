@@ -6,31 +6,28 @@ generators) that runs without a browser."""
 
 from __future__ import annotations
 
-import html
 import secrets
 import time
+from contextlib import ExitStack
 from typing import NamedTuple
 
 import gradio as gr
 
-from miniserve.config import FIELDS, RANDOM_SEEDS, SamplingParams
+from miniserve.config import RANDOM_SEEDS, SamplingParams
 from miniserve.engine import Engine
 from miniserve.inspector import Inspector
+from miniserve.models import Models
 from miniserve.store import Store, StoreError, open_store
 from miniserve.ui.common import (ENGINE_EVENTS, FREE_TEXT, PAINT_INTERVAL_S, USER_ERRORS,
-                                 Sessions, build_output_format, error, format_note, is_error,
-                                 message_text, params_from, user_message)
+                                 ModelHeader, Sessions, build_model_picker, build_output_format,
+                                 build_sampling, error, format_note, inspector_html, is_error,
+                                 load_messages, message_text, params_from, preset_values,
+                                 user_message, using)
 from miniserve.ui.conversation import (SHOWN, Conversations, Shown, new_view, owner_of,
                                        strip_marks)
 from miniserve.ui.sidebar import SidebarHandlers, build_sidebar, wire_sidebar
 
-assert list(FIELDS) == ["temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-                        "max_new_tokens"], "the handlers below take the sliders in this order"
-SLIDER_MAX = {"top_k": 200}  # the slider's range; larger values are still valid via CLI/API
-SLIDER_STEP = {"temperature": 0.05, "top_k": 1, "top_p": 0.01, "min_p": 0.01,
-               "repetition_penalty": 0.01, "max_new_tokens": 1}
 BROWSER_KEY = "miniserve"  # the browser's local-storage key for its owner id and open chat
-BENT = 0.01  # a step the grammar bent: its mask took at least this share of the probability
 
 
 def chat_status(stats, dropped: int, note: str = "") -> str:
@@ -40,28 +37,17 @@ def chat_status(stats, dropped: int, note: str = "") -> str:
     return stats.summary(" · ") + trimmed + (f" · {note}" if note else "")
 
 
-def grammar_line(steps) -> str:
-    """The inspector's summary of an output format's grammar: at how many of the reply's steps
-    its mask took probability away, and the most it took ("" without a grammar)."""
-    masses = [s.masked_mass for s in steps if s.masked_mass is not None]
-    if not masses:
-        return ""
-    bent = sum(m >= BENT for m in masses)
-    return (f"grammar bent {bent} of {len(masses)} steps, up to {max(masses):.0%} of the "
-            f"probability (a step counts when its mask removed ≥ {BENT:.0%}; hover an "
-            f"underlined token for what it removed)")
-
-
 class ChatHandlers:
-    """The Chat tab's handlers over one engine, its presets and the conversation store.
+    """The Chat tab's handlers over the app's models, its presets and the conversation store.
     Handlers that show a conversation take the browser's state and the tab's view
     (conversation.py) and return `Shown` values; the ones that generate add the message box
-    and the inspector's HTML. The sliders arrive in FIELDS order; `request` (injected by
-    Gradio) names the browser session that Stop cancels."""
+    and the inspector's HTML. The sliders arrive in FIELDS order, the Model dropdown last (None:
+    the default model); `request` (injected by Gradio) names the browser session that Stop
+    cancels."""
 
-    def __init__(self, engine: Engine, presets: dict[str, SamplingParams],
+    def __init__(self, models: Models | Engine, presets: dict[str, SamplingParams],
                  sessions: Sessions | None = None, store: Store | None = None):
-        self.engine = engine
+        self.models = Models.of(models)
         self.presets = presets
         self.sessions = sessions or Sessions()
         self.store = store if store is not None else open_store(enabled=False)
@@ -77,14 +63,15 @@ class ChatHandlers:
                                            status if is_error(status) else error(str(e)), query)
 
     def _respond(self, browser, view, query, system, preset, settings, seed, inspect_on,
-                 request, *, output=(FREE_TEXT, ""), text: str | None = None,
+                 request, *, output=(FREE_TEXT, ""), model=None, text: str | None = None,
                  under: str | None = None, reply_to: str | None = None,
                  focus_new: bool = False):
         """Add the user's `text` under the message `under` (None: as a first message) and
-        stream the reply to it; with `text` None, stream a new reply to the user message
-        `reply_to` (Regenerate); `output` is the Output format control's (format, text). The
-        user's message is saved when the engine takes the request, the reply when it ends
-        (finished or stopped), with its settings (the output format among them) and stats.
+        stream the reply to it from `model`; with `text` None, stream a new reply to the user
+        message `reply_to` (Regenerate); `output` is the Output format control's (format,
+        text). A model not loaded yet loads first, its progress on the status line. The user's
+        message is saved when the engine takes the request, the reply when it ends (finished
+        or stopped), with its settings (the model and the output format among them) and stats.
         Yields SHOWN values + (message box, inspector HTML); on an error the conversation as
         it was, the typed message kept in the box, and the error as the status."""
         box = text if text is not None else gr.update()
@@ -93,19 +80,23 @@ class ChatHandlers:
             params = params_from(settings, seed, *output)
             if params.seed is None:  # a random seed is drawn, used, saved and shown
                 params = params.replace(seed=secrets.randbelow(RANDOM_SEEDS))
+            name = self.models.resolve(model)
             cid = view.get("cid")
             before = self.conversations.path(owner, new_view(cid, reply_to or under))
             messages = (([{"role": "system", "content": system}] if (system or "").strip()
                          else []) + [{"role": m.role, "content": m.content} for m in before]
                         + ([{"role": "user", "content": text}] if text is not None else []))
+            for note in load_messages(self.models, name):
+                yield (*self._show(browser, view, note, query), box, "")
         except (*USER_ERRORS, StoreError) as e:
             yield (*self._show(browser, view, error(user_message(e)), query), box, "")
             return
-        with self.sessions.running(request) as cancel:
+        with self.sessions.running(request) as cancel, ExitStack() as held:
             try:
-                inspector = Inspector(self.engine.tokenizer, params) if inspect_on else None
-                stream = self.engine.chat(messages, params, cancel=cancel,
-                                          observer=inspector.observe if inspector else None)
+                engine = held.enter_context(using(self.models, name))
+                inspector = Inspector(engine.tokenizer, params) if inspect_on else None
+                stream = engine.chat(messages, params, cancel=cancel,
+                                     observer=inspector.observe if inspector else None)
                 if cid is None:
                     cid = self.store.create(owner, system=system or "")
                 elif (system or "") != self.store.get(owner, cid).system:
@@ -114,6 +105,10 @@ class ChatHandlers:
                     reply_to = self.store.add(owner, cid, under, "user", text).id
             except (*USER_ERRORS, StoreError) as e:
                 yield (*self._show(browser, view, error(user_message(e)), query), box, "")
+                return
+            except Exception as e:  # noqa: BLE001 -- e.g. a remote server that went away
+                yield (*self._show(browser, view, error(f"{type(e).__name__}: {e}"), query),
+                       box, "")
                 return
             view = new_view(cid, reply_to, reply_to if focus_new and text is not None else None)
             base = self.conversations.show(browser, view, "generating…", query)
@@ -142,7 +137,7 @@ class ChatHandlers:
             stats = last.stats
             stopped = stats.finish_reason == "cancelled"
             settings_used = {"preset": preset, **params.as_dict(), "system": system or "",
-                             "model": self.engine.name}
+                             "model": name}
             try:
                 reply = self.store.add(owner, cid, reply_to, "assistant", text_so_far,
                                        status="stopped" if stopped else "complete",
@@ -151,25 +146,26 @@ class ChatHandlers:
                 yield (*self._show(browser, view, error(f"the reply was not saved: {e}"),
                                    query), "", "")
                 return
-            notes = (f"seed {params.seed}", "stopped by you" if stopped else "",
+            notes = (self.model_note(name), f"seed {params.seed}",
+                     "stopped by you" if stopped else "",
                      format_note(params.constraint, stats.finish_reason))
             note = " · ".join(n for n in notes if n)
             final = self.conversations.show(
                 browser, new_view(cid, reply.id, reply.id if focus_new and text is None
                                   else view["focus"]),
                 chat_status(stats, last.dropped_messages, note), query)
-            inspected = ""
-            if inspector:
-                line = grammar_line(inspector.steps)
-                inspected = (f'<div class="ms-grammar">{html.escape(line)}</div>' if line
-                             else "") + inspector.as_html()
-            yield (*final, "", inspected)
+            yield (*final, "", inspector_html(inspector))
+
+    def model_note(self, name: str) -> str:
+        """The status line names the model that answered when the app serves several."""
+        return f"model {name}" if len(self.models.names) > 1 else ""
 
     # explicit parameters: Gradio injects `request` and event data only into functions
     # without *args
     def send(self, message, browser, view, query, system, preset, temperature, top_k, top_p,
              min_p, repetition_penalty, max_new_tokens, seed, inspect_on,
-             output_format=FREE_TEXT, format_text="", request: gr.Request | None = None):
+             output_format=FREE_TEXT, format_text="", model=None,
+             request: gr.Request | None = None):
         """Send: the message goes under the leaf this tab shows."""
         settings = [temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens]
         if not (message or "").strip():
@@ -178,11 +174,12 @@ class ChatHandlers:
             return
         yield from self._respond(browser, view, query, system, preset, settings, seed,
                                  inspect_on, request, output=(output_format, format_text),
-                                 text=message, under=view.get("leaf"))
+                                 model=model, text=message, under=view.get("leaf"))
 
     def edit(self, browser, view, query, system, preset, temperature, top_k, top_p, min_p,
              repetition_penalty, max_new_tokens, seed, inspect_on, edited: gr.EditData,
-             output_format=FREE_TEXT, format_text="", request: gr.Request | None = None):
+             output_format=FREE_TEXT, format_text="", model=None,
+             request: gr.Request | None = None):
         """An edited user message: a new version of it (a branch; the old one is kept) and a
         reply to it."""
         settings = [temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens]
@@ -204,11 +201,13 @@ class ChatHandlers:
             return
         yield from self._respond(browser, view, query, system, preset, settings, seed,
                                  inspect_on, request, output=(output_format, format_text),
-                                 text=text, under=path[index].parent_id, focus_new=True)
+                                 model=model, text=text, under=path[index].parent_id,
+                                 focus_new=True)
 
     def regenerate(self, browser, view, query, system, preset, temperature, top_k, top_p,
                    min_p, repetition_penalty, max_new_tokens, seed, inspect_on,
-                   output_format=FREE_TEXT, format_text="", request: gr.Request | None = None):
+                   output_format=FREE_TEXT, format_text="", model=None,
+                   request: gr.Request | None = None):
         """A new version of the last reply (a branch; the old reply is kept)."""
         settings = [temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens]
         try:
@@ -224,7 +223,7 @@ class ChatHandlers:
             return
         yield from self._respond(browser, view, query, system, preset, settings, seed,
                                  inspect_on, request, output=(output_format, format_text),
-                                 reply_to=path[-1].id, focus_new=True)
+                                 model=model, reply_to=path[-1].id, focus_new=True)
 
     def stop(self, request: gr.Request | None = None) -> None:
         self.sessions.stop(request)
@@ -279,14 +278,14 @@ class ChatHandlers:
 
     def apply_preset(self, name) -> list:
         """The sliders' values (FIELDS order) of a preset."""
-        preset = self.presets[name]
-        return [getattr(preset, k) for k in FIELDS]
+        return preset_values(self.presets, name)
 
 
-def build_chat_tab(chat: ChatHandlers, default_preset: str) -> "ChatTab":
+def build_chat_tab(chat: ChatHandlers, default_preset: str,
+                   header: ModelHeader | None = None) -> "ChatTab":
     """The Chat tab, its sidebar and their events; call inside the app's `gr.Blocks`.
-    Returns what the page-load event needs (`ChatTab.on_load`)."""
-    start = chat.presets[default_preset]
+    `header`: the line above the tabs, which follows this tab's Model dropdown. Returns what
+    the page-load event needs (`ChatTab.on_load`)."""
     side = SidebarHandlers(chat.conversations)
     # what the browser keeps: its owner id and open conversation, encrypted with a key kept in
     # the history database, so it still reads after a restart
@@ -318,15 +317,10 @@ def build_chat_tab(chat: ChatHandlers, default_preset: str) -> "ChatTab":
                                               "for the top-5 alternatives")
                 inspector_view = gr.HTML(elem_id="inspector")
             with gr.Column(scale=1):
-                preset = gr.Dropdown(choices=list(chat.presets), value=default_preset,
-                                     label="Preset")
-                sliders = [gr.Slider(minimum=spec.low, maximum=SLIDER_MAX.get(k, spec.high),
-                                     value=getattr(start, k), step=SLIDER_STEP[k],
-                                     label=spec.label, info=spec.help)
-                           for k, spec in FIELDS.items()]
-                seed = gr.Number(label="Seed", value=-1, precision=0,
-                                 info="-1 = random (the seed drawn is shown and saved with "
-                                      "the reply); a fixed seed repeats a sampled reply")
+                model = build_model_picker(chat.models)
+                sampling = build_sampling(chat.presets, default_preset, chat.apply_preset,
+                                          "-1 = random (the seed drawn is shown and saved with "
+                                          "the reply); a fixed seed repeats a sampled reply")
                 system = gr.Textbox(label="System prompt", lines=3,
                                     placeholder="(the model's default)")
                 output = build_output_format()
@@ -337,12 +331,14 @@ def build_chat_tab(chat: ChatHandlers, default_preset: str) -> "ChatTab":
     shown = [parts[name] for name in SHOWN]
     q = bar["search"]
     # the handlers' parameters in order; Gradio puts an edit's EditData before the format's
-    settings = [system, preset, *sliders, seed, inspect_on, *output.inputs]
+    settings = [system, *sampling.inputs, inspect_on, *output.inputs, model]
     generating = dict(outputs=[*shown, message, inspector_view], concurrency_id=ENGINE_EVENTS)
-    send_btn.click(chat.send, [message, browser, view, q, *settings], **generating)
-    message.submit(chat.send, [message, browser, view, q, *settings], **generating)
-    regen_btn.click(chat.regenerate, [browser, view, q, *settings], **generating)
-    chatbot.edit(chat.edit, [browser, view, q, *settings], **generating)
+    runs = [send_btn.click(chat.send, [message, browser, view, q, *settings], **generating),
+            message.submit(chat.send, [message, browser, view, q, *settings], **generating),
+            regen_btn.click(chat.regenerate, [browser, view, q, *settings], **generating),
+            chatbot.edit(chat.edit, [browser, view, q, *settings], **generating)]
+    if header is not None:
+        header.follow(model, runs)
     stop_btn.click(chat.stop, None, None, queue=False)
     undo_btn.click(chat.undo, [browser, view, q], [*shown, message])
     clear_btn.click(chat.clear, [browser, q], [*shown, message, inspector_view])
@@ -350,7 +346,6 @@ def build_chat_tab(chat: ChatHandlers, default_preset: str) -> "ChatTab":
     chatbot.select(chat.choose, [browser, view, q], shown)
     prev_btn.click(chat.previous_version, [browser, view, q], shown)
     next_btn.click(chat.next_version, [browser, view, q], shown)
-    preset.change(chat.apply_preset, preset, sliders)
     branches.change(lambda line: gr.update(visible=bool(line)), branches, versions,
                     queue=False)
     wire_sidebar(side, bar, shown, browser, view)

@@ -1,11 +1,13 @@
 """What the tabs share: chat history as plain messages, the status and error lines, the number
-boxes' values, the Output format control, and the cancel events of each browser session (Stop
-ends what it runs)."""
+boxes' values, the preset and sampling controls, the Output format control, the Model dropdown
+and loading a model with its progress on the status line, the token inspector's HTML, and the
+cancel events of each browser session (Stop ends what it runs)."""
 
 from __future__ import annotations
 
 import html
 import json
+import queue
 import threading
 from contextlib import contextmanager
 from typing import Iterator, NamedTuple
@@ -16,6 +18,7 @@ from miniserve.chat import ChatError
 from miniserve.config import FIELDS, ConfigError, Constraint, SamplingParams, check_seed
 from miniserve.engine import EngineBusy, RequestTooLarge
 from miniserve.grammar import GrammarError
+from miniserve.models import Models, UnknownModel
 
 # Repaint a streaming reply at most this often: ~12 updates a second reads as smooth, and each
 # repaint costs browser CPU that a 2-core machine would otherwise give to the model.
@@ -28,10 +31,23 @@ ERROR_PREFIX = "**Error:**"
 ENGINE_EVENTS = "engine"
 # The benchmarks run one at a time: two at once would measure each other.
 BENCHMARK_EVENTS = "benchmark"
+
+
+class ModelUnavailable(RuntimeError):
+    """A model that could not be loaded (a bad file, an unreachable server): the message names
+    it and says why; the app's other models keep working."""
+
+    def __init__(self, name: str, cause: BaseException):
+        self.name = name
+        reason = str(cause) or type(cause).__name__
+        super().__init__(f"model '{name}' could not be loaded: {reason}")
+
+
 # What a user can fix or wait out (a setting, the conversation, a full queue, a request larger
-# than the KV budget, a schema or pattern the grammar library refuses): the message is shown
-# (user_message); anything else with its type's name.
-USER_ERRORS = (ConfigError, ChatError, EngineBusy, RequestTooLarge, GrammarError)
+# than the KV budget, a schema or pattern the grammar library refuses, a model not served or
+# not loadable): the message is shown (user_message); anything else with its type's name.
+USER_ERRORS = (ConfigError, ChatError, EngineBusy, RequestTooLarge, GrammarError, UnknownModel,
+               ModelUnavailable)
 
 
 def error(message: str) -> str:
@@ -201,6 +217,172 @@ def build_output_format() -> OutputFormat:
     text = gr.Textbox(visible=False, lines=3, max_lines=12, label="Format")
     fmt.change(format_box, fmt, text, queue=False)
     return OutputFormat(fmt, text)
+
+
+# -- Presets and sampling controls -----------------------------------------------------------
+assert list(FIELDS) == ["temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                        "max_new_tokens"], "the handlers take the sliders in this order"
+SLIDER_MAX = {"top_k": 200}  # the slider's range; larger values are still valid via CLI/API
+SLIDER_STEP = {"temperature": 0.05, "top_k": 1, "top_p": 0.01, "min_p": 0.01,
+               "repetition_penalty": 0.01, "max_new_tokens": 1}
+
+
+def preset_values(presets: dict[str, SamplingParams], name) -> list:
+    """The sliders' values (FIELDS order) of a preset."""
+    preset = presets[name]
+    return [getattr(preset, k) for k in FIELDS]
+
+
+class SamplingControls(NamedTuple):
+    """The Preset dropdown, the sliders (FIELDS order) and the Seed box."""
+    preset: gr.Dropdown
+    sliders: list
+    seed: gr.Number
+
+    @property
+    def inputs(self) -> list:
+        """In the order the handlers take them: preset, the sliders, seed."""
+        return [self.preset, *self.sliders, self.seed]
+
+
+def build_sampling(presets: dict[str, SamplingParams], default_preset: str, apply,
+                   seed_info: str) -> SamplingControls:
+    """The Preset dropdown, a slider per sampling setting and the Seed box (call inside a
+    layout block); choosing a preset moves the sliders (`apply(name)` -> their values)."""
+    start = presets[default_preset]
+    preset = gr.Dropdown(choices=list(presets), value=default_preset, label="Preset")
+    sliders = [gr.Slider(minimum=spec.low, maximum=SLIDER_MAX.get(k, spec.high),
+                         value=getattr(start, k), step=SLIDER_STEP[k], label=spec.label,
+                         info=spec.help)
+               for k, spec in FIELDS.items()]
+    seed = gr.Number(label="Seed", value=-1, precision=0, info=seed_info)
+    preset.change(apply, preset, sliders)
+    return SamplingControls(preset, sliders, seed)
+
+
+# -- Models -----------------------------------------------------------------------------------
+
+def build_model_picker(models: Models) -> gr.Dropdown:
+    """The Model dropdown (call inside a layout block). Shown only when the app serves more
+    than one model: with one, the header names it and a dropdown of one choice does nothing."""
+    return gr.Dropdown(models.names, value=models.default, label="Model",
+                       visible=len(models.names) > 1, elem_classes=["ms-model"],
+                       info="a model not loaded yet loads when it is first used")
+
+
+def load_messages(models: Models, name: str) -> Iterator[str]:
+    """Load a model that is not loaded (on a thread), yielding its progress for the tab's
+    status line; nothing when it is loaded. Raises UnknownModel, or ModelUnavailable when the
+    load fails."""
+    name = models.resolve(name)
+    if models.is_loaded(name):
+        return
+    messages: queue.Queue = queue.Queue()
+
+    def load():
+        try:
+            models.get(name, progress=lambda m: messages.put(str(m)))
+            messages.put(None)
+        except Exception as e:  # noqa: BLE001 -- said on the status line, not raised here
+            messages.put(e)
+
+    threading.Thread(target=load, name=f"load-{name}", daemon=True).start()
+    yield f"loading model {name}…"
+    while (item := messages.get()) is not None:
+        if isinstance(item, BaseException):
+            raise ModelUnavailable(name, item) from item
+        yield f"loading model {name}: {item.strip()}"
+
+
+def header(info: dict) -> str:
+    """The line above the tabs for a loaded local model: where and how it runs, its context."""
+    precision = info["dtype"] + (f" weights, {info['compute_dtype']} arithmetic"
+                                 if info["compute_dtype"] != info["dtype"] else "")
+    return (f"## MiniServeLM · {info['name']} on {info['device']} ({precision}, "
+            f"{info['runner']} runner"
+            + (f", {info['kernels']} kernels" if info["kernels"] else "")
+            + f"), context {info['context_length']} tokens")
+
+
+def model_header(models: Models, name: str | None = None) -> str:
+    """The line above the tabs for a served model; drawing it never loads one."""
+    name = models.resolve(name)
+    spec, engine = models.specs[name], models.loaded_engine(name)
+    if engine is not None and not engine.remote:
+        line = header(engine.info())
+        if not engine.has_chat_template:
+            line += " · a base model: it continues text (Notebook tab), it does not chat"
+    elif spec.remote:
+        context = engine.context_length if engine is not None else spec.context
+        line = (f"## MiniServeLM · {name} on the server {spec.source}"
+                + (f", context {context} tokens" if context else ""))
+    else:
+        line = f"## MiniServeLM · {name} (loads when first used)"
+    return line
+
+
+class ModelHeader:
+    """The line above the tabs: the model a tab's dropdown names (the default at first),
+    redrawn when a dropdown changes and after each run (a model loaded by it is then
+    described in full)."""
+
+    def __init__(self, models: Models):
+        self.models = models
+        self.markdown = gr.Markdown(model_header(models), elem_id="model-header")
+
+    def show(self, name) -> str:
+        try:
+            return model_header(self.models, name)
+        except UnknownModel as e:
+            return f"## MiniServeLM · {html.escape(str(e))}"
+
+    def follow(self, picker: gr.Dropdown, runs=()) -> None:
+        """Redraw on `picker`'s change and after each of the `runs` (event dependencies)."""
+        picker.change(self.show, picker, self.markdown, queue=False, show_progress="hidden")
+        for run in runs:
+            run.then(self.show, picker, self.markdown, queue=False, show_progress="hidden")
+
+
+@contextmanager
+def using(models: Models, name: str):
+    """`models.use(name)` (the engine is not unloaded while the block streams from it), with a
+    failed load as ModelUnavailable."""
+    lease = models.use(name)
+    try:
+        engine = lease.__enter__()
+    except UnknownModel:
+        raise
+    except Exception as e:  # noqa: BLE001 -- a load that failed (unloaded meanwhile)
+        raise ModelUnavailable(models.resolve(name), e) from e
+    try:
+        yield engine
+    finally:
+        lease.__exit__(None, None, None)
+
+
+# -- Token inspector --------------------------------------------------------------------------
+BENT = 0.01  # a step the grammar bent: its mask took at least this share of the probability
+
+
+def grammar_line(steps) -> str:
+    """The inspector's summary of an output format's grammar: at how many of the reply's steps
+    its mask took probability away, and the most it took ("" without a grammar)."""
+    masses = [s.masked_mass for s in steps if s.masked_mass is not None]
+    if not masses:
+        return ""
+    bent = sum(m >= BENT for m in masses)
+    return (f"grammar bent {bent} of {len(masses)} steps, up to {max(masses):.0%} of the "
+            f"probability (a step counts when its mask removed ≥ {BENT:.0%}; hover an "
+            f"underlined token for what it removed)")
+
+
+def inspector_html(inspector) -> str:
+    """What the Token inspector box shows for a finished generation ("" when it was off)."""
+    if inspector is None:
+        return ""
+    line = grammar_line(inspector.steps)
+    return (f'<div class="ms-grammar">{html.escape(line)}</div>' if line else "") + \
+        inspector.as_html()
 
 
 def counts_from(text, what: str, example: str) -> list[int]:

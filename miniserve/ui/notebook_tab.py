@@ -1,0 +1,190 @@
+"""The Notebook tab: one text that the model continues in place, in completion mode (no chat
+template), so base models and chat models alike write on from where the text ends. Generate,
+Stop, Regenerate (the last generation again, from the text as it was before it) and Undo (the
+text as it was before the last generation), with Chat's presets and sliders, the seed, the
+Output format and the token inspector of the generated part.
+
+`NotebookHandlers` holds what its buttons call; the streaming ones are generators that run
+without a browser. The text before each generation is kept per browser tab (`gr.State`), newest
+last, so that Undo can step back through several generations."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from contextlib import ExitStack
+
+import gradio as gr
+
+from miniserve.config import RANDOM_SEEDS, SamplingParams
+from miniserve.engine import Engine
+from miniserve.inspector import Inspector
+from miniserve.models import Models
+from miniserve.ui.common import (ENGINE_EVENTS, FREE_TEXT, PAINT_INTERVAL_S, USER_ERRORS,
+                                 ModelHeader, Sessions, build_model_picker, build_output_format,
+                                 build_sampling, error, format_note, inspector_html,
+                                 load_messages, params_from, preset_values, user_message, using)
+
+UNDO_DEPTH = 20  # generations Undo can take back, one after the other
+PLACEHOLDER = "Write the beginning of a text; Generate continues it here."
+
+
+def notebook_status(stats, note: str = "") -> str:
+    """The line under the text after a generation: the stats every tab shows, and notes."""
+    return stats.summary(" · ") + (f" · {note}" if note else "")
+
+
+class NotebookHandlers:
+    """The Notebook tab's handlers over the app's models and presets. The generating ones take
+    the text, the undo history (texts before each generation, newest last), the sliders in
+    FIELDS order, the Seed box, the inspector checkbox, the Output format's two values and the
+    Model dropdown (None: the default model); they yield (text, history, status, inspector
+    HTML). `request` (injected by Gradio) names the browser session that Stop cancels."""
+
+    def __init__(self, models: Models | Engine, presets: dict[str, SamplingParams],
+                 sessions: Sessions | None = None):
+        self.models = Models.of(models)
+        self.presets = presets
+        self.sessions = sessions or Sessions()
+
+    def generate(self, text, history, temperature, top_k, top_p, min_p, repetition_penalty,
+                 max_new_tokens, seed, inspect_on, output_format=FREE_TEXT, format_text="",
+                 model=None, request: gr.Request | None = None):
+        """Continue the text as it is; Undo will bring this text back."""
+        settings = [temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens]
+        start = text or ""
+        history = [*(history or []), start][-UNDO_DEPTH:]
+        yield from self._continue(start, history, settings, seed, inspect_on,
+                                  (output_format, format_text), model, request)
+
+    def regenerate(self, text, history, temperature, top_k, top_p, min_p, repetition_penalty,
+                   max_new_tokens, seed, inspect_on, output_format=FREE_TEXT, format_text="",
+                   model=None, request: gr.Request | None = None):
+        """The last generation again, from the text as it was before it (what is in the box
+        now is replaced; Undo still brings back that earlier text)."""
+        settings = [temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens]
+        if not history:
+            yield gr.update(), history, error("nothing to regenerate yet: Generate first"), ""
+            return
+        yield from self._continue(history[-1], history, settings, seed, inspect_on,
+                                  (output_format, format_text), model, request)
+
+    def undo(self, text, history):
+        """The text as it was before the last generation: (text, history, status)."""
+        if not history:
+            return gr.update(), history, "nothing to undo"
+        *history, before = history
+        return before, history, "the last generation was taken back"
+
+    def stop(self, request: gr.Request | None = None) -> None:
+        self.sessions.stop(request)
+
+    def apply_preset(self, name) -> list:
+        """The sliders' values (FIELDS order) of a preset."""
+        return preset_values(self.presets, name)
+
+    def _continue(self, start: str, history: list, settings, seed, inspect_on, output, model,
+                  request):
+        """Stream the continuation of `start` into the box, after it. On an error the box is
+        left as it is (nothing was written) and the history as it was."""
+        unchanged = gr.update()
+        try:
+            params = params_from(settings, seed, *output)
+            if params.seed is None:  # a random seed is drawn, used and shown
+                params = params.replace(seed=secrets.randbelow(RANDOM_SEEDS))
+            name = self.models.resolve(model)
+            for note in load_messages(self.models, name):
+                yield unchanged, unchanged, note, ""
+        except USER_ERRORS as e:
+            yield unchanged, unchanged, error(user_message(e)), ""
+            return
+        with self.sessions.running(request) as cancel, ExitStack() as held:
+            try:
+                engine = held.enter_context(using(self.models, name))
+                inspector = Inspector(engine.tokenizer, params) if inspect_on else None
+                stream = engine.complete_text(start, params, trim=True, cancel=cancel,
+                                              observer=inspector.observe if inspector else None)
+            except USER_ERRORS as e:
+                yield unchanged, unchanged, error(user_message(e)), ""
+                return
+            except Exception as e:  # noqa: BLE001 -- e.g. a remote server that went away
+                yield unchanged, unchanged, error(f"{type(e).__name__}: {e}"), ""
+                return
+            yield start, history, "generating…", ""
+            written, last_paint, last = "", time.perf_counter(), None
+            try:
+                for last in stream:
+                    written += last.text
+                    if last.done:
+                        break
+                    if last.text and time.perf_counter() - last_paint >= PAINT_INTERVAL_S:
+                        last_paint = time.perf_counter()
+                        yield start + written, history, "generating…", ""
+            except Exception as e:  # noqa: BLE001 -- show it; what was written stays
+                yield start + written, history, error(f"{type(e).__name__}: {e}"), ""
+                return
+            if last is None or not last.done:
+                yield start + written, history, error("the generation ended without its "
+                                                      "stats"), ""
+                return
+            stats = last.stats
+            notes = (f"model {name}" if len(self.models.names) > 1 else "",
+                     f"seed {params.seed}",
+                     "stopped by you" if stats.finish_reason == "cancelled" else "",
+                     self.trim_note(engine, start, stats.prompt_tokens),
+                     format_note(params.constraint, stats.finish_reason))
+            yield (start + written, history,
+                   notebook_status(stats, " · ".join(n for n in notes if n)),
+                   inspector_html(inspector))
+
+    @staticmethod
+    def trim_note(engine, text: str, prompt_tokens: int) -> str:
+        """Said when the text was longer than the context leaves room for: the model saw only
+        its end ("" otherwise, and for a remote model, whose tokens are not counted here)."""
+        if engine.remote or engine.tokenizer is None:
+            return ""
+        total = len(engine.tokenizer(text)["input_ids"])
+        if total <= prompt_tokens:
+            return ""
+        return (f"the text is {total} tokens: the model saw its last {prompt_tokens} (the "
+                f"context is {engine.context_length} with room for max new tokens)")
+
+
+def build_notebook_tab(notebook: NotebookHandlers, default_preset: str,
+                       header: ModelHeader | None = None) -> None:
+    """The Notebook tab and its events; call inside the app's `gr.Blocks`. `header`: the line
+    above the tabs, which follows this tab's Model dropdown."""
+    history = gr.State([])
+    with gr.Tab("Notebook"):
+        with gr.Row():
+            with gr.Column(scale=3):
+                text = gr.Textbox(label="Text", lines=22, max_lines=40, placeholder=PLACEHOLDER,
+                                  elem_id="notebook-text")
+                with gr.Row():
+                    generate_btn = gr.Button("Generate", variant="primary")
+                    stop_btn = gr.Button("Stop", variant="stop")
+                    regen_btn = gr.Button("Regenerate")
+                    undo_btn = gr.Button("Undo")
+                status = gr.Markdown("completion mode: the model continues the text as it is, "
+                                     "no chat template", elem_id="notebook-status",
+                                     elem_classes=["ms-status"])
+                inspect_on = gr.Checkbox(label="Token inspector", value=False,
+                                         info="shade each generated token by its probability; "
+                                              "hover for the top-5 alternatives")
+                inspector_view = gr.HTML(elem_id="notebook-inspector")
+            with gr.Column(scale=1):
+                model = build_model_picker(notebook.models)
+                sampling = build_sampling(notebook.presets, default_preset,
+                                          notebook.apply_preset,
+                                          "-1 = random (the seed drawn is shown); a fixed "
+                                          "seed repeats a sampled continuation")
+                output = build_output_format()
+    settings = [*sampling.sliders, sampling.seed, inspect_on, *output.inputs, model]
+    generating = dict(outputs=[text, history, status, inspector_view],
+                      concurrency_id=ENGINE_EVENTS)
+    runs = [generate_btn.click(notebook.generate, [text, history, *settings], **generating),
+            regen_btn.click(notebook.regenerate, [text, history, *settings], **generating)]
+    stop_btn.click(notebook.stop, None, None, queue=False)
+    undo_btn.click(notebook.undo, [text, history], [text, history, status], queue=False)
+    if header is not None:
+        header.follow(model, runs)
