@@ -239,6 +239,8 @@ def _measure(engine: Engine, config: BenchConfig, modes: list[str], runners: dic
 
 def run_bench(engine: Engine, config: BenchConfig, progress: Progress | None = None) -> BenchResult:
     progress = progress or (lambda f, m: None)
+    if getattr(engine, "remote", False):
+        return run_remote_bench(engine, config, progress)
     params = SamplingParams(temperature=0, top_k=0, top_p=1.0, repetition_penalty=1.0,
                             max_new_tokens=config.new_tokens)
     dtype = str(engine.loaded.dtype).removeprefix("torch.")
@@ -307,6 +309,128 @@ def run_bench(engine: Engine, config: BenchConfig, progress: Progress | None = N
                        engine.loaded.device.type, ours, note=note, runner=engine.runner,
                        native_isa=(native.isa() or "") if engine.runner == "native" else "",
                        cpu=cpu_model())
+
+
+# -- a remote model (miniserve/remote.py) ------------------------------------------------------
+# Its weights are on its server: no-cache, generate(), the other runners and the token check
+# cannot run here. What can: our streaming loop through the server, timed at this client.
+
+REMOTE_MODE = "remote"
+
+
+def remote_note(engine) -> str:
+    info = engine.info()
+    return (f"a remote model ({info.get('server', 'server')} at {info.get('url', '?')}): only our "
+            "streaming loop through its server ran -- time to first token and tokens/s as "
+            "this client sees them, network included; the other modes need the weights on "
+            "this machine, and its tokens are not checked (its weights are not here); prompt "
+            "tokens as the server counted them"
+            + ("" if info.get("token_counts", "").startswith("the server's") else
+               " (where it sent no count, as estimated here)"))
+
+
+def remote_prompt(engine, n: int, lead: str = "", count=None) -> str:
+    """A completion prompt of about n of the server's tokens: `lead`, then the filler, the
+    most words whose count(text) is at most n (a bisection; count: the engine's)."""
+    count = count or engine.count_text
+    words = (lead + " " + FILLER * (n // 40 + 2)).split()
+    low, high = 1, len(words)
+    while low < high:
+        mid = (low + high + 1) // 2
+        if count(" ".join(words[:mid])) <= n:
+            low = mid
+        else:
+            high = mid - 1
+    return " ".join(words[:low])
+
+
+def _filler_counter(engine, params: SamplingParams):
+    """count(text) for the filler: the server's tokenize endpoint where it has one; else
+    tokens a word as the server counted them in one prompt of filler (its usage), which the
+    estimate of bytes would miss by a third or more."""
+    if engine.info().get("token_counts", "").startswith("the server's"):
+        return engine.count_text
+    text = FILLER * 3
+    *_, last = engine.complete_text(text, params.replace(max_new_tokens=2))
+    per_word = last.stats.prompt_tokens / len(text.split()) if last.stats.prompt_tokens else 0
+    if not per_word:  # the server sent no usage: the estimate it is
+        return engine.count_text
+    return lambda t: round(len(t.split()) * per_word)
+
+
+def _run_remote(engine, prompt: str, params: SamplingParams):
+    """(text, prompt tokens the server counted (0: it did not say), new tokens, ttft, total)."""
+    chunks = list(engine.complete_text(prompt, params))
+    stats = chunks[-1].stats
+    return ("".join(c.text for c in chunks), stats.prompt_tokens, stats.new_tokens,
+            stats.ttft_s, stats.total_s)
+
+
+def run_remote_bench(engine, config: BenchConfig, progress: Progress) -> BenchResult:
+    """The rows a remote model can have: one per prompt length, our loop through its server.
+    Each run's prompt starts differently, so the server's prefix cache cannot answer it."""
+    if config.peer:
+        raise ValueError("--peer needs a local .gguf model: a remote model's weights are on "
+                         "its server")
+    params = SamplingParams(temperature=0, top_k=0, top_p=1.0, min_p=0.0,
+                            repetition_penalty=1.0, max_new_tokens=config.new_tokens)
+    progress(0.0, "warming up the remote, counting its tokens")
+    count = _filler_counter(engine, params)  # also the warm-up
+    rows, total, done = [], len(config.prompt_tokens) * config.repeat, 0
+    for n in config.prompt_tokens:
+        n = min(n, engine.context_length - config.new_tokens)
+        runs = []
+        for r in range(config.repeat):
+            progress(done / total, f"{n} prompt tokens, remote, run {r + 1}/{config.repeat}")
+            prompt = remote_prompt(engine, n, f"Run {n}-{r + 1}.", count)
+            text, counted, *timing = _run_remote(engine, prompt, params)
+            # the server's usage, or (a server that sends none) the count that cut the prompt
+            runs.append((text, counted or count(prompt), *timing))
+            done += 1
+        ttft = statistics.median(r[3] for r in runs)
+        total_s = statistics.median(r[4] for r in runs)
+        decode = statistics.median((r[2] - 1) / (r[4] - r[3]) if r[2] > 1 and r[4] > r[3]
+                                   else 0.0 for r in runs)
+        counted = statistics.median(r[1] for r in runs)
+        rows.append(Row(int(counted), REMOTE_MODE, "remote", runs[0][2], round(ttft, 4),
+                        round(decode, 2), round(total_s, 4), None, 0.0, True, runs[0][2], None))
+    progress(1.0, "done")
+    return BenchResult(rows, True, True, engine.name, "remote", "remote",
+                       note=remote_note(engine), runner="remote")
+
+
+def remote_overhead(local, remote, new_tokens: int = 64, repeat: int = 3,
+                    prompt: str = "Tell me about the history of science.") -> dict:
+    """What the remote path adds per token: the same greedy chat turn on a local engine and
+    through a server of the same model (`remote`), timed at this client. The replies must be
+    identical (the same model and arithmetic on both sides), else ValueError."""
+    params = SamplingParams(temperature=0, top_k=0, top_p=1.0, min_p=0.0,
+                            repetition_penalty=1.0, max_new_tokens=new_tokens)
+    messages = [{"role": "user", "content": prompt}]
+    runs = {"local": [], "remote": []}
+    for _ in range(repeat + 1):  # the first round warms up (and fills the prefix caches);
+        for side, engine in (("local", local), ("remote", remote)):  # taking turns, so
+            chunks = list(engine.chat(messages, params))  # a busy moment costs both alike
+            runs[side].append(("".join(c.text for c in chunks), chunks[-1].stats))
+    out = {}
+    for side in runs:
+        texts = {text for text, _ in runs[side]}
+        stats = [s for _, s in runs[side][1:]]
+        out[side] = {"text": runs[side][0][0], "new_tokens": stats[0].new_tokens,
+                     "ms_per_token": round(statistics.median(
+                         1000 * (s.total_s - s.ttft_s) / max(s.new_tokens - 1, 1)
+                         for s in stats), 3),
+                     "ttft_ms": round(statistics.median(1000 * s.ttft_s for s in stats), 2),
+                     "same_every_run": len(texts) == 1}
+    if (out["local"]["text"], out["local"]["new_tokens"]) != \
+            (out["remote"]["text"], out["remote"]["new_tokens"]):
+        raise ValueError("the remote reply differs from the local one: not the same model or "
+                         f"arithmetic\nlocal:  {out['local']['text']!r}\n"
+                         f"remote: {out['remote']['text']!r}")
+    out["added_ms_per_token"] = round(out["remote"]["ms_per_token"]
+                                      - out["local"]["ms_per_token"], 3)
+    out["added_ttft_ms"] = round(out["remote"]["ttft_ms"] - out["local"]["ttft_ms"], 2)
+    return out
 
 
 def _token_checker(engine: Engine, new_tokens: int):
@@ -378,7 +502,7 @@ def format_table(result: BenchResult) -> str:
         cells = (r.prompt_tokens, r.mode, r.dtype, r.new_tokens, f"{r.ttft_s:.3f}",
                  f"{r.decode_tokens_per_s:.1f}", f"{r.total_s:.2f}",
                  f"{r.speedup_vs_no_cache:.2f}x" if r.speedup_vs_no_cache else "-",
-                 f"{r.effective_gb_s:.1f}",
+                 f"{r.effective_gb_s:.1f}" if r.mode != REMOTE_MODE else "-",
                  {True: "checked", False: "WRONG", None: "-"}[r.verified])
         lines.append(" ".join(f"{c:>13}" for c in cells))
     lines.append(describe_run(result))
@@ -387,6 +511,8 @@ def format_table(result: BenchResult) -> str:
 
 def describe_run(result: BenchResult) -> str:
     """What ran, where, and whether its tokens are right: the line under every table."""
+    if result.runner == "remote":
+        return f"{result.model}: {result.note}"
     return (f"{result.model} on {result.device} ({result.dtype}, {result.runner} runner"
             + (f", {result.native_isa} kernels" if result.native_isa else "")
             + (f"; {result.cpu}" if result.cpu else "") + f"); {verdict(result)}")
@@ -678,6 +804,10 @@ def run_concurrency(engine: Engine, config: ConcurrencyConfig,
     concurrency_params). Raises ValueError for a level the engine's queue cannot hold or a
     preset that does not exist."""
     progress = progress or (lambda f, m: None)
+    if getattr(engine, "remote", False):
+        raise ValueError(f"bench --concurrency measures this machine's scheduler; model "
+                         f"'{engine.name}' runs on a remote server (bench without "
+                         "--concurrency times our streaming loop through it)")
     params = concurrency_params(config, presets)
     too_many = [b for b in config.levels if b > engine.max_queue]
     if too_many:
@@ -908,3 +1038,63 @@ def describe_concurrency(result: ConcurrencyResult) -> str:
             + (f"; KV budget {result.kv_budget} positions" if result.kv_budget else "")
             + f"; memory {result.rss_mb_before:.0f} -> {result.rss_mb_after:.0f} MB resident"
             + (f"; {result.note}" if result.note else ""))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m miniserve.bench remote-overhead [--new-tokens N] [--repeat R] [--model SRC]`:
+    starts `python -m miniserve serve` of the model in another process, loads the same model
+    here, and prints remote_overhead() -- ms per token locally and through the server."""
+    import argparse
+    import socket
+    import subprocess
+    import sys
+
+    from miniserve.engine import start_engine
+    from miniserve.models import parse_spec
+    from miniserve.remote import RemoteEngine
+    parser = argparse.ArgumentParser(prog="python -m miniserve.bench")
+    parser.add_argument("what", choices=("remote-overhead",))
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--model", default=None,
+                        help="a local source (default: the embedded model)")
+    args = parser.parse_args(argv)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "miniserve", "serve", "--port", str(port)]
+                              + (["--model", args.model] if args.model else []),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        local = start_engine(args.model)
+        local.warm_up()
+        url = f"http://127.0.0.1:{port}/v1"
+        deadline = time.monotonic() + 300
+        while True:  # the server loads the model meanwhile
+            try:
+                remote = RemoteEngine(parse_spec(url))
+                break
+            except Exception:  # noqa: BLE001 -- not up yet
+                if server.poll() is not None or time.monotonic() > deadline:
+                    print(f"error: the server did not start at {url}", file=sys.stderr)
+                    return 1
+                time.sleep(0.5)
+        try:
+            result = remote_overhead(local, remote, args.new_tokens, args.repeat)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        for side in ("local", "remote"):
+            r = result[side]
+            print(f"{side:>6}: {r['ms_per_token']:.2f} ms/token, first token {r['ttft_ms']:.1f} ms "
+                  f"({r['new_tokens']} new tokens, same every run: {r['same_every_run']})")
+        print(f"the remote path adds {result['added_ms_per_token']:.2f} ms/token and "
+              f"{result['added_ttft_ms']:.1f} ms to the first token (identical replies)")
+        return 0
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

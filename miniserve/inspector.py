@@ -7,11 +7,16 @@ which stage (logit bias / grammar / temperature / top-k / top-p / min-p) removed
 sampler's own stages, in its order (sampling.stages). When a grammar constrains the reply,
 each step also records how much of the probability the grammar's mask took away. Nothing of
 this runs when no inspector is attached.
+
+A remote model (miniserve/remote.py) has no logits here: its engine feeds the server's
+logprobs instead (`add_remote_step`), steps without token ids or filter stages, and the views
+say so ("server logprobs"), with one line when the server gave none.
 """
 
 from __future__ import annotations
 
 import html
+import math
 from dataclasses import dataclass
 
 import torch
@@ -22,19 +27,19 @@ from miniserve.sampling import stages
 
 @dataclass
 class Candidate:
-    token_id: int
+    token_id: int | None  # None: a remote model's (the server gives text)
     text: str
-    prob: float          # softmax of the raw logits
-    prob_filtered: float  # after all filters (what the draw used); 0 if removed
-    removed_by: str | None
+    prob: float          # softmax of the raw logits (remote: the server's probability)
+    prob_filtered: float | None  # after all filters (what the draw used); 0 if removed
+    removed_by: str | None       # (both None for a remote model: the server does not say)
 
 
 @dataclass
 class Step:
-    token_id: int
+    token_id: int | None
     text: str
-    prob: float
-    prob_filtered: float
+    prob: float | None  # None: the server gave no logprob for this token
+    prob_filtered: float | None
     candidates: list[Candidate]
     masked_mass: float | None = None  # probability the grammar removed (None: no grammar)
     masked_tokens: int = 0            # how many tokens it removed
@@ -60,6 +65,7 @@ class Inspector:
         self.steps: list[Step] = []
         self.keep = keep_distributions  # the full before/after vectors (for tests, plots)
         self.distributions: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.remote = False  # the steps came from a server's logprobs (add_remote_step)
 
     def _text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -87,7 +93,35 @@ class Inspector:
         self.steps.append(Step(token_id, self._text(token_id), float(raw[token_id]),
                                float(final[token_id]), candidates, masked_mass, masked_tokens))
 
+    def add_remote_step(self, text: str, logprob: float | None,
+                        top: list[tuple[str, float]] = ()) -> None:
+        """A remote model's step: the token's text, the server's logprob of it (None when the
+        server gave none) and its top alternatives as (text, logprob). No token ids, no filter
+        stages: the server reports probabilities, not what its sampler removed."""
+        self.remote = True
+        prob = math.exp(logprob) if logprob is not None else None
+        self.steps.append(Step(None, text, prob, None,
+                               [Candidate(None, t, math.exp(lp), None, None)
+                                for t, lp in list(top)[:self.top]]))
+
+    def remote_note(self) -> str:
+        """The line above a remote model's steps ("" for a local one)."""
+        if not self.remote:
+            return ""
+        missing = sum(s.prob is None for s in self.steps)
+        if self.steps and missing == len(self.steps):
+            return "server logprobs: the server gave none (its tokens are shown without " \
+                   "probabilities)"
+        return "server logprobs (no filter stages: the server does not report them)" + (
+            f"; the server gave none for {missing} of {len(self.steps)} tokens" if missing
+            else "")
+
     def as_json(self) -> list[dict]:
+        if self.remote:
+            return [{"token_id": None, "text": s.text, "source": "server logprobs",
+                     "prob": round(s.prob, 5) if s.prob is not None else None,
+                     "top": [{"token_id": None, "text": c.text, "prob": round(c.prob, 5)}
+                             for c in s.candidates]} for s in self.steps]
         return [{"token_id": s.token_id, "text": s.text, "prob": round(s.prob, 5),
                  "prob_filtered": round(s.prob_filtered, 5),
                  "top": [{"token_id": c.token_id, "text": c.text, "prob": round(c.prob, 5),
@@ -98,6 +132,11 @@ class Inspector:
                     if s.masked_mass is not None else {})} for s in self.steps]
 
     def as_text(self) -> str:
+        if self.remote:
+            return "\n".join([self.remote_note()] + [
+                f"{n:4d} {s.text!r:>16} p={_p(s.prob, '.3f')}  | "
+                + ", ".join(f"{c.text!r} {c.prob:.2f}" for c in s.candidates)
+                for n, s in enumerate(self.steps)])
         lines = []
         for n, s in enumerate(self.steps):
             alts = ", ".join(f"{c.text!r} {c.prob:.2f}->{c.prob_filtered:.2f}"
@@ -109,6 +148,8 @@ class Inspector:
 
     def as_html(self) -> str:
         """The reply as tokens shaded by probability; hover shows the alternatives."""
+        if self.remote:
+            return self._remote_html()
         spans = []
         for n, s in enumerate(self.steps):
             tip = "\n".join(f"{c.text!r}: {c.prob:.1%} -> {c.prob_filtered:.1%}"
@@ -128,3 +169,25 @@ class Inspector:
                          f'border-radius:3px;padding:1px 0;white-space:pre-wrap;{bent}">'
                          f'{html.escape(s.text)}</span>')
         return '<div class="ms-inspector" style="line-height:1.9">' + "".join(spans) + "</div>"
+
+    def _remote_html(self) -> str:
+        """A remote model's steps: shaded by the server's probability (grey where it gave
+        none), hover shows its alternatives; the note above says where they came from."""
+        spans = []
+        for n, s in enumerate(self.steps):
+            tip = "\n".join(f"{c.text!r}: {c.prob:.1%}" for c in s.candidates) or \
+                "the server gave no probability for this token"
+            color = ("rgba(160,160,160,0.25)" if s.prob is None else
+                     f"rgba(255,140,0,{0.15 + 0.6 * (1 - s.prob):.2f})")
+            spans.append(f'<span class="ms-tok" data-step="{n}" '
+                         + (f'data-prob="{s.prob:.4f}" ' if s.prob is not None else "")
+                         + f'title="{html.escape(tip)}" style="background: {color};'
+                         f'border-radius:3px;padding:1px 0;white-space:pre-wrap;">'
+                         f'{html.escape(s.text)}</span>')
+        return (f'<div class="ms-inspector" style="line-height:1.9">'
+                f'<div class="ms-source">{html.escape(self.remote_note())}</div>'
+                + "".join(spans) + "</div>")
+
+
+def _p(prob: float | None, fmt: str) -> str:
+    return "?" if prob is None else format(prob, fmt)

@@ -11,6 +11,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def send(url: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+    """GET (no body) or POST a JSON body with plain HTTP: the status and the decoded reply
+    (errors included, as the server wrote them)."""
+    import json
+    req = urllib.request.Request(url + path, data=None if body is None else
+                                 json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

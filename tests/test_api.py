@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from conftest import chat_ids
+from servers import send
 from miniserve.config import MAX_CHOICES
 
 Q = [{"role": "user", "content": "Name three fruits."}]
@@ -355,14 +356,8 @@ FRUIT_FORMAT = {"type": "json_schema",
 
 
 def call(url: str, body: dict) -> tuple[int, dict]:
-    """POST a (non-streaming) request with raw HTTP: the status and the decoded body."""
-    req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    """POST a (non-streaming) chat request with raw HTTP: the status and the decoded body."""
+    return send(url, "/v1/chat/completions", body)
 
 
 def test_json_object_reply_is_a_json_object(client):
@@ -514,18 +509,6 @@ def routed():
     with serve_in_thread(models) as port:
         yield models, f"http://127.0.0.1:{port}"
     models.close()
-
-
-def send(url: str, path: str, body: dict | None = None) -> tuple[int, dict]:
-    """GET (no body) or POST a JSON body: the status and the decoded reply."""
-    req = urllib.request.Request(url + path, data=None if body is None else
-                                 json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def test_each_model_loads_on_first_use_and_answers_by_name(routed):

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from miniserve.config import SamplingParams
+from servers import send
 
 PROMPT = "The capital of France is"
 BASE = "base"
@@ -67,14 +68,7 @@ def port(engine, base_engine):
 
 
 def request(port: int, body: dict, path: str = "/v1/completions") -> tuple[int, dict]:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}",
-                                 data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return send(f"http://127.0.0.1:{port}", path, body)
 
 
 def complete(port: int, **body) -> dict:
