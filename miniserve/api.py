@@ -386,6 +386,27 @@ class OpenAIAPI:
         except UnknownModel as e:
             raise APIError(404, str(e), "model", code="model_not_found") from None
 
+    def tokenize(self, body: dict, engine) -> dict:
+        """vLLM's /tokenize: `prompt` (text, as completions tokenizes it) or `messages` (with
+        the chat template, the assistant's turn opened)."""
+        if engine.remote:
+            raise APIError(400, f"'model': {engine.name} is a remote model; ask its server",
+                           "model")
+        try:
+            if "messages" in body:
+                if not engine.has_chat_template:
+                    raise APIError(400, str(NoChatTemplate(engine.name)), "messages",
+                                   code="model_has_no_chat_template")
+                from miniserve.chat import render
+                ids = render(engine.tokenizer, check_messages(body["messages"]))
+            elif isinstance(body.get("prompt"), str):
+                ids = engine.tokenizer(body["prompt"])["input_ids"]
+            else:
+                raise APIError(400, "give 'prompt' (a string) or 'messages'", "prompt")
+        except ChatError as e:
+            raise APIError(400, str(e), e.field) from None
+        return {"count": len(ids), "max_model_len": engine.context_length, "tokens": ids}
+
     async def open(self, body: dict) -> _Lease:
         """The lease on the model the request names, loaded."""
         lease = _Lease(self.models, self.resolve(body.get("model")))
@@ -396,7 +417,7 @@ class OpenAIAPI:
                            "server_error", "model_unavailable") from None
         return lease
 
-    def parse_chat(self, body: dict, model: str, engine) -> APIRequest:
+    async def parse_chat(self, body: dict, model: str, engine) -> APIRequest:
         for name in UNSUPPORTED:
             if body.get(name) not in (None, [], {}, "none"):
                 raise APIError(400, f"'{name}' is not supported by this server (no tool or "
@@ -411,14 +432,18 @@ class OpenAIAPI:
         top_logprobs = _number(body, "top_logprobs", 0, 0, 20, integer=True)
         params = settings.params
         try:
-            if engine.remote:  # its server trims or refuses what does not fit
-                prompt = check_messages(body["messages"])
+            if engine.remote:  # counted by its server (a request): off the event loop
+                trimmed = await asyncio.to_thread(engine.trim, body["messages"], params)
+                prompt = trimmed.messages
             else:
                 trimmed = engine.trim(body["messages"], params)
                 prompt = trimmed.prompt_ids
         except ChatError as e:
             raise APIError(400, str(e), e.field) from None
-        if not engine.remote and trimmed.dropped:  # sent on purpose: never cut it
+        except (RuntimeError, OSError) as e:  # a remote server that could not count them
+            raise APIError(502, f"model '{model}' failed: {e}", None, "server_error",
+                           "model_unavailable") from None
+        if trimmed.dropped:  # sent on purpose: never cut it
             raise APIError(400, f"the conversation is longer than the context window of "
                                 f"{engine.context_length} tokens allows with "
                                 f"max_tokens={params.max_new_tokens}; shorten it",
@@ -629,9 +654,17 @@ def _read_remote(req: APIRequest, prompt, params: SamplingParams, sink, cancel, 
     engine = req.engine
 
     def run() -> None:
+        # its own cancel event: a finished stream may set the event it was given, which must
+        # not end the request's other choices; the request's cancel is looked at each chunk
+        own = threading.Event()
         try:
             reply = engine.chat if req.kind == "chat" else engine.complete_text
-            for chunk in reply(prompt, params, cancel=cancel, observer=observer):
+            stream = reply(prompt, params, cancel=own, observer=observer)
+            for chunk in stream:
+                if cancel.is_set():
+                    own.set()
+                    stream.close()
+                    break
                 sink(chunk)
         except BaseException as e:  # noqa: BLE001 -- reported to the client
             sink(e)
@@ -877,24 +910,24 @@ async def _until_disconnect(receive) -> None:
         pass
 
 
-async def _read_body(request: Request, required: str) -> dict:
+async def _read_body(request: Request, required: str | None) -> dict:
     try:
         body = json.loads(await request.body() or b"null")
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise APIError(400, "the request body is not valid JSON") from None
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
-    if required not in body:
+    if required and required not in body:
         raise APIError(400, f"'{required}' is required", required)
     return body
 
 
 def build_router(models, api_key: str | None = None) -> APIRouter:
-    """The /v1 routes over `models` (a Models registry, or one Engine)."""
+    """The /v1 routes (and /tokenize) over `models` (a Models registry, or one Engine)."""
     api = OpenAIAPI(models, api_key)
-    router = APIRouter(prefix="/v1")
+    router = APIRouter()  # /v1/..., and /tokenize at the root where vLLM has it
 
-    @router.get("/models")
+    @router.get("/v1/models")
     def list_models(request: Request):
         try:
             api.authorize(request)
@@ -903,7 +936,7 @@ def build_router(models, api_key: str | None = None) -> APIRouter:
         return {"object": "list", "data": [_model_entry(api.models, d)
                                            for d in api.models.describe()]}
 
-    @router.get("/models/{model:path}")
+    @router.get("/v1/models/{model:path}")
     def get_model(model: str, request: Request):
         try:
             api.authorize(request)
@@ -919,8 +952,8 @@ def build_router(models, api_key: str | None = None) -> APIRouter:
             api.authorize(request)
             body = await _read_body(request, "messages" if kind == "chat" else "prompt")
             lease = await api.open(body)
-            req = api.parse_chat(body, lease.name, lease.engine) if kind == "chat" else \
-                await api.parse_text(body, lease.name, lease.engine)
+            parse = api.parse_chat if kind == "chat" else api.parse_text
+            req = await parse(body, lease.name, lease.engine)
             choices = api.start(req)
             if req.settings.stream:
                 stream = api.stream(req, choices, lease)
@@ -939,11 +972,27 @@ def build_router(models, api_key: str | None = None) -> APIRouter:
             if lease is not None:
                 lease.release()
 
-    @router.post("/chat/completions")
+    @router.post("/tokenize")
+    async def tokenize(request: Request):
+        """vLLM's token count endpoint: {model, prompt} or {model, messages} -> count, tokens
+        and the model's context (what a MiniServeLM using this one as a remote model asks)."""
+        lease = None
+        try:
+            api.authorize(request)
+            body = await _read_body(request, None)
+            lease = await api.open(body)
+            return api.tokenize(body, lease.engine)
+        except APIError as e:
+            return e.response()
+        finally:
+            if lease is not None:
+                lease.release()
+
+    @router.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await answer(request, "chat")
 
-    @router.post("/completions")
+    @router.post("/v1/completions")
     async def completions(request: Request):
         return await answer(request, "text")
 

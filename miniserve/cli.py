@@ -368,8 +368,13 @@ def cmd_bench(args) -> int:
                              peer=args.peer)
     except ValueError as e:
         return fail(str(e))
-    engine, result = _bench_and_print(
-        args, lambda engine, bar: run_bench(engine, config, progress=bar), format_table)
+    def measure(engine, bar):
+        if args.prefix_reuse and engine.remote:  # before anything runs
+            raise ValueError("--prefix-reuse times this engine's own prefix cache: it needs a "
+                             "local model, not a remote one")
+        return run_bench(engine, config, progress=bar)
+
+    engine, result = _bench_and_print(args, measure, format_table)
     if engine is None:
         return result
     if args.prefix_reuse:

@@ -54,6 +54,9 @@ class SeenAsRemote:
     def complete_text(self, prompt, params, cancel=None, observer=None):
         return self._engine.complete_text(prompt, params, cancel=cancel)
 
+    def trim(self, messages, params):
+        return self._engine.trim(messages, params)
+
 
 @pytest.fixture(scope="module")
 def port(engine, base_engine):
@@ -309,3 +312,19 @@ def test_echo_that_needs_the_remote_tokenizer_is_refused(port, extra):
     assert status == 400, reply
     error = reply["error"]
     assert error["param"] == "echo" and f"remote model '{FAR}'" in error["message"]
+
+
+def test_tokenize_counts_as_the_engine_does(port, engine):
+    """vLLM's /tokenize (what a MiniServeLM using this server as a remote model asks)."""
+    from conftest import chat_ids
+    status, got = request(port, {"prompt": PROMPT}, "/tokenize")
+    assert status == 200 and got["tokens"] == engine.tokenizer(PROMPT)["input_ids"]
+    assert got["count"] == len(got["tokens"]) and got["max_model_len"] == engine.context_length
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    status, got = request(port, {"messages": messages}, "/tokenize")
+    assert status == 200 and got["tokens"] == chat_ids(engine.tokenizer, "Name a fruit.")
+    for body, param in (({"prompt": 3}, "prompt"), ({"messages": []}, "messages"),
+                        ({"model": BASE, "messages": messages}, "messages"),
+                        ({"model": "nope", "prompt": "x"}, "model")):
+        status, got = request(port, body, "/tokenize")
+        assert status in (400, 404) and got["error"]["param"] == param, (body, got)

@@ -81,7 +81,14 @@ def test_describes_the_server(remote):
     assert info["served_model"] == "SmolLM2-135M-Instruct" and info["server"] == "miniserve"
     assert remote.context_length == 8192 and "context_length" in info["context_from"]
     assert remote.has_chat_template and remote.tokenizer is None
-    assert info["token_counts"].startswith(("an estimate", "the server's /tokenize"))
+    assert info["token_counts"].startswith("the server's /tokenize")
+
+
+def test_counts_are_the_servers_own(engine, remote):
+    from conftest import chat_ids
+    assert remote.count_chat(ASK) == len(chat_ids(engine.tokenizer, ASK[-1]["content"]))
+    assert remote.count_text("Once upon a time") == len(engine.tokenizer("Once upon a time")
+                                                        ["input_ids"])
 
 
 def test_chat_greedy_equals_the_local_engine(engine, remote):
