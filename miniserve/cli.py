@@ -242,6 +242,7 @@ def load_engine(args):
 
 def cmd_generate(args) -> int:
     from miniserve.chat import ChatError
+    from miniserve.engine import EngineBusy
     try:
         params, _ = params_from_args(args)
         if args.stop:
@@ -275,8 +276,10 @@ def cmd_generate(args) -> int:
             if not args.json and last.text:
                 sys.stdout.write(last.text)
                 sys.stdout.flush()
-    except ChatError as e:
+    except (ChatError, EngineBusy) as e:
         return fail(str(e))
+    except RuntimeError as e:  # a remote server that failed (RemoteError), the engine closed
+        return fail(f"{engine.name}: {e}", 1)
     stats = last.stats
     if args.json:
         out = {"text": "".join(parts), "token_ids": ids, "prompt_tokens": stats.prompt_tokens,

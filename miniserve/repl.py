@@ -375,7 +375,8 @@ class ChatSession:
             self.params.replace(seed=secrets.randbelow(RANDOM_SEEDS))
         try:
             stream = self.engine.chat(messages, params, cancel=cancel)
-        except (ValueError, EngineBusy) as e:  # ChatError, ConfigError, RequestTooLarge
+        except (ValueError, EngineBusy, RuntimeError) as e:  # ChatError, ConfigError,
+            # RequestTooLarge; a remote server that does not answer (RemoteError)
             self.say(f"error: {e}")
             return
         parent = self.leaf
@@ -391,6 +392,10 @@ class ChatSession:
             self.say(" [stopped]", end="")
         except EngineBusy as e:
             self.say(f"busy: {e}")
+            self._take_back(user_id, parent)
+            return
+        except RuntimeError as e:  # a remote server that failed mid-reply (RemoteError)
+            self.say(f"\nerror: {e}")
             self._take_back(user_id, parent)
             return
         reply = "".join(parts)
