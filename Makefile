@@ -31,7 +31,7 @@ GENERIC_LEG := ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=AVX2 \
 	MINISERVE_NATIVE_ARCH=generic MINISERVE_EXPECT_ISA=generic
 
 .PHONY: install run test test-fast test-avx2 test-generic test-no-native bench bench-peer \
-	soak chromium compiler models clean
+	soak chromium compiler models test-peers clean
 
 install: $(STAMP)
 
@@ -94,6 +94,13 @@ bench-peer: install
 	$(PY) -m pip install -q llama-cpp-python
 	$(PY) -m miniserve bench --prompt-tokens 50,500,1000,2000 --new-tokens 64 --repeat 3 \
 		--modes cache,hf_generate --peer --json bench-peer.json
+
+# the tests against engines nobody here wrote: llama-cpp-python's server as a remote model,
+# llama.cpp's batched decoding against the float64 reference. llama-cpp-python compiles from
+# source (~10 minutes on 2 cores), so `make test` skips these (saying why); run before a release.
+test-peers: install
+	$(PY) -m pip install -q "llama-cpp-python[server]"
+	$(PY) -m pytest -q tests/test_remote.py tests/test_bench.py -k "llamacpp"
 
 soak: install
 	MINISERVE_SOAK=1 $(PY) -m pytest tests/test_reliability.py -s -q -p no:randomly

@@ -517,7 +517,7 @@ class OpenAIAPI:
         return text, entries
 
     # -- responses --------------------------------------------------------------------------
-    def start(self, req: APIRequest) -> "_Choices":
+    async def start(self, req: APIRequest) -> "_Choices":
         """Admit the request's choices as engine requests, all or none (429 when they do not
         all fit). The engine hands their chunks to the event loop: no thread waits on them
         (a remote engine's reply is read on a thread of its own: it waits on the network)."""
@@ -531,9 +531,14 @@ class OpenAIAPI:
         choices = _Choices(asyncio.get_running_loop())
         try:
             for i in range(total):
-                self._start_choice(req, i, choices)
+                if engine.remote:  # sent now: a refusal or a failure is this reply's status
+                    await self._start_remote_choice(req, i, choices)
+                else:
+                    self._start_choice(req, i, choices)
         except BaseException as e:  # start none: cancel those already queued
             choices.stop()
+            if engine.remote and isinstance(e, Exception):
+                raise _failed(req, e) from None
             if isinstance(e, EngineBusy):  # lost a race for the last places
                 raise _busy(str(e)) from None
             if isinstance(e, RequestTooLarge):
@@ -544,21 +549,37 @@ class OpenAIAPI:
             raise
         return choices
 
-    def _start_choice(self, req: APIRequest, index: int, choices: "_Choices") -> None:
-        prompt, j = divmod(index, req.settings.n)  # choice j of prompt `prompt`
+    @staticmethod
+    def _choice(req: APIRequest, index: int):
+        """(prompt, params, logprob recorder) of choice `index`: choice j of a prompt."""
+        prompt, j = divmod(index, req.settings.n)
         params = req.settings.params
         if params.seed is not None and j:
             params = params.replace(seed=(params.seed + j) % (SEED_MAX + 1))
         recorder = LogprobRecorder(req.engine.tokenizer, req.top_logprobs) \
             if req.logprobs else None
-        observer = recorder.observe if recorder else None
-        if req.engine.remote:
-            _read_remote(req, req.prompts[prompt], params, choices.sink(index), choices.cancel,
-                         observer)
-        else:
-            req.engine.submit(req.prompts[prompt], params, choices.sink(index),
-                              cancel=choices.cancel, observer=observer)
+        return req.prompts[prompt], params, recorder
+
+    def _start_choice(self, req: APIRequest, index: int, choices: "_Choices") -> None:
+        prompt, params, recorder = self._choice(req, index)
+        req.engine.submit(prompt, params, choices.sink(index), cancel=choices.cancel,
+                          observer=recorder.observe if recorder else None)
         choices.started(recorder)  # after submit: a choice that did not start is not waited for
+
+    async def _start_remote_choice(self, req: APIRequest, index: int,
+                                   choices: "_Choices") -> None:
+        """Send one choice to a remote engine (off the event loop: it waits on the network),
+        then read its reply on a thread of its own, which hands each item to the sink as the
+        local engine thread does. Its own cancel event: a finished stream may set the event it
+        was given, which must not end the other choices; the request's Stop closes it."""
+        prompt, params, recorder = self._choice(req, index)
+        reply = req.engine.chat if req.kind == "chat" else req.engine.complete_text
+        own = threading.Event()
+        stream = await asyncio.to_thread(reply, prompt, params, cancel=own,
+                                         observer=recorder.observe if recorder else None)
+        choices.on_stop(lambda: (own.set(), stream.close()))
+        _read_remote(stream, choices.sink(index))
+        choices.started(recorder)
 
     @staticmethod
     def _usage(req: APIRequest, last: list) -> dict:
@@ -647,24 +668,13 @@ def _end(choices: "_Choices", lease: _Lease) -> None:
     lease.release()
 
 
-def _read_remote(req: APIRequest, prompt, params: SamplingParams, sink, cancel, observer):
-    """Start one choice on a remote engine: its reply is an iterator that waits on the
-    network, read on a thread of its own that hands each item to the sink, as the local
-    engine thread does (Chunks, an exception if it failed, then None)."""
-    engine = req.engine
+def _read_remote(stream, sink) -> None:
+    """Hand a remote reply's items to the sink from a thread of its own (Chunks, an exception
+    if it failed, then None). Closing the stream (Stop) ends it."""
 
     def run() -> None:
-        # its own cancel event: a finished stream may set the event it was given, which must
-        # not end the request's other choices; the request's cancel is looked at each chunk
-        own = threading.Event()
         try:
-            reply = engine.chat if req.kind == "chat" else engine.complete_text
-            stream = reply(prompt, params, cancel=own, observer=observer)
             for chunk in stream:
-                if cancel.is_set():
-                    own.set()
-                    stream.close()
-                    break
                 sink(chunk)
         except BaseException as e:  # noqa: BLE001 -- reported to the client
             sink(e)
@@ -811,6 +821,7 @@ class _Choices:
         self._wake_pending = False
         self._waiter: asyncio.Future | None = None
         self._open = 0
+        self._on_stop: list = []
 
     @property
     def running(self) -> bool:
@@ -823,6 +834,17 @@ class _Choices:
     def stop(self) -> None:
         """Cancel every choice still generating (a no-op for those that finished)."""
         self.cancel.set()
+        while self._on_stop:
+            try:
+                self._on_stop.pop()()
+            except Exception:  # noqa: BLE001 -- a stream already closed
+                pass
+
+    def on_stop(self, fn) -> None:
+        """Also call fn at stop (a remote choice's stream: closed, not waited out)."""
+        self._on_stop.append(fn)
+        if self.cancel.is_set():
+            self.stop()
 
     def sink(self, i: int):
         """What the engine calls with choice i's items: Chunks, an exception, then None."""
@@ -954,7 +976,7 @@ def build_router(models, api_key: str | None = None) -> APIRouter:
             lease = await api.open(body)
             parse = api.parse_chat if kind == "chat" else api.parse_text
             req = await parse(body, lease.name, lease.engine)
-            choices = api.start(req)
+            choices = await api.start(req)
             if req.settings.stream:
                 stream = api.stream(req, choices, lease)
                 # a response dropped before its first write never runs the generator's

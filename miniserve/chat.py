@@ -93,8 +93,10 @@ def completion_ids(tokenizer, prompt, context_length: int, max_new_tokens: int,
             raise ChatError(f"'{field}' is empty; give at least one token", field)
     limit = context_length - max_new_tokens
     if len(ids) > limit:
-        if trim and limit > 0:
-            return ids[len(ids) - limit:]
+        if trim and limit > 1:  # the newest tokens, behind the BOS the model always saw
+            bos = getattr(tokenizer, "bos_token_id", None)
+            keep = [ids[0]] if bos is not None and ids[0] == bos else []
+            return keep + ids[len(ids) - limit + len(keep):]
         raise ChatError(
             f"'{field}' is {len(ids)} tokens, but with max_new_tokens={max_new_tokens} the "
             f"context window of {context_length} tokens leaves room for {max(limit, 0)}; shorten "

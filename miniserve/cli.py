@@ -241,7 +241,6 @@ def load_engine(args):
 
 
 def cmd_generate(args) -> int:
-    from miniserve.chat import ChatError
     from miniserve.engine import EngineBusy
     try:
         params, _ = params_from_args(args)
@@ -251,13 +250,13 @@ def cmd_generate(args) -> int:
         return fail(str(e))
     if not args.prompt.strip():
         return fail("--prompt is empty; give the text to answer")
+    if args.raw and args.system:
+        return fail("--system needs a chat template; --raw continues the prompt as it is")
     engine, code = load_engine(args)
     if engine is None:
         return code
     if check_format(engine, params):
         return fail(check_format(engine, params))
-    if args.raw and args.system:
-        return fail("--system needs a chat template; --raw continues the prompt as it is")
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
         [{"role": "user", "content": args.prompt}]
     inspector = None
@@ -276,7 +275,7 @@ def cmd_generate(args) -> int:
             if not args.json and last.text:
                 sys.stdout.write(last.text)
                 sys.stdout.flush()
-    except (ChatError, EngineBusy) as e:
+    except (ValueError, EngineBusy) as e:  # ChatError, RequestTooLarge, a remote refusal
         return fail(str(e))
     except RuntimeError as e:  # a remote server that failed (RemoteError), the engine closed
         return fail(f"{engine.name}: {e}", 1)

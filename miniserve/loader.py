@@ -153,9 +153,9 @@ def known_model_path(name: str, progress: Progress | None = None, install: bool 
 
 
 def check_gguf(path: Path) -> str:
-    """The file's architecture, once it is known to be a whole GGUF that transformers can load;
-    else ModelLoadError saying what is wrong (not a GGUF, cut short, an architecture it
-    cannot load)."""
+    """The file's architecture, once it is known to be a whole GGUF; else ModelLoadError saying
+    what is wrong (not a GGUF, cut short). Whether transformers loads that architecture is
+    its own call (unsupported_architecture turns its answer into one sentence)."""
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":
@@ -174,13 +174,14 @@ def check_gguf(path: Path) -> str:
         raise ModelLoadError(f"{path} is truncated or damaged ({size:,} bytes"
                              + (f", its tensors need {end:,}" if end else "")
                              + "); download it again.")
-    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
-    if arch not in GGUF_SUPPORTED_ARCHITECTURES and arch.replace("-", "") not in \
-            GGUF_SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(f"{path.name}: architecture '{arch}' is not supported (this "
-                             f"version of transformers loads GGUFs of: "
-                             f"{', '.join(sorted(GGUF_SUPPORTED_ARCHITECTURES))}).")
     return arch
+
+
+def unsupported_architecture(path: Path, arch: str) -> ModelLoadError:
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+    return ModelLoadError(f"{path.name}: architecture '{arch}' is not supported (this version of "
+                          f"transformers loads GGUFs of: "
+                          f"{', '.join(sorted(GGUF_SUPPORTED_ARCHITECTURES))}).")
 
 
 def cache_root() -> Path:
@@ -213,7 +214,7 @@ def _load_pretrained(folder: str, dtype: torch.dtype, gguf_file: str | None = No
 
 def _load_gguf(path: Path, dtype: torch.dtype, progress: Progress | None):
     """Load a GGUF through the safetensors cache, filling the cache on first use."""
-    check_gguf(path)
+    arch = check_gguf(path)
     cached = cache_root() / f"{path.stem}-{file_key(path)}-{str(dtype).removeprefix('torch.')}"
     if (cached / "config.json").is_file():
         _say(progress, f"Loading {path.name} from the cache {cached} ...")
@@ -222,7 +223,12 @@ def _load_gguf(path: Path, dtype: torch.dtype, progress: Progress | None):
         except Exception:  # a damaged cache is rebuilt, not fatal
             shutil.rmtree(cached, ignore_errors=True)
     _say(progress, f"Dequantizing {path.name} (first start only; ~15 s for the embedded model) ...")
-    model, tokenizer = _load_pretrained(str(path.parent), dtype, gguf_file=path.name)
+    try:
+        model, tokenizer = _load_pretrained(str(path.parent), dtype, gguf_file=path.name)
+    except ValueError as e:
+        if "is not supported" in str(e) and "architecture" in str(e):
+            raise unsupported_architecture(path, arch) from None
+        raise
     _unflag_dequantized(model)
     try:
         _write_cache(model, tokenizer, cached)

@@ -90,7 +90,18 @@ def parse_spec(text: str, context: int | None = None, api_key: str | None = None
     head, eq, tail = text.partition("=")
     if eq and "://" not in head and "/" not in head and head.strip():
         name, text = head.strip(), tail.strip()
+        if not text:
+            raise ModelSpecError(f"--model {name}=: give the source after '='")
+    return _spec(name, text, context, api_key)
+
+
+def _spec(name: str | None, text: str, context: int | None, api_key: str | None) -> ModelSpec:
     if is_url(text):
+        import httpx
+        try:
+            httpx.URL(text.partition("#")[0])
+        except Exception as e:  # noqa: BLE001 -- httpx.InvalidURL and friends
+            raise ModelSpecError(f"'{text}' is not a valid URL: {e}") from None
         url, _, served = text.partition("#")
         return ModelSpec(name or default_name(text), url.rstrip("/"), True, served or None,
                          context, api_key)
@@ -127,9 +138,16 @@ def load_specs_file(path: str, context: int | None = None,
         ctx = entry.get("context", context)
         if ctx is not None and (not isinstance(ctx, int) or isinstance(ctx, bool) or ctx < 16):
             raise ModelSpecError(f"{where}: 'context' must be a whole number of at least 16")
-        key = os.environ.get(entry["api_key_env"]) if entry.get("api_key_env") else api_key
-        text = entry["source"] if "name" not in entry else f"{entry['name']}={entry['source']}"
-        specs.append(parse_spec(text, ctx, key))
+        name, key_env = entry.get("name"), entry.get("api_key_env")
+        if name is not None and (not isinstance(name, str) or not name.strip()):
+            raise ModelSpecError(f"{where}: 'name' must be a non-empty string")
+        if key_env is not None and not isinstance(key_env, str):
+            raise ModelSpecError(f"{where}: 'api_key_env' must be the name of an environment "
+                                 "variable")
+        if not entry["source"].strip():
+            raise ModelSpecError(f"{where}: 'source' is empty")
+        key = os.environ.get(key_env) if key_env else api_key
+        specs.append(_spec(name.strip() if name else None, entry["source"].strip(), ctx, key))
     return specs
 
 
@@ -248,6 +266,12 @@ class Models:
         finally:
             with self._lock:
                 self._leases[name] -= 1
+                over = sum(not self.specs[n].remote for n in self._engines) > self.max_loaded
+            if over:  # loaded past the limit while this one was busy: unload what is idle
+                # now, on a thread of its own (unloading joins an engine thread; this may be
+                # the event loop)
+                newest = next(reversed(self._engines), name)
+                threading.Thread(target=self._make_room, args=(newest,), daemon=True).start()
 
     def _busy(self, name: str) -> bool:
         engine = self._engines[name]
@@ -318,7 +342,11 @@ def engine_factory(options: EngineOptions):
                               runner=options.runner, quant=options.quant, progress=progress,
                               math=options.math, kv_budget=options.kv_budget,
                               max_queue=max_queue, max_batch=options.max_batch, name=spec.name)
-        engine.warm_up()
+        try:
+            engine.warm_up()
+        except BaseException:  # its thread holds the weights: end it, or they are never freed
+            engine.close()
+            raise
         return engine
 
     return make

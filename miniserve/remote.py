@@ -141,6 +141,10 @@ class RemoteEngine:
             counted = self._probe("POST", "/tokenize", {"model": served, "prompt": "a"})
             if isinstance(counted, dict) and isinstance(counted.get("count"), int):
                 facts.tokenize = "vllm"
+                if not facts.context and isinstance(counted.get("max_model_len"), int):
+                    # a MiniServeLM whose model was not loaded yet: this request loaded it
+                    facts.context = counted["max_model_len"]
+                    facts.context_from = "the server's /tokenize max_model_len"
         if not facts.tokenize and facts.flavor in ("llama-cpp-python", "openai"):
             if self._probe("POST", "/extras/tokenize", {"input": "a"}) is not None:
                 facts.tokenize = "extras"

@@ -157,7 +157,7 @@ class ChatSession:
             except UnknownModel as e:
                 self.say(f"error: {e}")
                 return
-            except (ModelLoadError, ValueError) as e:
+            except (ModelLoadError, ValueError, RuntimeError, OSError) as e:  # incl. out of memory
                 self.say(f"error: {name} could not be loaded: {e}")
                 return
             self.model_name = name

@@ -328,3 +328,12 @@ def test_tokenize_counts_as_the_engine_does(port, engine):
                         ({"model": "nope", "prompt": "x"}, "model")):
         status, got = request(port, body, "/tokenize")
         assert status in (400, 404) and got["error"]["param"] == param, (body, got)
+
+
+def test_a_remote_refusal_is_the_status_of_a_streamed_request(port):
+    """A remote model's request is sent before the response starts: a refusal is a 4xx even
+    with stream: true, not a 200 with an error inside."""
+    for stream in (False, True):
+        status, got = request(port, {"model": FAR, "prompt": "word " * 9000, "max_tokens": 8,
+                                     "stream": stream})
+        assert status == 400 and got["error"]["param"] == "prompt", (stream, got)

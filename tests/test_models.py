@@ -4,6 +4,7 @@ and the loader's answers to files it cannot use."""
 import copy
 import json
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -33,19 +34,26 @@ def test_model_values_name_sources_and_urls():
         open_models(["default", "default"])
     with pytest.raises(ModelSpecError, match="empty"):
         parse_spec(" ")
+    with pytest.raises(ModelSpecError, match="give the source after '='"):
+        parse_spec("mine=")
+    with pytest.raises(ModelSpecError, match="not a valid URL: Invalid port"):
+        parse_spec("http://gpu-box:abc/v1")
 
 
 def test_models_file(tmp_path, monkeypatch):
     monkeypatch.setenv("GPU_KEY", "secret")
     f = tmp_path / "models.yaml"
     f.write_text("models:\n  - default\n  - {name: big, source: 'http://h:1/v1#m', context: 8192,"
-                 " api_key_env: GPU_KEY}\n")
+                 " api_key_env: GPU_KEY}\n  - {name: team/small, source: default}\n")
     specs = load_specs_file(str(f))
-    assert [s.name for s in specs] == ["SmolLM2-135M-Instruct", "big"]
+    assert [s.name for s in specs] == ["SmolLM2-135M-Instruct", "big", "team/small"]
+    assert specs[2].source == "default"
     assert (specs[1].context, specs[1].api_key, specs[1].served_name) == (8192, "secret", "m")
     for text, says in (("[]", "a list of models"), ("- {name: x}", "'source'"),
                        ("- {source: default, colour: red}", "unknown key(s) colour"),
-                       ("- {source: default, context: -3}", "'context'"), ("a: [", "cannot be read")):
+                       ("- {source: default, context: -3}", "'context'"), ("a: [", "cannot be read"),
+                       ("- {source: default, name: ''}", "'name' must be a non-empty string"),
+                       ("- {source: default, api_key_env: 3}", "'api_key_env'")):
         f.write_text(text)
         with pytest.raises(ModelSpecError, match=said(says)):
             load_specs_file(str(f))
@@ -73,19 +81,22 @@ def test_models_load_on_first_use_and_make_room(two):
     assert two.get("a") is a  # loaded once
     with pytest.raises(UnknownModel, match="choose one of: a, b"):
         two.get("c")
-    # a is busy (a reply streams from it): b loads beside it, over the limit, rather than
+    # a is in use (a reply streams from it): b loads beside it, over the limit, rather than
     # unloading a model under a running request
-    stream = a.complete_text("Once upon a time", GREEDY.replace(max_new_tokens=60))
-    next(stream)
-    b = two.get("b")
-    assert two.loaded() == ["a", "b"] and "".join(c.text for c in stream)
+    with two.use("a"):
+        stream = a.complete_text("Once upon a time", GREEDY.replace(max_new_tokens=60))
+        next(stream)
+        b = two.get("b")
+        assert two.loaded() == ["a", "b"] and "".join(c.text for c in stream)
+    # a's last user left: the registry goes back within max_loaded, unloading the least
+    # recently used idle model (on a thread of its own)
+    deadline = time.monotonic() + 30
+    while len(two.loaded()) > 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert two.loaded() == ["b"]
     text_b = "".join(c.text for c in b.complete_text("Once upon a time", GREEDY))
-    # a is idle now: asking for it again unloads nothing (it is loaded), asking for a third
-    # load would unload the least recently used idle one
-    with two.use("b"):
-        two.unload("a")
-        assert two.get("a") is not a and two.loaded() == ["b", "a"]
     two.max_loaded = 2
+    assert two.get("a") is not a and two.loaded() == ["b", "a"]
     two._make_room(keep="x", adding=1)  # one more to come: the least recently used idle one goes
     assert two.loaded() == ["a"]
     again = "".join(c.text for c in two.get("a").complete_text("Once upon a time", GREEDY))
@@ -152,6 +163,21 @@ def test_completion_mode_continues_text_without_a_template(engine, base_engine):
         base_engine.prompt_ids(long, GREEDY)
 
 
+def test_a_notebook_past_the_context_keeps_its_bos():
+    """Trimmed from the left, a prompt keeps the BOS its tokenizer puts first (Gemma, Llama)."""
+    from miniserve.chat import completion_ids
+
+    class WithBos:  # a tokenizer that starts every text with BOS = 2, a token a word
+        bos_token_id = 2
+
+        def __call__(self, text):
+            return {"input_ids": [2] + [10 + len(w) for w in text.split()]}
+
+    ids = completion_ids(WithBos(), "a bb ccc dddd eeeee", context_length=5, max_new_tokens=2,
+                         trim=True)
+    assert ids == [2, 14, 15]
+
+
 def test_prompt_logprobs_match_one_forward_pass(engine):
     import torch
     ids = engine.tokenizer("The capital of France is Paris, and the capital of Italy is "
@@ -171,7 +197,7 @@ def test_prompt_logprobs_match_one_forward_pass(engine):
 # -- the command line ------------------------------------------------------------------------
 def test_generate_raw_continues_the_prompt(engine):
     r = run("generate", "--raw", "--prompt", "The capital of France is", "--temperature", "0",
-            "--max-new-tokens", "10", "--json", "--dtype", "float32")
+            "--repetition-penalty", "1", "--max-new-tokens", "10", "--json", "--dtype", "float32")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     text = "".join(c.text for c in engine.complete_text(
