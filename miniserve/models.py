@@ -282,6 +282,7 @@ class Models:
         max_loaded remain, counting `adding` more to come. When the others are busy, the limit
         is passed until one is idle: a request is never refused for memory that a finished
         one will free."""
+        gone = []
         with self._lock:
             local = [n for n in self._engines if not self.specs[n].remote]
             excess = len(local) + adding - self.max_loaded
@@ -289,18 +290,23 @@ class Models:
                 if excess <= 0:
                     break
                 if name != keep and not self._busy(name):
-                    self.unload(name)
+                    gone.append(self._engines.pop(name))
                     excess -= 1
+        self._close(gone)  # outside the lock: closing joins an engine thread
 
     def unload(self, name: str) -> bool:
         with self._lock:
             engine = self._engines.pop(name, None)
-        if engine is None:
-            return False
-        engine.close()
-        import gc
-        gc.collect()
-        return True
+        self._close([engine] if engine is not None else [])
+        return engine is not None
+
+    @staticmethod
+    def _close(engines: list) -> None:
+        for engine in engines:
+            engine.close()
+        if engines:
+            import gc
+            gc.collect()  # the weights go now, before the next model's load needs the memory
 
     def close(self) -> None:
         for name in list(self._engines):
