@@ -17,6 +17,7 @@ from test_ui_models import B, STORY
 pytestmark = pytest.mark.browser
 SHOTS = Path(__file__).resolve().parent.parent / "docs"
 REPLY_TIMEOUT_MS = 60_000
+DEFAULT = "SmolLM2-135M-Instruct"  # the embedded model, the app's first
 
 
 @pytest.fixture(scope="module")
@@ -55,12 +56,29 @@ def page(browser, two_model_app):
     page.close()
 
 
-def test_notebook_continues_the_text_in_place_and_undo_restores_it(page):
+def notebook(page):
+    """The Notebook tab: (its text box, its status line)."""
     page.get_by_role("tab", name="Notebook").click()
-    text = page.get_by_label("Text", exact=True)
-    status = page.locator("#notebook-status")
-    set_number(page, "Max new tokens", 400)
+    return page.get_by_label("Text", exact=True), page.locator("#notebook-status")
+
+
+def test_notebook_continues_the_text_in_place_and_undo_restores_it(page):
+    text, status = notebook(page)
     text.fill(STORY)
+    # a whole generation, with the inspector (the picture in docs/)
+    set_number(page, "Max new tokens", 48)
+    page.get_by_role("checkbox", name="Token inspector").check()
+    page.get_by_role("button", name="Generate", exact=True).click()
+    expect(status).to_contain_text("48 new tokens", timeout=REPLY_TIMEOUT_MS)
+    expect(status).to_contain_text(f"model {DEFAULT}")
+    expect(page.locator("#notebook-inspector .ms-tok")).to_have_count(48)
+    if os.environ.get("MINISERVE_SCREENSHOTS"):
+        page.screenshot(path=str(SHOTS / "notebook.png"), full_page=True)
+    page.get_by_role("checkbox", name="Token inspector").uncheck()
+    page.get_by_role("button", name="Undo").click()
+    expect(text).to_have_value(STORY)
+    # a long one, stopped
+    set_number(page, "Max new tokens", 400)
     page.get_by_role("button", name="Generate", exact=True).click()
     # the continuation streams into the same box, after the text, while it is generating
     expect(text).to_have_value(re.compile(re.escape(STORY) + r".{30,}", re.S),
@@ -71,19 +89,33 @@ def test_notebook_continues_the_text_in_place_and_undo_restores_it(page):
     expect(status).to_contain_text("tokens/s")
     grown = text.input_value()
     assert grown.startswith(STORY) and len(grown) > len(STORY) + 30
-    if os.environ.get("MINISERVE_SCREENSHOTS"):
-        page.screenshot(path=str(SHOTS / "notebook.png"))
     page.get_by_role("button", name="Undo").click()
     expect(text).to_have_value(STORY)
     expect(status).to_contain_text("taken back")
 
 
-def test_chat_switches_model_and_the_reply_comes_from_it(page):
-    header = page.locator("#model-header")
-    expect(header).to_contain_text("SmolLM2-135M-Instruct on cpu")
-    page.get_by_role("combobox", name="Model").click()
+def test_notebook_undo_while_it_streams_stops_the_generation_and_keeps_its_text(page,
+                                                                               two_models):
+    text, status = notebook(page)
+    text.fill(STORY)
+    set_number(page, "Max new tokens", 400)
+    page.get_by_role("button", name="Generate", exact=True).click()
+    expect(text).to_have_value(re.compile(re.escape(STORY) + r".{30,}", re.S),
+                               timeout=REPLY_TIMEOUT_MS)
+    page.get_by_role("button", name="Undo").click()
+    expect(status).to_contain_text("the generation was stopped and taken back",
+                                   timeout=REPLY_TIMEOUT_MS)
+    # Undo's output came after the generation ended: nothing streams to overwrite it
+    assert [two_models.get(n).queue_depth for n in two_models.names] == [0, 0]
+    expect(text).to_have_value(STORY)
+
+
+def test_chat_switches_model_and_a_saved_conversation_brings_its_model_back(page):
+    header, model = page.locator("#model-header"), page.get_by_role("combobox", name="Model")
+    one_header = f"MiniServeLM · 2 models served · default {DEFAULT}"
+    expect(header).to_contain_text(one_header)
+    model.click()
     page.get_by_role("option", name=B).click()
-    expect(header).to_contain_text(f"MiniServeLM · {B} on cpu")
     set_number(page, "Max new tokens", 16)
     page.get_by_label("Message", exact=True).fill("Name a colour.")
     started = time.perf_counter()
@@ -94,3 +126,13 @@ def test_chat_switches_model_and_the_reply_comes_from_it(page):
           f"{(time.perf_counter() - started) * 1000:.0f} ms after the click")
     expect(page.locator("#status")).to_contain_text(f"model {B}", timeout=REPLY_TIMEOUT_MS)
     expect(page.locator("#status")).to_contain_text("tokens/s")
+    # the header names no tab's choice: the same in every tab
+    expect(header).to_contain_text(one_header)
+    # a new chat on the default model; opening the saved one moves the dropdown back to B
+    page.get_by_role("button", name="New chat").click()
+    model.click()
+    page.get_by_role("option", name=DEFAULT).click()
+    expect(model).to_have_value(DEFAULT)
+    page.locator("#conversations").get_by_text("Name a colour.").click()
+    expect(page.locator("[data-testid='bot']")).to_have_count(1)
+    expect(model).to_have_value(B)

@@ -4,6 +4,7 @@ engine: what each tab shows for good values, and the readable error for a bad on
 import html
 import json
 import re
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -334,6 +335,32 @@ def test_stop_reaches_everything_a_session_runs():
             assert sessions.stop(Request("a"))
             assert again.is_set() and other.is_set()
     assert not sessions.stop(Request("a"))
+
+
+def test_take_over_stops_one_kind_waits_for_it_to_end_and_leaves_the_others():
+    """The Notebook's Undo and Regenerate stop only the session's notebook runs, and return
+    once each has ended (its last output written), so that what they write comes after; the
+    run knows it was taken over."""
+    sessions = Sessions()
+    started, written, cancels = threading.Event(), [], []
+
+    def generation():
+        with sessions.running(Request("a"), "notebook") as cancel:
+            cancels.append(cancel)
+            started.set()
+            cancel.wait(10)
+            written.append("its last output")
+
+    with sessions.running(Request("a"), "chat") as reply:
+        thread = threading.Thread(target=generation)
+        thread.start()
+        assert started.wait(10)
+        assert sessions.take_over(Request("a"), "notebook", wait=10)
+        assert written == ["its last output"], "take_over returned before the run had ended"
+        assert cancels[0].taken_over
+        assert not reply.is_set(), "the chat reply of the same session runs on"
+        assert not sessions.take_over(Request("a"), "notebook", wait=10)
+    thread.join()
 
 
 def test_stop_ends_a_reply_after_a_comparison_of_the_same_session(engine, presets):

@@ -8,6 +8,7 @@ template."""
 import copy
 import html
 import re
+import threading
 import time
 
 import pytest
@@ -23,6 +24,7 @@ from miniserve.ui.sidebar import SidebarHandlers
 B = "second"
 STORY = "Once upon a time, in a small village by the sea,"
 PROMPT = "Write one sentence about a cat."
+UNCHANGED = {"__type__": "update"}  # gr.update(): the component stays as it is
 
 
 @pytest.fixture
@@ -154,6 +156,66 @@ def test_notebook_stop_keeps_what_was_written(models, presets):
     assert notebook.undo(text, history)[0] == STORY
 
 
+def streaming(updates):
+    """Read a handler's updates on a thread, as Gradio does, into `shown` (the outputs in the
+    order the page gets them); returns (thread, shown, an event set once the text has grown
+    past STORY by 15 characters)."""
+    shown, growing = [], threading.Event()
+
+    def page():
+        for update in updates:
+            shown.append(update[:3])
+            if isinstance(update[0], str) and len(update[0]) > len(STORY) + 15:
+                growing.set()
+
+    thread = threading.Thread(target=page, daemon=True)
+    thread.start()
+    return thread, shown, growing
+
+
+def test_notebook_undo_during_a_generation_stops_it_and_has_the_last_word(models, presets):
+    """Undo pressed while the continuation streams: the generation is stopped and has written
+    its last output when Undo returns, so the text ends as Undo says."""
+    notebook = NotebookHandlers(models, presets)
+    thread, shown, growing = streaming(generate(notebook, STORY, [], presets, "balanced", 1500))
+    try:
+        assert growing.wait(60), "the generation did not start"
+        text, history, _ = shown[-1]
+        shown.append(notebook.undo(text, history))
+        thread.join(timeout=5)
+        assert not thread.is_alive(), "the generation still streams after Undo returned"
+        # the generation's last output leaves the page to Undo (Gradio may deliver it after
+        # Undo's), and ends its run before Undo returns
+        assert shown[-2] == (UNCHANGED,) * 3, shown[-2]
+        assert shown[-1] == (STORY, [], "the generation was stopped and taken back")
+    finally:
+        notebook.stop()
+        thread.join()
+
+
+def test_notebook_regenerate_during_a_generation_stops_it_first(models, presets):
+    """Regenerate pressed while the continuation streams: the running generation ends before
+    the new one writes, and the new one starts from the text before the first."""
+    notebook = NotebookHandlers(models, presets)
+    thread, shown, growing = streaming(generate(notebook, STORY, [], presets, "balanced", 1500))
+    try:
+        assert growing.wait(60), "the generation did not start"
+        text, history, _ = shown[-1]
+        again = generate(notebook, text, history, presets, regenerate=True)
+        first = next(again)
+        thread.join(timeout=5)
+        assert not thread.is_alive(), "the first generation still streams beside the new one"
+        assert shown[-1] == (UNCHANGED,) * 3 and first[:3] == (STORY, [STORY], "generating…")
+        text, history, status, _ = last(again)
+        params = presets["factual"].replace(max_new_tokens=12, seed=1)
+        expected = "".join(c.text for c in models.get(None).complete_text(STORY, params,
+                                                                           trim=True))
+        assert text == STORY + expected and history == [STORY] and "stopped" not in status
+    finally:
+        notebook.stop()
+        thread.join()
+
+
 @pytest.mark.parametrize("text, settings, message", [
     ("", {}, "&#x27;prompt&#x27; is empty; give the text to continue"),
     (STORY, {"temperature": 5}, "&#x27;temperature&#x27; must be in [0, 2]"),
@@ -219,6 +281,31 @@ def test_chat_is_answered_by_the_model_chosen_and_a_switch_keeps_the_conversatio
     assert prompt_tokens > int(re.search(r"(\d+) prompt tokens", one.status).group(1))
 
 
+def test_opening_a_saved_conversation_chooses_the_model_of_its_last_reply(models, presets):
+    a = models.default
+    chat = ChatHandlers(models, presets)
+    side = SidebarHandlers(chat.conversations)
+    browser = side.load({}).browser
+    on_b = Shown(*last(send(chat, browser, {}, "Hi", presets, B, 3))[:8])
+    on_a = Shown(*last(send(chat, on_b.browser, {}, "Hello", presets, a, 3))[:8])
+    for saved, current in ((on_b, a), (on_a, B)):
+        opened = side.open(on_a.browser, saved.view["cid"])
+        model, status = chat.saved_model(opened.browser, opened.view, current, opened.status)
+        other = B if current == a else a
+        assert model == {"__type__": "update", "value": other}
+        assert status == {"__type__": "update"}
+    # an app that no longer serves B (the same history): the choice stays, the status says why
+    only_a = ChatHandlers(registry({a: models.get(a)}), presets, store=chat.store)
+    opened = SidebarHandlers(only_a.conversations).open(on_a.browser, on_b.view["cid"])
+    model, status = only_a.saved_model(opened.browser, opened.view, a, "restored")
+    assert model == {"__type__": "update"}
+    assert status == (f"restored · its last reply was made with model &#x27;{B}&#x27;, which "
+                      f"is not served here: replies now come from {a}")
+    # a new chat (no reply yet) leaves the dropdown as it is
+    assert chat.saved_model(on_a.browser, {}, B, "") == ({"__type__": "update"},
+                                                        {"__type__": "update"})
+
+
 def test_switching_to_a_loaded_model_answers_at_once(models, presets):
     """Measured, not asserted as a time: a new conversation on the other loaded model, from
     the handler's call to its first streamed text."""
@@ -269,6 +356,43 @@ def test_an_unknown_or_broken_model_is_the_error_line_and_the_others_keep_workin
 
 
 # -- Compare ---------------------------------------------------------------------------------
+
+def test_compare_loads_the_models_at_the_same_time_and_a_failing_one_waits_for_none(
+        models, presets, tmp_path):
+    """Two models not loaded yet: a slow one (B's engine, its load held until the test lets it
+    go) and a broken file. The broken one's error shows while the slow one is still loading,
+    each with its own line; then the slow one answers."""
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"not a gguf file at all" * 10)
+    real, release = engine_factory(EngineOptions()), threading.Event()
+
+    def factory(spec, progress):
+        if spec.name != "slow":
+            return real(spec, progress)
+        progress("reading the weights")
+        release.wait(10)  # without loads at once, the broken one's load waits all of this
+        return models.get(B)
+
+    both = Models([ModelSpec("slow", None), ModelSpec("broken", str(bad))], factory,
+                  max_loaded=8)  # never unloads B's engine, which the fixture owns
+    compare = CompareHandlers(both, presets)
+    updates = compare.compare(PROMPT, ["factual"], 42, 6, models=["slow", "broken"])
+    seen = []
+    for status, *_ in updates:
+        seen.append(status)
+        if "could not be loaded" in status:
+            break
+    assert not release.is_set() and "loading model slow" in status, status
+    assert "**Error:** model &#x27;broken&#x27; could not be loaded" in status, status
+    release.set()
+    for status, *columns in updates:
+        seen.append(status)
+    assert any("loading model slow: reading the weights" in s for s in seen), seen
+    assert status.endswith("1 of 2 models did not run (their columns say why)"), status
+    shown = {slot[0]: col["value"] for slot, col in zip(compare.slots, columns)
+             if col["visible"]}
+    assert "could not be loaded" in shown["broken"] and "tokens/s" in shown["slow"]
+
 
 def test_compare_across_two_models_runs_them_at_the_same_time(models, presets):
     a = models.default
@@ -339,3 +463,25 @@ def test_drawing_the_app_loads_no_model(presets):
     pickers = [b for b in demo.blocks.values() if getattr(b, "label", None) == "Model"]
     assert len(pickers) == 3 and all(p.visible and p.choices == [
         ("SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct"), (B, B)] for p in pickers)
+
+
+def test_the_header_names_the_default_and_the_count_each_dropdown_its_own_model(models,
+                                                                                presets):
+    """One header for every tab: the default model and how many are served, whatever a tab's
+    dropdown chooses; each dropdown's line describes the model it chooses."""
+    from miniserve.ui import app_header
+    from miniserve.ui.common import picker_info
+    demo = build_ui(models, presets)
+    top = next(b for b in demo.blocks.values() if getattr(b, "elem_id", None) == "model-header")
+    info = models.get(B).info()
+    details = (f"on {info['device']} ({info['dtype']}" if info["dtype"] == info["compute_dtype"]
+               else f"on {info['device']} ({info['dtype']} weights")
+    assert top.value == app_header(models) == ("## MiniServeLM · 2 models served · default "
+                                               "SmolLM2-135M-Instruct")
+    assert picker_info(models, B).startswith(details) and picker_info(models, B).endswith(
+        f"context {info['context_length']} tokens")
+    fresh = open_models(["default", f"{B}=default"])
+    assert picker_info(fresh, B) == "loads when first used"
+    # with one model there is no dropdown: the header describes it
+    assert app_header(Models.single(models.get(B))) == (f"## MiniServeLM · {B} "
+                                                        f"{picker_info(models, B)}")

@@ -16,13 +16,13 @@ from miniserve.models import Models
 from miniserve.store import Store
 from miniserve.ui.bench_tab import BenchmarkHandlers, build_benchmark_tab
 from miniserve.ui.chat_tab import ChatHandlers, build_chat_tab
-from miniserve.ui.common import ModelHeader, Sessions, header, model_header
+from miniserve.ui.common import ModelHeader, Sessions, app_header, header, model_header
 from miniserve.ui.compare_tab import CompareHandlers, build_compare_tab
 from miniserve.ui.notebook_tab import NotebookHandlers, build_notebook_tab
 
 __all__ = ["CSS", "BenchmarkHandlers", "ChatHandlers", "CompareHandlers", "NotebookHandlers",
            "build_ui", "build_benchmark_tab", "build_chat_tab", "build_compare_tab",
-           "build_notebook_tab", "header", "model_header"]
+           "build_notebook_tab", "app_header", "header", "model_header"]
 
 SPARE_THREADS = 8  # Gradio threads beyond the engines' queues: Undo, presets, a benchmark
 CSS = """
@@ -51,7 +51,7 @@ def build_ui(models: Models | Engine, presets: dict[str, SamplingParams],
         chat_tab = build_chat_tab(ChatHandlers(models, presets, sessions, store),
                                   default_preset, top)
         build_notebook_tab(NotebookHandlers(models, presets, sessions), default_preset, top)
-        build_compare_tab(CompareHandlers(models, presets, sessions))
+        build_compare_tab(CompareHandlers(models, presets, sessions), top)
         build_benchmark_tab(BenchmarkHandlers(models, presets), top)
         chat_tab.on_load(demo)
     # Gradio runs one event of a listener at a time unless told otherwise: the replies of many

@@ -16,8 +16,8 @@ from miniserve.config import ConfigError, SamplingParams
 from miniserve.engine import Engine
 from miniserve.models import Models
 from miniserve.ui.common import (BENCHMARK_EVENTS, USER_ERRORS, ModelHeader, ModelUnavailable,
-                                 build_model_picker, counts_from, error, user_message, using,
-                                 whole)
+                                 build_model_picker, counts_from, error, follow_picker,
+                                 user_message, using, whole)
 
 # The concurrency table's columns, from the result's rows (the plot reads the first three).
 CONCURRENCY_COLUMNS = ["preset", "concurrency", "aggregate_tokens_per_s",
@@ -109,7 +109,7 @@ class BenchmarkHandlers:
 
 def build_benchmark_tab(bench: BenchmarkHandlers, header: ModelHeader | None = None) -> None:
     """The Benchmark tab and its events; call inside the app's `gr.Blocks`. `header`: the line
-    above the tabs, which follows this tab's Model dropdown."""
+    above the tabs, redrawn after this tab's runs."""
     with gr.Tab("Benchmark"):
         remote = bench.model_note(None)
         # the dropdown shows with several models; the note with a remote model
@@ -161,5 +161,6 @@ def build_benchmark_tab(bench: BenchmarkHandlers, header: ModelHeader | None = N
                                      [concurrency_table, concurrency_plot, concurrency_status],
                                      **one_at_a_time)]
     model.change(bench.model_note, model, note, queue=False, show_progress="hidden")
+    follow_picker(bench.models, model, runs)
     if header is not None:
-        header.follow(model, runs)
+        header.refresh_after(runs)

@@ -6,6 +6,7 @@ generators) that runs without a browser."""
 
 from __future__ import annotations
 
+import html
 import secrets
 import time
 from contextlib import ExitStack
@@ -20,9 +21,9 @@ from miniserve.models import Models
 from miniserve.store import Store, StoreError, open_store
 from miniserve.ui.common import (ENGINE_EVENTS, FREE_TEXT, PAINT_INTERVAL_S, USER_ERRORS,
                                  ModelHeader, Sessions, build_model_picker, build_output_format,
-                                 build_sampling, error, format_note, inspector_html, is_error,
-                                 load_messages, message_text, params_from, preset_values,
-                                 user_message, using)
+                                 build_sampling, error, follow_picker, format_note,
+                                 inspector_html, is_error, load_messages, message_text,
+                                 params_from, preset_values, user_message, using)
 from miniserve.ui.conversation import (SHOWN, Conversations, Shown, new_view, owner_of,
                                        strip_marks)
 from miniserve.ui.sidebar import SidebarHandlers, build_sidebar, wire_sidebar
@@ -156,6 +157,29 @@ class ChatHandlers:
                 chat_status(stats, last.dropped_messages, note), query)
             yield (*final, "", inspector_html(inspector))
 
+    def saved_model(self, browser, view, model, status=""):
+        """After a saved conversation opens (the sidebar, a reload, Undo delete, an import):
+        the Model dropdown moves to the model that made its last reply when that model is
+        served here; when it is not, the choice stays and the status line says so. Returns
+        (dropdown update, status update)."""
+        try:
+            path = self.conversations.path(owner_of(browser), view)
+        except StoreError:
+            return gr.update(), gr.update()  # the open itself said why
+        saved = next((m.settings.get("model") for m in reversed(path)
+                      if m.role == "assistant" and (m.settings or {}).get("model")), None)
+        if not isinstance(saved, str):
+            return gr.update(), gr.update()  # no reply yet, or saved without a model
+        if saved in self.models.names:
+            return gr.update(value=saved), gr.update()
+        try:
+            current = self.models.resolve(model)
+        except USER_ERRORS:
+            current = self.models.default
+        note = html.escape(f"its last reply was made with model '{saved}', which is not served "
+                           f"here: replies now come from {current}")
+        return gr.update(), f"{status} · {note}" if status else note
+
     def model_note(self, name: str) -> str:
         """The status line names the model that answered when the app serves several."""
         return f"model {name}" if len(self.models.names) > 1 else ""
@@ -284,7 +308,7 @@ class ChatHandlers:
 def build_chat_tab(chat: ChatHandlers, default_preset: str,
                    header: ModelHeader | None = None) -> "ChatTab":
     """The Chat tab, its sidebar and their events; call inside the app's `gr.Blocks`.
-    `header`: the line above the tabs, which follows this tab's Model dropdown. Returns what
+    `header`: the line above the tabs, redrawn after this tab's runs. Returns what
     the page-load event needs (`ChatTab.on_load`)."""
     side = SidebarHandlers(chat.conversations)
     # what the browser keeps: its owner id and open conversation, encrypted with a key kept in
@@ -337,8 +361,9 @@ def build_chat_tab(chat: ChatHandlers, default_preset: str,
             message.submit(chat.send, [message, browser, view, q, *settings], **generating),
             regen_btn.click(chat.regenerate, [browser, view, q, *settings], **generating),
             chatbot.edit(chat.edit, [browser, view, q, *settings], **generating)]
+    follow_picker(chat.models, model, runs)
     if header is not None:
-        header.follow(model, runs)
+        header.refresh_after(runs)
     stop_btn.click(chat.stop, None, None, queue=False)
     undo_btn.click(chat.undo, [browser, view, q], [*shown, message])
     clear_btn.click(chat.clear, [browser, q], [*shown, message, inspector_view])
@@ -348,8 +373,12 @@ def build_chat_tab(chat: ChatHandlers, default_preset: str,
     next_btn.click(chat.next_version, [browser, view, q], shown)
     branches.change(lambda line: gr.update(visible=bool(line)), branches, versions,
                     queue=False)
-    wire_sidebar(side, bar, shown, browser, view)
-    return ChatTab(side, browser, shown, q, bar["info"])
+    # a saved conversation that opens moves the Model dropdown to the model of its last reply
+    follow_saved = dict(fn=chat.saved_model, inputs=[browser, view, model, status],
+                        outputs=[model, status], show_progress="hidden")
+    for opened in wire_sidebar(side, bar, shown, browser, view):
+        opened.then(**follow_saved)
+    return ChatTab(side, browser, shown, q, bar["info"], follow_saved)
 
 
 class ChatTab(NamedTuple):
@@ -359,9 +388,11 @@ class ChatTab(NamedTuple):
     shown: list
     query: gr.Textbox
     info: gr.Markdown
+    follow_saved: dict  # the event that moves the Model dropdown to an opened conversation's
 
     def on_load(self, demo: gr.Blocks) -> None:
         """On page load: the browser's owner id (new on a first visit), the list, and the
-        conversation it had open before a reload or a restart."""
-        demo.load(self.sidebar.load, [self.browser, self.query], self.shown).then(
-            self.sidebar.info, None, self.info)
+        conversation it had open before a reload or a restart, on its model."""
+        loaded = demo.load(self.sidebar.load, [self.browser, self.query], self.shown)
+        loaded.then(self.sidebar.info, None, self.info)
+        loaded.then(**self.follow_saved)

@@ -9,6 +9,7 @@ import html
 import json
 import queue
 import threading
+import time
 from contextlib import contextmanager
 from typing import Iterator, NamedTuple
 
@@ -262,85 +263,164 @@ def build_sampling(presets: dict[str, SamplingParams], default_preset: str, appl
 
 # -- Models -----------------------------------------------------------------------------------
 
+def picker_info(models: Models, name) -> str:
+    """The line under a Model dropdown: what the chosen model is and where it runs."""
+    try:
+        return model_details(models, name).strip("()")
+    except UnknownModel as e:
+        return str(e)
+
+
 def build_model_picker(models: Models) -> gr.Dropdown:
-    """The Model dropdown (call inside a layout block). Shown only when the app serves more
-    than one model: with one, the header names it and a dropdown of one choice does nothing."""
+    """The Model dropdown (call inside a layout block); `follow_picker` wires it once the
+    tab's runs exist. Shown only when the app serves more than one model: with one, the
+    header names it and a dropdown of one choice does nothing."""
     return gr.Dropdown(models.names, value=models.default, label="Model",
                        visible=len(models.names) > 1, elem_classes=["ms-model"],
-                       info="a model not loaded yet loads when it is first used")
+                       info=picker_info(models, models.default))
 
 
-def load_messages(models: Models, name: str) -> Iterator[str]:
+def follow_picker(models: Models, picker: gr.Dropdown, runs=()) -> None:
+    """The dropdown's line describes its choice: redrawn when the choice changes (by the user
+    or by a handler) and after each of the tab's `runs` (a model loaded by one is then
+    described in full)."""
+    def describe(name):
+        return gr.update(info=picker_info(models, name))
+
+    picker.change(describe, picker, picker, queue=False, show_progress="hidden")
+    for run in runs:
+        run.then(describe, picker, picker, queue=False, show_progress="hidden")
+
+
+def start_load(models: Models, name: str, messages: queue.Queue) -> None:
+    """Load `name` on a thread of its own, putting (name, item) on `messages`: each progress
+    line, then None when it is loaded or the exception when the load failed."""
+    def load():
+        try:
+            models.get(name, progress=lambda m: messages.put((name, str(m))))
+            messages.put((name, None))
+        except Exception as e:  # noqa: BLE001 -- said on the status line, not raised here
+            messages.put((name, e))
+
+    threading.Thread(target=load, name=f"load-{name}", daemon=True).start()
+
+
+def load_messages(models: Models, name: str,
+                  cancel: threading.Event | None = None) -> Iterator[str]:
     """Load a model that is not loaded (on a thread), yielding its progress for the tab's
     status line; nothing when it is loaded. Raises UnknownModel, or ModelUnavailable when the
-    load fails."""
+    load fails. A set `cancel` (Stop, Undo) ends the waiting, not the load, which goes on."""
     name = models.resolve(name)
     if models.is_loaded(name):
         return
     messages: queue.Queue = queue.Queue()
-
-    def load():
-        try:
-            models.get(name, progress=lambda m: messages.put(str(m)))
-            messages.put(None)
-        except Exception as e:  # noqa: BLE001 -- said on the status line, not raised here
-            messages.put(e)
-
-    threading.Thread(target=load, name=f"load-{name}", daemon=True).start()
+    start_load(models, name, messages)
     yield f"loading model {name}…"
-    while (item := messages.get()) is not None:
+    while not (cancel is not None and cancel.is_set()):
+        try:
+            _, item = messages.get(timeout=0.1)
+        except queue.Empty:
+            continue
+        if item is None:
+            return
         if isinstance(item, BaseException):
             raise ModelUnavailable(name, item) from item
         yield f"loading model {name}: {item.strip()}"
 
 
-def header(info: dict) -> str:
-    """The line above the tabs for a loaded local model: where and how it runs, its context."""
+def load_together(models: Models, names: list[str]) -> Iterator[tuple[dict, dict]]:
+    """Load the models of `names` that are not loaded, all at once (a thread each), so that a
+    slow or failing one delays none of the others. Yields (progress, failed) after each
+    message: the last progress line of each model still loading, and the reason of each that
+    failed (ModelUnavailable's message); nothing when all are loaded."""
+    waiting = [n for n in dict.fromkeys(models.resolve(n) for n in names)
+               if not models.is_loaded(n)]
+    messages: queue.Queue = queue.Queue()
+    for name in waiting:
+        start_load(models, name, messages)
+    progress = {name: "" for name in waiting}
+    failed: dict[str, str] = {}
+    if waiting:
+        yield dict(progress), dict(failed)
+    while progress:
+        name, item = messages.get()
+        if item is None:
+            del progress[name]
+        elif isinstance(item, BaseException):
+            del progress[name]
+            failed[name] = str(ModelUnavailable(name, item))
+        else:
+            progress[name] = item.strip()
+        yield dict(progress), dict(failed)
+
+
+def loading_line(progress: dict, failed: dict) -> str:
+    """The status line while models load together: each one's progress or why it failed."""
+    return " · ".join([f"loading model {n}" + (f": {m}" if m else "…")
+                       for n, m in progress.items()]
+                      + [error(reason) for reason in failed.values()])
+
+
+def where(info: dict) -> str:
+    """Where and how a loaded local model runs, and its context."""
     precision = info["dtype"] + (f" weights, {info['compute_dtype']} arithmetic"
                                  if info["compute_dtype"] != info["dtype"] else "")
-    return (f"## MiniServeLM · {info['name']} on {info['device']} ({precision}, "
-            f"{info['runner']} runner"
+    return (f"on {info['device']} ({precision}, {info['runner']} runner"
             + (f", {info['kernels']} kernels" if info["kernels"] else "")
             + f"), context {info['context_length']} tokens")
 
 
-def model_header(models: Models, name: str | None = None) -> str:
-    """The line above the tabs for a served model; drawing it never loads one."""
+def header(info: dict) -> str:
+    """The line above the tabs for a loaded local model: where and how it runs, its context."""
+    return f"## MiniServeLM · {info['name']} {where(info)}"
+
+
+BASE_MODEL = "a base model: it continues text (Notebook tab), it does not chat"
+
+
+def model_details(models: Models, name: str | None = None) -> str:
+    """What a served model is, after its name: where it runs and its context, or that it
+    loads when first used; a base model says so. Drawing it never loads a model."""
     name = models.resolve(name)
     spec, engine = models.specs[name], models.loaded_engine(name)
     if engine is not None and not engine.remote:
-        line = header(engine.info())
-        if not engine.has_chat_template:
-            line += " · a base model: it continues text (Notebook tab), it does not chat"
-    elif spec.remote:
+        return where(engine.info()) + ("" if engine.has_chat_template else f" · {BASE_MODEL}")
+    if spec.remote:
         context = engine.context_length if engine is not None else spec.context
-        line = (f"## MiniServeLM · {name} on the server {spec.source}"
-                + (f", context {context} tokens" if context else ""))
-    else:
-        line = f"## MiniServeLM · {name} (loads when first used)"
-    return line
+        return f"on the server {spec.source}" + (f", context {context} tokens" if context
+                                                  else "")
+    return "(loads when first used)"
+
+
+def model_header(models: Models, name: str | None = None) -> str:
+    """The line above the tabs for one served model (the default: None)."""
+    return f"## MiniServeLM · {models.resolve(name)} {model_details(models, name)}"
+
+
+def app_header(models: Models) -> str:
+    """The line above the tabs: the model, where it runs and its context, with one; with
+    several, how many and the default (the model each tab uses until its Model dropdown
+    chooses another). It names no tab's choice: each dropdown's line describes the model it
+    chooses, and each status line names the model that answered."""
+    if len(models.names) == 1:
+        return model_header(models)
+    return f"## MiniServeLM · {len(models.names)} models served · default {models.default}"
 
 
 class ModelHeader:
-    """The line above the tabs: the model a tab's dropdown names (the default at first),
-    redrawn when a dropdown changes and after each run (a model loaded by it is then
-    described in full)."""
+    """The line above the tabs (`app_header`), redrawn after each run of any tab: with one
+    model, a run may have loaded it, which is then described in full."""
 
     def __init__(self, models: Models):
         self.models = models
-        self.markdown = gr.Markdown(model_header(models), elem_id="model-header")
+        self.markdown = gr.Markdown(app_header(models), elem_id="model-header")
 
-    def show(self, name) -> str:
-        try:
-            return model_header(self.models, name)
-        except UnknownModel as e:
-            return f"## MiniServeLM · {html.escape(str(e))}"
+    def show(self) -> str:
+        return app_header(self.models)
 
-    def follow(self, picker: gr.Dropdown, runs=()) -> None:
-        """Redraw on `picker`'s change and after each of the `runs` (event dependencies)."""
-        picker.change(self.show, picker, self.markdown, queue=False, show_progress="hidden")
+    def refresh_after(self, runs) -> None:
         for run in runs:
-            run.then(self.show, picker, self.markdown, queue=False, show_progress="hidden")
+            run.then(self.show, None, self.markdown, queue=False, show_progress="hidden")
 
 
 @contextmanager
@@ -404,34 +484,73 @@ def session_of(request) -> str:
     return getattr(request, "session_hash", None) or "default"
 
 
+class Cancel(threading.Event):
+    """A run's cancel event. `taken_over` is set when a button that acts after the run (the
+    Notebook's Undo and Regenerate) stopped it: the run's last output must then leave the page
+    as it is, since Gradio may deliver that output (its completion message) after the
+    button's."""
+
+    def __init__(self):
+        super().__init__()
+        self.taken_over = False
+
+
+class Run(NamedTuple):
+    """One reply, generation or comparison of a browser session: its cancel event; `ended`,
+    set once it has written its last output; `kind`, the tab that runs it."""
+    cancel: Cancel
+    ended: threading.Event
+    kind: str
+
+
 class Sessions:
-    """The cancel events of each browser session: every reply or comparison a session runs
-    watches an event of its own, and Stop sets all of the session's events (a comparison
-    started meanwhile does not hide a chat reply from Stop)."""
+    """The runs of each browser session: every reply, generation or comparison a session runs
+    watches a cancel event of its own, and Stop sets all of the session's events (a comparison
+    started meanwhile does not hide a chat reply from Stop). A button that acts after a run of
+    its tab (the Notebook's Undo and Regenerate) takes it over: it stops that kind only and
+    waits for it to end."""
 
     def __init__(self):
         self._lock = threading.Lock()  # handlers of many sessions run on Gradio's threads
-        self._cancels: dict[str, set[threading.Event]] = {}
+        self._runs: dict[str, list[Run]] = {}
 
     @contextmanager
-    def running(self, request) -> Iterator[threading.Event]:
+    def running(self, request, kind: str = "") -> Iterator[Cancel]:
         session = session_of(request)
-        cancel = threading.Event()
+        run = Run(Cancel(), threading.Event(), kind)
         with self._lock:
-            self._cancels.setdefault(session, set()).add(cancel)
+            self._runs.setdefault(session, []).append(run)
         try:
-            yield cancel
+            yield run.cancel
         finally:
             with self._lock:
-                running = self._cancels.get(session, set())
-                running.discard(cancel)
-                if not running:
-                    self._cancels.pop(session, None)
+                runs = self._runs.get(session, [])
+                runs.remove(run)
+                if not runs:
+                    self._runs.pop(session, None)
+            run.ended.set()
+
+    def _runs_of(self, request, kind: str | None = None) -> list[Run]:
+        with self._lock:
+            return [r for r in self._runs.get(session_of(request), ())
+                    if kind is None or r.kind == kind]
 
     def stop(self, request) -> bool:
         """Cancel everything the request's session is running; False when it runs nothing."""
-        with self._lock:
-            cancels = list(self._cancels.get(session_of(request), ()))
-        for cancel in cancels:
-            cancel.set()
-        return bool(cancels)
+        runs = self._runs_of(request)
+        for run in runs:
+            run.cancel.set()
+        return bool(runs)
+
+    def take_over(self, request, kind: str, wait: float) -> bool:
+        """Stop the session's runs of `kind` (marked taken over) and wait up to `wait` seconds
+        for them to end: each ends within one engine step of its cancel, once Gradio has taken
+        its last output. False when none was running."""
+        runs = self._runs_of(request, kind)
+        for run in runs:
+            run.cancel.taken_over = True
+            run.cancel.set()
+        deadline = time.monotonic() + wait
+        for run in runs:
+            run.ended.wait(max(0.0, deadline - time.monotonic()))
+        return bool(runs)

@@ -19,15 +19,15 @@ from miniserve.config import SamplingParams
 from miniserve.engine import Engine
 from miniserve.models import Models
 from miniserve.ui.common import (ENGINE_EVENTS, FREE_TEXT, PAINT_INTERVAL_S, USER_ERRORS,
-                                 Sessions, build_output_format, constraint_from, error,
-                                 format_label, format_note, load_messages, seed_from,
-                                 user_message, using, whole)
+                                 ModelHeader, Sessions, build_output_format, constraint_from,
+                                 error, format_label, format_note, load_together, loading_line,
+                                 seed_from, user_message, using, whole)
 
 ABOUT = ("One prompt, several presets, the same seed: see what greedy, top-k and top-p change. "
          "The columns run as one batch: each engine step advances every column by a token.")
 ABOUT_MODELS = (" With several models chosen, each model runs its columns on its own engine, "
-                "at the same time as the others; a base model (no chat template) continues "
-                "the prompt as text.")
+                "at the same time as the others (and those not loaded yet load at the same "
+                "time); a base model (no chat template) continues the prompt as text.")
 DEFAULT_CHOICE = ("factual", "balanced", "creative")
 COMPLETION = "completion mode (no chat template)"
 
@@ -77,13 +77,11 @@ class CompareHandlers:
         except USER_ERRORS as e:
             yield [error(user_message(e))] + hidden
             return
+        # the models not loaded yet load at the same time, each saying its own progress; one
+        # that fails has its columns say why, and delays none of the others
         failed: dict[str, str] = {}
-        for name in chosen_models:
-            try:
-                for note in load_messages(self.models, name):
-                    yield [note] + hidden
-            except USER_ERRORS as e:
-                failed[name] = user_message(e)
+        for progress, failed in load_together(self.models, chosen_models):
+            yield [loading_line(progress, failed)] + hidden
         with self.sessions.running(request) as cancel, ExitStack() as held:
             streams = {}
             for name in chosen_models:
@@ -216,8 +214,9 @@ class CompareHandlers:
         return out
 
 
-def build_compare_tab(compare: CompareHandlers) -> None:
-    """The Compare tab and its event; call inside the app's `gr.Blocks`."""
+def build_compare_tab(compare: CompareHandlers, header: ModelHeader | None = None) -> None:
+    """The Compare tab and its event; call inside the app's `gr.Blocks`. `header`: the line
+    above the tabs, redrawn after a comparison (it may have loaded the default model)."""
     presets, models = compare.presets, compare.models
     several = len(models.names) > 1
     with gr.Tab("Compare"):
@@ -249,7 +248,9 @@ def build_compare_tab(compare: CompareHandlers) -> None:
             slots = {(m, n, free): gr.Markdown(visible=False, elem_classes=["ms-column"],
                                                min_width=240)
                      for n in presets for m in models.names for free in (False, True)}
-    button.click(compare.compare,
-                 [prompt, chosen, seed, tokens, *output.inputs, also_free, chosen_models],
-                 [status, *(slots[slot] for slot in compare.slots)],
-                 concurrency_id=ENGINE_EVENTS)
+    run = button.click(compare.compare,
+                       [prompt, chosen, seed, tokens, *output.inputs, also_free, chosen_models],
+                       [status, *(slots[slot] for slot in compare.slots)],
+                       concurrency_id=ENGINE_EVENTS)
+    if header is not None:
+        header.refresh_after([run])

@@ -2,7 +2,8 @@
 template), so base models and chat models alike write on from where the text ends. Generate,
 Stop, Regenerate (the last generation again, from the text as it was before it) and Undo (the
 text as it was before the last generation), with Chat's presets and sliders, the seed, the
-Output format and the token inspector of the generated part.
+Output format and the token inspector of the generated part. Undo and Regenerate pressed while a
+generation streams first stop it and wait for its last output, so that theirs comes after it.
 
 `NotebookHandlers` holds what its buttons call; the streaming ones are generators that run
 without a browser. The text before each generation is kept per browser tab (`gr.State`), newest
@@ -22,10 +23,15 @@ from miniserve.inspector import Inspector
 from miniserve.models import Models
 from miniserve.ui.common import (ENGINE_EVENTS, FREE_TEXT, PAINT_INTERVAL_S, USER_ERRORS,
                                  ModelHeader, Sessions, build_model_picker, build_output_format,
-                                 build_sampling, error, format_note, inspector_html,
-                                 load_messages, params_from, preset_values, user_message, using)
+                                 build_sampling, error, follow_picker, format_note,
+                                 inspector_html, load_messages, params_from, preset_values,
+                                 user_message, using)
 
 UNDO_DEPTH = 20  # generations Undo can take back, one after the other
+NOTEBOOK = "notebook"  # the kind of run (common.Sessions) that Undo and Regenerate stop
+# How long Undo and Regenerate wait for a stopped generation to end: it ends within one engine
+# step; past this (the page stopped reading it) they act anyway.
+STOP_WAIT_S = 30.0
 PLACEHOLDER = "Write the beginning of a text; Generate continues it here."
 
 
@@ -63,18 +69,22 @@ class NotebookHandlers:
         """The last generation again, from the text as it was before it (what is in the box
         now is replaced; Undo still brings back that earlier text)."""
         settings = [temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens]
+        self.sessions.take_over(request, NOTEBOOK, STOP_WAIT_S)
         if not history:
             yield gr.update(), history, error("nothing to regenerate yet: Generate first"), ""
             return
         yield from self._continue(history[-1], history, settings, seed, inspect_on,
                                   (output_format, format_text), model, request)
 
-    def undo(self, text, history):
-        """The text as it was before the last generation: (text, history, status)."""
+    def undo(self, text, history, request: gr.Request | None = None):
+        """The text as it was before the last generation: (text, history, status). A
+        generation still streaming is stopped first, and has ended when this returns."""
+        stopped = self.sessions.take_over(request, NOTEBOOK, STOP_WAIT_S)
         if not history:
             return gr.update(), history, "nothing to undo"
         *history, before = history
-        return before, history, "the last generation was taken back"
+        return before, history, ("the generation was stopped and taken back" if stopped
+                                 else "the last generation was taken back")
 
     def stop(self, request: gr.Request | None = None) -> None:
         self.sessions.stop(request)
@@ -88,18 +98,20 @@ class NotebookHandlers:
         """Stream the continuation of `start` into the box, after it. On an error the box is
         left as it is (nothing was written) and the history as it was."""
         unchanged = gr.update()
-        try:
-            params = params_from(settings, seed, *output)
-            if params.seed is None:  # a random seed is drawn, used and shown
-                params = params.replace(seed=secrets.randbelow(RANDOM_SEEDS))
-            name = self.models.resolve(model)
-            for note in load_messages(self.models, name):
-                yield unchanged, unchanged, note, ""
-        except USER_ERRORS as e:
-            yield unchanged, unchanged, error(user_message(e)), ""
-            return
-        with self.sessions.running(request) as cancel, ExitStack() as held:
+        # the run (Stop, Undo, Regenerate end it) starts before the model loads: Undo pressed
+        # during the load stops the generation before it writes anything
+        with self.sessions.running(request, NOTEBOOK) as cancel, ExitStack() as held:
             try:
+                params = params_from(settings, seed, *output)
+                if params.seed is None:  # a random seed is drawn, used and shown
+                    params = params.replace(seed=secrets.randbelow(RANDOM_SEEDS))
+                name = self.models.resolve(model)
+                for note in load_messages(self.models, name, cancel):
+                    yield unchanged, unchanged, note, ""
+                if cancel.is_set():  # (taken over: Undo or Regenerate writes the status)
+                    yield (unchanged, unchanged,
+                           unchanged if cancel.taken_over else "stopped before it started", "")
+                    return
                 engine = held.enter_context(using(self.models, name))
                 inspector = Inspector(engine.tokenizer, params) if inspect_on else None
                 stream = engine.complete_text(start, params, trim=True, cancel=cancel,
@@ -122,6 +134,9 @@ class NotebookHandlers:
                         yield start + written, history, "generating…", ""
             except Exception as e:  # noqa: BLE001 -- show it; what was written stays
                 yield start + written, history, error(f"{type(e).__name__}: {e}"), ""
+                return
+            if cancel.taken_over:  # Undo or Regenerate writes the box after this
+                yield unchanged, unchanged, unchanged, unchanged
                 return
             if last is None or not last.done:
                 yield start + written, history, error("the generation ended without its "
@@ -153,7 +168,7 @@ class NotebookHandlers:
 def build_notebook_tab(notebook: NotebookHandlers, default_preset: str,
                        header: ModelHeader | None = None) -> None:
     """The Notebook tab and its events; call inside the app's `gr.Blocks`. `header`: the line
-    above the tabs, which follows this tab's Model dropdown."""
+    above the tabs, redrawn after this tab's runs."""
     history = gr.State([])
     with gr.Tab("Notebook"):
         with gr.Row():
@@ -185,6 +200,10 @@ def build_notebook_tab(notebook: NotebookHandlers, default_preset: str,
     runs = [generate_btn.click(notebook.generate, [text, history, *settings], **generating),
             regen_btn.click(notebook.regenerate, [text, history, *settings], **generating)]
     stop_btn.click(notebook.stop, None, None, queue=False)
-    undo_btn.click(notebook.undo, [text, history], [text, history, status], queue=False)
+    # queued, as the generation is, so that both reach the page on its one event stream in the
+    # order they are sent: Undo stops a running generation and waits for it to end first (its
+    # completion message, which Gradio may send after Undo's, leaves the box alone)
+    undo_btn.click(notebook.undo, [text, history], [text, history, status])
+    follow_picker(notebook.models, model, runs)
     if header is not None:
-        header.follow(model, runs)
+        header.refresh_after(runs)

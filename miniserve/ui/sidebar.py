@@ -146,16 +146,18 @@ def build_sidebar(side: SidebarHandlers) -> dict:
     return c
 
 
-def wire_sidebar(side: SidebarHandlers, c: dict, shown: list, browser, view) -> None:
-    """Connect the sidebar's events; `shown` are the components of SHOWN, in order."""
+def wire_sidebar(side: SidebarHandlers, c: dict, shown: list, browser, view) -> list:
+    """Connect the sidebar's events; `shown` are the components of SHOWN, in order. Returns
+    the events that open a saved conversation (a click in the list, Undo delete, Import)."""
     q = c["search"]
     c["new"].click(side.new_chat, [browser, q], shown)
-    c["conversations"].input(side.open, [browser, c["conversations"], q], shown)
+    opened = [c["conversations"].input(side.open, [browser, c["conversations"], q], shown)]
     q.change(side.search, [browser, view, q], [c["conversations"], c["found"]])
     c["rename"].click(side.rename, [browser, view, c["title"], q], shown)
     c["title"].submit(side.rename, [browser, view, c["title"], q], shown)
     c["delete"].click(side.delete, [browser, view, q], shown)
-    c["undo_delete"].click(side.undo_delete, [browser, view, q], shown)
+    opened.append(c["undo_delete"].click(side.undo_delete, [browser, view, q], shown))
     status = shown[-1]
     c["export"].click(side.export, [browser, view, c["export_kind"]], [c["file"], status])
-    c["import"].upload(side.import_file, [browser, view, c["import"], q], shown)
+    opened.append(c["import"].upload(side.import_file, [browser, view, c["import"], q], shown))
+    return opened
