@@ -34,7 +34,7 @@ from miniserve.config import MATHS
 from miniserve.lean import KVCache
 
 SOURCE = Path(__file__).parent / "kernels" / "decode.cpp"
-ABI_VERSION = 6
+ABI_VERSION = 7
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-ffp-contract=off"]
 MATH_CODES = {"float32": 0, "bfloat16": 1}
@@ -150,17 +150,23 @@ def isa() -> str | None:
     return lib.ms_isa().decode() if lib is not None else None
 
 
+# a layer's weights, in MsLayer's order; the Gemma 3 norms are absent (null) elsewhere
+LAYER_WEIGHTS = ("attn_norm", "wqkv", "bqkv", "wo", "mlp_norm", "w13", "w2", "q_norm", "k_norm",
+                 "attn_out_norm", "mlp_out_norm")
+NORMS = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm")
+
+
 class MsLayer(ctypes.Structure):  # decode.cpp's structs, field by field
-    _fields_ = [(name, ctypes.c_void_p) for name in
-                ("attn_norm", "wqkv", "bqkv", "wo", "mlp_norm", "w13", "w2")]
+    _fields_ = [*((name, ctypes.c_void_p) for name in (*LAYER_WEIGHTS, "cos", "sin")),
+                ("window", ctypes.c_long)]
 
 
 class MsModel(ctypes.Structure):
     _fields_ = [*((name, ctypes.c_long) for name in ("layers", "D", "H", "KV", "hd", "I", "V")),
-                *((name, ctypes.c_void_p) for name in
-                  ("embed", "final_norm", "lm_head", "cos", "sin")),
-                ("layer", ctypes.POINTER(MsLayer)), ("eps", ctypes.c_float),
-                ("wdtype", ctypes.c_int), ("math", ctypes.c_int), ("threads", ctypes.c_int)]
+                *((name, ctypes.c_void_p) for name in ("embed", "lm_head", "final_norm")),
+                ("layer", ctypes.POINTER(MsLayer)),
+                *((name, ctypes.c_float) for name in ("eps", "embed_scale", "attn_scale")),
+                *((name, ctypes.c_int) for name in ("gelu", "wdtype", "math", "threads"))]
 
 
 class MsRows(ctypes.Structure):
@@ -223,6 +229,21 @@ def matmul(w: torch.Tensor, x: torch.Tensor, math: str = "float32") -> torch.Ten
     return y
 
 
+def _embed_scale(model) -> float:
+    """The factor of the embeddings: Gemma's sqrt(hidden) as transformers rounds it (to the
+    weights' dtype), else 1 (no change)."""
+    return float(model.embed_scale) if model.embed_scale is not None else 1.0
+
+
+def _attn_scale(model) -> float:
+    """The scores' factor: Gemma's query_pre_attn_scalar^-0.5, else head_dim^-0.5 computed as
+    1 / sqrt in float32 (both correctly rounded, so as decode.cpp computed it before)."""
+    if model.attn_scale is not None:
+        return float(model.attn_scale)
+    hd = torch.tensor(float(model.head_dim), dtype=torch.float32)
+    return float(1.0 / torch.sqrt(hd))
+
+
 class NativeCache(KVCache):
     """One sequence's keys and values in decode.cpp's layout. float32: K as (layers, kv_heads,
     capacity / 16, head_dim, 16) -- tiles of 16 positions, transposed -- and V as (layers,
@@ -250,8 +271,9 @@ class NativeForward:
     """A LeanModel's weights behind decode.cpp's forward pass: any number of rows from any
     number of sequences in one call.
 
-    Holds the model struct (raw pointers of the weights, which never move) and a scratch
-    buffer sized by the C side."""
+    Holds the model struct (raw pointers of the weights, which never move), float32 copies of
+    bfloat16 norm weights (decode.cpp's norms take float32: Gemma's 1 + w is float32 whatever
+    the weights' dtype) and a scratch buffer sized by the C side."""
 
     def __init__(self, model, math: str):
         self.lib = load()
@@ -261,21 +283,41 @@ class NativeForward:
         self.V = model.lm_head.shape[0]
         assert model.head_dim <= 1024 and all(t is None or t.is_contiguous()
                                               for w in model.layers for t in w.values())
+        self._kept = []  # the float32 norm weights the structs point to
         self._layers = (MsLayer * len(model.layers))(*[
-            MsLayer(*(w[name].data_ptr() if w[name] is not None else None for name in
-                      ("attn_norm", "wqkv", "bqkv", "wo", "mlp_norm", "w13", "w2")))
-            for w in model.layers])
+            self._layer(w, *model.layer_tables(i), model.windows[i])
+            for i, w in enumerate(model.layers)])
         self.struct = MsModel(
             layers=len(model.layers), D=cfg.hidden_size, H=model.n_heads, KV=model.n_kv,
             hd=model.head_dim, I=cfg.intermediate_size, V=self.V,
-            embed=model.embed.data_ptr(), final_norm=model.final_norm.data_ptr(),
-            lm_head=model.lm_head.data_ptr(), cos=model.cos.data_ptr(), sin=model.sin.data_ptr(),
-            layer=self._layers, eps=float(model.eps), wdtype=DTYPE_CODES[model.dtype],
-            math=MATH_CODES[math], threads=torch.get_num_threads())
+            embed=model.embed.data_ptr(), lm_head=model.lm_head.data_ptr(),
+            final_norm=self._float32(model.final_norm), layer=self._layers,
+            eps=float(model.eps), embed_scale=_embed_scale(model),
+            attn_scale=_attn_scale(model), gelu=int(model.gemma),
+            wdtype=DTYPE_CODES[model.dtype], math=MATH_CODES[math],
+            threads=torch.get_num_threads())
         self.max_positions = model.cos.shape[0]
         self.scratch = torch.empty(0, dtype=torch.float32)
         self.kv_dtype = (torch.bfloat16 if self.lib.ms_kv_bf16(ctypes.byref(self.struct))
                          else torch.float32)
+
+    def _float32(self, t: torch.Tensor | None) -> int | None:
+        """The address of `t` as float32 (a copy, kept, where it is not), or None."""
+        if t is None:
+            return None
+        t = t.float().contiguous()
+        self._kept.append(t)
+        return t.data_ptr()
+
+    def _layer(self, w: dict, cos: torch.Tensor, sin: torch.Tensor,
+               window: int | None) -> MsLayer:
+        def address(name):
+            if name in NORMS:
+                return self._float32(w.get(name))
+            return w[name].data_ptr() if w.get(name) is not None else None
+        assert cos.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
+        return MsLayer(*(address(name) for name in LAYER_WEIGHTS), cos.data_ptr(), sin.data_ptr(),
+                       window or 0)
 
     def new_cache(self, capacity: int = 256) -> NativeCache:
         m = self.model

@@ -1,6 +1,6 @@
 """The native forward pass (miniserve/kernels/decode.cpp) against its definitions: the matrix
-product against float64, whole passes against the PyTorch lean model on tiny models of two
-families, a sequence alone against the same sequence among others (bit for bit), and on the
+product against float64, whole passes against the PyTorch lean model on tiny models of three
+families (Llama, Qwen2, Gemma 3), a sequence alone against the same sequence among others (bit for bit), and on the
 real model against a float64 reference."""
 
 import copy
@@ -89,6 +89,8 @@ def test_each_row_of_a_matmul_is_computed_as_if_alone(math, rows):
 def tiny(family: str, dtype=torch.float32):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
     torch.manual_seed(1)
+    if family == "gemma3":
+        return tiny_gemma3().to(dtype).eval()
     if family == "llama":  # head_dim 16: the vector paths
         cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96,
                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -105,7 +107,31 @@ def tiny(family: str, dtype=torch.float32):
     return model.to(dtype).eval()
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def tiny_gemma3(window: int = 8, hidden: int = 64):
+    """Gemma 3 in small: local layers with a window of 8 positions around a global one, each
+    kind with its own RoPE base; a query scale (query_pre_attn_scalar 24) that is not
+    head_dim's; random norm weights (transformers starts them at 0, where a missing 1 + w would
+    show less); intermediate 100: the tails of the vector loops. sqrt(64) = 8 is the same
+    factor in bfloat16 and float32."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    torch.manual_seed(1)
+    cfg = Gemma3TextConfig(
+        vocab_size=300, hidden_size=hidden, intermediate_size=100, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        sliding_window=window, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                     "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    model = Gemma3ForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(0.0, 0.5)
+    return model
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
 @needs_native
 def test_step_equals_the_pytorch_forward_pass(family):
     model = tiny(family)
@@ -115,7 +141,7 @@ def test_step_equals_the_pytorch_forward_pass(family):
     assert torch.allclose(got, reference, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
 @needs_native
 def test_bfloat16_weights_compute_like_float32_with_the_same_weights(family):
     model = tiny(family, torch.bfloat16)
@@ -125,13 +151,15 @@ def test_bfloat16_weights_compute_like_float32_with_the_same_weights(family):
     assert torch.allclose(got, reference, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
 @pytest.mark.parametrize("math", ["float32", "bfloat16"])
 @needs_native
 def test_a_sequence_gets_the_same_logits_whatever_shares_its_pass(family, math):
     """Batch invariance by construction (kernels/decode.cpp): a sequence's logits are the same
     bits alone, one token at a time, its prompt in chunks of 7, and in passes beside two other
-    sequences of other lengths (one of them still reading its prompt)."""
+    sequences of other lengths (one of them still reading its prompt). Gemma 3: local layers'
+    windows of 8 start at every offset within a tile of keys, and straddle the first block's
+    end."""
     model = LeanModel(tiny(family, torch.bfloat16), native=True, math=math)
     ids = [(5 * i + 1) % 300 for i in range(300)]  # past one attention block (256 positions)
     whole = model.native([(ids, model.new_cache())], all_logits=True)
