@@ -41,6 +41,30 @@ class EngineClosed(RuntimeError):
     """The engine was shut down while the request ran."""
 
 
+class Admission:
+    """Requests running or waiting, at most `max_queue`: past it, EngineBusy with `busy(n)`'s
+    words. The local engine and the remote one (miniserve/remote.py) count the same way."""
+
+    def __init__(self, busy):
+        self.busy = busy
+        self._lock = threading.Lock()
+        self._in_flight = 0
+
+    def admit(self, max_queue: int, n: int = 1) -> None:
+        with self._lock:
+            if self._in_flight + n > max_queue:
+                raise EngineBusy(self.busy(self._in_flight))
+            self._in_flight += n
+
+    def release(self) -> None:
+        with self._lock:
+            self._in_flight -= 1
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+
 @dataclass
 class Chunk:
     """One streamed piece of a reply. The last one has `done=True`."""
@@ -229,8 +253,8 @@ class Engine:
             max_batch=max_batch or MAX_BATCH.default,
             step_tokens=step_tokens or STEP_TOKENS.default,
             kv_budget=kv_budget or KV_BUDGET.default)
-        self._count_lock = threading.Lock()
-        self._in_flight = 0  # running + waiting
+        self._admission = Admission(lambda n: f"the server is busy ({n} requests running or "
+                                              "waiting); try again in a moment")
         self._grammars = None
         self._start_worker()
 
@@ -324,19 +348,14 @@ class Engine:
         return box["result"]
 
     def _admit(self, n: int = 1) -> None:
-        with self._count_lock:
-            if self._in_flight + n > self.max_queue:
-                raise EngineBusy(f"the server is busy ({self._in_flight} requests running or "
-                                 "waiting); try again in a moment")
-            self._in_flight += n
+        self._admission.admit(self.max_queue, n)
 
     def _release(self) -> None:
-        with self._count_lock:
-            self._in_flight -= 1
+        self._admission.release()
 
     @property
     def queue_depth(self) -> int:
-        return self._in_flight
+        return self._admission.in_flight
 
     # -- generation ------------------------------------------------------------------------
     @property

@@ -42,7 +42,7 @@ from miniserve.chat import ChatError, NoChatTemplate, Trimmed, check_messages, c
     trim_history
 from miniserve.config import CONTEXT, ConfigError, SamplingParams
 from miniserve.decode import GenerationStats
-from miniserve.engine import Chunk, EngineBusy, Stream
+from miniserve.engine import Admission, Chunk, EngineBusy, Stream
 from miniserve.loader import ModelLoadError
 
 # A slow server may take minutes over a long prompt before its first token: reads wait long,
@@ -99,8 +99,8 @@ class RemoteEngine:
         self.max_queue = max_queue
         headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
         self.client = httpx.Client(timeout=TIMEOUT, headers=headers)
-        self._count_lock = threading.Lock()
-        self._in_flight = 0
+        self._admission = Admission(lambda n: f"model '{self.name}' has {n} requests in flight "
+                                              "to its server; try again in a moment")
         if progress:
             progress(f"Connecting to {self.url} ...")
         try:
@@ -253,18 +253,13 @@ class RemoteEngine:
     # -- the queue ------------------------------------------------------------------------------
     @property
     def queue_depth(self) -> int:
-        return self._in_flight
+        return self._admission.in_flight
 
     def _admit(self, n: int = 1) -> None:
-        with self._count_lock:
-            if self._in_flight + n > self.max_queue:
-                raise EngineBusy(f"model '{self.name}' has {self._in_flight} requests in flight "
-                                 "to its server; try again in a moment")
-            self._in_flight += n
+        self._admission.admit(self.max_queue, n)
 
     def _release(self) -> None:
-        with self._count_lock:
-            self._in_flight -= 1
+        self._admission.release()
 
     def close(self) -> None:
         self.client.close()
