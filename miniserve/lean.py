@@ -6,9 +6,10 @@
         -> RMSNorm -> lm_head -> logits of the last position
 
 Built from a loaded transformers model (Llama, SmolLM, Qwen2, Mistral-style configs without
-sliding windows; and Gemma 3, below); the fused weights are made once and the transformers
-modules are pointed at slices of them, so no weight is stored twice. The transformers model
-stays the reference (equality tests) and the fallback for every other architecture.
+sliding windows; and Gemma 3, below); the fused weights are made once, in one block of memory
+with the other matrices (WeightArena), and the transformers modules are pointed at them, so no
+weight is stored twice. The transformers model stays the reference (equality tests) and the
+fallback for every other architecture.
 
 Gemma 3 (transformers' Gemma3ForCausalLM, model_type gemma3_text) is the same loop with:
 
@@ -106,8 +107,12 @@ class WeightArena:
     where it can (Linux's transparent huge pages, asked for with madvise; elsewhere, or on a GPU,
     ordinary tensors). A decoded token streams every matrix once, and with 4 KB pages the
     address translations of that stream cost much of it in a virtual machine: measured on the
-    2-core AMD EPYC VM, a 335 MB matrix-vector product read 24-26 GB/s from 4 KB pages and 33-49
-    GB/s from 2 MB ones; Gemma 3 270M decoding went from 20.7 to 17.1 ms a token."""
+    2-core AMD EPYC VM, a 335 MB matrix-vector product read 24-26 GB/s from 4 KB pages and 31-49
+    GB/s from 2 MB ones; Gemma 3 270M decoding went from 20.7 to 17.1 ms a token.
+
+    What it costs: the matrices transformers left in its memory-mapped file are copied (their
+    file pages stay mapped, clean, until the system wants them back), and the kernel may first
+    have to compact memory to find 2 MB pages -- up to ~1 s for 540 MB here, once a model."""
 
     HUGE_PAGE = 2 << 20
     LINE = 64

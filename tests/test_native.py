@@ -4,6 +4,7 @@ families (Llama, Qwen2, Gemma 3), a sequence alone against the same sequence amo
 real model against a float64 reference."""
 
 import copy
+import mmap
 import os
 import subprocess
 import sys
@@ -190,6 +191,26 @@ def test_prompt_and_steps_share_the_cache(tiny_model):
                                use_cache=use_cache))
         assert len(tokens) == 20
         assert_greedy(reference, ids, tokens, TINY_BOUND)
+
+
+def test_the_weights_are_moved_not_copied(tiny_model):
+    """The matrices a token streams go into one block of memory (lean.WeightArena) that the
+    transformers model shares: its modules point into it, nothing is stored twice, and it
+    computes what it computed before."""
+    model = copy.deepcopy(tiny_model)
+    ids = torch.tensor([list(range(3, 40))])
+    with torch.inference_mode():
+        before = model(ids).logits
+    lean = LeanModel(model)
+    attn, layer = model.model.layers[0].self_attn, lean.layers[0]
+    assert layer["wo"] is attn.o_proj.weight and lean.lm_head is model.lm_head.weight
+    assert attn.q_proj.weight.data_ptr() == layer["wqkv"].data_ptr()
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux: one block, with 2 MB pages asked for
+        blocks = {t.untyped_storage().data_ptr() for w in lean.layers
+                  for t in (w["wqkv"], w["wo"], w["w13"], w["w2"], lean.lm_head)}
+        assert len(blocks) == 1
+    with torch.inference_mode():
+        assert torch.allclose(model(ids).logits, before, atol=TINY_BOUND, rtol=0)
 
 
 @needs_native
