@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import html
 import secrets
-import time
 from contextlib import ExitStack
 from typing import NamedTuple
 
@@ -19,8 +18,8 @@ from miniserve.engine import Engine
 from miniserve.inspector import Inspector
 from miniserve.models import Models
 from miniserve.store import Store, StoreError, open_store
-from miniserve.ui.common import (ENGINE_EVENTS, FREE_TEXT, PAINT_INTERVAL_S, USER_ERRORS,
-                                 ModelHeader, Sessions, build_model_picker, build_output_format,
+from miniserve.ui.common import (ENGINE_EVENTS, FREE_TEXT, USER_ERRORS,
+                                 ModelHeader, Reading, Sessions, build_model_picker, build_output_format,
                                  build_sampling, error, follow_picker, format_note,
                                  inspector_html, is_error, load_messages, message_text,
                                  params_from, preset_values, user_message, using)
@@ -117,20 +116,16 @@ class ChatHandlers:
                                       system=gr.update())
             shown = [*base.chatbot, {"role": "assistant", "content": ""}]
             yield (*base._replace(chatbot=shown), "", "")
-            text_so_far, last_paint, last = "", time.perf_counter(), None
+            reading = Reading(stream)
             try:
-                for last in stream:
-                    text_so_far += last.text
-                    if last.done:
-                        break
-                    if last.text and time.perf_counter() - last_paint >= PAINT_INTERVAL_S:
-                        last_paint = time.perf_counter()
-                        shown[-1] = {"role": "assistant", "content": text_so_far}
-                        yield (*streaming._replace(chatbot=shown), "", "")
+                for text_so_far in reading:
+                    shown[-1] = {"role": "assistant", "content": text_so_far}
+                    yield (*streaming._replace(chatbot=shown), "", "")
             except Exception as e:  # noqa: BLE001 -- show it; the user's message is saved
                 yield (*self._show(browser, view, error(f"{type(e).__name__}: {e}"), query),
                        "", "")
                 return
+            text_so_far, last = reading.text, reading.last
             if last is None or not last.done:
                 yield (*self._show(browser, view, error("the reply ended without its stats"),
                                    query), "", "")

@@ -25,6 +25,25 @@ from miniserve.models import Models, UnknownModel
 # repaint costs browser CPU that a 2-core machine would otherwise give to the model.
 PAINT_INTERVAL_S = 0.08
 ERROR_PREFIX = "**Error:**"
+
+
+class Reading:
+    """A reply's stream as a tab paints it: iterating gives the text so far, at most every
+    PAINT_INTERVAL_S while it streams (not for the last chunk); afterwards `text` is all of
+    it and `last` the last chunk (done=True when the reply completed)."""
+
+    def __init__(self, stream):
+        self.stream, self.text, self.last = stream, "", None
+
+    def __iter__(self) -> Iterator[str]:
+        last_paint = time.perf_counter()
+        for self.last in self.stream:
+            self.text += self.last.text
+            if self.last.done:
+                return
+            if self.last.text and time.perf_counter() - last_paint >= PAINT_INTERVAL_S:
+                last_paint = time.perf_counter()
+                yield self.text
 # The events that run the engine (Send, Regenerate, Compare) share one Gradio concurrency group:
 # as many run at once as the engine admits (the app's queue sets the limit to its max_queue),
 # so the replies of many browsers advance in the same forward passes; past it they wait their

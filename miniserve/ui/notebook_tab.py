@@ -12,7 +12,6 @@ last, so that Undo can step back through several generations."""
 from __future__ import annotations
 
 import secrets
-import time
 from contextlib import ExitStack
 
 import gradio as gr
@@ -21,8 +20,8 @@ from miniserve.config import RANDOM_SEEDS, SamplingParams
 from miniserve.engine import Engine
 from miniserve.inspector import Inspector
 from miniserve.models import Models
-from miniserve.ui.common import (ENGINE_EVENTS, FREE_TEXT, PAINT_INTERVAL_S, USER_ERRORS,
-                                 ModelHeader, Sessions, build_model_picker, build_output_format,
+from miniserve.ui.common import (ENGINE_EVENTS, FREE_TEXT, USER_ERRORS,
+                                 ModelHeader, Reading, Sessions, build_model_picker, build_output_format,
                                  build_sampling, error, follow_picker, format_note,
                                  inspector_html, load_messages, params_from, preset_values,
                                  user_message, using)
@@ -123,18 +122,14 @@ class NotebookHandlers:
                 yield unchanged, unchanged, error(f"{type(e).__name__}: {e}"), ""
                 return
             yield start, history, "generating…", ""
-            written, last_paint, last = "", time.perf_counter(), None
+            reading = Reading(stream)
             try:
-                for last in stream:
-                    written += last.text
-                    if last.done:
-                        break
-                    if last.text and time.perf_counter() - last_paint >= PAINT_INTERVAL_S:
-                        last_paint = time.perf_counter()
-                        yield start + written, history, "generating…", ""
+                for written in reading:
+                    yield start + written, history, "generating…", ""
             except Exception as e:  # noqa: BLE001 -- show it; what was written stays
-                yield start + written, history, error(f"{type(e).__name__}: {e}"), ""
+                yield start + reading.text, history, error(f"{type(e).__name__}: {e}"), ""
                 return
+            written, last = reading.text, reading.last
             if cancel.taken_over:  # Undo or Regenerate writes the box after this
                 yield unchanged, unchanged, unchanged, unchanged
                 return
