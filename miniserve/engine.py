@@ -411,7 +411,7 @@ class Engine:
         else:
             self._start([(prompt_ids, params, out.put)], cancel, reuse_prefix, observer,
                         dropped_messages)
-        return Stream(self._drain(out, cancel), cancel)
+        return Stream(drain(out, cancel), cancel)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, sink, *,
                cancel: threading.Event | None = None, reuse_prefix: bool = True,
@@ -437,7 +437,7 @@ class Engine:
         self._start([(prompt_ids, p, column(i)) for i, p in enumerate(settings)], cancel,
                     False, None, 0)
         return Stream(((col, chunk, chunk.stats.total_s)
-                       for col, chunk in self._drain(out, cancel, ends=len(settings))), cancel)
+                       for col, chunk in drain(out, cancel, ends=len(settings))), cancel)
 
     def compare_prompt(self, prompt: str, settings: list[SamplingParams], *, raw: bool = False,
                        cancel: threading.Event | None = None):
@@ -481,20 +481,6 @@ class Engine:
             seqs.append(seq)
         self._admit(len(seqs))
         self._jobs.put(lambda: [self.scheduler.add(s) for s in seqs])
-
-    @staticmethod
-    def _drain(out: queue.Queue, cancel: threading.Event, ends: int = 1) -> Iterator:
-        try:
-            while ends:
-                item = out.get()
-                if item is None:
-                    ends -= 1
-                    continue
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            cancel.set()  # no-op when finished; stops the sequences if the caller left early
 
     def _solo_reply(self, prompt_ids, params, cancel, observer, sink, dropped_messages):
         """The textbook loop without a KV cache, alone on the engine thread."""
@@ -589,6 +575,23 @@ class Engine:
                                SamplingParams(temperature=0, max_new_tokens=2), reuse_prefix=False):
             pass
         return time.perf_counter() - start
+
+
+def drain(out: queue.Queue, cancel: threading.Event, ends: int = 1) -> Iterator:
+    """What the sinks of `ends` requests put in `out` (items, an exception, then None each),
+    until every one ended; an exception is raised. Leaving early sets `cancel` (a no-op when
+    all finished; else it stops the requests still running)."""
+    try:
+        while ends:
+            item = out.get()
+            if item is None:
+                ends -= 1
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        cancel.set()
 
 
 def auto_dtype(dtype: str, device: str | None, runner: str, quant: str | None) -> str:

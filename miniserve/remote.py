@@ -42,7 +42,7 @@ from miniserve.chat import ChatError, NoChatTemplate, Trimmed, check_messages, c
     trim_history
 from miniserve.config import CONTEXT, ConfigError, SamplingParams
 from miniserve.decode import GenerationStats
-from miniserve.engine import Admission, Chunk, EngineBusy, Stream
+from miniserve.engine import Admission, Chunk, EngineBusy, Stream, drain
 from miniserve.loader import ModelLoadError
 
 # A slow server may take minutes over a long prompt before its first token: reads wait long,
@@ -508,7 +508,8 @@ class RemoteEngine:
         for col, params in enumerate(settings):
             threading.Thread(target=column, args=(col, params), name=f"miniserve-remote-{col}",
                              daemon=True).start()
-        return Stream(_drain(out, cancel, len(settings)), cancel)
+        return Stream(((col, chunk, chunk.stats.total_s)
+                       for col, chunk in drain(out, cancel, len(settings))), cancel)
 
 
 class _ServerCounts:
@@ -682,23 +683,6 @@ class RemoteStream:
             self.inspector.add_remote_step(text, None, [])
         for token, logprob, top in steps:
             self.inspector.add_remote_step(token, logprob, top)
-
-
-def _drain(out: queue.Queue, cancel: threading.Event, ends: int) -> Iterator:
-    """The columns' chunks as (column, chunk, its seconds); the first error is raised (the
-    other columns are stopped)."""
-    try:
-        while ends:
-            item = out.get()
-            if item is None:
-                ends -= 1
-                continue
-            if isinstance(item, BaseException):
-                raise item
-            col, chunk = item
-            yield col, chunk, chunk.stats.total_s
-    finally:
-        cancel.set()  # a no-op when all finished; stops the columns when the caller left
 
 
 def _inspector(observer):
