@@ -213,8 +213,10 @@ def _load_pretrained(folder: str, dtype: torch.dtype, gguf_file: str | None = No
 
 
 def _load_gguf(path: Path, dtype: torch.dtype, progress: Progress | None):
-    """Load a GGUF through the safetensors cache, filling the cache on first use."""
-    arch = check_gguf(path)
+    """Load a GGUF through the safetensors cache, filling the cache on first use. The file is
+    checked (check_gguf: its reader parses the whole vocabulary, seconds for a large one) only
+    when it is dequantized: a cache entry is keyed by the file's content, so that content
+    loaded whole once."""
     cached = cache_root() / f"{path.stem}-{file_key(path)}-{str(dtype).removeprefix('torch.')}"
     if (cached / "config.json").is_file():
         _say(progress, f"Loading {path.name} from the cache {cached} ...")
@@ -222,6 +224,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, progress: Progress | None):
             return _load_pretrained(str(cached), dtype)
         except Exception:  # a damaged cache is rebuilt, not fatal
             shutil.rmtree(cached, ignore_errors=True)
+    arch = check_gguf(path)
     _say(progress, f"Dequantizing {path.name} (first start only; ~15 s for the embedded model) ...")
     try:
         model, tokenizer = _load_pretrained(str(path.parent), dtype, gguf_file=path.name)
