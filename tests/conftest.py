@@ -86,6 +86,10 @@ def expected_runner() -> str:
     return "native" if native_expected() else "lean"
 
 
+# A test on a runner it names (transformers, lean): the same computation in every leg that
+# leaves the CPU's kernels alone, so the leg without the native runner leaves it out.
+pinned_runner = pytest.mark.pinned_runner
+
 needs_native = pytest.mark.skipif(
     not native_expected(), reason="MINISERVE_NATIVE=0: this leg runs without the native runner "
                                   "(the full leg runs this test)")

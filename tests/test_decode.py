@@ -7,7 +7,8 @@ import threading
 import pytest
 import torch
 
-from conftest import chat_ids, expected_runner, native_expected, needs_native
+from conftest import (chat_ids, expected_runner, native_expected, needs_native,
+                      pinned_runner)
 from miniserve.config import SamplingParams
 from miniserve.decode import GenerationStats, generate
 from miniserve.verify import BOUND_BF16_PRODUCTS, BOUND_BFLOAT16, BOUND_FLOAT32, check_tokens
@@ -53,6 +54,7 @@ def lean_model(loaded):
     return LeanModel(loaded.model)
 
 
+@pinned_runner
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_hand_loop_equals_generate_bit_for_bit(loaded, bf16, dtype):
     """Exact by construction: our loop driving the transformers model makes the calls
@@ -73,7 +75,8 @@ def test_hand_loop_equals_generate_bit_for_bit(loaded, bf16, dtype):
         assert all(torch.equal(a.float(), b.float()) for a, b in zip(ours, theirs))
 
 
-@pytest.mark.parametrize("runner", ["transformers", "lean",
+@pytest.mark.parametrize("runner", [pytest.param("transformers", marks=pinned_runner),
+                                    pytest.param("lean", marks=pinned_runner),
                                     pytest.param("native", marks=needs_native)])
 @pytest.mark.parametrize("name", PROMPTS)
 def test_cache_and_no_cache_follow_the_float64_reference(loaded, engine, lean_model, ref32,
@@ -95,6 +98,7 @@ def test_cache_and_no_cache_follow_the_float64_reference(loaded, engine, lean_mo
         assert_greedy(ref32, ids, tokens, BOUND_FLOAT32, end)
 
 
+@pinned_runner
 def test_bfloat16_arithmetic_follows_the_reference_within_its_bound(bf16, ref16):
     """bfloat16 activations (the lean runner over bf16 weights; generate() in bf16): another
     rounding on every product, ~1.6 logits of error (BOUND_BFLOAT16), larger than the top-2
@@ -130,9 +134,11 @@ def paths(loaded, bf16, engine, lean_model):
     }
 
 
-PATHS = ["engine steps, float32", "lean prompt pass, float32",
+PATHS = ["engine steps, float32",
+         pytest.param("lean prompt pass, float32", marks=pinned_runner),
          pytest.param("native steps, bf16 weights", marks=needs_native),
-         pytest.param("native steps, bf16 products", marks=needs_native), "lean prompt pass, bf16"]
+         pytest.param("native steps, bf16 products", marks=needs_native),
+         pytest.param("lean prompt pass, bf16", marks=pinned_runner)]
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -140,6 +146,8 @@ def test_teacher_forced_logits_on_held_out_text(loaded, bf16, engine, lean_model
     """Every position of ~280 tokens of held-out text: the largest logit error is within the
     bound of the path's arithmetic, and the top-1 token agrees with the float64 reference's
     (measured 100% in float32, 96-97% in bf16; thresholds in tests/reference.py)."""
+    if path.startswith("engine"):
+        assert engine.runner == expected_runner()  # the engine's default on this CPU
     step_logits, ref, bound, threshold = paths(loaded, bf16, engine, lean_model)[path]
     ids = chat_ids(loaded.tokenizer, HELD_OUT)
     agree, error = teacher_forced(step_logits, request.getfixturevalue(ref), ids)
@@ -191,6 +199,7 @@ def test_a_broken_runner_fails_these_checks(loaded, ref32, how):
     assert error > BOUND_FLOAT32 and (agree < AGREE_FLOAT32 or not gross), (agree, error)
 
 
+@pinned_runner
 def test_int8_weights_keep_the_top_token(bf16, loaded):
     """Quality of int8 weights, teacher-forced: at each position of a real text, the int8
     model's most likely next token is the float32 model's most of the time."""
@@ -206,6 +215,7 @@ def test_int8_weights_keep_the_top_token(bf16, loaded):
     assert agree / len(ids) >= 0.9
 
 
+@pinned_runner
 def test_lean_reuses_a_cropped_cache_like_a_fresh_prefill(loaded, lean_model, engine, ref32):
     """A block of 40 prompt tokens after a reused prefix: other shapes than one fresh prefill
     (so not bit for bit); the reply follows the float64 reference like a fresh one."""
@@ -220,6 +230,7 @@ def test_lean_reuses_a_cropped_cache_like_a_fresh_prefill(loaded, lean_model, en
     assert_greedy(ref32, ids, tokens, BOUND_FLOAT32, end)
 
 
+@pinned_runner
 def test_seeded_sampling_reproducible_on_the_model(loaded, engine):
     ids = chat_ids(loaded.tokenizer, "Write a short poem about the sea.")
     params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=24)
@@ -230,6 +241,7 @@ def test_seeded_sampling_reproducible_on_the_model(loaded, engine):
     assert first != run(12)
 
 
+@pinned_runner
 def test_stops_at_max_new_tokens_and_reports_stats(loaded, engine):
     ids = chat_ids(loaded.tokenizer, "Count from one to one hundred.")
     stats = GenerationStats()
@@ -241,6 +253,7 @@ def test_stops_at_max_new_tokens_and_reports_stats(loaded, engine):
     assert 0 < stats.ttft_s <= stats.total_s
 
 
+@pinned_runner
 def test_stops_at_eos_without_yielding_it(loaded, engine):
     ids = chat_ids(loaded.tokenizer, "Say only the word yes.")
     stats = GenerationStats()
@@ -250,6 +263,7 @@ def test_stops_at_eos_without_yielding_it(loaded, engine):
     assert not engine.eos_ids & set(out)
 
 
+@pinned_runner
 def test_cancel_stops_within_one_step(loaded, engine):
     ids = chat_ids(loaded.tokenizer, "Tell me a long story about dragons.")
     cancel = threading.Event()
@@ -263,6 +277,7 @@ def test_cancel_stops_within_one_step(loaded, engine):
     assert len(out) == 3 and stats.finish_reason == "cancelled"
 
 
+@pinned_runner
 def test_tiny_model_cache_and_no_cache_follow_the_reference(tiny_model):
     """A tiny random Llama (logits ~0.1, so a tighter bound than the real model's: measured
     largest error 2e-7): cached and uncached greedy replies both follow its float64 twin."""
