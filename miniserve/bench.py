@@ -64,7 +64,7 @@ class BenchConfig:
     new_tokens: int = 64
     repeat: int = 3
     modes: tuple[str, ...] = DEFAULT_MODES
-    peer: bool = False  # also llama.cpp (f32, bf16, q4_1) on the same GGUF weights
+    peer: bool = False  # also llama.cpp (f32, bf16, the file's own type) on its weights
 
     def __post_init__(self):
         if not self.prompt_tokens or any(not 1 <= n <= MAX_PROMPT_TOKENS
@@ -206,9 +206,10 @@ def _peer_runners(engine: Engine, config: BenchConfig, progress: Progress):
         progress(0.0, f"preparing llama.cpp {precision}")
         model = peer.LlamaCppPeer(peer.gguf_copy(path, precision), n_ctx, torch.get_num_threads())
         peers.append(model)
-        mode = f"llamacpp_{precision}"
+        label = peer.file_type(path) if precision == "file" else precision
+        mode = f"llamacpp_{label}"
         runners[mode] = (lambda m: lambda ids: m.run(ids, config.new_tokens, engine.eos_ids))(model)
-        dtypes[mode] = precision
+        dtypes[mode] = label
         nbytes[mode] = model.weight_bytes()  # the file: weights as stored, read once a token
     return runners, dtypes, nbytes, peers
 

@@ -513,7 +513,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(our cached loop on the transformers model), lean (our cached loop on "
                         "the PyTorch lean pass, to set beside the native runner)")
     b.add_argument("--peer", action="store_true",
-                   help="also llama.cpp on the same GGUF weights at f32, bf16 and q4_1; with "
+                   help="also llama.cpp on the same GGUF weights at f32, bf16 and as stored "
+                        "(q4_1 for the embedded model); with "
                         "--concurrency, its batched decoding of the same greedy streams "
                         "(needs llama-cpp-python: make bench-peer)")
     b.add_argument("--prefix-reuse", type=int, default=0, metavar="TOKENS",

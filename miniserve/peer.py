@@ -1,6 +1,6 @@
 """llama.cpp on the same weights, as a peer in the benchmark (optional: llama-cpp-python).
 
-The embedded GGUF is Q4_1. For a like-for-like comparison the `gguf` package writes f32 and
+The embedded GGUF is Q4_1 (Gemma 3 270M's Q4_K_M). For a like-for-like comparison the `gguf` package writes f32 and
 bf16 copies of it (dequantized, metadata unchanged) into the cache folder once; llama.cpp then
 runs each, fed the same prompt token ids as our engine. For the concurrency benchmark,
 `LlamaCppBatch` decodes B sequences together through llama.cpp's own batch API (one sequence
@@ -19,7 +19,55 @@ import numpy as np
 
 from miniserve.loader import cache_root, file_key
 
-PRECISIONS = {"float32": "F32", "bfloat16": "BF16", "q4_1": None}
+# llama.cpp's rows: float32 and bfloat16 copies, and the file as stored ("file": its own
+# type, file_type() names it -- q4_1 for the embedded model, q4_k_m for Gemma 3 270M)
+PRECISIONS = {"float32": "F32", "bfloat16": "BF16", "file": None}
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+
+
+def file_type(path: Path) -> str:
+    """The GGUF's weight type as llama.cpp names it (`general.file_type`: q4_1, q4_k_m, ...),
+    read from the header alone (the gguf package's reader parses every tensor and the whole
+    vocabulary: seconds); "as stored" when the file does not say."""
+    import struct
+
+    import gguf
+
+    def number(f, size: int) -> int:
+        data = f.read(size)
+        if len(data) < size:  # cut short (or a count that is garbage): stop reading
+            raise EOFError
+        return int.from_bytes(data, "little")
+
+    def skip(f, kind: int) -> None:
+        if kind == _STRING:
+            f.seek(number(f, 8), 1)
+        elif kind == _ARRAY:
+            inner, count = number(f, 4), number(f, 8)
+            if inner in _SCALAR_BYTES:
+                f.seek(_SCALAR_BYTES[inner] * count, 1)
+            else:
+                for _ in range(count):
+                    skip(f, inner)
+        else:
+            f.seek(_SCALAR_BYTES[kind], 1)
+
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            return "as stored"
+        try:
+            f.seek(4 + 8, 1)  # version, tensor count
+            for _ in range(number(f, 8)):
+                key = f.read(number(f, 8)).decode(errors="replace")
+                kind = number(f, 4)
+                if key == "general.file_type" and kind in (4, 5):
+                    value = struct.unpack("<I" if kind == 4 else "<i", f.read(4))[0]
+                    return gguf.LlamaFileType(value).name.removeprefix("MOSTLY_").lower()
+                skip(f, kind)
+        except (EOFError, KeyError, ValueError, struct.error):
+            pass
+    return "as stored"
 
 
 def available() -> bool:

@@ -4,6 +4,7 @@ only that the numbers agree with one another and with what the streams produced.
 
 import csv
 import json
+import struct
 import subprocess
 import sys
 import threading
@@ -263,3 +264,22 @@ def test_llamacpp_batch_follows_the_reference(engine, ref32):
         assert stream["times"] == sorted(stream["times"]) and stream["end"] >= stream["times"][-1]
         ends = () if len(tokens) == 8 else engine.eos_ids
         assert check_tokens(ref32, prompt, tokens, LLAMACPP_F32_BOUND, ends).ok
+
+
+def test_the_peer_row_names_the_files_own_weight_type(tmp_path):
+    """llama.cpp's row on the GGUF as stored says its type, read from the header alone (both
+    real files name it in their file names too); a file that is not a GGUF, or is cut inside
+    its header, says "as stored"."""
+    from miniserve.loader import embedded_gguf, known_model_path
+    for path in (embedded_gguf(), known_model_path("gemma-3-270m", install=False)):
+        kind = peer.file_type(path)
+        assert kind.startswith("q4") and kind in path.name.lower(), (path.name, kind)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(embedded_gguf().read_bytes()[:40])
+    (tmp_path / "text.gguf").write_text("not a model")
+    # a header whose counts are garbage (2**62 keys, an array of 2**60 strings): no hang
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 2**62) + struct.pack("<Q", 3) + b"abc"
+                        + struct.pack("<IIQ", 9, 8, 2**60))
+    assert peer.file_type(cut) == peer.file_type(tmp_path / "text.gguf") == "as stored"
+    assert peer.file_type(garbage) == "as stored"
