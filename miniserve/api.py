@@ -38,7 +38,9 @@ Completions (OpenAI's legacy /v1/completions): the text continues the prompt, no
 base and chat models alike. `prompt` is a string, a list of token ids, or a list of up to
 MAX_PROMPTS of either; with several, choice p * n + j is prompt p's choice j (with a `seed`,
 sampled with seed + j), and usage counts each prompt once. `max_tokens` is 16 by default, as
-OpenAI's. `logprobs` (0..5): {tokens, token_logprobs, top_logprobs, text_offset}, each
+OpenAI's; `max_tokens: 0` generates nothing and answers the prompt (with `echo`) and, with
+`logprobs`, its tokens' log-probabilities: how evaluation harnesses score a text (not for a
+remote model). `logprobs` (0..5): {tokens, token_logprobs, top_logprobs, text_offset}, each
 top_logprobs entry the `logprobs` most likely tokens and the chosen one (so up to logprobs + 1,
 as OpenAI's), text_offset where each token starts when the tokens' texts are laid end to end
 from the start of the returned text. `echo` puts the prompt in front of the text; with
@@ -194,14 +196,16 @@ class Settings:
     n: int
     stream: bool
     include_usage: bool
+    max_tokens: int  # as asked: 0 (completions only) scores the prompt, generating nothing
 
 
 def parse_settings(body: dict, engine, default_max_tokens: int,
-                   max_tokens_fields: tuple[str, ...] = ("max_tokens",)) -> Settings:
+                   max_tokens_fields: tuple[str, ...] = ("max_tokens",),
+                   least_tokens: int = 1) -> Settings:
     """The fields the chat and completion routes share: n, stream, stream_options, stop, the
-    token limit (the first of `max_tokens_fields` given), seed, the penalties, the sampling
-    settings, logit_bias and the output format; then what only the model can check (ids in
-    its vocabulary, the format compiled once)."""
+    token limit (the first of `max_tokens_fields` given, at least `least_tokens`), seed, the
+    penalties, the sampling settings, logit_bias and the output format; then what only the
+    model can check (ids in its vocabulary, the format compiled once)."""
     n = _number(body, "n", 1, 1, MAX_CHOICES, integer=True)
     stream = _flag(body, "stream")
     options = body.get("stream_options")
@@ -224,7 +228,7 @@ def parse_settings(body: dict, engine, default_max_tokens: int,
     field = next((f for f in max_tokens_fields if body.get(f) is not None),
                  max_tokens_fields[-1])
     # a remote model whose server does not say its context: the API's own ceiling
-    max_tokens = _number(body, field, default_max_tokens, 1,
+    max_tokens = _number(body, field, default_max_tokens, least_tokens,
                          engine.context_length or MAX_NEW_TOKENS, integer=True)
     try:
         seed = check_seed(body.get("seed"))
@@ -240,7 +244,8 @@ def parse_settings(body: dict, engine, default_max_tokens: int,
         if bias is not None and not isinstance(bias, dict):
             raise ConfigError("'logit_bias' must be an object mapping token ids to a bias "
                               "in [-100, 100]", "logit_bias")
-        params = SamplingParams(**sampling, max_new_tokens=min(max_tokens, MAX_NEW_TOKENS),
+        params = SamplingParams(**sampling,
+                                max_new_tokens=min(max(max_tokens, 1), MAX_NEW_TOKENS),
                                 seed=seed, stop=tuple(stop), logit_bias=bias,
                                 constraint=constraint)
         engine.check(params)  # ids in the vocabulary; the format compiled once
@@ -248,7 +253,7 @@ def parse_settings(body: dict, engine, default_max_tokens: int,
         raise APIError(400, str(e), e.field) from None
     except GrammarError as e:
         raise APIError(400, f"'{constraint_field}': {e}", constraint_field) from None
-    return Settings(params, n, stream, bool(options.get("include_usage")))
+    return Settings(params, n, stream, bool(options.get("include_usage")), max_tokens)
 
 
 def _prompt_list(value) -> list:
@@ -456,7 +461,7 @@ class OpenAIAPI:
             raise APIError(400, "'suffix' is not supported by this server (no insertion): "
                                 "send the text before the gap as 'prompt'", "suffix",
                            code="unsupported_parameter")
-        settings = parse_settings(body, engine, DEFAULT_COMPLETION_TOKENS)
+        settings = parse_settings(body, engine, DEFAULT_COMPLETION_TOKENS, least_tokens=0)
         best_of = _number(body, "best_of", None, 1, MAX_CHOICES, integer=True)
         if best_of is not None and best_of != settings.n:
             raise APIError(400, f"'best_of' must equal n ({settings.n}) or be left out: this "
@@ -471,6 +476,11 @@ class OpenAIAPI:
                 raise APIError(400, f"'{field}' is empty; give the text to continue, or token "
                                     "ids", field)
         req = APIRequest(model, engine, "text", prompts, settings, top is not None, top or 0)
+        if engine.remote and settings.max_tokens == 0:
+            raise APIError(400, f"'max_tokens': 0 (the prompt scored, nothing generated) is not "
+                                f"available for the remote model '{model}': its prompt's "
+                                "log-probabilities are its server's", "max_tokens",
+                           code="unsupported_parameter")
         if engine.remote:
             if echo and (top is not None or any(isinstance(p, list) for p in prompts)):
                 raise APIError(400, f"'echo' with {'logprobs' if top is not None else 'token ids'}"
@@ -621,17 +631,28 @@ class OpenAIAPI:
                             for i in range(req.choices)],
                 "usage": self._usage(req, last), "system_fingerprint": "miniserve"}
 
+    def prompt_only(self, req: APIRequest):
+        """`max_tokens: 0` on /v1/completions: nothing generated, the prompt (with echo) and
+        its log-probabilities (with logprobs) -- how evaluation harnesses score a text's
+        likelihood. Every choice alike, finish_reason "length"."""
+        shape = _TextShape(req, None)
+        choices = [shape.prompt_only(i) for i in range(req.choices)]
+        prompt_tokens = sum(len(p) for p in req.prompts)
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": 0,
+                 "total_tokens": prompt_tokens}
+        if not req.settings.stream:
+            return {"id": f"{shape.prefix}-{uuid.uuid4().hex[:24]}", "object": shape.object,
+                    "created": int(time.time()), "model": req.model, "choices": choices,
+                    "usage": usage, "system_fingerprint": "miniserve"}
+        event = _events(req, shape)
+        body = "".join(event(c) for c in choices) + \
+            (event(None, usage) if req.settings.include_usage else "") + "data: [DONE]\n\n"
+        return StreamingResponse(iter([body]), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
     async def stream(self, req: APIRequest, choices: "_Choices", lease: _Lease):
         shape = _shape(req, choices)
-        ident, created = f"{shape.prefix}-{uuid.uuid4().hex[:24]}", int(time.time())
-
-        def event(choice: dict | None, usage=None) -> str:
-            chunk = {"id": ident, "object": shape.chunk_object, "created": created,
-                     "model": req.model, "system_fingerprint": "miniserve",
-                     "choices": [choice] if choice is not None else []}
-            if usage is not None or req.settings.include_usage:
-                chunk["usage"] = usage
-            return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+        event = _events(req, shape)
 
         last: list = [None] * req.choices
         try:
@@ -661,6 +682,21 @@ class OpenAIAPI:
             yield "".join(tail) + "data: [DONE]\n\n"
         finally:
             _end(choices, lease)  # the client went away (this generator was cancelled) or done
+
+
+def _events(req: APIRequest, shape):
+    """A function writing one server-sent event of this reply: a choice's chunk, or (choice
+    None) the usage chunk."""
+    ident, created = f"{shape.prefix}-{uuid.uuid4().hex[:24]}", int(time.time())
+
+    def event(choice: dict | None, usage=None) -> str:
+        chunk = {"id": ident, "object": shape.chunk_object, "created": created,
+                 "model": req.model, "system_fingerprint": "miniserve",
+                 "choices": [choice] if choice is not None else []}
+        if usage is not None or req.settings.include_usage:
+            chunk["usage"] = usage
+        return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+    return event
 
 
 def _end(choices: "_Choices", lease: _Lease) -> None:
@@ -745,8 +781,8 @@ class _TextShape:
         generated tokens not written yet."""
         if not self.req.logprobs:
             return None
-        recorder = self.choices.choices[i].recorder
         if generated:
+            recorder = self.choices.choices[i].recorder
             for e in recorder.entries[self.sent[i]:]:
                 best = {t["token"]: t["logprob"] for t in e["top_logprobs"]}
                 best.setdefault(e["token"], e["logprob"])  # the chosen token is always there
@@ -765,6 +801,12 @@ class _TextShape:
         echo, entries = self._echo(i)
         return {"index": i, "text": echo + text, "logprobs": self._logprobs(i, entries),
                 "finish_reason": finish}
+
+    def prompt_only(self, i: int) -> dict:
+        """Choice i of a request that generates nothing (max_tokens 0)."""
+        echo, entries = self._echo(i)
+        return {"index": i, "text": echo, "logprobs": self._logprobs(i, entries, False),
+                "finish_reason": "length"}
 
     def opening(self, i: int) -> dict | None:
         if not self.req.echo:
@@ -976,6 +1018,8 @@ def build_router(models, api_key: str | None = None) -> APIRouter:
             lease = await api.open(body)
             parse = api.parse_chat if kind == "chat" else api.parse_text
             req = await parse(body, lease.name, lease.engine)
+            if req.settings.max_tokens == 0:  # completions: the prompt scored, nothing made
+                return api.prompt_only(req)
             choices = await api.start(req)
             if req.settings.stream:
                 stream = api.stream(req, choices, lease)

@@ -166,6 +166,33 @@ def test_echo_with_logprobs_scores_the_prompt_first(port, engine, loaded, tokeni
     assert lp["text_offset"][:3] == [0, len(lp["tokens"][0]), len("".join(lp["tokens"][:2]))]
 
 
+def test_max_tokens_0_scores_the_prompt_and_generates_nothing(port, tokenizer):
+    """How evaluation harnesses score a text: echo + logprobs + max_tokens 0. The same
+    computation as the prompt part of an echo with generated tokens, so equal to it."""
+    count = len(tokenizer(PROMPT)["input_ids"])
+    kwargs = dict(prompt=PROMPT, echo=True, logprobs=2)
+    scored = complete(port, max_tokens=0, n=2, **kwargs)
+    generated = complete(port, max_tokens=3, temperature=0, **kwargs)["choices"][0]["logprobs"]
+    assert [c["index"] for c in scored["choices"]] == [0, 1]
+    choice = scored["choices"][0]
+    assert scored["choices"][1] == {**choice, "index": 1}
+    assert choice["text"] == PROMPT and choice["finish_reason"] == "length"
+    assert choice["logprobs"] == {key: value[:count] for key, value in generated.items()}
+    usage = {"prompt_tokens": count, "completion_tokens": 0, "total_tokens": count}
+    assert scored["usage"] == usage
+    streamed = events(port, {**kwargs, "max_tokens": 0,
+                             "stream_options": {"include_usage": True}})
+    assert streamed[-1] == "[DONE]" and streamed[-2]["usage"] == usage
+    assert [e["choices"] for e in streamed[:-2]] == [[choice]]
+    plain = complete(port, prompt=PROMPT, max_tokens=0)["choices"][0]
+    assert plain["text"] == "" and plain["logprobs"] is None
+    chat = {"messages": [{"role": "user", "content": "Hi"}]}
+    for path, body in [("/v1/completions", {"model": FAR, "prompt": PROMPT}),
+                       ("/v1/chat/completions", chat)]:
+        status, reply = request(port, {**body, "max_tokens": 0}, path)
+        assert status == 400 and reply["error"]["param"] == "max_tokens", reply
+
+
 def test_stop_ends_the_text_before_the_stop_string(port):
     # Exact by construction: greedy, the same prompt, so the same tokens until the stop string
     full = complete(port, prompt=PROMPT, temperature=0, max_tokens=16)["choices"][0]["text"]
@@ -253,7 +280,7 @@ def test_a_client_that_leaves_a_stream_cancels_it(port, engine, monkeypatch):
     ({"prompt": [[1, 2], [-1]]}, "prompt[1]", ["-1", "out of range"]),
     ({"prompt": PROMPT, "best_of": 2}, "best_of", ["n (1)"]),
     ({"prompt": PROMPT, "echo": "yes"}, "echo", ["true or false"]),
-    ({"prompt": PROMPT, "max_tokens": 0}, "max_tokens", ["[1, 8192]"]),
+    ({"prompt": PROMPT, "max_tokens": -1}, "max_tokens", ["[0, 8192]"]),
     ({"prompt": PROMPT, "top_p": 0}, "top_p", ["top_p"]),
     ({"prompt": PROMPT, "stream_options": {"include_usage": True}}, "stream_options",
      ["'stream': true"]),
