@@ -89,6 +89,9 @@ def expected_runner() -> str:
 # A test on a runner it names (transformers, lean): the same computation in every leg that
 # leaves the CPU's kernels alone, so the leg without the native runner leaves it out.
 pinned_runner = pytest.mark.pinned_runner
+# A test of behaviour no kernel's arithmetic changes (queues, budgets, errors, the fallback
+# when the native library is missing): the legs that imitate other CPUs leave it out.
+same_on_every_cpu = pytest.mark.same_on_every_cpu
 
 needs_native = pytest.mark.skipif(
     not native_expected(), reason="MINISERVE_NATIVE=0: this leg runs without the native runner "

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import (chat_ids, expected_runner, native_expected, needs_native,
-                      pinned_runner)
+                      pinned_runner, same_on_every_cpu)
 from miniserve.config import SamplingParams
 from miniserve.decode import GenerationStats, generate
 from miniserve.verify import BOUND_BF16_PRODUCTS, BOUND_BFLOAT16, BOUND_FLOAT32, check_tokens
@@ -175,6 +175,7 @@ def broken(loaded, how: str):
     return model
 
 
+@same_on_every_cpu
 @pytest.mark.parametrize("how", ["rope base 10000", "one MLP residual branch dropped",
                                  "bfloat16 weights in a float32 model"])
 def test_a_broken_runner_fails_these_checks(loaded, ref32, how):

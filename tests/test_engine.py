@@ -5,6 +5,7 @@ import time
 
 import pytest
 
+from conftest import same_on_every_cpu
 from miniserve.chat import ChatError, render, trim_history
 from miniserve.config import SamplingParams
 from miniserve.engine import Engine, EngineBusy
@@ -45,6 +46,7 @@ def test_follow_up_turn_reuses_the_prefix_cache(loaded):
     assert third.stats.reused_tokens == 0
 
 
+@same_on_every_cpu
 def test_prefix_cache_is_bounded(loaded):
     engine = Engine(loaded, prefix_cache_entries=2)
     for i in range(4):
@@ -54,6 +56,7 @@ def test_prefix_cache_is_bounded(loaded):
     assert len(engine.prefix_cache.entries) == 2
 
 
+@same_on_every_cpu
 def test_queue_limit_answers_busy(loaded):
     engine = Engine(loaded, max_queue=1)
     running = engine.chat([{"role": "user", "content": "Hi"}], GREEDY)
@@ -109,6 +112,7 @@ def test_too_long_message_is_a_clear_error(tokenizer):
         trim_history(tokenizer, messages, context_length=1000, max_new_tokens=100)
 
 
+@same_on_every_cpu
 @pytest.mark.parametrize("messages, field", [
     ([], "messages"),
     ([{"role": "user", "content": "   "}], "messages[0].content"),
@@ -122,6 +126,7 @@ def test_bad_messages_name_the_field(engine, messages, field):
     assert info.value.field == field
 
 
+@same_on_every_cpu
 def test_control_characters_and_surrogates_are_cleaned(engine):
     text, last = engine.chat_text([{"role": "user", "content": "Hi\x00\x07 there \ud800!"}],
                                   GREEDY.replace(max_new_tokens=4))

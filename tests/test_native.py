@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch
 
-from conftest import chat_ids, needs_native
+from conftest import chat_ids, needs_native, same_on_every_cpu
 from miniserve import native
 from miniserve.decode import generate
 from miniserve.lean import LeanModel
@@ -257,6 +257,7 @@ def run_cli(*args, env=None):
                           cwd=os.path.dirname(os.path.dirname(__file__)))
 
 
+@same_on_every_cpu
 def test_without_the_library_auto_falls_back_and_native_says_why():
     off = {"MINISERVE_NATIVE": "0"}
     r = run_cli("bench", "--prompt-tokens", "8", "--new-tokens", "3", "--repeat", "1",

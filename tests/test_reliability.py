@@ -26,7 +26,7 @@ from miniserve.platform_info import rss_mb
 ROOT = Path(__file__).resolve().parent.parent
 SOAK = bool(os.environ.get("MINISERVE_SOAK"))
 STREAMS = 32 if SOAK else 8
-TURNS = 1000 if SOAK else 80  # trimming starts near turn 15 (512-token context)
+TURNS = 1000 if SOAK else 50  # trimming starts near turn 15 (512-token context)
 CONVERSATIONS = 200 if SOAK else 50
 GREEDY = SamplingParams(temperature=0, top_k=0, top_p=1.0, max_new_tokens=12)
 

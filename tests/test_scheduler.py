@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from conftest import chat_ids, needs_native
+from conftest import chat_ids, needs_native, same_on_every_cpu
 from miniserve.config import SamplingParams
 from miniserve.decode import generate
 from miniserve.engine import Engine, EngineBusy, RequestTooLarge
@@ -98,6 +98,7 @@ def test_a_reused_prefix_gives_the_tokens_of_a_fresh_prompt(engine):
     assert [t for c in chunks for t in c.token_ids] == alone(engine, ids, params)
 
 
+@same_on_every_cpu
 def test_the_kv_budget_makes_requests_wait_and_cuts_none_off(loaded):
     """A budget that holds one request at a time: three requests at once run one after the
     other, each to its full length, the budget never exceeded; a fourth while the queue of
@@ -119,6 +120,7 @@ def test_the_kv_budget_makes_requests_wait_and_cuts_none_off(loaded):
     assert engine.queue_depth == 0
 
 
+@same_on_every_cpu
 def test_a_cancelled_stream_leaves_within_a_step_and_the_others_go_on(engine):
     params = SamplingParams(temperature=0, max_new_tokens=40)
     prompts = [chat_ids(engine.tokenizer, q) for q in QUESTIONS[:2]]
@@ -135,6 +137,7 @@ def test_a_cancelled_stream_leaves_within_a_step_and_the_others_go_on(engine):
     assert engine.queue_depth == 0
 
 
+@same_on_every_cpu
 def test_a_failing_observer_ends_its_own_request_and_the_engine_goes_on(engine):
     """An error while choosing a token (here the observer's) ends that sequence with the
     error; the sequence beside it and later requests run as usual."""
@@ -153,6 +156,7 @@ def test_a_failing_observer_ends_its_own_request_and_the_engine_goes_on(engine):
     assert again[-1].done and engine.queue_depth == 0
 
 
+@same_on_every_cpu
 def test_a_waiting_request_keeps_the_prefix_cache_it_cannot_use(loaded):
     """While running sequences hold the budget, a waiting request does not empty the prefix
     cache (giving it up would not make room); kept caches count with their capacity."""
@@ -178,6 +182,7 @@ def test_a_waiting_request_keeps_the_prefix_cache_it_cannot_use(loaded):
     assert engine.scheduler.peak_kv <= engine.scheduler.kv_budget
 
 
+@same_on_every_cpu
 def test_bad_token_ids_and_a_dropped_stream(engine):
     params = SamplingParams(temperature=0, max_new_tokens=40)
     with pytest.raises(ValueError, match="token id 999999 is out of range"):
