@@ -489,15 +489,14 @@ class OpenAIAPI:
                                     "server's", "echo", code="unsupported_parameter")
             req.echo = [(p, []) for p in prompts] if echo else None
             return req
-        req.prompts = [self._prompt_ids(engine, p, settings.params, f)
-                       for p, f in zip(prompts, fields)]
+        req.prompts = [self._prompt_ids(engine, p, settings, f) for p, f in zip(prompts, fields)]
         if echo:
             req.echo = [await self._echo(engine, p, ids, top)
                         for p, ids in zip(prompts, req.prompts)]
         return req
 
     @staticmethod
-    def _prompt_ids(engine, prompt, params: SamplingParams, field: str) -> list[int]:
+    def _prompt_ids(engine, prompt, settings: Settings, field: str) -> list[int]:
         vocab = engine.model.config.vocab_size
         if isinstance(prompt, list):
             bad = next((t for t in prompt if not 0 <= t < vocab), None)
@@ -505,7 +504,8 @@ class OpenAIAPI:
                 raise APIError(400, f"'{field}': token id {bad} is out of range: the "
                                     f"vocabulary has ids 0..{vocab - 1}", field)
         try:
-            return engine.prompt_ids(prompt, params, field=field)
+            return engine.prompt_ids(prompt, settings.params, field=field,
+                                     new_tokens=min(settings.max_tokens, MAX_NEW_TOKENS))
         except ChatError as e:  # too long for the context with max_tokens
             raise APIError(400, str(e), e.field) from None
 

@@ -206,10 +206,10 @@ def _peer_runners(engine: Engine, config: BenchConfig, progress: Progress):
         progress(0.0, f"preparing llama.cpp {precision}")
         model = peer.LlamaCppPeer(peer.gguf_copy(path, precision), n_ctx, torch.get_num_threads())
         peers.append(model)
-        label = peer.file_type(path) if precision == "file" else precision
+        label = (peer.file_type(path) or "file") if precision == "file" else precision
         mode = f"llamacpp_{label}"
         runners[mode] = (lambda m: lambda ids: m.run(ids, config.new_tokens, engine.eos_ids))(model)
-        dtypes[mode] = label
+        dtypes[mode] = label if label != "file" else "as stored"
         nbytes[mode] = model.weight_bytes()  # the file: weights as stored, read once a token
     return runners, dtypes, nbytes, peers
 

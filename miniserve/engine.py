@@ -508,10 +508,12 @@ class Engine:
         return self.complete(self.prompt_ids(prompt, params, trim=trim), params, **kwargs)
 
     def prompt_ids(self, prompt, params: SamplingParams, trim: bool = False,
-                   field: str = "prompt") -> list[int]:
-        """The ids complete_text would send for `prompt` (a string or a list of ids)."""
+                   field: str = "prompt", new_tokens: int | None = None) -> list[int]:
+        """The ids complete_text would send for `prompt` (a string or a list of ids), leaving
+        room for `new_tokens` (params.max_new_tokens unless given: 0 to score it alone)."""
         return completion_ids(self.tokenizer, prompt, self.context_length,
-                              params.max_new_tokens, field, trim)
+                              params.max_new_tokens if new_tokens is None else new_tokens,
+                              field, trim)
 
     def prompt_logprobs(self, prompt_ids: list[int], top: int = 0) -> list[tuple]:
         """For each prompt position after the first: (logprob of the token that is there,
@@ -538,7 +540,13 @@ class Engine:
                     out.append((float(logp[row, prompt_ids[pos]]), alts))
             return out
 
-        return self.run_on_worker(run) if len(prompt_ids) > 1 else []
+        if len(prompt_ids) < 2:
+            return []
+        self._admit()  # a place in the queue like any request (EngineBusy past max_queue)
+        try:
+            return self.run_on_worker(run)
+        finally:
+            self._release()
 
     def chat(self, messages: list[dict], params: SamplingParams, **kwargs) -> Iterator[Chunk]:
         """Stream the assistant's reply to a conversation, trimmed to fit the context."""

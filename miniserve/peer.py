@@ -26,10 +26,10 @@ _SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 1
 _STRING, _ARRAY = 8, 9
 
 
-def file_type(path: Path) -> str:
+def file_type(path: Path) -> str | None:
     """The GGUF's weight type as llama.cpp names it (`general.file_type`: q4_1, q4_k_m, ...),
     read from the header alone (the gguf package's reader parses every tensor and the whole
-    vocabulary: seconds); "as stored" when the file does not say."""
+    vocabulary: seconds); None when the file does not say (or its header is damaged)."""
     import struct
 
     import gguf
@@ -55,19 +55,22 @@ def file_type(path: Path) -> str:
 
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
-            return "as stored"
+            return None
         try:
             f.seek(4 + 8, 1)  # version, tensor count
             for _ in range(number(f, 8)):
-                key = f.read(number(f, 8)).decode(errors="replace")
+                size = number(f, 8)
+                if size > 1 << 16:  # no key is this long: a damaged header
+                    return None
+                key = f.read(size).decode(errors="replace")
                 kind = number(f, 4)
                 if key == "general.file_type" and kind in (4, 5):
                     value = struct.unpack("<I" if kind == 4 else "<i", f.read(4))[0]
                     return gguf.LlamaFileType(value).name.removeprefix("MOSTLY_").lower()
                 skip(f, kind)
-        except (EOFError, KeyError, ValueError, struct.error):
+        except (EOFError, KeyError, ValueError, OverflowError, OSError, struct.error):
             pass
-    return "as stored"
+    return None
 
 
 def available() -> bool:

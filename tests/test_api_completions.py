@@ -186,6 +186,11 @@ def test_max_tokens_0_scores_the_prompt_and_generates_nothing(port, tokenizer):
     assert [e["choices"] for e in streamed[:-2]] == [[choice]]
     plain = complete(port, prompt=PROMPT, max_tokens=0)["choices"][0]
     assert plain["text"] == "" and plain["logprobs"] is None
+    # nothing generated, so a prompt may fill the whole context (8192 here), not one more
+    whole = complete(port, prompt=[1] * 8192, max_tokens=0)
+    assert whole["usage"]["prompt_tokens"] == 8192
+    status, reply = request(port, {"prompt": [1] * 8193, "max_tokens": 0})
+    assert status == 400 and "8193 tokens" in reply["error"]["message"], reply
     chat = {"messages": [{"role": "user", "content": "Hi"}]}
     for path, body in [("/v1/completions", {"model": FAR, "prompt": PROMPT}),
                        ("/v1/chat/completions", chat)]:

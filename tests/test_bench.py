@@ -268,8 +268,8 @@ def test_llamacpp_batch_follows_the_reference(engine, ref32):
 
 def test_the_peer_row_names_the_files_own_weight_type(tmp_path):
     """llama.cpp's row on the GGUF as stored says its type, read from the header alone (both
-    real files name it in their file names too); a file that is not a GGUF, or is cut inside
-    its header, says "as stored"."""
+    real files name it in their file names too); a file that is not a GGUF, is cut inside its
+    header or has garbage counts: no type (the row says "as stored")."""
     from miniserve.loader import embedded_gguf, known_model_path
     for path in (embedded_gguf(), known_model_path("gemma-3-270m", install=False)):
         kind = peer.file_type(path)
@@ -277,9 +277,13 @@ def test_the_peer_row_names_the_files_own_weight_type(tmp_path):
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(embedded_gguf().read_bytes()[:40])
     (tmp_path / "text.gguf").write_text("not a model")
-    # a header whose counts are garbage (2**62 keys, an array of 2**60 strings): no hang
-    garbage = tmp_path / "garbage.gguf"
-    garbage.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 2**62) + struct.pack("<Q", 3) + b"abc"
-                        + struct.pack("<IIQ", 9, 8, 2**60))
-    assert peer.file_type(cut) == peer.file_type(tmp_path / "text.gguf") == "as stored"
-    assert peer.file_type(garbage) == "as stored"
+    # headers whose counts are garbage (2**62 keys; an array of 2**60 strings, of 2**62
+    # numbers; a key 2**40 bytes long): no hang, no crash
+    head = b"GGUF" + struct.pack("<IQQ", 3, 0, 2**62)
+    for n, rest in enumerate([struct.pack("<Q", 3) + b"abc" + struct.pack("<IIQ", 9, 8, 2**60),
+                              struct.pack("<Q", 3) + b"abc" + struct.pack("<IIQ", 9, 10, 2**62),
+                              struct.pack("<Q", 2**40) + b"abc"]):
+        garbage = tmp_path / f"garbage{n}.gguf"
+        garbage.write_bytes(head + rest)
+        assert peer.file_type(garbage) is None, n
+    assert peer.file_type(cut) is peer.file_type(tmp_path / "text.gguf") is None

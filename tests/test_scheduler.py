@@ -98,7 +98,6 @@ def test_a_reused_prefix_gives_the_tokens_of_a_fresh_prompt(engine):
     assert [t for c in chunks for t in c.token_ids] == alone(engine, ids, params)
 
 
-@same_on_every_cpu
 def test_the_kv_budget_makes_requests_wait_and_cuts_none_off(loaded):
     """A budget that holds one request at a time: three requests at once run one after the
     other, each to its full length, the budget never exceeded; a fourth while the queue of
@@ -120,7 +119,6 @@ def test_the_kv_budget_makes_requests_wait_and_cuts_none_off(loaded):
     assert engine.queue_depth == 0
 
 
-@same_on_every_cpu
 def test_a_cancelled_stream_leaves_within_a_step_and_the_others_go_on(engine):
     params = SamplingParams(temperature=0, max_new_tokens=40)
     prompts = [chat_ids(engine.tokenizer, q) for q in QUESTIONS[:2]]
@@ -137,7 +135,6 @@ def test_a_cancelled_stream_leaves_within_a_step_and_the_others_go_on(engine):
     assert engine.queue_depth == 0
 
 
-@same_on_every_cpu
 def test_a_failing_observer_ends_its_own_request_and_the_engine_goes_on(engine):
     """An error while choosing a token (here the observer's) ends that sequence with the
     error; the sequence beside it and later requests run as usual."""
