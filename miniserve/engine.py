@@ -436,8 +436,7 @@ class Engine:
 
         self._start([(prompt_ids, p, column(i)) for i, p in enumerate(settings)], cancel,
                     False, None, 0)
-        return Stream(((col, chunk, chunk.stats.total_s)
-                       for col, chunk in drain(out, cancel, ends=len(settings))), cancel)
+        return columns(out, cancel, len(settings))
 
     def compare_prompt(self, prompt: str, settings: list[SamplingParams], *, raw: bool = False,
                        cancel: threading.Event | None = None):
@@ -600,6 +599,13 @@ def drain(out: queue.Queue, cancel: threading.Event, ends: int = 1) -> Iterator:
             yield item
     finally:
         cancel.set()
+
+
+def columns(out: queue.Queue, cancel: threading.Event, n: int) -> "Stream":
+    """Compare's stream over `n` columns' sinks, each item (column, chunk): (column, chunk,
+    the column's seconds so far) -- for the local engine and the remote one alike."""
+    return Stream(((col, chunk, chunk.stats.total_s) for col, chunk in drain(out, cancel, n)),
+                  cancel)
 
 
 def auto_dtype(dtype: str, device: str | None, runner: str, quant: str | None) -> str:

@@ -42,7 +42,7 @@ from miniserve.chat import ChatError, NoChatTemplate, Trimmed, check_messages, c
     trim_history
 from miniserve.config import CONTEXT, ConfigError, SamplingParams
 from miniserve.decode import GenerationStats
-from miniserve.engine import Admission, Chunk, EngineBusy, Stream, drain
+from miniserve.engine import Admission, Chunk, EngineBusy, Stream, columns
 from miniserve.loader import ModelLoadError
 
 # A slow server may take minutes over a long prompt before its first token: reads wait long,
@@ -508,8 +508,7 @@ class RemoteEngine:
         for col, params in enumerate(settings):
             threading.Thread(target=column, args=(col, params), name=f"miniserve-remote-{col}",
                              daemon=True).start()
-        return Stream(((col, chunk, chunk.stats.total_s)
-                       for col, chunk in drain(out, cancel, len(settings))), cancel)
+        return columns(out, cancel, len(settings))
 
 
 class _ServerCounts:
