@@ -22,8 +22,6 @@ from miniserve.loader import cache_root, file_key
 # llama.cpp's rows: float32 and bfloat16 copies, and the file as stored ("file": its own
 # type, file_type() names it -- q4_1 for the embedded model, q4_k_m for Gemma 3 270M)
 PRECISIONS = {"float32": "F32", "bfloat16": "BF16", "file": None}
-_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_STRING, _ARRAY = 8, 9
 
 
 def file_type(path: Path) -> str | None:
@@ -33,6 +31,10 @@ def file_type(path: Path) -> str | None:
     import struct
 
     import gguf
+    kinds = gguf.GGUFValueType
+    scalar_bytes = {kind: np.dtype(t).itemsize
+                    for kind, t in gguf.GGUFReader.gguf_scalar_to_np.items()}
+    integers = {kinds.UINT32: "<I", kinds.INT32: "<i"}
 
     def number(f, size: int) -> int:
         data = f.read(size)
@@ -41,17 +43,17 @@ def file_type(path: Path) -> str | None:
         return int.from_bytes(data, "little")
 
     def skip(f, kind: int) -> None:
-        if kind == _STRING:
+        if kind == kinds.STRING:
             f.seek(number(f, 8), 1)
-        elif kind == _ARRAY:
+        elif kind == kinds.ARRAY:
             inner, count = number(f, 4), number(f, 8)
-            if inner in _SCALAR_BYTES:
-                f.seek(_SCALAR_BYTES[inner] * count, 1)
+            if inner in scalar_bytes:
+                f.seek(scalar_bytes[inner] * count, 1)
             else:
                 for _ in range(count):
                     skip(f, inner)
         else:
-            f.seek(_SCALAR_BYTES[kind], 1)
+            f.seek(scalar_bytes[kind], 1)
 
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
@@ -64,8 +66,8 @@ def file_type(path: Path) -> str | None:
                     return None
                 key = f.read(size).decode(errors="replace")
                 kind = number(f, 4)
-                if key == "general.file_type" and kind in (4, 5):
-                    value = struct.unpack("<I" if kind == 4 else "<i", f.read(4))[0]
+                if key == "general.file_type" and kind in integers:
+                    value = struct.unpack(integers[kind], f.read(4))[0]
                     return gguf.LlamaFileType(value).name.removeprefix("MOSTLY_").lower()
                 skip(f, kind)
         except (EOFError, KeyError, ValueError, OverflowError, OSError, struct.error):
