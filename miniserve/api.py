@@ -476,12 +476,12 @@ class OpenAIAPI:
                 raise APIError(400, f"'{field}' is empty; give the text to continue, or token "
                                     "ids", field)
         req = APIRequest(model, engine, "text", prompts, settings, top is not None, top or 0)
-        if engine.remote and settings.max_tokens == 0:
-            raise APIError(400, f"'max_tokens': 0 (the prompt scored, nothing generated) is not "
-                                f"available for the remote model '{model}': its prompt's "
-                                "log-probabilities are its server's", "max_tokens",
-                           code="unsupported_parameter")
         if engine.remote:
+            if settings.max_tokens == 0:
+                raise APIError(400, f"'max_tokens': 0 (the prompt scored, nothing generated) is "
+                                    f"not available for the remote model '{model}': its "
+                                    "prompt's log-probabilities are its server's", "max_tokens",
+                               code="unsupported_parameter")
             if echo and (top is not None or any(isinstance(p, list) for p in prompts)):
                 raise APIError(400, f"'echo' with {'logprobs' if top is not None else 'token ids'}"
                                     f" is not available for the remote model '{model}': its "
