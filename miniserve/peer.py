@@ -26,53 +26,22 @@ PRECISIONS = {"float32": "F32", "bfloat16": "BF16", "file": None}
 
 def file_type(path: Path) -> str | None:
     """The GGUF's weight type as llama.cpp names it (`general.file_type`: q4_1, q4_k_m, ...),
-    read from the header alone (the gguf package's reader parses every tensor and the whole
-    vocabulary: seconds); None when the file does not say (or its header is damaged)."""
-    import struct
-
+    read from the header alone (GGUFFile: milliseconds, where the gguf package's reader parses
+    every tensor and the whole vocabulary); None when the file does not say (or is damaged)."""
     import gguf
-    kinds = gguf.GGUFValueType
-    scalar_bytes = {kind: np.dtype(t).itemsize
-                    for kind, t in gguf.GGUFReader.gguf_scalar_to_np.items()}
-    integers = {kinds.UINT32: "<I", kinds.INT32: "<i"}
 
-    def number(f, size: int) -> int:
-        data = f.read(size)
-        if len(data) < size:  # cut short (or a count that is garbage): stop reading
-            raise EOFError
-        return int.from_bytes(data, "little")
-
-    def skip(f, kind: int) -> None:
-        if kind == kinds.STRING:
-            f.seek(number(f, 8), 1)
-        elif kind == kinds.ARRAY:
-            inner, count = number(f, 4), number(f, 8)
-            if inner in scalar_bytes:
-                f.seek(scalar_bytes[inner] * count, 1)
-            else:
-                for _ in range(count):
-                    skip(f, inner)
-        else:
-            f.seek(scalar_bytes[kind], 1)
-
-    with open(path, "rb") as f:
-        if f.read(4) != b"GGUF":
-            return None
-        try:
-            f.seek(4 + 8, 1)  # version, tensor count
-            for _ in range(number(f, 8)):
-                size = number(f, 8)
-                if size > 1 << 16:  # no key is this long: a damaged header
-                    return None
-                key = f.read(size).decode(errors="replace")
-                kind = number(f, 4)
-                if key == "general.file_type" and kind in integers:
-                    value = struct.unpack(integers[kind], f.read(4))[0]
-                    return gguf.LlamaFileType(value).name.removeprefix("MOSTLY_").lower()
-                skip(f, kind)
-        except (EOFError, KeyError, ValueError, OverflowError, OSError, struct.error):
-            pass
-    return None
+    from miniserve.gguf_file import GGUFFile, GGUFFileError
+    try:
+        with GGUFFile(path) as f:
+            value = f.get("general.file_type")
+    except (GGUFFileError, OSError):
+        return None
+    if type(value) is not int:
+        return None
+    try:
+        return gguf.LlamaFileType(value).name.removeprefix("MOSTLY_").lower()
+    except ValueError:
+        return None
 
 
 def available() -> bool:
