@@ -65,6 +65,7 @@ class BenchConfig:
     repeat: int = 3
     modes: tuple[str, ...] = DEFAULT_MODES
     peer: bool = False  # also llama.cpp (f32, bf16, the file's own type) on its weights
+    check: bool = True  # check our tokens against the float32 reference (loads it)
 
     def __post_init__(self):
         if not self.prompt_tokens or any(not 1 <= n <= MAX_PROMPT_TOKENS
@@ -145,7 +146,7 @@ def _run_hf(engine: Engine, ids, params):
 
 
 def _hf_generate(engine: Engine, ids, params):
-    model = engine.loaded.model  # the transformers reference, whatever the engine runs
+    model = engine.loaded.reference()  # the transformers reference, whatever the engine runs
     input_ids = torch.tensor([ids], device=model.device)
     timer = _FirstTokenTimer()
     with torch.inference_mode():
@@ -166,7 +167,7 @@ def _run_transformers_loop(engine: Engine, ids, params):
 
     def run():
         stats = GenerationStats()
-        tokens = list(generate(engine.loaded.model, ids, params, eos_ids=engine.eos_ids,
+        tokens = list(generate(engine.loaded.reference(), ids, params, eos_ids=engine.eos_ids,
                                stats=stats))
         return tokens, stats.ttft_s, stats.total_s
 
@@ -182,7 +183,7 @@ def _run_lean(engine: Engine, ids, params, box: dict):
 
     def run():
         if "model" not in box:
-            box["model"] = LeanModel(engine.loaded.model)
+            box["model"] = LeanModel(engine.loaded.reference())
         stats = GenerationStats()
         tokens = list(generate(box["model"], ids, params, eos_ids=engine.eos_ids, stats=stats))
         return tokens, stats.ttft_s, stats.total_s
@@ -244,8 +245,9 @@ def run_bench(engine: Engine, config: BenchConfig, progress: Progress | None = N
         return run_remote_bench(engine, config, progress)
     params = SamplingParams(temperature=0, top_k=0, top_p=1.0, repetition_penalty=1.0,
                             max_new_tokens=config.new_tokens)
-    dtype = str(engine.loaded.dtype).removeprefix("torch.")
-    ours = f"{dtype}+int8" if engine.quant == "int8" else dtype  # activations+weights
+    dtype = str(engine.loaded.dtype).removeprefix("torch.")  # the reference modes' weights
+    ours = (f"{dtype}+int8" if engine.quant == "int8" else  # activations+weights
+            engine.info()["dtype"] if engine.loaded.stored else dtype)
     dtypes = {"no_cache": ours, "cache": ours, "cache+json_schema": ours, "hf_generate": dtype,
               "transformers_loop": dtype, "lean": dtype}
     schema_params = params.replace(constraint=Constraint("json_schema", json.dumps(BENCH_SCHEMA)))
@@ -257,7 +259,8 @@ def run_bench(engine: Engine, config: BenchConfig, progress: Progress | None = N
                "transformers_loop": lambda ids: _run_transformers_loop(engine, ids, params),
                "lean": lambda ids: _run_lean(engine, ids, params, lean_box)}
     nbytes = {m: (engine.model if m in ("no_cache", "cache", "cache+json_schema") else
-                  TransformersRunner(engine.loaded.model)).weight_bytes() for m in config.modes}
+                  TransformersRunner(engine.loaded.reference())).weight_bytes()
+              for m in config.modes}
     modes = list(config.modes)
     # the error bound of each mode's logits: the engine's runner's own (bfloat16 products on
     # the native runner), else the arithmetic of the model's dtype
@@ -276,8 +279,9 @@ def run_bench(engine: Engine, config: BenchConfig, progress: Progress | None = N
     finally:
         for p in peers:  # the llama.cpp processes end with the measurements
             p.close()
-    progress(1.0, "checking the tokens against the float32 reference")
-    check = _token_checker(engine, config.new_tokens)
+    if config.check:
+        progress(1.0, "checking the tokens against the float32 reference")
+    check = _token_checker(engine, config.new_tokens) if config.check else None
     rows = []
     for prompt_ids, results in measured:
         first = results[modes[0]][0][0]
@@ -287,7 +291,7 @@ def run_bench(engine: Engine, config: BenchConfig, progress: Progress | None = N
             tokens = runs[0][0]
             agree = common_prefix(tokens, first)
             verified = None  # llama.cpp (its own weights) and int8 weights: not checked
-            if mode in bounds and not (engine.quant and mode in ("cache", "no_cache")):
+            if check and mode in bounds and not (engine.quant and mode in ("cache", "no_cache")):
                 verified = all(check(prompt_ids, r[0], bounds[mode]) for r in runs)
             ttft = statistics.median(r[1] for r in runs)
             total = statistics.median(r[2] for r in runs)
@@ -439,7 +443,7 @@ def _token_checker(engine: Engine, new_tokens: int):
     model holding the engine's weights (a float32 copy for bfloat16 weights), within the bound
     of the arithmetic that chose them? Each distinct reply is checked once (the repeats of a
     mode give the same tokens)."""
-    model = engine.loaded.model
+    model = engine.loaded.reference()
     if model.dtype != torch.float32:
         model = copy.deepcopy(model).float()
     seen = {}

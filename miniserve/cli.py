@@ -64,8 +64,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         f"{int(CONTEXT.default)})")
     p.add_argument("--device", default="auto", help="auto (CUDA, then MPS, then CPU), cpu, cuda, mps")
     p.add_argument("--dtype", default="auto",
-                   help="weights: auto, float32, bfloat16, float16 (auto: bfloat16 on CUDA and on "
-                        "a CPU with the native runner, float16 on MPS, else float32)")
+                   help="weights: auto, stored, float32, bfloat16, float16. stored: a GGUF's "
+                        "weights as the file holds them (Q4_K, Q6_K, Q8_0, Q4_1, ... blocks, "
+                        "memory-mapped; the native runner on the CPU); the others: dequantized "
+                        "copies. auto: stored for a GGUF where the native runner runs, else "
+                        "bfloat16 on CUDA and on a CPU with the native runner, float16 on MPS, "
+                        "else float32")
     p.add_argument("--runner", default="auto", choices=("auto", "native", "lean", "transformers"),
                    help="lean: the readable fused forward pass in PyTorch (Llama family); "
                         "native: the same forward pass in compiled C++, every pass -- prompt "
@@ -77,7 +81,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="the arithmetic of the matrix products, apart from the weights' dtype: "
                         "float32 (float32 products and sums); bfloat16 (activations rounded to "
                         "bfloat16, products summed in float32); auto: bfloat16 where the CPU "
-                        "has bfloat16 dot products and the weights are bfloat16, else float32")
+                        "has bfloat16 dot products and the weights are bfloat16, else float32. "
+                        "With weights as stored, quantized matrices always take their "
+                        "activations as int8 blocks; --math is the arithmetic of attention "
+                        "(bfloat16: a bfloat16 KV cache) and of any float matrices (auto: "
+                        "bfloat16 where the CPU has bfloat16 dot products)")
     _add_ranged(p, ENGINE_FLAGS)
 
 
@@ -367,7 +375,7 @@ def cmd_bench(args) -> int:
                                  MAX_PROMPT_TOKENS)
         config = BenchConfig(prompt_tokens=lengths, new_tokens=_given(args.new_tokens, 64),
                              repeat=_given(args.repeat, 3), modes=tuple(args.modes.split(",")),
-                             peer=args.peer)
+                             peer=args.peer, check=not args.no_check)
     except ValueError as e:
         return fail(str(e))
     def measure(engine, bar):
@@ -517,6 +525,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(q4_1 for the embedded model); with "
                         "--concurrency, its batched decoding of the same greedy streams "
                         "(needs llama-cpp-python: make bench-peer)")
+    b.add_argument("--no-check", action="store_true",
+                   help="do not check our greedy tokens against the float32 reference (which "
+                        "loads a float32 copy of the weights: for a large GGUF run as stored, "
+                        "gigabytes and a minute)")
     b.add_argument("--prefix-reuse", type=int, default=0, metavar="TOKENS",
                    help="also time a follow-up chat turn after this much history, with and "
                         "without prefix-cache reuse (0 = skip)")

@@ -12,6 +12,7 @@ request, Regenerate) needs no prefill at all.
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -164,6 +165,15 @@ def make_runner(loaded: LoadedModel, runner: str = "auto", quant: str | None = N
     from miniserve import lean, native
     if runner not in RUNNERS:
         raise ValueError(f"unknown runner '{runner}': use {', '.join(RUNNERS)}")
+    if loaded.stored:  # a GGUF's weights as stored: the native runner over the mapped file
+        from miniserve.stored import StoredRunner
+        if runner not in ("auto", "native"):
+            raise ValueError(f"the {runner} runner computes over dequantized weights: use "
+                             f"--dtype float32 or bfloat16 with --runner {runner}")
+        if quant:
+            raise ValueError(f"--quant {quant} quantizes float weights at load; this GGUF's "
+                             "weights are used as stored (for --quant, add --dtype bfloat16)")
+        return StoredRunner(loaded.model, math, loaded.generation_config)
     if quant and runner in ("transformers", "native"):
         raise ValueError(f"--quant needs the lean runner, not {runner}")
     if runner == "transformers" or (runner == "auto" and not lean.supports(loaded.model)):
@@ -282,7 +292,7 @@ class Engine:
 
     def _end_ids(self) -> set[int]:
         ids = set()
-        gen_eos = self.model.generation_config.eos_token_id
+        gen_eos = self.loaded.generation_config.eos_token_id
         ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
         if self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
@@ -608,14 +618,17 @@ def columns(out: queue.Queue, cancel: threading.Event, n: int) -> "Stream":
                   cancel)
 
 
-def auto_dtype(dtype: str, device: str | None, runner: str, quant: str | None) -> str:
-    """--dtype auto picks the fastest weights for what will run them: int8 runs with bfloat16
-    activations; the native CPU step reads bfloat16 weights (half the bytes of float32) and
-    computes in float32, 1.3-1.6x faster than float32 weights here."""
+def auto_dtype(dtype: str, device: str | None, runner: str, quant: str | None,
+               source: str | None = None) -> str:
+    """--dtype auto picks the fastest weights for what will run them: a GGUF's weights as
+    stored where the native runner runs (fewer bytes a token than any float copy: Q4_K_M ~4.9
+    bits a weight against bfloat16's 16; BENCHMARKS.md, "Weights as stored"); int8 runs with
+    bfloat16 activations; the native CPU step reads bfloat16 weights (half the bytes of
+    float32) and computes in float32, 1.3-1.6x faster than float32 weights here."""
     import torch
 
     from miniserve import native
-    from miniserve.loader import ModelLoadError, pick_device
+    from miniserve.loader import STORED, ModelLoadError, pick_device
     if dtype != "auto":
         return dtype
     if quant == "int8":
@@ -625,8 +638,34 @@ def auto_dtype(dtype: str, device: str | None, runner: str, quant: str | None) -
     except ModelLoadError:
         return dtype  # load_model reports the bad device
     if runner in ("auto", "native") and native.supports(dev, torch.bfloat16):
-        return "bfloat16"
+        return STORED if quant is None and runs_as_stored(source) else "bfloat16"
     return dtype
+
+
+def is_gguf(source: str | None) -> bool:
+    """Whether a model source is a GGUF file (the embedded model and known models are)."""
+    from miniserve.loader import KNOWN_MODELS, ModelLoadError, resolve_source
+    if not source or source == "default" or source in KNOWN_MODELS:
+        return True
+    try:
+        return resolve_source(source)[0] == "gguf"
+    except ModelLoadError:
+        return False
+
+
+def runs_as_stored(source: str | None) -> bool:
+    """A GGUF whose architecture the stored runner runs (others load dequantized, through
+    transformers, which says what it supports)."""
+    from miniserve import stored
+    from miniserve.loader import KNOWN_MODELS, ModelLoadError, resolve_source
+    if not is_gguf(source):
+        return False
+    if not source or source == "default" or source in KNOWN_MODELS:
+        return True
+    try:
+        return stored.runs_as_stored(resolve_source(source)[1])
+    except ModelLoadError:
+        return True
 
 
 def start_engine(model: str | None = None, device: str | None = "auto", dtype: str = "auto",
@@ -637,7 +676,15 @@ def start_engine(model: str | None = None, device: str | None = "auto", dtype: s
     """Load a model and start its engine, as the app, the CLI and `serve` do. Raises
     ModelLoadError (the model) or ValueError (the runner / quantization)."""
     from miniserve.loader import load_model
-    loaded = load_model(model, device=device, dtype=auto_dtype(dtype, device, runner, quant),
-                        progress=progress)
+    chosen = auto_dtype(dtype, device, runner, quant, model)
+    if dtype == "auto" and chosen != "stored" and is_gguf(model) and runs_as_stored(model):
+        from miniserve import native
+        why = (f"--runner {runner}" if runner not in ("auto", "native") else
+               f"--quant {quant}" if quant else native.unavailable_reason()
+               or "the native runner does not run on this device")
+        (progress or (lambda m: print(m, file=sys.stderr, flush=True)))(
+            f"The GGUF's weights are dequantized to {chosen} ({why}); as stored they need the "
+            "native runner on the CPU.")
+    loaded = load_model(model, device=device, dtype=chosen, progress=progress)
     return Engine(loaded, runner=runner, quant=quant, math=math, kv_budget=kv_budget,
                   max_queue=max_queue, max_batch=max_batch, name=name)

@@ -7,8 +7,11 @@ Sources, in the order they are recognised:
   * a local folder       a transformers checkpoint (config.json), or a folder holding one .gguf
   * anything else        a Hugging Face Hub id, e.g. "Qwen/Qwen2.5-0.5B-Instruct"
 
-A GGUF is dequantized once and kept as safetensors in a cache folder keyed by the
-file's hash and the dtype, so a second start takes seconds instead of ~15 s.
+A GGUF runs with its weights as stored (`--dtype stored`, the default where the native
+runner runs: miniserve/stored.py), memory-mapped, nothing dequantized. With `--dtype float32`
+or `bfloat16` (and wherever the native runner cannot run) it is dequantized once by
+transformers and kept as safetensors in a cache folder keyed by the file's hash and the dtype,
+so a second start takes seconds instead of ~15 s.
 """
 
 from __future__ import annotations
@@ -57,15 +60,39 @@ class ModelLoadError(RuntimeError):
     """Loading failed; the message is one sentence naming the source and what to do."""
 
 
+STORED = "stored"  # --dtype stored: a GGUF's weights as the file holds them
+
+
 @dataclass
 class LoadedModel:
-    model: torch.nn.Module
+    model: object        # a transformers model, or the GGUF's weights as stored (GGUFWeights)
     tokenizer: object
     device: torch.device
-    dtype: torch.dtype
+    dtype: torch.dtype   # the weights' (as stored: float32, the activations')
     name: str            # what the user sees and the API reports
     source: str          # where it came from
     context_length: int
+    generation_config: object = None  # the transformers model's own where there is one
+
+    @property
+    def stored(self) -> bool:
+        """The weights are a GGUF file's, as stored (no transformers model)."""
+        return not isinstance(self.model, torch.nn.Module)
+
+    def __post_init__(self):
+        if self.generation_config is None:
+            self.generation_config = self.model.generation_config
+        self._reference = None if self.stored else self.model
+
+    def reference(self):
+        """A transformers model over these weights -- the reference the benchmark's other
+        modes and its token check use: the model itself, or for weights as stored the file
+        dequantized to float32 (loaded at the first call: seconds to a minute, and the
+        memory of a float32 copy)."""
+        if self._reference is None:
+            self._reference = load_model(self.source, device="cpu", dtype="float32",
+                                         progress=lambda m: None).model
+        return self._reference
 
 
 def pick_device(requested: str | None = None) -> torch.device:
@@ -310,6 +337,15 @@ def load_model(source: str | None = None, device: str | None = None, dtype: str 
     """Load a model and its tokenizer, ready for inference, or raise ModelLoadError."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     kind, path, hub_id = resolve_source(source, progress, install=True)
+    if dtype == STORED:
+        if kind != "gguf":
+            raise ModelLoadError(f"--dtype stored needs a .gguf file; '{source}' is a "
+                                 f"{'model folder' if kind == 'folder' else 'Hub id'} (use "
+                                 "--dtype auto, float32 or bfloat16, or --quant q8_0|q4_0)")
+        if pick_device(device).type != "cpu":
+            raise ModelLoadError("--dtype stored runs on the CPU (the native runner); use "
+                                 "--dtype bfloat16 or float16 on a GPU")
+        return _load_stored(source, path, progress)
     dev = pick_device(device)
     dt = pick_dtype(dev, dtype)
     start = time.perf_counter()
@@ -342,6 +378,76 @@ def load_model(source: str | None = None, device: str | None = None, dtype: str 
     return LoadedModel(model, tokenizer, dev, dt, name, str(path or hub_id), context)
 
 
+def _load_stored(source: str | None, path: Path, progress: Progress | None) -> LoadedModel:
+    """A GGUF with its weights as stored: the file mapped, its tokenizer from the cache."""
+    from transformers import GenerationConfig
+
+    from miniserve.stored import GGUFWeights, StoredModelError
+    start = time.perf_counter()
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ModelLoadError(f"{path} is not a GGUF file (it does not start with 'GGUF'); "
+                                 "download it again or pass another --model.")
+    try:
+        weights = GGUFWeights(path, progress)
+    except StoredModelError as e:
+        raise ModelLoadError(str(e)) from None
+    tokenizer = _stored_tokenizer(path, weights, progress)
+    meta = weights.file.get
+    eos = meta("tokenizer.ggml.eos_token_id")
+    generation = GenerationConfig(
+        bos_token_id=meta("tokenizer.ggml.bos_token_id"), eos_token_id=eos,
+        pad_token_id=meta("tokenizer.ggml.padding_token_id", eos))
+    name = (EMBEDDED_NAME if path == embedded_gguf_or_none() else
+            source if source in KNOWN_MODELS else path.stem)
+    context = weights.config.max_position_embeddings
+    _say(progress, f"Loaded {name} on cpu as {weights.file_type()} as stored (the file's "
+                   f"{path.stat().st_size / 1e6:,.0f} MB mapped, nothing dequantized) in "
+                   f"{time.perf_counter() - start:.1f} s")
+    return LoadedModel(weights, tokenizer, torch.device("cpu"), torch.float32, name, str(path),
+                       context, generation_config=generation)
+
+
+def _stored_tokenizer(path: Path, weights, progress: Progress | None):
+    """The file's tokenizer, built by transformers from its header once (seconds for a large
+    vocabulary) and kept in the cache folder under the header's hash."""
+    from transformers import AutoTokenizer
+    folder = cache_root() / "tokenizers" / f"{path.stem}-{weights.header_key()}"
+    if (folder / "tokenizer_config.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(str(folder))
+        except Exception:  # noqa: BLE001 -- a damaged cache entry is rebuilt
+            shutil.rmtree(folder, ignore_errors=True)
+    _say(progress, f"Reading the tokenizer of {path.name} (first start only) ...")
+    try:
+        tokenizer = _gguf_tokenizer(path)
+    except Exception as e:  # noqa: BLE001 -- the tokenizers library raises plain Exception
+        # on a damaged vocabulary ("Token ... out of vocabulary"): one line, not a traceback
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(f"{path.name}: its tokenizer could not be read: {first}") from None
+    try:
+        partial = folder.with_name(folder.name + f".{os.getpid()}.partial")
+        tokenizer.save_pretrained(str(partial))
+        shutil.rmtree(folder, ignore_errors=True)
+        os.replace(partial, folder)
+    except OSError as e:
+        _say(progress, f"Could not cache the tokenizer in {folder} ({e}).")
+    return tokenizer
+
+
+def _gguf_tokenizer(path: Path):
+    """The tokenizer transformers builds from a GGUF, without what AutoTokenizer does first:
+    it reads the whole file's metadata with the gguf package's reader to make a model config
+    (~10x the time of the tokenizer itself: 33 s against 3 s for a 49k vocabulary, measured on
+    a busy 2-core machine). The same class, ids and chat template (tests/test_stored.py)."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (convert_gguf_tokenizer,
+                                                                       get_gguf_tokenizer)
+    architecture, vocabulary, config = get_gguf_tokenizer(str(path))
+    backend, extra = convert_gguf_tokenizer(architecture, vocabulary)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra)
+
+
 def embedded_gguf_or_none() -> Path | None:
     try:
         return embedded_gguf()
@@ -351,10 +457,13 @@ def embedded_gguf_or_none() -> Path | None:
 
 def describe(loaded: LoadedModel) -> dict:
     """What the UI, CLI and API show about the loaded model."""
-    params = sum(p.numel() for p in loaded.model.parameters())
+    if loaded.stored:
+        params, dtype = loaded.model.num_parameters(), f"{loaded.model.file_type()} as stored"
+    else:
+        params = sum(p.numel() for p in loaded.model.parameters())
+        dtype = str(loaded.dtype).removeprefix("torch.")
     return {"name": loaded.name, "source": loaded.source, "device": loaded.device.type,
-            "dtype": str(loaded.dtype).removeprefix("torch."), "context_length": loaded.context_length,
-            "parameters": params}
+            "dtype": dtype, "context_length": loaded.context_length, "parameters": params}
 
 
 if __name__ == "__main__":  # python -m miniserve.loader [SOURCE]: load once, print what was loaded

@@ -27,6 +27,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -34,8 +35,11 @@ from miniserve.config import MATHS
 from miniserve.lean import KVCache
 
 SOURCE = Path(__file__).parent / "kernels" / "decode.cpp"
-ABI_VERSION = 7
+KERNEL_FILES = sorted(SOURCE.parent.glob("*.h")) + [SOURCE]  # the headers decode.cpp includes
+ABI_VERSION = 8
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+# ggml's type ids (a GGUF tensor's type) of the float weights; quantized ones come from the file
+TYPE_IDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
 FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-ffp-contract=off"]
 MATH_CODES = {"float32": 0, "bfloat16": 1}
 X86_64 = platform.machine().lower() in ("x86_64", "amd64")
@@ -84,7 +88,8 @@ def library_path(compiler: str, target: str = "native") -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              timeout=30).stdout
     flags = repr((FLAGS, target, TARGETS[target]))
-    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + _cpu_id().encode()
+    sources = b"".join(path.read_bytes() for path in KERNEL_FILES)
+    key = hashlib.sha256(sources + version.encode() + _cpu_id().encode()
                          + platform.machine().encode() + flags.encode()).hexdigest()[:16]
     return cache_root() / "kernels" / f"decode-{target}-{key}.so"
 
@@ -150,23 +155,49 @@ def isa() -> str | None:
     return lib.ms_isa().decode() if lib is not None else None
 
 
-# a layer's weights, in MsLayer's order; the Gemma 3 norms are absent (null) elsewhere
-LAYER_WEIGHTS = ("attn_norm", "wqkv", "bqkv", "wo", "mlp_norm", "w13", "w2", "q_norm", "k_norm",
-                 "attn_out_norm", "mlp_out_norm")
 NORMS = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm")
 
 
-class MsLayer(ctypes.Structure):  # decode.cpp's structs, field by field
-    _fields_ = [*((name, ctypes.c_void_p) for name in (*LAYER_WEIGHTS, "cos", "sin")),
+class StoredMatrix(NamedTuple):
+    """A matrix in a GGUF file's own block format, used where it lies (memory-mapped): the
+    address of its first row, ggml's type id, its rows and columns, its bytes."""
+    address: int
+    type: int
+    rows: int
+    cols: int
+    nbytes: int
+
+
+class MsMat(ctypes.Structure):  # decode.cpp's structs, field by field
+    _fields_ = [("data", ctypes.c_void_p), ("type", ctypes.c_long), ("rows", ctypes.c_long)]
+
+
+class MsLayer(ctypes.Structure):
+    _fields_ = [("attn_norm", ctypes.c_void_p), ("qkv", MsMat * 3), ("bqkv", ctypes.c_void_p),
+                ("wo", MsMat), ("mlp_norm", ctypes.c_void_p), ("gate_up", MsMat * 2),
+                ("w2", MsMat),
+                *((name, ctypes.c_void_p) for name in ("q_norm", "k_norm", "attn_out_norm",
+                                                       "mlp_out_norm", "cos", "sin")),
                 ("window", ctypes.c_long)]
 
 
 class MsModel(ctypes.Structure):
     _fields_ = [*((name, ctypes.c_long) for name in ("layers", "D", "H", "KV", "hd", "I", "V")),
-                *((name, ctypes.c_void_p) for name in ("embed", "lm_head", "final_norm")),
+                ("embed", MsMat), ("lm_head", MsMat), ("final_norm", ctypes.c_void_p),
                 ("layer", ctypes.POINTER(MsLayer)),
                 *((name, ctypes.c_float) for name in ("eps", "embed_scale", "attn_scale")),
-                *((name, ctypes.c_int) for name in ("gelu", "wdtype", "math", "threads"))]
+                *((name, ctypes.c_int) for name in ("gelu", "rope_pairs", "math", "threads"))]
+
+
+def ms_mat(w) -> MsMat:
+    """A tensor (float32, float16 or bfloat16, contiguous) or a StoredMatrix as an MsMat; None
+    as an absent one."""
+    if w is None:
+        return MsMat(None, 0, 0)
+    if isinstance(w, StoredMatrix):
+        return MsMat(w.address, w.type, w.rows)
+    assert w.is_contiguous() and w.dtype in TYPE_IDS, (w.dtype, w.shape)
+    return MsMat(w.data_ptr(), TYPE_IDS[w.dtype], w.shape[0])
 
 
 class MsRows(ctypes.Structure):
@@ -181,8 +212,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_forward.restype = None
     lib.ms_scratch_floats.argtypes = [ctypes.POINTER(MsModel), L, L]
     lib.ms_scratch_floats.restype = L
-    lib.ms_matmul.argtypes = [I, I, P, P, P, L, L, L, I]
+    lib.ms_matmul.argtypes = [ctypes.POINTER(MsMat), P, P, L, L, I, I]
     lib.ms_matmul.restype = None
+    lib.ms_dequant.argtypes = [ctypes.POINTER(MsMat), L, P]
+    lib.ms_dequant.restype = None
+    lib.ms_row_bytes.argtypes = [L, L]
+    lib.ms_row_bytes.restype = L
     lib.ms_kv_bf16.argtypes = [ctypes.POINTER(MsModel)]
     lib.ms_kv_bf16.restype = I
     lib.ms_bf16_dot.argtypes = []
@@ -216,17 +251,40 @@ def resolve_math(math: str, dtype: torch.dtype) -> str:
     return math
 
 
-def matmul(w: torch.Tensor, x: torch.Tensor, math: str = "float32") -> torch.Tensor:
-    """x @ w.T with the native kernel (float32 result; x float32 of shape (B, cols)) in the
-    given arithmetic; for tests and measurements."""
+def matmul(w, x: torch.Tensor, math: str = "float32") -> torch.Tensor:
+    """x @ w.T with the native kernel (float32 result; x float32 of shape (B, cols)); w a
+    float tensor (in the given arithmetic) or a StoredMatrix (its type's kernel, on x quantized
+    per block); for tests and measurements."""
     lib = load()
-    assert lib is not None and w.is_contiguous() and x.dtype == torch.float32
-    x = x.reshape(-1, w.shape[1]).contiguous()
-    y = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
-    lib.ms_matmul(DTYPE_CODES[w.dtype], MATH_CODES[resolve_math(math, w.dtype)], w.data_ptr(),
-                  x.data_ptr(), y.data_ptr(), x.shape[0], w.shape[0], w.shape[1],
-                  torch.get_num_threads())
+    assert lib is not None and x.dtype == torch.float32
+    rows, cols = (w.rows, w.cols) if isinstance(w, StoredMatrix) else w.shape
+    if not isinstance(w, StoredMatrix):
+        math = resolve_math(math, w.dtype)
+    x = x.reshape(-1, cols).contiguous()
+    y = torch.empty(x.shape[0], rows, dtype=torch.float32)
+    lib.ms_matmul(ctypes.byref(ms_mat(w)), x.data_ptr(), y.data_ptr(), x.shape[0], cols,
+                  MATH_CODES[math], torch.get_num_threads())
     return y
+
+
+def dequantize(w: StoredMatrix) -> torch.Tensor:
+    """The matrix's rows as float32, as the kernels read its blocks (rows, cols)."""
+    lib = load()
+    assert lib is not None
+    y = torch.empty(w.rows, w.cols, dtype=torch.float32)
+    lib.ms_dequant(ctypes.byref(ms_mat(w)), w.cols, y.data_ptr())
+    return y
+
+
+def row_bytes(type_id: int, cols: int) -> int:
+    """Bytes of a row of `cols` weights of a ggml type in this library; -1 where it does not
+    run that type in place (or the width does not divide into its blocks)."""
+    lib = load()
+    return lib.ms_row_bytes(type_id, cols) if lib is not None else -1
+
+
+def _rows(w) -> int:
+    return w.rows if isinstance(w, StoredMatrix) else w.shape[0]
 
 
 def _embed_scale(model) -> float:
@@ -268,21 +326,22 @@ class NativeCache(KVCache):
 
 
 class NativeForward:
-    """A LeanModel's weights behind decode.cpp's forward pass: any number of rows from any
-    number of sequences in one call.
+    """A model's weights behind decode.cpp's forward pass: any number of rows from any number
+    of sequences in one call. The model is a LeanModel (float32 / bfloat16 tensors, q|k|v and
+    gate|up fused) or a stored GGUF model (miniserve/stored.py: StoredMatrix tensors in the
+    file's block formats, q, k, v, gate and up apart).
 
     Holds the model struct (raw pointers of the weights, which never move), float32 copies of
-    bfloat16 norm weights (decode.cpp's norms take float32: Gemma's 1 + w is float32 whatever
-    the weights' dtype) and a scratch buffer sized by the C side."""
+    norm weights and biases (decode.cpp takes them in float32: Gemma's 1 + w is float32
+    whatever the weights' dtype) and a scratch buffer sized by the C side."""
 
     def __init__(self, model, math: str):
         self.lib = load()
         self.model = model
         self.math = math
         cfg = model.config
-        self.V = model.lm_head.shape[0]
-        assert model.head_dim <= 1024 and all(t is None or t.is_contiguous()
-                                              for w in model.layers for t in w.values())
+        self.V = _rows(model.lm_head)
+        assert model.head_dim <= 1024
         self._kept = []  # the float32 norm weights the structs point to
         self._layers = (MsLayer * len(model.layers))(*[
             self._layer(w, *model.layer_tables(i), model.windows[i])
@@ -290,11 +349,11 @@ class NativeForward:
         self.struct = MsModel(
             layers=len(model.layers), D=cfg.hidden_size, H=model.n_heads, KV=model.n_kv,
             hd=model.head_dim, I=cfg.intermediate_size, V=self.V,
-            embed=model.embed.data_ptr(), lm_head=model.lm_head.data_ptr(),
+            embed=ms_mat(model.embed), lm_head=ms_mat(model.lm_head),
             final_norm=self._float32(model.final_norm), layer=self._layers,
             eps=float(model.eps), embed_scale=_embed_scale(model),
             attn_scale=_attn_scale(model), gelu=int(model.gemma),
-            wdtype=DTYPE_CODES[model.dtype], math=MATH_CODES[math],
+            rope_pairs=int(getattr(model, "rope_pairs", False)), math=MATH_CODES[math],
             threads=torch.get_num_threads())
         self.max_positions = model.cos.shape[0]
         self.scratch = torch.empty(0, dtype=torch.float32)
@@ -311,13 +370,18 @@ class NativeForward:
 
     def _layer(self, w: dict, cos: torch.Tensor, sin: torch.Tensor,
                window: int | None) -> MsLayer:
-        def address(name):
-            if name in NORMS:
-                return self._float32(w.get(name))
-            return w[name].data_ptr() if w.get(name) is not None else None
+        qkv = [w["wqkv"]] if "wqkv" in w else [w["wq"], w["wk"], w["wv"]]
+        gate_up = [w["w13"]] if "w13" in w else [w["w1"], w["w3"]]
         assert cos.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
-        return MsLayer(*(address(name) for name in LAYER_WEIGHTS), cos.data_ptr(), sin.data_ptr(),
-                       window or 0)
+        return MsLayer(
+            attn_norm=self._float32(w["attn_norm"]),
+            qkv=(MsMat * 3)(*(ms_mat(m) for m in qkv + [None] * (3 - len(qkv)))),
+            bqkv=self._float32(w.get("bqkv")), wo=ms_mat(w["wo"]),
+            mlp_norm=self._float32(w["mlp_norm"]),
+            gate_up=(MsMat * 2)(*(ms_mat(m) for m in gate_up + [None] * (2 - len(gate_up)))),
+            w2=ms_mat(w["w2"]),
+            **{name: self._float32(w.get(name)) for name in NORMS[2:]},
+            cos=cos.data_ptr(), sin=sin.data_ptr(), window=window or 0)
 
     def new_cache(self, capacity: int = 256) -> NativeCache:
         m = self.model

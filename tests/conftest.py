@@ -32,6 +32,22 @@ def bf16():
 
 
 @pytest.fixture(scope="session")
+def stored():
+    """The same GGUF with its weights as stored (Q4_1 blocks, memory-mapped: the native
+    runner's default), where the native runner runs."""
+    if not native_expected():
+        pytest.skip("MINISERVE_NATIVE=0: weights as stored need the native runner")
+    from miniserve.loader import load_model
+    return load_model(None, dtype="stored", progress=lambda m: None)
+
+
+@pytest.fixture(scope="session")
+def stored_engine(stored):
+    from miniserve.engine import Engine
+    return Engine(stored)
+
+
+@pytest.fixture(scope="session")
 def ref32(loaded):
     """The float32 model's weights in float64: the reference for float32 runners."""
     from reference import float64_twin

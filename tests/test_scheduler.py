@@ -55,7 +55,7 @@ def bf16_engine(bf16):
     return Engine(bf16)  # bfloat16 weights: bfloat16 products where the CPU has them
 
 
-@pytest.mark.parametrize("which", ["engine", "bf16_engine"])
+@pytest.mark.parametrize("which", ["engine", "bf16_engine", "stored_engine"])
 def test_eight_streams_get_the_tokens_each_gets_alone(request, which):
     engine = request.getfixturevalue(which)
     prompts = [chat_ids(engine.tokenizer, q) for q in QUESTIONS]
@@ -69,11 +69,13 @@ def test_eight_streams_get_the_tokens_each_gets_alone(request, which):
         assert max(engine.scheduler.widest, before) >= 2
 
 
+@pytest.mark.parametrize("which", ["bf16", "stored"])
 @needs_native
-def test_a_prompt_read_in_chunks_beside_other_streams_gets_the_same_tokens(bf16):
+def test_a_prompt_read_in_chunks_beside_other_streams_gets_the_same_tokens(request, which):
     """Step of 24 rows: a 290-token prompt is read in chunks of what the decode rows of the
-    other streams leave, over more than ten passes."""
-    engine = Engine(bf16, step_tokens=24)
+    other streams leave, over more than ten passes (bfloat16 weights, and the GGUF's Q4_1
+    blocks as stored)."""
+    engine = Engine(request.getfixturevalue(which), step_tokens=24)
     prompts = [chat_ids(engine.tokenizer, HELD_OUT + " Summarize this.")] + [
         chat_ids(engine.tokenizer, q) for q in QUESTIONS[:3]]
     params = settings(4, new_tokens=16)
@@ -83,10 +85,12 @@ def test_a_prompt_read_in_chunks_beside_other_streams_gets_the_same_tokens(bf16)
     assert engine.scheduler.tallest <= 24 and engine.scheduler.passes > len(prompts[0]) // 24
 
 
+@pytest.mark.parametrize("which", ["engine", "stored_engine"])
 @needs_native
-def test_a_reused_prefix_gives_the_tokens_of_a_fresh_prompt(engine):
+def test_a_reused_prefix_gives_the_tokens_of_a_fresh_prompt(request, which):
     """The next turn of a chat reuses the KV of the last one and reads only the rest: exact,
     since a position's keys and values do not depend on how the prompt was cut."""
+    engine = request.getfixturevalue(which)
     params = SamplingParams(temperature=0, max_new_tokens=12)
     messages = [{"role": "user", "content": "Name three rivers."}]
     first, _ = engine.chat_text(messages, params)

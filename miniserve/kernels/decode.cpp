@@ -531,36 +531,21 @@ struct Bf16DotTiles {  // bfloat16 products on vdpbf16ps
 };
 #endif
 
-// One thread's share: output rows [r0, r1) for activation rows [0, B). x: float rows; xb: the
-// same rows in bfloat16 (bfloat16 products) or null.
+// One thread's share: output rows [r0, r1) for activation rows [0, B), written to y[b * ldy + r].
+// x: float rows; xb: the same rows in bfloat16 (bfloat16 products) or null.
 template <typename W>
-static void matmul_part(const W *w, const float *x, const bf16 *xb, float *y, long B, long R,
+static void matmul_part(const W *w, const float *x, const bf16 *xb, float *y, long B, long ldy,
                         long C, long r0, long r1) {
 #if MS_BF16_DOT
     if (xb != nullptr && std::is_same<W, bf16>::value && C % 32 == 0)
-        return tile_loops(Bf16DotTiles{(const bf16 *)w, xb, y, R, C}, B, r0, r1);
+        return tile_loops(Bf16DotTiles{(const bf16 *)w, xb, y, ldy, C}, B, r0, r1);
 #endif
     (void)xb;
 #if defined(__AVX512F__)
-    if (C % 16 == 0) return tile_loops(Float32Tiles<W>{w, x, y, R, C}, B, r0, r1);
+    if (C % 16 == 0) return tile_loops(Float32Tiles<W>{w, x, y, ldy, C}, B, r0, r1);
 #endif
     for (long r = r0; r < r1; r++)
-        for (long b = 0; b < B; b++) y[b * R + r] = dot1(w + r * C, x + b * C, C);
-}
-
-// y (B x R) = x (B x C) w^T (+ bias), the weight rows split evenly over the threads.
-template <typename W>
-static void matmul(const W *w, const W *bias, const float *x, const bf16 *xb, float *y, long B,
-                   long R, long C, int threads) {
-    parallel(threads, [&](int t, int n) {
-        long per = ((R + n - 1) / n + 3) / 4 * 4;  // a multiple of 4 rows per thread
-        long r0 = t * per, r1 = r0 + per < R ? r0 + per : R;
-        if (r0 >= r1) return;
-        matmul_part(w, x, xb, y, B, R, C, r0, r1);
-        if (bias)
-            for (long b = 0; b < B; b++)
-                for (long r = r0; r < r1; r++) y[b * R + r] += load(bias, r);
-    });
+        for (long b = 0; b < B; b++) y[b * ldy + r] = dot1(w + r * C, x + b * C, C);
 }
 
 // Rounds to the nearest bfloat16 (ties to even): xr the value as a float, xb its 16 bits.
@@ -572,6 +557,106 @@ static inline void round_bf16(const float *x, float *xr, bf16 *xb, long n) {
         u &= 0xffff0000u;
         std::memcpy(&xr[i], &u, 4);
         xb[i] = (bf16)(u >> 16);
+    }
+}
+
+// ---------------------------------------------------------------- weights as stored
+
+// A GGUF file's tensors are used in place, in their own block formats (ggml's type ids; the
+// block layouts are ggml-common.h's): quants.h holds the types of 32-weight blocks (Q4_0, Q4_1,
+// Q5_0, Q5_1, Q8_0) and F16, kquants.h the K-quants of 256-weight super-blocks (Q4_K, Q5_K,
+// Q6_K). Each activation row entering such a product is quantized once per product to int8
+// blocks (ms_a8 for the 32-weight types, ms_a8k for the K-quants), then every weight row is an
+// integer dot product per block, the blocks' results combined in one fixed order. That order
+// is the same whichever number of activation rows (1, 4 or 8) a kernel call takes, so a row's
+// result does not depend on what shares its pass (batch invariance, as above).
+#include "quants.h"
+#include "kquants.h"
+
+enum MsTypeId {
+    T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
+    T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30
+};
+
+// What the activations of a product over weights of a type are: float rows, or quantized.
+enum Act { ACT_FLOAT = 0, ACT_A8 = 1, ACT_A8K = 2 };
+
+typedef void (*DotFn)(long n, const void *w, const void *x, long xstride, float *y, long ystride);
+typedef void (*DequantFn)(const void *w, float *y, long n);
+
+struct Kernels {
+    long block, bytes;  // weights a block holds, its bytes
+    Act act;
+    DotFn dot1, dot4, dot8;  // against 1, 4 or 8 activation rows
+    DequantFn dequant;       // one row to floats
+};
+
+#define MS_KERNELS(block, bytes, act, t) \
+    {block, bytes, act, ms_dot_##t<1>, ms_dot_##t<4>, ms_dot_##t<8>, ms_dequant_##t}
+
+// The kernels of a quantized (or F16) type; null for F32, BF16 (the float loops above) and
+// the types we do not run in place.
+static const Kernels *kernels_for(long type) {
+    static const Kernels q4_0 = MS_KERNELS(32, 18, ACT_A8, q4_0),
+                         q4_1 = MS_KERNELS(32, 20, ACT_A8, q4_1),
+                         q5_0 = MS_KERNELS(32, 22, ACT_A8, q5_0),
+                         q5_1 = MS_KERNELS(32, 24, ACT_A8, q5_1),
+                         q8_0 = MS_KERNELS(32, 34, ACT_A8, q8_0),
+                         q4_k = MS_KERNELS(256, 144, ACT_A8K, q4_K),
+                         q5_k = MS_KERNELS(256, 176, ACT_A8K, q5_K),
+                         q6_k = MS_KERNELS(256, 210, ACT_A8K, q6_K),
+                         f16 = MS_KERNELS(1, 2, ACT_FLOAT, f16);
+    switch (type) {
+        case T_Q4_0: return &q4_0;
+        case T_Q4_1: return &q4_1;
+        case T_Q5_0: return &q5_0;
+        case T_Q5_1: return &q5_1;
+        case T_Q8_0: return &q8_0;
+        case T_Q4_K: return &q4_k;
+        case T_Q5_K: return &q5_k;
+        case T_Q6_K: return &q6_k;
+        case T_F16: return &f16;
+        default: return nullptr;
+    }
+}
+
+// Bytes of one row of `cols` weights of a type; -1 for a type not run here or a width that
+// does not divide into its blocks.
+static long row_bytes(long type, long cols) {
+    if (type == T_F32) return cols * 4;
+    if (type == T_BF16) return cols * 2;
+    const Kernels *k = kernels_for(type);
+    if (k == nullptr || cols % k->block != 0) return -1;
+    return cols / k->block * k->bytes;
+}
+
+// Bytes of one activation row of `cols` numbers in a format.
+static long act_row_bytes(Act act, long cols) {
+    if (act == ACT_A8) return (cols + 31) / 32 * (long)sizeof(ms_a8);
+    if (act == ACT_A8K) return (cols + 255) / 256 * (long)sizeof(ms_a8k);
+    return cols * (long)sizeof(float);
+}
+
+// One thread's share of a product over quantized weights: weight rows [r0, r1) (each `wrow`
+// bytes) against activation rows [0, B) (each `xs` bytes of xq), into y[b * ldy + r]. Weight
+// rows are taken in chunks that stay in the L2 cache while activation rows pass by in blocks
+// of 64; within those, each weight row against 8, 4, then single activation rows. How many
+// a call takes never changes a pair's result (see above).
+static void qmatmul_part(const Kernels *k, const char *w, long wrow, const char *xq, long xs,
+                         float *y, long B, long ldy, long C, long r0, long r1) {
+    const long RC = B < 8 ? r1 - r0 : std::max(1L, (256L << 10) / wrow), XB = 64;
+    for (long c0 = r0; c0 < r1; c0 += RC) {
+        const long c1 = std::min(r1, c0 + RC);
+        for (long b0 = 0; b0 < B; b0 += XB) {
+            const long b1 = std::min(B, b0 + XB);
+            for (long r = c0; r < c1; r++) {
+                const char *wr = w + r * wrow;
+                long b = b0;
+                for (; b + 8 <= b1; b += 8) k->dot8(C, wr, xq + b * xs, xs, y + b * ldy + r, ldy);
+                for (; b + 4 <= b1; b += 4) k->dot4(C, wr, xq + b * xs, xs, y + b * ldy + r, ldy);
+                for (; b < b1; b++) k->dot1(C, wr, xq + b * xs, xs, y + b * ldy + r, ldy);
+            }
+        }
     }
 }
 
@@ -596,10 +681,25 @@ static void rms_norm(const float *x, const float *weight, float eps, float *out,
     for (long i = 0; i < n; i++) out[i] = weight[i] * (x[i] * inv);
 }
 
-// In place: v = v * cos + rotate_half(v) * sin, for `heads` vectors of head_dim numbers.
-static void rope(float *v, long heads, long hd, const float *cos, const float *sin) {
+// In place: v = v * cos + rotate_half(v) * sin, for `heads` vectors of head_dim numbers; with
+// `pairs`, each adjacent pair (2i, 2i + 1) rotated by its angle (cos and sin then hold each
+// angle twice, side by side): the layout of a GGUF llama file's q and k rows, whose
+// converter permuted them from halves to pairs.
+static void rope(float *v, long heads, long hd, const float *cos, const float *sin,
+                 bool pairs = false) {
     long half = hd / 2;
     float tmp[1024];
+    if (pairs) {
+        for (long h = 0; h < heads; h++) {
+            float *p = v + h * hd;
+            for (long i = 0; i < hd; i += 2) {
+                float a = p[i], b = p[i + 1];
+                p[i] = a * cos[i] - b * sin[i];
+                p[i + 1] = b * cos[i + 1] + a * sin[i + 1];
+            }
+        }
+        return;
+    }
     for (long h = 0; h < heads; h++) {
         float *p = v + h * hd;
         std::memcpy(tmp, p, hd * sizeof(float));
@@ -922,12 +1022,22 @@ static void merge_blocks(const float *part, long blocks, long stride, long hd, f
 // ---------------------------------------------------------------- the forward pass
 
 // The model, as ctypes builds it (miniserve/native.py mirrors these structs field by field).
-// Matrices are in the weights' dtype; norm weights and RoPE tables are float32.
+// A matrix is an MsMat: its rows in one of the types above (float32 and bfloat16 copies, or a
+// GGUF file's tensors in place); norm weights, biases and RoPE tables are float32.
+struct MsMat {
+    const void *data;  // null: absent (no rows)
+    long type;         // ggml's type id (MsTypeId)
+    long rows;         // its columns are the product's input width
+};
+
 struct MsLayer {
     const float *attn_norm;
-    const void *wqkv, *bqkv, *wo;  // bqkv may be null
+    MsMat qkv[3];        // q | k | v rows, output side by side: one fused matrix, or three
+    const float *bqkv;   // (H + 2 KV) hd, or null
+    MsMat wo;
     const float *mlp_norm;
-    const void *w13, *w2;
+    MsMat gate_up[2];    // gate | up rows: one fused matrix, or two
+    MsMat w2;
     const float *q_norm, *k_norm;              // Gemma: per head, before RoPE; else null
     const float *attn_out_norm, *mlp_out_norm;  // Gemma: on each branch's output; else null
     const float *cos, *sin;  // this layer's RoPE tables, (max positions, hd)
@@ -936,15 +1046,15 @@ struct MsLayer {
 
 struct MsModel {
     long layers, D, H, KV, hd, I, V;
-    const void *embed, *lm_head;
+    MsMat embed, lm_head;  // V rows each (the embedding's rows are looked up, not multiplied)
     const float *final_norm;
     const MsLayer *layer;
     float eps;
     float embed_scale;  // the embeddings' factor (Gemma: sqrt(D)); 1 = none
     float attn_scale;   // the scores' factor (head_dim^-0.5, or Gemma's query_pre_attn_scalar's)
     int gelu;           // the MLP's activation: 0 = SiLU, 1 = GELU (tanh approximation)
-    int wdtype;         // 0 = float32 weights, 1 = bfloat16
-    int math;           // 0 = float32 products, 1 = bfloat16 products
+    int rope_pairs;     // RoPE on adjacent pairs (GGUF's llama q/k rows), else on halves
+    int math;           // float32 / bfloat16 matrices: 0 = float32 products, 1 = bfloat16
     int threads;
 };
 
@@ -964,6 +1074,7 @@ struct MsRows {
 struct Scratch {
     float *x, *h, *xr, *qkv, *att, *gu, *act, *y, *s, *part;
     bf16 *xb;
+    char *xq8, *xq8k;  // activation rows quantized for a product (ms_a8 / ms_a8k blocks)
     long blocks;  // attention blocks of the longest row
 };
 
@@ -974,14 +1085,17 @@ static long carve(const MsModel *m, long n, long max_len, float *base, Scratch *
     const long sizes[] = {n * m->D, n * m->D, n * wide, n * (m->H + 2 * m->KV) * m->hd,
                           n * m->H * m->hd, n * 2 * m->I, n * m->I, n * m->D,
                           threads * group * BLOCK, n * m->KV * blocks * group * (m->hd + 2),
-                          (n * wide + 1) / 2 + 16};
+                          (n * wide + 1) / 2 + 16, (n * act_row_bytes(ACT_A8, wide) + 3) / 4,
+                          (n * act_row_bytes(ACT_A8K, wide) + 3) / 4};
     float **slots[] = {&sc->x, &sc->h, &sc->xr, &sc->qkv, &sc->att, &sc->gu, &sc->act, &sc->y,
                        &sc->s, &sc->part};
     long total = 0;
-    for (int i = 0; i < 11; i++) {
+    for (int i = 0; i < 13; i++) {
         if (base != nullptr) {
             if (i < 10) *slots[i] = base + total;
-            else sc->xb = (bf16 *)(base + total);
+            else if (i == 10) sc->xb = (bf16 *)(base + total);
+            else if (i == 11) sc->xq8 = (char *)(base + total);
+            else sc->xq8k = (char *)(base + total);
         }
         total += (sizes[i] + 15) / 16 * 16;  // each 64-byte aligned from an aligned base
     }
@@ -989,21 +1103,83 @@ static long carve(const MsModel *m, long n, long max_len, float *base, Scratch *
     return total;
 }
 
-// y (B x R) = x (B x C) w^T (+ bias), in the model's arithmetic.
-static void linear(const MsModel *m, const void *w, const void *bias, const float *x, long B,
-                   long R, long C, float *y, Scratch *sc) {
+// y (B x R) = x (B x C) [w_0 | w_1 | ...]^T (+ bias): the parts' output rows side by side
+// (R = their rows together), each in its own type. Float32 and bfloat16 parts in the model's
+// arithmetic (bfloat16 products: the activations rounded once); quantized parts on the
+// activations quantized once per format the parts need.
+static void linear(const MsModel *m, const MsMat *parts, int nparts, const float *bias,
+                   const float *x, long B, long C, float *y, Scratch *sc) {
+    long R = 0;
+    for (int i = 0; i < nparts; i++) R += parts[i].data ? parts[i].rows : 0;
+    const float *xf = x;
     const bf16 *xb = nullptr;
-    if (m->math == 1) {  // bfloat16 products: round the activations once
-        for_rows(m->threads, B, [&](long b) {
-            round_bf16(x + b * C, sc->xr + b * C, sc->xb + b * C, C);
-        });
-        x = sc->xr;
-        xb = sc->xb;
+    bool rounded = false, quantized[3] = {false, false, false};
+    long col = 0;
+    for (int i = 0; i < nparts; i++) {
+        const MsMat &p = parts[i];
+        if (p.data == nullptr) continue;
+        const Kernels *k = kernels_for(p.type);
+        float *yp = y + col;
+        if (k == nullptr) {  // float32 or bfloat16 rows: the float loops
+            if (m->math == 1 && !rounded) {  // bfloat16 products: round the activations once
+                for_rows(m->threads, B, [&](long b) {
+                    round_bf16(x + b * C, sc->xr + b * C, sc->xb + b * C, C);
+                });
+                xf = sc->xr;
+                xb = sc->xb;
+                rounded = true;
+            }
+            parallel(m->threads, [&](int t, int n) {
+                long per = ((p.rows + n - 1) / n + 3) / 4 * 4;  // a multiple of 4 rows a thread
+                long r0 = t * per, r1 = std::min(r0 + per, p.rows);
+                if (r0 >= r1) return;
+                if (p.type == T_F32)
+                    matmul_part((const float *)p.data, xf, xb, yp, B, R, C, r0, r1);
+                else
+                    matmul_part((const bf16 *)p.data, xf, xb, yp, B, R, C, r0, r1);
+            });
+        } else {
+            const char *xq = (const char *)x;  // F16: float rows as they are
+            const long xs = act_row_bytes(k->act, C);
+            if (k->act != ACT_FLOAT) {
+                char *buf = k->act == ACT_A8 ? sc->xq8 : sc->xq8k;
+                if (!quantized[k->act]) {
+                    for_rows(m->threads, B, [&](long b) {
+                        if (k->act == ACT_A8)
+                            ms_quantize_a8(x + b * C, (ms_a8 *)(buf + b * xs), C);
+                        else
+                            ms_quantize_a8k(x + b * C, (ms_a8k *)(buf + b * xs), C);
+                    });
+                    quantized[k->act] = true;
+                }
+                xq = buf;
+            }
+            const long wrow = row_bytes(p.type, C);
+            parallel(m->threads, [&](int t, int n) {
+                long per = ((p.rows + n - 1) / n + 3) / 4 * 4;
+                long r0 = t * per, r1 = std::min(r0 + per, p.rows);
+                if (r0 >= r1) return;
+                qmatmul_part(k, (const char *)p.data, wrow, xq, xs, yp, B, R, C, r0, r1);
+            });
+        }
+        col += p.rows;
     }
-    if (m->wdtype == 0)
-        matmul((const float *)w, (const float *)bias, x, xb, y, B, R, C, m->threads);
-    else
-        matmul((const bf16 *)w, (const bf16 *)bias, x, xb, y, B, R, C, m->threads);
+    if (bias)
+        for (long b = 0; b < B; b++)
+            for (long r = 0; r < R; r++) y[b * R + r] += bias[r];
+}
+
+// One row of a matrix as float32 (an embedding looked up): out = row * scale.
+static void matrix_row(const MsMat &w, long row, long cols, float scale, float *out) {
+    if (w.type == T_F32 || w.type == T_BF16) {
+        for (long i = 0; i < cols; i++)
+            out[i] = (w.type == T_F32 ? load((const float *)w.data, row * cols + i)
+                                      : load((const bf16 *)w.data, row * cols + i)) * scale;
+        return;
+    }
+    const Kernels *k = kernels_for(w.type);
+    k->dequant((const char *)w.data + row * row_bytes(w.type, cols), out, cols);
+    for (long i = 0; i < cols; i++) out[i] *= scale;
 }
 
 static void norm(const MsModel *m, const float *x, const float *weight, float *out, long n) {
@@ -1054,8 +1230,8 @@ static void attention(const MsModel *m, const MsRows *r, long layer, Scratch *sc
             for (long h = 0; h < H; h++) rms_norm(q + h * hd, w.q_norm, m->eps, q + h * hd, hd);
             for (long g = 0; g < KV; g++) rms_norm(k + g * hd, w.k_norm, m->eps, k + g * hd, hd);
         }
-        rope(q, H, hd, cos, sin);
-        rope(k, KV, hd, cos, sin);
+        rope(q, H, hd, cos, sin, m->rope_pairs);
+        rope(k, KV, hd, cos, sin, m->rope_pairs);
         for (long g = 0; g < KV; g++) {
             const long tile = (g * (cap / 16) + p / 16) * hd * 16;
 #if MS_BF16_DOT
@@ -1114,7 +1290,7 @@ static void attention(const MsModel *m, const MsRows *r, long layer, Scratch *sc
 }
 
 static void forward(const MsModel *m, const MsRows *r, float *scratch) {
-    const long n = r->n, D = m->D, I = m->I, QKV = (m->H + 2 * m->KV) * m->hd;
+    const long n = r->n, D = m->D, I = m->I;
     long max_len = 0;
     for (long b = 0; b < n; b++) max_len = std::max(max_len, r->pos[b] + 1);
     Scratch sc;
@@ -1129,41 +1305,38 @@ static void forward(const MsModel *m, const MsRows *r, float *scratch) {
         return work.back().second;
     };
     for_rows(m->threads, n, [&](long b) {
-        for (long i = 0; i < D; i++)
-            sc.x[b * D + i] = (m->wdtype == 0 ? load((const float *)m->embed, r->token[b] * D + i)
-                                              : load((const bf16 *)m->embed, r->token[b] * D + i))
-                              * m->embed_scale;
+        matrix_row(m->embed, r->token[b], D, m->embed_scale, sc.x + b * D);
     });
     for (long l = 0; l < m->layers; l++) {
         const MsLayer &w = m->layer[l];
         norm(m, sc.x, w.attn_norm, sc.h, n);
-        linear(m, w.wqkv, w.bqkv, sc.h, n, QKV, D, sc.qkv, &sc);
+        linear(m, w.qkv, 3, w.bqkv, sc.h, n, D, sc.qkv, &sc);
         attention(m, r, l, &sc, items_for(w.window));
-        linear(m, w.wo, nullptr, sc.att, n, D, m->H * m->hd, sc.y, &sc);
+        linear(m, &w.wo, 1, nullptr, sc.att, n, m->H * m->hd, sc.y, &sc);
         if (w.attn_out_norm != nullptr) norm(m, sc.y, w.attn_out_norm, sc.y, n);
         for (long i = 0; i < n * D; i++) sc.x[i] += sc.y[i];
         norm(m, sc.x, w.mlp_norm, sc.h, n);
-        linear(m, w.w13, nullptr, sc.h, n, 2 * I, D, sc.gu, &sc);
+        linear(m, w.gate_up, 2, nullptr, sc.h, n, D, sc.gu, &sc);
         for_rows(m->threads, n, [&](long b) {
             const float *gate = sc.gu + b * 2 * I, *up = gate + I;
             if (m->gelu) gelu_mul(gate, up, sc.act + b * I, I);
             else silu_mul(gate, up, sc.act + b * I, I);
         });
-        linear(m, w.w2, nullptr, sc.act, n, D, I, sc.y, &sc);
+        linear(m, &w.w2, 1, nullptr, sc.act, n, I, sc.y, &sc);
         if (w.mlp_out_norm != nullptr) norm(m, sc.y, w.mlp_out_norm, sc.y, n);
         for (long i = 0; i < n * D; i++) sc.x[i] += sc.y[i];
     }
     for (long o = 0; o < r->n_out; o++)  // the rows asked for, side by side
         std::memcpy(sc.y + o * D, sc.x + r->out[o] * D, D * sizeof(float));
     norm(m, sc.y, m->final_norm, sc.h, r->n_out);
-    linear(m, m->lm_head, nullptr, sc.h, r->n_out, m->V, D, r->logits, &sc);
+    linear(m, &m->lm_head, 1, nullptr, sc.h, r->n_out, D, r->logits, &sc);
 }
 
 // ---------------------------------------------------------------- C entry points (ctypes)
 
 extern "C" {
 
-int ms_abi_version(void) { return 7; }
+int ms_abi_version(void) { return 8; }
 
 // Which inner loops were compiled: "avx512", "avx2" (with FMA) or "generic" (plain loops;
 // "generic+neon" where the compiler could use NEON for them).
@@ -1194,20 +1367,30 @@ long ms_scratch_floats(const MsModel *m, long n, long max_len) {
 // scratch: ms_scratch_floats() floats, 64-byte aligned.
 void ms_forward(const MsModel *m, const MsRows *r, float *scratch) { forward(m, r, scratch); }
 
-// y (B x R) = x (B x C) w^T in the given arithmetic: the kernel alone, for tests and
-// measurements.
-void ms_matmul(int wdtype, int math, const void *w, const float *x, float *y, long B, long R,
-               long C, int threads) {
+// Bytes of a row of `cols` weights of a type (ggml's id); -1 where this library does not run
+// that type in place, or the width does not divide into its blocks.
+long ms_row_bytes(long type, long cols) { return row_bytes(type, cols); }
+
+// y (B x w.rows) = x (B x C) w^T, math for float32 / bfloat16 weights: the kernel alone, for
+// tests and measurements.
+void ms_matmul(const MsMat *w, const float *x, float *y, long B, long C, int math, int threads) {
     MsModel m = {};
-    m.wdtype = wdtype;
     m.math = math;
     m.threads = threads;
-    std::vector<float> xr(math == 1 ? B * C : 0);
-    std::vector<bf16> xb(math == 1 ? B * C : 0);
+    std::vector<float> xr(B * C);
+    std::vector<bf16> xb(B * C);
+    std::vector<char> q8(B * act_row_bytes(ACT_A8, C)), q8k(B * act_row_bytes(ACT_A8K, C));
     Scratch sc = {};
     sc.xr = xr.data();
     sc.xb = xb.data();
-    linear(&m, w, nullptr, x, B, R, C, y, &sc);
+    sc.xq8 = q8.data();
+    sc.xq8k = q8k.data();
+    linear(&m, w, 1, nullptr, x, B, C, y, &sc);
+}
+
+// y (w.rows x C) = the matrix's rows as float32 (what the kernels read the blocks as).
+void ms_dequant(const MsMat *w, long C, float *y) {
+    for (long r = 0; r < w->rows; r++) matrix_row(*w, r, C, 1.f, y + r * C);
 }
 
 }  // extern "C"

@@ -1,0 +1,613 @@
+// K-quant weight rows (ggml's Q4_K, Q5_K, Q6_K super-blocks of 256 weights, as stored in GGUF
+// files) against activation rows quantized to int8 (ms_a8k, llama.cpp's block_q8_K): the
+// activation quantizer, one-row dequantizers, and dot products of one weight row against NB
+// activation rows.
+//
+// Formats (ggml-common.h; fp16 = IEEE half; q are unsigned quants, sc/m 6-bit scales/mins):
+//   Q4_K, 144 bytes: {fp16 d, dmin; u8 scales[12]; u8 qs[128]}
+//       8 sub-blocks of 32: w = d*sc[s] * q - dmin*m[s]; qs[32p + l]: low nibble = sub-block
+//       2p element l, high nibble = sub-block 2p+1 element l.
+//   Q5_K, 176 bytes: {fp16 d, dmin; u8 scales[12]; u8 qh[32]; u8 qs[128]}
+//       as Q4_K with a 5th bit: bit s of qh[l] is bit 4 of sub-block s's element l.
+//   Q6_K, 210 bytes: {u8 ql[128]; u8 qh[64]; i8 scales[16]; fp16 d}
+//       16 groups of 16: w = d*sc[g] * (q - 32); per half h of 128 weights, element l < 32:
+//       q[l] = ql[l] & 15 | (qh[l] & 3) << 4, q[l+32] = ql[l+32] & 15 | (qh[l] >> 2 & 3) << 4,
+//       q[l+64] = ql[l] >> 4 | (qh[l] >> 4 & 3) << 4, q[l+96] = ql[l+32] >> 4 | (qh[l] >> 6) << 4
+//       (ql, qh, scales offset by 64h, 32h, 8h).
+//
+// How a dot product is computed, in every build. Per super-block i and activation row, exact
+// integer sums in 16 "A" lanes and 8 "B" lanes, each lane a fixed set of products:
+//   Q4_K, Q5_K: A lane (s0, o) = sum over sub-blocks s in {s0, s0 + 4} of sc[s] * (q . xq over
+//     weights 8o .. 8o + 8 of s); B lane t = m[t] * (bsums[2t] + bsums[2t + 1]) -- the mins
+//     applied once per super-block through the activation block sums, never per element.
+//   Q6_K: A lane (g0, h) = sum over groups g in {g0, g0 + 8} of sc[g] * (q . xq over weights
+//     8h .. 8h + 8 of g), q unsigned (0..63); B lane t = sc[2t] bsums[2t] + sc[2t+1] bsums[2t+1],
+//     for the -32 offset.
+// (mskq_lane45 / mskq_lane6 give the lane numbers: the order vpdpwssd leaves them in.) Then
+// per lane, in float: fa[L] = fa[L] + (float)A[L] * (d * dx), fb[t] = fb[t] + (float)B[t] *
+// (dmin * dx) (Q6_K: d * dx), and at the end y = tree16(fa) - tree8(fb) (Q6_K: - 32 * tree8):
+// a fixed order, the same float operations whichever build, NB or slot j a row has -- so results
+// are bit-identical across NB and across the AVX-512, AVX2 and plain builds (with
+// -ffp-contract=off, as decode.cpp is built: no multiply and add may be fused). No horizontal
+// sums inside the loop: one 16-lane and one 8-lane float update per super-block and row.
+//
+// The three builds differ only in how the integer lanes are found:
+//   AVX-512 + VNNI: 64 weights a register; vpdpbusd (u8 weights x s8 activations, 4 products a
+//     lane), pairs of such lane vectors packed to int16 (sums < 2^15: exact) and multiplied by
+//     the scales with vpdpwssd; each unpacked weight register reused for all NB rows.
+//   AVX2 + FMA: 32 weights a register; vpmaddubsw (pairs, no saturation: 2*63*127 < 2^15), then
+//     vpmaddwd by the scales, as llama.cpp does; the 4-weight sums paired into the A lanes with
+//     vphaddd.
+//   otherwise: plain integer loops over the unpacked quants.
+
+#ifndef MINISERVE_KQUANTS_H
+#define MINISERVE_KQUANTS_H
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && \
+    defined(__AVX512VL__)
+#define MSKQ_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define MSKQ_AVX2 1
+#endif
+#if defined(MSKQ_AVX512) || defined(MSKQ_AVX2)
+#define MSKQ_SIMD 1
+#include <immintrin.h>
+#endif
+
+struct ms_a8k {  // 256 activations: x ~= d * qs, bsums[k] = sum of qs[16k .. 16k + 16)
+    float d;
+    int8_t qs[256];
+    int16_t bsums[16];
+};
+
+// Bytes ahead of the weight block being read that the SIMD loops prefetch (decode.cpp's
+// PREFETCH_AHEAD: a row streams from memory once per product).
+#ifndef MSKQ_PREFETCH
+#define MSKQ_PREFETCH 4096
+#endif
+
+static inline float mskq_half(const uint8_t *p) {  // IEEE half -> float, exact
+    uint16_t h;
+    std::memcpy(&h, p, 2);
+#if defined(MSKQ_SIMD) && defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 31u, m = h & 0x3ffu;
+    float f;
+    if (e == 0) {  // zero or subnormal: m * 2^-24, exact
+        f = (float)m * 5.9604644775390625e-8f;
+        return sign ? -f : f;
+    }
+    const uint32_t u = sign | (e == 31 ? 0x7f800000u | m << 13 : (e + 112) << 23 | m << 13);
+    std::memcpy(&f, &u, 4);
+    return f;
+#endif
+}
+
+// Q4_K / Q5_K scales: 12 bytes -> u[0..1] = the 8 scales, u[2..3] = the 8 mins, one byte each.
+//   bytes 0-3: sc[0..3] | sc[4..7] bits 4-5 << 6;  4-7: m[0..3] | m[4..7] bits 4-5 << 6;
+//   8-11: sc[4..7] bits 0-3 | m[4..7] bits 0-3 << 4.
+static inline void mskq_scales(const uint8_t *s, uint32_t *u) {
+    uint32_t a[3];
+    std::memcpy(a, s, 12);
+    u[0] = a[0] & 0x3f3f3f3fu;
+    u[1] = (a[2] & 0x0f0f0f0fu) | ((a[0] >> 6) & 0x03030303u) << 4;
+    u[2] = a[1] & 0x3f3f3f3fu;
+    u[3] = ((a[2] >> 4) & 0x0f0f0f0fu) | ((a[1] >> 6) & 0x03030303u) << 4;
+}
+
+static inline uint8_t mskq_byte(const uint32_t *u, int k) {  // byte k of u[], any endianness
+    return (uint8_t)(u[k >> 2] >> (8 * (k & 3)));
+}
+
+static inline const uint8_t *mskq_xblock(const void *x, long xstride, int j, long i) {
+    return (const uint8_t *)x + j * xstride + i * (long)sizeof(ms_a8k);
+}
+
+// ---------------------------------------------------------------- activations
+
+// Per 256: d = amax / 127, q = nearest(x * (127 / amax)) (ties to even: cvtps2dq under the
+// default rounding mode, and the 1.5 * 2^23 trick in the plain loop -- the same integers).
+static void ms_quantize_a8k(const float *x, ms_a8k *y, long n) {
+    for (long i = 0; i < n / 256; i++, x += 256) {
+        ms_a8k *b = y + i;
+        float amax = 0.f;
+#if defined(MSKQ_AVX512)
+        __m512 mx = _mm512_setzero_ps();
+        for (int k = 0; k < 256; k += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
+        amax = _mm512_reduce_max_ps(mx);
+#elif defined(MSKQ_AVX2)
+        const __m256 sign = _mm256_set1_ps(-0.f);
+        __m256 mx = _mm256_setzero_ps();
+        for (int k = 0; k < 256; k += 8)
+            mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + k)));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+        amax = _mm_cvtss_f32(m4);
+#else
+        for (int k = 0; k < 256; k++) {
+            const float a = std::fabs(x[k]);
+            amax = a > amax ? a : amax;
+        }
+#endif
+        const float d = amax / 127.f, is = amax > 0.f ? 127.f / amax : 0.f;
+        std::memcpy(&b->d, &d, 4);
+#if defined(MSKQ_AVX512)
+        const __m512 vs = _mm512_set1_ps(is);
+        for (int k = 0; k < 16; k++) {
+            __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + 16 * k), vs));
+            _mm_storeu_si128((__m128i *)(b->qs + 16 * k), _mm512_cvtsepi32_epi8(q));
+            b->bsums[k] = (int16_t)_mm512_reduce_add_epi32(q);
+        }
+#elif defined(MSKQ_AVX2)
+        const __m256 vs = _mm256_set1_ps(is);
+        for (int k = 0; k < 16; k++) {
+            __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 16 * k), vs));
+            __m256i q1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 16 * k + 8), vs));
+            __m256i w = _mm256_packs_epi32(q0, q1);  // per lane: q0 lo, q1 lo | q0 hi, q1 hi
+            __m128i p = _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+            // bytes now q0[0..4), q1[0..4), q0[4..8), q1[4..8): back to element order
+            p = _mm_shuffle_epi32(p, _MM_SHUFFLE(3, 1, 2, 0));
+            _mm_storeu_si128((__m128i *)(b->qs + 16 * k), p);
+            __m128i s = _mm_add_epi32(_mm256_castsi256_si128(_mm256_add_epi32(q0, q1)),
+                                      _mm256_extracti128_si256(_mm256_add_epi32(q0, q1), 1));
+            s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+            s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+            b->bsums[k] = (int16_t)_mm_cvtsi128_si32(s);
+        }
+#else
+        for (int k = 0; k < 16; k++) {
+            int sum = 0;
+            for (int l = 0; l < 16; l++) {
+                const float r = (x[16 * k + l] * is + 12582912.f) - 12582912.f;
+                const int q = (int)r;
+                b->qs[16 * k + l] = (int8_t)q;
+                sum += q;
+            }
+            b->bsums[k] = (int16_t)sum;
+        }
+#endif
+    }
+}
+
+// ---------------------------------------------------------------- dequantization (plain, exact)
+
+static void ms_dequant_q4_K(const void *w, float *y, long n) {
+    const uint8_t *b = (const uint8_t *)w;
+    for (long i = 0; i < n / 256; i++, b += 144, y += 256) {
+        const float d = mskq_half(b), dmin = mskq_half(b + 2);
+        uint32_t u[4];
+        mskq_scales(b + 4, u);
+        const uint8_t *qs = b + 16;
+        for (int p = 0; p < 4; p++) {
+            const float d1 = d * mskq_byte(u, 2 * p), m1 = dmin * mskq_byte(u, 8 + 2 * p);
+            const float d2 = d * mskq_byte(u, 2 * p + 1), m2 = dmin * mskq_byte(u, 9 + 2 * p);
+            for (int l = 0; l < 32; l++) {
+                y[64 * p + l] = d1 * (float)(qs[32 * p + l] & 15) - m1;
+                y[64 * p + 32 + l] = d2 * (float)(qs[32 * p + l] >> 4) - m2;
+            }
+        }
+    }
+}
+
+static void ms_dequant_q5_K(const void *w, float *y, long n) {
+    const uint8_t *b = (const uint8_t *)w;
+    for (long i = 0; i < n / 256; i++, b += 176, y += 256) {
+        const float d = mskq_half(b), dmin = mskq_half(b + 2);
+        uint32_t u[4];
+        mskq_scales(b + 4, u);
+        const uint8_t *qh = b + 16, *qs = b + 48;
+        for (int p = 0; p < 4; p++) {
+            const int s1 = 2 * p, s2 = 2 * p + 1;
+            const float d1 = d * mskq_byte(u, s1), m1 = dmin * mskq_byte(u, 8 + s1);
+            const float d2 = d * mskq_byte(u, s2), m2 = dmin * mskq_byte(u, 8 + s2);
+            for (int l = 0; l < 32; l++) {
+                const int q1 = (qs[32 * p + l] & 15) | ((qh[l] >> s1) & 1) << 4;
+                const int q2 = (qs[32 * p + l] >> 4) | ((qh[l] >> s2) & 1) << 4;
+                y[64 * p + l] = d1 * (float)q1 - m1;
+                y[64 * p + 32 + l] = d2 * (float)q2 - m2;
+            }
+        }
+    }
+}
+
+static inline void mskq_q6_unpack(const uint8_t *b, int8_t *q) {  // 256 quants, offset kept (0..63)
+    for (int h = 0; h < 2; h++) {
+        const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
+        int8_t *o = q + 128 * h;
+        for (int l = 0; l < 32; l++) {
+            o[l] = (int8_t)((ql[l] & 15) | (qh[l] & 3) << 4);
+            o[l + 32] = (int8_t)((ql[l + 32] & 15) | (qh[l] >> 2 & 3) << 4);
+            o[l + 64] = (int8_t)((ql[l] >> 4) | (qh[l] >> 4 & 3) << 4);
+            o[l + 96] = (int8_t)((ql[l + 32] >> 4) | (qh[l] >> 6) << 4);
+        }
+    }
+}
+
+static void ms_dequant_q6_K(const void *w, float *y, long n) {
+    const uint8_t *b = (const uint8_t *)w;
+    for (long i = 0; i < n / 256; i++, b += 210, y += 256) {
+        const float d = mskq_half(b + 208);
+        int8_t q[256];
+        mskq_q6_unpack(b, q);
+        for (int g = 0; g < 16; g++) {
+            const float dg = d * (float)(int8_t)b[192 + g];
+            for (int l = 0; l < 16; l++) y[16 * g + l] = dg * (float)(q[16 * g + l] - 32);
+        }
+    }
+}
+
+// ---------------------------------------------------------------- the float part, shared
+
+// The fixed order a row's lane sums end in (the same in every build and for every NB).
+static inline float mskq_tree8(const float *a) {
+    float c[4];
+    for (int k = 0; k < 4; k++) c[k] = a[k] + a[k + 4];
+    return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+static inline float mskq_tree16(const float *a) {
+    float b[8];
+    for (int k = 0; k < 8; k++) b[k] = a[k] + a[k + 8];
+    return mskq_tree8(b);
+}
+
+static inline float mskq_dx(const void *x, long xstride, int j, long i) {
+    float d;
+    std::memcpy(&d, mskq_xblock(x, xstride, j, i), 4);
+    return d;
+}
+
+// Lane L = 4c + t of the 16 "A" lanes, as vpdpwssd leaves them in the AVX-512 loops (c: 16-byte
+// lane, t: int32 within it): Q4_K / Q5_K: sub-blocks s0 and s0 + 4, weights 8o .. 8o + 8 of each,
+// with s0 = (c >> 1) + 2 (t >> 1), o = 2 (c & 1) + (t & 1).
+static inline int mskq_lane45(int s0, int o) { return 4 * (2 * (s0 & 1) + (o >> 1)) + 2 * (s0 >> 1) + (o & 1); }
+// Q6_K: groups g0 and g0 + 8, weights 8h .. 8h + 8 of each, with g0 = c + 4 (t >> 1), h = t & 1.
+static inline int mskq_lane6(int g0, int h) { return 4 * (g0 & 3) + 2 * (g0 >> 2) + h; }
+
+#if !defined(MSKQ_SIMD)
+// The plain loops' products: dot[o] = q[8o .. 8o + 8) . x[8o .. 8o + 8), o < 32; q in 0..63
+// (products fit int16: written so that the compiler vectorizes them).
+template <typename Q>
+static inline void mskq_dot8(const Q *q, const int8_t *x, int32_t *dot) {
+    int16_t p[256];
+    for (int k = 0; k < 256; k++) p[k] = (int16_t)(q[k] * x[k]);
+    int32_t p2[128];
+    for (int k = 0; k < 128; k++) p2[k] = (int32_t)p[2 * k] + p[2 * k + 1];
+    for (int o = 0; o < 32; o++) dot[o] = (p2[4 * o] + p2[4 * o + 1]) + (p2[4 * o + 2] + p2[4 * o + 3]);
+}
+#endif
+
+// ---------------------------------------------------------------- Q4_K and Q5_K
+
+#if defined(MSKQ_SIMD)
+static inline void mskq_prefetch(const uint8_t *p, int bytes) {
+    for (int o = 0; o < bytes; o += 64)
+        _mm_prefetch((const char *)p + MSKQ_PREFETCH + o, _MM_HINT_T0);
+}
+
+// int16 pairs (k, k) as an int32 vpshufb control: bytes k (zero-extended, high byte zeroed)
+#define MSKQ_W(k) ((int)(0x80008000u | (unsigned)(k) | (unsigned)(k) << 16))
+// int16 word e of a 16-byte lane, repeated twice (for a sign-extended int16 source)
+#define MSKQ_E(e) ((int)((unsigned)(2 * (e)) | (unsigned)(2 * (e) + 1) << 8 | \
+                         (unsigned)(2 * (e)) << 16 | (unsigned)(2 * (e) + 1) << 24))
+#endif
+
+template <int NB, bool HI>
+static inline void mskq_dot_k45(long n, const void *w, const void *x, long xstride, float *y,
+                                long ystride) {
+    const long bytes = HI ? 176 : 144, nb = n / 256;
+    const uint8_t *b = (const uint8_t *)w;
+    float fa[NB][16], fb[NB][8];  // per row: the A lanes' and B lanes' float sums
+#if defined(MSKQ_AVX512)
+    __m512 aa[NB];
+    __m256 ab[NB];
+    for (int j = 0; j < NB; j++) aa[j] = _mm512_setzero_ps(), ab[j] = _mm256_setzero_ps();
+    const __m512i m4 = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16),
+                  z = _mm512_setzero_si512(), nib = _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4);
+    // vpdpbusd of w[k] (below) gives sub-block 2k in lanes 0-7, 2k+1 in 8-15; vpackssdw of two
+    // such puts, per 16-byte lane c, 4 words of one then 4 of the other: c < 2: sub-blocks 2k,
+    // 2k + 2; c >= 2: 2k + 1, 2k + 3 -- the scales' words to match
+    const __m512i c01 = _mm512_setr_epi32(MSKQ_W(0), MSKQ_W(0), MSKQ_W(2), MSKQ_W(2), MSKQ_W(0),
+                                          MSKQ_W(0), MSKQ_W(2), MSKQ_W(2), MSKQ_W(1), MSKQ_W(1),
+                                          MSKQ_W(3), MSKQ_W(3), MSKQ_W(1), MSKQ_W(1), MSKQ_W(3),
+                                          MSKQ_W(3));
+    const __m512i c23 = _mm512_add_epi32(c01, _mm512_set1_epi32(0x00040004));
+    // the mins, each twice (the two bsums of its sub-block)
+    const __m256i cm = _mm256_setr_epi32(MSKQ_W(0), MSKQ_W(1), MSKQ_W(2), MSKQ_W(3), MSKQ_W(4),
+                                         MSKQ_W(5), MSKQ_W(6), MSKQ_W(7));
+    for (long i = 0; i < nb; i++, b += bytes) {
+        mskq_prefetch(b, (int)bytes);
+        uint32_t u[4];
+        mskq_scales(b + 4, u);
+        const float d = mskq_half(b), dmin = mskq_half(b + 2);
+        const uint8_t *qs = b + (HI ? 48 : 16);
+        // wk[k] = sub-blocks [2k | 2k + 1], the activations' order: qs[32k .. 32k + 32) in both
+        // halves (a broadcast load: no shuffle), low nibbles kept in one, high in the other
+        __m512i wk[4];
+        for (int k = 0; k < 4; k++)
+            wk[k] = _mm512_and_si512(
+                _mm512_srlv_epi64(_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * k))), nib),
+                m4);
+        if (HI) {  // bit s of qh[l] -> bit 4 of sub-block s's weight l
+            const __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 16)));
+            for (int k = 0; k < 4; k++) {
+                const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << 2 * k)),
+                                                       _mm256_set1_epi8((char)(1 << (2 * k + 1))), 1);
+                wk[k] = _mm512_mask_add_epi8(wk[k], _mm512_test_epi8_mask(hb, bit), wk[k], sixteen);
+            }
+        }
+        const __m512i scb = _mm512_set1_epi64((long long)(u[0] | (uint64_t)u[1] << 32));
+        const __m512i s01 = _mm512_shuffle_epi8(scb, c01), s23 = _mm512_shuffle_epi8(scb, c23);
+        const __m256i mins = _mm256_shuffle_epi8(
+            _mm256_set1_epi64x((long long)(u[2] | (uint64_t)u[3] << 32)), cm);
+        for (int j = 0; j < NB; j++) {
+            const uint8_t *xb = mskq_xblock(x, xstride, j, i);
+            const __m512i p0 = _mm512_dpbusd_epi32(z, wk[0], _mm512_loadu_si512((const void *)(xb + 4)));
+            const __m512i p1 = _mm512_dpbusd_epi32(z, wk[1], _mm512_loadu_si512((const void *)(xb + 68)));
+            const __m512i p2 = _mm512_dpbusd_epi32(z, wk[2], _mm512_loadu_si512((const void *)(xb + 132)));
+            const __m512i p3 = _mm512_dpbusd_epi32(z, wk[3], _mm512_loadu_si512((const void *)(xb + 196)));
+            // lane sums < 4 * 31 * 127 < 2^15: the int16 packing is exact
+            __m512i s = _mm512_dpwssd_epi32(z, _mm512_packs_epi32(p0, p1), s01);
+            s = _mm512_dpwssd_epi32(s, _mm512_packs_epi32(p2, p3), s23);
+            const __m256i m = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(xb + 260)), mins);
+            float dx;
+            std::memcpy(&dx, xb, 4);
+            aa[j] = _mm512_add_ps(aa[j], _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(d * dx)));
+            ab[j] = _mm256_add_ps(ab[j], _mm256_mul_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(dmin * dx)));
+        }
+    }
+    for (int j = 0; j < NB; j++) _mm512_storeu_ps(fa[j], aa[j]), _mm256_storeu_ps(fb[j], ab[j]);
+#elif defined(MSKQ_AVX2)
+    __m256 aa[NB][2], ab[NB];
+    for (int j = 0; j < NB; j++)
+        aa[j][0] = aa[j][1] = ab[j] = _mm256_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(0x0F), sixteen = _mm256_set1_epi8(16);
+    const __m256i cm = _mm256_setr_epi32(MSKQ_W(0), MSKQ_W(1), MSKQ_W(2), MSKQ_W(3), MSKQ_W(4),
+                                         MSKQ_W(5), MSKQ_W(6), MSKQ_W(7));
+    for (long i = 0; i < nb; i++, b += bytes) {
+        mskq_prefetch(b, (int)bytes);
+        uint32_t u[4];
+        mskq_scales(b + 4, u);
+        const float d = mskq_half(b), dmin = mskq_half(b + 2);
+        const uint8_t *qs = b + (HI ? 48 : 16);
+        const __m256i scb = _mm256_set1_epi64x((long long)(u[0] | (uint64_t)u[1] << 32));
+        __m256i hb = HI ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
+        __m256i wq[8], sv[8];  // sub-block s's weights and scale (unpacked once for all rows)
+        for (int p = 0; p < 4; p++) {  // sub-blocks 2p, 2p + 1
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * p));
+            __m256i wl = _mm256_and_si256(q, m4), wh = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+            if (HI) {  // bit 0 of each byte of hb is the current sub-block's; one shift per sub-block
+                wl = _mm256_or_si256(wl, _mm256_and_si256(_mm256_slli_epi16(hb, 4), sixteen));
+                hb = _mm256_srli_epi16(hb, 1);
+                wh = _mm256_or_si256(wh, _mm256_and_si256(_mm256_slli_epi16(hb, 4), sixteen));
+                hb = _mm256_srli_epi16(hb, 1);
+            }
+            wq[2 * p] = wl, wq[2 * p + 1] = wh;
+            sv[2 * p] = _mm256_shuffle_epi8(scb, _mm256_set1_epi32(MSKQ_W(2 * p)));
+            sv[2 * p + 1] = _mm256_shuffle_epi8(scb, _mm256_set1_epi32(MSKQ_W(2 * p + 1)));
+        }
+        const __m256i mins = _mm256_shuffle_epi8(
+            _mm256_set1_epi64x((long long)(u[2] | (uint64_t)u[3] << 32)), cm);
+        for (int j = 0; j < NB; j++) {
+            const uint8_t *xb = mskq_xblock(x, xstride, j, i);
+            __m256i r[4];  // r[s0]: sub-blocks s0 and s0 + 4, per 4 weights
+            for (int s = 0; s < 8; s++) {
+                const __m256i t = _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(wq[s], _mm256_loadu_si256((const __m256i *)(xb + 4 + 32 * s))), sv[s]);
+                r[s & 3] = s < 4 ? t : _mm256_add_epi32(r[s & 3], t);
+            }
+            // pairs of 4-weight sums -> the A lanes 0-7 (sub-blocks 0, 2 (+4)) and 8-15 (1, 3)
+            const __m256i a0 = _mm256_hadd_epi32(r[0], r[2]);
+            const __m256i a1 = _mm256_hadd_epi32(r[1], r[3]);
+            const __m256i m = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(xb + 260)), mins);
+            float dx;
+            std::memcpy(&dx, xb, 4);
+            const __m256 da = _mm256_set1_ps(d * dx);
+            aa[j][0] = _mm256_add_ps(aa[j][0], _mm256_mul_ps(_mm256_cvtepi32_ps(a0), da));
+            aa[j][1] = _mm256_add_ps(aa[j][1], _mm256_mul_ps(_mm256_cvtepi32_ps(a1), da));
+            ab[j] = _mm256_add_ps(ab[j], _mm256_mul_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(dmin * dx)));
+        }
+    }
+    for (int j = 0; j < NB; j++) {
+        _mm256_storeu_ps(fa[j], aa[j][0]);
+        _mm256_storeu_ps(fa[j] + 8, aa[j][1]);
+        _mm256_storeu_ps(fb[j], ab[j]);
+    }
+#else
+    for (int j = 0; j < NB; j++) {
+        for (int l = 0; l < 16; l++) fa[j][l] = 0.f;
+        for (int l = 0; l < 8; l++) fb[j][l] = 0.f;
+    }
+    for (long i = 0; i < nb; i++, b += bytes) {
+        uint32_t u[4];
+        mskq_scales(b + 4, u);
+        const float d = mskq_half(b), dmin = mskq_half(b + 2);
+        const uint8_t *qs = b + (HI ? 48 : 16), *qh = b + 16;
+        uint8_t q[256];
+        for (int p = 0; p < 4; p++)
+            for (int l = 0; l < 32; l++) {
+                q[64 * p + l] = qs[32 * p + l] & 15;
+                q[64 * p + 32 + l] = qs[32 * p + l] >> 4;
+            }
+        if (HI)
+            for (int s = 0; s < 8; s++)
+                for (int l = 0; l < 32; l++) q[32 * s + l] |= (uint8_t)(((qh[l] >> s) & 1) << 4);
+        for (int j = 0; j < NB; j++) {
+            const uint8_t *xb = mskq_xblock(x, xstride, j, i);
+            const int8_t *xq = (const int8_t *)(xb + 4);
+            int16_t bs[16];
+            std::memcpy(bs, xb + 260, 32);
+            int32_t dot[8][4];  // sub-block, 8 weights
+            mskq_dot8(q, xq, &dot[0][0]);
+            const float dx = mskq_dx(x, xstride, j, i), da = d * dx, dm = dmin * dx;
+            int32_t a[16], m[8];
+            for (int s0 = 0; s0 < 4; s0++)
+                for (int o = 0; o < 4; o++)
+                    a[mskq_lane45(s0, o)] = (int32_t)mskq_byte(u, s0) * dot[s0][o] +
+                                            (int32_t)mskq_byte(u, s0 + 4) * dot[s0 + 4][o];
+            for (int t = 0; t < 8; t++) m[t] = (int32_t)mskq_byte(u, 8 + t) * (bs[2 * t] + bs[2 * t + 1]);
+            for (int l = 0; l < 16; l++) fa[j][l] = fa[j][l] + (float)a[l] * da;
+            for (int l = 0; l < 8; l++) fb[j][l] = fb[j][l] + (float)m[l] * dm;
+        }
+    }
+#endif
+    for (int j = 0; j < NB; j++) y[j * ystride] = mskq_tree16(fa[j]) - mskq_tree8(fb[j]);
+}
+
+template <int NB>
+static void ms_dot_q4_K(long n, const void *w, const void *x, long xstride, float *y,
+                        long ystride) {
+    mskq_dot_k45<NB, false>(n, w, x, xstride, y, ystride);
+}
+
+template <int NB>
+static void ms_dot_q5_K(long n, const void *w, const void *x, long xstride, float *y,
+                        long ystride) {
+    mskq_dot_k45<NB, true>(n, w, x, xstride, y, ystride);
+}
+
+// ---------------------------------------------------------------- Q6_K
+
+// A lanes: the unsigned quants (0..63) times the activations, per mskq_lane6; B lanes: t =
+// sc[2t] bsums[2t] + sc[2t+1] bsums[2t+1], for the -32 offset: result = A - 32 B.
+template <int NB>
+static void ms_dot_q6_K(long n, const void *w, const void *x, long xstride, float *y,
+                        long ystride) {
+    const long nb = n / 256;
+    const uint8_t *b = (const uint8_t *)w;
+    float fa[NB][16], fb[NB][8];
+#if defined(MSKQ_AVX512)
+    __m512 aa[NB];
+    __m256 ab[NB];
+    for (int j = 0; j < NB; j++) aa[j] = _mm512_setzero_ps(), ab[j] = _mm256_setzero_ps();
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30), z = _mm512_setzero_si512();
+    const __m512i shl = _mm512_setr_epi64(4, 4, 4, 4, 2, 2, 2, 2), shr = _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2);
+    // vpdpbusd of w[k] has group 4k + c in 16-byte lane c; vpackssdw of w[0]'s and w[1]'s: per
+    // lane c, 4 words of group c, then 4 of group 4 + c (w[2], w[3]: 8 + c, 12 + c)
+    const __m512i i01 = _mm512_setr_epi32(0x00000000, 0x00000000, 0x00040004, 0x00040004,
+                                          0x00010001, 0x00010001, 0x00050005, 0x00050005,
+                                          0x00020002, 0x00020002, 0x00060006, 0x00060006,
+                                          0x00030003, 0x00030003, 0x00070007, 0x00070007);
+    const __m512i i23 = _mm512_add_epi32(i01, _mm512_set1_epi32(0x00080008));
+    for (long i = 0; i < nb; i++, b += 210) {
+        mskq_prefetch(b, 256);
+        const float d = mskq_half(b + 208);
+        __m512i wk[4];  // wk[k]: weights 64k .. 64k + 64 (groups 4k .. 4k + 4)
+        for (int h = 0; h < 2; h++) {
+            const __m512i lo = _mm512_loadu_si512((const void *)(b + 64 * h));
+            const __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h)));
+            // bits 4-5 of each byte from qh bits 0-1 | 2-3 (weights l, l + 32), 4-5 | 6-7 (l + 64, + 96)
+            wk[2 * h] = _mm512_or_si512(_mm512_and_si512(lo, m4), _mm512_and_si512(_mm512_sllv_epi64(hb, shl), m30));
+            wk[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(lo, 4), m4),
+                                            _mm512_and_si512(_mm512_srlv_epi64(hb, shr), m30));
+        }
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
+        const __m512i s01 = _mm512_permutexvar_epi16(i01, _mm512_castsi256_si512(sc16));
+        const __m512i s23 = _mm512_permutexvar_epi16(i23, _mm512_castsi256_si512(sc16));
+        for (int j = 0; j < NB; j++) {
+            const uint8_t *xb = mskq_xblock(x, xstride, j, i);
+            const __m512i p0 = _mm512_dpbusd_epi32(z, wk[0], _mm512_loadu_si512((const void *)(xb + 4)));
+            const __m512i p1 = _mm512_dpbusd_epi32(z, wk[1], _mm512_loadu_si512((const void *)(xb + 68)));
+            const __m512i p2 = _mm512_dpbusd_epi32(z, wk[2], _mm512_loadu_si512((const void *)(xb + 132)));
+            const __m512i p3 = _mm512_dpbusd_epi32(z, wk[3], _mm512_loadu_si512((const void *)(xb + 196)));
+            // lane sums < 4 * 63 * 128 < 2^15: the int16 packing is exact
+            __m512i s = _mm512_dpwssd_epi32(z, _mm512_packs_epi32(p0, p1), s01);
+            s = _mm512_dpwssd_epi32(s, _mm512_packs_epi32(p2, p3), s23);
+            const __m256i m = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(xb + 260)), sc16);
+            float dx;
+            std::memcpy(&dx, xb, 4);
+            const float da = d * dx;
+            aa[j] = _mm512_add_ps(aa[j], _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(da)));
+            ab[j] = _mm256_add_ps(ab[j], _mm256_mul_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(da)));
+        }
+    }
+    for (int j = 0; j < NB; j++) _mm512_storeu_ps(fa[j], aa[j]), _mm256_storeu_ps(fb[j], ab[j]);
+#elif defined(MSKQ_AVX2)
+    __m256 aa[NB][2], ab[NB];
+    for (int j = 0; j < NB; j++)
+        aa[j][0] = aa[j][1] = ab[j] = _mm256_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    for (long i = 0; i < nb; i++, b += 210) {
+        mskq_prefetch(b, 256);
+        const float d = mskq_half(b + 208);
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
+        __m256i wq[8], sv[8];  // weights 32u .. 32u + 32 (groups 2u, 2u + 1) and their scales
+        for (int h = 0; h < 2; h++) {
+            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
+            const __m256i hb = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+            const __m256i sx = h ? _mm256_permute2x128_si256(sc16, sc16, 0x11)  // 8 scales, twice
+                                 : _mm256_permute2x128_si256(sc16, sc16, 0x00);
+            wq[4 * h] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30));
+            wq[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30));
+            wq[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(hb, m30));
+            wq[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                            _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30));
+            for (int k = 0; k < 4; k++)  // groups 8h + 2k (low 16 bytes), 8h + 2k + 1
+                sv[4 * h + k] = _mm256_shuffle_epi8(
+                    sx, _mm256_setr_epi32(MSKQ_E(2 * k), MSKQ_E(2 * k), MSKQ_E(2 * k), MSKQ_E(2 * k),
+                                          MSKQ_E(2 * k + 1), MSKQ_E(2 * k + 1), MSKQ_E(2 * k + 1),
+                                          MSKQ_E(2 * k + 1)));
+        }
+        for (int j = 0; j < NB; j++) {
+            const uint8_t *xb = mskq_xblock(x, xstride, j, i);
+            __m256i r[4];  // r[k]: groups 2k, 2k + 1 and 2k + 8, 2k + 9, per 4 weights
+            for (int u = 0; u < 8; u++) {
+                const __m256i t = _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(wq[u], _mm256_loadu_si256((const __m256i *)(xb + 4 + 32 * u))), sv[u]);
+                r[u & 3] = u < 4 ? t : _mm256_add_epi32(r[u & 3], t);
+            }
+            const __m256i a0 = _mm256_hadd_epi32(r[0], r[2]);  // A lanes 0-7 (groups 0, 1, 4, 5)
+            const __m256i a1 = _mm256_hadd_epi32(r[1], r[3]);  // 8-15 (2, 3, 6, 7)
+            const __m256i m = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(xb + 260)), sc16);
+            float dx;
+            std::memcpy(&dx, xb, 4);
+            const __m256 da = _mm256_set1_ps(d * dx);
+            aa[j][0] = _mm256_add_ps(aa[j][0], _mm256_mul_ps(_mm256_cvtepi32_ps(a0), da));
+            aa[j][1] = _mm256_add_ps(aa[j][1], _mm256_mul_ps(_mm256_cvtepi32_ps(a1), da));
+            ab[j] = _mm256_add_ps(ab[j], _mm256_mul_ps(_mm256_cvtepi32_ps(m), da));
+        }
+    }
+    for (int j = 0; j < NB; j++) {
+        _mm256_storeu_ps(fa[j], aa[j][0]);
+        _mm256_storeu_ps(fa[j] + 8, aa[j][1]);
+        _mm256_storeu_ps(fb[j], ab[j]);
+    }
+#else
+    for (int j = 0; j < NB; j++) {
+        for (int l = 0; l < 16; l++) fa[j][l] = 0.f;
+        for (int l = 0; l < 8; l++) fb[j][l] = 0.f;
+    }
+    for (long i = 0; i < nb; i++, b += 210) {
+        const float d = mskq_half(b + 208);
+        const int8_t *sc = (const int8_t *)(b + 192);
+        int8_t q[256];
+        mskq_q6_unpack(b, q);
+        for (int j = 0; j < NB; j++) {
+            const uint8_t *xb = mskq_xblock(x, xstride, j, i);
+            const int8_t *xq = (const int8_t *)(xb + 4);
+            int16_t bs[16];
+            std::memcpy(bs, xb + 260, 32);
+            int32_t dot[16][2];  // group, 8 weights
+            mskq_dot8(q, xq, &dot[0][0]);
+            const float da = d * mskq_dx(x, xstride, j, i);
+            int32_t a[16], m[8];
+            for (int g0 = 0; g0 < 8; g0++)
+                for (int h = 0; h < 2; h++)
+                    a[mskq_lane6(g0, h)] = (int32_t)sc[g0] * dot[g0][h] + (int32_t)sc[g0 + 8] * dot[g0 + 8][h];
+            for (int t = 0; t < 8; t++) m[t] = (int32_t)sc[2 * t] * bs[2 * t] + (int32_t)sc[2 * t + 1] * bs[2 * t + 1];
+            for (int l = 0; l < 16; l++) fa[j][l] = fa[j][l] + (float)a[l] * da;
+            for (int l = 0; l < 8; l++) fb[j][l] = fb[j][l] + (float)m[l] * da;
+        }
+    }
+#endif
+    for (int j = 0; j < NB; j++) y[j * ystride] = mskq_tree16(fa[j]) - 32.f * mskq_tree8(fb[j]);
+}
+
+#endif  // MINISERVE_KQUANTS_H
