@@ -75,8 +75,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "native: the same forward pass in compiled C++, every pass -- prompt "
                         "chunks and the decode rows of many sequences together (CPU); "
                         "transformers: the library model; auto: the fastest that applies")
-    p.add_argument("--quant", default=None, choices=("int8",),
-                   help="int8 weight-only quantization (lean runner, bfloat16 activations)")
+    p.add_argument("--quant", default=None, choices=("q8_0", "q4_0", "int8"),
+                   help="quantize a float model's matrices at load: q8_0 / q4_0 (llama.cpp's "
+                        "blocks of 32 weights with a scale each, made by the gguf package, "
+                        "run by the native runner's integer kernels; for a GGUF, its own "
+                        "blocks run as stored without this); int8 (one scale a row, the "
+                        "PyTorch lean runner, bfloat16 activations)")
     p.add_argument("--math", default="auto", choices=MATHS,
                    help="the arithmetic of the matrix products, apart from the weights' dtype: "
                         "float32 (float32 products and sums); bfloat16 (activations rounded to "

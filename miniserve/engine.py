@@ -155,6 +155,7 @@ def common_prefix(a, b) -> int:
 
 
 RUNNERS = ("auto", "native", "lean", "transformers")
+QUANTS = ("q8_0", "q4_0")  # at load, into the native runner's blocks (stored.quantize_at_load)
 
 
 def make_runner(loaded: LoadedModel, runner: str = "auto", quant: str | None = None,
@@ -174,6 +175,15 @@ def make_runner(loaded: LoadedModel, runner: str = "auto", quant: str | None = N
             raise ValueError(f"--quant {quant} quantizes float weights at load; this GGUF's "
                              "weights are used as stored (for --quant, add --dtype bfloat16)")
         return StoredRunner(loaded.model, math, loaded.generation_config)
+    if quant in QUANTS:  # a float model's matrices quantized to blocks at load (native)
+        from miniserve.stored import quantize_at_load
+        if runner not in ("auto", "native") or loaded.device.type != "cpu":
+            raise ValueError(f"--quant {quant} runs on the native runner on the CPU, not "
+                             f"{'--runner ' + runner if runner not in ('auto', 'native') else loaded.device.type}")
+        if not lean.supports(loaded.model):
+            raise ValueError(f"--quant {quant} needs an architecture the native runner runs "
+                             f"(Llama family, Qwen2, Gemma 3), not {loaded.model.config.model_type}")
+        return quantize_at_load(loaded.model, quant, math)
     if quant and runner in ("transformers", "native"):
         raise ValueError(f"--quant needs the lean runner, not {runner}")
     if runner == "transformers" or (runner == "auto" and not lean.supports(loaded.model)):
@@ -631,7 +641,7 @@ def auto_dtype(dtype: str, device: str | None, runner: str, quant: str | None,
     from miniserve.loader import STORED, ModelLoadError, pick_device
     if dtype != "auto":
         return dtype
-    if quant == "int8":
+    if quant in ("int8", *QUANTS):  # quantized from bfloat16 (what published weights are)
         return "bfloat16"
     try:
         dev = pick_device(device)

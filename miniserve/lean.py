@@ -317,6 +317,8 @@ class LeanModel:
                   self.final_norm]:
             if isinstance(w, Int8Weight):
                 total += w.q.numel() + w.scales.numel() * 2
+            elif hasattr(w, "nbytes") and not isinstance(w, torch.Tensor):  # quantized blocks
+                total += w.nbytes
             elif w is not None:
                 total += w.numel() * w.element_size()
         return total

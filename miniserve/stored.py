@@ -366,3 +366,48 @@ class StoredRunner:
         return logits if all_logits else logits.view(1, -1)
 
     __call__ = forward
+
+
+# -- float models quantized at load (--quant q8_0 | q4_0) -------------------------------------
+
+QUANTS = {"q8_0": 8, "q4_0": 2}  # --quant -> ggml's type id (gguf's numpy quantizers make both)
+
+
+def quantize_at_load(hf_model, quant: str, math: str = "auto"):
+    """A float model (a transformers folder or Hub id) with its matrices quantized to Q8_0 or
+    Q4_0 blocks at load, by the gguf package's quantizer (llama.cpp's reference arithmetic),
+    run by the same native kernels as a GGUF's stored blocks: the lean runner's fused
+    matrices (q|k|v, gate|up) and the output layer, each row quantized on its own; the
+    embedding stays in the weights' dtype (it is looked up, not multiplied). Seconds per
+    billion weights; the float copy stays for the benchmark's reference."""
+    import gguf
+
+    from miniserve import lean, native
+    if quant not in QUANTS:
+        raise ValueError(f"unknown --quant '{quant}': use {', '.join(QUANTS)}")
+    if native.load() is None:
+        raise ValueError(f"--quant {quant} runs on the native runner: "
+                         + (native.unavailable_reason() or "it is not available"))
+    qtype = gguf.GGMLQuantizationType(QUANTS[quant])
+    # its matrices fused and its tables float32, as the native runner takes them; the float
+    # matrices' pass is replaced below by one over their blocks
+    model = lean.LeanModel(hf_model, native=True, math=math)
+    kept = []
+
+    def blocks(w: torch.Tensor) -> native.StoredMatrix:
+        rows, cols = w.shape
+        if cols % 32:
+            raise ValueError(f"--quant {quant} needs rows of whole 32-weight blocks; this "
+                             f"model has a matrix {rows} x {cols}")
+        data = gguf.quants.quantize(w.detach().float().cpu().numpy(), qtype)
+        kept.append(data)
+        return native.StoredMatrix(data.ctypes.data, int(qtype), rows, cols, data.nbytes)
+
+    for layer in model.layers:
+        for name in ("wqkv", "wo", "w13", "w2"):
+            layer[name] = blocks(layer[name])
+    model.lm_head = blocks(model.lm_head)
+    model.quant, model.quantized_blocks = quant, kept
+    model.math = native.resolve_math(math, torch.bfloat16)
+    model.native = native.NativeForward(model, model.math)
+    return model

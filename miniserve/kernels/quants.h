@@ -16,9 +16,8 @@
 //   plus (ms[0] + ms[1]) for the types with a min.
 // AVX-512 holds a pair of blocks in 16 lanes (acc[0] the low 8, acc[1] the high 8) and the
 // pair's m_w * s_x in lanes 1 and 3 of a 4-lane sum; AVX2 one block in 8 lanes with two
-// accumulators; the plain loop two arrays of 8. Never a fused
-// multiply-add in that part (the generic build has none in hardware), so every build rounds
-// alike. vpdpbusd and pmaddubsw + pmaddwd put the same four products in the same int32 lane.
+// accumulators; the plain loop two arrays of 8. Never a fused multiply-add in that part (the
+// generic build has none in hardware), so every build rounds alike. vpdpbusd and pmaddubsw + pmaddwd put the same four products in the same int32 lane.
 //
 // F16 weights against float32 activations: 32 running sums (AVX-512: two vectors of 16; AVX2:
 // four of 8), acc = fma(w, x, acc) over columns in steps of 32, reduced as
@@ -53,7 +52,8 @@ struct ms_a8 {
     int8_t qs[32];
 };
 
-// How far ahead of the weight loads the one-row loops prefetch (bytes), as decode.cpp does.
+// How far ahead of the weight loads the loops prefetch (bytes), as decode.cpp does; not tuned
+// (the machine measured on was too noisy to tell 1 KB from 4 KB).
 #ifndef MSQ_PREFETCH
 #define MSQ_PREFETCH 2048
 #endif
