@@ -825,7 +825,8 @@ def run_concurrency(engine: Engine, config: ConcurrencyConfig,
     isa = (native.isa() or "") if engine.runner == "native" else ""
     info = engine.info()
     math = info.get("compute_dtype", "")
-    weights = str(engine.loaded.dtype).removeprefix("torch.")
+    weights = (engine.info()["dtype"] if engine.loaded.stored
+               else str(engine.loaded.dtype).removeprefix("torch."))
     dtype = f"{weights}+int8" if engine.quant == "int8" else weights
     shown = dtype if math in ("", weights) else f"{dtype} ({math} math)"
     prompts = [stream_prompt(engine.tokenizer, config.prompt_tokens, i)
@@ -925,8 +926,9 @@ def largest_weight(runner) -> tuple[str, torch.Tensor] | None:
             (f"layers[0].{k}", t) for k, t in (runner.layers[0].items() if runner.layers else ())]
     else:
         named = list(getattr(runner, "model", runner).named_parameters())
-    named = [(n, t) for n, t in named if isinstance(t, torch.Tensor) and t.dim() == 2
-             and t.dtype in (torch.float32, torch.bfloat16, torch.float16)]
+    named = [(n, t) for n, t in named if isinstance(t, native.StoredMatrix) or (
+        isinstance(t, torch.Tensor) and t.dim() == 2
+        and t.dtype in (torch.float32, torch.bfloat16, torch.float16))]
     return max(named, key=lambda nt: nt[1].numel(), default=None)
 
 
@@ -942,6 +944,15 @@ def weight_elements(runner) -> int:
     out = m.get_output_embeddings()
     tied = out is not None and out.weight.data_ptr() == embed.data_ptr()
     return total if tied else total - embed.numel()
+
+
+def _bytes(w) -> int:
+    return w.nbytes if isinstance(w, native.StoredMatrix) else w.numel() * w.element_size()
+
+
+def _type_name(type_id: int) -> str:
+    import gguf
+    return gguf.GGMLQuantizationType(type_id).name
 
 
 def product_kernel(w: torch.Tensor, math: str, use_native: bool
@@ -989,8 +1000,10 @@ def measure_ceiling(engine: Engine, math: str = "") -> dict:
         with torch.inference_mode():
             t1 = _best_time(lambda: product(x1))
             tb = _best_time(lambda: product(xb))
-        return {"matrix": f"{name} ({rows}x{cols}, {str(w.dtype).removeprefix('torch.')})",
-                "bandwidth_gb_s": round(w.numel() * w.element_size() / t1 / 1e9, 2),
+        kind = (_type_name(w.type) if isinstance(w, native.StoredMatrix)
+                else str(w.dtype).removeprefix('torch.'))
+        return {"matrix": f"{name} ({rows}x{cols}, {kind})",
+                "bandwidth_gb_s": round(_bytes(w) / t1 / 1e9, 2),
                 "gflops": round(2 * rows * cols * CEILING_BATCH / tb / 1e9, 2),
                 "gflops_rows": CEILING_BATCH,
                 "method": f"{label} for the bandwidth and GFLOPS",

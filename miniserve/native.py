@@ -167,6 +167,13 @@ class StoredMatrix(NamedTuple):
     cols: int
     nbytes: int
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.rows, self.cols)
+
+    def numel(self) -> int:
+        return self.rows * self.cols
+
 
 class MsMat(ctypes.Structure):  # decode.cpp's structs, field by field
     _fields_ = [("data", ctypes.c_void_p), ("type", ctypes.c_long), ("rows", ctypes.c_long)]

@@ -10,12 +10,13 @@ computing them is a real model's. The file is written as F16 with the gguf packa
 llama.cpp's naming (token_embd, blk.N.attn_q, ..., output_norm; `output` only when the
 embeddings are not tied; q/k/v biases for qwen2), then quantized by llama.cpp's own quantizer
 through llama-cpp-python (the K-quants need it: the gguf package only dequantizes them). Q8_0
-and Q4_0 can also be made without llama-cpp-python by the gguf package's numpy quantizers (every
-matrix in that one type; llama.cpp would keep the tied embeddings in Q6_K/Q8_0 -- see below).
+and Q4_0 can also be made without llama-cpp-python by the gguf package's numpy quantizers: every
+matrix in that one type, where llama.cpp's quantizer picks other types for some tensors (its
+Q4_K_M: Q6_K for token_embd and half the attn_v / ffn_down).
 
-Files go to `cache_root()/synthetic` as `<shape>-<vocab>-<quant>.gguf` and are reused when
-present; the F16 file a quantization starts from is kept beside them (`<shape>-<vocab>-f16.gguf`)
-so the other types of one shape start from it.
+Files go to `cache_root()/synthetic` as `<shape>-<vocab>-<quant>.gguf` (`...-numpy.gguf` from
+the numpy quantizers) and are reused when present; the F16 file a quantization starts from is
+kept beside them (`<shape>-<vocab>-f16.gguf`), so the other types of a shape start from it.
 
 Not done, because random weights make them moot: Llama's q/k rows are not permuted for
 llama.cpp's rope (convert_hf_to_gguf does this for real checkpoints), and Llama 3's rope scaling
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import sys
 import time
 import zlib
@@ -106,8 +108,10 @@ def random_tensor(name: str, dims: tuple[int, ...], seed: int) -> np.ndarray:
     return values
 
 
+@functools.lru_cache(maxsize=1)
 def _embedded_vocab():
-    """The embedded GGUF's reader and its `tokenizer.*` fields."""
+    """The `tokenizer.*` fields of the embedded GGUF (its reader parses the whole vocabulary:
+    seconds, so once)."""
     import gguf
 
     from miniserve.loader import embedded_gguf
@@ -242,8 +246,10 @@ def default_dir() -> Path:
     return cache_root() / "synthetic"
 
 
-def file_name(shape_name: str, vocab: int, quant: str) -> str:
-    return f"{shape_name}-{vocab}-{quant}.gguf"
+def file_name(shape_name: str, vocab: int, quant: str, numpy_quant: bool = False) -> str:
+    """<shape>-<vocab>-<quant>.gguf; `-numpy` before .gguf for the numpy quantizer's files
+    (every matrix in the one type: not what llama.cpp's quantizer makes of the same type)."""
+    return f"{shape_name}-{vocab}-{quant}{'-numpy' if numpy_quant else ''}.gguf"
 
 
 def make(shape_name: str, quant: str = "q4_k_m", vocab: int | None = None,
@@ -257,18 +263,16 @@ def make(shape_name: str, quant: str = "q4_k_m", vocab: int | None = None,
         raise ValueError(f"unknown quant {quant!r}; choose from {', '.join(FTYPES)}")
     vocab = vocab or embedded_vocab_size()
     out_dir = Path(out_dir) if out_dir else default_dir()
-    out = out_dir / file_name(shape_name, vocab, quant)
+    use_numpy = quant != "f16" and (numpy_only or not llama_cpp_available())
+    if use_numpy and quant not in NUMPY_QUANTS:
+        raise ValueError(f"{quant} needs llama-cpp-python (llama.cpp's quantizer); without "
+                         f"it only {', '.join(NUMPY_QUANTS)} can be made")
+    out = out_dir / file_name(shape_name, vocab, quant, use_numpy)
     if out.is_file():
         return out
-    if quant == "f16":
+    if quant == "f16" or use_numpy:
         say(f"writing {out.name} ({parameter_count(SHAPES[shape_name], vocab) / 1e9:.2f} B "
-            "parameters) ...")
-        return write_gguf(out, shape_name, vocab, "f16", seed, say)
-    if numpy_only or not llama_cpp_available():
-        if quant not in NUMPY_QUANTS:
-            raise ValueError(f"{quant} needs llama-cpp-python (llama.cpp's quantizer); without "
-                             f"it only {', '.join(NUMPY_QUANTS)} can be made")
-        say(f"writing {out.name} with gguf's numpy quantizer ...")
+            "parameters" + (", gguf's numpy quantizer" if use_numpy else "") + ") ...")
         return write_gguf(out, shape_name, vocab, quant, seed, say)
     f16 = make(shape_name, "f16", vocab, out_dir, seed, progress=say)
     say(f"quantizing {f16.name} -> {out.name} with llama.cpp ...")
@@ -371,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     took = time.perf_counter() - start
-    print(f"{path.stat().st_size / 2**20:.0f} MiB, {took:.1f} s", file=sys.stderr)
+    print(f"{path.stat().st_size / 2**20:.0f} MiB, "
+          + (f"made in {took:.1f} s" if took > 2 else "already there"), file=sys.stderr)
     if args.types:
         print(summarize_types(path), file=sys.stderr)
     if args.check:
