@@ -47,6 +47,9 @@ def ours(path: str, ids: list[int]) -> float:
 
 def llamacpp(path: str, ids: list[int]) -> float:
     import numpy as np
+
+    from miniserve.synthetic import block_amx
+    block_amx()  # llama.cpp's AMX kernels die on this CPU (synthetic.block_amx says why)
     from llama_cpp import Llama
     llm = Llama(model_path=path, n_ctx=len(ids) + 16, n_batch=512, logits_all=True,
                 n_threads=2, verbose=False)
@@ -59,7 +62,7 @@ def llamacpp(path: str, ids: list[int]) -> float:
 
 def child(args) -> None:
     ids = json.loads(Path(args.ids).read_text())
-    nll = ours(args.file, ids) if args.engine == "ours" else llamacpp(args.file, ids)
+    nll = ours(args.file, ids) if args.child == "ours" else llamacpp(args.file, ids)
     print(json.dumps({"nll": nll}))
 
 

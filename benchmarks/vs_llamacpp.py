@@ -15,8 +15,11 @@ the machine costs both alike):
     stderr matching --ours-ready, by default the bench's "warming up"), file pages warm in the
     page cache (every file is read once before the first round);
   * memory: peak RSS of the process (VmHWM of /proc/PID/status, sampled every 50 ms until it
-    exits), and RssAnon / RssFile at the sampled moment of highest VmRSS and at the end -- anonymous memory is what the engine made (repacked / dequantized weights, KV cache),
-    file memory the mapped GGUF;
+    exits), and RssAnon / RssFile at the sampled moment of highest VmRSS and at the end --
+    anonymous memory is what the engine made (repacked / dequantized weights, KV cache), file
+    memory the mapped GGUF (llama.cpp keeps the whole file mapped, the repacked tensors' pages
+    too, so its RSS counts those weights twice; file pages can be reclaimed, anonymous ones
+    cannot);
   * B streams (--streams, 8) batched: aggregate tokens/s, every stream's new tokens over the
     wall time from the submit to the last token, prefill of all prompts included (llama.cpp:
     its batch API through miniserve/peer.py's LlamaCppBatch, one sequence id a stream; ours: the
@@ -33,6 +36,11 @@ buffers off (peer.py's setting). A llama.cpp process that crashes is rerun once 
 buffers off, and the JSON says so. End tokens do not stop llama.cpp (every run makes exactly the
 asked tokens).
 
+Before a file's first round, our one-stream command runs once unmeasured (--no-prime: not),
+so that a first start's one-off work (the loader's dequantized-weights cache) is not in the
+load times. The default commands are `python -m miniserve bench`, which also checks its tokens
+against a float32 transformers model of the weights: that model's memory is in our RSS.
+
 "Ours" is a command: a list of words with {model}, {json}, {prompt_tokens}, {new_tokens},
 {threads}, {streams} filled in (--ours-cmd / --ours-batch-cmd, a shell-like string). Its result is
 read from the {json} file (or, if the command has no {json}, the last JSON line on stdout), in
@@ -42,9 +50,10 @@ decode_tokens_per_s; the row of --ours-mode, "cache" by default), `miniserve ben
 object with this script's own names (decode_tok_s, ttft_s: {"64": s, "512": s}, batch_tok_s,
 and ready_s when the command knows better when it was ready).
 
-Nothing else should run meanwhile: the JSON records, per run, the CPU time that other processes
-took during it (/proc/stat busy time less the child's and this script's), and the table flags
-runs where that was over 5% of the machine.
+Nothing else should run meanwhile: --wait-idle S waits (up to S seconds) before each process
+until the machine is idle; the JSON records, per run, the CPU time that other processes took
+during it (/proc/stat busy time less the child's and this script's), and the table flags runs
+where that was over 5% of the machine.
 """
 
 from __future__ import annotations
@@ -92,9 +101,10 @@ def cpu_description() -> dict:
 
 
 def busy_jiffies() -> int:
-    """All CPUs' busy time so far (/proc/stat: everything but idle and iowait), in ticks."""
+    """All CPUs' busy time so far (/proc/stat: user, nice, system, irq, softirq -- not idle,
+    iowait, or steal, the hypervisor's), in ticks."""
     fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    return sum(fields) - fields[3] - fields[4]
+    return fields[0] + fields[1] + fields[2] + fields[5] + fields[6]
 
 
 def proc_status(pid: int) -> dict[str, float]:
@@ -141,28 +151,31 @@ def run_child(cmd: list[str], ready: str | None = None, env: dict | None = None,
     self_before = resource.getrusage(resource.RUSAGE_SELF)
     busy_before = busy_jiffies()
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=ROOT, env=env, bufsize=1)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT,
+                            env=env)
     sampler = Sampler(proc.pid)
     sampler.start()
     box: dict = {"ready_s": None, "out": [], "err": []}
 
     def read(stream, lines, is_err):
-        buf = ""
+        """Collect the stream; note when a line (progress bars end theirs with \r) first
+        says the model is ready. Reads whatever is there at once, not a byte a call: this
+        process must not take CPU from the one it measures."""
+        pending = ""
         while True:
-            chunk = stream.read(1)  # progress bars end lines with \r, not \n
-            if not chunk:
+            data = os.read(stream.fileno(), 1 << 16)
+            if not data:
                 break
-            buf += chunk
-            if chunk in "\r\n":
-                if box["ready_s"] is None and buf.strip() and (
-                        (ready_re is None and not is_err and buf.strip() == "READY")
-                        or (ready_re is not None and ready_re.search(buf))):
-                    box["ready_s"] = time.perf_counter() - start
-                lines.append(buf)
-                buf = ""
-        if buf:
-            lines.append(buf)
+            text = data.decode(errors="replace")
+            lines.append(text)
+            if box["ready_s"] is None:
+                pending += text
+                *done, pending = re.split(r"[\r\n]", pending)
+                for line in done:
+                    if (ready_re is None and not is_err and line.strip() == "READY") or \
+                            (ready_re is not None and ready_re.search(line)):
+                        box["ready_s"] = time.perf_counter() - start
+                        break
 
     readers = [threading.Thread(target=read, args=(proc.stdout, box["out"], False), daemon=True),
                threading.Thread(target=read, args=(proc.stderr, box["err"], True), daemon=True)]
@@ -472,6 +485,23 @@ def buffer_sizes(log: str) -> dict[str, float]:
     return out
 
 
+def others_busy(window: float = 3.0) -> float:
+    """Share of the machine's CPU busy over `window` seconds (this script sleeps meanwhile)."""
+    before = busy_jiffies()
+    time.sleep(window)
+    return (busy_jiffies() - before) / CLK_TCK / (window * (os.cpu_count() or 1))
+
+
+def wait_idle(max_wait: float, threshold: float = BUSY_OTHERS_FLAG) -> dict:
+    """Wait (at most max_wait s) until the machine is idle: under `threshold` of its CPU busy
+    over 3 s. {waited_s, busy_before}: what it found."""
+    start = time.perf_counter()
+    busy = others_busy()
+    while busy > threshold and time.perf_counter() - start < max_wait:
+        busy = others_busy(10.0)
+    return {"waited_s": round(time.perf_counter() - start, 1), "busy_before": round(busy, 3)}
+
+
 def warm_page_cache(path: Path) -> None:
     with open(path, "rb") as f:
         while f.read(1 << 24):
@@ -641,9 +671,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ours-ready", default=DEFAULT_READY,
                    help="regex of the output line that marks our model as loaded")
     p.add_argument("--ours-mode", default="cache", help="the bench JSON's mode to read")
+    p.add_argument("--no-prime", action="store_true",
+                   help="no unmeasured run of ours before a file's first round")
     p.add_argument("--json", default=None, help="write the raw results here")
     p.add_argument("--from-json", nargs="+", default=None,
                    help="print the table of saved results (several: merged by file)")
+    p.add_argument("--wait-idle", type=float, default=0, metavar="S",
+                   help="before each process, wait up to S seconds for the machine to be idle "
+                        f"(under {BUSY_OTHERS_FLAG * 100:.0f} percent of its CPU busy over 3 s)")
+    p.add_argument("--retry-busy", type=int, default=0, metavar="N",
+                   help="run a measurement again (up to N times) when other processes took "
+                        f"over {BUSY_OTHERS_FLAG * 100:.0f} percent of the CPU during it; the least "
+                        "disturbed run is kept")
     p.add_argument("--keep-output", action="store_true", help="keep every child's output")
     p.add_argument("--timeout", type=float, default=3600, help="per process, seconds")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -680,13 +719,31 @@ def main(argv: list[str] | None = None) -> int:
         path = Path(name).resolve()
         warm_page_cache(path)
         entry = {"path": str(path), "info": gguf_summary(path), "records": []}
+        if "ours" in engines and not args.no_prime:
+            print(f"{path.name}: ours once, unmeasured (caches, page cache) ...",
+                  file=sys.stderr, flush=True)
+            prime = measure("ours", "single", path, args, 0)
+            entry["prime"] = {k: prime.get(k) for k in ("rc", "ready_s", "wall_s", "error")}
         for r in range(args.repeat):
             order = engines if r % 2 == 0 else engines[::-1]  # A B, B A, A B ...
             for kind in kinds:
                 for engine in order:
                     print(f"{path.name}: round {r + 1}/{args.repeat}, {engine} {kind} ...",
                           file=sys.stderr, flush=True)
-                    record = measure(engine, kind, path, args, r + 1)
+                    record, tries = None, 0
+                    while tries <= args.retry_busy:  # a run that others disturbed: again
+                        idle = wait_idle(args.wait_idle) if args.wait_idle else None
+                        attempt = measure(engine, kind, path, args, r + 1)
+                        attempt["idle_wait"] = idle
+                        tries += 1
+                        if record is None or (attempt["others_cpu_share"]
+                                               < record["others_cpu_share"]):
+                            record = attempt
+                        if record["others_cpu_share"] <= BUSY_OTHERS_FLAG:
+                            break
+                        print(f"  others took {attempt['others_cpu_share']:.0%} of the CPU "
+                              "meanwhile", file=sys.stderr)
+                    record["attempts"] = tries
                     if record.get("error"):
                         print(f"  error: {record['error']}", file=sys.stderr)
                     entry["records"].append(record)
