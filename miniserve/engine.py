@@ -693,8 +693,8 @@ def start_engine(model: str | None = None, device: str | None = "auto", dtype: s
                f"--quant {quant}" if quant else native.unavailable_reason()
                or "the native runner does not run on this device")
         (progress or (lambda m: print(m, file=sys.stderr, flush=True)))(
-            f"The GGUF's weights are dequantized to {chosen} ({why}); as stored they need the "
-            "native runner on the CPU.")
+            f"The GGUF's weights are dequantized ({why}); as stored they need the native "
+            "runner on the CPU.")
     loaded = load_model(model, device=device, dtype=chosen, progress=progress)
     return Engine(loaded, runner=runner, quant=quant, math=math, kv_budget=kv_budget,
                   max_queue=max_queue, max_batch=max_batch, name=name)

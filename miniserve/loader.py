@@ -393,6 +393,10 @@ def _load_stored(source: str | None, path: Path, progress: Progress | None) -> L
     except StoredModelError as e:
         raise ModelLoadError(str(e)) from None
     tokenizer = _stored_tokenizer(path, weights, progress)
+    if len(tokenizer) > weights.config.vocab_size:  # ids past the table: refused, not read
+        raise ModelLoadError(f"{path.name}: the tokenizer has {len(tokenizer):,} tokens but "
+                             f"'token_embd.weight' only {weights.config.vocab_size:,} rows; the "
+                             "file is inconsistent")
     meta = weights.file.get
     eos = meta("tokenizer.ggml.eos_token_id")
     generation = GenerationConfig(

@@ -38,6 +38,9 @@ ARCHITECTURES = ("llama", "qwen2", "gemma3")
 MAX_POSITIONS = 32768
 F32, F16, BF16 = 0, 1, 30
 FLOAT_TYPES = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}
+# the matrix types the kernels run in place (a file of others -- Q2_K, Q3_K, IQ* -- loads
+# dequantized by default: as stored they would become float32 copies at every start)
+IN_PLACE = {F32, F16, BF16, 2, 3, 6, 7, 8, 12, 13, 14}
 
 Progress = Callable[[str], None]
 
@@ -47,7 +50,11 @@ def runs_as_stored(path: Path) -> bool:
     read). A damaged file says yes: loading it as stored names what is wrong."""
     try:
         with GGUFFile(path) as f:
-            return f.architecture in ARCHITECTURES
+            arch = f.architecture
+            scaling = str(f.get(f"{arch}.rope.scaling.type", "none") or "none")
+            matrices = {t.type for t in f.tensors.values() if len(t.shape) == 2}
+            return (arch in ARCHITECTURES and scaling in ("none", "linear", "llama3")
+                    and matrices <= IN_PLACE)
     except (GGUFFileError, OSError):
         return True
 
@@ -96,6 +103,9 @@ class GGUFWeights:
             raise StoredModelError(f"{self.path.name}: architecture '{arch}' does not run with its "
                                    f"weights as stored (these do: {', '.join(ARCHITECTURES)})")
         self.arch = arch
+        if native.load() is None:  # before anything is read: nothing runs the blocks here
+            raise StoredModelError("weights as stored need the native runner: "
+                                   + (native.unavailable_reason() or "it is not available"))
         self.config = self._config()
         self._kept: list = []  # float32 copies the runner points to
         self.converted: list[str] = []  # tensors dequantized at load (types not run in place)
@@ -104,7 +114,6 @@ class GGUFWeights:
             f.check_scales([n for n in names.values() if n in f.tensors])
         except GGUFFileError as e:
             raise StoredModelError(str(e)) from None
-        self.lib_ready = native.load() is not None
         cfg = self.config
         self.embed = self.matrix("token_embd.weight", (cfg.vocab_size, cfg.hidden_size))
         self.lm_head = (self.matrix("output.weight", (cfg.vocab_size, cfg.hidden_size))
@@ -126,27 +135,50 @@ class GGUFWeights:
             return default
         return value.item() if isinstance(value, np.generic) else value
 
-    def _config(self) -> StoredConfig:
-        D = int(self._meta("embedding_length"))
-        heads = int(self._meta("attention.head_count"))
-        kv = self._meta("attention.head_count_kv", heads)
-        if not isinstance(kv, (int, np.integer)):  # a per-layer list: one value for all only
-            values = set(int(v) for v in kv)
+    def _count(self, key: str, default=None, low: int = 1, high: int = 1 << 20) -> int:
+        """A whole number of the header, one for every layer (a per-layer list must hold one
+        value), within [low, high]; else StoredModelError naming the key."""
+        value = self._meta(key, default)
+        if isinstance(value, (list, tuple, np.ndarray)):
+            values = {int(v) for v in value}
             if len(values) != 1:
-                raise StoredModelError(f"{self.path.name}: layers with different kv head counts "
-                                       "do not run with the weights as stored")
-            kv = values.pop()
-        head_dim = int(self._meta("attention.key_length", D // heads))
+                raise StoredModelError(f"{self.path.name}: '{self.arch}.{key}' differs from "
+                                       "layer to layer, which does not run as stored")
+            value = values.pop()
+        try:
+            number = int(value)
+        except (TypeError, ValueError):
+            number = None
+        if number is None or not low <= number <= high or number != value:
+            raise StoredModelError(f"{self.path.name}: '{self.arch}.{key}' is {value!r}; a whole "
+                                   f"number from {low} to {high} was expected")
+        return number
+
+    def _config(self) -> StoredConfig:
+        D = self._count("embedding_length")
+        heads = self._count("attention.head_count", high=4096)
+        kv = self._count("attention.head_count_kv", heads, high=heads)
+        if heads % kv:
+            raise StoredModelError(f"{self.path.name}: {heads} attention heads do not share "
+                                   f"{kv} kv heads evenly")
+        head_dim = self._count("attention.key_length", max(D // heads, 2), low=2, high=1024)
+        if head_dim % 2:
+            raise StoredModelError(f"{self.path.name}: head size {head_dim} is odd (RoPE turns "
+                                   "pairs)")
+        layers = self._count("block_count", high=4096)
+        if f"blk.{layers - 1}.attn_q.weight" not in self.file.tensors:
+            raise StoredModelError(f"{self.path.name}: the header says {layers} layers, but "
+                                   f"tensor 'blk.{layers - 1}.attn_q.weight' is missing")
         vocab = self.file.tensors.get("token_embd.weight")
-        if vocab is None:
-            raise StoredModelError(f"{self.path.name}: no tensor 'token_embd.weight'")
-        context = int(self._meta("context_length", 2048))
+        if vocab is None or len(vocab.shape) != 2:
+            raise StoredModelError(f"{self.path.name}: no 2-D tensor 'token_embd.weight'")
+        context = self._count("context_length", 2048, high=1 << 24)
         gemma = self.arch == "gemma3"
         return StoredConfig(
             model_type={"gemma3": "gemma3_text"}.get(self.arch, self.arch),
-            hidden_size=D, intermediate_size=int(self._meta("feed_forward_length")),
-            num_hidden_layers=int(self._meta("block_count")), num_attention_heads=heads,
-            num_key_value_heads=int(kv), head_dim=head_dim, vocab_size=int(vocab.shape[0]),
+            hidden_size=D, intermediate_size=self._count("feed_forward_length"),
+            num_hidden_layers=layers, num_attention_heads=heads,
+            num_key_value_heads=kv, head_dim=head_dim, vocab_size=int(vocab.shape[0]),
             max_position_embeddings=min(context, MAX_POSITIONS),
             rms_norm_eps=float(self._meta("attention.layer_norm_rms_epsilon", 1e-6 if gemma
                                           else 1e-5)),

@@ -218,13 +218,17 @@ def test_loading_as_stored_writes_no_weights_and_maps_the_file(tmp_path, monkeyp
     monkeypatch.setenv("MINISERVE_CACHE", str(tmp_path))
     loaded = load_model(None, dtype="stored", progress=lambda m: None)
     written = [p for p in tmp_path.rglob("*") if p.is_file()]
-    assert written and all(p.relative_to(tmp_path).parts[0] == "tokenizers" for p in written)
-    assert sum(p.stat().st_size for p in written) < 10 << 20
+    # the tokenizer (and, where this process had not built it yet, the compiled kernels)
+    assert written and all(p.relative_to(tmp_path).parts[0] in ("tokenizers", "kernels")
+                           for p in written)
+    assert sum(p.stat().st_size for p in written if "tokenizers" in p.parts) < 10 << 20
     layer = loaded.model.layers[0]
     assert isinstance(layer["wq"], StoredMatrix) and layer["wq"].type == Q.Q4_1
-    if os.path.exists("/proc/self/maps"):
+    if os.path.exists("/proc/self/maps"):  # the matrix's address lies in the file's mapping
         with open("/proc/self/maps") as f:
-            assert str(embedded_gguf()) in f.read()
+            spans = [[int(a, 16) for a in line.split()[0].split("-")] for line in f
+                     if line.rstrip().endswith(str(embedded_gguf()))]
+        assert any(lo <= layer["wq"].address < hi for lo, hi in spans), spans
 
 
 @pytest.mark.parametrize("damage", ["cut", "nan_scale"])
@@ -322,3 +326,34 @@ def test_a_float_model_quantized_at_load_runs_on_the_same_kernels(bf16, ref16, q
     assert agree >= (AGREE_STORED if quant == "q8_0" else 0.4), agree
     if quant == "q8_0":
         assert err <= BOUND_STORED, err
+
+
+@same_on_every_cpu
+@needs_native
+def test_a_gguf_runs_as_stored_by_default_and_dequantized_where_it_cannot():
+    """--dtype auto: a GGUF as stored where the native runner runs; the lean or transformers
+    runner, or --quant, ask for float weights; a float model's source is never 'stored'."""
+    from miniserve.engine import auto_dtype
+    assert auto_dtype("auto", None, "auto", None, None) == "stored"
+    assert auto_dtype("auto", None, "native", None, "default") == "stored"
+    assert auto_dtype("auto", None, "lean", None, None) != "stored"
+    assert auto_dtype("auto", None, "auto", "q8_0", None) == "bfloat16"
+    assert auto_dtype("float32", None, "auto", None, None) == "float32"
+
+
+@pytest.mark.parametrize("heads,kv,words", [(4, 3, "do not share"), (2, 4, "head_count_kv")])
+@same_on_every_cpu
+@needs_native
+def test_header_values_the_runner_cannot_run_are_one_error(tmp_path, monkeypatch, heads, kv,
+                                                           words):
+    """Head counts whose tensors are consistent but which the pass cannot run (kv heads not
+    dividing the heads, more kv heads than heads): one line naming them, before native code
+    sees the file (decode.cpp would divide by zero)."""
+    from miniserve import synthetic
+    from miniserve.loader import ModelLoadError, load_model
+    monkeypatch.setitem(synthetic.SHAPES, "odd", synthetic.Shape("llama", 64, 128, 1, heads, kv,
+                                                                  16, 10000.0, 1e-5))
+    path = synthetic.write_gguf(tmp_path / "odd.gguf", "odd", quant="f16")
+    with pytest.raises(ModelLoadError) as e:
+        load_model(str(path), dtype="stored", progress=lambda m: None)
+    assert words in str(e.value) and "odd.gguf" in str(e.value)
