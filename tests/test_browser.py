@@ -152,7 +152,7 @@ def test_benchmark_tab_shows_rows_for_each_mode(page):
     body = page.locator("body").inner_text()
     assert "native runner" in body  # the engine's default on this CPU, named with the table
     for mode in ("no_cache", "cache", "hf_generate"):  # one row per (prompt length, mode)
-        lengths = re.findall(rf"(\d+)\s+{mode}\s+(?:b?float|bfloat)", body)
+        lengths = re.findall(rf"(\d+)\s+{mode}\s+(?:b?float|bfloat|q\w+ as stored)", body)
         assert sorted(map(int, lengths)) == [16, 64], (mode, body[-1500:])
     if os.environ.get("MINISERVE_SCREENSHOTS"):
         page.screenshot(path=str(SHOTS / "benchmark.png"), full_page=True)
