@@ -252,6 +252,16 @@ def file_name(shape_name: str, vocab: int, quant: str, numpy_quant: bool = False
     return f"{shape_name}-{vocab}-{quant}{'-numpy' if numpy_quant else ''}.gguf"
 
 
+def target(shape_name: str, quant: str, vocab: int, out_dir: Path,
+           numpy_only: bool = False) -> Path:
+    """Where make() puts (or finds) the file."""
+    use_numpy = quant != "f16" and (numpy_only or not llama_cpp_available())
+    if use_numpy and quant not in NUMPY_QUANTS:
+        raise ValueError(f"{quant} needs llama-cpp-python (llama.cpp's quantizer); without "
+                         f"it only {', '.join(NUMPY_QUANTS)} can be made")
+    return Path(out_dir) / file_name(shape_name, vocab, quant, use_numpy)
+
+
 def make(shape_name: str, quant: str = "q4_k_m", vocab: int | None = None,
          out_dir: Path | None = None, seed: int = 0, numpy_only: bool = False,
          progress=None) -> Path:
@@ -263,11 +273,8 @@ def make(shape_name: str, quant: str = "q4_k_m", vocab: int | None = None,
         raise ValueError(f"unknown quant {quant!r}; choose from {', '.join(FTYPES)}")
     vocab = vocab or embedded_vocab_size()
     out_dir = Path(out_dir) if out_dir else default_dir()
-    use_numpy = quant != "f16" and (numpy_only or not llama_cpp_available())
-    if use_numpy and quant not in NUMPY_QUANTS:
-        raise ValueError(f"{quant} needs llama-cpp-python (llama.cpp's quantizer); without "
-                         f"it only {', '.join(NUMPY_QUANTS)} can be made")
-    out = out_dir / file_name(shape_name, vocab, quant, use_numpy)
+    out = target(shape_name, quant, vocab, out_dir, numpy_only)
+    use_numpy = out.name.endswith("-numpy.gguf")
     if out.is_file():
         return out
     if quant == "f16" or use_numpy:
@@ -368,15 +375,18 @@ def main(argv: list[str] | None = None) -> int:
     vocab = None
     if args.vocab:
         vocab = SHAPES[args.shape].real_vocab if args.vocab == "real" else int(args.vocab)
-    start = time.perf_counter()
     try:
+        vocab = vocab or embedded_vocab_size()
+        existed = target(args.shape, args.quant, vocab, Path(args.out or default_dir()),
+                         args.numpy).is_file()
+        start = time.perf_counter()
         path = make(args.shape, args.quant, vocab, args.out, args.seed, args.numpy)
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     took = time.perf_counter() - start
     print(f"{path.stat().st_size / 2**20:.0f} MiB, "
-          + (f"made in {took:.1f} s" if took > 2 else "already there"), file=sys.stderr)
+          + ("already there" if existed else f"made in {took:.1f} s"), file=sys.stderr)
     if args.types:
         print(summarize_types(path), file=sys.stderr)
     if args.check:
