@@ -49,7 +49,7 @@ $(CHROMIUM):
 	$(SUDO) apt-get update -qq
 	$(SUDO) apt-get install -y -qq chromium
 
-# a C++ compiler for the native forward pass (miniserve/kernels/decode.cpp, built at first use);
+# a C++ compiler for the native forward pass (miniserve/runners/kernels/decode.cpp, built at first use);
 # without one the app runs the PyTorch step, slower. The tests require it.
 compiler:
 	@command -v c++ >/dev/null || command -v g++ >/dev/null || command -v clang++ >/dev/null || \
@@ -60,7 +60,7 @@ compiler:
 # never installs it; the tests do (tests/test_gemma.py). Then: python app.py --model default
 # --model gemma-3-270m
 models: install
-	$(PY) -c "from miniserve.loader import resolve_source; print(resolve_source('gemma-3-270m', install=True)[1])"
+	$(PY) -c "from miniserve.runners.loader import resolve_source; print(resolve_source('gemma-3-270m', install=True)[1])"
 
 run: install
 	@$(MAKE) --no-print-directory compiler || echo "No C++ compiler: the slower PyTorch forward pass will run."

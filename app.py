@@ -14,7 +14,7 @@ import os
 import sys
 import time
 
-from miniserve.cli import Parser, add_history_args, add_model_args
+from miniserve.cli.main import Parser, add_history_args, add_model_args
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -36,13 +36,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
-    from miniserve.config import ConfigError, load_presets
+    from miniserve.core.config import ConfigError, load_presets
     try:
         presets = load_presets(args.presets_file)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from miniserve.cli import load_engine, open_history
+    from miniserve.cli.main import load_engine, open_history
     engine, code = load_engine(args)  # the default model, warmed up; a bad flag: one line
     if engine is None:
         return code
@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     import uvicorn
     from fastapi import FastAPI
 
-    from miniserve.api import build_router
+    from miniserve.serve.api import build_router
     from miniserve.ui import CSS, build_ui
 
     demo = build_ui(models, presets, args.preset, store)

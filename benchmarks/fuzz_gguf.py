@@ -1,4 +1,4 @@
-"""Fuzz the GGUF reader (miniserve/gguf_file.py) with the embedded model's file, mutated.
+"""Fuzz the GGUF reader (miniserve/runners/gguf_file.py) with the embedded model's file, mutated.
 
     .venv/bin/python benchmarks/fuzz_gguf.py [--cases 20000] [--seconds 300] [--workers N]
         [--seed 0] [--timeout 10] [--out DIR] [--load-path [--load-cases 100]]
@@ -20,7 +20,7 @@ the case's file is saved to --out. Cases run in worker processes, each rewriting
 scratch file in /dev/shm (only the header when the tensor data has not moved).
 
 --load-path goes on, for files the reader accepts (up to --load-cases), to
-miniserve.loader.load_model(path, dtype="stored") and one forward pass of one token, in a child
+miniserve.runners.loader.load_model(path, dtype="stored") and one forward pass of one token, in a child
 process per batch of cases, so a native crash is a dead child, not a dead fuzzer. It first
 checks that the unmutated file loads that way, and says so clearly if it does not (the
 quantized runner is another engineer's, and may not exist yet).
@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
-from miniserve.gguf_file import GGUFFile, GGUFFileError, _Strings  # noqa: E402
+from miniserve.runners.gguf_file import GGUFFile, GGUFFileError, _Strings  # noqa: E402
 
 # Integers worth writing into a length, count, type id, dimension or offset.
 INTERESTING = [0, 1, 2, 3, 4, 5, 7, 8, 9, 10, 12, 13, 14, 15, 16, 24, 30, 31, 32, 33, 34, 35, 39,
@@ -413,7 +413,7 @@ def load_child(original: Original, scratch_dir: Path, seeds: list, conn) -> None
     run's own (the native library compiled into it once); each case's tokenizer is dropped."""
     import torch
 
-    from miniserve.loader import ModelLoadError, load_model
+    from miniserve.runners.loader import ModelLoadError, load_model
     os.environ["MINISERVE_CACHE"] = str(scratch_dir / "cache")
     for seed in seeds:
         path = (original.path if seed is None else
@@ -426,7 +426,7 @@ def load_child(original: Original, scratch_dir: Path, seeds: list, conn) -> None
             ids = torch.tensor([[int(token)]])
             with torch.inference_mode():
                 if getattr(loaded, "stored", False):
-                    from miniserve.engine import make_runner
+                    from miniserve.engine.engine import make_runner
                     logits = make_runner(loaded).forward(ids)
                 else:
                     logits = loaded.model(ids).logits
@@ -494,9 +494,9 @@ def run_load_batch(original: Original, scratch_dir: Path, seeds: list, timeout: 
 
 def load_path(original: Original, args, scratch_dir: Path, accepted: list):
     try:
-        from miniserve.loader import load_model  # noqa: F401
+        from miniserve.runners.loader import load_model  # noqa: F401
     except Exception as e:  # noqa: BLE001
-        print(f"--load-path: cannot import miniserve.loader.load_model ({type(e).__name__}: "
+        print(f"--load-path: cannot import miniserve.runners.loader.load_model ({type(e).__name__}: "
               f"{e}); the quantized loading path is not there yet.")
         sys.exit(2)
     print("--load-path: the unmutated file first ...", flush=True)
@@ -538,7 +538,7 @@ def main(argv=None) -> int:
     parser.add_argument("--load-timeout", type=float, default=300)
     args = parser.parse_args(argv)
 
-    from miniserve.loader import embedded_gguf
+    from miniserve.runners.loader import embedded_gguf
     source = embedded_gguf()
     original = Original(source)
     if args.replay is not None:

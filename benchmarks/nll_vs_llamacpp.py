@@ -26,7 +26,7 @@ TEXT = ROOT / "docs" / "bench" / "nll_text.txt"
 
 
 def token_ids(path: str, n: int) -> list[int]:
-    from miniserve.loader import load_model
+    from miniserve.runners.loader import load_model
     loaded = load_model(path, dtype="stored", progress=lambda m: None)
     ids = loaded.tokenizer(TEXT.read_text())["input_ids"]
     if len(ids) < n:
@@ -35,8 +35,8 @@ def token_ids(path: str, n: int) -> list[int]:
 
 
 def ours(path: str, ids: list[int]) -> float:
-    from miniserve.engine import Engine
-    from miniserve.loader import load_model
+    from miniserve.engine.engine import Engine
+    from miniserve.runners.loader import load_model
     engine = Engine(load_model(path, dtype="stored", progress=lambda m: None))
     try:
         logprobs = [lp for lp, _ in engine.prompt_logprobs(ids)]
@@ -48,7 +48,7 @@ def ours(path: str, ids: list[int]) -> float:
 def llamacpp(path: str, ids: list[int]) -> float:
     import numpy as np
 
-    from miniserve.synthetic import block_amx
+    from miniserve.bench.synthetic import block_amx
     block_amx()  # llama.cpp's AMX kernels die on this CPU (synthetic.block_amx says why)
     from llama_cpp import Llama
     llm = Llama(model_path=path, n_ctx=len(ids) + 16, n_batch=512, logits_all=True,

@@ -22,7 +22,7 @@ the machine costs both alike):
     cannot);
   * B streams (--streams, 8) batched: aggregate tokens/s, every stream's new tokens over the
     wall time from the submit to the last token, prefill of all prompts included (llama.cpp:
-    its batch API through miniserve/peer.py's LlamaCppBatch, one sequence id a stream; ours: the
+    its batch API through miniserve/bench/peer.py's LlamaCppBatch, one sequence id a stream; ours: the
     --ours-batch-cmd, by default `bench --concurrency B --presets greedy`). A separate process
     from the one-stream one, so that the one-stream memory figures are one context's.
 
@@ -30,7 +30,7 @@ llama.cpp (llama-cpp-python) runs with n_threads = n_threads_batch = --threads a
 its defaults -- the extra (repacked) CPU weight buffers on, as its users run it -- except its AMX
 buffer: llama-cpp-python 0.3.36's AMX kernels die on this CPU (SIGILL in
 ggml_backend_amx_mul_mat at the first prompt, a ggml bug), so by default each llama.cpp process
-is started with AMX refused (miniserve.synthetic.block_amx: the weights then go to CPU_REPACK,
+is started with AMX refused (miniserve.bench.synthetic.block_amx: the weights then go to CPU_REPACK,
 as on a CPU without AMX). --llamacpp-amx tries AMX anyway; --no-extra-bufts turns all the extra
 buffers off (peer.py's setting). A llama.cpp process that crashes is rerun once with the extra
 buffers off, and the JSON says so. End tokens do not stop llama.cpp (every run makes exactly the
@@ -210,13 +210,13 @@ def run_child(cmd: list[str], ready: str | None = None, env: dict | None = None,
 # -- llama.cpp, in a child process ------------------------------------------------------------
 
 def filler_text() -> str:
-    """miniserve.bench.FILLER, read from its source (importing it would import torch)."""
+    """miniserve.bench.bench.FILLER, read from its source (importing it would import torch)."""
     tree = ast.parse((ROOT / "miniserve" / "bench.py").read_text())
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "FILLER"
                                                 for t in node.targets):
             return ast.literal_eval(node.value)
-    raise RuntimeError("no FILLER in miniserve/bench.py")
+    raise RuntimeError("no FILLER in miniserve/bench/bench.py")
 
 
 def filler_ids(tokenize, n: int, lead: str = "") -> list[int]:
@@ -300,15 +300,15 @@ def child_llamacpp_batch(path: str, threads: int, streams: int, prompt: int, new
     t0 = time.perf_counter()
     import llama_cpp
 
-    # miniserve.peer imports miniserve.loader (for its GGUF copies), which imports torch:
+    # miniserve.bench.peer imports miniserve.runners.loader (for its GGUF copies), which imports torch:
     # ~150 MB and a second OpenMP runtime in a process that measures llama.cpp. The batch
     # class needs none of it, so the loader is stubbed for this process.
     import types
-    if "miniserve.loader" not in sys.modules:
-        stub = types.ModuleType("miniserve.loader")
+    if "miniserve.runners.loader" not in sys.modules:
+        stub = types.ModuleType("miniserve.runners.loader")
         stub.cache_root = stub.file_key = None
-        sys.modules["miniserve.loader"] = stub
-    from miniserve.peer import LlamaCppBatch
+        sys.modules["miniserve.runners.loader"] = stub
+    from miniserve.bench.peer import LlamaCppBatch
 
     class Batch(LlamaCppBatch):
         """LlamaCppBatch with the model loaded with llama.cpp's default parameters (its own
@@ -361,7 +361,7 @@ def child_llamacpp_batch(path: str, threads: int, streams: int, prompt: int, new
 def child_main(args) -> int:
     if not args.llamacpp_amx and not args.no_extra_bufts:
         sys.path.insert(0, str(ROOT))
-        from miniserve.synthetic import block_amx
+        from miniserve.bench.synthetic import block_amx
         block_amx()
     if args.child == "llamacpp-batch":
         result = child_llamacpp_batch(args.files[0], args.threads, args.streams,

@@ -1,5 +1,5 @@
 import sys
 
-from miniserve.cli import main
+from miniserve.cli.main import main
 
 sys.exit(main())

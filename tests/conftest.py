@@ -20,14 +20,14 @@ if "MINISERVE_DATA_DIR" not in os.environ:
 @pytest.fixture(scope="session")
 def loaded():
     """SmolLM2-135M-Instruct from the embedded GGUF, float32 (the reference precision)."""
-    from miniserve.loader import load_model
+    from miniserve.runners.loader import load_model
     return load_model(None, dtype="float32", progress=lambda m: None)
 
 
 @pytest.fixture(scope="session")
 def bf16():
     """The same model with bfloat16 weights."""
-    from miniserve.loader import load_model
+    from miniserve.runners.loader import load_model
     return load_model(None, dtype="bfloat16", progress=lambda m: None)
 
 
@@ -37,13 +37,13 @@ def stored():
     runner's default), where the native runner runs."""
     if not native_expected():
         pytest.skip("MINISERVE_NATIVE=0: weights as stored need the native runner")
-    from miniserve.loader import load_model
+    from miniserve.runners.loader import load_model
     return load_model(None, dtype="stored", progress=lambda m: None)
 
 
 @pytest.fixture(scope="session")
 def stored_engine(stored):
-    from miniserve.engine import Engine
+    from miniserve.engine.engine import Engine
     return Engine(stored)
 
 
@@ -63,7 +63,7 @@ def ref16(bf16):
 
 @pytest.fixture(scope="session")
 def engine(loaded):
-    from miniserve.engine import Engine
+    from miniserve.engine.engine import Engine
     return Engine(loaded)
 
 
@@ -71,7 +71,7 @@ def engine(loaded):
 def two_models():
     """Two names over the embedded GGUF, the default and "second", each its own engine,
     loaded on first use (the web app's and the API's several-model tests)."""
-    from miniserve.models import open_models
+    from miniserve.models.registry import open_models
     models = open_models(["default", "second=default"])
     yield models
     models.close()
@@ -115,7 +115,7 @@ needs_native = pytest.mark.skipif(
 
 
 def chat_ids(tokenizer, text, system=None):
-    from miniserve.chat import render
+    from miniserve.engine.chat import render
     messages = ([{"role": "system", "content": system}] if system else []) + \
         [{"role": "user", "content": text}]
     return render(tokenizer, messages)

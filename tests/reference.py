@@ -1,4 +1,4 @@
-"""The float64 reference the tests hold every inexact equality to (see miniserve/verify.py
+"""The float64 reference the tests hold every inexact equality to (see miniserve/runners/verify.py
 for the check and the measured error bounds).
 
 Exact by construction -- and so compared with ==: the same code on the same inputs with the
@@ -13,8 +13,8 @@ import copy
 
 import torch
 
-from miniserve.runner import as_runner
-from miniserve.verify import GreedyCheck, all_logits, check_tokens
+from miniserve.runners.hf import as_runner
+from miniserve.runners.verify import GreedyCheck, all_logits, check_tokens
 
 # Teacher-forced top-1 agreement with the float64 reference over HELD_OUT (278 tokens),
 # measured 100% for every float32 path and 96.0-97.1% for bfloat16 arithmetic on the AMD EPYC
@@ -48,7 +48,7 @@ def float64_twin(hf_model):
 
 def assert_greedy(reference, prompt_ids, tokens, bound, end_id=None,
                   min_decided: int = 32) -> GreedyCheck:
-    """Greedy `tokens` must follow the float64 reference (miniserve.verify.check_tokens), and
+    """Greedy `tokens` must follow the float64 reference (miniserve.runners.verify.check_tokens), and
     the first `min_decided` steps (or all of a shorter reply) must be decided ones, so that
     the comparison has teeth: a prompt with an early near-tie is a poor test prompt."""
     result = check_tokens(reference, prompt_ids, tokens, bound,

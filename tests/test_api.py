@@ -12,7 +12,7 @@ import pytest
 
 from conftest import chat_ids
 from servers import send
-from miniserve.config import MAX_CHOICES
+from miniserve.core.config import MAX_CHOICES
 
 Q = [{"role": "user", "content": "Name three fruits."}]
 LONG = "Repeat the word 'apple' forever."
@@ -197,7 +197,7 @@ def test_streaming_n_choices_carry_their_index_and_finish(app_server):
 
 @pytest.fixture(scope="module")
 def local_api(engine):
-    from miniserve.http_bench import serve_in_thread
+    from miniserve.serve.in_thread import serve_in_thread
     with serve_in_thread(engine) as port:
         yield port
 
@@ -259,7 +259,7 @@ def test_client_that_leaves_cancels_all_its_choices(engine, local_api, stream, m
 
 
 def test_measure_http_numbers_are_consistent(engine):
-    from miniserve.http_bench import format_report, measure_http
+    from benchmarks.http_bench import format_report, measure_http
     result = measure_http(engine, streams=2, prompt_tokens=32, new_tokens=8)
     assert result["streams"] == 2 and result["new_tokens"] == 8
     for mode in ("http", "in_process"):
@@ -501,8 +501,8 @@ def test_bad_output_formats_get_400_naming_the_problem(app_server, extra, param,
 def routed():
     """Two local models over the embedded weights, each its own engine, and one whose file is
     missing; nothing is loaded before a request names it."""
-    from miniserve.http_bench import serve_in_thread
-    from miniserve.models import open_models
+    from miniserve.serve.in_thread import serve_in_thread
+    from miniserve.models.registry import open_models
     # room for all three: a failed load must not cost a loaded model its place here
     models = open_models(["default", "second=default", "broken=/nonexistent/missing.gguf"],
                          max_loaded=3)

@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 import torch
 
-from miniserve.config import SamplingParams
+from miniserve.core.config import SamplingParams
 from servers import send
 
 PROMPT = "The capital of France is"
@@ -23,7 +23,7 @@ FAR = "far"  # a remote model
 def base_engine(loaded):
     """The embedded model with no chat template: what a base model looks like to the API
     (its own tokenizer copy, so the session's engine keeps its template)."""
-    from miniserve.engine import Engine
+    from miniserve.engine.engine import Engine
     tokenizer = copy.deepcopy(loaded.tokenizer)
     tokenizer.chat_template = None
     engine = Engine(dataclasses.replace(loaded, tokenizer=tokenizer), name=BASE)
@@ -60,8 +60,8 @@ class SeenAsRemote:
 
 @pytest.fixture(scope="module")
 def port(engine, base_engine):
-    from miniserve.http_bench import serve_in_thread
-    from miniserve.models import Models, ModelSpec
+    from miniserve.serve.in_thread import serve_in_thread
+    from miniserve.models.registry import Models, ModelSpec
     engines = {engine.name: engine, BASE: base_engine, FAR: SeenAsRemote(engine, FAR)}
     models = Models([ModelSpec(engine.name, None), ModelSpec(BASE, None),
                      ModelSpec(FAR, "http://127.0.0.1:9/v1", remote=True)],

@@ -14,13 +14,15 @@ import pytest
 import torch
 
 from conftest import expected_runner
-from miniserve import bench, http_bench, native, peer
-from miniserve.bench import (ConcurrencyConfig, StreamTimeline, at_once, ceiling_tokens_per_s,
+from miniserve.bench import bench, peer
+from benchmarks import http_bench
+from miniserve.runners import native
+from miniserve.bench.bench import (ConcurrencyConfig, StreamTimeline, at_once, ceiling_tokens_per_s,
                              concurrency_params, format_concurrency_table, percentile,
                              product_kernel, run_concurrency, stream_prompt, to_dict,
                              weight_elements, write_csv, write_json)
-from miniserve.config import SamplingParams
-from miniserve.platform_info import cpu_model
+from miniserve.core.config import SamplingParams
+from miniserve.core.platform import cpu_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -247,8 +249,8 @@ def test_llamacpp_batch_follows_the_reference(engine, ref32):
     same weights (keys and values in float32 too): each stream's greedy tokens follow the
     float64 reference of its own prompt, within LLAMACPP_F32_BOUND; a sequence mixed up with
     another, or a wrong position, would choose tokens logits away from the best."""
-    from miniserve.loader import resolve_source
-    from miniserve.verify import check_tokens
+    from miniserve.runners.loader import resolve_source
+    from miniserve.runners.verify import check_tokens
     kind, path, _ = resolve_source(engine.loaded.source)
     if kind != "gguf":
         pytest.skip("the model is not a GGUF file")
@@ -270,7 +272,7 @@ def test_the_peer_row_names_the_files_own_weight_type(tmp_path):
     """llama.cpp's row on the GGUF as stored says its type, read from the header alone (both
     real files name it in their file names too); a file that is not a GGUF, is cut inside its
     header or has garbage counts: no type (the row says "as stored")."""
-    from miniserve.loader import embedded_gguf, known_model_path
+    from miniserve.runners.loader import embedded_gguf, known_model_path
     for path in (embedded_gguf(), known_model_path("gemma-3-270m", install=False)):
         kind = peer.file_type(path)
         assert kind.startswith("q4") and kind in path.name.lower(), (path.name, kind)

@@ -27,7 +27,7 @@ def two_model_app(two_models):
     import uvicorn
     from fastapi import FastAPI
 
-    from miniserve.config import load_presets
+    from miniserve.core.config import load_presets
     from miniserve.ui import CSS, build_ui
     for name in two_models.names:  # loaded up front: the tests time replies, not loads
         two_models.get(name)

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from conftest import chat_ids, expected_runner
-from miniserve.verify import BOUND_FLOAT32, check_tokens
+from miniserve.runners.verify import BOUND_FLOAT32, check_tokens
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,7 +30,7 @@ def test_generate_json_matches_the_engine(engine, ref32):
     assert out["text"] == engine.tokenizer.decode(out["token_ids"], skip_special_tokens=True)
     # Exact by construction: the same runner computing the same prompt from scratch, here
     # and in the command's own process (the same CPU, the same number of threads).
-    from miniserve.config import SamplingParams
+    from miniserve.core.config import SamplingParams
     text, _ = engine.chat_text([{"role": "user", "content": "What is the capital of France?"}],
                                SamplingParams(temperature=0, max_new_tokens=12),
                                reuse_prefix=False)
@@ -85,8 +85,8 @@ def _lines(text: str, start: str) -> list[str]:
 
 
 def test_chat_saves_lists_loads_exports_and_imports(tmp_path):
-    from miniserve.repl import CLI_OWNER
-    from miniserve.store import open_store
+    from miniserve.cli.repl import CLI_OWNER
+    from miniserve.store.store import open_store
     db, js, md, bad = (tmp_path / n for n in ("h.sqlite3", "x.json", "x.md", "bad.txt"))
     bad.write_text("not json at all")
     script = ["/export " + str(js), "Hello!", "/save Greeting", "What is 2+2?", "/list",

@@ -2,7 +2,7 @@
 
 import pytest
 
-from miniserve.config import FIELDS, ConfigError, SamplingParams, load_presets
+from miniserve.core.config import FIELDS, ConfigError, SamplingParams, load_presets
 
 
 def test_shipped_presets_have_the_documented_values():

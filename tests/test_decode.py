@@ -9,9 +9,9 @@ import torch
 
 from conftest import (chat_ids, expected_runner, native_expected, needs_native,
                       pinned_runner, same_on_every_cpu)
-from miniserve.config import SamplingParams
-from miniserve.decode import GenerationStats, generate
-from miniserve.verify import BOUND_BF16_PRODUCTS, BOUND_BFLOAT16, BOUND_FLOAT32, check_tokens
+from miniserve.core.config import SamplingParams
+from miniserve.engine.decode import GenerationStats, generate
+from miniserve.runners.verify import BOUND_BF16_PRODUCTS, BOUND_BFLOAT16, BOUND_FLOAT32, check_tokens
 from reference import (AGREE_BFLOAT16, AGREE_FLOAT32, HELD_OUT, TINY_BOUND, assert_greedy,
                        one_token_at_a_time, teacher_forced, whole_prompt)
 
@@ -50,7 +50,7 @@ def run(model, ids, params=GREEDY, **kwargs):
 
 @pytest.fixture(scope="module")
 def lean_model(loaded):
-    from miniserve.lean import LeanModel
+    from miniserve.runners.lean import LeanModel
     return LeanModel(loaded.model)
 
 
@@ -105,7 +105,7 @@ def test_bfloat16_arithmetic_follows_the_reference_within_its_bound(bf16, ref16)
     margin of most steps of a chat reply -- so no run of decided steps can be asked for here,
     only that every token is within the bound of the reference's best. What bounds bf16's
     quality is the teacher-forced agreement below."""
-    from miniserve.lean import LeanModel
+    from miniserve.runners.lean import LeanModel
     lean = LeanModel(bf16.model)
     assert lean.act_dtype == torch.bfloat16
     for text in (PROMPTS["short"], PROMPTS["multilingual"]):
@@ -117,7 +117,7 @@ def test_bfloat16_arithmetic_follows_the_reference_within_its_bound(bf16, ref16)
 
 def paths(loaded, bf16, engine, lean_model):
     """(step_logits, reference, bound, agreement threshold) of each way we compute logits."""
-    from miniserve.lean import LeanModel
+    from miniserve.runners.lean import LeanModel
     return {
         "engine steps, float32": (one_token_at_a_time(engine.model), "ref32", BOUND_FLOAT32,
                                   AGREE_FLOAT32),
@@ -156,8 +156,8 @@ def test_teacher_forced_logits_on_held_out_text(loaded, bf16, engine, lean_model
 
 def broken(loaded, how: str):
     """The engine's runner (native, or lean where it is off), deliberately wrong in one way."""
-    from miniserve.lean import LeanModel
-    from miniserve.native import NativeForward
+    from miniserve.runners.lean import LeanModel
+    from miniserve.runners.native import NativeForward
     model = LeanModel(loaded.model, native=native_expected())
     if how == "rope base 10000":  # the model's is 100000
         inv = 1.0 / (10000.0 ** (torch.arange(0, model.head_dim, 2).float() / model.head_dim))
@@ -204,7 +204,7 @@ def test_a_broken_runner_fails_these_checks(loaded, ref32, how):
 def test_int8_weights_keep_the_top_token(bf16, loaded):
     """Quality of int8 weights, teacher-forced: at each position of a real text, the int8
     model's most likely next token is the float32 model's most of the time."""
-    from miniserve.lean import LeanModel
+    from miniserve.runners.lean import LeanModel
     int8 = LeanModel(bf16.model, quant="int8")
     ids = chat_ids(loaded.tokenizer, PROMPTS["long"])[:200]
     agree = 0
@@ -224,7 +224,7 @@ def test_lean_reuses_a_cropped_cache_like_a_fresh_prefill(loaded, lean_model, en
     cache = lean_model.new_cache()
     list(generate(lean_model, ids[:-40] + [5, 6, 7], GREEDY.replace(max_new_tokens=3),
                   eos_ids=set(), cache=cache))
-    from miniserve.decode import crop_cache
+    from miniserve.engine.decode import crop_cache
     crop_cache(cache, len(ids) - 40)  # keep the shared prefix; a block of 40 new tokens follows
     tokens, end, _ = run(lean_model, ids, eos_ids=engine.eos_ids, cache=cache)
     assert len(tokens) >= 32

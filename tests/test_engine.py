@@ -6,9 +6,9 @@ import time
 import pytest
 
 from conftest import same_on_every_cpu
-from miniserve.chat import ChatError, render, trim_history
-from miniserve.config import SamplingParams
-from miniserve.engine import Engine, EngineBusy
+from miniserve.engine.chat import ChatError, render, trim_history
+from miniserve.core.config import SamplingParams
+from miniserve.engine.engine import Engine, EngineBusy
 
 GREEDY = SamplingParams(temperature=0, top_k=0, top_p=1.0, max_new_tokens=24)
 
@@ -178,7 +178,7 @@ class FakeCache:
 
 
 def test_prefix_cache_reuses_logits_only_for_the_same_prompt():
-    from miniserve.engine import PrefixCache
+    from miniserve.engine.engine import PrefixCache
     prompt = list(range(100, 130))
     logits = object()
     cache = PrefixCache()
@@ -194,7 +194,7 @@ def test_prefix_cache_reuses_logits_only_for_the_same_prompt():
 
 
 def test_prefix_cache_drops_logits_of_a_prompt_it_does_not_hold_and_short_matches():
-    from miniserve.engine import PrefixCache
+    from miniserve.engine.engine import PrefixCache
     prompt = list(range(100, 130))
     cache = PrefixCache()
     cache.put(prompt[:10], FakeCache(10), len(prompt), object())  # cancelled during prefill

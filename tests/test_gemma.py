@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from conftest import needs_native
-from miniserve import lean
-from miniserve.decode import generate
-from miniserve.lean import LeanModel
-from miniserve.verify import BOUND_FLOAT32, last_logits
+from miniserve.runners import lean
+from miniserve.engine.decode import generate
+from miniserve.runners.lean import LeanModel
+from miniserve.runners.verify import BOUND_FLOAT32, last_logits
 from reference import HELD_OUT, TINY_BOUND, float64_twin, one_token_at_a_time
 from test_decode import GREEDY, hf_generate
 from test_native import tiny_gemma3
@@ -88,7 +88,7 @@ def test_tiny_gemma_greedy_tokens_are_generates(kind):
 def test_a_wrong_window_is_caught(kind, window):
     """The checks above have teeth: a local layer that sees one position more or less than
     transformers' (a query at q sees keys k with q - k < 8), or every position, is off."""
-    from miniserve.native import NativeForward
+    from miniserve.runners.native import NativeForward
     model = tiny_gemma3()
     want = hf_logits(model, IDS)
     ours = runner(model, kind)
@@ -151,7 +151,7 @@ REAL_PROMPTS = {
 @pytest.fixture(scope="module")
 def gemma():
     """Gemma 3 270M (Q4_K_M GGUF, dequantized) in float32, loaded once for this file."""
-    from miniserve.loader import ModelLoadError, known_model_path, load_model
+    from miniserve.runners.loader import ModelLoadError, known_model_path, load_model
     try:  # the assembled file in the cache folder (`make models` puts it there)
         path = known_model_path("gemma-3-270m", install=False)
     except ModelLoadError as e:
@@ -195,9 +195,9 @@ def test_real_gemma_as_stored_follows_the_float64_reference(gemma):
     the stored weights' bound, the top token mostly the same. Over the whole 262k vocabulary
     the largest error is larger (3.06 measured: the far tail, which moves together). Measured
     on an Intel Xeon (AVX-512 VNNI): top-50 largest error 2.24, top-1 agreement 98%."""
-    from miniserve.loader import load_model
-    from miniserve.stored import StoredRunner
-    from miniserve.verify import BOUND_STORED
+    from miniserve.runners.loader import load_model
+    from miniserve.runners.stored import StoredRunner
+    from miniserve.runners.verify import BOUND_STORED
     stored = load_model(gemma.source, dtype="stored", progress=lambda m: None)
     assert stored.tokenizer(REAL_PROMPTS["long"])["input_ids"] == \
         gemma.tokenizer(REAL_PROMPTS["long"])["input_ids"]

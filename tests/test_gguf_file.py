@@ -9,9 +9,9 @@ import gguf
 import numpy as np
 import pytest
 
-from miniserve.gguf_file import (_SCALES, GGUFFile, GGUFFileError, _first_non_finite,
+from miniserve.runners.gguf_file import (_SCALES, GGUFFile, GGUFFileError, _first_non_finite,
                                  _string_starts, _string_starts_plain)
-from miniserve.loader import embedded_gguf
+from miniserve.runners.loader import embedded_gguf
 
 
 @pytest.fixture(scope="module")
@@ -302,7 +302,7 @@ def test_string_arrays_skipped_in_numpy_as_in_python():
 
 
 def test_peer_file_type_reads_the_header(tmp_path, path, original):
-    from miniserve import peer
+    from miniserve.bench import peer
     assert peer.file_type(path) == "q4_1"
     assert peer.file_type(patched(tmp_path, cut=5000)) is None
     assert peer.file_type(patched(tmp_path, (0, b"GGML"))) is None

@@ -1,9 +1,9 @@
 """Structured output on the real model: the grammar mask as a stage of the sampler
-(miniserve/grammar.py, llguidance). Constrained against unconstrained (greedy keeps the
+(miniserve/engine/grammar.py, llguidance). Constrained against unconstrained (greedy keeps the
 model's top token wherever the grammar allows it), outputs against their schema or pattern,
 a batch of constrained and free replies against each alone, the finish reasons, and the
 errors for what cannot be enforced. The full sweep over 20+ schemas is
-`python -m miniserve.grammar_sweep` (BENCHMARKS.md)."""
+`python -m benchmarks.grammar_sweep` (BENCHMARKS.md)."""
 
 import json
 import re
@@ -13,11 +13,11 @@ import jsonschema
 import pytest
 
 from conftest import chat_ids
-from miniserve.config import Constraint, SamplingParams
-from miniserve.decode import generate
-from miniserve.grammar import GrammarError
-from miniserve.inspector import Inspector
-from miniserve.sampling import filter_logits
+from miniserve.core.config import Constraint, SamplingParams
+from miniserve.engine.decode import generate
+from miniserve.engine.grammar import GrammarError
+from miniserve.engine.inspector import Inspector
+from miniserve.engine.sampling import filter_logits
 
 PERSON = {"type": "object",
           "properties": {"name": {"type": "string", "maxLength": 20},
@@ -43,7 +43,7 @@ def ask(engine, text):
 
 def run(engine, text, constraint, observer=None, **settings):
     """One reply alone, through the one-sequence loop: (text, token ids, stats)."""
-    from miniserve.decode import GenerationStats
+    from miniserve.engine.decode import GenerationStats
     params = SamplingParams(**{"temperature": 0, "max_new_tokens": 120, **settings},
                             constraint=constraint)
     stats = GenerationStats()
@@ -206,7 +206,7 @@ def test_what_cannot_be_enforced_is_an_error_naming_why(engine, constraint, word
 
 
 def test_objects_get_only_their_declared_keys_unless_the_schema_says_otherwise():
-    from miniserve.grammar import closed_objects
+    from miniserve.engine.grammar import closed_objects
     closed = closed_objects(ORDER)
     assert closed["additionalProperties"] is False
     assert closed["$defs"]["item"]["additionalProperties"] is False

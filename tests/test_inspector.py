@@ -5,9 +5,9 @@ import math
 import torch
 
 from conftest import chat_ids
-from miniserve.config import SamplingParams
-from miniserve.decode import generate
-from miniserve.inspector import Inspector
+from miniserve.core.config import SamplingParams
+from miniserve.engine.decode import generate
+from miniserve.engine.inspector import Inspector
 
 
 def inspect_run(loaded, engine, params, text="Name three animals."):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from miniserve.loader import ModelLoadError, load_model, pick_device, resolve_source
+from miniserve.runners.loader import ModelLoadError, load_model, pick_device, resolve_source
 
 
 @pytest.mark.parametrize("source, words", [

@@ -1,4 +1,4 @@
-"""Several models in one process (miniserve/models.py), completion mode from the command line,
+"""Several models in one process (miniserve/models/registry.py), completion mode from the command line,
 and the loader's answers to files it cannot use."""
 
 import copy
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from miniserve.config import SamplingParams
-from miniserve.loader import ModelLoadError, check_gguf, load_model
-from miniserve.models import (ModelSpecError, Models, UnknownModel, load_specs_file, open_models,
+from miniserve.core.config import SamplingParams
+from miniserve.runners.loader import ModelLoadError, check_gguf, load_model
+from miniserve.models.registry import (ModelSpecError, Models, UnknownModel, load_specs_file, open_models,
                               parse_spec)
 from test_cli import run
 
@@ -131,7 +131,7 @@ def test_concurrent_first_requests_load_a_model_once():
 @pytest.fixture(scope="module")
 def base_engine(engine):
     """The embedded model as a base model would be: the same weights, no chat template."""
-    from miniserve.engine import Engine
+    from miniserve.engine.engine import Engine
     tokenizer = copy.deepcopy(engine.tokenizer)
     tokenizer.chat_template = None
     loaded = copy.copy(engine.loaded)
@@ -142,7 +142,7 @@ def base_engine(engine):
 
 
 def test_completion_mode_continues_text_without_a_template(engine, base_engine):
-    from miniserve.chat import NoChatTemplate
+    from miniserve.engine.chat import NoChatTemplate
     prompt = "The three primary colours are"
     ids = engine.tokenizer(prompt)["input_ids"]
     assert base_engine.prompt_ids(prompt, GREEDY) == ids  # plain text, no template
@@ -157,7 +157,7 @@ def test_completion_mode_continues_text_without_a_template(engine, base_engine):
     long = " word" * 9000
     kept = base_engine.prompt_ids(long, GREEDY, trim=True)
     assert len(kept) == base_engine.context_length - GREEDY.max_new_tokens
-    from miniserve.chat import ChatError
+    from miniserve.engine.chat import ChatError
     n = len(engine.tokenizer(long)["input_ids"])
     with pytest.raises(ChatError, match=f"'prompt' is {n} tokens, but with max_new_tokens=12"):
         base_engine.prompt_ids(long, GREEDY)
@@ -165,7 +165,7 @@ def test_completion_mode_continues_text_without_a_template(engine, base_engine):
 
 def test_a_notebook_past_the_context_keeps_its_bos():
     """Trimmed from the left, a prompt keeps the BOS its tokenizer puts first (Gemma, Llama)."""
-    from miniserve.chat import completion_ids
+    from miniserve.engine.chat import completion_ids
 
     class WithBos:  # a tokenizer that starts every text with BOS = 2, a token a word
         bos_token_id = 2
@@ -252,7 +252,7 @@ def test_chat_switches_models_by_name(base_folder):
 def test_model_flags_and_files_fail_in_one_line(tmp_path):
     not_gguf = tmp_path / "x.gguf"
     not_gguf.write_text("hello")
-    from miniserve.loader import embedded_gguf
+    from miniserve.runners.loader import embedded_gguf
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(embedded_gguf().read_bytes()[:5_000_000])
     odd = tmp_path / "odd.gguf"
@@ -284,7 +284,7 @@ def write_gguf(path: Path, arch: str) -> None:
 
 
 def test_loader_checks_the_file_before_transformers_does(tmp_path):
-    from miniserve.loader import embedded_gguf
+    from miniserve.runners.loader import embedded_gguf
     assert check_gguf(embedded_gguf()) == "llama"
     odd = tmp_path / "odd.gguf"
     write_gguf(odd, "mamba9")

@@ -1,4 +1,4 @@
-"""The native forward pass (miniserve/kernels/decode.cpp) against its definitions: the matrix
+"""The native forward pass (miniserve/runners/kernels/decode.cpp) against its definitions: the matrix
 product against float64, whole passes against the PyTorch lean model on tiny models of three
 families (Llama, Qwen2, Gemma 3), a sequence alone against the same sequence among others (bit for bit), and on the
 real model against a float64 reference."""
@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from conftest import chat_ids, needs_native, same_on_every_cpu
-from miniserve import native
-from miniserve.decode import generate
-from miniserve.lean import LeanModel
-from miniserve.verify import runner_bound
+from miniserve.runners import native
+from miniserve.engine.decode import generate
+from miniserve.runners.lean import LeanModel
+from miniserve.runners.verify import runner_bound
 from reference import TINY_BOUND, assert_greedy, float64_twin, one_token_at_a_time
 from test_decode import GREEDY, PROMPTS, run
 
@@ -27,7 +27,7 @@ def test_this_leg_runs_the_kernels_it_names():
     """Each leg of `make test` imitates a CPU (Makefile): a leg that silently ran other
     kernels -- a cached -march=native library, a cap that did not take -- would test nothing
     new. Without a named leg: the native target's best loops for this CPU."""
-    from miniserve.platform_info import cpu_features
+    from miniserve.core.platform import cpu_features
     want = os.environ.get("MINISERVE_EXPECT_ISA")
     if want is None:
         features = cpu_features()

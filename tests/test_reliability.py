@@ -19,9 +19,9 @@ from pathlib import Path
 import openai
 import pytest
 
-from miniserve.config import SamplingParams
-from miniserve.engine import Engine
-from miniserve.platform_info import rss_mb
+from miniserve.core.config import SamplingParams
+from miniserve.engine.engine import Engine
+from miniserve.core.platform import rss_mb
 
 ROOT = Path(__file__).resolve().parent.parent
 SOAK = bool(os.environ.get("MINISERVE_SOAK"))

@@ -11,13 +11,13 @@ import time
 import httpx
 import pytest
 
-from miniserve.config import Constraint, SamplingParams
-from miniserve.engine import EngineBusy
-from miniserve.grammar import GrammarError
-from miniserve.inspector import Inspector
-from miniserve.loader import ModelLoadError
-from miniserve.models import parse_spec
-from miniserve.remote import RemoteEngine, RemoteError, RemoteRefused
+from miniserve.core.config import Constraint, SamplingParams
+from miniserve.engine.engine import EngineBusy
+from miniserve.engine.grammar import GrammarError
+from miniserve.engine.inspector import Inspector
+from miniserve.runners.loader import ModelLoadError
+from miniserve.models.registry import parse_spec
+from miniserve.models.remote import RemoteEngine, RemoteError, RemoteRefused
 from servers import Server, free_port
 
 GREEDY = SamplingParams(temperature=0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
@@ -202,7 +202,7 @@ def test_history_is_trimmed_to_the_context(remote):
 
 
 def test_bench_runs_what_applies(remote):
-    from miniserve.bench import BenchConfig, format_table, run_bench
+    from miniserve.bench.bench import BenchConfig, format_table, run_bench
     result = run_bench(remote, BenchConfig(prompt_tokens=[32, 128], new_tokens=4, repeat=1))
     assert [r.mode for r in result.rows] == ["remote", "remote"]
     for row, asked in zip(result.rows, (32, 128)):
@@ -330,7 +330,7 @@ def test_no_logprobs_is_said_in_one_line(garbage):
 def llamacpp():
     pytest.importorskip("llama_cpp.server.app", reason="llama-cpp-python[server] is not "
                         "installed (pip install 'llama-cpp-python[server]')")
-    from miniserve.loader import embedded_gguf
+    from miniserve.runners.loader import embedded_gguf
     server = Server(["-m", "llama_cpp.server", "--model", str(embedded_gguf()),
                      "--host", "127.0.0.1", "--n_ctx", "2048"], ready_path="/v1/models",
                     timeout=120)

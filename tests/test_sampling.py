@@ -7,8 +7,8 @@ from transformers.generation.logits_process import (MinPLogitsWarper,
                                                     TemperatureLogitsWarper, TopKLogitsWarper,
                                                     TopPLogitsWarper)
 
-from miniserve.config import SamplingParams
-from miniserve.sampling import (apply_repetition_penalty, apply_temperature, make_generator,
+from miniserve.core.config import SamplingParams
+from miniserve.engine.sampling import (apply_repetition_penalty, apply_temperature, make_generator,
                                 min_p_filter, sample, top_k_filter, top_p_filter)
 
 VOCAB = 1000

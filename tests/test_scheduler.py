@@ -1,4 +1,4 @@
-"""The scheduler (miniserve/scheduler.py) against the one-sequence loop: each sequence of a
+"""The scheduler (miniserve/engine/scheduler.py) against the one-sequence loop: each sequence of a
 batch gets exactly the tokens `decode.generate` gives it alone on the same runner -- greedy
 and seeded sampling, whatever shares its passes, however its prompt was chunked, with a
 reused prefix -- and the KV budget's policy: wait, never cut off, refuse only what can never
@@ -9,9 +9,9 @@ import threading
 import pytest
 
 from conftest import chat_ids, needs_native, same_on_every_cpu
-from miniserve.config import SamplingParams
-from miniserve.decode import generate
-from miniserve.engine import Engine, EngineBusy, RequestTooLarge
+from miniserve.core.config import SamplingParams
+from miniserve.engine.decode import generate
+from miniserve.engine.engine import Engine, EngineBusy, RequestTooLarge
 from reference import HELD_OUT
 
 QUESTIONS = ["Name a bird.", "What is 2 + 2?", "Say hello in French.", "Name a color.",

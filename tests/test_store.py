@@ -1,4 +1,4 @@
-"""The conversation store (miniserve/store.py): real SQLite files under tmp_path, no model."""
+"""The conversation store (miniserve/store/store.py): real SQLite files under tmp_path, no model."""
 
 import json
 import os
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from miniserve import config
-from miniserve.store import (MIGRATIONS, SCHEMA_VERSION, TITLE_CHARS, BadImport, Branch,
+from miniserve.core import config
+from miniserve.store.store import (MIGRATIONS, SCHEMA_VERSION, TITLE_CHARS, BadImport, Branch,
                              NotFound, Store, StoreError, open_store)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -694,7 +694,7 @@ def test_a_killed_process_keeps_every_message_it_added(tmp_path):
     child = textwrap.dedent(f"""
         import os, signal, sys
         sys.path.insert(0, {str(ROOT)!r})
-        from miniserve.store import Store
+        from miniserve.store.store import Store
         s = Store({str(path)!r})
         cid = s.create("alice")
         print(cid, flush=True)

@@ -1,4 +1,4 @@
-"""Weights as stored (miniserve/stored.py, kernels/quants.h and kquants.h): each block type's
+"""Weights as stored (miniserve/runners/stored.py, kernels/quants.h and kquants.h): each block type's
 kernel against a float64 product over the weights dequantized by an independent decoder (the
 gguf package's), with the bound activation rounding explains; a row alone against the same row
 in a batch, bit for bit; the real models' teacher-forced logits against float64; bad files."""
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from conftest import needs_native, same_on_every_cpu
-from miniserve import native
-from miniserve.native import StoredMatrix
-from miniserve.verify import BOUND_STORED_RELATIVE
+from miniserve.runners import native
+from miniserve.runners.native import StoredMatrix
+from miniserve.runners.verify import BOUND_STORED_RELATIVE
 
 Q = gguf.GGMLQuantizationType
 LEGACY = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]
@@ -153,8 +153,8 @@ def test_the_real_model_as_stored_follows_the_float64_reference(stored, ref32, m
     same weights dequantized (transformers' own decoder): every logit within the bound, the
     top token mostly the reference's; and the two paths give the same bits (one arithmetic
     per row whatever the row count)."""
-    from miniserve.stored import StoredRunner
-    from miniserve.verify import BOUND_STORED
+    from miniserve.runners.stored import StoredRunner
+    from miniserve.runners.verify import BOUND_STORED
     from reference import HELD_OUT, teacher_forced, whole_prompt
     if math == "bfloat16" and not native.bf16_dot():
         pytest.skip("no bfloat16 dot products on this CPU")
@@ -190,17 +190,17 @@ def test_a_sequence_as_stored_gets_the_same_logits_whatever_shares_its_pass(stor
 
 
 def stored_runner(loaded):
-    from miniserve.stored import StoredRunner
+    from miniserve.runners.stored import StoredRunner
     return StoredRunner(loaded.model, "auto", loaded.generation_config)
 
 
 @needs_native
 def test_greedy_tokens_as_stored_follow_the_float64_reference(stored_engine, ref32):
     """The engine's default for a GGUF: its greedy reply, checked step by step against float64
-    over the dequantized weights (miniserve/verify.py), with the stored weights' bound."""
+    over the dequantized weights (miniserve/runners/verify.py), with the stored weights' bound."""
     from conftest import chat_ids
-    from miniserve.config import SamplingParams
-    from miniserve.verify import BOUND_STORED, check_tokens
+    from miniserve.core.config import SamplingParams
+    from miniserve.runners.verify import BOUND_STORED, check_tokens
     assert stored_engine.runner == "native" and stored_engine.info()["dtype"] == "q4_1 as stored"
     ids = chat_ids(stored_engine.tokenizer, "Name the planets of the solar system.")
     chunks = list(stored_engine.complete(ids, SamplingParams(temperature=0, max_new_tokens=24)))
@@ -214,7 +214,7 @@ def test_greedy_tokens_as_stored_follow_the_float64_reference(stored_engine, ref
 def test_loading_as_stored_writes_no_weights_and_maps_the_file(tmp_path, monkeypatch):
     """No dequantized copy: the cache folder gets the tokenizer alone; the matrices point
     into the file's own mapped pages."""
-    from miniserve.loader import embedded_gguf, load_model
+    from miniserve.runners.loader import embedded_gguf, load_model
     monkeypatch.setenv("MINISERVE_CACHE", str(tmp_path))
     loaded = load_model(None, dtype="stored", progress=lambda m: None)
     written = [p for p in tmp_path.rglob("*") if p.is_file()]
@@ -235,8 +235,8 @@ def test_loading_as_stored_writes_no_weights_and_maps_the_file(tmp_path, monkeyp
 @needs_native
 @same_on_every_cpu
 def test_a_damaged_file_is_one_clear_error_before_any_kernel_runs(tmp_path, damage):
-    from miniserve.gguf_file import GGUFFile
-    from miniserve.loader import ModelLoadError, embedded_gguf, load_model
+    from miniserve.runners.gguf_file import GGUFFile
+    from miniserve.runners.loader import ModelLoadError, embedded_gguf, load_model
     data = bytearray(embedded_gguf().read_bytes())
     with GGUFFile(embedded_gguf()) as f:
         last = list(f.tensors.values())[-1]
@@ -273,16 +273,16 @@ def test_the_tokenizer_read_as_stored_is_the_one_transformers_builds(stored, loa
 @needs_native
 def test_a_gguf_file_as_stored_computes_what_transformers_computes_from_it(tmp_path, arch,
                                                                            monkeypatch):
-    """A small synthetic GGUF (miniserve/synthetic.py: random F16 matrices, the embedded
+    """A small synthetic GGUF (miniserve/bench/synthetic.py: random F16 matrices, the embedded
     vocabulary) read two ways: as stored (our F16 kernel, float32 products) and by
     transformers (dequantized to float32). llama: q and k rows as llama.cpp's converter permutes
     them (decode.cpp's RoPE on pairs); qwen2: q/k/v biases, RoPE on halves. Float32 arithmetic
     over the same weights on both sides, so the float32 bound (scaled to these small logits)."""
     from transformers import AutoModelForCausalLM
 
-    from miniserve import synthetic
-    from miniserve.loader import load_model
-    from miniserve.stored import StoredRunner
+    from miniserve.bench import synthetic
+    from miniserve.runners.loader import load_model
+    from miniserve.runners.stored import StoredRunner
     shape = synthetic.Shape(arch, 64, 128, 2, 4, 2, 16, 10000.0, 1e-5, tied=arch == "llama",
                             qkv_bias=arch == "qwen2")
     monkeypatch.setitem(synthetic.SHAPES, "tiny", shape)
@@ -310,8 +310,8 @@ def test_a_float_model_quantized_at_load_runs_on_the_same_kernels(bf16, ref16, q
     within the stored bound; Q4_0 (4 bits, every matrix, the output layer too: a small model
     loses much there, measured 53% top-1 agreement over 120 tokens) for agreement far above
     chance only (a broken kernel agrees on next to nothing)."""
-    from miniserve.engine import make_runner
-    from miniserve.verify import BOUND_STORED
+    from miniserve.engine.engine import make_runner
+    from miniserve.runners.verify import BOUND_STORED
     from reference import HELD_OUT, teacher_forced, whole_prompt
     runner = make_runner(bf16, quant=quant)
     assert runner.name == "native" and runner.quant == quant
@@ -333,7 +333,7 @@ def test_a_float_model_quantized_at_load_runs_on_the_same_kernels(bf16, ref16, q
 def test_a_gguf_runs_as_stored_by_default_and_dequantized_where_it_cannot():
     """--dtype auto: a GGUF as stored where the native runner runs; the lean or transformers
     runner, or --quant, ask for float weights; a float model's source is never 'stored'."""
-    from miniserve.engine import auto_dtype
+    from miniserve.engine.engine import auto_dtype
     assert auto_dtype("auto", None, "auto", None, None) == "stored"
     assert auto_dtype("auto", None, "native", None, "default") == "stored"
     assert auto_dtype("auto", None, "lean", None, None) != "stored"
@@ -349,8 +349,8 @@ def test_header_values_the_runner_cannot_run_are_one_error(tmp_path, monkeypatch
     """Head counts whose tensors are consistent but which the pass cannot run (kv heads not
     dividing the heads, more kv heads than heads): one line naming them, before native code
     sees the file (decode.cpp would divide by zero)."""
-    from miniserve import synthetic
-    from miniserve.loader import ModelLoadError, load_model
+    from miniserve.bench import synthetic
+    from miniserve.runners.loader import ModelLoadError, load_model
     monkeypatch.setitem(synthetic.SHAPES, "odd", synthetic.Shape("llama", 64, 128, 1, heads, kv,
                                                                   16, 10000.0, 1e-5))
     path = synthetic.write_gguf(tmp_path / "odd.gguf", "odd", quant="f16")

@@ -2,7 +2,7 @@
 
 import pytest
 
-from miniserve.stream import REPLACEMENT, Detokenizer, StopStrings
+from miniserve.engine.stream import REPLACEMENT, Detokenizer, StopStrings
 
 TEXTS = [
     "Hello 👋🏽 world! 🎉🎉 Let's go 🚀",
@@ -24,7 +24,7 @@ def test_deltas_join_to_the_decoded_text(tokenizer, text):
 
 
 def test_deltas_on_generated_ids(engine):
-    from miniserve.config import SamplingParams
+    from miniserve.core.config import SamplingParams
     chunks = list(engine.chat([{"role": "user", "content": "Write three emoji and the word 日本."}],
                               SamplingParams(temperature=0, max_new_tokens=30)))
     ids = [i for c in chunks for i in c.token_ids]

@@ -12,9 +12,9 @@ import gradio as gr
 import jsonschema
 import pytest
 
-from miniserve.config import FIELDS, ConfigError, Constraint, SamplingParams, load_presets
+from miniserve.core.config import FIELDS, ConfigError, Constraint, SamplingParams, load_presets
 from miniserve.ui import BenchmarkHandlers, ChatHandlers, CompareHandlers, build_ui
-from miniserve.store import open_store
+from miniserve.store.store import open_store
 from miniserve.ui.common import (FORMATS, Sessions, constraint_from, format_note, params_from,
                                  seed_from)
 from miniserve.ui.conversation import SHOWN, Shown, new_view

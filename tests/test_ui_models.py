@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from miniserve.config import load_presets
-from miniserve.engine import Engine
-from miniserve.models import EngineOptions, ModelSpec, Models, engine_factory, open_models
+from miniserve.core.config import load_presets
+from miniserve.engine.engine import Engine
+from miniserve.models.registry import EngineOptions, ModelSpec, Models, engine_factory, open_models
 from miniserve.ui import (BenchmarkHandlers, ChatHandlers, CompareHandlers, NotebookHandlers,
                           build_ui, model_header)
 from miniserve.ui.conversation import SHOWN, Shown

@@ -1,8 +1,8 @@
-"""The greedy check of miniserve/verify.py on hand-built logits: what it accepts and rejects."""
+"""The greedy check of miniserve/runners/verify.py on hand-built logits: what it accepts and rejects."""
 
 import torch
 
-from miniserve.verify import BOUND_BFLOAT16, BOUND_FLOAT32, bound_for, check_greedy
+from miniserve.runners.verify import BOUND_BFLOAT16, BOUND_FLOAT32, bound_for, check_greedy
 
 
 def rows(*pairs):

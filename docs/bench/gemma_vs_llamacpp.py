@@ -11,11 +11,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from miniserve import peer  # noqa: E402
-from miniserve.bench import _run_ours, prompt_of_length  # noqa: E402
-from miniserve.config import SamplingParams  # noqa: E402
-from miniserve.engine import start_engine  # noqa: E402
-from miniserve.loader import known_model_path  # noqa: E402
+from miniserve.bench import peer  # noqa: E402
+from miniserve.bench.bench import _run_ours, prompt_of_length  # noqa: E402
+from miniserve.core.config import SamplingParams  # noqa: E402
+from miniserve.engine.engine import start_engine  # noqa: E402
+from miniserve.runners.loader import known_model_path  # noqa: E402
 
 G = str(known_model_path("gemma-3-270m"))
 engine = start_engine(G, progress=lambda *a: None)

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import gradio as gr
 
-from miniserve.config import MAX_QUEUE, SamplingParams
-from miniserve.engine import Engine
-from miniserve.models import Models
-from miniserve.store import Store
+from miniserve.core.config import MAX_QUEUE, SamplingParams
+from miniserve.engine.engine import Engine
+from miniserve.models.registry import Models
+from miniserve.store.store import Store
 from miniserve.ui.bench_tab import BenchmarkHandlers, build_benchmark_tab
 from miniserve.ui.chat_tab import ChatHandlers, build_chat_tab
 from miniserve.ui.common import ModelHeader, Sessions, app_header, header, model_header

@@ -10,11 +10,11 @@ from contextlib import contextmanager
 import gradio as gr
 import pandas as pd
 
-from miniserve.bench import (GREEDY, BenchConfig, ConcurrencyConfig, describe_concurrency,
+from miniserve.bench.bench import (GREEDY, BenchConfig, ConcurrencyConfig, describe_concurrency,
                              describe_run, run_bench, run_concurrency, to_dict)
-from miniserve.config import ConfigError, SamplingParams
-from miniserve.engine import Engine
-from miniserve.models import Models
+from miniserve.core.config import ConfigError, SamplingParams
+from miniserve.engine.engine import Engine
+from miniserve.models.registry import Models
 from miniserve.ui.common import (BENCHMARK_EVENTS, USER_ERRORS, ModelHeader, ModelUnavailable,
                                  build_model_picker, counts_from, error, follow_picker,
                                  user_message, using, whole)

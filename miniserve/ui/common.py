@@ -15,11 +15,11 @@ from typing import Iterator, NamedTuple
 
 import gradio as gr
 
-from miniserve.chat import ChatError
-from miniserve.config import FIELDS, ConfigError, Constraint, SamplingParams, check_seed
-from miniserve.engine import EngineBusy, RequestTooLarge
-from miniserve.grammar import GrammarError
-from miniserve.models import Models, UnknownModel
+from miniserve.engine.chat import ChatError
+from miniserve.core.config import FIELDS, ConfigError, Constraint, SamplingParams, check_seed
+from miniserve.engine.engine import EngineBusy, RequestTooLarge
+from miniserve.engine.grammar import GrammarError
+from miniserve.models.registry import Models, UnknownModel
 
 # Repaint a streaming reply at most this often: ~12 updates a second reads as smooth, and each
 # repaint costs browser CPU that a 2-core machine would otherwise give to the model.

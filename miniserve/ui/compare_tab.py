@@ -15,9 +15,9 @@ from contextlib import ExitStack
 
 import gradio as gr
 
-from miniserve.config import SamplingParams
-from miniserve.engine import Engine
-from miniserve.models import Models
+from miniserve.core.config import SamplingParams
+from miniserve.engine.engine import Engine
+from miniserve.models.registry import Models
 from miniserve.ui.common import (ENGINE_EVENTS, FREE_TEXT, PAINT_INTERVAL_S, USER_ERRORS,
                                  ModelHeader, Sessions, build_output_format, constraint_from,
                                  error, format_label, format_note, load_together, loading_line,

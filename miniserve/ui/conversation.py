@@ -1,5 +1,5 @@
 """What the Chat tab and its Conversations sidebar share: which conversation a browser tab
-shows, and how a saved conversation (miniserve/store.py) is drawn.
+shows, and how a saved conversation (miniserve/store/store.py) is drawn.
 
 Two values say where a browser is:
 - `browser` (kept in the browser's local storage, so it outlives a reload and a restart):
@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import gradio as gr
 
-from miniserve.store import Message, NotFound, Store
+from miniserve.store.store import Message, NotFound, Store
 
 SHOWN = ("browser", "view", "chatbot", "conversations", "title", "system", "branches", "status")
 BRANCH_MARK = re.compile(r"\s*‹ \d+/\d+ ›\s*$")

@@ -16,10 +16,10 @@ from contextlib import ExitStack
 
 import gradio as gr
 
-from miniserve.config import RANDOM_SEEDS, SamplingParams
-from miniserve.engine import Engine
-from miniserve.inspector import Inspector
-from miniserve.models import Models
+from miniserve.core.config import RANDOM_SEEDS, SamplingParams
+from miniserve.engine.engine import Engine
+from miniserve.engine.inspector import Inspector
+from miniserve.models.registry import Models
 from miniserve.ui.common import (ENGINE_EVENTS, FREE_TEXT, USER_ERRORS,
                                  ModelHeader, Reading, Sessions, build_model_picker, build_output_format,
                                  build_sampling, error, follow_picker, format_note,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import gradio as gr
 
-from miniserve.store import StoreError
+from miniserve.store.store import StoreError
 from miniserve.ui.common import error
 from miniserve.ui.conversation import Conversations, Shown, new_view, owner_of
 

@@ -1,0 +1,399 @@
+"""Synthetic GGUF models: the layer shapes of real models, random weights, the embedded
+model's vocabulary -- for measuring speed and memory on bigger models than the embedded 135M one
+where no model hub can be reached.
+
+    python -m miniserve.bench.synthetic --shape llama-3.2-1b --quant q4_k_m [--vocab N] [--out DIR]
+
+prints the file's path. The weights are seeded normals (std 0.02; norms 1), so activations stay
+in range and the logits are spread out, not degenerate -- the tokens are gibberish, the cost of
+computing them is a real model's. The file is written as F16 with the gguf package in
+llama.cpp's naming (token_embd, blk.N.attn_q, ..., output_norm; `output` only when the
+embeddings are not tied; q/k/v biases for qwen2), then quantized by llama.cpp's own quantizer
+through llama-cpp-python (the K-quants need it: the gguf package only dequantizes them). Q8_0
+and Q4_0 can also be made without llama-cpp-python by the gguf package's numpy quantizers: every
+matrix in that one type, where llama.cpp's quantizer picks other types for some tensors (its
+Q4_K_M: Q6_K for token_embd and half the attn_v / ffn_down).
+
+Files go to `cache_root()/synthetic` as `<shape>-<vocab>-<quant>.gguf` (`...-numpy.gguf` from
+the numpy quantizers) and are reused when present; the F16 file a quantization starts from is
+kept beside them (`<shape>-<vocab>-f16.gguf`), so the other types of a shape start from it.
+
+Not done, because random weights make them moot: Llama's q/k rows are not permuted for
+llama.cpp's rope (convert_hf_to_gguf does this for real checkpoints), and Llama 3's rope scaling
+(the `rope_freqs` tensor) is left out -- plain rope at the real theta.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import functools
+import sys
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+STD = 0.02  # the weights' standard deviation (the usual initializer range)
+CONTEXT_LENGTH = 8192
+FILLER_TOKEN = "<|synthetic_filler_{}|>"
+
+
+@dataclass(frozen=True)
+class Shape:
+    arch: str            # llama.cpp's architecture name: llama or qwen2
+    hidden: int
+    ffn: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_eps: float
+    tied: bool = True
+    qkv_bias: bool = False
+    real_vocab: int = 0  # the real model's vocabulary size (for --vocab real)
+
+
+# The real configs (config.json of meta-llama/Llama-3.2-1B / -3B and Qwen/Qwen2.5-1.5B).
+SHAPES = {
+    "llama-3.2-1b": Shape("llama", 2048, 8192, 16, 32, 8, 64, 500000.0, 1e-5, real_vocab=128256),
+    "llama-3.2-3b": Shape("llama", 3072, 8192, 28, 24, 8, 128, 500000.0, 1e-5, real_vocab=128256),
+    "qwen2.5-1.5b": Shape("qwen2", 1536, 8960, 28, 12, 2, 128, 1000000.0, 1e-6, qkv_bias=True,
+                          real_vocab=151936),
+}
+
+# quant name -> llama.cpp's file type (enum llama_ftype), as llama_model_quantize takes it
+FTYPES = {"f16": 1, "q4_0": 2, "q8_0": 7, "q4_k_m": 15, "q5_k_m": 17, "q4_k_s": 14,
+          "q5_k_s": 16, "q6_k": 18, "q5_0": 8, "q5_1": 9, "q4_1": 3}
+NUMPY_QUANTS = ("q8_0", "q4_0")  # what the fallback (gguf's numpy quantizers) makes
+
+
+def tensor_shapes(shape: Shape, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, numpy shape: rows = outputs, columns = inputs) of every tensor, in the order
+    llama.cpp's converter writes them."""
+    h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    out = [("token_embd.weight", (vocab, h))]
+    for i in range(shape.layers):
+        b = f"blk.{i}."
+        out += [(b + "attn_norm.weight", (h,)),
+                (b + "attn_q.weight", (q, h)), (b + "attn_k.weight", (kv, h)),
+                (b + "attn_v.weight", (kv, h))]
+        if shape.qkv_bias:
+            out += [(b + "attn_q.bias", (q,)), (b + "attn_k.bias", (kv,)),
+                    (b + "attn_v.bias", (kv,))]
+        out += [(b + "attn_output.weight", (h, q)), (b + "ffn_norm.weight", (h,)),
+                (b + "ffn_gate.weight", (shape.ffn, h)), (b + "ffn_up.weight", (shape.ffn, h)),
+                (b + "ffn_down.weight", (h, shape.ffn))]
+    out.append(("output_norm.weight", (h,)))
+    if not shape.tied:
+        out.append(("output.weight", (vocab, h)))
+    return out
+
+
+def parameter_count(shape: Shape, vocab: int) -> int:
+    return sum(int(np.prod(s)) for _, s in tensor_shapes(shape, vocab))
+
+
+def random_tensor(name: str, dims: tuple[int, ...], seed: int) -> np.ndarray:
+    """The tensor's values (float32), the same for a name and seed whatever the order: norms
+    are 1 (with 1% noise), biases and matrices normal with std STD."""
+    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+    if name.endswith("_norm.weight"):
+        return (1.0 + 0.01 * rng.standard_normal(dims, dtype=np.float32)).astype(np.float32)
+    values = rng.standard_normal(dims, dtype=np.float32)
+    values *= STD
+    return values
+
+
+@functools.lru_cache(maxsize=1)
+def _embedded_vocab():
+    """The `tokenizer.*` fields of the embedded GGUF (its reader parses the whole vocabulary:
+    seconds, so once)."""
+    import gguf
+
+    from miniserve.runners.loader import embedded_gguf
+    reader = gguf.GGUFReader(str(embedded_gguf()))
+    return [f for name, f in reader.fields.items() if name.startswith("tokenizer.")]
+
+
+def _copy_tokenizer(writer, fields, vocab: int) -> int:
+    """Copy the embedded model's tokenizer keys (and chat template); pad its token list to
+    `vocab` with filler tokens (normal tokens no merge ever produces). Returns the vocab size."""
+    import gguf
+    base = None
+    for field in fields:
+        value_type = field.types[0]
+        sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
+        value = field.contents()
+        if field.name == "tokenizer.ggml.tokens":
+            base = len(value)
+            if vocab < base:
+                raise ValueError(f"--vocab {vocab} is smaller than the embedded vocabulary "
+                                 f"({base} tokens)")
+            value = value + [FILLER_TOKEN.format(i) for i in range(base, vocab)]
+        elif field.name == "tokenizer.ggml.token_type":
+            value = list(value) + [int(gguf.TokenType.NORMAL)] * (vocab - len(value))
+        writer.add_key_value(field.name, value, value_type, sub_type=sub_type)
+    if base is None:
+        raise ValueError("the embedded GGUF has no tokenizer.ggml.tokens")
+    return vocab
+
+
+def embedded_vocab_size() -> int:
+    for field in _embedded_vocab():
+        if field.name == "tokenizer.ggml.tokens":
+            return len(field.data)
+    raise ValueError("the embedded GGUF has no tokenizer.ggml.tokens")
+
+
+def write_gguf(path: Path, shape_name: str, vocab: int | None = None, quant: str = "f16",
+               seed: int = 0, progress=None) -> Path:
+    """Write the synthetic model as `quant` (f16, or q8_0 / q4_0 by the numpy quantizers),
+    tensor by tensor (never the whole model in memory). Returns `path`."""
+    import gguf
+    from gguf.quants import quant_shape_to_byte_shape, quantize
+    say = progress or (lambda m: None)
+    shape = SHAPES[shape_name]
+    qtype = {"f16": None, "q8_0": gguf.GGMLQuantizationType.Q8_0,
+             "q4_0": gguf.GGMLQuantizationType.Q4_0}[quant]
+    fields = _embedded_vocab()
+    vocab = vocab or next(len(f.data) for f in fields if f.name == "tokenizer.ggml.tokens")
+    partial = path.with_name(path.name + ".partial")
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(str(partial), shape.arch)
+    a = shape.arch
+    writer.add_name(f"synthetic {shape_name} (random weights)")
+    writer.add_type("model")
+    base_vocab = next(len(f.data) for f in fields if f.name == "tokenizer.ggml.tokens")
+    writer.add_description(f"random weights (seed {seed}, std {STD}) in the shape of "
+                           f"{shape_name}; the embedded model's tokenizer"
+                           + (f", padded from {base_vocab} to {vocab} tokens"
+                              if vocab > base_vocab else ""))
+    writer.add_context_length(CONTEXT_LENGTH)
+    writer.add_embedding_length(shape.hidden)
+    writer.add_block_count(shape.layers)
+    writer.add_feed_forward_length(shape.ffn)
+    writer.add_head_count(shape.heads)
+    writer.add_head_count_kv(shape.kv_heads)
+    writer.add_rope_freq_base(shape.rope_theta)
+    writer.add_layer_norm_rms_eps(shape.rms_eps)
+    writer.add_file_type(FTYPES[quant])
+    writer.add_vocab_size(vocab)
+    if a == "llama":
+        writer.add_rope_dimension_count(shape.head_dim)
+    if shape.head_dim != shape.hidden // shape.heads:
+        writer.add_key_length(shape.head_dim)
+        writer.add_value_length(shape.head_dim)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    _copy_tokenizer(writer, fields, vocab)
+
+    tensors = tensor_shapes(shape, vocab)
+    for name, dims in tensors:
+        if len(dims) == 1:  # norms and biases stay float32, as the converters keep them
+            writer.add_tensor_info(name, dims, np.dtype(np.float32), 4 * dims[0])
+        elif qtype is None:
+            writer.add_tensor_info(name, dims, np.dtype(np.float16), 2 * int(np.prod(dims)))
+        else:
+            byte_shape = quant_shape_to_byte_shape(dims, qtype)
+            writer.add_tensor_info(name, byte_shape, np.dtype(np.uint8),
+                                   int(np.prod(byte_shape)), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    total = len(tensors)
+    for i, (name, dims) in enumerate(tensors):
+        values = random_tensor(name, dims, seed)
+        if len(dims) == 1:
+            data = values
+        elif qtype is None:
+            data = values.astype(np.float16)
+        else:
+            data = quantize(values, qtype)
+        writer.write_tensor_data(data)
+        if name.endswith("weight") and (i % 20 == 0 or i == total - 1):
+            say(f"  wrote {i + 1}/{total} tensors")
+    writer.close()
+    partial.rename(path)
+    return path
+
+
+def llama_quantize(source: Path, out: Path, quant: str, threads: int = 0) -> Path:
+    """llama.cpp's quantizer (llama-cpp-python's llama_model_quantize) from `source` (F16)."""
+    import llama_cpp
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = FTYPES[quant]
+    params.nthread = threads
+    partial = out.with_name(out.name + ".partial")
+    code = llama_cpp.llama_model_quantize(str(source).encode(), str(partial).encode(),
+                                          ctypes.byref(params))
+    if code != 0:
+        partial.unlink(missing_ok=True)
+        raise RuntimeError(f"llama_model_quantize({source.name} -> {quant}) returned {code}")
+    partial.rename(out)
+    return out
+
+
+def llama_cpp_available() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def default_dir() -> Path:
+    from miniserve.runners.loader import cache_root
+    return cache_root() / "synthetic"
+
+
+def file_name(shape_name: str, vocab: int, quant: str, numpy_quant: bool = False) -> str:
+    """<shape>-<vocab>-<quant>.gguf; `-numpy` before .gguf for the numpy quantizer's files
+    (every matrix in the one type: not what llama.cpp's quantizer makes of the same type)."""
+    return f"{shape_name}-{vocab}-{quant}{'-numpy' if numpy_quant else ''}.gguf"
+
+
+def target(shape_name: str, quant: str, vocab: int, out_dir: Path,
+           numpy_only: bool = False) -> Path:
+    """Where make() puts (or finds) the file."""
+    use_numpy = quant != "f16" and (numpy_only or not llama_cpp_available())
+    if use_numpy and quant not in NUMPY_QUANTS:
+        raise ValueError(f"{quant} needs llama-cpp-python (llama.cpp's quantizer); without "
+                         f"it only {', '.join(NUMPY_QUANTS)} can be made")
+    return Path(out_dir) / file_name(shape_name, vocab, quant, use_numpy)
+
+
+def make(shape_name: str, quant: str = "q4_k_m", vocab: int | None = None,
+         out_dir: Path | None = None, seed: int = 0, numpy_only: bool = False,
+         progress=None) -> Path:
+    """The synthetic model's file, made once (reused when present)."""
+    say = progress or (lambda m: print(m, file=sys.stderr, flush=True))
+    if shape_name not in SHAPES:
+        raise ValueError(f"unknown shape {shape_name!r}; choose from {', '.join(SHAPES)}")
+    if quant not in FTYPES:
+        raise ValueError(f"unknown quant {quant!r}; choose from {', '.join(FTYPES)}")
+    vocab = vocab or embedded_vocab_size()
+    out_dir = Path(out_dir) if out_dir else default_dir()
+    out = target(shape_name, quant, vocab, out_dir, numpy_only)
+    use_numpy = out.name.endswith("-numpy.gguf")
+    if out.is_file():
+        return out
+    if quant == "f16" or use_numpy:
+        say(f"writing {out.name} ({parameter_count(SHAPES[shape_name], vocab) / 1e9:.2f} B "
+            "parameters" + (", gguf's numpy quantizer" if use_numpy else "") + ") ...")
+        return write_gguf(out, shape_name, vocab, quant, seed, say)
+    f16 = make(shape_name, "f16", vocab, out_dir, seed, progress=say)
+    say(f"quantizing {f16.name} -> {out.name} with llama.cpp ...")
+    return llama_quantize(f16, out, quant)
+
+
+def tensor_types(path: Path) -> dict[str, list[str]]:
+    """{ggml type: [tensor names]} of a GGUF."""
+    import gguf
+    reader = gguf.GGUFReader(str(path))
+    types: dict[str, list[str]] = {}
+    for t in reader.tensors:
+        types.setdefault(t.tensor_type.name, []).append(t.name)
+    return types
+
+
+def summarize_types(path: Path) -> str:
+    """One line: each type with how many tensors and which kinds (blk.N. stripped)."""
+    parts = []
+    for kind, names in sorted(tensor_types(path).items()):
+        roles = sorted({n.split(".", 2)[-1] if n.startswith("blk.") else n for n in names})
+        parts.append(f"{kind} x{len(names)} ({', '.join(roles)})")
+    return "; ".join(parts)
+
+
+def block_amx() -> None:
+    """Make llama.cpp run without its AMX weight buffers in this process (and its children):
+    a seccomp filter fails arch_prctl(ARCH_REQ_XCOMP_PERM) with EPERM, so ggml's AMX init
+    reports "AMX is not ready to be used!" and the weights go to its other extra buffer
+    (CPU_REPACK) or stay mapped -- llama.cpp's defaults on a CPU without AMX. Why: the AMX
+    kernels of llama-cpp-python 0.3.36 as built here die on this CPU (SIGILL on `tilezero` in
+    ggml_backend_amx_mul_mat at the first prompt; peer.py saw a segfault there), a ggml bug
+    (its tile config, llama.cpp PR #26954), not a missing permission: AMX itself works here.
+    Irreversible for the process; x86-64 Linux only (elsewhere a no-op)."""
+    import platform
+    import struct
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    no_new_privs, set_seccomp, mode_filter = 38, 22, 2
+    audit_arch_x86_64, nr_arch_prctl, req_xcomp_perm = 0xC000003E, 158, 0x1023
+    allow, errno_eperm = 0x7FFF0000, 0x00050000 | 1
+    ld_abs, jeq, ret = 0x20, 0x15, 0x06  # BPF_LD|BPF_W|BPF_ABS, BPF_JMP|BPF_JEQ|BPF_K, BPF_RET
+    program = [(ld_abs, 0, 0, 4), (jeq, 1, 0, audit_arch_x86_64), (ret, 0, 0, allow),
+               (ld_abs, 0, 0, 0), (jeq, 0, 3, nr_arch_prctl),
+               (ld_abs, 0, 0, 16), (jeq, 0, 1, req_xcomp_perm),
+               (ret, 0, 0, errno_eperm), (ret, 0, 0, allow)]
+    code = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *i) for i in program))
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    prog = SockFprog(len(program), ctypes.cast(code, ctypes.c_void_p))
+    if libc.prctl(no_new_privs, 1, 0, 0, 0) != 0 or \
+            libc.prctl(set_seccomp, mode_filter, ctypes.byref(prog), 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "could not install the seccomp filter")
+
+
+def check(path: Path, new_tokens: int = 8, threads: int = 2, amx: bool = False) -> list[int]:
+    """Load the file in llama-cpp-python (its default buffers; AMX off unless `amx`, see
+    block_amx -- which then stays off in this process) and decode a few greedy tokens."""
+    import llama_cpp
+    if not amx:
+        block_amx()
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_threads=threads,
+                          n_threads_batch=threads, verbose=False)
+    ids = llm.tokenize(b"The history of science is the study of", add_bos=False)
+    tokens = []
+    for token in llm.generate(ids, top_k=1, temp=0.0, repeat_penalty=1.0):
+        tokens.append(token)
+        if len(tokens) >= new_tokens:
+            break
+    del llm
+    return tokens
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m miniserve.bench.synthetic",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", required=True, choices=sorted(SHAPES))
+    parser.add_argument("--quant", default="q4_k_m", choices=sorted(FTYPES))
+    parser.add_argument("--vocab", default=None,
+                        help="pad the embedded vocabulary with filler tokens up to N tokens "
+                             "('real': the real model's size, e.g. 128256 for Llama 3)")
+    parser.add_argument("--out", default=None, help="folder (default: the cache's synthetic/)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--numpy", action="store_true",
+                        help="q8_0 / q4_0 by gguf's numpy quantizers, without llama-cpp-python")
+    parser.add_argument("--check", action="store_true",
+                        help="then load it in llama-cpp-python and decode a few tokens")
+    parser.add_argument("--types", action="store_true", help="also list the tensor types")
+    args = parser.parse_args(argv)
+    vocab = None
+    if args.vocab:
+        vocab = SHAPES[args.shape].real_vocab if args.vocab == "real" else int(args.vocab)
+    try:
+        vocab = vocab or embedded_vocab_size()
+        existed = target(args.shape, args.quant, vocab, Path(args.out or default_dir()),
+                         args.numpy).is_file()
+        start = time.perf_counter()
+        path = make(args.shape, args.quant, vocab, args.out, args.seed, args.numpy)
+    except (ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    took = time.perf_counter() - start
+    print(f"{path.stat().st_size / 2**20:.0f} MiB, "
+          + ("already there" if existed else f"made in {took:.1f} s"), file=sys.stderr)
+    if args.types:
+        print(summarize_types(path), file=sys.stderr)
+    if args.check:
+        print(f"llama.cpp decodes: {check(path)}", file=sys.stderr)
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,452 @@
+"""The terminal chat behind `python -m miniserve chat`.
+
+Reads one message a line (from a terminal or a pipe), streams each reply, and
+understands a few slash commands. Ctrl-C during a reply stops that reply; Ctrl-C
+or Ctrl-D at the prompt ends the session.
+
+With a store (miniserve/store/store.py), /save keeps the conversation under the owner CLI_OWNER;
+from then on each message is added to it as it is sent or completes.
+
+Raw mode (`chat --raw`, /raw; what a base model without a chat template needs): no turns, one
+running text -- each line typed is added to it and the model continues it, as the web app's
+Notebook tab does. /model NAME switches between the models the app was started with.
+"""
+
+from __future__ import annotations
+
+import secrets
+import sqlite3
+import threading
+import time
+from pathlib import Path
+
+from miniserve.core.config import FIELDS, RANDOM_SEEDS, ConfigError, SamplingParams, check_seed
+from miniserve.engine.engine import Engine, EngineBusy
+from miniserve.models.registry import Models, UnknownModel
+from miniserve.store.store import Store, StoreError
+
+CLI_OWNER = "cli"  # the store's owner of the terminal chat's conversations
+
+HELP = """commands:
+  /help                 this help
+  /preset [NAME]        switch preset (lists them without NAME)
+  /settings             show the current sampling values
+  /set KEY VALUE        change one value ({keys}, seed)
+  /system TEXT          set the system prompt (starts a new, unsaved conversation)
+  /reset                start a new, unsaved conversation
+  /save [TITLE]         save this conversation (or rename it); later turns are added as they come
+  /list                 the saved conversations, newest first
+  /load N               continue conversation N of the last /list
+  /export FILE          write the saved conversation: FILE.md as Markdown, else JSON
+  /import FILE          import a JSON export or an OpenAI messages list
+  /model [NAME]         show the model and the others served, or switch to NAME
+  /raw                  turn raw mode (continue one running text, no chat template) on or off
+  /exit                 leave (also Ctrl-D)"""
+
+
+class ChatSession:
+    def __init__(self, models: Models | Engine, params: SamplingParams,
+                 presets: dict[str, SamplingParams], system: str | None = None,
+                 preset_name: str = "", store: Store | None = None, raw: bool = False):
+        self.models = Models.of(models)
+        self.model_name = self.models.default
+        self.raw = raw
+        self.text = ""  # raw mode: the running text the model continues
+        self.params = params
+        self.presets = presets
+        self.preset_name = preset_name
+        self.system = system
+        self.history: list[dict] = []  # what the model is sent: {"role", "content"} each
+        self.details: list[dict] = []  # beside each: status, settings and stats, for /save
+        self.store = store  # None: nothing can be saved
+        self.cid: str | None = None  # the saved conversation this session adds to
+        self.leaf: str | None = None  # its last message on this session's branch
+        self.listing: list[str] | None = None  # the conversations /list numbered last
+        self.out = None
+
+    @property
+    def engine(self):
+        return self.models.get(self.model_name)
+
+    def say(self, text: str = "", end: str = "\n") -> None:
+        self.out.write(text + end)
+        self.out.flush()
+
+    # -- commands ---------------------------------------------------------------------------
+    def command(self, line: str) -> bool:
+        """Run a slash command; False means the session should end."""
+        name, _, rest = line[1:].partition(" ")
+        rest = rest.strip()
+        if name in ("exit", "quit"):
+            return False
+        handler = {"help": self.cmd_help, "preset": self.cmd_preset, "settings": self.cmd_settings,
+                   "set": self.cmd_set, "system": self.cmd_system, "reset": self.cmd_reset,
+                   "model": self.cmd_model, "save": self.cmd_save, "list": self.cmd_list,
+                   "load": self.cmd_load, "export": self.cmd_export,
+                   "import": self.cmd_import, "raw": self.cmd_raw}.get(name)
+        if handler is None:
+            self.say(f"unknown command /{name}; /help lists the commands")
+        else:
+            handler(rest)
+        return True
+
+    def cmd_help(self, _):
+        self.say(HELP.format(keys=", ".join(FIELDS)))
+
+    def cmd_preset(self, name):
+        if name not in self.presets:
+            if name:
+                self.say(f"unknown preset '{name}'")
+            self.say("presets: " + ", ".join(self.presets))
+            return
+        self.params = self.presets[name].replace(seed=self.params.seed)
+        self.preset_name = name
+        self.say(f"preset {name}: " + self.describe())
+
+    def describe(self) -> str:
+        p = self.params
+        return (f"T={p.temperature:g} top_k={p.top_k} top_p={p.top_p:g} min_p={p.min_p:g} "
+                f"repetition_penalty={p.repetition_penalty:g} max_new_tokens={p.max_new_tokens} "
+                f"seed={p.seed if p.seed is not None else 'random'}")
+
+    def cmd_settings(self, _):
+        self.say(f"[{self.preset_name or 'custom'}] " + self.describe())
+
+    def cmd_set(self, rest):
+        key, _, value = rest.partition(" ")
+        key = key.replace("-", "_")
+        value = value.strip()
+        try:
+            if key == "seed":
+                seed = None if value in ("", "none", "random") else check_seed(_number(value, key))
+                self.params = self.params.replace(seed=seed)
+            elif key in FIELDS:
+                self.params = self.params.replace(**{key: _number(value, key)})
+            else:
+                raise ConfigError(f"unknown setting '{key}' (allowed: {', '.join(FIELDS)}, seed)")
+        except ConfigError as e:
+            self.say(f"error: {e}")
+            return
+        self.preset_name = "custom"
+        self.say(self.describe())
+
+    def cmd_system(self, text):
+        self.system = text or None
+        self.new_conversation()
+        self.say("system prompt set; new conversation" if text else
+                 "system prompt cleared; new conversation")
+
+    def cmd_reset(self, _):
+        self.new_conversation()
+        self.say("new conversation")
+
+    def new_conversation(self) -> None:
+        """An empty, unsaved conversation (a saved one stays in the store)."""
+        self.history, self.details = [], []
+        self.cid = self.leaf = None
+        self.text = ""
+
+    def cmd_model(self, name):
+        from miniserve.runners.loader import ModelLoadError
+        if name:
+            try:
+                name = self.models.resolve(name)
+                if not self.models.is_loaded(name):
+                    self.say(f"loading {name} ...")
+                self.models.get(name, progress=lambda m: self.say(f"  {m}"))
+            except UnknownModel as e:
+                self.say(f"error: {e}")
+                return
+            except (ModelLoadError, ValueError, RuntimeError, OSError) as e:  # incl. out of memory
+                self.say(f"error: {name} could not be loaded: {e}")
+                return
+            self.model_name = name
+            if not self.engine.has_chat_template and not self.raw:
+                self.raw = True
+                self.say(f"{name} has no chat template (a base model): raw mode on")
+        info = self.engine.info()
+        if info.get("remote"):
+            self.say(f"{info['name']}: remote, {info.get('url', info.get('source', ''))}, "
+                     f"context {info['context_length']} tokens")
+        else:
+            self.say(f"{info['name']} on {info['device']} ({info['dtype']}, {info['runner']} "
+                     f"runner), context {info['context_length']} tokens, "
+                     f"{info['parameters'] / 1e6:.0f}M parameters, from {info['source']}"
+                     + (", no chat template (raw mode)" if not info.get("chat", True) else ""))
+        others = [n + ("" if self.models.is_loaded(n) else " (not loaded)")
+                  for n in self.models.names if n != self.model_name]
+        if others:
+            self.say("also served: " + ", ".join(others) + "; /model NAME switches")
+
+    def cmd_raw(self, _):
+        if self.raw and not self.engine.has_chat_template:
+            self.say(f"{self.model_name} has no chat template: raw mode stays on")
+            return
+        self.raw = not self.raw
+        self.new_conversation()
+        self.say("raw mode on: each line is added to one text the model continues; /reset "
+                 "clears it" if self.raw else "raw mode off: chat turns; new conversation")
+
+    # -- saved conversations ------------------------------------------------------------------
+    def _no_store(self) -> bool:
+        if self.store is None:
+            self.say("error: this session has no history store; nothing can be saved")
+        return self.store is None
+
+    def _numbers(self, cids: list[str]) -> list[int]:
+        """Where `cids` stand in the list as it is now (1-based), which /load N reads next."""
+        self.listing = [c.id for c in self.store.conversations(CLI_OWNER, limit=-1)]
+        return [self.listing.index(cid) + 1 if cid in self.listing else 0 for cid in cids]
+
+    def cmd_save(self, title):
+        if self._no_store():
+            return
+        try:
+            if self.cid is None:
+                cid = self.store.create(CLI_OWNER, system=self.system or "")
+                try:
+                    parent = None
+                    for message, details in zip(self.history, self.details):
+                        parent = self.store.add(CLI_OWNER, cid, parent, message["role"],
+                                                message["content"], **details).id
+                    if title:
+                        self.store.rename(CLI_OWNER, cid, title)
+                except BaseException:
+                    self.store.delete(CLI_OWNER, cid)  # no half-saved conversation
+                    raise
+                self.cid, self.leaf = cid, parent
+            elif title:
+                self.store.rename(CLI_OWNER, self.cid, title)
+            saved = self.store.get(CLI_OWNER, self.cid)
+            number, = self._numbers([self.cid])
+        except (StoreError, sqlite3.Error) as e:
+            self.say(f"error: not saved: {e}")
+            return
+        where = " (in memory only: history is not kept on disk)" if self.store.in_memory else ""
+        self.say(f"saved as {number}: {saved.title or '(untitled)'}{where}")
+
+    def cmd_list(self, _):
+        if self._no_store():
+            return
+        conversations = self.store.conversations(CLI_OWNER, limit=-1)
+        self.listing = [c.id for c in conversations]
+        if not conversations:
+            self.say("no saved conversations")
+        for i, c in enumerate(conversations, 1):
+            when = time.strftime("%Y-%m-%d %H:%M", time.localtime(c.updated))
+            self.say(f"{'*' if c.id == self.cid else ' '}{i:3}. {c.title or '(untitled)'}  "
+                     f"({when}, {c.messages} message{'' if c.messages == 1 else 's'})")
+
+    def cmd_load(self, arg):
+        if self._no_store():
+            return
+        cids = self.listing if self.listing is not None else \
+            [c.id for c in self.store.conversations(CLI_OWNER, limit=-1)]
+        try:
+            n = int(arg)
+        except ValueError:
+            self.say(f"error: /load takes the number of a conversation in /list, got '{arg}'")
+            return
+        if not 1 <= n <= len(cids):
+            self.say(f"error: no conversation {n}; /list shows "
+                     f"{len(cids) if cids else 'none'}")
+            return
+        try:
+            conversation = self.store.get(CLI_OWNER, cids[n - 1])
+            path = self.store.path(CLI_OWNER, conversation.id)
+        except (StoreError, sqlite3.Error) as e:
+            self.say(f"error: cannot load conversation {n}: {e}")
+            return
+        unanswered = path.pop() if path and path[-1].role == "user" else None
+        self.cid, self.leaf = conversation.id, path[-1].id if path else None
+        self.system = conversation.system or None
+        self.history = [{"role": m.role, "content": m.content} for m in path]
+        self.details = [{"status": m.status, "settings": m.settings, "stats": m.stats}
+                        for m in path]
+        self.say(f"loaded {n}: {conversation.title or '(untitled)'} "
+                 f"({len(path)} message{'' if len(path) == 1 else 's'})")
+        if self.system:
+            self.say(f"system: {self.system}")
+        for m in path:
+            self.say(("you> " if m.role == "user" else "bot> ") + m.content +
+                     (" [stopped]" if m.status == "stopped" else ""))
+        if unanswered is not None:
+            self.say("[its last message had no reply and is left out; what you send next "
+                     "starts a branch beside it]")
+
+    def cmd_export(self, file):
+        if self._no_store():
+            return
+        if not file:
+            self.say("error: /export takes a file name (FILE.md for Markdown, else JSON)")
+            return
+        if self.cid is None:
+            self.say("error: this conversation is not saved; /save it first")
+            return
+        try:
+            text, _ = self.store.export_text(
+                CLI_OWNER, self.cid, "md" if Path(file).suffix.lower() == ".md" else "json")
+            text += "" if text.endswith("\n") else "\n"
+            Path(file).expanduser().write_text(text, encoding="utf-8")
+        except (StoreError, sqlite3.Error) as e:
+            self.say(f"error: cannot export: {e}")
+            return
+        except OSError as e:
+            self.say(f"error: cannot write {file}: {e.strerror or e}")
+            return
+        self.say(f"wrote {file}")
+
+    def cmd_import(self, file):
+        if self._no_store():
+            return
+        if not file:
+            self.say("error: /import takes a file name")
+            return
+        try:
+            cids = self.store.import_file(CLI_OWNER, file)
+            numbers = self._numbers(cids)
+            titles = [self.store.get(CLI_OWNER, cid).title or "(untitled)" for cid in cids]
+        except OSError as e:
+            self.say(f"error: cannot read {file}: {e.strerror or e}")
+            return
+        except (StoreError, sqlite3.Error) as e:
+            self.say(f"error: cannot import {file}: {e}")
+            return
+        self.say(f"imported {len(cids)} conversation{'' if len(cids) == 1 else 's'} as " +
+                 "; ".join(f"{n}: {t}" for n, t in zip(numbers, titles)))
+
+    def _keep(self, role: str, content: str, **details) -> str | None:
+        """Add a message to the saved conversation (if any); its id. A store that fails says
+        so in one line and the session goes on unsaved."""
+        if self.cid is None:
+            return None
+        try:
+            self.leaf = self.store.add(CLI_OWNER, self.cid, self.leaf, role, content,
+                                       **details).id
+            return self.leaf
+        except (StoreError, sqlite3.Error) as e:
+            self.cid = self.leaf = None
+            self.say(f"[not saved: {e}; /save saves this conversation again]")
+            return None
+
+    def _take_back(self, message_id: str | None, parent_id: str | None) -> None:
+        """Remove a user message that got no reply (the engine was busy)."""
+        if message_id is None:
+            return
+        try:
+            self.store.undo_turn(CLI_OWNER, self.cid, message_id)
+        except (StoreError, sqlite3.Error):
+            pass  # left in the store; the next message starts a branch beside it
+        self.leaf = parent_id
+
+    # -- one turn -----------------------------------------------------------------------------
+    def continue_text(self, line: str) -> None:
+        """Raw mode: add the line to the running text and stream its continuation."""
+        text = (self.text + "\n" if self.text else "") + line
+        cancel = threading.Event()
+        params = self.params if self.params.seed is not None else \
+            self.params.replace(seed=secrets.randbelow(RANDOM_SEEDS))
+        parts, last = [], None
+        try:
+            for last in self.engine.complete_text(text, params, trim=True, cancel=cancel):
+                parts.append(last.text)
+                self.say(last.text, end="")
+        except KeyboardInterrupt:
+            cancel.set()
+            self.say(" [stopped]", end="")
+        except (ValueError, EngineBusy, RuntimeError) as e:
+            self.say(f"error: {e}")
+            return
+        self.say()
+        self.text = text + "".join(parts)
+        if last is not None and last.done:
+            self.say(f"[{last.stats.summary()}, seed {params.seed}]")
+
+    def reply(self, text: str) -> None:
+        if self.raw:
+            self.continue_text(text)
+            return
+        messages = ([{"role": "system", "content": self.system}] if self.system else []) + \
+            self.history + [{"role": "user", "content": text}]
+        cancel = threading.Event()
+        parts, last = [], None
+        # "random" draws a seed for this reply, shown and saved with it, so it can be repeated
+        params = self.params if self.params.seed is not None else \
+            self.params.replace(seed=secrets.randbelow(RANDOM_SEEDS))
+        try:
+            stream = self.engine.chat(messages, params, cancel=cancel)
+        except (ValueError, EngineBusy, RuntimeError) as e:  # ChatError, ConfigError,
+            # RequestTooLarge; a remote server that does not answer (RemoteError)
+            self.say(f"error: {e}")
+            return
+        parent = self.leaf
+        user_id = self._keep("user", text)
+        stopped = False
+        try:
+            for last in stream:
+                parts.append(last.text)
+                self.say(last.text, end="")
+        except KeyboardInterrupt:
+            cancel.set()  # the engine stops within one decoding step
+            stopped = True
+            self.say(" [stopped]", end="")
+        except EngineBusy as e:
+            self.say(f"busy: {e}")
+            self._take_back(user_id, parent)
+            return
+        except RuntimeError as e:  # a remote server that failed mid-reply (RemoteError)
+            self.say(f"\nerror: {e}")
+            self._take_back(user_id, parent)
+            return
+        reply = "".join(parts)
+        self.say()
+        if last is not None and last.dropped_messages:
+            self.say(f"[history trimmed: {last.dropped_messages} older messages left out to fit "
+                     f"the {self.engine.context_length}-token context]")
+        if last is not None and (last.done or stopped):
+            s = last.stats  # the engine's own record, final once it has seen the cancel
+            deadline = time.monotonic() + 5
+            while stopped and s.finish_reason != "cancelled" and time.monotonic() < deadline:
+                time.sleep(0.01)
+            self.say(f"[{s.summary()}, seed {params.seed}]")
+        details = {"status": "stopped" if stopped else "complete",
+                   "settings": {**params.as_dict(), "preset": self.preset_name,
+                                "system": self.system or "", "model": self.engine.name},
+                   "stats": last.stats.as_dict() if last is not None else {}}
+        self._keep("assistant", reply, **details)
+        self.history += [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]
+        self.details += [{}, details]
+
+    def run(self, stdin, stdout) -> int:
+        self.out = stdout
+        interactive = stdin.isatty()
+        if interactive:
+            self.say(f"MiniServeLM chat with {self.engine.name} -- /help for commands, "
+                     "Ctrl-D to leave")
+        while True:
+            try:
+                line = input("you> ") if interactive else stdin.readline()
+            except (EOFError, KeyboardInterrupt):
+                self.say()
+                return 0
+            if not interactive and line == "":
+                return 0  # end of the pipe
+            line = line.rstrip("\n")
+            if not line.strip():
+                continue
+            if line.startswith("/"):
+                if not self.command(line.strip()):
+                    return 0
+                continue
+            if interactive:
+                self.say("bot> ", end="")
+            self.reply(line)
+
+
+def _number(value: str, key: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise ConfigError(f"'{key}' must be a number, got '{value}'", key) from None
+    return int(number) if FIELDS.get(key) and FIELDS[key].kind is int and number.is_integer() \
+        else number

@@ -1,0 +1,700 @@
+"""The Engine: one loaded model, one engine thread, a bounded queue and a prefix cache.
+
+Every surface (web UI, CLI, API, benchmark) calls `Engine.chat` or `Engine.complete`,
+so what the benchmark measures is what users get.
+
+Prefix caching: after each request the KV cache is kept, keyed by the token ids it
+holds. A new prompt that starts with the same tokens (the next turn of a chat) reuses the
+longest matching cache and only prefills the rest; the same prompt again (a retried
+request, Regenerate) needs no prefill at all.
+"""
+
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from miniserve.engine.chat import (NoChatTemplate, check_messages, completion_ids, has_chat_template,
+                            trim_history)
+from miniserve.core.config import (KV_BUDGET, MAX_BATCH, MAX_QUEUE, STEP_TOKENS, ConfigError,
+                              SamplingParams)
+from miniserve.engine.decode import GenerationStats, LogitsObserver, crop_cache, generate
+from miniserve.engine.scheduler import RequestTooLarge, Scheduler, Sequence  # noqa: F401
+from miniserve.runners.loader import LoadedModel, describe
+from miniserve.runners.hf import TransformersRunner
+from miniserve.engine.stream import Detokenizer, StopStrings
+
+END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|end|>", "</s>",
+              "<end_of_turn>")
+PROMPT_LOGITS_ROWS = 128  # prompt positions whose logits are held at once (echo + logprobs)
+
+
+class EngineBusy(RuntimeError):
+    """Too many requests are waiting; try again shortly."""
+
+
+class EngineClosed(RuntimeError):
+    """The engine was shut down while the request ran."""
+
+
+class Admission:
+    """Requests running or waiting, at most `max_queue`: past it, EngineBusy with `busy(n)`'s
+    words. The local engine and the remote one (miniserve/models/remote.py) count the same way."""
+
+    def __init__(self, busy):
+        self.busy = busy
+        self._lock = threading.Lock()
+        self._in_flight = 0
+
+    def admit(self, max_queue: int, n: int = 1) -> None:
+        with self._lock:
+            if self._in_flight + n > max_queue:
+                raise EngineBusy(self.busy(self._in_flight))
+            self._in_flight += n
+
+    def release(self) -> None:
+        with self._lock:
+            self._in_flight -= 1
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+
+@dataclass
+class Chunk:
+    """One streamed piece of a reply. The last one has `done=True`."""
+
+    text: str
+    token_ids: list[int]
+    stats: GenerationStats
+    done: bool = False
+    dropped_messages: int = 0
+
+
+@dataclass
+class _Entry:
+    ids: tuple[int, ...]
+    cache: object
+    prompt_len: int = 0
+    prompt_logits: object = None  # what the first ids[:prompt_len] produced, if known
+
+
+@dataclass
+class PrefixCache:
+    """LRU of KV caches keyed by the ids they hold, bounded in entries and total tokens.
+
+    An entry also keeps the logits its request's prompt produced. The same prompt again (a
+    Regenerate, a retried request) then reuses all of it and those logits: no prefill, and
+    the reply is computed exactly as the first one was. A prompt that only shares a prefix
+    feeds the rest through the model: on the native runner exactly what a fresh prompt would
+    compute (each position's numbers do not depend on how the prompt was cut); on the others,
+    other shapes, so other rounding (tests/reference.py)."""
+
+    max_entries: int = 4
+    max_tokens: int = 32768
+    min_match: int = 16
+    entries: "OrderedDict[int, _Entry]" = field(default_factory=OrderedDict)
+    _next: int = 0
+
+    def take(self, prompt: list[int]):
+        """Remove and return (cache, n, logits) for the longest shared prefix: logits when the
+        cache holds the whole prompt and what it produced, else None; or (None, 0, None)."""
+        best, best_len, best_whole = None, 0, False
+        for key, entry in self.entries.items():
+            n = common_prefix(entry.ids, prompt)
+            whole = (n == len(prompt) == entry.prompt_len and entry.prompt_logits is not None)
+            if (n, whole) > (best_len, best_whole):
+                best, best_len, best_whole = key, n, whole
+        if not best_whole:  # the last prompt token must be fed for its logits
+            best_len = min(best_len, len(prompt) - 1)
+        if best is None or best_len < self.min_match:
+            return None, 0, None
+        entry = self.entries.pop(best)
+        crop_cache(entry.cache, best_len)
+        return entry.cache, best_len, entry.prompt_logits if best_whole else None
+
+    def put(self, ids: list[int], cache, prompt_len: int = 0, prompt_logits=None) -> None:
+        if self.max_entries <= 0 or not ids:
+            return
+        if len(ids) < prompt_len:  # stopped before the prompt was in: its logits are not
+            prompt_logits = None
+        prompt = tuple(ids[:prompt_len])
+        for key in [k for k, e in self.entries.items()  # one entry per prompt: of the n
+                    if prompt_len and e.ids[:prompt_len] == prompt]:  # choices, the last
+            del self.entries[key]
+        self.entries[self._next] = _Entry(tuple(ids), cache, prompt_len, prompt_logits)
+        self._next += 1
+        while len(self.entries) > self.max_entries or (
+                len(self.entries) > 1 and self.total_tokens() > self.max_tokens):
+            self.entries.popitem(last=False)
+
+    def total_tokens(self) -> int:
+        return sum(len(e.ids) for e in self.entries.values())
+
+    def held_positions(self) -> int:
+        """KV positions the kept caches hold in memory (their capacity, where they say)."""
+        return sum(max(getattr(e.cache, "capacity", 0), len(e.ids))
+                   for e in self.entries.values())
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+
+def common_prefix(a, b) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+RUNNERS = ("auto", "native", "lean", "transformers")
+QUANTS = ("q8_0", "q4_0")  # at load, into the native runner's blocks (stored.quantize_at_load)
+
+
+def make_runner(loaded: LoadedModel, runner: str = "auto", quant: str | None = None,
+                math: str = "auto"):
+    """The module the decode loop drives. transformers: the library model. lean: our readable
+    PyTorch forward pass (Llama family). native: lean, with every pass in compiled code
+    (miniserve/runners/native.py; CPU, float32 or bfloat16 weights). auto: the fastest that applies."""
+    from miniserve.runners import lean, native
+    if runner not in RUNNERS:
+        raise ValueError(f"unknown runner '{runner}': use {', '.join(RUNNERS)}")
+    if loaded.stored:  # a GGUF's weights as stored: the native runner over the mapped file
+        from miniserve.runners.stored import StoredRunner
+        if runner not in ("auto", "native"):
+            raise ValueError(f"the {runner} runner computes over dequantized weights: use "
+                             f"--dtype float32 or bfloat16 with --runner {runner}")
+        if quant:
+            raise ValueError(f"--quant {quant} quantizes float weights at load; this GGUF's "
+                             "weights are used as stored (for --quant, add --dtype bfloat16)")
+        return StoredRunner(loaded.model, math, loaded.generation_config)
+    if quant in QUANTS:  # a float model's matrices quantized to blocks at load (native)
+        from miniserve.runners.stored import quantize_at_load
+        if runner not in ("auto", "native") or loaded.device.type != "cpu":
+            raise ValueError(f"--quant {quant} runs on the native runner on the CPU, not "
+                             f"{'--runner ' + runner if runner not in ('auto', 'native') else loaded.device.type}")
+        if not lean.supports(loaded.model):
+            raise ValueError(f"--quant {quant} needs an architecture the native runner runs "
+                             f"(Llama family, Qwen2, Gemma 3), not {loaded.model.config.model_type}")
+        return quantize_at_load(loaded.model, quant, math)
+    if quant and runner in ("transformers", "native"):
+        raise ValueError(f"--quant needs the lean runner, not {runner}")
+    if runner == "transformers" or (runner == "auto" and not lean.supports(loaded.model)):
+        dtype = str(loaded.model.dtype).removeprefix("torch.")
+        if math not in ("auto", dtype):
+            raise ValueError(f"--math {math} needs the native runner; the transformers runner "
+                             f"computes in the weights' dtype ({dtype})")
+        return TransformersRunner(loaded.model)
+    if not lean.supports(loaded.model):
+        raise ValueError(f"the {runner} runner does not support "
+                         f"{loaded.model.config.model_type}; use --runner transformers")
+    use_native = runner == "native" or (
+        runner == "auto" and native.supports(loaded.device, loaded.model.dtype, quant))
+    return lean.LeanModel(loaded.model, quant=quant, native=use_native, math=math)
+
+
+class Stream:
+    """A request's chunks as an iterator. Closing it -- or dropping it, even before its first
+    chunk -- cancels the request within one step."""
+
+    def __init__(self, items: Iterator, cancel: threading.Event):
+        self._items, self.cancel = items, cancel
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self._items)
+
+    def close(self) -> None:
+        self.cancel.set()
+        self._items.close()
+
+    def __del__(self):
+        self.cancel.set()
+
+
+class _Reply:
+    """Turns a sequence's token ids into Chunks for its caller: UTF-8-safe text, stop strings,
+    a last chunk with the stats."""
+
+    def __init__(self, tokenizer, params: SamplingParams, stats: GenerationStats, sink,
+                 dropped_messages: int = 0):
+        self.detok = Detokenizer(tokenizer)
+        self.stops = StopStrings(params.stop)
+        self.stats, self.sink, self.dropped = stats, sink, dropped_messages
+        self.pending: list[int] = []
+
+    def token(self, token_id: int) -> bool:
+        """Take one token; False when a stop string ended the reply."""
+        self.pending.append(token_id)
+        text = self.stops.feed(self.detok.push(token_id))
+        if text or self.stops.stopped:
+            if text:
+                self.sink(Chunk(text, self.pending, self.stats))
+            self.pending = []
+        return not self.stops.stopped
+
+    def finish(self, error: BaseException | None = None) -> None:
+        if error is not None:
+            self.sink(error)
+            return
+        stopped = self.stops.stopped
+        tail = "" if stopped else self.stops.feed(self.detok.flush()) + self.stops.flush()
+        self.sink(Chunk(tail, [] if stopped else self.pending, self.stats, done=True,
+                        dropped_messages=self.dropped))
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, max_queue: int = MAX_QUEUE.default,
+                 prefix_cache_entries: int = 4,
+                 runner: str = "auto", quant: str | None = None, math: str = "auto",
+                 kv_budget: int | None = None, max_batch: int | None = None,
+                 step_tokens: int | None = None, name: str | None = None):
+        self.loaded = loaded
+        self._name = name or loaded.name
+        self.model = make_runner(loaded, runner, quant, math)
+        self.runner = self.model.name
+        self.quant = quant
+        self.tokenizer = loaded.tokenizer
+        self.context_length = loaded.context_length
+        self.eos_ids = frozenset(self._end_ids())
+        self.prefix_cache = PrefixCache(max_entries=prefix_cache_entries)
+        self.max_queue = max_queue
+        self.scheduler = Scheduler(
+            self.model, prefix_cache=self.prefix_cache,
+            max_batch=max_batch or MAX_BATCH.default,
+            step_tokens=step_tokens or STEP_TOKENS.default,
+            kv_budget=kv_budget or KV_BUDGET.default)
+        self._admission = Admission(lambda n: f"the server is busy ({n} requests running or "
+                                              "waiting); try again in a moment")
+        self._grammars = None
+        self._start_worker()
+
+    remote = False
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def has_chat_template(self) -> bool:
+        """False for a base model: it continues text (complete_text), chat raises."""
+        return has_chat_template(self.tokenizer)
+
+    def info(self) -> dict:
+        from miniserve.runners import native
+        s = self.scheduler
+        return {**describe(self.loaded), "name": self.name, "chat": self.has_chat_template,
+                "remote": False, "runner": self.runner, "quant": self.quant or "none",
+                "compute_dtype": self.model.math if hasattr(self.model, "math")
+                else str(self.model.act_dtype).removeprefix("torch."),
+                "kernels": native.isa() if self.runner == "native" else None,
+                "max_batch": s.max_batch, "step_tokens": s.step_tokens,
+                "kv_budget": s.kv_budget}
+
+    def _end_ids(self) -> set[int]:
+        ids = set()
+        gen_eos = self.loaded.generation_config.eos_token_id
+        ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        vocab = self.tokenizer.get_vocab()
+        ids.update(vocab[t] for t in END_TOKENS if t in vocab)
+        return ids
+
+    # -- one engine thread runs every forward pass ------------------------------------------
+    # All model work happens on this one long-lived thread: the scheduler's steps, and now and
+    # then a job that needs the model alone (the benchmark's reference runs, a no-cache
+    # generation), run between two steps. Measured on 2 CPU cores: decoding from a fresh
+    # thread after another thread has used the OpenMP pool runs ~35% slower, so requests from
+    # web, API and CLI threads are handed over here.
+    def _start_worker(self) -> None:
+        self._jobs: queue.Queue = queue.Queue()
+        self._worker = threading.Thread(target=self._work, name="miniserve-engine", daemon=True)
+        self._worker.start()
+
+    def _work(self) -> None:
+        while True:
+            # Take what arrived: wait for it when idle, else only look between two steps.
+            block = not self.scheduler.busy
+            try:
+                while True:
+                    job = self._jobs.get(block=block)
+                    block = False
+                    if job is None:  # close()
+                        self.scheduler.fail_all(EngineClosed("the engine was shut down"))
+                        return
+                    job()
+            except queue.Empty:
+                pass
+            if self.scheduler.busy:
+                try:
+                    self.scheduler.step()
+                except Exception as e:  # noqa: BLE001 -- never lose the engine thread
+                    self.scheduler.fail_all(e)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """End the engine thread after what is queued (sequences still running end with
+        EngineClosed): a process exits cleanly, never in the middle of a pass."""
+        if self._worker.is_alive():
+            self._jobs.put(None)
+            self._worker.join(timeout)
+
+    def run_on_worker(self, fn, *args, **kwargs):
+        """Run fn on the engine thread, between two steps; return its result."""
+        done = threading.Event()
+        box = {}
+
+        def job():
+            try:
+                box["result"] = fn(*args, **kwargs)
+            except BaseException as e:  # noqa: BLE001 -- re-raised in the caller
+                box["error"] = e
+            finally:
+                done.set()
+
+        self._jobs.put(job)
+        done.wait()
+        if "error" in box:
+            raise box["error"]
+        return box["result"]
+
+    def _admit(self, n: int = 1) -> None:
+        self._admission.admit(self.max_queue, n)
+
+    def _release(self) -> None:
+        self._admission.release()
+
+    @property
+    def queue_depth(self) -> int:
+        return self._admission.in_flight
+
+    # -- generation ------------------------------------------------------------------------
+    @property
+    def grammars(self):
+        """The grammar compiler for this model's tokenizer (built on first use; a constraint
+        compiled once is reused)."""
+        if self._grammars is None:
+            from miniserve.engine.grammar import Grammars
+            self._grammars = Grammars(self.tokenizer, self.eos_ids,
+                                      self.model.config.vocab_size)
+        return self._grammars
+
+    def check(self, params: SamplingParams) -> None:
+        """What only the model can check in settings: logit-bias ids within its vocabulary
+        (ConfigError), and an output format its tokenizer's grammar compiler can enforce
+        (GrammarError with the library's reason; compiled once, reused by the replies)."""
+        vocab = self.model.config.vocab_size
+        bad = next((t for t, _ in params.logit_bias if t >= vocab), None)
+        if bad is not None:
+            raise ConfigError(f"'logit_bias': token id {bad} is out of range: the vocabulary "
+                              f"has ids 0..{vocab - 1}", "logit_bias")
+        if params.constraint is not None:
+            self.grammars.check(params.constraint)
+
+    def matcher(self, params: SamplingParams):
+        """A new grammar state for one reply under `params.constraint`, or None. Raises
+        GrammarError (a ValueError naming the field and the library's reason) for a schema,
+        pattern or grammar that cannot be used."""
+        return None if params.constraint is None else self.grammars.matcher(params.constraint)
+
+    def complete(self, prompt_ids: list[int], params: SamplingParams, *,
+                 cancel: threading.Event | None = None, use_cache: bool = True,
+                 reuse_prefix: bool = True, observer: LogitsObserver | None = None,
+                 dropped_messages: int = 0) -> Iterator[Chunk]:
+        """Stream a reply to raw prompt ids: text pieces, then a final chunk with stats.
+
+        The request joins the scheduler: it advances in the same forward passes as every
+        other request. Closing the iterator early (a client went away) cancels it within one
+        step. Without the KV cache (`use_cache=False`, the textbook loop kept for the
+        benchmark) it runs alone between two steps."""
+        cancel = cancel or threading.Event()
+        out: queue.Queue = queue.Queue()
+        if not use_cache:
+            self._admit()
+
+            def job():
+                try:
+                    self._solo_reply(prompt_ids, params, cancel, observer, out.put,
+                                     dropped_messages)
+                finally:
+                    self._release()
+            self._jobs.put(job)
+        else:
+            self._start([(prompt_ids, params, out.put)], cancel, reuse_prefix, observer,
+                        dropped_messages)
+        return Stream(drain(out, cancel), cancel)
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, sink, *,
+               cancel: threading.Event | None = None, reuse_prefix: bool = True,
+               observer: LogitsObserver | None = None) -> threading.Event:
+        """Start a request without a thread to read it: `sink(item)` is called on the engine
+        thread with each Chunk, an exception if it failed, then None. It must return at once
+        (e.g. hand the item to an event loop). Returns the event that cancels it."""
+        cancel = cancel or threading.Event()
+        self._start([(prompt_ids, params, sink)], cancel, reuse_prefix, observer, 0)
+        return cancel
+
+    def compare(self, prompt_ids: list[int], settings: list[SamplingParams], *,
+                cancel: threading.Event | None = None) -> Iterator[tuple[int, Chunk, float]]:
+        """Answer one prompt under several settings at once, as one batch: every step
+        advances all the columns. Yields (column, chunk, that column's seconds so far)."""
+        cancel = cancel or threading.Event()
+        out: queue.Queue = queue.Queue()
+
+        def column(col):
+            return lambda item: out.put(item if item is None or isinstance(item, BaseException)
+                                        else (col, item))
+
+        self._start([(prompt_ids, p, column(i)) for i, p in enumerate(settings)], cancel,
+                    False, None, 0)
+        return columns(out, cancel, len(settings))
+
+    def compare_prompt(self, prompt: str, settings: list[SamplingParams], *, raw: bool = False,
+                       cancel: threading.Event | None = None):
+        """compare() of one user message (raw: of a text to continue, completion mode)."""
+        ids = (self.prompt_ids(prompt, settings[0]) if raw else
+               self.chat_prompt([{"role": "user", "content": prompt}], settings[0]))
+        return self.compare(ids, settings, cancel=cancel)
+
+    def _start(self, requests, cancel: threading.Event, reuse_prefix: bool, observer,
+               dropped_messages: int) -> None:
+        """Queue sequences for the scheduler: (prompt ids, params, sink) each. Admission
+        happens now: a full queue raises EngineBusy, a request too large for the KV budget
+        RequestTooLarge, before anything starts. Each sink gets Chunks, then None."""
+        seqs = []
+        for prompt_ids, params, sink in requests:
+            prompt_ids = list(prompt_ids)
+            if not prompt_ids:
+                raise ValueError("the prompt is empty: give at least one token")
+            vocab = self.model.config.vocab_size
+            bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(f"token id {bad} is out of range: the vocabulary has ids "
+                                 f"0..{vocab - 1}")
+            self.check(params)
+            matcher = self.matcher(params)
+            stats = GenerationStats(prompt_tokens=len(prompt_ids))
+            reply = _Reply(self.tokenizer, params, stats, sink, dropped_messages)
+
+            def finish(error, reply=reply, sink=sink):
+                try:
+                    reply.finish(error)
+                finally:
+                    sink(None)
+                    self._release()
+
+            seq = Sequence(prompt_ids, params,
+                           min(params.max_new_tokens, self.context_length - len(prompt_ids)),
+                           reply.token, finish, self.eos_ids, cancel, observer, matcher,
+                           reuse_prefix, stats)
+            self.scheduler.check(seq)
+            seqs.append(seq)
+        self._admit(len(seqs))
+        self._jobs.put(lambda: [self.scheduler.add(s) for s in seqs])
+
+    def _solo_reply(self, prompt_ids, params, cancel, observer, sink, dropped_messages):
+        """The textbook loop without a KV cache, alone on the engine thread."""
+        stats = GenerationStats(prompt_tokens=len(prompt_ids))
+        reply = _Reply(self.tokenizer, params, stats, sink, dropped_messages)
+        try:
+            if not cancel.is_set():  # a caller that left while queued costs nothing
+                for token_id in generate(self.model, prompt_ids, params, eos_ids=self.eos_ids,
+                                         use_cache=False, cancel=cancel, stats=stats,
+                                         max_length=self.context_length, observer=observer,
+                                         matcher=self.matcher(params)):
+                    if not reply.token(token_id):
+                        stats.finish_reason = "stop"
+                        break
+            reply.finish()
+        except BaseException as e:  # noqa: BLE001 -- re-raised in the caller
+            reply.finish(e)
+        finally:
+            sink(None)
+
+    def complete_text(self, prompt, params: SamplingParams, trim: bool = False,
+                      **kwargs) -> Iterator[Chunk]:
+        """Completion mode: stream the continuation of a text (or of token ids), no template.
+        Too long for the context: ChatError, or with `trim` the oldest tokens dropped."""
+        return self.complete(self.prompt_ids(prompt, params, trim=trim), params, **kwargs)
+
+    def prompt_ids(self, prompt, params: SamplingParams, trim: bool = False,
+                   field: str = "prompt", new_tokens: int | None = None) -> list[int]:
+        """The ids complete_text would send for `prompt` (a string or a list of ids), leaving
+        room for `new_tokens` (params.max_new_tokens unless given: 0 to score it alone)."""
+        return completion_ids(self.tokenizer, prompt, self.context_length,
+                              params.max_new_tokens if new_tokens is None else new_tokens,
+                              field, trim)
+
+    def prompt_logprobs(self, prompt_ids: list[int], top: int = 0) -> list[tuple]:
+        """For each prompt position after the first: (logprob of the token that is there,
+        [(id, logprob) of the `top` most likely]) -- what OpenAI's echo + logprobs returns.
+        Computed on the engine thread in pieces of PROMPT_LOGITS_ROWS positions (a vocabulary
+        of 262k makes all-position logits of a long prompt gigabytes), with a KV cache."""
+        import torch
+
+        def run():
+            cache = self.model.new_cache(len(prompt_ids))
+            out = []
+            for start in range(0, len(prompt_ids) - 1, PROMPT_LOGITS_ROWS):
+                piece = prompt_ids[start:start + PROMPT_LOGITS_ROWS]
+                logits = self.model.forward(torch.tensor([piece]), cache, all_logits=True)
+                logp = torch.log_softmax(logits.float(), dim=-1)
+                for row in range(len(piece)):
+                    pos = start + row + 1  # this row predicts the token at pos
+                    if pos >= len(prompt_ids):
+                        break
+                    alts = []
+                    if top:
+                        values, ids = logp[row].topk(top)
+                        alts = list(zip(ids.tolist(), values.tolist()))
+                    out.append((float(logp[row, prompt_ids[pos]]), alts))
+            return out
+
+        if len(prompt_ids) < 2:
+            return []
+        self._admit()  # a place in the queue like any request (EngineBusy past max_queue)
+        try:
+            return self.run_on_worker(run)
+        finally:
+            self._release()
+
+    def chat(self, messages: list[dict], params: SamplingParams, **kwargs) -> Iterator[Chunk]:
+        """Stream the assistant's reply to a conversation, trimmed to fit the context."""
+        trimmed = self.trim(messages, params)
+        return self.complete(trimmed.prompt_ids, params, dropped_messages=trimmed.dropped,
+                             **kwargs)
+
+    def trim(self, messages: list[dict], params: SamplingParams):
+        """Check the messages and drop the oldest turns until the reply fits the context.
+        A model without a chat template: NoChatTemplate (a ChatError)."""
+        if not self.has_chat_template:
+            raise NoChatTemplate(self.name)
+        return trim_history(self.tokenizer, check_messages(messages), self.context_length,
+                            params.max_new_tokens)
+
+    def chat_prompt(self, messages: list[dict], params: SamplingParams) -> list[int]:
+        """The prompt ids `chat` would send (checked and trimmed)."""
+        return self.trim(messages, params).prompt_ids
+
+    def chat_text(self, messages: list[dict], params: SamplingParams, **kwargs) -> tuple[str, Chunk]:
+        """The whole reply at once (collects `chat`)."""
+        parts, last = [], None
+        for last in self.chat(messages, params, **kwargs):
+            parts.append(last.text)
+        return "".join(parts), last
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def warm_up(self) -> float:
+        """One tiny generation so the first user request does not pay one-off costs."""
+        start = time.perf_counter()
+        for _ in self.complete(self.tokenizer("Hello")["input_ids"],
+                               SamplingParams(temperature=0, max_new_tokens=2), reuse_prefix=False):
+            pass
+        return time.perf_counter() - start
+
+
+def drain(out: queue.Queue, cancel: threading.Event, ends: int = 1) -> Iterator:
+    """What the sinks of `ends` requests put in `out` (items, an exception, then None each),
+    until every one ended; an exception is raised. Leaving early sets `cancel` (a no-op when
+    all finished; else it stops the requests still running)."""
+    try:
+        while ends:
+            item = out.get()
+            if item is None:
+                ends -= 1
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        cancel.set()
+
+
+def columns(out: queue.Queue, cancel: threading.Event, n: int) -> "Stream":
+    """Compare's stream over `n` columns' sinks, each item (column, chunk): (column, chunk,
+    the column's seconds so far) -- for the local engine and the remote one alike."""
+    return Stream(((col, chunk, chunk.stats.total_s) for col, chunk in drain(out, cancel, n)),
+                  cancel)
+
+
+def auto_dtype(dtype: str, device: str | None, runner: str, quant: str | None,
+               source: str | None = None) -> str:
+    """--dtype auto picks the fastest weights for what will run them: a GGUF's weights as
+    stored where the native runner runs (fewer bytes a token than any float copy: Q4_K_M ~4.9
+    bits a weight against bfloat16's 16; BENCHMARKS.md, "Weights as stored"); int8 runs with
+    bfloat16 activations; the native CPU step reads bfloat16 weights (half the bytes of
+    float32) and computes in float32, 1.3-1.6x faster than float32 weights here."""
+    import torch
+
+    from miniserve.runners import native
+    from miniserve.runners.loader import STORED, ModelLoadError, pick_device
+    if dtype != "auto":
+        return dtype
+    if quant in ("int8", *QUANTS):  # quantized from bfloat16 (what published weights are)
+        return "bfloat16"
+    try:
+        dev = pick_device(device)
+    except ModelLoadError:
+        return dtype  # load_model reports the bad device
+    if runner in ("auto", "native") and native.supports(dev, torch.bfloat16):
+        return STORED if quant is None and runs_as_stored(source) else "bfloat16"
+    return dtype
+
+
+def is_gguf(source: str | None) -> bool:
+    """Whether a model source is a GGUF file (the embedded model and known models are)."""
+    from miniserve.runners.loader import KNOWN_MODELS, ModelLoadError, resolve_source
+    if not source or source == "default" or source in KNOWN_MODELS:
+        return True
+    try:
+        return resolve_source(source)[0] == "gguf"
+    except ModelLoadError:
+        return False
+
+
+def runs_as_stored(source: str | None) -> bool:
+    """A GGUF whose architecture the stored runner runs (others load dequantized, through
+    transformers, which says what it supports)."""
+    from miniserve.runners import stored
+    from miniserve.runners.loader import KNOWN_MODELS, ModelLoadError, resolve_source
+    if not is_gguf(source):
+        return False
+    if not source or source == "default" or source in KNOWN_MODELS:
+        return True
+    try:
+        return stored.runs_as_stored(resolve_source(source)[1])
+    except ModelLoadError:
+        return True
+
+
+def start_engine(model: str | None = None, device: str | None = "auto", dtype: str = "auto",
+                 runner: str = "auto", quant: str | None = None, progress=None,
+                 math: str = "auto", kv_budget: int | None = None,
+                 max_queue: int = MAX_QUEUE.default, max_batch: int | None = None,
+                 name: str | None = None) -> Engine:
+    """Load a model and start its engine, as the app, the CLI and `serve` do. Raises
+    ModelLoadError (the model) or ValueError (the runner / quantization)."""
+    from miniserve.runners.loader import load_model
+    chosen = auto_dtype(dtype, device, runner, quant, model)
+    if dtype == "auto" and chosen != "stored" and is_gguf(model) and runs_as_stored(model):
+        from miniserve.runners import native
+        why = (f"--runner {runner}" if runner not in ("auto", "native") else
+               f"--quant {quant}" if quant else native.unavailable_reason()
+               or "the native runner does not run on this device")
+        (progress or (lambda m: print(m, file=sys.stderr, flush=True)))(
+            f"The GGUF's weights are dequantized ({why}); as stored they need the native "
+            "runner on the CPU.")
+    loaded = load_model(model, device=device, dtype=chosen, progress=progress)
+    return Engine(loaded, runner=runner, quant=quant, math=math, kv_budget=kv_budget,
+                  max_queue=max_queue, max_batch=max_batch, name=name)

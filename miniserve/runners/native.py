@@ -1,0 +1,449 @@
+"""The native forward pass: miniserve/runners/kernels/decode.cpp, compiled at first use, called by ctypes.
+
+Why it exists: one decoded token reads every weight once (538 MB in float32), so a step can
+not be faster than memory allows; PyTorch gets its matrix-vector products close to that, but
+spends another ~10 us on each of ~45 small ops per layer (norms, RoPE, cache writes, SiLU)
+on vectors of a few hundred numbers. And many rows at once (several sequences, a prompt's
+tokens) turn the same weights into compute-bound products, which decode.cpp runs in its own
+fixed order, so that a sequence's results do not depend on what shares its pass. One call
+runs a whole pass: every layer, every row.
+
+Build: the system C++ compiler (`$CXX`, else `c++`), `-O3` for the target that
+`MINISERVE_NATIVE_ARCH` names (TARGETS below; `native` by default: this CPU, AVX-512 where it
+has it), a few seconds, once; the library is kept in the user cache folder, keyed by the
+source, the compiler, this CPU and the compiler flags. `isa()` says which inner loops the
+library holds (avx512, avx2 or generic). Where there is no compiler, the lean PyTorch step runs
+instead and `unavailable_reason()` says why: nothing else changes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from miniserve.core import platform as platform_info
+from miniserve.core.config import MATHS
+from miniserve.core.paths import cache_root
+from miniserve.runners.lean import KVCache
+
+SOURCE = Path(__file__).parent / "kernels" / "decode.cpp"
+KERNEL_FILES = sorted(SOURCE.parent.glob("*.h")) + [SOURCE]  # the headers decode.cpp includes
+ABI_VERSION = 8
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+# ggml's type ids (a GGUF tensor's type) of the float weights; quantized ones come from the file
+TYPE_IDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
+FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-ffp-contract=off"]
+MATH_CODES = {"float32": 0, "bfloat16": 1}
+X86_64 = platform.machine().lower() in ("x86_64", "amd64")
+
+# MINISERVE_NATIVE_ARCH: what to compile for, each a list of architecture flags to try in turn
+# (the first the compiler takes is used).
+#   native:    this CPU. -march=native: AVX-512 where the CPU has it; -mcpu=native: what Apple's
+#              clang takes on arm64; none: portable loops the compiler vectorizes as it can.
+#   x86-64-v3: AVX2 + FMA, as on most x86 CPUs of the last ten years (the AVX2 loops).
+#   generic:   the plain loops, for the architecture's baseline (SSE2 on x86-64).
+TARGETS = {
+    "native": [["-march=native"], ["-mcpu=native"], []],
+    "x86-64-v3": [["-march=x86-64-v3"]],
+    "generic": [["-march=x86-64", "-mtune=generic"]] if X86_64 else [[]],
+}
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_reason: str | None = None
+_tried = False
+_target: str | None = None  # the build target of the load() that ran
+
+
+def _cpu_id() -> str:
+    return platform_info.cpu_flags() or platform.processor() or platform.machine()
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++") or \
+        shutil.which("clang++")
+
+
+def build_target() -> str:
+    """The build target in use: MINISERVE_NATIVE_ARCH as load() read it (`native` when unset);
+    an unknown name is returned as given, and load() then reports it."""
+    if _target is not None:
+        return _target
+    return os.environ.get("MINISERVE_NATIVE_ARCH", "").strip() or "native"
+
+
+def library_path(compiler: str, target: str = "native") -> Path:
+    """Where the library for `target` is kept. The key holds the flags, so that libraries built
+    for different targets (or with different flags) are never taken for one another."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                             timeout=30).stdout
+    flags = repr((FLAGS, target, TARGETS[target]))
+    sources = b"".join(path.read_bytes() for path in KERNEL_FILES)
+    key = hashlib.sha256(sources + version.encode() + _cpu_id().encode()
+                         + platform.machine().encode() + flags.encode()).hexdigest()[:16]
+    return cache_root() / "kernels" / f"decode-{target}-{key}.so"
+
+
+def _build(compiler: str, path: Path, target: str = "native") -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    for arch in TARGETS[target]:
+        command = [compiler, *FLAGS, *arch, str(SOURCE), "-o", str(tmp)]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        if done.returncode == 0:
+            os.replace(tmp, path)
+            return
+    last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+    raise RuntimeError(f"{compiler} failed for target {target}: {last}")
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled library, building it on first use; None where it cannot be built."""
+    global _lib, _reason, _tried, _target
+    with _lock:
+        if _tried:
+            return _lib
+        _tried = True
+        _target = build_target()
+        if os.environ.get("MINISERVE_NATIVE", "1") == "0":
+            _reason = "turned off by MINISERVE_NATIVE=0"
+            return None
+        if _target not in TARGETS:
+            _reason = (f"unknown MINISERVE_NATIVE_ARCH={_target!r} "
+                       f"(one of: {', '.join(TARGETS)})")
+            return None
+        compiler = _compiler()
+        if compiler is None:
+            _reason = "no C++ compiler found (set CXX, or install g++ / clang++)"
+            return None
+        try:
+            path = library_path(compiler, _target)
+            if not path.exists():
+                print(f"Compiling the native forward pass ({SOURCE.name}, {_target}) ...",
+                      file=sys.stderr, flush=True)
+                _build(compiler, path, _target)
+            lib = ctypes.CDLL(str(path))
+            if lib.ms_abi_version() != ABI_VERSION:
+                raise RuntimeError("stale library (ABI version differs)")
+        except Exception as e:  # noqa: BLE001 -- an optimisation: fall back, say why
+            _reason = f"could not build or load {SOURCE.name}: {e}"
+            return None
+        _declare(lib)
+        _lib = lib
+        return lib
+
+
+def unavailable_reason() -> str | None:
+    load()
+    return _reason
+
+
+def isa() -> str | None:
+    """Which inner loops the library was compiled with: "avx512", "avx2" (with FMA) or
+    "generic" (plain loops; "generic+neon" on ARM); None where there is no library."""
+    lib = load()
+    return lib.ms_isa().decode() if lib is not None else None
+
+
+NORMS = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm")
+
+
+class StoredMatrix(NamedTuple):
+    """A matrix in a GGUF file's own block format, used where it lies (memory-mapped): the
+    address of its first row, ggml's type id, its rows and columns, its bytes."""
+    address: int
+    type: int
+    rows: int
+    cols: int
+    nbytes: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.rows, self.cols)
+
+    def numel(self) -> int:
+        return self.rows * self.cols
+
+
+class MsMat(ctypes.Structure):  # decode.cpp's structs, field by field
+    _fields_ = [("data", ctypes.c_void_p), ("type", ctypes.c_long), ("rows", ctypes.c_long)]
+
+
+class MsLayer(ctypes.Structure):
+    _fields_ = [("attn_norm", ctypes.c_void_p), ("qkv", MsMat * 3), ("bqkv", ctypes.c_void_p),
+                ("wo", MsMat), ("mlp_norm", ctypes.c_void_p), ("gate_up", MsMat * 2),
+                ("w2", MsMat),
+                *((name, ctypes.c_void_p) for name in ("q_norm", "k_norm", "attn_out_norm",
+                                                       "mlp_out_norm", "cos", "sin")),
+                ("window", ctypes.c_long)]
+
+
+class MsModel(ctypes.Structure):
+    _fields_ = [*((name, ctypes.c_long) for name in ("layers", "D", "H", "KV", "hd", "I", "V")),
+                ("embed", MsMat), ("lm_head", MsMat), ("final_norm", ctypes.c_void_p),
+                ("layer", ctypes.POINTER(MsLayer)),
+                *((name, ctypes.c_float) for name in ("eps", "embed_scale", "attn_scale")),
+                *((name, ctypes.c_int) for name in ("gelu", "rope_pairs", "math", "threads"))]
+
+
+def ms_mat(w) -> MsMat:
+    """A tensor (float32, float16 or bfloat16, contiguous) or a StoredMatrix as an MsMat; None
+    as an absent one."""
+    if w is None:
+        return MsMat(None, 0, 0)
+    if isinstance(w, StoredMatrix):
+        return MsMat(w.address, w.type, w.rows)
+    assert w.is_contiguous() and w.dtype in TYPE_IDS, (w.dtype, w.shape)
+    return MsMat(w.data_ptr(), TYPE_IDS[w.dtype], w.shape[0])
+
+
+class MsRows(ctypes.Structure):
+    _fields_ = [("n", ctypes.c_long), ("n_out", ctypes.c_long),
+                *((name, ctypes.c_void_p) for name in ("token", "pos", "cap", "out", "k", "v",
+                                                       "logits"))]
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    P, L, I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+    lib.ms_forward.argtypes = [ctypes.POINTER(MsModel), ctypes.POINTER(MsRows), P]
+    lib.ms_forward.restype = None
+    lib.ms_scratch_floats.argtypes = [ctypes.POINTER(MsModel), L, L]
+    lib.ms_scratch_floats.restype = L
+    lib.ms_matmul.argtypes = [ctypes.POINTER(MsMat), P, P, L, L, I, I]
+    lib.ms_matmul.restype = None
+    lib.ms_dequant.argtypes = [ctypes.POINTER(MsMat), L, P]
+    lib.ms_dequant.restype = None
+    lib.ms_row_bytes.argtypes = [L, L]
+    lib.ms_row_bytes.restype = L
+    lib.ms_kv_bf16.argtypes = [ctypes.POINTER(MsModel)]
+    lib.ms_kv_bf16.restype = I
+    lib.ms_bf16_dot.argtypes = []
+    lib.ms_bf16_dot.restype = I
+    lib.ms_isa.argtypes = []
+    lib.ms_isa.restype = ctypes.c_char_p
+
+
+def supports(device: torch.device, dtype: torch.dtype, quant: str | None = None) -> bool:
+    """The native runner runs a lean model on the CPU with float32 or bfloat16 weights, no
+    quantization, where the library could be built."""
+    return (device.type == "cpu" and dtype in DTYPE_CODES and quant is None
+            and load() is not None)
+
+
+def bf16_dot() -> bool:
+    """Whether bfloat16 products run on the CPU's bfloat16 dot instruction (AVX512_BF16)."""
+    lib = load()
+    return bool(lib is not None and lib.ms_bf16_dot())
+
+
+def resolve_math(math: str, dtype: torch.dtype) -> str:
+    """The arithmetic for `--math` over weights of `dtype`: auto is bfloat16 products where the
+    weights are bfloat16 and the CPU has bfloat16 dot products, else float32."""
+    if math not in MATHS:
+        raise ValueError(f"unknown --math '{math}': use {', '.join(MATHS)}")
+    if math == "auto":
+        return "bfloat16" if dtype == torch.bfloat16 and bf16_dot() else "float32"
+    if math == "bfloat16" and dtype != torch.bfloat16:
+        raise ValueError("--math bfloat16 needs bfloat16 weights (--dtype bfloat16)")
+    return math
+
+
+def matmul(w, x: torch.Tensor, math: str = "float32") -> torch.Tensor:
+    """x @ w.T with the native kernel (float32 result; x float32 of shape (B, cols)); w a
+    float tensor (in the given arithmetic) or a StoredMatrix (its type's kernel, on x quantized
+    per block); for tests and measurements."""
+    lib = load()
+    assert lib is not None and x.dtype == torch.float32
+    rows, cols = (w.rows, w.cols) if isinstance(w, StoredMatrix) else w.shape
+    if not isinstance(w, StoredMatrix):
+        math = resolve_math(math, w.dtype)
+    x = x.reshape(-1, cols).contiguous()
+    y = torch.empty(x.shape[0], rows, dtype=torch.float32)
+    lib.ms_matmul(ctypes.byref(ms_mat(w)), x.data_ptr(), y.data_ptr(), x.shape[0], cols,
+                  MATH_CODES[math], torch.get_num_threads())
+    return y
+
+
+def dequantize(w: StoredMatrix) -> torch.Tensor:
+    """The matrix's rows as float32, as the kernels read its blocks (rows, cols)."""
+    lib = load()
+    assert lib is not None
+    y = torch.empty(w.rows, w.cols, dtype=torch.float32)
+    lib.ms_dequant(ctypes.byref(ms_mat(w)), w.cols, y.data_ptr())
+    return y
+
+
+def row_bytes(type_id: int, cols: int) -> int:
+    """Bytes of a row of `cols` weights of a ggml type in this library; -1 where it does not
+    run that type in place (or the width does not divide into its blocks)."""
+    lib = load()
+    return lib.ms_row_bytes(type_id, cols) if lib is not None else -1
+
+
+def _rows(w) -> int:
+    return w.rows if isinstance(w, StoredMatrix) else w.shape[0]
+
+
+def _embed_scale(model) -> float:
+    """The factor of the embeddings: Gemma's sqrt(hidden) as transformers rounds it (to the
+    weights' dtype), else 1 (no change)."""
+    return float(model.embed_scale) if model.embed_scale is not None else 1.0
+
+
+def _attn_scale(model) -> float:
+    """The scores' factor: Gemma's query_pre_attn_scalar^-0.5, else head_dim^-0.5 computed as
+    1 / sqrt in float32 (both correctly rounded, so as decode.cpp computed it before)."""
+    if model.attn_scale is not None:
+        return float(model.attn_scale)
+    hd = torch.tensor(float(model.head_dim), dtype=torch.float32)
+    return float(1.0 / torch.sqrt(hd))
+
+
+class NativeCache(KVCache):
+    """One sequence's keys and values in decode.cpp's layout. float32: K as (layers, kv_heads,
+    capacity / 16, head_dim, 16) -- tiles of 16 positions, transposed -- and V as (layers,
+    kv_heads, capacity, head_dim); bfloat16 (bfloat16 products on the dot instruction): the
+    same sizes, with pairs side by side (decode.cpp, kv_bf16). The rest is lean.KVCache's."""
+
+    TILE = 16
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int = 256,
+                 dtype: torch.dtype = torch.float32):
+        capacity = -(-max(capacity, 16) // 16) * 16
+        self.k = torch.zeros(layers, kv_heads, capacity // 16, head_dim, 16, dtype=dtype)
+        self.v = torch.zeros(layers, kv_heads, capacity, head_dim, dtype=dtype)
+        self.length = 0
+
+    def _grow(self, capacity: int) -> None:
+        k = self.k.new_zeros((*self.k.shape[:2], capacity // 16, *self.k.shape[3:]))
+        v = self.v.new_zeros((*self.v.shape[:2], capacity, self.v.shape[3]))
+        k[:, :, :self.k.shape[2]] = self.k
+        v[:, :, :self.capacity] = self.v
+        self.k, self.v = k, v
+
+
+class NativeForward:
+    """A model's weights behind decode.cpp's forward pass: any number of rows from any number
+    of sequences in one call. The model is a LeanModel (float32 / bfloat16 tensors, q|k|v and
+    gate|up fused) or a stored GGUF model (miniserve/runners/stored.py: StoredMatrix tensors in the
+    file's block formats, q, k, v, gate and up apart).
+
+    Holds the model struct (raw pointers of the weights, which never move), float32 copies of
+    norm weights and biases (decode.cpp takes them in float32: Gemma's 1 + w is float32
+    whatever the weights' dtype) and a scratch buffer sized by the C side."""
+
+    def __init__(self, model, math: str):
+        self.lib = load()
+        self.model = model
+        self.math = math
+        cfg = model.config
+        self.V = _rows(model.lm_head)
+        assert model.head_dim <= 1024
+        self._kept = []  # the float32 norm weights the structs point to
+        self._layers = (MsLayer * len(model.layers))(*[
+            self._layer(w, *model.layer_tables(i), model.windows[i])
+            for i, w in enumerate(model.layers)])
+        self.struct = MsModel(
+            layers=len(model.layers), D=cfg.hidden_size, H=model.n_heads, KV=model.n_kv,
+            hd=model.head_dim, I=cfg.intermediate_size, V=self.V,
+            embed=ms_mat(model.embed), lm_head=ms_mat(model.lm_head),
+            final_norm=self._float32(model.final_norm), layer=self._layers,
+            eps=float(model.eps), embed_scale=_embed_scale(model),
+            attn_scale=_attn_scale(model), gelu=int(model.gemma),
+            rope_pairs=int(getattr(model, "rope_pairs", False)), math=MATH_CODES[math],
+            threads=torch.get_num_threads())
+        self.max_positions = model.cos.shape[0]
+        self.scratch = torch.empty(0, dtype=torch.float32)
+        self.kv_dtype = (torch.bfloat16 if self.lib.ms_kv_bf16(ctypes.byref(self.struct))
+                         else torch.float32)
+
+    def _float32(self, t: torch.Tensor | None) -> int | None:
+        """The address of `t` as float32 (a copy, kept, where it is not), or None."""
+        if t is None:
+            return None
+        t = t.float().contiguous()
+        self._kept.append(t)
+        return t.data_ptr()
+
+    def _layer(self, w: dict, cos: torch.Tensor, sin: torch.Tensor,
+               window: int | None) -> MsLayer:
+        qkv = [w["wqkv"]] if "wqkv" in w else [w["wq"], w["wk"], w["wv"]]
+        gate_up = [w["w13"]] if "w13" in w else [w["w1"], w["w3"]]
+        assert cos.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
+        return MsLayer(
+            attn_norm=self._float32(w["attn_norm"]),
+            qkv=(MsMat * 3)(*(ms_mat(m) for m in qkv + [None] * (3 - len(qkv)))),
+            bqkv=self._float32(w.get("bqkv")), wo=ms_mat(w["wo"]),
+            mlp_norm=self._float32(w["mlp_norm"]),
+            gate_up=(MsMat * 2)(*(ms_mat(m) for m in gate_up + [None] * (2 - len(gate_up)))),
+            w2=ms_mat(w["w2"]),
+            **{name: self._float32(w.get(name)) for name in NORMS[2:]},
+            cos=cos.data_ptr(), sin=sin.data_ptr(), window=window or 0)
+
+    def new_cache(self, capacity: int = 256) -> NativeCache:
+        m = self.model
+        return NativeCache(len(m.layers), m.n_kv, m.head_dim, capacity, self.kv_dtype)
+
+    def __call__(self, entries, all_logits: bool = False) -> torch.Tensor:
+        """entries: (new token ids, NativeCache) per sequence. Appends each sequence's ids to
+        its cache and returns float32 logits of each one's last new token (len(entries),
+        vocab), or of every new token (total rows, vocab) with `all_logits`."""
+        tokens, pos, caps, ks, vs, out = [], [], [], [], [], []
+        for ids, cache in entries:
+            start, n = cache.length, len(ids)
+            if n == 0:
+                raise ValueError("each sequence in a pass needs at least one new token")
+            if start + n > self.max_positions:
+                raise ValueError(f"position {start + n - 1} is past the model's "
+                                 f"{self.max_positions} positions")
+            cache.reserve(start + n)
+            if all_logits:
+                out.extend(range(len(tokens), len(tokens) + n))
+            else:
+                out.append(len(tokens) + n - 1)
+            tokens.extend(int(t) for t in ids)
+            pos.extend(range(start, start + n))
+            caps += [cache.capacity] * n
+            ks += [cache.k.data_ptr()] * n
+            vs += [cache.v.data_ptr()] * n
+        arrays = [torch.tensor(a, dtype=torch.int64) for a in (tokens, pos, caps, out, ks, vs)]
+        logits = torch.empty(len(out), self.V, dtype=torch.float32)  # fresh: callers keep it
+        rows = MsRows(len(tokens), len(out), *(a.data_ptr() for a in arrays),
+                      logits.data_ptr())
+        need = self.lib.ms_scratch_floats(ctypes.byref(self.struct), len(tokens), max(pos) + 1)
+        if self.scratch.numel() < need:
+            self.scratch = torch.empty(need, dtype=torch.float32)
+        self.lib.ms_forward(ctypes.byref(self.struct), ctypes.byref(rows),
+                            self.scratch.data_ptr())
+        for ids, cache in entries:
+            cache.length += len(ids)
+        return logits
+
+
+def kernels() -> dict:
+    """Which kernels run here: PyTorch's vector level, the caps in force, the native pass's."""
+    caps = {name: os.environ[name] for name in platform_info.CAPS if name in os.environ}
+    return {"aten": torch.backends.cpu.get_cpu_capability(), "caps": caps,
+            "native": isa() or f"off ({unavailable_reason()})",
+            "native_target": build_target()}
+
+
+def summary() -> str:
+    """Two lines for people: the CPU, then the kernels in use."""
+    k = kernels()
+    caps = ", ".join(f"{n}={v}" for n, v in k["caps"].items())
+    return (f"CPU: {platform_info.cpu_model()} ({platform.machine()}; {' '.join(platform_info.cpu_features()) or 'no vector extensions named'})\n"
+            f"kernels: PyTorch {torch.__version__} {k['aten']}"
+            + (f" (capped: {caps})" if caps else "")
+            + f"; native forward pass {k['native']}"
+            + (f" (target {k['native_target']})" if not k["native"].startswith("off") else ""))

@@ -1,0 +1,445 @@
+"""A GGUF model run with its weights as stored: the file memory-mapped, each matrix used where it
+lies in its own block format (Q4_K, Q6_K, Q8_0, Q4_1, ...) by the native forward pass.
+
+    GGUF file --mmap--> tensors in their block formats --(StoredMatrix: address, type, shape)-->
+        decode.cpp: each activation row quantized per block to int8 once per product, then
+        integer dot products per block; norms, RoPE, attention and the residual stream float32
+
+Nothing is dequantized at start and nothing is written to disk for the weights: the pages are
+the file's, shared with every other process that maps it, read in as the first passes touch
+them. What is read at start: the header and tensor table (miniserve/runners/gguf_file.py, checked
+before any native code sees a byte), the tokenizer (built by transformers from the file once,
+then kept in the cache folder keyed by the header's hash), and small float32 tensors (norms,
+biases) copied out. A tensor of a type the kernels do not run in place (Q2_K, Q3_K, IQ*, ...)
+is dequantized to float32 at load by the gguf package, and the load says so.
+
+Architectures: llama (and SmolLM, Mistral-style files), qwen2 (q/k/v biases), gemma3 (the
+norms as llama.cpp stores them, 1 + w already; local sliding-window layers every 6th layer
+global). llama files hold q and k rows permuted for RoPE on adjacent pairs (llama.cpp's
+converter does that); decode.cpp rotates pairs for them (rope_pairs). Llama 3's RoPE scaling
+comes as a `rope_freqs` tensor of frequency divisors, linear scaling as a factor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from miniserve.runners.gguf_file import GGUFFile, GGUFFileError
+
+ARCHITECTURES = ("llama", "qwen2", "gemma3")
+# positions the RoPE tables cover at most (cos and sin: positions x head_dim float32 each)
+MAX_POSITIONS = 32768
+F32, F16, BF16 = 0, 1, 30
+FLOAT_TYPES = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}
+# the matrix types the kernels run in place (a file of others -- Q2_K, Q3_K, IQ* -- loads
+# dequantized by default: as stored they would become float32 copies at every start)
+IN_PLACE = {F32, F16, BF16, 2, 3, 6, 7, 8, 12, 13, 14}
+
+Progress = Callable[[str], None]
+
+
+def runs_as_stored(path: Path) -> bool:
+    """Whether a GGUF's architecture runs with its weights as stored (its header alone is
+    read). A damaged file says yes: loading it as stored names what is wrong."""
+    try:
+        with GGUFFile(path) as f:
+            arch = f.architecture
+            scaling = str(f.get(f"{arch}.rope.scaling.type", "none") or "none")
+            matrices = {t.type for t in f.tensors.values() if len(t.shape) == 2}
+            return (arch in ARCHITECTURES and scaling in ("none", "linear", "llama3")
+                    and matrices <= IN_PLACE)
+    except (GGUFFileError, OSError):
+        return True
+
+
+class StoredModelError(ValueError):
+    """The file cannot run with its weights as stored; the message says why in one sentence."""
+
+
+@dataclass
+class StoredConfig:
+    """What the engine and the runner read of a model's configuration, in transformers' names."""
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    context_length: int  # what the file says it was trained for (before MAX_POSITIONS)
+    sliding_window: int | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def _say(progress: Progress | None, message: str) -> None:
+    (progress or (lambda m: print(m, file=sys.stderr, flush=True)))(message)
+
+
+class GGUFWeights:
+    """A GGUF file's model: its configuration and its tensors, where they lie (a runner is made
+    from it by StoredRunner). Raises StoredModelError for a file it cannot run."""
+
+    def __init__(self, path: Path, progress: Progress | None = None):
+        from miniserve.runners import native
+        self.path = Path(path)
+        try:
+            self.file = GGUFFile(self.path)
+        except GGUFFileError as e:
+            raise StoredModelError(str(e)) from None
+        f = self.file
+        arch = f.architecture
+        if arch not in ARCHITECTURES:
+            raise StoredModelError(f"{self.path.name}: architecture '{arch}' does not run with its "
+                                   f"weights as stored (these do: {', '.join(ARCHITECTURES)})")
+        self.arch = arch
+        if native.load() is None:  # before anything is read: nothing runs the blocks here
+            raise StoredModelError("weights as stored need the native runner: "
+                                   + (native.unavailable_reason() or "it is not available"))
+        self.config = self._config()
+        self._kept: list = []  # float32 copies the runner points to
+        self.converted: list[str] = []  # tensors dequantized at load (types not run in place)
+        names = self._names()
+        try:
+            f.check_scales([n for n in names.values() if n in f.tensors])
+        except GGUFFileError as e:
+            raise StoredModelError(str(e)) from None
+        cfg = self.config
+        self.embed = self.matrix("token_embd.weight", (cfg.vocab_size, cfg.hidden_size))
+        self.lm_head = (self.matrix("output.weight", (cfg.vocab_size, cfg.hidden_size))
+                        if "output.weight" in f.tensors else self.embed)
+        self.final_norm = self.vector("output_norm.weight", cfg.hidden_size)
+        self.layers = [self._layer(i) for i in range(cfg.num_hidden_layers)]
+        if self.converted:
+            _say(progress, f"{self.path.name}: {len(self.converted)} tensors of types the kernels "
+                           f"do not run in place were dequantized to float32 at load "
+                           f"({', '.join(sorted(set(self.converted)))})")
+
+    # -- configuration ---------------------------------------------------------------------
+    def _meta(self, key: str, default=None, required: bool = True):
+        value = self.file.get(f"{self.arch}.{key}", None)
+        if value is None:
+            if required and default is None:
+                raise StoredModelError(f"{self.path.name}: the header has no "
+                                       f"'{self.arch}.{key}'; the file is incomplete")
+            return default
+        return value.item() if isinstance(value, np.generic) else value
+
+    def _count(self, key: str, default=None, low: int = 1, high: int = 1 << 20) -> int:
+        """A whole number of the header, one for every layer (a per-layer list must hold one
+        value), within [low, high]; else StoredModelError naming the key."""
+        value = self._meta(key, default)
+        if isinstance(value, (list, tuple, np.ndarray)):
+            values = {int(v) for v in value}
+            if len(values) != 1:
+                raise StoredModelError(f"{self.path.name}: '{self.arch}.{key}' differs from "
+                                       "layer to layer, which does not run as stored")
+            value = values.pop()
+        try:
+            number = int(value)
+        except (TypeError, ValueError):
+            number = None
+        if number is None or not low <= number <= high or number != value:
+            raise StoredModelError(f"{self.path.name}: '{self.arch}.{key}' is {value!r}; a whole "
+                                   f"number from {low} to {high} was expected")
+        return number
+
+    def _config(self) -> StoredConfig:
+        D = self._count("embedding_length")
+        heads = self._count("attention.head_count", high=4096)
+        kv = self._count("attention.head_count_kv", heads, high=heads)
+        if heads % kv:
+            raise StoredModelError(f"{self.path.name}: {heads} attention heads do not share "
+                                   f"{kv} kv heads evenly")
+        head_dim = self._count("attention.key_length", max(D // heads, 2), low=2, high=1024)
+        if head_dim % 2:
+            raise StoredModelError(f"{self.path.name}: head size {head_dim} is odd (RoPE turns "
+                                   "pairs)")
+        layers = self._count("block_count", high=4096)
+        if f"blk.{layers - 1}.attn_q.weight" not in self.file.tensors:
+            raise StoredModelError(f"{self.path.name}: the header says {layers} layers, but "
+                                   f"tensor 'blk.{layers - 1}.attn_q.weight' is missing")
+        vocab = self.file.tensors.get("token_embd.weight")
+        if vocab is None or len(vocab.shape) != 2:
+            raise StoredModelError(f"{self.path.name}: no 2-D tensor 'token_embd.weight'")
+        context = self._count("context_length", 2048, high=1 << 24)
+        gemma = self.arch == "gemma3"
+        return StoredConfig(
+            model_type={"gemma3": "gemma3_text"}.get(self.arch, self.arch),
+            hidden_size=D, intermediate_size=self._count("feed_forward_length"),
+            num_hidden_layers=layers, num_attention_heads=heads,
+            num_key_value_heads=kv, head_dim=head_dim, vocab_size=int(vocab.shape[0]),
+            max_position_embeddings=min(context, MAX_POSITIONS),
+            rms_norm_eps=float(self._meta("attention.layer_norm_rms_epsilon", 1e-6 if gemma
+                                          else 1e-5)),
+            rope_theta=float(self._meta("rope.freq_base", 1e6 if gemma else 10000.0)),
+            context_length=context,
+            sliding_window=int(self._meta("attention.sliding_window", 512)) if gemma else None)
+
+    # -- tensors ---------------------------------------------------------------------------
+    def _names(self) -> dict:
+        names = {"embed": "token_embd.weight", "lm_head": "output.weight",
+                 "final_norm": "output_norm.weight"}
+        for i in range(self.config.num_hidden_layers):
+            for part in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+                         "ffn_down", "attn_norm", "ffn_norm", "attn_q_norm", "attn_k_norm",
+                         "post_attention_norm", "post_ffw_norm"):
+                names[f"{i}.{part}"] = f"blk.{i}.{part}.weight"
+        return names
+
+    def _tensor(self, name: str):
+        info = self.file.tensors.get(name)
+        if info is None:
+            raise StoredModelError(f"{self.path.name}: tensor '{name}' is missing")
+        return info
+
+    def matrix(self, name: str, shape: tuple[int, int]):
+        """A matrix where it lies (a StoredMatrix), or a float32 copy for a type the kernels do
+        not run in place."""
+        from miniserve.runners import native
+        info = self._tensor(name)
+        if tuple(info.shape) != tuple(shape):
+            raise StoredModelError(f"{self.path.name}: tensor '{name}' is {info.shape}, the "
+                                   f"header's sizes make it {shape}")
+        rows, cols = shape
+        if info.type in FLOAT_TYPES and info.type != F16:
+            t = _tensor_view(self.file.data(name), FLOAT_TYPES[info.type]).view(shape)
+            self._kept.append(t)  # bfloat16 / float32 where they lie
+            return t
+        if native.row_bytes(info.type, cols) * rows == info.nbytes:
+            return native.StoredMatrix(self.file.address(name), info.type, rows, cols,
+                                       info.nbytes)
+        self.converted.append(info.type_name)
+        return self._dequantized(name, info, shape)
+
+    def _dequantized(self, name, info, shape) -> torch.Tensor:
+        import gguf
+        data = gguf.quants.dequantize(self.file.data(name), gguf.GGMLQuantizationType(info.type))
+        t = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32)).view(shape)
+        self._kept.append(t)
+        return t
+
+    def vector(self, name: str, n: int, optional: bool = False) -> torch.Tensor | None:
+        """A small tensor (a norm, a bias) as a float32 copy."""
+        info = self.file.tensors.get(name)
+        if info is None:
+            if optional:
+                return None
+            raise StoredModelError(f"{self.path.name}: tensor '{name}' is missing")
+        if info.type in FLOAT_TYPES:
+            t = _tensor_view(self.file.data(name), FLOAT_TYPES[info.type]).float()
+        else:
+            t = self._dequantized(name, info, (-1,))
+        if t.numel() != n:
+            raise StoredModelError(f"{self.path.name}: tensor '{name}' has {t.numel()} numbers, "
+                                   f"the header's sizes make it {n}")
+        return t.contiguous()
+
+    def _layer(self, i: int) -> dict:
+        cfg = self.config
+        D, I, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+        q_rows, kv_rows = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+        b = f"blk.{i}."
+        w = {"attn_norm": self.vector(b + "attn_norm.weight", D),
+             "wq": self.matrix(b + "attn_q.weight", (q_rows, D)),
+             "wk": self.matrix(b + "attn_k.weight", (kv_rows, D)),
+             "wv": self.matrix(b + "attn_v.weight", (kv_rows, D)),
+             "wo": self.matrix(b + "attn_output.weight", (D, q_rows)),
+             "mlp_norm": self.vector(b + "ffn_norm.weight", D),
+             "w1": self.matrix(b + "ffn_gate.weight", (I, D)),
+             "w3": self.matrix(b + "ffn_up.weight", (I, D)),
+             "w2": self.matrix(b + "ffn_down.weight", (D, I))}
+        biases = [self.vector(b + f"attn_{x}.bias", n, optional=True)
+                  for x, n in (("q", q_rows), ("k", kv_rows), ("v", kv_rows))]
+        if any(t is not None for t in biases):
+            w["bqkv"] = torch.cat([t if t is not None else torch.zeros(n) for t, n in
+                                   zip(biases, (q_rows, kv_rows, kv_rows))])
+        if self.arch == "gemma3":  # its norms as llama.cpp stores them: 1 + w already
+            w["q_norm"] = self.vector(b + "attn_q_norm.weight", hd)
+            w["k_norm"] = self.vector(b + "attn_k_norm.weight", hd)
+            w["attn_out_norm"] = self.vector(b + "post_attention_norm.weight", D)
+            w["mlp_out_norm"] = self.vector(b + "post_ffw_norm.weight", D)
+        return w
+
+    # -- what the rest of the app asks -------------------------------------------------------
+    def num_parameters(self) -> int:
+        return sum(int(np.prod(t.shape)) for t in self.file.tensors.values())
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights read per decoded token (the embedding is looked up, not read,
+        unless it is also the output layer)."""
+        skip = {"token_embd.weight"} if "output.weight" in self.file.tensors else set()
+        return sum(t.nbytes for name, t in self.file.tensors.items() if name not in skip)
+
+    def file_type(self) -> str:
+        """What the file's weights are, as llama.cpp names the mix (q4_k_m, q8_0, ...), else
+        the most common matrix type."""
+        import gguf
+        kind = self.file.get("general.file_type")
+        try:
+            return gguf.LlamaFileType(int(kind)).name.removeprefix("MOSTLY_").lower()
+        except (TypeError, ValueError):
+            pass
+        types = [t.type_name for t in self.file.tensors.values() if len(t.shape) == 2]
+        return max(set(types), key=types.count).lower() if types else "unknown"
+
+    def header_key(self) -> str:
+        """A hash of the header (metadata and tensor table): what names this file's tokenizer
+        in the cache, without reading the weights."""
+        with open(self.path, "rb") as f:
+            return hashlib.sha256(f.read(self.file.header_bytes)).hexdigest()[:16]
+
+
+def _tensor_view(data: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor over the file's read-only mapped bytes (nothing writes through it: the runner
+    only reads weights), without PyTorch's warning about buffers it cannot write."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(data, dtype=dtype)
+
+
+def rope_tables(weights: GGUFWeights, theta: float, pairs: bool, positions: int,
+                scale: float = 1.0, divisors: torch.Tensor | None = None):
+    """cos and sin (positions, head_dim) float32 for RoPE with base `theta`: frequencies
+    theta^(-2i/hd) divided by `scale` (linear scaling) or by Llama 3's per-frequency divisors;
+    laid out as halves (each angle at i and i + hd/2) or as pairs (at 2i and 2i + 1)."""
+    hd = weights.config.head_dim
+    inv_freq = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    inv_freq = inv_freq / scale
+    if divisors is not None:
+        inv_freq = inv_freq / divisors
+    freqs = torch.outer(torch.arange(positions, dtype=torch.float32), inv_freq)
+    emb = (freqs.repeat_interleave(2, dim=-1) if pairs else torch.cat((freqs, freqs), dim=-1))
+    return emb.cos().contiguous(), emb.sin().contiguous()
+
+
+class StoredRunner:
+    """The native runner over a GGUF file's weights as stored (miniserve/runners/hf.py's interface)."""
+
+    name = "native"
+    device = torch.device("cpu")
+    dtype = torch.float32  # activations (the weights keep their own types)
+    act_dtype = torch.float32
+
+    def __init__(self, weights: GGUFWeights, math: str = "auto", generation_config=None):
+        from miniserve.runners import native
+        if native.load() is None:
+            raise ValueError("weights as stored need the native runner: "
+                             + (native.unavailable_reason() or "it is not available"))
+        self.weights = weights
+        self.config = weights.config
+        self.generation_config = generation_config
+        cfg = weights.config
+        # the arithmetic of attention and of float matrices: bfloat16 where the CPU has
+        # bfloat16 dot products (a bfloat16 KV cache, half the bytes), else float32
+        self.math = native.resolve_math(math, torch.bfloat16)
+        self.n_heads, self.n_kv, self.head_dim = (cfg.num_attention_heads,
+                                                  cfg.num_key_value_heads, cfg.head_dim)
+        self.eps = cfg.rms_norm_eps
+        self.gemma = weights.arch == "gemma3"
+        self.rope_pairs = weights.arch == "llama"
+        self.embed, self.lm_head = weights.embed, weights.lm_head
+        self.final_norm = weights.final_norm
+        self.layers = weights.layers
+        positions = cfg.max_position_embeddings
+        meta = weights._meta
+        scaling = str(meta("rope.scaling.type", "", required=False) or "none")
+        if scaling not in ("none", "linear", "llama3"):
+            raise ValueError(f"{weights.path.name}: RoPE scaling '{scaling}' does not run with "
+                             "the weights as stored (none, linear and llama3 do)")
+        # linear: the positions divided by the factor; llama3: per-frequency divisors (below)
+        scale = float(meta("rope.scaling.factor", 1.0, required=False) or 1.0) \
+            if scaling == "linear" else 1.0
+        divisors = (weights.vector("rope_freqs.weight", cfg.head_dim // 2)
+                    if "rope_freqs.weight" in weights.file.tensors else None)
+        self.cos, self.sin = rope_tables(weights, cfg.rope_theta, self.rope_pairs, positions,
+                                         scale, divisors)
+        if self.gemma:  # local layers: base 10000, unscaled; every 6th layer global
+            self.local_cos, self.local_sin = rope_tables(weights, 10000.0, False, positions)
+            self.windows = [None if (i + 1) % 6 == 0 else cfg.sliding_window
+                            for i in range(len(self.layers))]
+            self.embed_scale = torch.tensor(float(cfg.hidden_size) ** 0.5)
+            self.attn_scale = cfg.head_dim ** -0.5
+        else:
+            self.windows = [None] * len(self.layers)
+            self.embed_scale = None
+            self.attn_scale = None
+        self.native = native.NativeForward(self, self.math)
+
+    def layer_tables(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.windows[layer] is not None:
+            return self.local_cos, self.local_sin
+        return self.cos, self.sin
+
+    def weight_bytes(self) -> int:
+        return self.weights.weight_bytes()
+
+    def new_cache(self, capacity: int = 256):
+        return self.native.new_cache(capacity)
+
+    def step(self, entries, all_logits: bool = False) -> torch.Tensor:
+        return self.native(entries, all_logits)
+
+    def forward(self, input_ids: torch.Tensor, cache=None, all_logits: bool = False):
+        ids = input_ids[0].tolist()
+        logits = self.native([(ids, cache if cache is not None else self.new_cache(len(ids)))],
+                             all_logits)
+        return logits if all_logits else logits.view(1, -1)
+
+    __call__ = forward
+
+
+# -- float models quantized at load (--quant q8_0 | q4_0) -------------------------------------
+
+QUANTS = {"q8_0": 8, "q4_0": 2}  # --quant -> ggml's type id (gguf's numpy quantizers make both)
+
+
+def quantize_at_load(hf_model, quant: str, math: str = "auto"):
+    """A float model (a transformers folder or Hub id) with its matrices quantized to Q8_0 or
+    Q4_0 blocks at load, by the gguf package's quantizer (llama.cpp's reference arithmetic),
+    run by the same native kernels as a GGUF's stored blocks: the lean runner's fused
+    matrices (q|k|v, gate|up) and the output layer, each row quantized on its own; the
+    embedding stays in the weights' dtype (it is looked up, not multiplied). Seconds per
+    billion weights; the float copy stays for the benchmark's reference."""
+    import gguf
+
+    from miniserve.runners import lean, native
+    if quant not in QUANTS:
+        raise ValueError(f"unknown --quant '{quant}': use {', '.join(QUANTS)}")
+    if native.load() is None:
+        raise ValueError(f"--quant {quant} runs on the native runner: "
+                         + (native.unavailable_reason() or "it is not available"))
+    qtype = gguf.GGMLQuantizationType(QUANTS[quant])
+    # its matrices fused and its tables float32, as the native runner takes them; the float
+    # matrices' pass is replaced below by one over their blocks
+    model = lean.LeanModel(hf_model, native=True, math=math)
+    kept = []
+
+    def blocks(w: torch.Tensor) -> native.StoredMatrix:
+        rows, cols = w.shape
+        if cols % 32:
+            raise ValueError(f"--quant {quant} needs rows of whole 32-weight blocks; this "
+                             f"model has a matrix {rows} x {cols}")
+        data = gguf.quants.quantize(w.detach().float().cpu().numpy(), qtype)
+        kept.append(data)
+        return native.StoredMatrix(data.ctypes.data, int(qtype), rows, cols, data.nbytes)
+
+    for layer in model.layers:
+        for name in ("wqkv", "wo", "w13", "w2"):
+            layer[name] = blocks(layer[name])
+    model.lm_head = blocks(model.lm_head)
+    model.quant, model.quantized_blocks = quant, kept
+    model.math = native.resolve_math(math, torch.bfloat16)
+    model.native = native.NativeForward(model, model.math)
+    return model

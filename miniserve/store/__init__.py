@@ -1,0 +1,1 @@
+"""Saved conversations (SQLite) and their import/export formats. Imports only core."""

@@ -1,0 +1,783 @@
+"""Saved conversations: a small SQLite store (WAL, FTS5 search) with no UI in it.
+
+A conversation is a tree of messages. Every message has a parent (None for the first user
+message); a user message's children are replies, a reply's children are the next user
+messages. Editing a user message or regenerating a reply adds a sibling, so the old branch
+stays; the conversation remembers which leaf is open (`leaf`). The system prompt belongs to
+the conversation; the settings and stats a reply was made with belong to the reply.
+
+Every call names an `owner` (a browser's random id, or "cli"); the store only ever reads or
+changes that owner's conversations. Asking for another owner's conversation reads exactly as
+asking for one that does not exist.
+
+Each write is its own transaction, committed before the call returns: a process killed
+mid-reply loses only the reply being written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import sqlite3
+import sys
+import threading
+import time
+import uuid
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from miniserve.core.config import MAX_CONVERSATIONS, MAX_IMPORT_BYTES, check_number
+
+SCHEMA_VERSION = 2
+EXPORT_FORMAT = "miniserve.conversation"      # one conversation
+EXPORT_ALL_FORMAT = "miniserve.conversations"  # all of an owner's
+EXPORT_VERSION = 1
+ROLES = ("user", "assistant")
+STATUSES = ("complete", "stopped")
+TITLE_CHARS = 60
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+
+# Each entry takes the database from version i to i + 1 (PRAGMA user_version). A new file runs
+# them all, so the first version's path is the one every database has taken.
+MIGRATIONS = [
+    # 1: conversations as trees of messages
+    """
+    CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+    CREATE TABLE conversations (
+        id TEXT PRIMARY KEY, owner TEXT NOT NULL, title TEXT NOT NULL DEFAULT '',
+        system TEXT NOT NULL DEFAULT '', created REAL NOT NULL, updated REAL NOT NULL,
+        leaf TEXT);
+    CREATE INDEX conversations_by_owner ON conversations (owner, updated);
+    CREATE TABLE messages (
+        id TEXT PRIMARY KEY,
+        conversation_id TEXT NOT NULL REFERENCES conversations (id) ON DELETE CASCADE,
+        parent_id TEXT REFERENCES messages (id) ON DELETE CASCADE,
+        role TEXT NOT NULL, content TEXT NOT NULL, created REAL NOT NULL,
+        status TEXT NOT NULL DEFAULT 'complete',
+        settings TEXT NOT NULL DEFAULT '{}', stats TEXT NOT NULL DEFAULT '{}');
+    CREATE INDEX messages_by_parent ON messages (conversation_id, parent_id);
+    """,
+    # 2: Delete with undo (a deleted conversation is kept until its owner deletes another or
+    # the store reopens), and full-text search over titles and messages
+    """
+    ALTER TABLE conversations ADD COLUMN deleted REAL;
+    CREATE VIRTUAL TABLE search USING fts5 (
+        text, conversation_id UNINDEXED, message_id UNINDEXED,
+        tokenize = 'unicode61 remove_diacritics 2');
+    INSERT INTO search (text, conversation_id, message_id)
+        SELECT title, id, NULL FROM conversations;
+    INSERT INTO search (text, conversation_id, message_id)
+        SELECT content, conversation_id, id FROM messages;
+    """,
+]
+assert len(MIGRATIONS) == SCHEMA_VERSION
+
+
+class StoreError(ValueError):
+    """What a user can be told as it is: a conversation not found, a bad import, a bad title."""
+
+
+class NotFound(StoreError):
+    pass
+
+
+class BadImport(StoreError):
+    pass
+
+
+@dataclass(frozen=True)
+class Message:
+    id: str
+    conversation_id: str
+    parent_id: str | None
+    role: str
+    content: str
+    created: float
+    status: str = "complete"
+    settings: dict = field(default_factory=dict)
+    stats: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Summary:
+    id: str
+    title: str
+    system: str
+    created: float
+    updated: float
+    leaf: str | None
+    messages: int
+
+
+@dataclass(frozen=True)
+class Branch:
+    """Where a message sits among its siblings: `index` of `count` (1-based)."""
+    index: int
+    count: int
+
+
+def data_dir() -> Path:
+    """Where the app keeps its files: $MINISERVE_DATA_DIR, else the platform's data folder."""
+    if os.environ.get("MINISERVE_DATA_DIR"):
+        return Path(os.environ["MINISERVE_DATA_DIR"])
+    if sys.platform == "win32":
+        return Path(os.environ.get("APPDATA", Path.home())) / "MiniServeLM"
+    if sys.platform == "darwin":
+        return Path.home() / "Library" / "Application Support" / "MiniServeLM"
+    return Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "miniserve"
+
+
+def default_path() -> Path:
+    return data_dir() / "history.sqlite3"
+
+
+def clean(text: str) -> str:
+    """Text as it is stored: valid UTF-8, no control characters but newlines and tabs."""
+    text = str(text).encode("utf-8", errors="replace").decode("utf-8")
+    return _CONTROL.sub("", text)
+
+
+def title_from(text: str) -> str:
+    """A conversation's title from its first message: the first line, cut to TITLE_CHARS."""
+    line = next((ln.strip() for ln in clean(text).splitlines() if ln.strip()), "")
+    line = " ".join(line.split())
+    return line if len(line) <= TITLE_CHARS else line[:TITLE_CHARS - 1].rstrip() + "…"
+
+
+def open_store(path: str | Path | None = None, *, enabled: bool = True,
+               max_conversations: int = 0) -> "Store":
+    """The app's store. `path` None: the default file in the data folder. `enabled` False
+    (--no-history): in memory, gone when the app stops. A file that is not a readable
+    database is moved aside (…corrupt-DATE) and a new one started; a file or folder that
+    cannot be written: in memory. Either way `store.notice` says what happened, in one line."""
+    if not enabled:
+        return Store(":memory:", max_conversations=max_conversations,
+                     notice="history is off (--no-history): conversations are kept in memory "
+                            "until the app stops")
+    path = Path(path) if path is not None else default_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return Store(path, max_conversations=max_conversations)
+    except sqlite3.DatabaseError as e:
+        if not _unreadable(e):
+            return _in_memory(path, e, max_conversations)
+        aside = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}")
+        try:
+            for suffix in ("", "-wal", "-shm"):
+                source = Path(str(path) + suffix)
+                if source.exists():
+                    source.rename(str(aside) + suffix)
+            store = Store(path, max_conversations=max_conversations)
+        except (OSError, sqlite3.DatabaseError) as again:
+            return _in_memory(path, again, max_conversations)
+        reason = " ".join(str(e).split())  # one line: quick_check may report several
+        store.notice = (f"the history file {path} could not be read ({reason}); it was kept "
+                        f"aside as {aside.name} and a new one started")
+        return store
+    except OSError as e:
+        return _in_memory(path, e, max_conversations)
+
+
+def _unreadable(error: sqlite3.DatabaseError) -> bool:
+    """A file that is not a database (or a damaged one), as opposed to one we may not write."""
+    text = str(error).lower()
+    return not isinstance(error, sqlite3.OperationalError) or "malformed" in text or \
+        "not a database" in text or "newer" in text or "integrity" in text
+
+
+def _in_memory(path, error, max_conversations) -> "Store":
+    reason = getattr(error, "strerror", None) or str(error)
+    return Store(":memory:", max_conversations=max_conversations,
+                 notice=f"cannot write the history file {path} ({reason}); conversations are "
+                        f"kept in memory until the app stops")
+
+
+class Store:
+    def __init__(self, path: str | Path, *, max_conversations: int = 0,
+                 notice: str | None = None):
+        self.file = str(path)
+        self.in_memory = self.file == ":memory:"
+        self.max_conversations = check_number("max_conversations", max_conversations,
+                                              MAX_CONVERSATIONS)
+        self.notice = notice
+        self._lock = threading.RLock()  # one connection, shared by Gradio's threads
+        self._db = sqlite3.connect(self.file, check_same_thread=False, isolation_level=None)
+        try:
+            self._db.row_factory = sqlite3.Row
+            self._db.execute("PRAGMA foreign_keys = ON")
+            if not self.in_memory:
+                self._db.execute("PRAGMA journal_mode = WAL")
+                self._db.execute("PRAGMA synchronous = NORMAL")  # WAL: safe from a killed process
+                check = self._db.execute("PRAGMA quick_check").fetchone()[0]
+                if check != "ok":
+                    raise sqlite3.DatabaseError(f"integrity check failed: {check}")
+            self._migrate()
+            self._purge_deleted()
+        except BaseException:
+            self._db.close()
+            raise
+
+    # -- schema -----------------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        return self._db.execute("PRAGMA user_version").fetchone()[0]
+
+    def _migrate(self) -> None:
+        version = self.version
+        if version > SCHEMA_VERSION:
+            raise sqlite3.DatabaseError(f"schema version {version} is newer than this "
+                                        f"MiniServeLM reads ({SCHEMA_VERSION})")
+        for target in range(version + 1, SCHEMA_VERSION + 1):
+            with self._tx() as db:
+                db.executescript_in_tx(MIGRATIONS[target - 1])
+                db.execute(f"PRAGMA user_version = {target}")
+
+    @contextmanager
+    def _tx(self):
+        """One transaction: committed when the block ends, rolled back if it raises."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield _Tx(self._db)
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def secret(self) -> str:
+        """A random key kept with the history: what the browser keeps (its owner id) is
+        encrypted with it, so it still reads after a restart."""
+        with self._tx() as db:
+            row = db.execute("SELECT value FROM meta WHERE key = 'browser_secret'").fetchone()
+            if row:
+                return row[0]
+            value = secrets.token_hex(32)
+            db.execute("INSERT INTO meta VALUES ('browser_secret', ?)", (value,))
+            return value
+
+    def size_bytes(self) -> int:
+        with self._lock:
+            pages = self._db.execute("PRAGMA page_count").fetchone()[0]
+            size = self._db.execute("PRAGMA page_size").fetchone()[0]
+        wal = Path(self.file + "-wal")
+        return pages * size + (wal.stat().st_size if not self.in_memory and wal.exists() else 0)
+
+    def describe(self) -> str:
+        """Where the history is and how large, in one line."""
+        if self.in_memory:
+            return "history in memory only (not saved)"
+        return f"history: {self.file} ({self.size_bytes() / 1e6:.2f} MB)"
+
+    # -- conversations ------------------------------------------------------------------------
+    def create(self, owner: str, title: str = "", system: str = "") -> str:
+        cid = uuid.uuid4().hex
+        now = time.time()
+        title = title_from(title)
+        with self._tx() as db:
+            db.execute("INSERT INTO conversations (id, owner, title, system, created, updated) "
+                       "VALUES (?, ?, ?, ?, ?, ?)", (cid, owner, title, clean(system), now, now))
+            db.index(cid, None, title)
+            self._retain(db, owner, keep=cid)
+        return cid
+
+    def _retain(self, db, owner: str, keep: str) -> None:
+        """Drop the owner's least recently updated conversations beyond max_conversations."""
+        if not self.max_conversations:
+            return
+        extra = db.execute(
+            "SELECT id FROM conversations WHERE owner = ? AND deleted IS NULL AND id != ? "
+            "ORDER BY updated DESC LIMIT -1 OFFSET ?",
+            (owner, keep, self.max_conversations - 1)).fetchall()
+        for row in extra:
+            db.purge(row["id"])
+
+    def get(self, owner: str, cid) -> Summary:
+        with self._lock:
+            row = self._db.execute(
+                f"{_SUMMARY} WHERE c.id = ? AND c.owner = ? AND c.deleted IS NULL",
+                (str(cid), owner)).fetchone()
+        if row is None:
+            raise NotFound(f"no conversation {cid!r} here (it was deleted, or belongs to "
+                           f"another user)")
+        return _summary(row)
+
+    def conversations(self, owner: str, query: str = "", limit: int = 500) -> list[Summary]:
+        """The owner's conversations, most recently updated first; with `query`, those whose
+        title or any message contains every word of it (word prefixes match)."""
+        words = re.findall(r"\w+", clean(query or ""))
+        with self._lock:
+            if not words:
+                rows = self._db.execute(
+                    f"{_SUMMARY} WHERE c.owner = ? AND c.deleted IS NULL "
+                    f"ORDER BY c.updated DESC LIMIT ?", (owner, limit)).fetchall()
+            else:
+                match = " ".join('"' + w.replace('"', '""') + '"*' for w in words)
+                rows = self._db.execute(
+                    f"{_SUMMARY} WHERE c.owner = ? AND c.deleted IS NULL AND c.id IN "
+                    f"(SELECT conversation_id FROM search WHERE search MATCH ?) "
+                    f"ORDER BY c.updated DESC LIMIT ?", (owner, match, limit)).fetchall()
+        return [_summary(r) for r in rows]
+
+    def rename(self, owner: str, cid: str, title: str) -> None:
+        title = " ".join(clean(title or "").split())
+        if not title:
+            raise StoreError("the title is empty; type a name for the conversation")
+        title = title[:200]
+        self.get(owner, cid)
+        with self._tx() as db:
+            db.execute("UPDATE conversations SET title = ? WHERE id = ?", (title, cid))
+            db.execute("DELETE FROM search WHERE conversation_id = ? AND message_id IS NULL",
+                       (cid,))
+            db.index(cid, None, title)
+
+    def set_system(self, owner: str, cid: str, system: str) -> None:
+        self.get(owner, cid)
+        with self._tx() as db:
+            db.execute("UPDATE conversations SET system = ? WHERE id = ?", (clean(system), cid))
+
+    def delete(self, owner: str, cid: str) -> None:
+        """Hide a conversation; `restore` brings it back until the owner deletes another one
+        (or the store is reopened), when it is removed for good."""
+        self.get(owner, cid)
+        with self._tx() as db:
+            for row in db.execute("SELECT id FROM conversations WHERE owner = ? AND deleted IS "
+                                  "NOT NULL", (owner,)).fetchall():
+                db.purge(row["id"])
+            db.execute("UPDATE conversations SET deleted = ? WHERE id = ?", (time.time(), cid))
+
+    def restore(self, owner: str) -> str | None:
+        """Undo the owner's last delete; the conversation's id, or None when there is none."""
+        with self._tx() as db:
+            row = db.execute("SELECT id FROM conversations WHERE owner = ? AND deleted IS NOT "
+                             "NULL ORDER BY deleted DESC LIMIT 1", (owner,)).fetchone()
+            if row is None:
+                return None
+            db.execute("UPDATE conversations SET deleted = NULL WHERE id = ?", (row["id"],))
+            return row["id"]
+
+    def _purge_deleted(self) -> None:
+        with self._tx() as db:
+            for row in db.execute("SELECT id FROM conversations WHERE deleted IS NOT NULL"
+                                  ).fetchall():
+                db.purge(row["id"])
+
+    # -- messages -----------------------------------------------------------------------------
+    def add(self, owner: str, cid: str, parent_id: str | None, role: str, content: str, *,
+            status: str = "complete", settings: dict | None = None,
+            stats: dict | None = None, created: float | None = None) -> Message:
+        """Add a message under `parent_id` (None: a first message) and open it as the leaf.
+        A parent that already has children gets a sibling: a new branch, the old one kept."""
+        conv = self.get(owner, cid)
+        if role not in ROLES:
+            raise StoreError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+        if status not in STATUSES:
+            raise StoreError(f"status must be one of {', '.join(STATUSES)}, got {status!r}")
+        with self._tx() as db:
+            message = db.add(cid, parent_id, role, clean(content), status, settings or {},
+                             stats or {}, created)
+            if not conv.title and role == "user":
+                title = title_from(content)
+                db.execute("UPDATE conversations SET title = ? WHERE id = ?", (title, cid))
+                db.execute("DELETE FROM search WHERE conversation_id = ? AND message_id IS NULL",
+                           (cid,))
+                db.index(cid, None, title)
+            db.execute("UPDATE conversations SET leaf = ?, updated = ? WHERE id = ?",
+                       (message.id, time.time(), cid))
+        return message
+
+    def message(self, owner: str, message_id: str) -> Message:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT m.* FROM messages m JOIN conversations c ON c.id = m.conversation_id "
+                "WHERE m.id = ? AND c.owner = ? AND c.deleted IS NULL",
+                (str(message_id), owner)).fetchone()
+        if row is None:
+            raise NotFound(f"no message {message_id!r} here")
+        return _message(row)
+
+    def path(self, owner: str, cid: str, leaf_id: str | None = None) -> list[Message]:
+        """The messages from the first to `leaf_id` (default: the open leaf)."""
+        conv = self.get(owner, cid)
+        leaf_id = leaf_id or conv.leaf
+        if leaf_id is None:
+            return []
+        with self._lock:
+            rows = self._db.execute(
+                "WITH RECURSIVE up (id, depth) AS (SELECT ?, 0 UNION ALL "
+                "SELECT m.parent_id, up.depth + 1 FROM messages m JOIN up ON m.id = up.id "
+                "WHERE m.parent_id IS NOT NULL) "
+                "SELECT m.* FROM up JOIN messages m ON m.id = up.id "
+                "WHERE m.conversation_id = ? ORDER BY up.depth DESC", (leaf_id, cid)).fetchall()
+        if not rows or rows[-1]["id"] != leaf_id:
+            raise NotFound(f"no message {leaf_id!r} in this conversation")
+        return [_message(r) for r in rows]
+
+    def _siblings(self, message: Message) -> list[str]:
+        with self._lock:
+            return [r[0] for r in self._db.execute(
+                "SELECT id FROM messages WHERE conversation_id = ? AND parent_id IS ? "
+                "ORDER BY rowid", (message.conversation_id, message.parent_id)).fetchall()]
+
+    def branch(self, owner: str, message_id: str) -> Branch:
+        message = self.message(owner, message_id)
+        siblings = self._siblings(message)
+        return Branch(siblings.index(message.id) + 1, len(siblings))
+
+    def branches(self, owner: str, messages: list[Message]) -> list[Branch]:
+        """`branch` of each message of a path, in one query."""
+        if not messages:
+            return []
+        cid = messages[0].conversation_id
+        self.get(owner, cid)
+        with self._lock:
+            rows = self._db.execute("SELECT id, parent_id FROM messages WHERE conversation_id "
+                                    "= ? ORDER BY rowid", (cid,)).fetchall()
+        children: dict[str | None, list[str]] = {}
+        for r in rows:
+            children.setdefault(r["parent_id"], []).append(r["id"])
+        out = []
+        for m in messages:
+            siblings = children.get(m.parent_id, [m.id])
+            out.append(Branch(siblings.index(m.id) + 1, len(siblings)))
+        return out
+
+    def switch(self, owner: str, message_id: str, step: int) -> str:
+        """Move from `message_id` to its sibling `step` places away (wrapping), then down the
+        newest replies to a leaf, which becomes the open one. Returns that leaf's id."""
+        message = self.message(owner, message_id)
+        siblings = self._siblings(message)
+        target = siblings[(siblings.index(message.id) + step) % len(siblings)]
+        with self._lock:
+            while True:
+                child = self._db.execute(
+                    "SELECT id FROM messages WHERE parent_id = ? ORDER BY rowid DESC LIMIT 1",
+                    (target,)).fetchone()
+                if child is None:
+                    break
+                target = child[0]
+        self.set_leaf(owner, message.conversation_id, target)
+        return target
+
+    def set_leaf(self, owner: str, cid: str, leaf_id: str | None) -> None:
+        self.get(owner, cid)
+        if leaf_id is not None:
+            self.path(owner, cid, leaf_id)  # it is in this conversation
+        with self._tx() as db:
+            db.execute("UPDATE conversations SET leaf = ? WHERE id = ?", (leaf_id, cid))
+
+    def undo_turn(self, owner: str, cid: str, leaf_id: str | None = None) -> tuple[str | None, str]:
+        """Take back the last turn of a branch (default: the open one): its reply and the
+        user message before it. Messages with no other children are deleted; the branch's
+        leaf becomes the message before the turn. Returns (new leaf, the user's text)."""
+        path = self.path(owner, cid, leaf_id)
+        if not path:
+            return None, ""
+        cut = len(path) - 1
+        while cut > 0 and path[cut].role == "assistant":
+            cut -= 1
+        if path[cut].role != "user":
+            return path[-1].id, ""
+        new_leaf = path[cut - 1].id if cut > 0 else None
+        with self._tx() as db:
+            for m in reversed(path[cut:]):
+                if db.execute("SELECT 1 FROM messages WHERE parent_id = ?", (m.id,)).fetchone():
+                    break  # another branch grows from here: keep it
+                db.execute("DELETE FROM search WHERE message_id = ?", (m.id,))
+                db.execute("DELETE FROM messages WHERE id = ?", (m.id,))
+            if new_leaf is None:  # the first message went: open its newest remaining sibling
+                row = db.execute("SELECT id FROM messages WHERE conversation_id = ? AND "
+                                 "parent_id IS NULL ORDER BY rowid DESC LIMIT 1",
+                                 (cid,)).fetchone()
+                new_leaf = row[0] if row else None
+            db.execute("UPDATE conversations SET leaf = ?, updated = ? WHERE id = ?",
+                       (new_leaf, time.time(), cid))
+        if new_leaf is not None and new_leaf != (path[cut - 1].id if cut > 0 else None):
+            new_leaf = self.switch(owner, new_leaf, 0)
+        return new_leaf, path[cut].content
+
+    # -- export and import ----------------------------------------------------------------
+    def export(self, owner: str, cid: str) -> dict:
+        """The whole tree, settings and stats included: EXPORT_FORMAT, version
+        EXPORT_VERSION (documented in README.md). Message ids are positions in the list;
+        a parent always comes before its children."""
+        conv = self.get(owner, cid)
+        with self._lock:
+            rows = self._db.execute("SELECT * FROM messages WHERE conversation_id = ? "
+                                    "ORDER BY rowid", (cid,)).fetchall()
+        index = {r["id"]: i for i, r in enumerate(rows)}
+        return {"format": EXPORT_FORMAT, "version": EXPORT_VERSION, "title": conv.title,
+                "system": conv.system, "created": conv.created, "updated": conv.updated,
+                "current": index.get(conv.leaf),
+                "messages": [{"id": i, "parent": index.get(r["parent_id"]), "role": r["role"],
+                              "content": r["content"], "created": r["created"],
+                              "status": r["status"], "settings": json.loads(r["settings"]),
+                              "stats": json.loads(r["stats"])} for i, r in enumerate(rows)]}
+
+    def export_all(self, owner: str) -> dict:
+        return {"format": EXPORT_ALL_FORMAT, "version": EXPORT_VERSION,
+                "conversations": [self.export(owner, c.id)
+                                  for c in reversed(self.conversations(owner, limit=-1))]}
+
+    def export_openai(self, owner: str, cid: str, leaf_id: str | None = None) -> list[dict]:
+        """The open branch as an OpenAI `messages` list (the system prompt first)."""
+        conv = self.get(owner, cid)
+        return ([{"role": "system", "content": conv.system}] if conv.system else []) + \
+            [{"role": m.role, "content": m.content} for m in self.path(owner, cid, leaf_id)]
+
+    def export_markdown(self, owner: str, cid: str, leaf_id: str | None = None) -> str:
+        conv = self.get(owner, cid)
+        parts = [f"# {conv.title or 'Conversation'}", ""]
+        if conv.system:
+            parts += ["**System:**", "", conv.system, ""]
+        for m in self.path(owner, cid, leaf_id):
+            parts += [f"**{m.role.capitalize()}:**" + (" *(stopped)*" if m.status == "stopped"
+                                                         else ""), "", m.content, ""]
+        return "\n".join(parts)
+
+    def export_text(self, owner: str, cid: str, kind: str,
+                    leaf_id: str | None = None) -> tuple[str, str]:
+        """An export as a file's text and suffix: "json" (the whole tree), "md" (the open
+        branch as Markdown) or "openai" (the open branch as a `messages` list)."""
+        if kind == "json":
+            return json.dumps(self.export(owner, cid), indent=2, ensure_ascii=False), ".json"
+        if kind == "md":
+            return self.export_markdown(owner, cid, leaf_id), ".md"
+        if kind == "openai":
+            return (json.dumps(self.export_openai(owner, cid, leaf_id), indent=2,
+                               ensure_ascii=False), ".messages.json")
+        raise StoreError(f"unknown export {kind!r} (json, md or openai)")
+
+    def import_file(self, owner: str, path: str | Path) -> list[str]:
+        """`import_` of a file, its size checked before it is read. OSError when it cannot be
+        read."""
+        path = Path(path).expanduser()
+        size = path.stat().st_size
+        if size > MAX_IMPORT_BYTES:
+            raise BadImport(f"the file is {size / 1e6:.1f} MB; an import may be at most "
+                            f"{MAX_IMPORT_BYTES / 1e6:.0f} MB")
+        return self.import_(owner, path.read_bytes())
+
+    def import_(self, owner: str, data) -> list[str]:
+        """Import an export (one conversation or all), or a plain OpenAI `messages` list (a
+        JSON list, or an object with "messages"). `data`: bytes, str or parsed JSON.
+        All or nothing: any fault raises BadImport naming where, and nothing is kept.
+        Returns the new conversations' ids."""
+        if isinstance(data, (bytes, bytearray, str)):
+            raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else bytes(data)
+            if len(raw) > MAX_IMPORT_BYTES:
+                raise BadImport(f"the file is {len(raw) / 1e6:.1f} MB; an import may be at most "
+                                f"{MAX_IMPORT_BYTES / 1e6:.0f} MB")
+            try:
+                data = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                raise BadImport("the file is not text (UTF-8 JSON expected)") from None
+            except json.JSONDecodeError as e:
+                raise BadImport(f"the file is not JSON: {e.msg} at line {e.lineno}, column "
+                                f"{e.colno}") from None
+            except RecursionError:
+                raise BadImport("the file's JSON is nested too deeply") from None
+        trees = _parse_import(data)
+        ids = []
+        with self._tx() as db:
+            for tree in trees:
+                cid = uuid.uuid4().hex
+                db.execute("INSERT INTO conversations (id, owner, title, system, created, "
+                           "updated) VALUES (?, ?, ?, ?, ?, ?)",
+                           (cid, owner, tree["title"], tree["system"], tree["created"],
+                            tree["updated"]))
+                db.index(cid, None, tree["title"])
+                new_ids: list[str] = []
+                for m in tree["messages"]:
+                    parent = new_ids[m["parent"]] if m["parent"] is not None else None
+                    new_ids.append(db.add(cid, parent, m["role"], m["content"], m["status"],
+                                          m["settings"], m["stats"], m["created"]).id)
+                leaf = new_ids[tree["current"]] if tree["current"] is not None else None
+                db.execute("UPDATE conversations SET leaf = ? WHERE id = ?", (leaf, cid))
+                self._retain(db, owner, keep=cid)
+                ids.append(cid)
+        return ids
+
+
+_SUMMARY = ("SELECT c.*, (SELECT count(*) FROM messages m WHERE m.conversation_id = c.id) "
+            "AS n FROM conversations c")
+
+
+def _summary(row) -> Summary:
+    return Summary(row["id"], row["title"], row["system"], row["created"], row["updated"],
+                   row["leaf"], row["n"])
+
+
+def _message(row) -> Message:
+    return Message(row["id"], row["conversation_id"], row["parent_id"], row["role"],
+                   row["content"], row["created"], row["status"], json.loads(row["settings"]),
+                   json.loads(row["stats"]))
+
+
+class _Tx:
+    """The statements a transaction runs (the store's lock is held)."""
+
+    def __init__(self, db: sqlite3.Connection):
+        self.db = db
+
+    def execute(self, sql, args=()):
+        return self.db.execute(sql, args)
+
+    def executescript_in_tx(self, script: str) -> None:
+        # executescript would commit the open transaction first: run statement by statement
+        for statement in script.split(";"):
+            if statement.strip():
+                self.db.execute(statement)
+
+    def index(self, cid: str, message_id: str | None, text: str) -> None:
+        self.db.execute("INSERT INTO search (text, conversation_id, message_id) "
+                        "VALUES (?, ?, ?)", (text, cid, message_id))
+
+    def add(self, cid, parent_id, role, content, status, settings, stats, created) -> Message:
+        if parent_id is None:
+            parent_role = None
+        else:
+            row = self.db.execute("SELECT role FROM messages WHERE id = ? AND "
+                                  "conversation_id = ?", (parent_id, cid)).fetchone()
+            if row is None:
+                raise NotFound(f"no message {parent_id!r} in this conversation")
+            parent_role = row[0]
+        expected = "user" if parent_role in (None, "assistant") else "assistant"
+        if role != expected:
+            raise StoreError(f"a {role} message cannot follow "
+                             f"{'the start' if parent_role is None else 'a ' + parent_role + ' message'}"
+                             f"; expected a {expected} message")
+        mid = uuid.uuid4().hex
+        created = time.time() if created is None else created
+        self.db.execute("INSERT INTO messages (id, conversation_id, parent_id, role, content, "
+                        "created, status, settings, stats) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                        (mid, cid, parent_id, role, content, created, status,
+                         json.dumps(settings), json.dumps(stats)))
+        self.index(cid, mid, content)
+        return Message(mid, cid, parent_id, role, content, created, status, settings, stats)
+
+    def purge(self, cid: str) -> None:
+        self.db.execute("DELETE FROM search WHERE conversation_id = ?", (cid,))
+        self.db.execute("DELETE FROM messages WHERE conversation_id = ?", (cid,))
+        self.db.execute("DELETE FROM conversations WHERE id = ?", (cid,))
+
+
+# -- reading imports --------------------------------------------------------------------------
+def _parse_import(data) -> list[dict]:
+    """Check an import completely before anything is written; the trees to insert."""
+    if isinstance(data, list):
+        return [_from_openai(data, "messages")]
+    if not isinstance(data, dict):
+        raise BadImport(f"expected a JSON object or a list of messages, got {type(data).__name__}")
+    fmt = data.get("format")
+    if fmt is None and "messages" in data:
+        return [_from_openai(data["messages"], "messages")]
+    if fmt not in (EXPORT_FORMAT, EXPORT_ALL_FORMAT):
+        raise BadImport(f"'format' must be {EXPORT_FORMAT!r} or {EXPORT_ALL_FORMAT!r} (or give "
+                        f"an OpenAI 'messages' list), got {fmt!r}")
+    if data.get("version") != EXPORT_VERSION:
+        raise BadImport(f"'version' {data.get('version')!r} is not one this app reads "
+                        f"(it reads version {EXPORT_VERSION})")
+    if fmt == EXPORT_FORMAT:
+        return [_tree(data, "")]
+    conversations = data.get("conversations")
+    if not isinstance(conversations, list):
+        raise BadImport("'conversations' must be a list of conversations")
+    return [_tree(c, f"conversations[{i}].") for i, c in enumerate(conversations)]
+
+
+def _need(ok: bool, where: str, what: str) -> None:
+    if not ok:
+        raise BadImport(f"'{where}' {what}")
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x and abs(x) < 1e13
+
+
+def _tree(c, at: str) -> dict:
+    _need(isinstance(c, dict), at.rstrip(".") or "(top)", "must be an object")
+    if at and (c.get("format") != EXPORT_FORMAT or c.get("version") != EXPORT_VERSION):
+        raise BadImport(f"'{at}format' and 'version' must be {EXPORT_FORMAT!r} and "
+                        f"{EXPORT_VERSION}")
+    for key in ("title", "system"):
+        _need(isinstance(c.get(key, ""), str), at + key, "must be a string")
+    for key in ("created", "updated"):
+        _need(_is_number(c.get(key)), at + key, "must be a time in seconds since 1970")
+    messages = c.get("messages")
+    _need(isinstance(messages, list), at + "messages", "must be a list")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"{at}messages[{i}]"
+        _need(isinstance(m, dict), where, "must be an object")
+        _need(m.get("id") == i, where + ".id", f"must be {i} (its place in the list)")
+        parent = m.get("parent")
+        _need(parent is None or (isinstance(parent, int) and not isinstance(parent, bool)
+                                 and 0 <= parent < i),
+              where + ".parent", "must be null or the id of an earlier message")
+        role = m.get("role")
+        _need(role in ROLES, where + ".role", f"must be one of {', '.join(ROLES)}, got {role!r}")
+        expected = "user" if parent is None or out[parent]["role"] == "assistant" else "assistant"
+        _need(role == expected, where + ".role",
+              f"is {role!r} but follows {'the start' if parent is None else 'a ' + out[parent]['role'] + ' message'}"
+              f"; roles must alternate, starting with the user")
+        _need(isinstance(m.get("content"), str), where + ".content", "must be a string")
+        _need(m.get("status", "complete") in STATUSES, where + ".status",
+              f"must be one of {', '.join(STATUSES)}")
+        _need(_is_number(m.get("created")), where + ".created", "must be a time in seconds")
+        for key in ("settings", "stats"):
+            _need(isinstance(m.get(key, {}), dict), f"{where}.{key}", "must be an object")
+        out.append({"parent": parent, "role": role, "content": clean(m["content"]),
+                    "status": m.get("status", "complete"), "created": m["created"],
+                    "settings": m.get("settings", {}), "stats": m.get("stats", {})})
+    current = c.get("current")
+    _need(current is None or (isinstance(current, int) and not isinstance(current, bool)
+                              and 0 <= current < len(out)),
+          at + "current", "must be null or the id of a message")
+    return {"title": clean(c.get("title", ""))[:200], "system": clean(c.get("system", "")),
+            "created": c["created"], "updated": c["updated"],
+            "current": current if current is not None else (len(out) - 1 if out else None),
+            "messages": out}
+
+
+def _from_openai(messages, at: str) -> dict:
+    """An OpenAI `messages` list: an optional system message, then user and assistant
+    messages taking turns, starting with the user."""
+    _need(isinstance(messages, list) and messages, at, "must be a non-empty list of messages")
+    system = ""
+    out = []
+    for i, m in enumerate(messages):
+        where = f"{at}[{i}]"
+        _need(isinstance(m, dict), where, "must be an object with 'role' and 'content'")
+        role, content = m.get("role"), m.get("content")
+        if isinstance(content, list):  # content parts: the text ones
+            texts = [p.get("text", "") for p in content
+                     if isinstance(p, dict) and p.get("type") == "text"]
+            _need(all(isinstance(t, str) for t in texts), where + ".content",
+                  "has a text part whose 'text' is not a string")
+            content = "".join(texts)
+        _need(isinstance(content, str), where + ".content", "must be a string")
+        if role == "system":
+            _need(i == 0, where + ".role", "'system' may only be the first message")
+            system = content
+            continue
+        expected = "user" if not out or out[-1]["role"] == "assistant" else "assistant"
+        _need(role == expected, where + ".role",
+              f"must be {expected!r} (roles take turns, starting with the user), got {role!r}")
+        out.append({"parent": len(out) - 1 if out else None, "role": role,
+                    "content": clean(content), "status": "complete", "created": time.time(),
+                    "settings": {}, "stats": {}})
+    _need(bool(out), at, "has no user or assistant message")
+    now = time.time()
+    return {"title": title_from(out[0]["content"]), "system": clean(system), "created": now,
+            "updated": now, "current": len(out) - 1, "messages": out}
+
+
+def as_dict(message: Message) -> dict:
+    return asdict(message)
