@@ -241,7 +241,7 @@ def _measure(engine: Engine, config: BenchConfig, modes: list[str], runners: dic
 
 def run_bench(engine: Engine, config: BenchConfig, progress: Progress | None = None) -> BenchResult:
     progress = progress or (lambda f, m: None)
-    if getattr(engine, "remote", False):
+    if not engine.capabilities.local_tokens:
         return run_remote_bench(engine, config, progress)
     params = SamplingParams(temperature=0, top_k=0, top_p=1.0, repetition_penalty=1.0,
                             max_new_tokens=config.new_tokens)
@@ -775,7 +775,7 @@ def run_concurrency(engine: Engine, config: ConcurrencyConfig,
     concurrency_params). Raises ValueError for a level the engine's queue cannot hold or a
     preset that does not exist."""
     progress = progress or (lambda f, m: None)
-    if getattr(engine, "remote", False):
+    if not engine.capabilities.local_tokens:
         raise ValueError(f"bench --concurrency measures this machine's scheduler; model "
                          f"'{engine.name}' runs on a remote server (bench without "
                          "--concurrency times our streaming loop through it)")

@@ -383,7 +383,7 @@ def cmd_bench(args) -> int:
     except ValueError as e:
         return fail(str(e))
     def measure(engine, bar):
-        if args.prefix_reuse and engine.remote:  # before anything runs
+        if args.prefix_reuse and not engine.capabilities.local_tokens:  # before anything runs
             raise ValueError("--prefix-reuse times this engine's own prefix cache: it needs a "
                              "local model, not a remote one")
         return run_bench(engine, config, progress=bar)

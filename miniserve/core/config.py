@@ -13,10 +13,12 @@ from pathlib import Path
 
 import yaml
 
+from miniserve.core.errors import UserError
+
 PRESETS_FILE = Path(__file__).resolve().parent / "presets.yaml"
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A setting is wrong. `field` names it; the message says what is allowed."""
 
     def __init__(self, message: str, field: str | None = None):

@@ -10,11 +10,13 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from miniserve.core.errors import UserError
+
 ROLES = ("system", "user", "assistant")
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 
 
-class ChatError(ValueError):
+class ChatError(UserError, ValueError):
     """A conversation that cannot be sent; `field` names the part that is wrong."""
 
     def __init__(self, message: str, field: str | None = None):

@@ -19,6 +19,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from miniserve.core.errors import Busy
 from miniserve.engine.chat import (NoChatTemplate, check_messages, completion_ids, has_chat_template,
                             trim_history)
 from miniserve.core.config import (KV_BUDGET, MAX_BATCH, MAX_QUEUE, STEP_TOKENS, ConfigError,
@@ -27,6 +28,7 @@ from miniserve.engine.decode import GenerationStats, LogitsObserver, crop_cache,
 from miniserve.engine.scheduler import RequestTooLarge, Scheduler, Sequence  # noqa: F401
 from miniserve.runners.loader import LoadedModel, describe
 from miniserve.runners.hf import TransformersRunner
+from miniserve.engine.surface import LOCAL
 from miniserve.engine.stream import Detokenizer, StopStrings
 
 END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|end|>", "</s>",
@@ -34,7 +36,7 @@ END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<
 PROMPT_LOGITS_ROWS = 128  # prompt positions whose logits are held at once (echo + logprobs)
 
 
-class EngineBusy(RuntimeError):
+class EngineBusy(Busy, RuntimeError):
     """Too many requests are waiting; try again shortly."""
 
 
@@ -278,7 +280,7 @@ class Engine:
         self._grammars = None
         self._start_worker()
 
-    remote = False
+    capabilities = LOCAL
 
     @property
     def name(self) -> str:

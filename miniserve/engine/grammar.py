@@ -30,13 +30,14 @@ from collections import OrderedDict
 import llguidance
 import torch
 
+from miniserve.core.errors import UserError
 from miniserve.core.config import Constraint
 
 COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 CACHE_ENTRIES = 64
 
 
-class GrammarError(ValueError):
+class GrammarError(UserError, ValueError):
     """A schema, pattern or grammar that cannot be compiled or enforced. `field` names the
     part of the constraint (set by the caller, e.g. the API's field); the message is the
     library's reason."""
@@ -44,6 +45,9 @@ class GrammarError(ValueError):
     def __init__(self, message: str, field: str | None = None):
         super().__init__(message)
         self.field = field
+
+    def describe(self) -> str:
+        return f"the output format cannot be used: {self}"
 
 
 def grammar_text(constraint: Constraint) -> str:

@@ -18,13 +18,14 @@ from typing import Iterator
 
 import torch
 
+from miniserve.core.errors import UserError
 from miniserve.core.config import SamplingParams
 
 NEG_INF = float("-inf")
 BAN = -100.0  # a logit bias of -100 removes the token (as OpenAI documents it)
 
 
-class NoTokenAllowed(RuntimeError):
+class NoTokenAllowed(UserError, RuntimeError):
     """The grammar mask and the logit bias together left no token to choose."""
 
 

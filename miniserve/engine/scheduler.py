@@ -31,13 +31,17 @@ from typing import Callable
 
 import torch
 
+from miniserve.core.errors import UserError
 from miniserve.core.config import KV_BUDGET, MAX_BATCH, STEP_TOKENS, SamplingParams
 from miniserve.engine.decode import GenerationStats, LogitsObserver, Matcher, choose
 from miniserve.engine.sampling import make_generator
 
 
-class RequestTooLarge(ValueError):
+class RequestTooLarge(UserError, ValueError):
     """A request whose prompt and token budget cannot fit in the KV budget at all."""
+
+    field = "max_tokens"
+    code = "context_length_exceeded"
 
 
 @dataclass(eq=False)

@@ -27,13 +27,14 @@ from typing import Callable, Iterator
 
 import yaml
 
+from miniserve.core.errors import NotServed, UserError
 from miniserve.core.config import MAX_LOADED_MODELS
 
 # names the API takes for "the default model" (clients send these without asking /v1/models)
 PLACEHOLDER_MODELS = {"default", "miniserve", "gpt-3.5-turbo", "gpt-4", "gpt-4o", "gpt-4o-mini"}
 
 
-class UnknownModel(LookupError):
+class UnknownModel(NotServed, LookupError):
     """A model name that this app does not serve; the message lists the ones it does."""
 
     def __init__(self, name: str, served: list[str]):
@@ -45,7 +46,7 @@ class UnknownModel(LookupError):
         return self.args[0]
 
 
-class ModelSpecError(ValueError):
+class ModelSpecError(UserError, ValueError):
     """A --model value or a models.yaml entry that cannot be used; the message says which."""
 
 

@@ -42,6 +42,7 @@ from miniserve.engine.chat import ChatError, NoChatTemplate, Trimmed, check_mess
     trim_history
 from miniserve.core.config import CONTEXT, ConfigError, SamplingParams
 from miniserve.engine.decode import GenerationStats
+from miniserve.engine.surface import REMOTE
 from miniserve.engine.engine import Admission, Chunk, EngineBusy, Stream, columns
 from miniserve.runners.loader import ModelLoadError
 
@@ -89,7 +90,7 @@ class ServerFacts:
 class RemoteEngine:
     """The engine surface over an OpenAI-compatible server (see the module's docstring)."""
 
-    remote = True
+    capabilities = REMOTE
     tokenizer = None
 
     def __init__(self, spec, max_queue: int = 16, progress=None):

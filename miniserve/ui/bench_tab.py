@@ -64,7 +64,7 @@ class BenchmarkHandlers:
             except Exception as e:  # noqa: BLE001 -- the tab's error line
                 raise ModelUnavailable(name, e) from e
         with using(self.models, name) as engine:
-            if engine.remote:
+            if not engine.capabilities.local_tokens:
                 raise ConfigError(remote_note(name), "model")
             yield engine
 

@@ -15,6 +15,7 @@ from typing import Iterator, NamedTuple
 
 import gradio as gr
 
+from miniserve.core.errors import Unavailable, UserError
 from miniserve.engine.chat import ChatError
 from miniserve.core.config import FIELDS, ConfigError, Constraint, SamplingParams, check_seed
 from miniserve.engine.engine import EngineBusy, RequestTooLarge
@@ -53,7 +54,7 @@ ENGINE_EVENTS = "engine"
 BENCHMARK_EVENTS = "benchmark"
 
 
-class ModelUnavailable(RuntimeError):
+class ModelUnavailable(Unavailable, RuntimeError):
     """A model that could not be loaded (a bad file, an unreachable server): the message names
     it and says why; the app's other models keep working."""
 
@@ -66,8 +67,7 @@ class ModelUnavailable(RuntimeError):
 # What a user can fix or wait out (a setting, the conversation, a full queue, a request larger
 # than the KV budget, a schema or pattern the grammar library refuses, a model not served or
 # not loadable): the message is shown (user_message); anything else with its type's name.
-USER_ERRORS = (ConfigError, ChatError, EngineBusy, RequestTooLarge, GrammarError, UnknownModel,
-               ModelUnavailable)
+USER_ERRORS = (UserError,)
 
 
 def error(message: str) -> str:
@@ -82,9 +82,7 @@ def is_error(status: str) -> bool:
 def user_message(e: Exception) -> str:
     """One of USER_ERRORS as the status says it: a schema, pattern or grammar the library
     refuses is named as the output format, with the library's reason."""
-    if isinstance(e, GrammarError):
-        return f"the output format cannot be used: {e}"
-    return str(e)
+    return e.describe() if isinstance(e, UserError) else str(e)
 
 
 def message_text(content) -> str:
@@ -402,7 +400,7 @@ def model_details(models: Models, name: str | None = None) -> str:
     loads when first used; a base model says so. Drawing it never loads a model."""
     name = models.resolve(name)
     spec, engine = models.specs[name], models.loaded_engine(name)
-    if engine is not None and not engine.remote:
+    if engine is not None and engine.capabilities.local_tokens:
         return where(engine.info()) + ("" if engine.has_chat_template else f" · {BASE_MODEL}")
     if spec.remote:
         context = engine.context_length if engine is not None else spec.context

@@ -151,7 +151,7 @@ class NotebookHandlers:
     def trim_note(engine, text: str, prompt_tokens: int) -> str:
         """Said when the text was longer than the context leaves room for: the model saw only
         its end ("" otherwise, and for a remote model, whose tokens are not counted here)."""
-        if engine.remote or engine.tokenizer is None:
+        if not engine.capabilities.local_tokens:
             return ""
         total = len(engine.tokenizer(text)["input_ids"])
         if total <= prompt_tokens:
