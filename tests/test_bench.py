@@ -112,8 +112,8 @@ def test_concurrency_rows_are_consistent(engine, tmp_path):
     assert result.native_isa == ((native.isa() or "") if result.runner == "native" else "")
     c = result.ceiling
     assert c["bandwidth_gb_s"] > 0 and c["gflops"] > 0 and c["method"]
-    assert c["weight_bytes"] == engine.model.weight_bytes()
-    assert c["weight_elements"] == weight_elements(engine.model)
+    assert c["weight_bytes"] == engine.runner.weight_bytes()
+    assert c["weight_elements"] == weight_elements(engine.runner)
     for r in result.rows:
         assert r.asked_tokens == r.concurrency * config.new_tokens
         assert 1 <= r.min_stream_tokens and r.produced_tokens <= r.asked_tokens

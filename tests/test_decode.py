@@ -11,6 +11,8 @@ from conftest import (chat_ids, expected_runner, native_expected, needs_native,
                       pinned_runner, same_on_every_cpu)
 from miniserve.core.config import SamplingParams
 from miniserve.engine.decode import GenerationStats, generate
+from miniserve.runners.lean import LeanRunner
+from miniserve.runners.native import NativeRunner
 from miniserve.runners.verify import BOUND_BF16_PRODUCTS, BOUND_BFLOAT16, BOUND_FLOAT32, check_tokens
 from reference import (AGREE_BFLOAT16, AGREE_FLOAT32, HELD_OUT, TINY_BOUND, assert_greedy,
                        one_token_at_a_time, teacher_forced, whole_prompt)
@@ -50,8 +52,8 @@ def run(model, ids, params=GREEDY, **kwargs):
 
 @pytest.fixture(scope="module")
 def lean_model(loaded):
-    from miniserve.runners.lean import LeanModel
-    return LeanModel(loaded.model)
+    from miniserve.runners.lean import LeanRunner
+    return LeanRunner(loaded.model)
 
 
 @pinned_runner
@@ -90,8 +92,8 @@ def test_cache_and_no_cache_follow_the_float64_reference(loaded, engine, lean_mo
     ids = chat_ids(loaded.tokenizer, PROMPTS[name])
     if name == "long":
         assert len(ids) > 300
-    assert engine.runner == expected_runner()  # the engine's default on this CPU
-    model = {"transformers": loaded.model, "lean": lean_model, "native": engine.model}[runner]
+    assert engine.runner_name == expected_runner()  # the engine's default on this CPU
+    model = {"transformers": loaded.model, "lean": lean_model, "native": engine.runner}[runner]
     for use_cache in (True, False) if name == "short" else (True,):
         tokens, end, _ = run(model, ids, eos_ids=engine.eos_ids, use_cache=use_cache)
         assert len(tokens) >= 32, "want a long enough comparison"
@@ -105,8 +107,8 @@ def test_bfloat16_arithmetic_follows_the_reference_within_its_bound(bf16, ref16)
     margin of most steps of a chat reply -- so no run of decided steps can be asked for here,
     only that every token is within the bound of the reference's best. What bounds bf16's
     quality is the teacher-forced agreement below."""
-    from miniserve.runners.lean import LeanModel
-    lean = LeanModel(bf16.model)
+    from miniserve.runners.lean import LeanRunner
+    lean = LeanRunner(bf16.model)
     assert lean.act_dtype == torch.bfloat16
     for text in (PROMPTS["short"], PROMPTS["multilingual"]):
         ids = chat_ids(bf16.tokenizer, text)
@@ -117,19 +119,19 @@ def test_bfloat16_arithmetic_follows_the_reference_within_its_bound(bf16, ref16)
 
 def paths(loaded, bf16, engine, lean_model):
     """(step_logits, reference, bound, agreement threshold) of each way we compute logits."""
-    from miniserve.runners.lean import LeanModel
+    from miniserve.runners.lean import LeanRunner
     return {
-        "engine steps, float32": (one_token_at_a_time(engine.model), "ref32", BOUND_FLOAT32,
+        "engine steps, float32": (one_token_at_a_time(engine.runner), "ref32", BOUND_FLOAT32,
                                   AGREE_FLOAT32),
         "lean prompt pass, float32": (whole_prompt(lean_model), "ref32", BOUND_FLOAT32,
                                       AGREE_FLOAT32),
         "native steps, bf16 weights": (lambda ids: one_token_at_a_time(
-            LeanModel(bf16.model, native=True, math="float32"))(ids), "ref16", BOUND_FLOAT32,
+            NativeRunner(bf16.model, math="float32"))(ids), "ref16", BOUND_FLOAT32,
             AGREE_FLOAT32),
         "native steps, bf16 products": (lambda ids: one_token_at_a_time(
-            LeanModel(bf16.model, native=True, math="bfloat16"))(ids), "ref16",
+            NativeRunner(bf16.model, math="bfloat16"))(ids), "ref16",
             BOUND_BF16_PRODUCTS, AGREE_BFLOAT16),
-        "lean prompt pass, bf16": (whole_prompt(LeanModel(bf16.model)), "ref16",
+        "lean prompt pass, bf16": (whole_prompt(LeanRunner(bf16.model)), "ref16",
                                    BOUND_BFLOAT16, AGREE_BFLOAT16),
     }
 
@@ -147,7 +149,7 @@ def test_teacher_forced_logits_on_held_out_text(loaded, bf16, engine, lean_model
     bound of the path's arithmetic, and the top-1 token agrees with the float64 reference's
     (measured 100% in float32, 96-97% in bf16; thresholds in tests/reference.py)."""
     if path.startswith("engine"):
-        assert engine.runner == expected_runner()  # the engine's default on this CPU
+        assert engine.runner_name == expected_runner()  # the engine's default on this CPU
     step_logits, ref, bound, threshold = paths(loaded, bf16, engine, lean_model)[path]
     ids = chat_ids(loaded.tokenizer, HELD_OUT)
     agree, error = teacher_forced(step_logits, request.getfixturevalue(ref), ids)
@@ -156,9 +158,9 @@ def test_teacher_forced_logits_on_held_out_text(loaded, bf16, engine, lean_model
 
 def broken(loaded, how: str):
     """The engine's runner (native, or lean where it is off), deliberately wrong in one way."""
-    from miniserve.runners.lean import LeanModel
-    from miniserve.runners.native import NativeForward
-    model = LeanModel(loaded.model, native=native_expected())
+    from miniserve.runners.lean import LeanRunner
+    from miniserve.runners.native import NativeForward, NativeRunner
+    model = (NativeRunner if native_expected() else LeanRunner)(loaded.model)
     if how == "rope base 10000":  # the model's is 100000
         inv = 1.0 / (10000.0 ** (torch.arange(0, model.head_dim, 2).float() / model.head_dim))
         freqs = torch.outer(torch.arange(model.cos.shape[0], dtype=torch.float32), inv)
@@ -170,7 +172,7 @@ def broken(loaded, how: str):
         for w in model.layers:
             for name in ("wqkv", "wo", "w13", "w2"):
                 w[name] = w[name].to(torch.bfloat16).float()
-    if model.native is not None:
+    if isinstance(model, NativeRunner):
         model.native = NativeForward(model, model.math)  # it reads the (new) weights' addresses
     return model
 
@@ -204,8 +206,8 @@ def test_a_broken_runner_fails_these_checks(loaded, ref32, how):
 def test_int8_weights_keep_the_top_token(bf16, loaded):
     """Quality of int8 weights, teacher-forced: at each position of a real text, the int8
     model's most likely next token is the float32 model's most of the time."""
-    from miniserve.runners.lean import LeanModel
-    int8 = LeanModel(bf16.model, quant="int8")
+    from miniserve.runners.lean import LeanRunner
+    int8 = LeanRunner(bf16.model, quant="int8")
     ids = chat_ids(loaded.tokenizer, PROMPTS["long"])[:200]
     agree = 0
     with torch.inference_mode():

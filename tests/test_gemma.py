@@ -13,7 +13,8 @@ import torch
 from conftest import needs_native
 from miniserve.runners import lean
 from miniserve.engine.decode import generate
-from miniserve.runners.lean import LeanModel
+from miniserve.runners.lean import LeanRunner
+from miniserve.runners.native import NativeRunner
 from miniserve.runners.verify import BOUND_FLOAT32, last_logits
 from reference import HELD_OUT, TINY_BOUND, float64_twin, one_token_at_a_time
 from test_decode import GREEDY, hf_generate
@@ -22,8 +23,8 @@ from test_native import tiny_gemma3
 RUNNERS = ["lean", pytest.param("native", marks=needs_native)]
 
 
-def runner(model, kind: str) -> LeanModel:
-    return LeanModel(model, native=kind == "native")
+def runner(model, kind: str) -> LeanRunner:
+    return (NativeRunner if kind == "native" else LeanRunner)(model)
 
 
 def reference_reply(hf_model, ids, n: int, bound: float):
@@ -93,7 +94,7 @@ def test_a_wrong_window_is_caught(kind, window):
     want = hf_logits(model, IDS)
     ours = runner(model, kind)
     ours.windows = [window if w is not None else None for w in ours.windows]
-    if ours.native is not None:
+    if isinstance(ours, NativeRunner):
         ours.native = NativeForward(ours, ours.math)  # it reads the windows when made
     with torch.inference_mode():
         got = ours(torch.tensor([IDS]), None, all_logits=True)
@@ -106,8 +107,8 @@ def test_the_embedding_factor_is_rounded_as_transformers_rounds_it():
     for sqrt(48) = 6.928 in bfloat16. The native pass keeps float32 activations but the same
     factor."""
     model = tiny_gemma3(hidden=48).to(torch.bfloat16)
-    assert float(LeanModel(model).embed_scale) == 6.9375
-    native = LeanModel(model, native=True, math="float32")
+    assert float(LeanRunner(model).embed_scale) == 6.9375
+    native = NativeRunner(model, math="float32")
     assert native.native.struct.embed_scale == 6.9375
 
 

@@ -48,7 +48,7 @@ def run(engine, text, constraint, observer=None, **settings):
                             constraint=constraint)
     stats = GenerationStats()
     ids = engine.run_on_worker(lambda: list(generate(
-        engine.model, ask(engine, text), params, eos_ids=engine.eos_ids, stats=stats,
+        engine.runner, ask(engine, text), params, eos_ids=engine.eos_ids, stats=stats,
         observer=observer, matcher=engine.matcher(params))))
     shown = [t for t in ids if t not in engine.eos_ids]
     return engine.tokenizer.decode(shown, skip_special_tokens=True), ids, stats
@@ -150,7 +150,7 @@ def test_constrained_and_free_replies_in_one_batch_get_what_each_gets_alone(engi
     params = [SamplingParams(**{"temperature": 0, "max_new_tokens": 60, **s}, constraint=c)
               for _, c, s in cases]
     expected = [engine.run_on_worker(lambda p=p, q=q: list(generate(
-        engine.model, ask(engine, q), p, eos_ids=engine.eos_ids,
+        engine.runner, ask(engine, q), p, eos_ids=engine.eos_ids,
         matcher=engine.matcher(p)))) for (q, _, _), p in zip(cases, params)]
     out = [None] * len(cases)
     start = threading.Barrier(len(cases))

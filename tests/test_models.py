@@ -184,7 +184,7 @@ def test_prompt_logprobs_match_one_forward_pass(engine):
                            "Rome." * 12)["input_ids"]
     assert len(ids) > 128  # more than one piece
     got = engine.prompt_logprobs(ids, top=3)
-    logits = engine.run_on_worker(lambda: engine.model.forward(torch.tensor([ids]),
+    logits = engine.run_on_worker(lambda: engine.runner.forward(torch.tensor([ids]),
                                                                all_logits=True))
     want = torch.log_softmax(logits.float(), -1)
     assert len(got) == len(ids) - 1

@@ -16,7 +16,8 @@ import torch
 from conftest import chat_ids, needs_native, same_on_every_cpu
 from miniserve.runners import native
 from miniserve.engine.decode import generate
-from miniserve.runners.lean import LeanModel
+from miniserve.runners.lean import LeanRunner
+from miniserve.runners.native import NativeRunner
 from miniserve.runners.verify import runner_bound
 from reference import TINY_BOUND, assert_greedy, float64_twin, one_token_at_a_time
 from test_decode import GREEDY, PROMPTS, run
@@ -137,8 +138,8 @@ def tiny_gemma3(window: int = 8, hidden: int = 64):
 def test_step_equals_the_pytorch_forward_pass(family):
     model = tiny(family)
     ids = [(7 * i + 3) % 300 for i in range(70)]  # 70 positions: several attention chunks
-    reference = one_token_at_a_time(LeanModel(model))(ids)
-    got = one_token_at_a_time(LeanModel(model, native=True))(ids)
+    reference = one_token_at_a_time(LeanRunner(model))(ids)
+    got = one_token_at_a_time(NativeRunner(model))(ids)
     assert torch.allclose(got, reference, atol=1e-4, rtol=1e-4)
 
 
@@ -147,8 +148,8 @@ def test_step_equals_the_pytorch_forward_pass(family):
 def test_bfloat16_weights_compute_like_float32_with_the_same_weights(family):
     model = tiny(family, torch.bfloat16)
     ids = [(5 * i + 1) % 300 for i in range(40)]
-    reference = one_token_at_a_time(LeanModel(copy.deepcopy(model).float()))(ids)
-    got = one_token_at_a_time(LeanModel(model, native=True, math="float32"))(ids)
+    reference = one_token_at_a_time(LeanRunner(copy.deepcopy(model).float()))(ids)
+    got = one_token_at_a_time(NativeRunner(model, math="float32"))(ids)
     assert torch.allclose(got, reference, atol=1e-4, rtol=1e-4)
 
 
@@ -161,7 +162,7 @@ def test_a_sequence_gets_the_same_logits_whatever_shares_its_pass(family, math):
     sequences of other lengths (one of them still reading its prompt). Gemma 3: local layers'
     windows of 8 start at every offset within a tile of keys, and straddle the first block's
     end."""
-    model = LeanModel(tiny(family, torch.bfloat16), native=True, math=math)
+    model = NativeRunner(tiny(family, torch.bfloat16), math=math)
     ids = [(5 * i + 1) % 300 for i in range(300)]  # past one attention block (256 positions)
     whole = model.native([(ids, model.new_cache())], all_logits=True)
     assert torch.equal(one_token_at_a_time(model)(ids), whole)
@@ -184,7 +185,7 @@ def test_prompt_and_steps_share_the_cache(tiny_model):
     """A prompt (one pass of many rows) then one-row steps, and the whole sequence again at
     every step (no cache): both held to the float64 twin."""
     reference = float64_twin(tiny_model)
-    model = LeanModel(tiny_model, native=True)
+    model = NativeRunner(tiny_model)
     ids = list(range(3, 60))
     for use_cache in (True, False):
         tokens = list(generate(model, ids, GREEDY.replace(max_new_tokens=20), eos_ids=set(),
@@ -201,7 +202,7 @@ def test_the_weights_are_moved_not_copied(tiny_model):
     ids = torch.tensor([list(range(3, 40))])
     with torch.inference_mode():
         before = model(ids).logits
-    lean = LeanModel(model)
+    lean = LeanRunner(model)
     attn, layer = model.model.layers[0].self_attn, lean.layers[0]
     assert layer["wo"] is attn.o_proj.weight and lean.lm_head is model.lm_head.weight
     assert attn.q_proj.weight.data_ptr() == layer["wqkv"].data_ptr()
@@ -217,7 +218,7 @@ def test_the_weights_are_moved_not_copied(tiny_model):
 def test_same_logits_from_another_thread(tiny_model):
     """Exact by construction: the same code with the same pool of threads, from another
     Python thread."""
-    model = LeanModel(tiny_model, native=True)
+    model = NativeRunner(tiny_model)
     ids = list(range(3, 30))
     here = one_token_at_a_time(model)(ids)
     box = {}
@@ -236,7 +237,7 @@ def test_real_model_over_bfloat16_weights_follows_the_float64_reference(bf16, re
     computes, up to the order of the sums -- so held to those weights in float64 within
     float32's bound, with and without the cache. bfloat16 products (activations rounded at
     each product's input): within their own bound."""
-    model = LeanModel(bf16.model, native=True, math=math)
+    model = NativeRunner(bf16.model, math=math)
     bound = runner_bound(model)
     for name in ("short", "long"):
         ids = chat_ids(bf16.tokenizer, PROMPTS[name])

@@ -29,7 +29,7 @@ def settings(n, new_tokens=24):
 def alone(engine, ids, params):
     """The reference: the one-sequence loop, on the engine's runner and thread."""
     return engine.run_on_worker(lambda: list(generate(
-        engine.model, ids, params, eos_ids=engine.eos_ids, max_length=engine.context_length)))
+        engine.runner, ids, params, eos_ids=engine.eos_ids, max_length=engine.context_length)))
 
 
 def together(engine, prompts, params, **kwargs):
@@ -65,7 +65,7 @@ def test_eight_streams_get_the_tokens_each_gets_alone(request, which):
     for ids, p, (tokens, last) in zip(prompts, params, got):
         assert tokens == alone(engine, ids, p)
         assert last.stats.finish_reason in ("eos", "length")
-    if engine.runner == "native":  # one pass over several sequences did happen
+    if engine.runner_name == "native":  # one pass over several sequences did happen
         assert max(engine.scheduler.widest, before) >= 2
 
 

@@ -201,7 +201,7 @@ def test_greedy_tokens_as_stored_follow_the_float64_reference(stored_engine, ref
     from conftest import chat_ids
     from miniserve.core.config import SamplingParams
     from miniserve.runners.verify import BOUND_STORED, check_tokens
-    assert stored_engine.runner == "native" and stored_engine.info()["dtype"] == "q4_1 as stored"
+    assert stored_engine.runner_name == "native" and stored_engine.info()["dtype"] == "q4_1 as stored"
     ids = chat_ids(stored_engine.tokenizer, "Name the planets of the solar system.")
     chunks = list(stored_engine.complete(ids, SamplingParams(temperature=0, max_new_tokens=24)))
     tokens = [t for c in chunks for t in c.token_ids]

@@ -179,11 +179,11 @@ def _run_lean(engine: Engine, ids, params, box: dict):
     decode steps alike, next to the engine's own runner: what the native forward pass gains.
     Built at first use (its own fused copy of the weights, activations in the model's dtype)."""
     from miniserve.engine.decode import GenerationStats, generate
-    from miniserve.runners.lean import LeanModel
+    from miniserve.runners.lean import LeanRunner
 
     def run():
         if "model" not in box:
-            box["model"] = LeanModel(engine.loaded.reference())
+            box["model"] = LeanRunner(engine.loaded.reference())
         stats = GenerationStats()
         tokens = list(generate(box["model"], ids, params, eos_ids=engine.eos_ids, stats=stats))
         return tokens, stats.ttft_s, stats.total_s
@@ -258,13 +258,13 @@ def run_bench(engine: Engine, config: BenchConfig, progress: Progress | None = N
                "hf_generate": lambda ids: _run_hf(engine, ids, params),
                "transformers_loop": lambda ids: _run_transformers_loop(engine, ids, params),
                "lean": lambda ids: _run_lean(engine, ids, params, lean_box)}
-    nbytes = {m: (engine.model if m in ("no_cache", "cache", "cache+json_schema") else
+    nbytes = {m: (engine.runner if m in ("no_cache", "cache", "cache+json_schema") else
                   TransformersRunner(engine.loaded.reference())).weight_bytes()
               for m in config.modes}
     modes = list(config.modes)
     # the error bound of each mode's logits: the engine's runner's own (bfloat16 products on
     # the native runner), else the arithmetic of the model's dtype
-    ours_bound, reference_bound = runner_bound(engine.model), bound_for(engine.loaded.dtype)
+    ours_bound, reference_bound = runner_bound(engine.runner), bound_for(engine.loaded.dtype)
     bounds = {"no_cache": ours_bound, "cache": ours_bound, "hf_generate": reference_bound,
               "transformers_loop": reference_bound, "lean": reference_bound}
     peers = []
@@ -311,8 +311,8 @@ def run_bench(engine: Engine, config: BenchConfig, progress: Progress | None = N
     ours_rows = [r for r in rows if r.mode in bounds]  # not llama.cpp's
     return BenchResult(rows, all(r.tokens_match for r in ours_rows),
                        all(r.verified is not False for r in rows), engine.name,
-                       engine.loaded.device.type, ours, note=note, runner=engine.runner,
-                       native_isa=(native.isa() or "") if engine.runner == "native" else "",
+                       engine.loaded.device.type, ours, note=note, runner=engine.runner_name,
+                       native_isa=(native.isa() or "") if engine.runner_name == "native" else "",
                        cpu=cpu_model())
 
 
@@ -425,7 +425,7 @@ def _token_checker(engine: Engine, new_tokens: int):
 
 
 def mixed_precision(engine: Engine) -> bool:
-    return engine.model.act_dtype != engine.loaded.dtype
+    return engine.runner.act_dtype != engine.loaded.dtype
 
 
 def clear_prefix_cache(engine) -> None:
@@ -788,7 +788,7 @@ def run_concurrency(engine: Engine, config: ConcurrencyConfig,
         raise ValueError(f"prompt tokens + new tokens ({config.prompt_tokens} + "
                          f"{config.new_tokens}) exceed the context ({engine.context_length})")
     cpu = cpu_model()
-    isa = (native.isa() or "") if engine.runner == "native" else ""
+    isa = (native.isa() or "") if engine.runner_name == "native" else ""
     info = engine.info()
     math = info.get("compute_dtype", "")
     weights = (engine.info()["dtype"] if engine.loaded.stored
@@ -850,7 +850,7 @@ def run_concurrency(engine: Engine, config: ConcurrencyConfig,
         note = ("some streams ended on an end token before their new tokens: "
                 + ", ".join(f"{r.engine} {r.preset} x{r.concurrency} produced "
                             f"{r.produced_tokens} of {r.asked_tokens}" for r in short))
-    return ConcurrencyResult(rows, engine.name, engine.loaded.device.type, dtype, engine.runner,
+    return ConcurrencyResult(rows, engine.name, engine.loaded.device.type, dtype, engine.runner_name,
                              math, cpu, isa, config.prompt_tokens, config.new_tokens,
                              ceiling, note, scheduler.kv_budget, round(rss_before, 1),
                              round(rss_mb(), 1))
@@ -951,7 +951,7 @@ def measure_ceiling(engine: Engine, math: str = "") -> dict:
     """Memory bandwidth (one row through the largest weight matrix) and GFLOPS (CEILING_BATCH
     rows through it), measured on the engine thread with the kernel that would run them; the
     best of several runs. Empty when the runner has no float weight matrix."""
-    runner = engine.model
+    runner = engine.runner
     found = largest_weight(runner)
     if found is None:
         return {}
@@ -959,7 +959,7 @@ def measure_ceiling(engine: Engine, math: str = "") -> dict:
     math = math or engine.info().get("compute_dtype", "float32")
 
     def measure():
-        product, label = product_kernel(w, math, getattr(engine, "runner", "") == "native")
+        product, label = product_kernel(w, math, engine.runner_name == "native")
         rows, cols = w.shape
         x1 = torch.randn(1, cols, dtype=torch.float32)
         xb = torch.randn(CEILING_BATCH, cols, dtype=torch.float32)

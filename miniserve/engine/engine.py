@@ -141,7 +141,7 @@ class PrefixCache:
 
     def held_positions(self) -> int:
         """KV positions the kept caches hold in memory (their capacity, where they say)."""
-        return sum(max(getattr(e.cache, "capacity", 0), len(e.ids))
+        return sum(max(e.cache.capacity, len(e.ids))
                    for e in self.entries.values())
 
     def clear(self) -> None:
@@ -197,9 +197,12 @@ def make_runner(loaded: LoadedModel, runner: str = "auto", quant: str | None = N
     if not lean.supports(loaded.model):
         raise ValueError(f"the {runner} runner does not support "
                          f"{loaded.model.config.model_type}; use --runner transformers")
-    use_native = runner == "native" or (
-        runner == "auto" and native.supports(loaded.device, loaded.model.dtype, quant))
-    return lean.LeanModel(loaded.model, quant=quant, native=use_native, math=math)
+    if runner == "native" or (
+            runner == "auto" and native.supports(loaded.device, loaded.model.dtype, quant)):
+        if quant:
+            raise ValueError(f"--quant {quant} runs on the lean runner, not the native one")
+        return native.NativeRunner(loaded.model, math=math)
+    return lean.LeanRunner(loaded.model, quant=quant, math=math)
 
 
 class Stream:
@@ -262,8 +265,7 @@ class Engine:
                  step_tokens: int | None = None, name: str | None = None):
         self.loaded = loaded
         self._name = name or loaded.name
-        self.model = make_runner(loaded, runner, quant, math)
-        self.runner = self.model.name
+        self.runner = make_runner(loaded, runner, quant, math)
         self.quant = quant
         self.tokenizer = loaded.tokenizer
         self.context_length = loaded.context_length
@@ -271,7 +273,7 @@ class Engine:
         self.prefix_cache = PrefixCache(max_entries=prefix_cache_entries)
         self.max_queue = max_queue
         self.scheduler = Scheduler(
-            self.model, prefix_cache=self.prefix_cache,
+            self.runner, prefix_cache=self.prefix_cache,
             max_batch=max_batch or MAX_BATCH.default,
             step_tokens=step_tokens or STEP_TOKENS.default,
             kv_budget=kv_budget or KV_BUDGET.default)
@@ -287,6 +289,11 @@ class Engine:
         return self._name
 
     @property
+    def runner_name(self) -> str:
+        """"transformers", "lean" or "native" (runners/base.py)."""
+        return self.runner.name
+
+    @property
     def has_chat_template(self) -> bool:
         """False for a base model: it continues text (complete_text), chat raises."""
         return has_chat_template(self.tokenizer)
@@ -295,10 +302,9 @@ class Engine:
         from miniserve.runners import native
         s = self.scheduler
         return {**describe(self.loaded), "name": self.name, "chat": self.has_chat_template,
-                "remote": False, "runner": self.runner, "quant": self.quant or "none",
-                "compute_dtype": self.model.math if hasattr(self.model, "math")
-                else str(self.model.act_dtype).removeprefix("torch."),
-                "kernels": native.isa() if self.runner == "native" else None,
+                "remote": False, "runner": self.runner_name, "quant": self.quant or "none",
+                "compute_dtype": self.runner.math,
+                "kernels": native.isa() if self.runner_name == "native" else None,
                 "max_batch": s.max_batch, "step_tokens": s.step_tokens,
                 "kv_budget": s.kv_budget}
 
@@ -387,14 +393,14 @@ class Engine:
         if self._grammars is None:
             from miniserve.engine.grammar import Grammars
             self._grammars = Grammars(self.tokenizer, self.eos_ids,
-                                      self.model.config.vocab_size)
+                                      self.runner.config.vocab_size)
         return self._grammars
 
     def check(self, params: SamplingParams) -> None:
         """What only the model can check in settings: logit-bias ids within its vocabulary
         (ConfigError), and an output format its tokenizer's grammar compiler can enforce
         (GrammarError with the library's reason; compiled once, reused by the replies)."""
-        vocab = self.model.config.vocab_size
+        vocab = self.runner.config.vocab_size
         bad = next((t for t, _ in params.logit_bias if t >= vocab), None)
         if bad is not None:
             raise ConfigError(f"'logit_bias': token id {bad} is out of range: the vocabulary "
@@ -477,7 +483,7 @@ class Engine:
             prompt_ids = list(prompt_ids)
             if not prompt_ids:
                 raise ValueError("the prompt is empty: give at least one token")
-            vocab = self.model.config.vocab_size
+            vocab = self.runner.config.vocab_size
             bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
             if bad is not None:
                 raise ValueError(f"token id {bad} is out of range: the vocabulary has ids "
@@ -509,7 +515,7 @@ class Engine:
         reply = _Reply(self.tokenizer, params, stats, sink, dropped_messages)
         try:
             if not cancel.is_set():  # a caller that left while queued costs nothing
-                for token_id in generate(self.model, prompt_ids, params, eos_ids=self.eos_ids,
+                for token_id in generate(self.runner, prompt_ids, params, eos_ids=self.eos_ids,
                                          use_cache=False, cancel=cancel, stats=stats,
                                          max_length=self.context_length, observer=observer,
                                          matcher=self.matcher(params)):
@@ -544,11 +550,11 @@ class Engine:
         import torch
 
         def run():
-            cache = self.model.new_cache(len(prompt_ids))
+            cache = self.runner.new_cache(len(prompt_ids))
             out = []
             for start in range(0, len(prompt_ids) - 1, PROMPT_LOGITS_ROWS):
                 piece = prompt_ids[start:start + PROMPT_LOGITS_ROWS]
-                logits = self.model.forward(torch.tensor([piece]), cache, all_logits=True)
+                logits = self.runner.forward(torch.tensor([piece]), cache, all_logits=True)
                 logp = torch.log_softmax(logits.float(), dim=-1)
                 for row in range(len(piece)):
                     pos = start + row + 1  # this row predicts the token at pos

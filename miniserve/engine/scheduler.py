@@ -162,11 +162,7 @@ class Scheduler:
 
     def _forward(self, rows) -> torch.Tensor:
         entries = [(chunk, seq.cache) for seq, chunk in rows]
-        step = getattr(self.runner, "step", None)
-        if step is not None:
-            return step(entries)
-        return torch.cat([self.runner.forward(torch.tensor([ids]), cache)
-                          for ids, cache in entries])
+        return self.runner.step(entries)
 
     def _rows(self) -> list[tuple[Sequence, list[int]]]:
         """Decode rows first (every running sequence advances each step), then prompt chunks
@@ -197,7 +193,7 @@ class Scheduler:
         cache, reused, logits = None, 0, None
         if seq.reuse_prefix and self.prefix_cache is not None:
             cache, reused, logits = self.prefix_cache.take(seq.prompt)
-        capacity = getattr(cache, "capacity", 0)
+        capacity = cache.capacity if cache is not None else 0
         seq.held = max(seq.reserve, capacity)
         # room: give up kept caches, oldest first (the one just taken is no longer among them)
         while self.prefix_cache is not None and self.prefix_cache.entries and (
@@ -205,7 +201,7 @@ class Scheduler:
             self.prefix_cache.entries.popitem(last=False)
         if cache is None:
             cache = self.runner.new_cache(seq.reserve)
-        elif hasattr(cache, "reserve"):
+        else:
             cache.reserve(seq.reserve, exact=True)
         seq.cache, seq.done_prompt, seq.pending_logits = cache, reused, logits
         seq.stats.reused_tokens = reused

@@ -1,22 +1,6 @@
-"""The runner interface: what the decode loop drives, whichever forward pass is behind it.
-
-    runner.new_cache(capacity=None)                      an empty KV cache
-    runner.forward(ids (1, T), cache=None, all_logits=False)
-        -> logits of the last position (1, vocab), or of every position (T, vocab);
-           with a cache, positions continue from its length and the new keys/values are
-           appended to it
-    runner.step([(ids, cache), ...]) (optional)
-        -> the logits of each sequence's last new id (n, vocab), all in one pass (the native
-           runner); without it the scheduler calls forward for one sequence after another
-    runner.name               "transformers", "lean" or "native"
-    runner.dtype              the weights';  runner.act_dtype: the arithmetic's
-    runner.device, runner.config, runner.generation_config
-    runner.weight_bytes()     bytes of weights read per decoded token
-
-`lean.LeanModel` (with the compiled step of native.py when it has one) implements it;
-`TransformersRunner` wraps a transformers model, the reference and the fallback for every
-other architecture. `as_runner` lets the loop take a bare transformers model too.
-"""
+"""The transformers runner: a transformers causal LM behind the runner interface
+(runners/base.py) -- the reference every other runner is measured against, and the fallback
+for every architecture the lean and native runners do not implement."""
 
 from __future__ import annotations
 
@@ -24,6 +8,8 @@ import functools
 import inspect
 
 import torch
+
+from miniserve.runners.base import Runner
 
 
 class TransformersRunner:
@@ -36,14 +22,19 @@ class TransformersRunner:
         self.config = model.config
         self.generation_config = model.generation_config
         self.dtype = self.act_dtype = model.dtype
+        self.math = str(model.dtype).removeprefix("torch.")
 
     @property
     def device(self) -> torch.device:
         return self.model.device
 
     def new_cache(self, capacity: int | None = None):
-        from transformers import DynamicCache
-        return DynamicCache(config=self.config)
+        return _cache_class()(config=self.config)
+
+    def step(self, entries, all_logits: bool = False) -> torch.Tensor:
+        """One sequence after another (transformers' caches are one sequence each)."""
+        return torch.cat([self.forward(torch.as_tensor(ids).view(1, -1), cache, all_logits)
+                          for ids, cache in entries])
 
     def forward(self, input_ids: torch.Tensor, cache=None, all_logits: bool = False):
         kwargs = {_cache_kwarg(type(self.model)): cache, "use_cache": cache is not None}
@@ -66,7 +57,22 @@ class TransformersRunner:
 
 def as_runner(model):
     """A runner as is; a transformers model wrapped."""
-    return model if hasattr(model, "new_cache") else TransformersRunner(model)
+    return model if isinstance(model, Runner) else TransformersRunner(model)
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_class() -> type:
+    """transformers' DynamicCache with the rest of the cache protocol: it grows on its own, so
+    it reserves nothing and holds no capacity ahead."""
+    from transformers import DynamicCache
+
+    class TransformersCache(DynamicCache):
+        capacity = 0
+
+        def reserve(self, needed: int, exact: bool = False) -> None:
+            pass
+
+    return TransformersCache
 
 
 @functools.lru_cache(maxsize=None)

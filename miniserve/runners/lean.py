@@ -28,6 +28,8 @@ import mmap
 import torch
 import torch.nn.functional as F
 
+from miniserve.runners.base import KVCache
+
 SUPPORTED = {"llama", "qwen2", "mistral", "gemma3_text"}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -57,49 +59,6 @@ def _supports_gemma3(cfg) -> bool:
             and getattr(cfg, "attn_logit_softcapping", None) is None
             and not getattr(cfg, "use_bidirectional_attention", False)
             and not getattr(cfg, "attention_bias", False))
-
-
-class KVCache:
-    """Keys and values of every layer, (layers, kv_heads, capacity, head_dim) each, grown by
-    doubling. `length` positions are valid. Same small interface as transformers' caches."""
-
-    TILE = 1  # capacities are a multiple of this
-
-    def __init__(self, layers, kv_heads, head_dim, dtype, device, capacity=256):
-        shape = (layers, kv_heads, capacity, head_dim)
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
-        self.length = 0
-
-    @property
-    def capacity(self) -> int:
-        return self.v.shape[2]  # V is (layers, kv_heads, capacity, ...) in every layout
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-    def crop(self, n: int) -> None:
-        """transformers' convention: a negative n removes that many positions."""
-        self.length = self.length + n if n < 0 else min(n, self.length)
-
-    def reserve(self, needed: int, exact: bool = False) -> None:
-        """Room for `needed` positions: doubling, so that a growing sequence copies rarely, or
-        `exact`ly that many (rounded up to a multiple of TILE)."""
-        capacity = self.capacity
-        if needed <= capacity:
-            return
-        if exact:
-            capacity = -(-needed // self.TILE) * self.TILE
-        while capacity < needed:
-            capacity *= 2
-        self._grow(capacity)
-
-    def _grow(self, capacity: int) -> None:
-        for name in ("k", "v"):
-            old = getattr(self, name)
-            new = old.new_empty((*old.shape[:2], capacity, old.shape[3]))
-            new[:, :, :self.length] = old[:, :, :self.length]
-            setattr(self, name, new)
 
 
 class WeightArena:
@@ -225,12 +184,13 @@ def _rotate_half(x):
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-class LeanModel:
-    """Plain tensors and functions; no nn.Module machinery on the hot path. A runner
-    (miniserve/runners/hf.py): "native" when its passes run in compiled code, else "lean"."""
+class LeanRunner:
+    """Plain tensors and functions; no nn.Module machinery on the hot path. The "lean" runner
+    (runners/base.py); native.NativeRunner runs the same weights in compiled code."""
 
-    def __init__(self, hf_model, quant: str | None = None, native: bool = False,
-                 math: str = "auto"):
+    name = "lean"
+
+    def __init__(self, hf_model, quant: str | None = None, math: str = "auto"):
         if quant not in (None, "int8"):
             raise ValueError(f"unknown quantization '{quant}': use int8 or none")
         if quant == "int8" and hf_model.dtype != torch.bfloat16:
@@ -245,23 +205,10 @@ class LeanModel:
         self.n_kv = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
         self.eps = cfg.rms_norm_eps
-        if native:  # every pass in compiled code (miniserve/runners/native.py)
-            from miniserve.runners import native as native_mod
-            if not native_mod.supports(self.device_, self.dtype, quant):
-                reason = native_mod.unavailable_reason()
-                raise ValueError("the native runner needs a CPU model with float32 or "
-                                 "bfloat16 weights and no --quant"
-                                 + (f"; {reason}" if reason else ""))
-            self.math = native_mod.resolve_math(math, self.dtype)
-        else:  # PyTorch computes in the weights' dtype
-            self.math = str(self.dtype).removeprefix("torch.")
-            if math not in ("auto", self.math):
-                raise ValueError(f"--math {math} needs the native runner; the lean runner "
-                                 f"computes in the weights' dtype ({self.math})")
-        # The arithmetic of the matrix products. The native pass keeps activations, RoPE
-        # tables and the KV cache in float32 whatever the products' arithmetic.
+        self.math = self._math(math)
+        # The arithmetic of the matrix products.
         self.act_dtype = getattr(torch, self.math)
-        table_dtype = torch.float32 if native else self.dtype
+        table_dtype = self._table_dtype()
         self.gemma = cfg.model_type == "gemma3_text"
         self.embed = base.embed_tokens.weight
         # Gemma's embeddings are multiplied by sqrt(hidden), a factor transformers first rounds
@@ -302,7 +249,17 @@ class LeanModel:
             for w in self.layers:
                 for name in ("wqkv", "wo", "w13", "w2"):
                     w[name] = Int8Weight(w[name])
-        self.native = native_mod.NativeForward(self, self.math) if native else None
+
+    def _math(self, math: str) -> str:
+        """PyTorch computes in the weights' dtype."""
+        own = str(self.dtype).removeprefix("torch.")
+        if math not in ("auto", own):
+            raise ValueError(f"--math {math} needs the native runner; the lean runner "
+                             f"computes in the weights' dtype ({own})")
+        return own
+
+    def _table_dtype(self) -> torch.dtype:
+        return self.dtype
 
     def layer_tables(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The RoPE tables (cos, sin) of a layer: Gemma's local layers have a base of their own."""
@@ -327,22 +284,13 @@ class LeanModel:
     def device(self):
         return self.device_
 
-    @property
-    def name(self) -> str:
-        return "lean" if self.native is None else "native"
-
     def new_cache(self, capacity: int = 256):
-        if self.native is not None:
-            return self.native.new_cache(capacity)
         return KVCache(len(self.layers), self.n_kv, self.head_dim, self.dtype, self.device_,
                        capacity)
 
     def step(self, entries, all_logits: bool = False) -> torch.Tensor:
         """Several sequences at once: entries of (new ids, cache); the logits of each one's
-        last new id (len(entries), vocab). Native: one pass over all their rows. PyTorch: one
-        sequence after another."""
-        if self.native is not None:
-            return self.native(entries, all_logits)
+        last new id (len(entries), vocab), one sequence after another."""
         return torch.cat([self.forward(torch.as_tensor(ids).view(1, -1), cache, all_logits)
                           for ids, cache in entries])
 
@@ -354,11 +302,6 @@ class LeanModel:
                 all_logits: bool = False) -> torch.Tensor:
         """ids (1, T) -> logits of the last position (1, vocab), or of every position
         (T, vocab) with `all_logits`. Appends to `cache` if given."""
-        if self.native is not None:  # the same computation, compiled, all rows in one pass
-            ids = input_ids[0].tolist()
-            logits = self.native([(ids, cache if cache is not None else
-                                   self.new_cache(len(ids)))], all_logits)
-            return logits if all_logits else logits.view(1, -1)
         T = input_ids.shape[1]
         start = cache.length if cache is not None else 0
         if cache is not None:

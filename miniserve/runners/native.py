@@ -34,7 +34,8 @@ import torch
 from miniserve.core import platform as platform_info
 from miniserve.core.config import MATHS
 from miniserve.core.paths import cache_root
-from miniserve.runners.lean import KVCache
+from miniserve.runners.base import KVCache
+from miniserve.runners.lean import LeanRunner
 
 SOURCE = Path(__file__).parent / "kernels" / "decode.cpp"
 KERNEL_FILES = sorted(SOURCE.parent.glob("*.h")) + [SOURCE]  # the headers decode.cpp includes
@@ -334,7 +335,7 @@ class NativeCache(KVCache):
 
 class NativeForward:
     """A model's weights behind decode.cpp's forward pass: any number of rows from any number
-    of sequences in one call. The model is a LeanModel (float32 / bfloat16 tensors, q|k|v and
+    of sequences in one call. The model is a LeanRunner (float32 / bfloat16 tensors, q|k|v and
     gate|up fused) or a stored GGUF model (miniserve/runners/stored.py: StoredMatrix tensors in the
     file's block formats, q, k, v, gate and up apart).
 
@@ -428,6 +429,49 @@ class NativeForward:
         for ids, cache in entries:
             cache.length += len(ids)
         return logits
+
+
+class CompiledPass:
+    """The runner methods of a model whose every pass runs in decode.cpp (`self.native`, a
+    NativeForward): NativeRunner's and stored.StoredRunner's."""
+
+    name = "native"
+    native: NativeForward
+
+    def new_cache(self, capacity: int = 256) -> NativeCache:
+        return self.native.new_cache(capacity)
+
+    def step(self, entries, all_logits: bool = False) -> torch.Tensor:
+        """Any number of sequences' new rows in one pass."""
+        return self.native(entries, all_logits)
+
+    def forward(self, input_ids: torch.Tensor, cache=None, all_logits: bool = False):
+        ids = input_ids[0].tolist()
+        logits = self.native([(ids, cache if cache is not None else self.new_cache(len(ids)))],
+                             all_logits)
+        return logits if all_logits else logits.view(1, -1)
+
+    __call__ = forward
+
+
+class NativeRunner(CompiledPass, LeanRunner):
+    """The lean runner's weights (float32 or bfloat16, q|k|v and gate|up fused), every pass in
+    compiled code: activations, RoPE tables and the KV cache in float32 whatever the products'
+    arithmetic (`--math`)."""
+
+    def __init__(self, hf_model, math: str = "auto"):
+        if not supports(hf_model.device, hf_model.dtype):
+            reason = unavailable_reason()
+            raise ValueError("the native runner needs a CPU model with float32 or bfloat16 "
+                             "weights and no --quant" + (f"; {reason}" if reason else ""))
+        super().__init__(hf_model, math=math)
+        self.native = NativeForward(self, self.math)
+
+    def _math(self, math: str) -> str:
+        return resolve_math(math, self.dtype)
+
+    def _table_dtype(self) -> torch.dtype:
+        return torch.float32
 
 
 def kernels() -> dict:

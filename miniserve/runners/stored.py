@@ -31,6 +31,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from miniserve.runners import native
 from miniserve.runners.gguf_file import GGUFFile, GGUFFileError
 
 ARCHITECTURES = ("llama", "qwen2", "gemma3")
@@ -91,7 +92,6 @@ class GGUFWeights:
     from it by StoredRunner). Raises StoredModelError for a file it cannot run."""
 
     def __init__(self, path: Path, progress: Progress | None = None):
-        from miniserve.runners import native
         self.path = Path(path)
         try:
             self.file = GGUFFile(self.path)
@@ -206,7 +206,6 @@ class GGUFWeights:
     def matrix(self, name: str, shape: tuple[int, int]):
         """A matrix where it lies (a StoredMatrix), or a float32 copy for a type the kernels do
         not run in place."""
-        from miniserve.runners import native
         info = self._tensor(name)
         if tuple(info.shape) != tuple(shape):
             raise StoredModelError(f"{self.path.name}: tensor '{name}' is {info.shape}, the "
@@ -324,16 +323,14 @@ def rope_tables(weights: GGUFWeights, theta: float, pairs: bool, positions: int,
     return emb.cos().contiguous(), emb.sin().contiguous()
 
 
-class StoredRunner:
-    """The native runner over a GGUF file's weights as stored (miniserve/runners/hf.py's interface)."""
+class StoredRunner(native.CompiledPass):
+    """The native runner over a GGUF file's weights as stored (runners/base.py's interface)."""
 
-    name = "native"
     device = torch.device("cpu")
     dtype = torch.float32  # activations (the weights keep their own types)
     act_dtype = torch.float32
 
     def __init__(self, weights: GGUFWeights, math: str = "auto", generation_config=None):
-        from miniserve.runners import native
         if native.load() is None:
             raise ValueError("weights as stored need the native runner: "
                              + (native.unavailable_reason() or "it is not available"))
@@ -385,20 +382,6 @@ class StoredRunner:
     def weight_bytes(self) -> int:
         return self.weights.weight_bytes()
 
-    def new_cache(self, capacity: int = 256):
-        return self.native.new_cache(capacity)
-
-    def step(self, entries, all_logits: bool = False) -> torch.Tensor:
-        return self.native(entries, all_logits)
-
-    def forward(self, input_ids: torch.Tensor, cache=None, all_logits: bool = False):
-        ids = input_ids[0].tolist()
-        logits = self.native([(ids, cache if cache is not None else self.new_cache(len(ids)))],
-                             all_logits)
-        return logits if all_logits else logits.view(1, -1)
-
-    __call__ = forward
-
 
 # -- float models quantized at load (--quant q8_0 | q4_0) -------------------------------------
 
@@ -414,7 +397,6 @@ def quantize_at_load(hf_model, quant: str, math: str = "auto"):
     billion weights; the float copy stays for the benchmark's reference."""
     import gguf
 
-    from miniserve.runners import lean, native
     if quant not in QUANTS:
         raise ValueError(f"unknown --quant '{quant}': use {', '.join(QUANTS)}")
     if native.load() is None:
@@ -423,7 +405,7 @@ def quantize_at_load(hf_model, quant: str, math: str = "auto"):
     qtype = gguf.GGMLQuantizationType(QUANTS[quant])
     # its matrices fused and its tables float32, as the native runner takes them; the float
     # matrices' pass is replaced below by one over their blocks
-    model = lean.LeanModel(hf_model, native=True, math=math)
+    model = native.NativeRunner(hf_model, math=math)
     kept = []
 
     def blocks(w: torch.Tensor) -> native.StoredMatrix:

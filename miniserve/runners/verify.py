@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from miniserve.runners.stored import StoredRunner
+
 # float32 arithmetic (native C++ step, PyTorch lean pass, transformers): logits are O(10-30);
 # measured largest error 9.8e-5 (7.0e-5 .. 9.8e-5 over runners and legs).
 BOUND_FLOAT32 = 1e-3
@@ -62,9 +64,9 @@ def bound_for(arithmetic: torch.dtype) -> float:
 
 def runner_bound(runner) -> float:
     """The error bound of a runner's logits: its arithmetic's, bfloat16 products apart."""
-    if getattr(runner, "weights", None) is not None:  # weights as stored (quantized blocks)
+    if isinstance(runner, StoredRunner):  # weights as stored (quantized blocks)
         return BOUND_STORED
-    if getattr(runner, "native", None) is not None and runner.math == "bfloat16":
+    if runner.name == "native" and runner.math == "bfloat16":
         return BOUND_BF16_PRODUCTS
     return bound_for(runner.act_dtype)
 
