@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     import uvicorn
     from fastapi import FastAPI
 
-    from miniserve.serve.api import build_router
+    from miniserve.serve.routes import build_router
     from miniserve.ui import CSS, build_ui
 
     demo = build_ui(models, presets, args.preset, store)

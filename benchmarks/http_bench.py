@@ -135,7 +135,7 @@ def measure_http(engine, streams: int = 8, prompt_tokens: int = 64, new_tokens: 
                  port: int | None = None) -> dict:
     """`streams` concurrent greedy streaming requests over HTTP and the same ones in-process;
     returns {"http": numbers, "in_process": numbers, ...} (see the module docstring)."""
-    from miniserve.serve.api import API_DEFAULTS
+    from miniserve.serve.protocol import API_DEFAULTS
     from miniserve.core.config import SamplingParams
     if streams < 1 or prompt_tokens < 1 or new_tokens < 1:
         raise ValueError("streams, prompt_tokens and new_tokens must be at least 1")

@@ -10,9 +10,10 @@ import urllib.request
 import openai
 import pytest
 
+from miniserve.core.config import MAX_CHOICES
+
 from conftest import chat_ids
 from servers import send
-from miniserve.core.config import MAX_CHOICES
 
 Q = [{"role": "user", "content": "Name three fruits."}]
 LONG = "Repeat the word 'apple' forever."
@@ -501,8 +502,8 @@ def test_bad_output_formats_get_400_naming_the_problem(app_server, extra, param,
 def routed():
     """Two local models over the embedded weights, each its own engine, and one whose file is
     missing; nothing is loaded before a request names it."""
-    from miniserve.serve.in_thread import serve_in_thread
     from miniserve.models.registry import open_models
+    from miniserve.serve.in_thread import serve_in_thread
     # room for all three: a failed load must not cost a loaded model its place here
     models = open_models(["default", "second=default", "broken=/nonexistent/missing.gguf"],
                          max_loaded=3)

@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from miniserve.core.config import SamplingParams
+from miniserve.engine.surface import REMOTE
+
 from servers import send
 
 PROMPT = "The capital of France is"
@@ -35,7 +37,7 @@ class SeenAsRemote:
     """The session's engine behind only what a remote engine offers (no tokenizer, no
     submit, replies as iterators): the API's path for remote models, on the real model."""
 
-    remote, tokenizer, has_chat_template = True, None, True
+    capabilities, tokenizer, has_chat_template = REMOTE, None, True
 
     def __init__(self, engine, name: str):
         self._engine, self.name = engine, name
@@ -60,8 +62,8 @@ class SeenAsRemote:
 
 @pytest.fixture(scope="module")
 def port(engine, base_engine):
-    from miniserve.serve.in_thread import serve_in_thread
     from miniserve.models.registry import Models, ModelSpec
+    from miniserve.serve.in_thread import serve_in_thread
     engines = {engine.name: engine, BASE: base_engine, FAR: SeenAsRemote(engine, FAR)}
     models = Models([ModelSpec(engine.name, None), ModelSpec(BASE, None),
                      ModelSpec(FAR, "http://127.0.0.1:9/v1", remote=True)],

@@ -453,7 +453,7 @@ def cmd_serve(args) -> int:
     engine, code = load_engine(args)  # the default model loads now; the others on first use
     if engine is None:
         return code
-    from miniserve.serve.api import serve
+    from miniserve.serve.routes import serve
     serve(args.models, host=args.host, port=args.port, api_key=args.api_key)
     return 0
 

@@ -7,6 +7,8 @@ import socket
 import threading
 import time
 
+from miniserve.serve.routes import create_app
+
 
 @contextlib.contextmanager
 def serve_in_thread(engine, port: int | None = None, api_key: str | None = None):
@@ -14,7 +16,6 @@ def serve_in_thread(engine, port: int | None = None, api_key: str | None = None)
     process; yields the port and stops the server on exit."""
     import uvicorn
 
-    from miniserve.serve.api import create_app
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", port or 0))

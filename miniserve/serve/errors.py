@@ -1,0 +1,111 @@
+"""Errors as the HTTP API writes them: OpenAI's error object, mapped once.
+
+Every refusal is a `UserError` (miniserve/core/errors.py) carrying its HTTP status, OpenAI's
+error type and code, and the request field at fault; `error_response` writes any of them.
+What pydantic finds wrong with a request body is turned into the same 400 (`from_validation`),
+never FastAPI's 422. Anything else that escapes a route is a bug here (500), or, for a model
+served over the network, its server's failure (502): `as_user_error`.
+"""
+
+from __future__ import annotations
+
+import json
+
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+
+from miniserve.core.errors import UserError
+
+
+class APIError(UserError, ValueError):
+    """A refusal only the API makes (authentication, a field OpenAI has and we do not, a
+    remote model asked for what only a local one can do), with its status, type, code and
+    field given where it is raised. A ValueError too, so that pydantic carries it out of a
+    field's check (protocol.py) as it does a ConfigError."""
+
+    def __init__(self, message: str, field: str | None = None, *, status: int = 400,
+                 kind: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.field, self.status, self.kind, self.code = field, status, kind, code
+
+
+class ErrorDetail(BaseModel):
+    """OpenAI's error object."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error the API answers: {"error": {message, type, param, code}}."""
+
+    error: ErrorDetail
+
+
+def error_body(error: UserError) -> dict:
+    return {"error": {"message": str(error), "type": error.kind, "param": error.field,
+                      "code": error.code}}
+
+
+def error_response(error: UserError) -> JSONResponse:
+    """The one place a UserError becomes an HTTP response."""
+    return JSONResponse(status_code=error.status, content=error_body(error))
+
+
+def error_event(error: BaseException | None) -> str:
+    """An error after a stream has started (its status already sent: 200), reported in-band
+    as a server-sent event."""
+    if not isinstance(error, UserError):
+        reason = error or "the generation ended without its final chunk"
+        error = APIError(f"generation failed: {reason}", status=500, kind="server_error")
+    return f"data: {json.dumps(error_body(error))}\n\n"
+
+
+def as_user_error(error: BaseException, model: str, over_network: bool) -> UserError:
+    """What a failure while serving `model` means to the client: a UserError as it is; for a
+    model served over the network, its server failed (502); here, a bug (500)."""
+    if isinstance(error, UserError):
+        return error
+    if over_network:
+        return APIError(f"model '{model}' failed: {error}", status=502, kind="server_error",
+                        code="model_unavailable")
+    return APIError(f"generation failed: {error}", status=500, kind="server_error")
+
+
+def _field(loc: tuple) -> str | None:
+    """pydantic's location of an error as the request field, as OpenAI's `param` writes it:
+    ("body", "messages", 0, "role") -> "messages[0].role"."""
+    out = ""
+    for part in loc[1:] if loc[:1] == ("body",) else loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out or None
+
+
+def from_validation(error: RequestValidationError) -> UserError:
+    """The first problem pydantic found in a request body, as today's 400. Our field checks
+    (protocol.py) raise UserErrors whose sentences name the field and the allowed range:
+    pydantic carries them in `ctx`; its own findings (a missing field, a body that is not a
+    JSON object) are said here in the same words as before."""
+    errors = error.errors()
+    first = next((e for e in errors if e["type"] == "missing"), errors[0]) if errors else None
+    if first is None:
+        return APIError("the request body is not valid")
+    own = (first.get("ctx") or {}).get("error")
+    if isinstance(own, UserError):
+        return own
+    loc = tuple(first.get("loc", ()))
+    if first["type"] == "json_invalid":
+        return APIError("the request body is not valid JSON")
+    if loc in ((), ("body",)):
+        return APIError("the request body must be a JSON object")
+    field = _field(loc)
+    if first["type"] == "missing":
+        return APIError(f"'{field}' is required", field)
+    message = str(own) if own is not None else first.get("msg", "is not valid")
+    return APIError(f"'{field}': {message}", field)

@@ -1,0 +1,413 @@
+"""The API's requests as pydantic models (as vLLM's entrypoints/openai/protocol.py): what
+/openapi.json documents, /docs shows and API fuzzers generate, and what FastAPI checks before a
+route runs.
+
+Ranges come from the one table in miniserve.core.config (`FIELDS`, `MAX_CHOICES`, ...), or,
+for fields only the API has, the `Limit`s below. Each field's check runs before pydantic's own
+and is config's (`check_number`, `check_value`, `check_seed`) or the one written here, so a bad
+value gets the sentence it always got, naming the field and what is allowed; pydantic carries
+that error out (errors.from_validation) and the route answers 400. What needs the model -- its
+context window (the ceiling of max_tokens), its vocabulary, compiling a grammar, its chat
+template -- is checked after, in parse.py.
+"""
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SkipValidation, model_validator
+
+from miniserve.core.config import (
+    FIELDS,
+    MAX_CHOICES,
+    MAX_LOGIT_BIAS_TOKENS,
+    MAX_NEW_TOKENS,
+    MAX_PROMPTS,
+    SEED_MAX,
+    ConfigError,
+    Constraint,
+    check_logit_bias,
+    check_number,
+    check_seed,
+    check_value,
+)
+from miniserve.core.config import Field as Limit
+from miniserve.engine.chat import ROLES, check_messages
+from miniserve.serve.errors import APIError
+
+DEFAULT_MAX_TOKENS = 1024        # chat
+DEFAULT_COMPLETION_TOKENS = 16   # /v1/completions, as OpenAI's
+MAX_COMPLETION_LOGPROBS = 5      # /v1/completions `logprobs`, as OpenAI's
+# OpenAI's defaults (sampling with temperature 1, no filters) where a request is silent
+API_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+                "repetition_penalty": 1.0}
+# The API's own numeric fields, checked as every number is (config.check_number)
+N = Limit(int, 1, MAX_CHOICES, 1, "n", "choices to generate (for each prompt); each takes one "
+          "place in the queue; with a seed, choice i samples with seed + i")
+BEST_OF = Limit(int, 1, MAX_CHOICES, 1, "best_of", "must equal n: every choice is returned")
+PENALTY = Limit(float, -2.0, 2.0, 0.0, "penalty", "accepted for OpenAI's clients and not "
+                "applied: use repetition_penalty")
+TOP_LOGPROBS = Limit(int, 0, 20, 0, "top_logprobs", "the most likely tokens listed at each "
+                     "position (with logprobs: true)")
+COMPLETION_LOGPROBS = Limit(int, 0, MAX_COMPLETION_LOGPROBS, 0, "logprobs",
+                            "log-probabilities of each token and of the `logprobs` most likely")
+# Fields that would change what a reply means if they were ignored: refused, never dropped.
+UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls")
+# The extension for output formats OpenAI's response_format has no type for (vLLM's name)
+STRUCTURED_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice",
+                    "grammar": "grammar"}
+
+
+def _checked(check):
+    """A field's own check, run before pydantic's (None: the field left out)."""
+
+    def run(value):
+        return None if value is None else check(value)
+    return BeforeValidator(run)
+
+
+def limited(name: str, spec: Limit, default=None):
+    """A number checked against its Limit, documented with its range."""
+    kind = int if spec.kind is int else float
+    bounds = {"gt" if spec.low_open else "ge": spec.low, "le": spec.high}
+    return Annotated[Annotated[kind, Field(**bounds)] | None,
+                     _checked(lambda v: check_number(name, v, spec)),
+                     Field(default, description=spec.help)]
+
+
+def sampling(name: str):
+    """A sampling setting: its range from config.FIELDS, OpenAI's default when left out."""
+    spec = FIELDS[name]
+    bounds = {"gt" if spec.low_open else "ge": spec.low, "le": spec.high}
+    kind = int if spec.kind is int else float
+    return Annotated[Annotated[kind, Field(**bounds)] | None,
+                     _checked(lambda v: check_value(name, v)),
+                     Field(API_DEFAULTS[name], description=spec.help)]
+
+
+def flag(name: str):
+    def check(value):
+        if not isinstance(value, bool):
+            raise ConfigError(f"'{name}' must be true or false", name)
+        return value
+    return Annotated[bool | None, _checked(check), Field(False)]
+
+
+def unsupported(name: str, kind, description: str):
+    """A field OpenAI has that this server refuses (400, code unsupported_parameter) unless
+    it asks for nothing (null, [], {}, "none"): documented as only that."""
+
+    def check(value):
+        if value in ([], {}, "none"):
+            return None
+        raise APIError(f"'{name}' is not supported by this server (no tool or function "
+                       "calling); for JSON output use 'response_format'", name,
+                       code="unsupported_parameter")
+    return Annotated[kind | None, _checked(check), Field(None, description=description)]
+
+
+def _model(value):
+    if not isinstance(value, str):
+        raise ConfigError("'model' must be a string", "model")
+    return value
+
+
+def _stream_options(value):
+    if not isinstance(value, dict):
+        raise ConfigError("'stream_options' must be an object", "stream_options")
+    usage = value.get("include_usage")
+    if usage is not None and not isinstance(usage, bool):
+        raise ConfigError("'stream_options.include_usage' must be true or false",
+                          "stream_options.include_usage")
+    return value
+
+
+def _stop(value):
+    stop = [value] if isinstance(value, str) else value
+    if not isinstance(stop, list) or len(stop) > 4 or \
+            any(not isinstance(s, str) or not s for s in stop):
+        raise ConfigError("'stop' must be a non-empty string or a list of up to 4 of them",
+                          "stop")
+    return stop
+
+
+def _logit_bias(value):
+    if not isinstance(value, dict):
+        raise ConfigError("'logit_bias' must be an object mapping token ids to a bias in "
+                          "[-100, 100]", "logit_bias")
+    check_logit_bias(value)  # ids as whole numbers, each bias in range (the vocabulary: later)
+    return value
+
+
+def _response_format(fmt):
+    field = "response_format"
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object",
+                                                            "json_schema"):
+        raise ConfigError("'response_format' must be {\"type\": \"text\"}, "
+                          "{\"type\": \"json_object\"} or {\"type\": \"json_schema\", "
+                          "\"json_schema\": {\"name\": ..., \"schema\": {...}}}", field)
+    if fmt["type"] != "json_schema":
+        return {"type": fmt["type"]}  # nothing else is read
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise ConfigError("'response_format.json_schema' must be an object with 'name' and "
+                          "'schema'", "response_format.json_schema")
+    name = spec.get("name")
+    if name is not None and (not isinstance(name, str) or not name):
+        raise ConfigError("'response_format.json_schema.name' must be a non-empty string",
+                          "response_format.json_schema.name")
+    if not isinstance(spec.get("strict", False), bool):
+        raise ConfigError("'response_format.json_schema.strict' must be true or false",
+                          "response_format.json_schema.strict")
+    if not isinstance(spec.get("schema"), dict):
+        raise ConfigError("'response_format.json_schema.schema' is required: the JSON Schema "
+                          "the reply must follow (an object)", "response_format.json_schema.schema")
+    return {"type": "json_schema", "json_schema": {
+        "name": name, "schema": spec["schema"], "strict": spec.get("strict")}}
+
+
+def _structured_outputs(extra):
+    given = [k for k in extra if extra[k] is not None] if isinstance(extra, dict) else []
+    if len(given) != 1 or given[0] not in STRUCTURED_KINDS:
+        raise ConfigError("'structured_outputs' must hold exactly one of "
+                          f"{', '.join(STRUCTURED_KINDS)}", "structured_outputs")
+    key = given[0]
+    value, field = extra[key], f"structured_outputs.{key}"
+    if key == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"'{field}' is not JSON: {e.msg}", field) from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"'{field}' must be a JSON Schema (an object)", field)
+    elif key == "choice":
+        if not isinstance(value, list) or not value or \
+                any(not isinstance(c, str) or not c for c in value):
+            raise ConfigError(f"'{field}' must be a list of non-empty strings", field)
+    elif not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"'{field}' must be a non-empty string", field)
+    return {key: value}
+
+
+def _is_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _prompt(value):
+    """OpenAI's four shapes of `prompt` (a string, a list of token ids, a list of strings, a
+    list of id lists), at most MAX_PROMPTS prompts, none empty."""
+    shapes = ("'prompt' must be a string, a list of token ids, or a list of strings or of "
+              "token id lists")
+    if isinstance(value, str) or (isinstance(value, list) and value and
+                                  all(_is_id(t) for t in value)):
+        prompts = [value]
+    elif not isinstance(value, list):
+        raise ConfigError(shapes, "prompt")
+    elif not value:
+        raise ConfigError("'prompt' is empty; give the text to continue, or token ids", "prompt")
+    elif not (all(isinstance(p, str) for p in value) or
+              all(isinstance(p, list) and all(_is_id(t) for t in p) for p in value)):
+        raise ConfigError(shapes, "prompt")
+    elif len(value) > MAX_PROMPTS:
+        raise ConfigError(f"'prompt' holds {len(value)} prompts; at most {MAX_PROMPTS} in one "
+                          "request", "prompt")
+    else:
+        prompts = value
+    fields = ["prompt"] if len(prompts) == 1 else [f"prompt[{i}]" for i in range(len(prompts))]
+    for prompt, field in zip(prompts, fields):
+        if not prompt:
+            raise ConfigError(f"'{field}' is empty; give the text to continue, or token ids",
+                              field)
+    return value
+
+
+def _suffix(value):
+    if value != "":
+        raise APIError("'suffix' is not supported by this server (no insertion): send the text "
+                       "before the gap as 'prompt'", "suffix", code="unsupported_parameter")
+    return value
+
+
+def _tokenize_prompt(value):
+    if not isinstance(value, str):
+        raise ConfigError("give 'prompt' (a string) or 'messages'", "prompt")
+    return value
+
+
+# -- the parts of a request ------------------------------------------------------------------
+
+class ContentPart(BaseModel):
+    """OpenAI's content parts: the text ones are kept, others dropped."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal[ROLES]  # type: ignore[valid-type]
+    content: str | list[ContentPart]
+
+
+Messages = Annotated[list[ChatMessage], _checked(check_messages),
+                     Field(min_length=1, description="the conversation, oldest first; the last "
+                           "message is the user's (too long for the context with max_tokens: "
+                           "400, never cut)")]
+TokenId = Annotated[int, Field(json_schema_extra={"minimum": 0}, description="a token id "
+                               "(below the model's vocabulary size)")]
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool | None = Field(None, description="a last chunk with the usage")
+
+
+class JSONSchemaFormat(BaseModel):
+    name: Annotated[str, Field(min_length=1)] | None = None
+    schema_: dict[str, Any] = Field(alias="schema", description="the JSON Schema the reply "
+                                    "follows; a keyword the library cannot enforce is a 400")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = Field(None, description="with type json_schema")
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's extension: exactly one of these."""
+
+    json_: dict[str, Any] | None = Field(None, alias="json", description="a JSON Schema")
+    regex: Annotated[str, Field(min_length=1)] | None = None
+    choice: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)] | None = None
+    grammar: Annotated[str, Field(min_length=1)] | None = Field(
+        None, description="Lark, or GBNF as llama.cpp writes it")
+
+
+# -- the requests ----------------------------------------------------------------------------
+
+class SamplingRequest(BaseModel):
+    """What /v1/chat/completions and /v1/completions take alike. Unknown fields are ignored."""
+
+    model: Annotated[str | None, _checked(_model), Field(
+        None, description="a served model (GET /v1/models); left out or a placeholder "
+                          "(\"default\", \"gpt-4o\", ...): the default")]
+    n: limited("n", N, 1)
+    stream: flag("stream")
+    stream_options: Annotated[StreamOptions | None, _checked(_stream_options),
+                              Field(None, description="only with stream: true")]
+    response_format: Annotated[ResponseFormat | None, _checked(_response_format), Field(
+        None, description="text, any JSON object, or JSON following a schema")]
+    structured_outputs: Annotated[StructuredOutputs | None, _checked(_structured_outputs), Field(
+        None, description="extension: exactly one of json, regex, choice, grammar; never with "
+                          "response_format")]
+    stop: Annotated[SkipValidation[
+        Annotated[str, Field(min_length=1)] |
+        Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=4)] | None],
+        _checked(_stop), Field(None, description="up to 4 stop strings")]
+    seed: Annotated[Annotated[int, Field(ge=0, le=SEED_MAX)] | None,
+                    _checked(check_seed), Field(None, description="choice i samples with "
+                                                                  "seed + i")]
+    presence_penalty: limited("presence_penalty", PENALTY, 0.0)
+    frequency_penalty: limited("frequency_penalty", PENALTY, 0.0)
+    temperature: sampling("temperature")
+    top_p: sampling("top_p")
+    top_k: sampling("top_k")
+    min_p: sampling("min_p")
+    repetition_penalty: sampling("repetition_penalty")
+    logit_bias: Annotated[SkipValidation[
+        Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]+$")],
+                       Annotated[float, Field(ge=-100, le=100)]],
+                  Field(max_length=MAX_LOGIT_BIAS_TOKENS)] | None],
+        _checked(_logit_bias),
+        Field(None, description="token id -> bias added to its logit; -100 bans the token")]
+
+    @model_validator(mode="after")
+    def _together(self):
+        """What one field cannot say alone."""
+        if self.response_format is not None and self.structured_outputs is not None:
+            raise ConfigError("give either 'response_format' or 'structured_outputs', not both",
+                              "structured_outputs")
+        if self.stream_options is not None and not self.stream:
+            raise ConfigError("'stream_options' is only allowed with 'stream': true",
+                              "stream_options")
+        return self
+
+    def constraint(self) -> tuple[Constraint | None, str | None]:
+        """The output format as a Constraint, and the field it came from (a compile error
+        names it)."""
+        fmt, extra = self.response_format, self.structured_outputs
+        if fmt is not None and fmt.type == "json_object":
+            return Constraint("json_object"), "response_format"
+        if fmt is not None and fmt.type == "json_schema":
+            return (Constraint("json_schema", json.dumps(fmt.json_schema.schema_)),
+                    "response_format.json_schema.schema")
+        if extra is None:
+            return None, None
+        key, value = next((k, v) for k, v in extra.model_dump(by_alias=True).items()
+                          if v is not None)
+        text = value if isinstance(value, str) else json.dumps(value)
+        return Constraint(STRUCTURED_KINDS[key], text), f"structured_outputs.{key}"
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+MaxTokens = SkipValidation[Annotated[int, Field(ge=1)] | None]  # checked in parse.py
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: Messages
+    max_tokens: MaxTokens = Field(None, description=(
+        f"tokens to generate at most (default {DEFAULT_MAX_TOKENS}), up to the model's context "
+        f"window (GET /v1/models: context_length; {MAX_NEW_TOKENS} generated at most)"))
+    max_completion_tokens: MaxTokens = Field(None, description="OpenAI's newer name of "
+                                                               "max_tokens (wins over it)")
+    logprobs: flag("logprobs")
+    top_logprobs: limited("top_logprobs", TOP_LOGPROBS, 0)
+    tools: unsupported("tools", Annotated[list[Any], Field(max_length=0)],
+                       "refused: no tool calling")
+    tool_choice: unsupported("tool_choice", Literal["none"], "refused: no tool calling")
+    functions: unsupported("functions", Annotated[list[Any], Field(max_length=0)],
+                           "refused: no function calling")
+    function_call: unsupported("function_call", Literal["none"], "refused: no function calling")
+    parallel_tool_calls: unsupported("parallel_tool_calls", Literal["none"],
+                                     "refused: no tool calling")
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: Annotated[SkipValidation[str | list[TokenId] | list[str] | list[list[TokenId]]],
+                      _checked(_prompt), Field(description=(
+                          f"the text to continue: a string, token ids, or a list of up to "
+                          f"{MAX_PROMPTS} of either (each gets n choices)"))]
+    max_tokens: SkipValidation[Annotated[int, Field(ge=0)] | None] = Field(None, description=(
+        f"tokens to generate at most (default {DEFAULT_COMPLETION_TOKENS}), up to the model's "
+        "context window; 0 generates nothing and scores the prompt (echo, logprobs)"))
+    echo: flag("echo")
+    logprobs: limited("logprobs", COMPLETION_LOGPROBS)
+    best_of: limited("best_of", BEST_OF)
+    suffix: Annotated[Literal[""] | None, _checked(_suffix),
+                      Field(None, description="refused: no insertion")]
+
+    @model_validator(mode="after")
+    def _best_of_is_n(self):
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise APIError(f"'best_of' must equal n ({self.n or 1}) or be left out: this server "
+                           "returns every choice it generates", "best_of",
+                           code="unsupported_parameter")
+        return self
+
+    def prompts(self) -> list:
+        """The prompts, each a string or a list of token ids."""
+        p = self.prompt
+        return [p] if isinstance(p, str) or (p and _is_id(p[0])) else list(p)
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: `prompt` (tokenized as completions does) or `messages` (with the chat
+    template, the assistant's turn opened)."""
+
+    model: Annotated[str | None, _checked(_model), Field(None)]
+    prompt: Annotated[str | None, _checked(_tokenize_prompt), Field(None)]
+    messages: Annotated[list[ChatMessage] | None, _checked(check_messages), Field(None)]

@@ -1,0 +1,166 @@
+"""What the API writes: OpenAI's reply objects and stream chunks for chat (messages, deltas)
+and completions (text, the legacy logprobs), the models list's entries, and the logprob
+recorder that collects what a reply's logprobs show.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import torch
+
+from miniserve.models.registry import Models
+from miniserve.serve.bridge import Choices
+from miniserve.serve.parse import APIRequest
+
+
+class LogprobRecorder:
+    """Observer for the decode loop: log-probabilities of each chosen token (before filters).
+    A remote engine hands it what its server sent instead (add_remote_step)."""
+
+    def __init__(self, tokenizer, top: int):
+        self.tokenizer, self.top, self.entries = tokenizer, top, []
+
+    def observe(self, logits, previous_ids, token_id, allowed=None):
+        logp = torch.log_softmax(logits[0].float(), -1)
+        entry = self._item(self.tokenizer.decode([token_id]), float(logp[token_id]))
+        if self.top:
+            values, indices = torch.topk(logp, self.top)
+            entry["top_logprobs"] = [self._item(self.tokenizer.decode([i]), v)
+                                     for v, i in zip(values.tolist(), indices.tolist())]
+        else:
+            entry["top_logprobs"] = []
+        self.entries.append(entry)
+
+    def add_remote_step(self, text: str, logprob: float, top=()) -> None:
+        entry = self._item(text, logprob)
+        entry["top_logprobs"] = [self._item(t, lp) for t, lp in list(top)[:self.top]]
+        self.entries.append(entry)
+
+    @staticmethod
+    def _item(text: str, logprob: float) -> dict:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+class ChatShape:
+    """How a chat reply is written: messages, and streamed deltas."""
+    prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
+
+    def __init__(self, req: APIRequest, choices: Choices):
+        self.choices = choices
+        self.sent = [0] * req.choices  # logprob entries already streamed, per choice
+
+    def _recorder(self, i: int):
+        return self.choices.choices[i].recorder
+
+    def whole(self, i: int, text: str, finish: str) -> dict:
+        recorder = self._recorder(i)
+        return {"index": i, "message": {"role": "assistant", "content": text},
+                "finish_reason": finish,
+                "logprobs": {"content": recorder.entries} if recorder else None}
+
+    def opening(self, i: int) -> dict:
+        return {"index": i, "delta": {"role": "assistant", "content": ""},
+                "finish_reason": None, "logprobs": None}
+
+    def piece(self, i: int, text: str, finish: str | None = None) -> dict:
+        choice = {"index": i, "delta": {"content": text} if text else {},
+                  "finish_reason": finish, "logprobs": None}
+        recorder = self._recorder(i)
+        if recorder and len(recorder.entries) > self.sent[i]:
+            choice["logprobs"] = {"content": recorder.entries[self.sent[i]:]}
+            self.sent[i] = len(recorder.entries)
+        return choice
+
+
+class TextShape:
+    """How a completion is written: text (the prompt in front with echo) and OpenAI's legacy
+    logprobs, streamed as pieces of text."""
+    prefix, object, chunk_object = "cmpl", "text_completion", "text_completion"
+
+    def __init__(self, req: APIRequest, choices: Choices):
+        self.req, self.choices = req, choices
+        self.sent = [0] * req.choices     # recorder entries already written, per choice
+        self.offset = [0] * req.choices   # text_offset of the next token, per choice
+
+    def _echo(self, i: int) -> tuple[str, list]:
+        return self.req.echo[i // self.req.settings.n] if self.req.echo else ("", [])
+
+    def _logprobs(self, i: int, entries: list, generated: bool = True) -> dict | None:
+        """The legacy logprobs of `entries` (the echoed prompt's), then of choice i's
+        generated tokens not written yet."""
+        if not self.req.logprobs:
+            return None
+        if generated:
+            recorder = self.choices.choices[i].recorder
+            for e in recorder.entries[self.sent[i]:]:
+                best = {t["token"]: t["logprob"] for t in e["top_logprobs"]}
+                best.setdefault(e["token"], e["logprob"])  # the chosen token is always there
+                entries = entries + [(e["token"], e["logprob"], best)]
+            self.sent[i] = len(recorder.entries)
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token, logprob, best in entries:
+            out["tokens"].append(token)
+            out["token_logprobs"].append(logprob)
+            out["top_logprobs"].append(best)
+            out["text_offset"].append(self.offset[i])
+            self.offset[i] += len(token)
+        return out
+
+    def whole(self, i: int, text: str, finish: str) -> dict:
+        echo, entries = self._echo(i)
+        return {"index": i, "text": echo + text, "logprobs": self._logprobs(i, entries),
+                "finish_reason": finish}
+
+    def prompt_only(self, i: int) -> dict:
+        """Choice i of a request that generates nothing (max_tokens 0)."""
+        echo, entries = self._echo(i)
+        return {"index": i, "text": echo, "logprobs": self._logprobs(i, entries, False),
+                "finish_reason": "length"}
+
+    def opening(self, i: int) -> dict | None:
+        if not self.req.echo:
+            return None
+        echo, entries = self._echo(i)
+        return {"index": i, "text": echo, "logprobs": self._logprobs(i, entries, False),
+                "finish_reason": None}
+
+    def piece(self, i: int, text: str, finish: str | None = None) -> dict:
+        logprobs = self._logprobs(i, [])
+        return {"index": i, "text": text,
+                "logprobs": logprobs if logprobs and logprobs["tokens"] else None,
+                "finish_reason": finish}
+
+
+def _shape(req: APIRequest, choices: Choices):
+    return (ChatShape if req.kind == "chat" else TextShape)(req, choices)
+
+
+def shape_of(req: APIRequest, choices: Choices):
+    """How `req`'s reply is written."""
+    return (ChatShape if req.kind == "chat" else TextShape)(req, choices)
+
+
+def events(req: APIRequest, shape):
+    """A function writing one server-sent event of this reply: a choice's chunk, or (choice
+    None) the usage chunk."""
+    ident, created = f"{shape.prefix}-{uuid.uuid4().hex[:24]}", int(time.time())
+
+    def event(choice: dict | None, usage=None) -> str:
+        chunk = {"id": ident, "object": shape.chunk_object, "created": created,
+                 "model": req.model, "system_fingerprint": "miniserve",
+                 "choices": [choice] if choice is not None else []}
+        if usage is not None or req.settings.include_usage:
+            chunk["usage"] = usage
+        return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+    return event
+
+
+def model_entry(models: Models, described: dict) -> dict:
+    engine = models.loaded_engine(described["name"])
+    return {"id": described["name"], "object": "model", "created": 0, "owned_by": "miniserve",
+            "default": described["default"], "loaded": described["loaded"],
+            "remote": described["remote"], "context_length": described["context_length"],
+            "chat": engine.has_chat_template if engine is not None else None}
