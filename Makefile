@@ -30,7 +30,7 @@ AVX2_LEG := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
 GENERIC_LEG := ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=AVX2 \
 	MINISERVE_NATIVE_ARCH=generic MINISERVE_EXPECT_ISA=generic
 
-.PHONY: install run test test-fast test-avx2 test-generic test-no-native bench bench-peer \
+.PHONY: install run test lint package test-fast test-avx2 test-generic test-no-native bench bench-peer \
 	soak chromium compiler models test-peers clean
 
 install: $(STAMP)
@@ -66,9 +66,27 @@ run: install
 	@$(MAKE) --no-print-directory compiler || echo "No C++ compiler: the slower PyTorch forward pass will run."
 	$(PY) app.py
 
-test: install chromium compiler models
+test: install chromium compiler models lint package
 	$(PY) -m pytest
 	@$(MAKE) --no-print-directory $(LEGS)
+
+# style (ruff: pyproject.toml's rule set) and the layers' import contract (import-linter)
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
+
+# the package installs on its own (`pip install --no-deps .`) and its `miniserve` command runs,
+# with presets.yaml and the kernels' sources inside it
+PACKAGE_CHECK := $(CURDIR)/.venv/package-check
+package: install
+	rm -rf $(PACKAGE_CHECK)
+	$(PY) -m pip install -q --no-deps --no-build-isolation --target $(PACKAGE_CHECK) . 2>/dev/null
+	cd / && PYTHONPATH=$(PACKAGE_CHECK) $(PACKAGE_CHECK)/bin/miniserve --version
+	cd / && PYTHONPATH=$(PACKAGE_CHECK) $(CURDIR)/$(PY) -c "from miniserve.core.config import load_presets; \
+		from miniserve.runners.native import KERNEL_FILES; load_presets(); \
+		assert all(f.exists() for f in KERNEL_FILES)"
+	rm -rf $(PACKAGE_CHECK)
 
 test-fast: install compiler
 	$(PY) -m pytest -m "not browser"

@@ -105,7 +105,7 @@ def test_bad_presets_files_at_start(tmp_path):
 
 
 def test_defaults_are_safe():
-    import app
+    from miniserve.cli import app
     args = app.parse_args([])
     assert args.host == "127.0.0.1" and not args.share and args.api_key is None
 

@@ -719,3 +719,12 @@ def test_a_damaged_history_file_is_said_in_the_sidebar(engine, presets, tmp_path
     browser, view = shown.browser, shown.view
     saved = Shown(*last(send(chat, browser, view, "Still works?", max_new_tokens=3))[:8])
     assert len(chat.store.path(saved.browser["owner"], saved.view["cid"])) == 2
+
+
+def test_an_idle_app_polls_its_queue_slowly(engine, presets):
+    """Gradio's queue checks for work every 1 ms when free by default (~6% of a core with no
+    client); the app sets its private poll intervals, which must exist and take."""
+    from miniserve.ui import IDLE_POLL_S, PROGRESS_POLL_S
+    demo = build_ui(engine, presets)
+    assert demo._queue.sleep_when_free == IDLE_POLL_S
+    assert demo._queue.progress_update_sleep_when_free == PROGRESS_POLL_S

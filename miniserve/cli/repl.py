@@ -14,15 +14,17 @@ Notebook tab does. /model NAME switches between the models the app was started w
 
 from __future__ import annotations
 
-import secrets
 import sqlite3
 import threading
 import time
 from pathlib import Path
 
-from miniserve.core.config import FIELDS, RANDOM_SEEDS, ConfigError, SamplingParams, check_seed
-from miniserve.engine.engine import Engine, EngineBusy
+from miniserve.core.config import FIELDS, ConfigError, SamplingParams, check_seed
+from miniserve.core.errors import Busy, UserError
+from miniserve.engine.engine import Engine
+from miniserve.engine.turn import ChatTurn, with_seed
 from miniserve.models.registry import Models, UnknownModel
+from miniserve.models.remote import RemoteError
 from miniserve.store.store import Store, StoreError
 
 CLI_OWNER = "cli"  # the store's owner of the terminal chat's conversations
@@ -329,6 +331,18 @@ class ChatSession:
             self.say(f"[not saved: {e}; /save saves this conversation again]")
             return None
 
+    def _keep_question(self, turn: ChatTurn) -> str | None:
+        """The user's message saved (if the conversation is), as ChatTurn saves it."""
+        if self.cid is None:
+            return None
+        try:
+            self.leaf = turn.save_question(self.store, CLI_OWNER, self.cid, self.leaf)
+            return self.leaf
+        except (StoreError, sqlite3.Error) as e:
+            self.cid = self.leaf = None
+            self.say(f"[not saved: {e}; /save saves this conversation again]")
+            return None
+
     def _take_back(self, message_id: str | None, parent_id: str | None) -> None:
         """Remove a user message that got no reply (the engine was busy)."""
         if message_id is None:
@@ -344,8 +358,7 @@ class ChatSession:
         """Raw mode: add the line to the running text and stream its continuation."""
         text = (self.text + "\n" if self.text else "") + line
         cancel = threading.Event()
-        params = self.params if self.params.seed is not None else \
-            self.params.replace(seed=secrets.randbelow(RANDOM_SEEDS))
+        params = with_seed(self.params)
         parts, last = [], None
         try:
             for last in self.engine.complete_text(text, params, trim=True, cancel=cancel):
@@ -354,8 +367,8 @@ class ChatSession:
         except KeyboardInterrupt:
             cancel.set()
             self.say(" [stopped]", end="")
-        except (ValueError, EngineBusy, RuntimeError) as e:
-            self.say(f"error: {e}")
+        except (UserError, RemoteError) as e:
+            self.say(f"error: {e.describe() if isinstance(e, UserError) else e}")
             return
         self.say()
         self.text = text + "".join(parts)
@@ -366,39 +379,31 @@ class ChatSession:
         if self.raw:
             self.continue_text(text)
             return
-        messages = ([{"role": "system", "content": self.system}] if self.system else []) + \
-            self.history + [{"role": "user", "content": text}]
-        cancel = threading.Event()
-        parts, last = [], None
-        # "random" draws a seed for this reply, shown and saved with it, so it can be repeated
-        params = self.params if self.params.seed is not None else \
-            self.params.replace(seed=secrets.randbelow(RANDOM_SEEDS))
         try:
-            stream = self.engine.chat(messages, params, cancel=cancel)
-        except (ValueError, EngineBusy, RuntimeError) as e:  # ChatError, ConfigError,
-            # RequestTooLarge; a remote server that does not answer (RemoteError)
+            turn = ChatTurn(self.engine, self.params, system=self.system, history=self.history,
+                            text=text, preset=self.preset_name)
+        except UserError as e:
+            self.say(f"error: {e.describe()}")
+            return
+        except RemoteError as e:  # a remote server that does not answer
             self.say(f"error: {e}")
             return
+        params, last = turn.params, None
         parent = self.leaf
-        user_id = self._keep("user", text)
+        user_id = self._keep_question(turn)
         stopped = False
         try:
-            for last in stream:
-                parts.append(last.text)
+            for last in turn:
                 self.say(last.text, end="")
         except KeyboardInterrupt:
-            cancel.set()  # the engine stops within one decoding step
+            turn.stop()  # the engine stops within one decoding step
             stopped = True
             self.say(" [stopped]", end="")
-        except EngineBusy as e:
-            self.say(f"busy: {e}")
+        except (Busy, RemoteError) as e:  # lost a race for a place; a server that failed
+            self.say(f"busy: {e}" if isinstance(e, Busy) else f"\nerror: {e}")
             self._take_back(user_id, parent)
             return
-        except RuntimeError as e:  # a remote server that failed mid-reply (RemoteError)
-            self.say(f"\nerror: {e}")
-            self._take_back(user_id, parent)
-            return
-        reply = "".join(parts)
+        reply = turn.text_so_far
         self.say()
         if last is not None and last.dropped_messages:
             self.say(f"[history trimmed: {last.dropped_messages} older messages left out to fit "
@@ -409,10 +414,7 @@ class ChatSession:
             while stopped and s.finish_reason != "cancelled" and time.monotonic() < deadline:
                 time.sleep(0.01)
             self.say(f"[{s.summary()}, seed {params.seed}]")
-        details = {"status": "stopped" if stopped else "complete",
-                   "settings": {**params.as_dict(), "preset": self.preset_name,
-                                "system": self.system or "", "model": self.engine.name},
-                   "stats": last.stats.as_dict() if last is not None else {}}
+        details = turn.details()
         self._keep("assistant", reply, **details)
         self.history += [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]
         self.details += [{}, details]

@@ -61,4 +61,26 @@ def build_ui(models: Models | Engine, presets: dict[str, SamplingParams],
     admitted = engine_queue(models) * len(models.names)
     demo.max_threads = max(demo.max_threads, admitted + SPARE_THREADS)
     demo.queue(max_size=admitted * 4, default_concurrency_limit=admitted)
+    quiet_when_idle(demo)
     return demo
+
+
+# Gradio's queue looks for new events every 1 ms while it has none, and for progress to send
+# every 10 ms: with no client at all, ~6% of a core (a laptop's battery). Checking every 20 ms
+# and 100 ms costs an event at most 20 ms before it starts (a reply's prompt pass takes longer)
+# and a progress bar a tenth of a second; idle, the app then uses well under 0.5% of a core
+# (BENCHMARKS.md, "Start-up and idle"). Private settings of gradio.queueing.Queue, so
+# tests/test_ui.py checks that they exist and took.
+IDLE_POLL_S = 0.02
+PROGRESS_POLL_S = 0.1
+
+
+def quiet_when_idle(demo: gr.Blocks) -> None:
+    queue = demo._queue
+    if not hasattr(queue, "sleep_when_free") or \
+            not hasattr(queue, "progress_update_sleep_when_free"):
+        raise RuntimeError("this Gradio's queue has no idle poll settings: check "
+                           "miniserve/ui/__init__.py's quiet_when_idle against it")
+    queue.sleep_when_free = max(queue.sleep_when_free, IDLE_POLL_S)
+    queue.progress_update_sleep_when_free = max(queue.progress_update_sleep_when_free,
+                                                PROGRESS_POLL_S)

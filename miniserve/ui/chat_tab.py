@@ -16,6 +16,7 @@ import gradio as gr
 from miniserve.core.config import RANDOM_SEEDS, SamplingParams
 from miniserve.engine.engine import Engine
 from miniserve.engine.inspector import Inspector
+from miniserve.engine.turn import ChatTurn
 from miniserve.models.registry import Models
 from miniserve.store.store import Store, StoreError, open_store
 from miniserve.ui.common import (ENGINE_EVENTS, FREE_TEXT, USER_ERRORS,
@@ -78,14 +79,10 @@ class ChatHandlers:
         try:
             owner = owner_of(browser)
             params = params_from(settings, seed, *output)
-            if params.seed is None:  # a random seed is drawn, used, saved and shown
-                params = params.replace(seed=secrets.randbelow(RANDOM_SEEDS))
             name = self.models.resolve(model)
             cid = view.get("cid")
             before = self.conversations.path(owner, new_view(cid, reply_to or under))
-            messages = (([{"role": "system", "content": system}] if (system or "").strip()
-                         else []) + [{"role": m.role, "content": m.content} for m in before]
-                        + ([{"role": "user", "content": text}] if text is not None else []))
+            history = [{"role": m.role, "content": m.content} for m in before]
             for note in load_messages(self.models, name):
                 yield (*self._show(browser, view, note, query), box, "")
         except (*USER_ERRORS, StoreError) as e:
@@ -95,14 +92,12 @@ class ChatHandlers:
             try:
                 engine = held.enter_context(using(self.models, name))
                 inspector = Inspector(engine.tokenizer, params) if inspect_on else None
-                stream = engine.chat(messages, params, cancel=cancel,
-                                     observer=inspector.observe if inspector else None)
-                if cid is None:
-                    cid = self.store.create(owner, system=system or "")
-                elif (system or "") != self.store.get(owner, cid).system:
-                    self.store.set_system(owner, cid, system or "")
-                if text is not None:
-                    reply_to = self.store.add(owner, cid, under, "user", text).id
+                turn = ChatTurn(engine, params, system=system, history=history, text=text,
+                                preset=preset, cancel=cancel,
+                                observer=inspector.observe if inspector else None)
+                reply_to = turn.save_question(self.store, owner, cid,
+                                              under if text is not None else reply_to)
+                cid, params = turn.conversation, turn.params
             except (*USER_ERRORS, StoreError) as e:
                 yield (*self._show(browser, view, error(user_message(e)), query), box, "")
                 return
@@ -116,7 +111,7 @@ class ChatHandlers:
                                       system=gr.update())
             shown = [*base.chatbot, {"role": "assistant", "content": ""}]
             yield (*base._replace(chatbot=shown), "", "")
-            reading = Reading(stream)
+            reading = Reading(turn)
             try:
                 for text_so_far in reading:
                     shown[-1] = {"role": "assistant", "content": text_so_far}
@@ -131,13 +126,9 @@ class ChatHandlers:
                                    query), "", "")
                 return
             stats = last.stats
-            stopped = stats.finish_reason == "cancelled"
-            settings_used = {"preset": preset, **params.as_dict(), "system": system or "",
-                             "model": name}
+            stopped = turn.details()["status"] == "stopped"
             try:
-                reply = self.store.add(owner, cid, reply_to, "assistant", text_so_far,
-                                       status="stopped" if stopped else "complete",
-                                       settings=settings_used, stats=stats.as_dict())
+                reply = turn.save_reply(self.store, owner)
             except StoreError as e:
                 yield (*self._show(browser, view, error(f"the reply was not saved: {e}"),
                                    query), "", "")
