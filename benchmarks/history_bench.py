@@ -67,6 +67,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from miniserve.bench.bench import percentile
 from miniserve.core.config import MAX_IMPORT_BYTES
 from miniserve.store.store import (EXPORT_ALL_FORMAT, EXPORT_FORMAT, EXPORT_VERSION, open_store,
                              title_from)
@@ -221,14 +222,6 @@ def import_files(export: dict, limit: int = MAX_IMPORT_BYTES) -> list[bytes]:
 
 
 # -- timing ---------------------------------------------------------------------------------
-def percentile(values, q: float) -> float:
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100
-    low = int(pos)
-    high = min(low + 1, len(xs) - 1)
-    return xs[low] + (xs[high] - xs[low]) * (pos - low)
-
-
 def figures(ms: list[float], **extra) -> dict:
     return {"median_ms": statistics.median(ms), "p95_ms": percentile(ms, 95),
             "min_ms": min(ms), "max_ms": max(ms), "repeats": len(ms), **extra}

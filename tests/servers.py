@@ -1,5 +1,6 @@
 """Start the real app (or API server) as a subprocess on a free port, for end-to-end tests."""
 
+import json
 import os
 import socket
 import subprocess
@@ -14,7 +15,6 @@ ROOT = Path(__file__).resolve().parent.parent
 def send(url: str, path: str, body: dict | None = None) -> tuple[int, dict]:
     """GET (no body) or POST a JSON body with plain HTTP: the status and the decoded reply
     (errors included, as the server wrote them)."""
-    import json
     req = urllib.request.Request(url + path, data=None if body is None else
                                  json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
@@ -48,11 +48,23 @@ class Server:
                 raise RuntimeError(f"server exited with {self.proc.returncode}: {args}")
             try:
                 urllib.request.urlopen(self.url + ready_path, timeout=2)
-                return
+                if self._default_model_loaded():
+                    return
             except OSError:
-                time.sleep(0.5)
+                pass
+            time.sleep(0.5)
         self.stop()
         raise RuntimeError(f"server did not answer within {timeout} s: {args}")
+
+    def _default_model_loaded(self) -> bool:
+        """The app serves its page while the default model loads; the tests start once it
+        has (/v1/models says so), as a person would see the header's model details."""
+        key = self.args[self.args.index("--api-key") + 1] if "--api-key" in self.args else None
+        request = urllib.request.Request(self.url + "/v1/models", headers={
+            "Authorization": f"Bearer {key}"} if key else {})
+        with urllib.request.urlopen(request, timeout=2) as r:
+            models = json.loads(r.read())["data"]
+        return any(m.get("default") and m.get("loaded") for m in models)
 
     def restart(self, kill: bool = False) -> None:
         """Stop the server (`kill`: SIGKILL, as a crash would) and start it again on the same

@@ -12,10 +12,21 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
 import time
 
-from miniserve.cli.args import Parser, add_history_args, add_model_args, load_engine, open_history
+from miniserve.cli.args import (
+    Parser,
+    add_history_args,
+    add_model_args,
+    fail,
+    flag_error,
+    open_history,
+    open_models,
+)
 from miniserve.core.config import ConfigError, load_presets
+from miniserve.core.errors import UserError
+from miniserve.runners.loader import KNOWN_MODELS, ModelLoadError, resolve_source
 
 
 def parse_args(argv=None, prog: str = "python app.py") -> argparse.Namespace:
@@ -35,6 +46,10 @@ def parse_args(argv=None, prog: str = "python app.py") -> argparse.Namespace:
 
 
 def main(argv=None, prog: str = "python app.py") -> int:
+    """Serve the page and the API at once; the default model loads behind them (the header
+    says so, a request waits for it), so the page is up in seconds. A bad flag, presets file or
+    model path is one line and exit code 2 (1: the model could not be loaded) before anything
+    is served; a model that fails while loading ends the app the same way."""
     args = parse_args(argv, prog)
     started = time.perf_counter()
     try:
@@ -42,10 +57,9 @@ def main(argv=None, prog: str = "python app.py") -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    engine, code = load_engine(args)  # the default model, warmed up; a bad flag: one line
-    if engine is None:
+    models, code = open_registry(args)  # flags and model entries checked; nothing loaded
+    if models is None:
         return code
-    models = args.models  # the others load when first chosen
     store = open_history(args)  # a damaged or unwritable file: said once, then kept aside
 
     import gradio as gr
@@ -58,8 +72,9 @@ def main(argv=None, prog: str = "python app.py") -> int:
     demo = build_ui(models, presets, args.preset, store)
     url = f"http://{args.host}:{args.port}"
     if args.share:
-        print(f"MiniServeLM ready in {time.perf_counter() - started:.1f} s (share link below)",
-              flush=True)
+        load_in_background(models, started, on_failure=lambda code: os._exit(code))
+        print(f"MiniServeLM page ready in {time.perf_counter() - started:.1f} s (share link "
+              "below)", flush=True)
         demo.launch(server_name=args.host, server_port=args.port, share=True, css=CSS,
                     run_history=False)
         return 0
@@ -70,11 +85,57 @@ def main(argv=None, prog: str = "python app.py") -> int:
     # text, rewritten at each event: after ~80 searches of a 1,000-entry list every event took
     # 0.7 s instead of 0.1-0.2 (BENCHMARKS.md, "Saved conversations")
     app = gr.mount_gradio_app(app, demo, path="/", css=CSS, footer_links=[], run_history=False)
+    # Ctrl-C: open browser tabs hold connections; they get a few seconds, not forever
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
+                                           log_level="warning", timeout_graceful_shutdown=3))
+    failed = {}
+
+    def stop(code: int) -> None:
+        failed["code"] = code
+        server.should_exit = True
+
+    load_in_background(models, started, on_failure=stop)
     served = "" if len(models.names) == 1 else f" ({len(models.names)} models: " + \
         ", ".join(models.names) + ")"
-    print(f"MiniServeLM ready in {time.perf_counter() - started:.1f} s: chat at {url} , "
+    print(f"MiniServeLM page ready in {time.perf_counter() - started:.1f} s: chat at {url} , "
           f"API at {url}/v1{served}", flush=True)
-    # Ctrl-C: open browser tabs hold connections; they get a few seconds, not forever
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                timeout_graceful_shutdown=3)
-    return 0
+    server.run()
+    return failed.get("code", 0)
+
+
+def open_registry(args):
+    """(the models the flags name, None) -- nothing loaded, but the default model's file must
+    exist -- or (None, exit code) after a one-line error."""
+    if flag_error(args):
+        return None, fail(flag_error(args))
+    try:
+        models = open_models(args)
+        spec = models.specs[models.default]
+        if not spec.remote and spec.source not in (None, "default", *KNOWN_MODELS):
+            resolve_source(spec.source)  # a path that is not there: said now, not later
+        return models, None
+    except ModelLoadError as e:
+        return None, fail(str(e), 1)
+    except (UserError, ValueError) as e:
+        return None, fail(str(e), 2)
+
+
+def load_in_background(models, started: float, on_failure) -> threading.Thread:
+    """Load and warm up the default model on a thread of its own; say when it is ready, or say
+    why it failed in one line and call on_failure(exit code)."""
+    def load():
+        try:
+            engine = models.get(None)
+        except ModelLoadError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            on_failure(1)
+            return
+        except (UserError, ValueError, RuntimeError, OSError) as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            on_failure(2)
+            return
+        print(f"{engine.name} loaded in {time.perf_counter() - started:.1f} s", flush=True)
+
+    thread = threading.Thread(target=load, name="miniserve-load", daemon=True)
+    thread.start()
+    return thread

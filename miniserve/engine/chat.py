@@ -11,9 +11,9 @@ import re
 from dataclasses import dataclass
 
 from miniserve.core.errors import UserError
+from miniserve.core.text import clean_text
 
 ROLES = ("system", "user", "assistant")
-_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 
 
 class ChatError(UserError, ValueError):
@@ -38,11 +38,6 @@ class NoChatTemplate(ChatError):
 def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
-
-def clean_text(text: str) -> str:
-    """Drop control characters (keeping newlines and tabs) and unpaired surrogates."""
-    text = text.encode("utf-8", errors="replace").decode("utf-8")  # lone surrogates -> '?'
-    return _CONTROL.sub("", text)
 
 
 def check_messages(messages, field: str = "messages") -> list[dict]:

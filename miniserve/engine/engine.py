@@ -68,6 +68,23 @@ class Admission:
         return self._in_flight
 
 
+class Admitting:
+    """The queue both engines keep: `_admission` (an Admission) and `max_queue`."""
+
+    _admission: Admission
+    max_queue: int
+
+    def _admit(self, n: int = 1) -> None:
+        self._admission.admit(self.max_queue, n)
+
+    def _release(self) -> None:
+        self._admission.release()
+
+    @property
+    def queue_depth(self) -> int:
+        return self._admission.in_flight
+
+
 @dataclass
 class Chunk:
     """One streamed piece of a reply. The last one has `done=True`."""
@@ -257,7 +274,7 @@ class _Reply:
                         dropped_messages=self.dropped))
 
 
-class Engine:
+class Engine(Admitting):
     def __init__(self, loaded: LoadedModel, max_queue: int = MAX_QUEUE.default,
                  prefix_cache_entries: int = 4,
                  runner: str = "auto", quant: str | None = None, math: str = "auto",
@@ -374,16 +391,6 @@ class Engine:
         if "error" in box:
             raise box["error"]
         return box["result"]
-
-    def _admit(self, n: int = 1) -> None:
-        self._admission.admit(self.max_queue, n)
-
-    def _release(self) -> None:
-        self._admission.release()
-
-    @property
-    def queue_depth(self) -> int:
-        return self._admission.in_flight
 
     # -- generation ------------------------------------------------------------------------
     @property

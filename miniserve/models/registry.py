@@ -171,11 +171,12 @@ class Models:
     sources, miniserve.models.remote.RemoteEngine for URLs)."""
 
     def __init__(self, specs: list[ModelSpec], factory: Callable,
-                 max_loaded: int = int(MAX_LOADED_MODELS.default)):
+                 max_loaded: int = int(MAX_LOADED_MODELS.default), max_queue: int | None = None):
         self.specs: OrderedDict[str, ModelSpec] = OrderedDict(
             (s.name, s) for s in check_specs(list(specs)))
         self.factory = factory
         self.max_loaded = max_loaded
+        self.max_queue = max_queue  # each engine's (--max-queue), known before any loads
         self._engines: OrderedDict[str, object] = OrderedDict()  # least recently used first
         self._leases: dict[str, int] = {}
         self._lock = threading.RLock()
@@ -276,7 +277,7 @@ class Models:
 
     def _busy(self, name: str) -> bool:
         engine = self._engines[name]
-        return self._leases.get(name, 0) > 0 or getattr(engine, "queue_depth", 0) > 0
+        return self._leases.get(name, 0) > 0 or engine.queue_depth > 0
 
     def _make_room(self, keep: str, adding: int = 0) -> None:
         """Unload least recently used idle local models (never `keep`) until at most
@@ -369,5 +370,6 @@ def open_models(sources: list[str] | None, models_file: str | None = None,
         specs += load_specs_file(models_file, context, remote_api_key)
     if not specs:
         specs = [parse_spec("default")]
-    return Models(specs, engine_factory(options or EngineOptions()),
-                  max_loaded or int(MAX_LOADED_MODELS.default))
+    options = options or EngineOptions()
+    return Models(specs, engine_factory(options), max_loaded or int(MAX_LOADED_MODELS.default),
+                  options.max_queue)

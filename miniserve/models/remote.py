@@ -43,7 +43,7 @@ from miniserve.engine.chat import ChatError, NoChatTemplate, Trimmed, check_mess
 from miniserve.core.config import CONTEXT, ConfigError, SamplingParams
 from miniserve.engine.decode import GenerationStats
 from miniserve.engine.surface import REMOTE
-from miniserve.engine.engine import Admission, Chunk, EngineBusy, Stream, columns
+from miniserve.engine.engine import Admission, Admitting, Chunk, EngineBusy, Stream, columns
 from miniserve.runners.loader import ModelLoadError
 
 # A slow server may take minutes over a long prompt before its first token: reads wait long,
@@ -87,7 +87,7 @@ class ServerFacts:
     tokenize: str = ""      # vllm | llama.cpp | extras | "" (estimate)
 
 
-class RemoteEngine:
+class RemoteEngine(Admitting):
     """The engine surface over an OpenAI-compatible server (see the module's docstring)."""
 
     capabilities = REMOTE
@@ -250,17 +250,6 @@ class RemoteEngine:
                 "served_model": self.facts.served, "chat": self.has_chat_template,
                 "context_length": self.context_length, "context_from": self.context_from,
                 "token_counts": _count_source(self.facts.tokenize)}
-
-    # -- the queue ------------------------------------------------------------------------------
-    @property
-    def queue_depth(self) -> int:
-        return self._admission.in_flight
-
-    def _admit(self, n: int = 1) -> None:
-        self._admission.admit(self.max_queue, n)
-
-    def _release(self) -> None:
-        self._admission.release()
 
     def close(self) -> None:
         self.client.close()

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from miniserve.core.errors import NotServed, UserError
+from miniserve.core.text import clean_text
 from miniserve.core.config import MAX_CONVERSATIONS, MAX_IMPORT_BYTES, check_number
 
 SCHEMA_VERSION = 2
@@ -39,7 +40,6 @@ EXPORT_VERSION = 1
 ROLES = ("user", "assistant")
 STATUSES = ("complete", "stopped")
 TITLE_CHARS = 60
-_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 
 # Each entry takes the database from version i to i + 1 (PRAGMA user_version). A new file runs
 # them all, so the first version's path is the one every database has taken.
@@ -137,8 +137,7 @@ def default_path() -> Path:
 
 def clean(text: str) -> str:
     """Text as it is stored: valid UTF-8, no control characters but newlines and tabs."""
-    text = str(text).encode("utf-8", errors="replace").decode("utf-8")
-    return _CONTROL.sub("", text)
+    return clean_text(text)
 
 
 def title_from(text: str) -> str:

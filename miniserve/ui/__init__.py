@@ -34,9 +34,10 @@ CSS = """
 
 def engine_queue(models: Models) -> int:
     """How many requests one model's engine admits: the default model's own when it is loaded,
-    else the setting's default (drawing the page loads nothing)."""
+    else --max-queue's (drawing the page loads nothing)."""
     engine = models.loaded_engine(models.default)
-    return engine.max_queue if engine is not None else int(MAX_QUEUE.default)
+    return engine.max_queue if engine is not None else models.max_queue or \
+        int(MAX_QUEUE.default)
 
 
 def build_ui(models: Models | Engine, presets: dict[str, SamplingParams],
