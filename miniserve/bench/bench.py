@@ -23,11 +23,21 @@ from typing import Callable, TypeVar
 
 import torch
 
-from miniserve.runners import native
-from miniserve.core.config import MAX_NEW_TOKENS, MAX_QUEUE, Constraint, SamplingParams
-from miniserve.engine.engine import Engine, common_prefix
+from miniserve.bench import peer
+from miniserve.core.config import (
+    MAX_NEW_TOKENS,
+    MAX_QUEUE,
+    Constraint,
+    SamplingParams,
+    load_presets,
+)
 from miniserve.core.platform import cpu_model, rss_mb
+from miniserve.engine.decode import GenerationStats, generate
+from miniserve.engine.engine import Engine, common_prefix
+from miniserve.runners import native
 from miniserve.runners.hf import TransformersRunner
+from miniserve.runners.lean import LeanRunner
+from miniserve.runners.loader import resolve_source
 from miniserve.runners.verify import bound_for, check_tokens, runner_bound
 
 # The benchmarks' limits, checked by their configs and by the CLI (concurrency levels: the
@@ -163,7 +173,6 @@ def _hf_generate(engine: Engine, ids, params):
 def _run_transformers_loop(engine: Engine, ids, params):
     """Our cached loop driving the transformers model (not the lean runner): what the lean
     forward pass gains, on the same loop."""
-    from miniserve.engine.decode import GenerationStats, generate
 
     def run():
         stats = GenerationStats()
@@ -178,8 +187,6 @@ def _run_lean(engine: Engine, ids, params, box: dict):
     """Our cached loop on the PyTorch lean forward pass (miniserve/runners/lean.py), prompt and
     decode steps alike, next to the engine's own runner: what the native forward pass gains.
     Built at first use (its own fused copy of the weights, activations in the model's dtype)."""
-    from miniserve.engine.decode import GenerationStats, generate
-    from miniserve.runners.lean import LeanRunner
 
     def run():
         if "model" not in box:
@@ -194,8 +201,6 @@ def _run_lean(engine: Engine, ids, params, box: dict):
 def _peer_runners(engine: Engine, config: BenchConfig, progress: Progress):
     """llama.cpp rows, keyed by mode, with their dtype and weight bytes; and the peer
     processes, for the caller to close."""
-    from miniserve.bench import peer
-    from miniserve.runners.loader import resolve_source
     kind, path, _ = resolve_source(engine.loaded.source)
     if not peer.available():
         raise ValueError("--peer needs llama-cpp-python (`make bench-peer` installs it)")
@@ -686,7 +691,6 @@ def concurrency_params(config: ConcurrencyConfig,
     (the table a caller has loaded, the web app's), else from config.presets_file (None: the
     default presets.yaml). `greedy` is built in unless the table defines it."""
     if presets is None:
-        from miniserve.core.config import load_presets
         presets = load_presets(config.presets_file)
     presets = dict(presets)
     presets.setdefault(GREEDY, SamplingParams(temperature=0, top_k=0, top_p=1.0, min_p=0.0,
@@ -866,8 +870,6 @@ def _peer_streams(reply: dict) -> list[StreamTimeline]:
 def _concurrency_peer(engine: Engine, config: ConcurrencyConfig, progress: Progress):
     """llama.cpp in its own process on the engine's weights as a GGUF copy (bfloat16, or
     float32 when the engine runs float32 weights); (peer, dtype, weight bytes)."""
-    from miniserve.bench import peer
-    from miniserve.runners.loader import resolve_source
     if not peer.available():
         raise ValueError("--peer needs llama-cpp-python (`make bench-peer` installs it)")
     kind, path, _ = resolve_source(engine.loaded.source)

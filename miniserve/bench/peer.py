@@ -9,7 +9,9 @@ id a stream, all prompts in one batch, then one batch of B tokens a step, greedy
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import logging
 import subprocess
 import sys
 import time
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from miniserve.runners.gguf_file import GGUFFile, GGUFFileError
 from miniserve.runners.loader import cache_root, file_key
 
 # llama.cpp's rows: float32 and bfloat16 copies, and the file as stored ("file": its own
@@ -30,7 +33,6 @@ def file_type(path: Path) -> str | None:
     every tensor and the whole vocabulary); None when the file does not say (or is damaged)."""
     import gguf
 
-    from miniserve.runners.gguf_file import GGUFFile, GGUFFileError
     try:
         with GGUFFile(path) as f:
             value = f.get("general.file_type")
@@ -45,7 +47,6 @@ def file_type(path: Path) -> str | None:
 
 
 def available() -> bool:
-    import importlib.util
     return importlib.util.find_spec("llama_cpp") is not None
 
 
@@ -132,7 +133,6 @@ class LlamaCppBatch:
     kept as llama.cpp keeps them by default (float16), or in float32 with `kv_float32`."""
 
     def __init__(self, path: Path, threads: int, kv_float32: bool = False):
-        import logging
 
         import llama_cpp
         logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # its load messages

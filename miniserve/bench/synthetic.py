@@ -28,6 +28,9 @@ from __future__ import annotations
 import argparse
 import ctypes
 import functools
+import importlib.util
+import platform
+import struct
 import sys
 import time
 import zlib
@@ -35,6 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from miniserve.runners.loader import cache_root, embedded_gguf
 
 STD = 0.02  # the weights' standard deviation (the usual initializer range)
 CONTEXT_LENGTH = 8192
@@ -114,7 +119,6 @@ def _embedded_vocab():
     seconds, so once)."""
     import gguf
 
-    from miniserve.runners.loader import embedded_gguf
     reader = gguf.GGUFReader(str(embedded_gguf()))
     return [f for name, f in reader.fields.items() if name.startswith("tokenizer.")]
 
@@ -237,12 +241,10 @@ def llama_quantize(source: Path, out: Path, quant: str, threads: int = 0) -> Pat
 
 
 def llama_cpp_available() -> bool:
-    import importlib.util
     return importlib.util.find_spec("llama_cpp") is not None
 
 
 def default_dir() -> Path:
-    from miniserve.runners.loader import cache_root
     return cache_root() / "synthetic"
 
 
@@ -314,8 +316,6 @@ def block_amx() -> None:
     ggml_backend_amx_mul_mat at the first prompt; peer.py saw a segfault there), a ggml bug
     (its tile config, llama.cpp PR #26954), not a missing permission: AMX itself works here.
     Irreversible for the process; x86-64 Linux only (elsewhere a no-op)."""
-    import platform
-    import struct
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return
     libc = ctypes.CDLL(None, use_errno=True)

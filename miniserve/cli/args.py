@@ -20,10 +20,16 @@ from miniserve.core.config import (
     MAX_LOADED_MODELS,
     MAX_QUEUE,
     ConfigError,
+    Constraint,
     Field,
     SamplingParams,
     load_presets,
 )
+from miniserve.engine.grammar import GrammarError
+from miniserve.models.registry import EngineOptions, ModelSpecError
+from miniserve.models.registry import open_models as open_registry
+from miniserve.runners.loader import ModelLoadError
+from miniserve.store import store
 
 if TYPE_CHECKING:
     from miniserve.store.store import Store
@@ -131,7 +137,6 @@ def open_history(args) -> Store:
     """The conversation store the flags of add_history_args name; its notice (history off,
     a file kept aside or not writable), if any, printed once to stderr. Range-check the flags
     first (flag_error; load_engine does)."""
-    from miniserve.store import store
     history = store.open_store(args.history_db, enabled=not args.no_history,
                                max_conversations=args.history_max_conversations)
     if history.notice:
@@ -168,7 +173,6 @@ FORMAT_FLAGS = {"json_object": "--json-object", "json_schema": "--json-schema",
 def constraint_from_args(args):
     """The output-format flag as a Constraint (None without one); ConfigError naming the flag
     for a file that cannot be read or a schema that is not JSON."""
-    from miniserve.core.config import Constraint
     if getattr(args, "json_object", False):
         return Constraint("json_object")
     if getattr(args, "regex", None) is not None:
@@ -225,7 +229,6 @@ def params_from_args(args) -> tuple[SamplingParams, dict[str, SamplingParams]]:
 def check_format(engine, params) -> str | None:
     """One line when the output format cannot be compiled or enforced, or a --logit-bias
     id is out of the vocabulary; else None."""
-    from miniserve.engine.grammar import GrammarError
     try:
         engine.check(params)
     except GrammarError as e:
@@ -237,8 +240,6 @@ def check_format(engine, params) -> str | None:
 
 def open_models(args):
     """The models the flags name (nothing loaded yet); ModelSpecError for a bad entry."""
-    from miniserve.models.registry import EngineOptions
-    from miniserve.models.registry import open_models as open_registry
     env = os.environ.get("MINISERVE_MODEL")
     sources = args.model or ([env] if env and not args.models_file else [])
     options = EngineOptions(device=args.device, dtype=args.dtype, runner=args.runner,
@@ -251,8 +252,6 @@ def open_models(args):
 def load_engine(args):
     """(engine of the default model, None), or (None, exit code) after a one-line error.
     args.models is then the registry of every model the flags name."""
-    from miniserve.models.registry import ModelSpecError
-    from miniserve.runners.loader import ModelLoadError
     if flag_error(args):
         return None, fail(flag_error(args))
     try:

@@ -7,6 +7,20 @@ import json
 import os
 import sys
 
+from miniserve import __version__
+from miniserve.bench.bench import (
+    MAX_PROMPT_TOKENS,
+    BenchConfig,
+    ConcurrencyConfig,
+    concurrency_params,
+    format_concurrency_table,
+    format_table,
+    prefix_reuse,
+    run_bench,
+    run_concurrency,
+    write_csv,
+    write_json,
+)
 from miniserve.cli import app
 from miniserve.cli.args import (
     DEFAULT_PRESET,
@@ -20,14 +34,19 @@ from miniserve.cli.args import (
     open_history,
     params_from_args,
 )
+from miniserve.cli.repl import ChatSession
 from miniserve.core.config import (
     MAX_QUEUE,
     ConfigError,
 )
+from miniserve.engine.chat import NoChatTemplate
+from miniserve.engine.engine import EngineBusy
+from miniserve.engine.inspector import Inspector
+from miniserve.runners.native import summary
+from miniserve.serve.routes import serve
 
 
 def cmd_generate(args) -> int:
-    from miniserve.engine.engine import EngineBusy
     try:
         params, _ = params_from_args(args)
         if args.stop:
@@ -47,7 +66,6 @@ def cmd_generate(args) -> int:
         [{"role": "user", "content": args.prompt}]
     inspector = None
     if args.show_probs:
-        from miniserve.engine.inspector import Inspector
         inspector = Inspector(engine.tokenizer, params)
     parts, ids, last = [], [], None
     observer = inspector.observe if inspector else None
@@ -89,7 +107,6 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    from miniserve.cli.repl import ChatSession
     try:
         params, presets = params_from_args(args)
     except ConfigError as e:
@@ -100,7 +117,6 @@ def cmd_chat(args) -> int:
     if check_format(engine, params):
         return fail(check_format(engine, params))
     if not engine.has_chat_template and not args.raw:
-        from miniserve.engine.chat import NoChatTemplate
         return fail(str(NoChatTemplate(engine.name)))
     history = open_history(args)
     try:
@@ -147,7 +163,6 @@ def _bench_and_print(args, measure, table):
 def cmd_bench(args) -> int:
     if args.concurrency is not None:
         return cmd_bench_concurrency(args)
-    from miniserve.bench.bench import MAX_PROMPT_TOKENS, BenchConfig, format_table, run_bench
     try:
         lengths = _whole_numbers(args.prompt_tokens or "64,256,1024", "--prompt-tokens", 1,
                                  MAX_PROMPT_TOKENS)
@@ -166,7 +181,6 @@ def cmd_bench(args) -> int:
     if engine is None:
         return result
     if args.prefix_reuse:
-        from miniserve.bench.bench import prefix_reuse
         reuse = result.prefix_reuse = prefix_reuse(engine, args.prefix_reuse)
         print(f"follow-up turn after {reuse['prompt_tokens']} tokens of conversation: first "
               f"token in {reuse['ttft_warm_s']:.3f} s with {reuse['reused_tokens']} tokens "
@@ -178,13 +192,6 @@ def cmd_bench(args) -> int:
 
 def cmd_bench_concurrency(args) -> int:
     """bench --concurrency 1,2,4,8: B streams at once per level and preset."""
-    from miniserve.bench.bench import (
-        MAX_PROMPT_TOKENS,
-        ConcurrencyConfig,
-        concurrency_params,
-        format_concurrency_table,
-        run_concurrency,
-    )
     try:
         levels = _whole_numbers(args.concurrency, "--concurrency", int(MAX_QUEUE.low),
                                 int(MAX_QUEUE.high))
@@ -212,7 +219,6 @@ def cmd_bench_concurrency(args) -> int:
 
 
 def _write_files(result, args) -> None:
-    from miniserve.bench.bench import write_csv, write_json
     if args.json:
         write_json(result, args.json)
         print(f"wrote {args.json}")
@@ -232,7 +238,6 @@ def cmd_serve(args) -> int:
     engine, code = load_engine(args)  # the default model loads now; the others on first use
     if engine is None:
         return code
-    from miniserve.serve.routes import serve
     serve(args.models, host=args.host, port=args.port, api_key=args.api_key)
     return 0
 
@@ -248,8 +253,6 @@ class VersionAction(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        from miniserve import __version__
-        from miniserve.runners.native import summary
         parser.exit(0, f"MiniServeLM {__version__}\n{summary()}\n")
 
 

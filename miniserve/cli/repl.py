@@ -25,6 +25,7 @@ from miniserve.engine.engine import Engine
 from miniserve.engine.turn import ChatTurn, with_seed
 from miniserve.models.registry import Models, UnknownModel
 from miniserve.models.remote import RemoteError
+from miniserve.runners.loader import ModelLoadError
 from miniserve.store.store import Store, StoreError
 
 CLI_OWNER = "cli"  # the store's owner of the terminal chat's conversations
@@ -149,7 +150,6 @@ class ChatSession:
         self.text = ""
 
     def cmd_model(self, name):
-        from miniserve.runners.loader import ModelLoadError
         if name:
             try:
                 name = self.models.resolve(name)

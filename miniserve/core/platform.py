@@ -9,7 +9,6 @@ from __future__ import annotations
 import platform
 from pathlib import Path
 
-
 # flags of /proc/cpuinfo worth naming: vector widths, bfloat16 dot products, matrix tiles
 FEATURES = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16",
             "asimd", "bf16", "sve")

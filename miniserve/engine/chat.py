@@ -7,7 +7,6 @@ turns go first. The caller is told how many messages were dropped.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from miniserve.core.errors import UserError

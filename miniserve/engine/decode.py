@@ -18,8 +18,8 @@ from typing import Callable, Iterator, Protocol
 import torch
 
 from miniserve.core.config import SamplingParams
-from miniserve.runners.hf import as_runner
 from miniserve.engine.sampling import NoTokenAllowed, make_generator, sample
+from miniserve.runners.hf import as_runner
 
 # A hook that sees each step's raw logits, the ids so far, the chosen id and the grammar's
 # mask of allowed tokens (None when the reply is not constrained): the token inspector.

@@ -19,17 +19,42 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Iterator
 
+import torch
+
+from miniserve.core.config import (
+    KV_BUDGET,
+    MAX_BATCH,
+    MAX_QUEUE,
+    STEP_TOKENS,
+    ConfigError,
+    SamplingParams,
+)
 from miniserve.core.errors import Busy
-from miniserve.engine.chat import (NoChatTemplate, check_messages, completion_ids, has_chat_template,
-                            trim_history)
-from miniserve.core.config import (KV_BUDGET, MAX_BATCH, MAX_QUEUE, STEP_TOKENS, ConfigError,
-                              SamplingParams)
+from miniserve.engine.chat import (
+    NoChatTemplate,
+    check_messages,
+    completion_ids,
+    has_chat_template,
+    trim_history,
+)
 from miniserve.engine.decode import GenerationStats, LogitsObserver, crop_cache, generate
+from miniserve.engine.grammar import Grammars
 from miniserve.engine.scheduler import RequestTooLarge, Scheduler, Sequence  # noqa: F401
-from miniserve.runners.loader import LoadedModel, describe
-from miniserve.runners.hf import TransformersRunner
-from miniserve.engine.surface import LOCAL
 from miniserve.engine.stream import Detokenizer, StopStrings
+from miniserve.engine.surface import LOCAL
+from miniserve.runners import lean, native, stored
+from miniserve.runners.hf import TransformersRunner
+from miniserve.runners.loader import (
+    KNOWN_MODELS,
+    STORED,
+    LoadedModel,
+    ModelLoadError,
+    describe,
+    load_model,
+    pick_device,
+    resolve_source,
+)
+from miniserve.runners.stored import StoredRunner, quantize_at_load
 
 END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|end|>", "</s>",
               "<end_of_turn>")
@@ -182,11 +207,9 @@ def make_runner(loaded: LoadedModel, runner: str = "auto", quant: str | None = N
     """The module the decode loop drives. transformers: the library model. lean: our readable
     PyTorch forward pass (Llama family). native: lean, with every pass in compiled code
     (miniserve/runners/native.py; CPU, float32 or bfloat16 weights). auto: the fastest that applies."""
-    from miniserve.runners import lean, native
     if runner not in RUNNERS:
         raise ValueError(f"unknown runner '{runner}': use {', '.join(RUNNERS)}")
     if loaded.stored:  # a GGUF's weights as stored: the native runner over the mapped file
-        from miniserve.runners.stored import StoredRunner
         if runner not in ("auto", "native"):
             raise ValueError(f"the {runner} runner computes over dequantized weights: use "
                              f"--dtype float32 or bfloat16 with --runner {runner}")
@@ -195,7 +218,6 @@ def make_runner(loaded: LoadedModel, runner: str = "auto", quant: str | None = N
                              "weights are used as stored (for --quant, add --dtype bfloat16)")
         return StoredRunner(loaded.model, math, loaded.generation_config)
     if quant in QUANTS:  # a float model's matrices quantized to blocks at load (native)
-        from miniserve.runners.stored import quantize_at_load
         if runner not in ("auto", "native") or loaded.device.type != "cpu":
             raise ValueError(f"--quant {quant} runs on the native runner on the CPU, not "
                              f"{'--runner ' + runner if runner not in ('auto', 'native') else loaded.device.type}")
@@ -316,7 +338,6 @@ class Engine(Admitting):
         return has_chat_template(self.tokenizer)
 
     def info(self) -> dict:
-        from miniserve.runners import native
         s = self.scheduler
         return {**describe(self.loaded), "name": self.name, "chat": self.has_chat_template,
                 "remote": False, "runner": self.runner_name, "quant": self.quant or "none",
@@ -398,7 +419,6 @@ class Engine(Admitting):
         """The grammar compiler for this model's tokenizer (built on first use; a constraint
         compiled once is reused)."""
         if self._grammars is None:
-            from miniserve.engine.grammar import Grammars
             self._grammars = Grammars(self.tokenizer, self.eos_ids,
                                       self.runner.config.vocab_size)
         return self._grammars
@@ -554,7 +574,6 @@ class Engine(Admitting):
         [(id, logprob) of the `top` most likely]) -- what OpenAI's echo + logprobs returns.
         Computed on the engine thread in pieces of PROMPT_LOGITS_ROWS positions (a vocabulary
         of 262k makes all-position logits of a long prompt gigabytes), with a KV cache."""
-        import torch
 
         def run():
             cache = self.runner.new_cache(len(prompt_ids))
@@ -650,10 +669,7 @@ def auto_dtype(dtype: str, device: str | None, runner: str, quant: str | None,
     bits a weight against bfloat16's 16; BENCHMARKS.md, "Weights as stored"); int8 runs with
     bfloat16 activations; the native CPU step reads bfloat16 weights (half the bytes of
     float32) and computes in float32, 1.3-1.6x faster than float32 weights here."""
-    import torch
 
-    from miniserve.runners import native
-    from miniserve.runners.loader import STORED, ModelLoadError, pick_device
     if dtype != "auto":
         return dtype
     if quant in ("int8", *QUANTS):  # quantized from bfloat16 (what published weights are)
@@ -669,7 +685,6 @@ def auto_dtype(dtype: str, device: str | None, runner: str, quant: str | None,
 
 def is_gguf(source: str | None) -> bool:
     """Whether a model source is a GGUF file (the embedded model and known models are)."""
-    from miniserve.runners.loader import KNOWN_MODELS, ModelLoadError, resolve_source
     if not source or source == "default" or source in KNOWN_MODELS:
         return True
     try:
@@ -681,8 +696,6 @@ def is_gguf(source: str | None) -> bool:
 def runs_as_stored(source: str | None) -> bool:
     """A GGUF whose architecture the stored runner runs (others load dequantized, through
     transformers, which says what it supports)."""
-    from miniserve.runners import stored
-    from miniserve.runners.loader import KNOWN_MODELS, ModelLoadError, resolve_source
     if not is_gguf(source):
         return False
     if not source or source == "default" or source in KNOWN_MODELS:
@@ -700,10 +713,8 @@ def start_engine(model: str | None = None, device: str | None = "auto", dtype: s
                  name: str | None = None) -> Engine:
     """Load a model and start its engine, as the app, the CLI and `serve` do. Raises
     ModelLoadError (the model) or ValueError (the runner / quantization)."""
-    from miniserve.runners.loader import load_model
     chosen = auto_dtype(dtype, device, runner, quant, model)
     if dtype == "auto" and chosen != "stored" and is_gguf(model) and runs_as_stored(model):
-        from miniserve.runners import native
         why = (f"--runner {runner}" if runner not in ("auto", "native") else
                f"--quant {quant}" if quant else native.unavailable_reason()
                or "the native runner does not run on this device")

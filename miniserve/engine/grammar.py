@@ -30,8 +30,8 @@ from collections import OrderedDict
 import llguidance
 import torch
 
-from miniserve.core.errors import UserError
 from miniserve.core.config import Constraint
+from miniserve.core.errors import UserError
 
 COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 CACHE_ENTRIES = 64

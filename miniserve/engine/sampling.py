@@ -18,8 +18,8 @@ from typing import Iterator
 
 import torch
 
-from miniserve.core.errors import UserError
 from miniserve.core.config import SamplingParams
+from miniserve.core.errors import UserError
 
 NEG_INF = float("-inf")
 BAN = -100.0  # a logit bias of -100 removes the token (as OpenAI documents it)

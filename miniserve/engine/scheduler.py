@@ -31,8 +31,8 @@ from typing import Callable
 
 import torch
 
-from miniserve.core.errors import UserError
 from miniserve.core.config import KV_BUDGET, MAX_BATCH, STEP_TOKENS, SamplingParams
+from miniserve.core.errors import UserError
 from miniserve.engine.decode import GenerationStats, LogitsObserver, Matcher, choose
 from miniserve.engine.sampling import make_generator
 

@@ -18,6 +18,7 @@ being unloaded while a reply streams, `with models.use(name) as engine:`.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -27,8 +28,11 @@ from typing import Callable, Iterator
 
 import yaml
 
+from miniserve.core.config import MAX_LOADED_MODELS, MAX_QUEUE
 from miniserve.core.errors import NotServed, UserError
-from miniserve.core.config import MAX_LOADED_MODELS
+from miniserve.engine.engine import start_engine
+from miniserve.models.remote import RemoteEngine
+from miniserve.runners.loader import EMBEDDED_NAME, KNOWN_MODELS
 
 # names the API takes for "the default model" (clients send these without asking /v1/models)
 PLACEHOLDER_MODELS = {"default", "miniserve", "gpt-3.5-turbo", "gpt-4", "gpt-4o", "gpt-4o-mini"}
@@ -67,7 +71,6 @@ def is_url(source: str | None) -> bool:
 
 def default_name(source: str | None) -> str:
     """The name a model is listed under when none is given: what the loader will call it."""
-    from miniserve.runners.loader import EMBEDDED_NAME, KNOWN_MODELS
     if not source or source == "default":
         return EMBEDDED_NAME
     if source in KNOWN_MODELS:
@@ -114,7 +117,6 @@ def load_specs_file(path: str, context: int | None = None,
     """models.yaml: a list of entries, each a source string or a mapping with `source` and
     optionally `name`, `context` (remote) and `api_key_env` (remote: the variable holding the
     server's key)."""
-    import os
     try:
         data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
@@ -338,14 +340,11 @@ class EngineOptions:
 def engine_factory(options: EngineOptions):
     """factory(spec, progress) for Models: a local engine (miniserve.engine.engine.start_engine) or a
     remote one (miniserve.models.remote.RemoteEngine)."""
-    from miniserve.core.config import MAX_QUEUE
 
     def make(spec: ModelSpec, progress=None):
         max_queue = options.max_queue or int(MAX_QUEUE.default)
         if spec.remote:
-            from miniserve.models.remote import RemoteEngine
             return RemoteEngine(spec, max_queue=max_queue, progress=progress)
-        from miniserve.engine.engine import start_engine
         engine = start_engine(spec.source, device=options.device, dtype=options.dtype,
                               runner=options.runner, quant=options.quant, progress=progress,
                               math=options.math, kv_budget=options.kv_budget,

@@ -38,12 +38,19 @@ from typing import Iterator
 
 import httpx
 
-from miniserve.engine.chat import ChatError, NoChatTemplate, Trimmed, check_messages, clean_text, \
-    trim_history
 from miniserve.core.config import CONTEXT, ConfigError, SamplingParams
+from miniserve.engine.chat import (
+    ChatError,
+    NoChatTemplate,
+    Trimmed,
+    check_messages,
+    clean_text,
+    trim_history,
+)
 from miniserve.engine.decode import GenerationStats
-from miniserve.engine.surface import REMOTE
 from miniserve.engine.engine import Admission, Admitting, Chunk, EngineBusy, Stream, columns
+from miniserve.engine.grammar import GrammarError
+from miniserve.engine.surface import REMOTE
 from miniserve.runners.loader import ModelLoadError
 
 # A slow server may take minutes over a long prompt before its first token: reads wait long,
@@ -337,7 +344,6 @@ class RemoteEngine(Admitting):
         the output format at all (others the server checks, and its 400 says why)."""
         body = _format_fields(params, self.facts.flavor)
         if body is None:
-            from miniserve.engine.grammar import GrammarError
             kind = params.constraint.kind.replace("_", " ")
             raise GrammarError(f"the server of model '{self.name}' ({self.facts.flavor}) "
                                f"cannot hold a reply to a {kind}; use JSON or JSON schema",

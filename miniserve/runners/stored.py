@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -302,7 +303,6 @@ class GGUFWeights:
 def _tensor_view(data: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     """A tensor over the file's read-only mapped bytes (nothing writes through it: the runner
     only reads weights), without PyTorch's warning about buffers it cannot write."""
-    import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         return torch.frombuffer(data, dtype=dtype)
