@@ -111,8 +111,9 @@ def open_registry(args):
     try:
         models = open_models(args)
         spec = models.specs[models.default]
-        if not spec.remote and spec.source not in (None, "default", *KNOWN_MODELS):
-            resolve_source(spec.source)  # a path that is not there: said now, not later
+        if not spec.remote and spec.source not in KNOWN_MODELS:
+            resolve_source(spec.source)  # a path that is not there, no embedded model: said
+            # now, before anything is served (a known model may still have to be installed)
         return models, None
     except ModelLoadError as e:
         return None, fail(str(e), 1)
