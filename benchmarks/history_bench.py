@@ -69,8 +69,8 @@ from pathlib import Path
 
 from miniserve.bench.bench import percentile
 from miniserve.core.config import MAX_IMPORT_BYTES
-from miniserve.store.store import (EXPORT_ALL_FORMAT, EXPORT_FORMAT, EXPORT_VERSION, open_store,
-                             title_from)
+from miniserve.store.formats import EXPORT_ALL_FORMAT, EXPORT_FORMAT, EXPORT_VERSION
+from miniserve.store.store import open_store, title_from
 
 ROOT = Path(__file__).resolve().parent.parent
 OWNER, OTHER = "a" * 32, "b" * 32  # owner ids are 32 hex digits

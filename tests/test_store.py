@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from miniserve.core import config
-from miniserve.store.store import (MIGRATIONS, SCHEMA_VERSION, TITLE_CHARS, BadImport, Branch,
-                             NotFound, Store, StoreError, open_store)
+from miniserve.store.records import TITLE_CHARS
+from miniserve.store.store import (MIGRATIONS, SCHEMA_VERSION, BadImport, Branch, NotFound, Store,
+                                   StoreError, open_store)
 
 ROOT = Path(__file__).resolve().parent.parent
 A, B = "alice", "bob"

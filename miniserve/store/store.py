@@ -26,20 +26,24 @@ import threading
 import time
 import uuid
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from miniserve.core.errors import NotServed, UserError
-from miniserve.core.text import clean_text
 from miniserve.core.config import MAX_CONVERSATIONS, MAX_IMPORT_BYTES, check_number
+from miniserve.store import formats
+from miniserve.store.records import (
+    ROLES,
+    STATUSES,
+    BadImport,
+    Branch,
+    Message,
+    NotFound,
+    StoreError,
+    Summary,
+    clean,
+    title_from,
+)
 
 SCHEMA_VERSION = 2
-EXPORT_FORMAT = "miniserve.conversation"      # one conversation
-EXPORT_ALL_FORMAT = "miniserve.conversations"  # all of an owner's
-EXPORT_VERSION = 1
-ROLES = ("user", "assistant")
-STATUSES = ("complete", "stopped")
-TITLE_CHARS = 60
 
 # Each entry takes the database from version i to i + 1 (PRAGMA user_version). A new file runs
 # them all, so the first version's path is the one every database has taken.
@@ -77,49 +81,6 @@ MIGRATIONS = [
 assert len(MIGRATIONS) == SCHEMA_VERSION
 
 
-class StoreError(UserError, ValueError):
-    """What a user can be told as it is: a conversation not found, a bad import, a bad title."""
-
-
-class NotFound(StoreError, NotServed):
-    pass
-
-
-class BadImport(StoreError):
-    pass
-
-
-@dataclass(frozen=True)
-class Message:
-    id: str
-    conversation_id: str
-    parent_id: str | None
-    role: str
-    content: str
-    created: float
-    status: str = "complete"
-    settings: dict = field(default_factory=dict)
-    stats: dict = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Summary:
-    id: str
-    title: str
-    system: str
-    created: float
-    updated: float
-    leaf: str | None
-    messages: int
-
-
-@dataclass(frozen=True)
-class Branch:
-    """Where a message sits among its siblings: `index` of `count` (1-based)."""
-    index: int
-    count: int
-
-
 def data_dir() -> Path:
     """Where the app keeps its files: $MINISERVE_DATA_DIR, else the platform's data folder."""
     if os.environ.get("MINISERVE_DATA_DIR"):
@@ -133,18 +94,6 @@ def data_dir() -> Path:
 
 def default_path() -> Path:
     return data_dir() / "history.sqlite3"
-
-
-def clean(text: str) -> str:
-    """Text as it is stored: valid UTF-8, no control characters but newlines and tabs."""
-    return clean_text(text)
-
-
-def title_from(text: str) -> str:
-    """A conversation's title from its first message: the first line, cut to TITLE_CHARS."""
-    line = next((ln.strip() for ln in clean(text).splitlines() if ln.strip()), "")
-    line = " ".join(line.split())
-    return line if len(line) <= TITLE_CHARS else line[:TITLE_CHARS - 1].rstrip() + "…"
 
 
 def open_store(path: str | Path | None = None, *, enabled: bool = True,
@@ -503,56 +452,32 @@ class Store:
         return new_leaf, path[cut].content
 
     # -- export and import ----------------------------------------------------------------
-    def export(self, owner: str, cid: str) -> dict:
-        """The whole tree, settings and stats included: EXPORT_FORMAT, version
-        EXPORT_VERSION (documented in README.md). Message ids are positions in the list;
-        a parent always comes before its children."""
-        conv = self.get(owner, cid)
+    def _rows(self, cid: str):
         with self._lock:
-            rows = self._db.execute("SELECT * FROM messages WHERE conversation_id = ? "
+            return self._db.execute("SELECT * FROM messages WHERE conversation_id = ? "
                                     "ORDER BY rowid", (cid,)).fetchall()
-        index = {r["id"]: i for i, r in enumerate(rows)}
-        return {"format": EXPORT_FORMAT, "version": EXPORT_VERSION, "title": conv.title,
-                "system": conv.system, "created": conv.created, "updated": conv.updated,
-                "current": index.get(conv.leaf),
-                "messages": [{"id": i, "parent": index.get(r["parent_id"]), "role": r["role"],
-                              "content": r["content"], "created": r["created"],
-                              "status": r["status"], "settings": json.loads(r["settings"]),
-                              "stats": json.loads(r["stats"])} for i, r in enumerate(rows)]}
+
+    def export(self, owner: str, cid: str) -> dict:
+        """The whole tree (formats.EXPORT_FORMAT, documented in README.md)."""
+        conv = self.get(owner, cid)
+        return formats.export_tree(conv, self._rows(cid))
 
     def export_all(self, owner: str) -> dict:
-        return {"format": EXPORT_ALL_FORMAT, "version": EXPORT_VERSION,
-                "conversations": [self.export(owner, c.id)
-                                  for c in reversed(self.conversations(owner, limit=-1))]}
+        return formats.export_all([self.export(owner, c.id)
+                                   for c in reversed(self.conversations(owner, limit=-1))])
 
     def export_openai(self, owner: str, cid: str, leaf_id: str | None = None) -> list[dict]:
-        """The open branch as an OpenAI `messages` list (the system prompt first)."""
-        conv = self.get(owner, cid)
-        return ([{"role": "system", "content": conv.system}] if conv.system else []) + \
-            [{"role": m.role, "content": m.content} for m in self.path(owner, cid, leaf_id)]
+        return formats.openai_messages(self.get(owner, cid), self.path(owner, cid, leaf_id))
 
     def export_markdown(self, owner: str, cid: str, leaf_id: str | None = None) -> str:
-        conv = self.get(owner, cid)
-        parts = [f"# {conv.title or 'Conversation'}", ""]
-        if conv.system:
-            parts += ["**System:**", "", conv.system, ""]
-        for m in self.path(owner, cid, leaf_id):
-            parts += [f"**{m.role.capitalize()}:**" + (" *(stopped)*" if m.status == "stopped"
-                                                         else ""), "", m.content, ""]
-        return "\n".join(parts)
+        return formats.markdown(self.get(owner, cid), self.path(owner, cid, leaf_id))
 
     def export_text(self, owner: str, cid: str, kind: str,
                     leaf_id: str | None = None) -> tuple[str, str]:
-        """An export as a file's text and suffix: "json" (the whole tree), "md" (the open
-        branch as Markdown) or "openai" (the open branch as a `messages` list)."""
-        if kind == "json":
-            return json.dumps(self.export(owner, cid), indent=2, ensure_ascii=False), ".json"
-        if kind == "md":
-            return self.export_markdown(owner, cid, leaf_id), ".md"
-        if kind == "openai":
-            return (json.dumps(self.export_openai(owner, cid, leaf_id), indent=2,
-                               ensure_ascii=False), ".messages.json")
-        raise StoreError(f"unknown export {kind!r} (json, md or openai)")
+        """An export as a file's text and suffix (formats.as_text)."""
+        conv = self.get(owner, cid)
+        return formats.as_text(kind, lambda: self.export(owner, cid), conv,
+                               self.path(owner, cid, leaf_id) if kind != "json" else [])
 
     def import_file(self, owner: str, path: str | Path) -> list[str]:
         """`import_` of a file, its size checked before it is read. OSError when it cannot be
@@ -565,25 +490,10 @@ class Store:
         return self.import_(owner, path.read_bytes())
 
     def import_(self, owner: str, data) -> list[str]:
-        """Import an export (one conversation or all), or a plain OpenAI `messages` list (a
-        JSON list, or an object with "messages"). `data`: bytes, str or parsed JSON.
-        All or nothing: any fault raises BadImport naming where, and nothing is kept.
-        Returns the new conversations' ids."""
-        if isinstance(data, (bytes, bytearray, str)):
-            raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else bytes(data)
-            if len(raw) > MAX_IMPORT_BYTES:
-                raise BadImport(f"the file is {len(raw) / 1e6:.1f} MB; an import may be at most "
-                                f"{MAX_IMPORT_BYTES / 1e6:.0f} MB")
-            try:
-                data = json.loads(raw.decode("utf-8"))
-            except UnicodeDecodeError:
-                raise BadImport("the file is not text (UTF-8 JSON expected)") from None
-            except json.JSONDecodeError as e:
-                raise BadImport(f"the file is not JSON: {e.msg} at line {e.lineno}, column "
-                                f"{e.colno}") from None
-            except RecursionError:
-                raise BadImport("the file's JSON is nested too deeply") from None
-        trees = _parse_import(data)
+        """Import an export or an OpenAI `messages` list (formats.read_import). All or
+        nothing: any fault raises BadImport naming where, and nothing is kept. Returns the new
+        conversations' ids."""
+        trees = formats.read_import(data)
         ids = []
         with self._tx() as db:
             for tree in trees:
@@ -668,116 +578,3 @@ class _Tx:
         self.db.execute("DELETE FROM conversations WHERE id = ?", (cid,))
 
 
-# -- reading imports --------------------------------------------------------------------------
-def _parse_import(data) -> list[dict]:
-    """Check an import completely before anything is written; the trees to insert."""
-    if isinstance(data, list):
-        return [_from_openai(data, "messages")]
-    if not isinstance(data, dict):
-        raise BadImport(f"expected a JSON object or a list of messages, got {type(data).__name__}")
-    fmt = data.get("format")
-    if fmt is None and "messages" in data:
-        return [_from_openai(data["messages"], "messages")]
-    if fmt not in (EXPORT_FORMAT, EXPORT_ALL_FORMAT):
-        raise BadImport(f"'format' must be {EXPORT_FORMAT!r} or {EXPORT_ALL_FORMAT!r} (or give "
-                        f"an OpenAI 'messages' list), got {fmt!r}")
-    if data.get("version") != EXPORT_VERSION:
-        raise BadImport(f"'version' {data.get('version')!r} is not one this app reads "
-                        f"(it reads version {EXPORT_VERSION})")
-    if fmt == EXPORT_FORMAT:
-        return [_tree(data, "")]
-    conversations = data.get("conversations")
-    if not isinstance(conversations, list):
-        raise BadImport("'conversations' must be a list of conversations")
-    return [_tree(c, f"conversations[{i}].") for i, c in enumerate(conversations)]
-
-
-def _need(ok: bool, where: str, what: str) -> None:
-    if not ok:
-        raise BadImport(f"'{where}' {what}")
-
-
-def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x and abs(x) < 1e13
-
-
-def _tree(c, at: str) -> dict:
-    _need(isinstance(c, dict), at.rstrip(".") or "(top)", "must be an object")
-    if at and (c.get("format") != EXPORT_FORMAT or c.get("version") != EXPORT_VERSION):
-        raise BadImport(f"'{at}format' and 'version' must be {EXPORT_FORMAT!r} and "
-                        f"{EXPORT_VERSION}")
-    for key in ("title", "system"):
-        _need(isinstance(c.get(key, ""), str), at + key, "must be a string")
-    for key in ("created", "updated"):
-        _need(_is_number(c.get(key)), at + key, "must be a time in seconds since 1970")
-    messages = c.get("messages")
-    _need(isinstance(messages, list), at + "messages", "must be a list")
-    out = []
-    for i, m in enumerate(messages):
-        where = f"{at}messages[{i}]"
-        _need(isinstance(m, dict), where, "must be an object")
-        _need(m.get("id") == i, where + ".id", f"must be {i} (its place in the list)")
-        parent = m.get("parent")
-        _need(parent is None or (isinstance(parent, int) and not isinstance(parent, bool)
-                                 and 0 <= parent < i),
-              where + ".parent", "must be null or the id of an earlier message")
-        role = m.get("role")
-        _need(role in ROLES, where + ".role", f"must be one of {', '.join(ROLES)}, got {role!r}")
-        expected = "user" if parent is None or out[parent]["role"] == "assistant" else "assistant"
-        _need(role == expected, where + ".role",
-              f"is {role!r} but follows {'the start' if parent is None else 'a ' + out[parent]['role'] + ' message'}"
-              f"; roles must alternate, starting with the user")
-        _need(isinstance(m.get("content"), str), where + ".content", "must be a string")
-        _need(m.get("status", "complete") in STATUSES, where + ".status",
-              f"must be one of {', '.join(STATUSES)}")
-        _need(_is_number(m.get("created")), where + ".created", "must be a time in seconds")
-        for key in ("settings", "stats"):
-            _need(isinstance(m.get(key, {}), dict), f"{where}.{key}", "must be an object")
-        out.append({"parent": parent, "role": role, "content": clean(m["content"]),
-                    "status": m.get("status", "complete"), "created": m["created"],
-                    "settings": m.get("settings", {}), "stats": m.get("stats", {})})
-    current = c.get("current")
-    _need(current is None or (isinstance(current, int) and not isinstance(current, bool)
-                              and 0 <= current < len(out)),
-          at + "current", "must be null or the id of a message")
-    return {"title": clean(c.get("title", ""))[:200], "system": clean(c.get("system", "")),
-            "created": c["created"], "updated": c["updated"],
-            "current": current if current is not None else (len(out) - 1 if out else None),
-            "messages": out}
-
-
-def _from_openai(messages, at: str) -> dict:
-    """An OpenAI `messages` list: an optional system message, then user and assistant
-    messages taking turns, starting with the user."""
-    _need(isinstance(messages, list) and messages, at, "must be a non-empty list of messages")
-    system = ""
-    out = []
-    for i, m in enumerate(messages):
-        where = f"{at}[{i}]"
-        _need(isinstance(m, dict), where, "must be an object with 'role' and 'content'")
-        role, content = m.get("role"), m.get("content")
-        if isinstance(content, list):  # content parts: the text ones
-            texts = [p.get("text", "") for p in content
-                     if isinstance(p, dict) and p.get("type") == "text"]
-            _need(all(isinstance(t, str) for t in texts), where + ".content",
-                  "has a text part whose 'text' is not a string")
-            content = "".join(texts)
-        _need(isinstance(content, str), where + ".content", "must be a string")
-        if role == "system":
-            _need(i == 0, where + ".role", "'system' may only be the first message")
-            system = content
-            continue
-        expected = "user" if not out or out[-1]["role"] == "assistant" else "assistant"
-        _need(role == expected, where + ".role",
-              f"must be {expected!r} (roles take turns, starting with the user), got {role!r}")
-        out.append({"parent": len(out) - 1 if out else None, "role": role,
-                    "content": clean(content), "status": "complete", "created": time.time(),
-                    "settings": {}, "stats": {}})
-    _need(bool(out), at, "has no user or assistant message")
-    now = time.time()
-    return {"title": title_from(out[0]["content"]), "system": clean(system), "created": now,
-            "updated": now, "current": len(out) - 1, "messages": out}
-
-
-def as_dict(message: Message) -> dict:
-    return asdict(message)
