@@ -67,12 +67,13 @@ def build_ui(models: Models | Engine, presets: dict[str, SamplingParams],
 
 
 # Gradio's queue looks for new events every 1 ms while it has none, and for progress to send
-# every 10 ms: with no client at all, ~6% of a core (a laptop's battery). Checking every 20 ms
-# and 100 ms costs an event at most 20 ms before it starts (a reply's prompt pass takes longer)
-# and a progress bar a tenth of a second; idle, the app then uses well under 0.5% of a core
-# (BENCHMARKS.md, "Start-up and idle"). Private settings of gradio.queueing.Queue, so
-# tests/test_ui.py checks that they exist and took.
-IDLE_POLL_S = 0.02
+# every 10 ms: with no client at all, ~6% of a core (a laptop's battery). Checking every 50 ms
+# and 100 ms costs an event at most 50 ms (25 on average) before it starts -- a reply's prompt
+# pass takes longer; the Step tab's redraws skip the queue -- and a progress bar a tenth of a
+# second; idle, the app then uses under 0.5% of a core (BENCHMARKS.md, "Start-up and idle").
+# Private settings of gradio.queueing.Queue: quiet_when_idle fails loudly if they go, and
+# tests/test_ui.py checks that they took.
+IDLE_POLL_S = 0.05
 PROGRESS_POLL_S = 0.1
 
 
