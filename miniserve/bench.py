@@ -24,7 +24,8 @@ from typing import Callable, TypeVar
 import torch
 
 from miniserve import native
-from miniserve.config import MAX_NEW_TOKENS, MAX_QUEUE, Constraint, SamplingParams
+from miniserve.config import (GREEDY, MAX_NEW_TOKENS, MAX_QUEUE, Constraint, SamplingParams,
+                              with_builtins)
 from miniserve.engine import Engine, common_prefix
 from miniserve.platform_info import cpu_model, rss_mb
 from miniserve.runner import TransformersRunner
@@ -578,7 +579,6 @@ def write_csv(result: BenchResult | ConcurrencyResult, path: str) -> None:
 # ceiling -- what B rows a step could reach at most on this machine -- is measured in the same
 # run, so the share of it is the engine's, not the machine's.
 
-GREEDY = "greedy"  # a built-in preset: argmax, no filters (presets.yaml may define its own)
 
 
 @dataclass
@@ -722,9 +722,7 @@ def concurrency_params(config: ConcurrencyConfig,
     if presets is None:
         from miniserve.config import load_presets
         presets = load_presets(config.presets_file)
-    presets = dict(presets)
-    presets.setdefault(GREEDY, SamplingParams(temperature=0, top_k=0, top_p=1.0, min_p=0.0,
-                                              repetition_penalty=1.0))
+    presets = with_builtins(presets)
     unknown = [p for p in config.presets if p not in presets]
     if unknown:
         raise ValueError(f"unknown preset {', '.join(unknown)} (available: "
