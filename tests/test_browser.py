@@ -63,6 +63,33 @@ def test_send_streams_a_reply(page):
         page.screenshot(path=str(SHOTS / "chat.png"))
 
 
+def test_enter_sends_and_shift_enter_adds_a_line(page):
+    """As in chat apps: Shift+Enter adds a line, Enter sends the message with its lines; an
+    Enter an input method is composing with sends nothing; the placeholder says so."""
+    from playwright.sync_api import expect
+    expect(page.locator("html")).to_have_attribute("data-ms-keys", "on")
+    set_number(page, "Max new tokens", 8)
+    box = page.get_by_label("Message", exact=True)
+    expect(box).to_have_attribute("placeholder", re.compile(r"Enter sends, Shift\+Enter adds"))
+    box.press_sequentially("Name a fruit")
+    # the Enter that commits an input method's text: its keydown and keypress say isComposing
+    box.evaluate("""el => { for (const type of ["keydown", "keypress"])
+        el.dispatchEvent(new KeyboardEvent(type, {key: "Enter", code: "Enter", bubbles: true,
+                                                  cancelable: true, isComposing: true})); }""")
+    box.press("Shift+Enter")
+    box.press_sequentially("and a colour.")
+    expect(box).to_have_value("Name a fruit\nand a colour.")
+    box.press("Enter")
+    expect(box).to_have_value("")
+    expect(page.locator("#status")).to_contain_text("tokens/s", timeout=60000)
+    users = page.locator("[data-testid='user']")
+    expect(users).to_have_count(1)  # one message: the composing Enter sent nothing
+    lines = [line.strip() for line in users.first.inner_text().splitlines() if line.strip()]
+    assert lines == ["Name a fruit", "and a colour."], lines
+    expect(page.locator("[data-testid='bot']")).to_have_count(1)
+    assert bot_text(page).strip(), "a reply arrived"
+
+
 def test_factual_preset_moves_the_sliders(page):
     page.get_by_label("Preset").click()
     page.get_by_role("option", name="factual").click()

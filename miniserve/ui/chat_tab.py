@@ -322,8 +322,10 @@ def build_chat_tab(chat: ChatHandlers, default_preset: str,
                     branches = gr.Markdown("", elem_id="branches")
                     prev_btn = gr.Button("‹", size="sm", scale=0, min_width=40)
                     next_btn = gr.Button("›", size="sm", scale=0, min_width=40)
-                message = gr.Textbox(label="Message", placeholder="Type a message and press "
-                                     "Enter", lines=2, autofocus=True)
+                # one line that grows: Enter sends, Shift+Enter adds a line (common.KEYS_JS)
+                message = gr.Textbox(label="Message", placeholder="Type a message: Enter "
+                                     "sends, Shift+Enter adds a line", lines=1, max_lines=8,
+                                     autofocus=True, elem_id="chat-message")
                 with gr.Row():
                     send_btn = gr.Button("Send", variant="primary")
                     stop_btn = gr.Button("Stop", variant="stop")
