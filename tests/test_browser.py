@@ -157,14 +157,46 @@ def test_empty_message_is_a_readable_error_and_keeps_the_chat(page):
 
 def test_inspector_shows_alternatives_on_hover(page):
     set_number(page, "Max new tokens", 12)
+    set_number(page, "Seed", 1)
     page.get_by_label("Token inspector").check()
     page.get_by_label("Message", exact=True).fill("Name a colour.")
     page.get_by_role("button", name="Send").click()
-    token = page.locator(".ms-inspector .ms-tok").first
-    token.wait_for(timeout=60000)
+    from playwright.sync_api import expect
+    expect(page.locator("#status")).to_contain_text("tokens/s", timeout=120000)
+    tokens = page.locator(".ms-inspector .ms-tok")
+    expect(tokens.first).to_be_visible()
+    token = tokens.nth(min(1, tokens.count() - 1))  # the second: a sampled one
+    popup = token.locator(".ms-pop")
+    expect(popup).to_be_hidden()
+    token.evaluate("e => e.scrollIntoView({block: 'start'})")  # room below it for the popup
     token.hover()
-    tip = token.get_attribute("title")
-    assert tip.count("\n") == 4 and "%" in tip  # five alternatives with probabilities
+    # a chart: five alternatives (and the chosen token), each a bar before -> after the stages
+    expect(popup).to_be_visible()
+    expect(popup).to_contain_text("before the stages")
+    rows = popup.locator(".ms-row")
+    assert 5 <= rows.count() <= 6 and rows.filter(has_text="→").count() == rows.count()
+    expect(popup.locator(".ms-row.ms-chosen")).to_have_count(1)
+    track = rows.first.locator(".ms-bars").bounding_box()
+    assert track["width"] > 50 and track["height"] > 5
+    # the bars' lengths are the probabilities: the first row's are drawn from its numbers
+    size = rows.first.locator(".ms-bars").evaluate("e => getComputedStyle(e).backgroundSize")
+    before = float(rows.first.get_attribute("data-before"))
+    after = float(rows.first.get_attribute("data-after"))
+    assert size.startswith(f"{100 * before:.1f}% 5px, {100 * after:.1f}% 5px"), size
+    box = popup.bounding_box()
+    assert box["width"] > 200 and box["height"] > 60
+    # drawn on top of the page, not cut off by the box around the inspector
+    last = rows.last.bounding_box()
+    on_top = page.evaluate("([x, y]) => !!document.elementFromPoint(x, y).closest('.ms-pop')",
+                           [last["x"] + last["width"] / 2, last["y"] + last["height"] / 2])
+    assert on_top, "the popup's last row is visible"
+    if os.environ.get("MINISERVE_SCREENSHOTS"):
+        area = page.locator("#inspector").bounding_box()
+        page.screenshot(path=str(SHOTS / "inspector.png"), clip={
+            "x": area["x"], "y": area["y"], "width": max(area["width"], box["width"] + 20),
+            "height": box["y"] + box["height"] - area["y"] + 10})
+    page.mouse.move(0, 0)
+    expect(popup).to_be_hidden()
 
 
 def test_benchmark_tab_shows_rows_for_each_mode(page):

@@ -335,7 +335,8 @@ def build_chat_tab(chat: ChatHandlers, default_preset: str,
                 status = gr.Markdown("ready", elem_id="status")
                 inspect_on = gr.Checkbox(label="Token inspector", value=False,
                                          info="shade each token by its probability; hover "
-                                              "for the top-5 alternatives")
+                                              "one for a chart of the top-5 alternatives "
+                                              "before → after the sampling stages")
                 inspector_view = gr.HTML(elem_id="inspector")
             with gr.Column(scale=1):
                 model = build_model_picker(chat.models)

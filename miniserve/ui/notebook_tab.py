@@ -182,7 +182,9 @@ def build_notebook_tab(notebook: NotebookHandlers, default_preset: str,
                                      elem_classes=["ms-status"])
                 inspect_on = gr.Checkbox(label="Token inspector", value=False,
                                          info="shade each generated token by its probability; "
-                                              "hover for the top-5 alternatives")
+                                              "hover one for a chart of the top-5 "
+                                              "alternatives before → after the sampling "
+                                              "stages")
                 inspector_view = gr.HTML(elem_id="notebook-inspector")
             with gr.Column(scale=1):
                 model = build_model_picker(notebook.models)
