@@ -63,6 +63,33 @@ def test_send_streams_a_reply(page):
         page.screenshot(path=str(SHOTS / "chat.png"))
 
 
+def test_enter_sends_and_shift_enter_adds_a_line(page):
+    """As in chat apps: Shift+Enter adds a line, Enter sends the message with its lines; an
+    Enter an input method is composing with sends nothing; the placeholder says so."""
+    from playwright.sync_api import expect
+    expect(page.locator("html")).to_have_attribute("data-ms-keys", "on")
+    set_number(page, "Max new tokens", 8)
+    box = page.get_by_label("Message", exact=True)
+    expect(box).to_have_attribute("placeholder", re.compile(r"Enter sends, Shift\+Enter adds"))
+    box.press_sequentially("Name a fruit")
+    # the Enter that commits an input method's text: its keydown and keypress say isComposing
+    box.evaluate("""el => { for (const type of ["keydown", "keypress"])
+        el.dispatchEvent(new KeyboardEvent(type, {key: "Enter", code: "Enter", bubbles: true,
+                                                  cancelable: true, isComposing: true})); }""")
+    box.press("Shift+Enter")
+    box.press_sequentially("and a colour.")
+    expect(box).to_have_value("Name a fruit\nand a colour.")
+    box.press("Enter")
+    expect(box).to_have_value("")
+    expect(page.locator("#status")).to_contain_text("tokens/s", timeout=60000)
+    users = page.locator("[data-testid='user']")
+    expect(users).to_have_count(1)  # one message: the composing Enter sent nothing
+    lines = [line.strip() for line in users.first.inner_text().splitlines() if line.strip()]
+    assert lines == ["Name a fruit", "and a colour."], lines
+    expect(page.locator("[data-testid='bot']")).to_have_count(1)
+    assert bot_text(page).strip(), "a reply arrived"
+
+
 def test_factual_preset_moves_the_sliders(page):
     page.get_by_label("Preset").click()
     page.get_by_role("option", name="factual").click()
@@ -130,14 +157,46 @@ def test_empty_message_is_a_readable_error_and_keeps_the_chat(page):
 
 def test_inspector_shows_alternatives_on_hover(page):
     set_number(page, "Max new tokens", 12)
+    set_number(page, "Seed", 1)
     page.get_by_label("Token inspector").check()
     page.get_by_label("Message", exact=True).fill("Name a colour.")
     page.get_by_role("button", name="Send").click()
-    token = page.locator(".ms-inspector .ms-tok").first
-    token.wait_for(timeout=60000)
+    from playwright.sync_api import expect
+    expect(page.locator("#status")).to_contain_text("tokens/s", timeout=120000)
+    tokens = page.locator(".ms-inspector .ms-tok")
+    expect(tokens.first).to_be_visible()
+    token = tokens.nth(min(1, tokens.count() - 1))  # the second: a sampled one
+    popup = token.locator(".ms-pop")
+    expect(popup).to_be_hidden()
+    token.evaluate("e => e.scrollIntoView({block: 'start'})")  # room below it for the popup
     token.hover()
-    tip = token.get_attribute("title")
-    assert tip.count("\n") == 4 and "%" in tip  # five alternatives with probabilities
+    # a chart: five alternatives (and the chosen token), each a bar before -> after the stages
+    expect(popup).to_be_visible()
+    expect(popup).to_contain_text("before the stages")
+    rows = popup.locator(".ms-row")
+    assert 5 <= rows.count() <= 6 and rows.filter(has_text="→").count() == rows.count()
+    expect(popup.locator(".ms-row.ms-chosen")).to_have_count(1)
+    track = rows.first.locator(".ms-bars").bounding_box()
+    assert track["width"] > 50 and track["height"] > 5
+    # the bars' lengths are the probabilities: the first row's are drawn from its numbers
+    size = rows.first.locator(".ms-bars").evaluate("e => getComputedStyle(e).backgroundSize")
+    before = float(rows.first.get_attribute("data-before"))
+    after = float(rows.first.get_attribute("data-after"))
+    assert size.startswith(f"{100 * before:.1f}% 5px, {100 * after:.1f}% 5px"), size
+    box = popup.bounding_box()
+    assert box["width"] > 200 and box["height"] > 60
+    # drawn on top of the page, not cut off by the box around the inspector
+    last = rows.last.bounding_box()
+    on_top = page.evaluate("([x, y]) => !!document.elementFromPoint(x, y).closest('.ms-pop')",
+                           [last["x"] + last["width"] / 2, last["y"] + last["height"] / 2])
+    assert on_top, "the popup's last row is visible"
+    if os.environ.get("MINISERVE_SCREENSHOTS"):
+        area = page.locator("#inspector").bounding_box()
+        page.screenshot(path=str(SHOTS / "inspector.png"), clip={
+            "x": area["x"], "y": area["y"], "width": max(area["width"], box["width"] + 20),
+            "height": box["y"] + box["height"] - area["y"] + 10})
+    page.mouse.move(0, 0)
+    expect(popup).to_be_hidden()
 
 
 def test_benchmark_tab_shows_rows_for_each_mode(page):
@@ -158,6 +217,24 @@ def test_benchmark_tab_shows_rows_for_each_mode(page):
         page.screenshot(path=str(SHOTS / "benchmark.png"), full_page=True)
 
 
+def test_benchmark_tables_show_their_headers_before_a_run(page):
+    """Before any run, each table shows its headers (words with units, not field names)."""
+    from playwright.sync_api import expect
+
+    from miniserve.ui.bench_tab import BENCH_COLUMNS, CONCURRENCY_COLUMNS
+    page.get_by_role("tab", name="Benchmark").click()
+    for table, columns in (("#bench-table", BENCH_COLUMNS),
+                           ("#concurrency-table", CONCURRENCY_COLUMNS)):
+        headers = page.locator(f"{table} thead th")
+        expect(headers.first).to_be_visible(timeout=10000)
+        expect(page.locator(table)).to_contain_text(list(columns.values())[0])
+        for header in columns.values():
+            expect(page.locator(table)).to_contain_text(header)
+        for field in columns:
+            if "_" in field:
+                expect(page.locator(table)).not_to_contain_text(field)
+
+
 def test_concurrency_benchmark_shows_a_row_per_preset_and_level(page):
     from playwright.sync_api import expect
     page.get_by_role("tab", name="Benchmark").click()
@@ -168,7 +245,7 @@ def test_concurrency_benchmark_shows_a_row_per_preset_and_level(page):
     expect(page.locator("body")).to_contain_text("16-token prompts, 6 new tokens a stream",
                                                  timeout=180000)
     table = page.locator("#concurrency-table")
-    expect(table).to_contain_text("aggregate_tokens_per_s", timeout=30000)
+    expect(table).to_contain_text("Aggregate tokens/s", timeout=30000)
     rows = re.findall(r"\b(greedy|balanced)\s+(\d+)\s+\d", table.inner_text())
     assert sorted(rows) == [("balanced", "1"), ("balanced", "2"), ("greedy", "1"),
                             ("greedy", "2")], table.inner_text()[-1500:]

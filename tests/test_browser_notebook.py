@@ -62,6 +62,22 @@ def notebook(page):
     return page.get_by_label("Text", exact=True), page.locator("#notebook-status")
 
 
+def test_ctrl_enter_in_the_text_generates(page):
+    text, status = notebook(page)
+    expect(page.locator("html")).to_have_attribute("data-ms-keys", "on")
+    expect(text).to_have_attribute("placeholder", re.compile(r"Ctrl\+Enter"))
+    set_number(page, "Max new tokens", 6)
+    text.fill("Once upon a time")
+    text.press("Enter")  # a plain Enter is a new line, as in any editor
+    expect(text).to_have_value("Once upon a time\n")
+    text.press("Backspace")
+    text.press("Control+Enter")
+    expect(status).to_contain_text(re.compile(r"\d+ new tokens"), timeout=REPLY_TIMEOUT_MS)
+    assert "Error" not in status.inner_text(), status.inner_text()
+    written = text.input_value()
+    assert written.startswith("Once upon a time") and len(written) > len("Once upon a time")
+
+
 def test_notebook_continues_the_text_in_place_and_undo_restores_it(page):
     text, status = notebook(page)
     text.fill(STORY)

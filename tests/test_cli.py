@@ -203,3 +203,36 @@ def test_output_format_flags(tmp_path):
         assert r.returncode == 2 and words in r.stderr, (args, r.stderr)
         errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
         assert "Traceback" not in r.stderr and len(errors) == 1 and words in errors[0]
+
+
+def test_preset_greedy_is_built_in_and_gives_the_argmax(engine):
+    """`--preset greedy` with no presets file naming it: the most likely token at every step,
+    the same tokens as a temperature-0 reply of the engine on the same runner."""
+    from miniserve.core.config import SamplingParams
+    question = "Name a large animal."
+    r = run("generate", "--prompt", question, "--preset", "greedy", "--max-new-tokens", "10",
+            "--json", "--show-probs", "--dtype", "float32")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["params"]["temperature"] == 0 and out["params"]["top_k"] == 0
+    assert out["params"]["repetition_penalty"] == 1.0 and out["token_ids"]
+    # each token the command chose was the top of the raw softmax at its step
+    assert [s["token_id"] for s in out["steps"]][:len(out["token_ids"])] == out["token_ids"]
+    assert all(s["top"][0]["token_id"] == s["token_id"] for s in out["steps"])
+    text, last = engine.chat_text([{"role": "user", "content": question}],
+                                  SamplingParams(temperature=0, max_new_tokens=10),
+                                  reuse_prefix=False)
+    assert out["text"] == text and out["new_tokens"] == last.stats.new_tokens
+
+
+def test_presets_file_defining_greedy_overrides_the_built_in(tmp_path):
+    f = tmp_path / "presets.yaml"
+    f.write_text("presets:\n  greedy:\n    temperature: 0.9\n    top_k: 5\n"
+                 "    max_new_tokens: 3\n")
+    r = run("generate", "--prompt", "Hi", "--preset", "greedy", "--presets-file", str(f),
+            "--seed", "1", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert (out["params"]["temperature"], out["params"]["top_k"],
+            out["params"]["max_new_tokens"]) == (0.9, 5, 3)
+    assert out["new_tokens"] <= 3

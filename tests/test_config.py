@@ -62,3 +62,17 @@ def test_defaults_are_valid_and_edges_allowed():
     SamplingParams(temperature=0, top_p=1.0, top_k=0, min_p=0)
     with pytest.raises(ConfigError):
         SamplingParams(seed=-1)
+
+
+def test_greedy_is_built_in_and_a_presets_file_overrides_it(tmp_path):
+    from miniserve.core.config import BUILTIN_PRESETS, GREEDY
+    presets = load_presets()
+    assert presets[GREEDY] == BUILTIN_PRESETS[GREEDY] and presets[GREEDY].greedy
+    g = presets[GREEDY]
+    assert (g.top_k, g.top_p, g.min_p, g.repetition_penalty) == (0, 1.0, 0.0, 1.0)
+    path = tmp_path / "presets.yaml"
+    path.write_text("presets:\n  fast:\n    temperature: 0.5\n")
+    assert list(load_presets(path)) == ["fast", GREEDY]  # added to a file that lacks it
+    path.write_text("presets:\n  greedy:\n    temperature: 0.9\n  fast:\n    top_k: 3\n")
+    own = load_presets(path)
+    assert list(own) == [GREEDY, "fast"] and own[GREEDY].temperature == 0.9

@@ -15,6 +15,7 @@ import pytest
 from miniserve.core.config import FIELDS, ConfigError, Constraint, SamplingParams, load_presets
 from miniserve.ui import BenchmarkHandlers, ChatHandlers, CompareHandlers, build_ui
 from miniserve.store.store import open_store
+from miniserve.ui.bench_tab import BENCH_COLUMNS, CONCURRENCY_COLUMNS
 from miniserve.ui.common import (FORMATS, Sessions, constraint_from, format_note, params_from,
                                  seed_from)
 from miniserve.ui.conversation import SHOWN, Shown, new_view
@@ -672,13 +673,32 @@ def test_replies_of_many_browsers_run_at_once(engine, presets):
     assert groups["benchmark"] == groups["concurrency"] == {("benchmark", 1)}
 
 
+def test_benchmark_tables_name_every_field_of_their_rows():
+    """Each table's columns are the result rows' fields, each under a header without field
+    names; the Results table covers every field a benchmark row has."""
+    from dataclasses import fields
+
+    from miniserve.bench.bench import ConcurrencyRow, Row
+    assert list(BENCH_COLUMNS) == [f.name for f in fields(Row)]
+    assert set(CONCURRENCY_COLUMNS) <= {f.name for f in fields(ConcurrencyRow)}
+    for header in (*BENCH_COLUMNS.values(), *CONCURRENCY_COLUMNS.values()):
+        assert "_" not in header and header[0].isupper(), header
+    assert "Aggregate tokens/s" in CONCURRENCY_COLUMNS.values()
+
+
 def test_concurrency_run_fills_the_table_and_the_plot(engine, presets):
     bench = BenchmarkHandlers(engine, presets)
     table, plot, status = bench.concurrency("1, 2", ["greedy"], 16, 4)
-    assert list(table["concurrency"]) == [1, 2] and set(table["preset"]) == {"greedy"}
-    assert (table["aggregate_tokens_per_s"] > 0).all()
-    assert {"ttft_p50_s", "ttft_p95_s", "itl_p95_s", "ceiling_share"} <= set(table.columns)
-    assert plot is table
+    # the table: the headers a person reads, in the order of CONCURRENCY_COLUMNS
+    assert list(table.columns) == list(CONCURRENCY_COLUMNS.values())
+    assert list(table["Streams at once"]) == [1, 2] and set(table["Preset"]) == {"greedy"}
+    assert (table["Aggregate tokens/s"] > 0).all()
+    assert {"First token p50 (s)", "First token p95 (s)", "Inter-token p95 (s)",
+            "Share of the ceiling"} <= set(table.columns)
+    assert not any("_" in c for c in table.columns)
+    # the plot: the same numbers under the fields it is drawn from
+    assert list(plot["concurrency"]) == [1, 2]
+    assert list(plot["aggregate_tokens_per_s"]) == list(table["Aggregate tokens/s"])
     assert "16-token prompts" in status and not status.startswith("**Error")
 
 
@@ -697,7 +717,9 @@ def test_concurrency_bad_values(engine, presets, levels, chosen, message):
 
 
 def test_concurrency_offers_greedy_and_the_apps_presets(engine, presets):
-    assert BenchmarkHandlers(engine, presets).preset_names == ["greedy", *presets]
+    assert "greedy" in presets  # built in
+    assert BenchmarkHandlers(engine, presets).preset_names == [
+        "greedy", *(n for n in presets if n != "greedy")]
 
 
 def test_concurrency_runs_the_apps_own_presets(engine):
@@ -705,7 +727,7 @@ def test_concurrency_runs_the_apps_own_presets(engine):
     own = {"terse": SamplingParams(temperature=0, top_k=0, top_p=1.0, max_new_tokens=3)}
     bench = BenchmarkHandlers(engine, own)
     table, _, status = bench.concurrency("1", ["terse"], 16, 4)
-    assert list(table["preset"]) == ["terse"] and not status.startswith("**Error"), status
+    assert list(table["Preset"]) == ["terse"] and not status.startswith("**Error"), status
     table, _, status = bench.concurrency("1", ["balanced"], 16, 4)  # only in presets.yaml
     assert table is None and "unknown preset balanced (available: terse, greedy)" in status
 

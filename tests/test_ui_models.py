@@ -438,7 +438,7 @@ def test_compare_a_base_model_continues_the_prompt_and_says_so(with_base, base_e
 def test_benchmark_runs_the_model_chosen_and_explains_a_remote_one(models, presets):
     bench = BenchmarkHandlers(models, presets)
     table, _, status = bench.concurrency("1", ["greedy"], 16, 4, B)
-    assert list(table["concurrency"]) == [1] and not status.startswith("**Error"), status
+    assert list(table["Streams at once"]) == [1] and not status.startswith("**Error"), status
     far = Models([ModelSpec("far", "http://127.0.0.1:9/v1", remote=True)],
                  factory=lambda spec, progress: pytest.fail("a remote model is not contacted"))
     bench = BenchmarkHandlers(far, presets)

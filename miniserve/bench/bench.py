@@ -25,11 +25,13 @@ import torch
 
 from miniserve.bench import peer
 from miniserve.core.config import (
+    GREEDY,
     MAX_NEW_TOKENS,
     MAX_QUEUE,
     Constraint,
     SamplingParams,
     load_presets,
+    with_builtins,
 )
 from miniserve.core.platform import cpu_model, rss_mb
 from miniserve.engine.decode import GenerationStats, generate
@@ -549,7 +551,6 @@ def write_csv(result: BenchResult | ConcurrencyResult, path: str) -> None:
 # ceiling -- what B rows a step could reach at most on this machine -- is measured in the same
 # run, so the share of it is the engine's, not the machine's.
 
-GREEDY = "greedy"  # a built-in preset: argmax, no filters (presets.yaml may define its own)
 
 
 @dataclass
@@ -692,9 +693,7 @@ def concurrency_params(config: ConcurrencyConfig,
     default presets.yaml). `greedy` is built in unless the table defines it."""
     if presets is None:
         presets = load_presets(config.presets_file)
-    presets = dict(presets)
-    presets.setdefault(GREEDY, SamplingParams(temperature=0, top_k=0, top_p=1.0, min_p=0.0,
-                                              repetition_penalty=1.0))
+    presets = with_builtins(presets)
     unknown = [p for p in config.presets if p not in presets]
     if unknown:
         raise ValueError(f"unknown preset {', '.join(unknown)} (available: "

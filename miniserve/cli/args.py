@@ -146,7 +146,8 @@ def open_history(args) -> Store:
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default=None,
-                   help=f"a preset from presets.yaml (default: {DEFAULT_PRESET})")
+                   help=f"a preset from presets.yaml, or the built-in greedy (argmax, no "
+                        f"filters; a presets file may redefine it) (default: {DEFAULT_PRESET})")
     p.add_argument("--presets-file", default=None, help="another presets.yaml")
     for name, spec in FIELDS.items():
         p.add_argument("--" + name.replace("_", "-"), type=spec.kind, default=None,

@@ -243,8 +243,24 @@ class SamplingParams:
         return out
 
 
+# The presets every surface has without a presets file naming them (CLI --preset, the web
+# app's preset lists, the benchmarks): `greedy` takes the most likely token at each step, no
+# filter on. A presets file that defines a preset of the same name overrides it.
+GREEDY = "greedy"
+BUILTIN_PRESETS: dict[str, SamplingParams] = {
+    GREEDY: SamplingParams(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
+                           repetition_penalty=1.0),
+}
+
+
+def with_builtins(presets: dict[str, SamplingParams]) -> dict[str, SamplingParams]:
+    """`presets` and, after them, each built-in preset they do not define."""
+    return {**presets, **{n: p for n, p in BUILTIN_PRESETS.items() if n not in presets}}
+
+
 def load_presets(path: str | Path | None = None) -> dict[str, SamplingParams]:
-    """Read presets.yaml. Errors name the file, the preset and the field."""
+    """Read presets.yaml, plus the built-in presets it does not define (`greedy`). Errors name
+    the file, the preset and the field."""
     path = Path(path) if path is not None else PRESETS_FILE
     try:
         text = path.read_text(encoding="utf-8")
@@ -276,4 +292,4 @@ def load_presets(path: str | Path | None = None) -> dict[str, SamplingParams]:
                     f"{where}: unknown field '{key}' (allowed: {', '.join(FIELDS)})", key)
         checked = {key: check_value(key, value, where) for key, value in values.items()}
         out[str(name)] = SamplingParams(**checked)
-    return out
+    return with_builtins(out)

@@ -4,7 +4,8 @@ An `Inspector` is passed to the decode loop as its observer. At every step it
 records the chosen token, its probability, and the top alternatives with their
 probability before the stages (plain softmax of the logits) and after them, and
 which stage (logit bias / grammar / temperature / top-k / top-p / min-p) removed each — the
-sampler's own stages, in its order (sampling.stages). When a grammar constrains the reply,
+sampler's own stages, in its order (sampling.stages). In the web app each token opens a small
+chart of these on hover (`chart`, `popup_html`): a bar before and a bar after the stages. When a grammar constrains the reply,
 each step also records how much of the probability the grammar's mask took away. Nothing of
 this runs when no inspector is attached.
 
@@ -43,6 +44,32 @@ class Step:
     candidates: list[Candidate]
     masked_mass: float | None = None  # probability the grammar removed (None: no grammar)
     masked_tokens: int = 0            # how many tokens it removed
+    stages: tuple[str, ...] = ()      # the sampling stages that were on, in their order
+
+
+@dataclass
+class Bar:
+    """One row of a token's chart (what the hover popup draws): a candidate's probability
+    before the sampling stages (softmax of the logits) and after them (the distribution the
+    draw used; None for a remote model's, whose server does not say)."""
+    token_id: int | None
+    text: str
+    before: float | None
+    after: float | None
+    removed_by: str | None
+    chosen: bool
+
+
+def chart(step: Step) -> list[Bar]:
+    """The bars of a step's chart: its top candidates by raw probability, then the chosen
+    token when it is not among them (a sampled draw can be less likely than the top 5)."""
+    bars = [Bar(c.token_id, c.text, c.prob, c.prob_filtered, c.removed_by,
+                c.token_id == step.token_id if step.token_id is not None
+                else c.text == step.text)
+            for c in step.candidates]
+    if not any(b.chosen for b in bars):
+        bars.append(Bar(step.token_id, step.text, step.prob, step.prob_filtered, None, True))
+    return bars
 
 
 def filter_stages(logits: torch.Tensor, params: SamplingParams, previous_ids,
@@ -91,7 +118,8 @@ class Inspector:
             removed = next((name for name, x in stages if x[i] == float("-inf")), None)
             candidates.append(Candidate(i, self._text(i), p, float(final[i]), removed))
         self.steps.append(Step(token_id, self._text(token_id), float(raw[token_id]),
-                               float(final[token_id]), candidates, masked_mass, masked_tokens))
+                               float(final[token_id]), candidates, masked_mass, masked_tokens,
+                               tuple(name for name, _ in stages)))
 
     def add_remote_step(self, text: str, logprob: float | None,
                         top: list[tuple[str, float]] = ()) -> None:
@@ -147,46 +175,103 @@ class Inspector:
         return "\n".join(lines)
 
     def as_html(self) -> str:
-        """The reply as tokens shaded by probability; hover shows the alternatives."""
-        if self.remote:
-            return self._remote_html()
+        """The reply as tokens shaded by probability (grey where a server gave none); hovering
+        or focusing a token opens its chart (`popup_html`): the top alternatives' probability
+        before -> after the sampling stages as bars, and which stage removed each. A step the
+        grammar bent is underlined, its popup says how much it removed; a remote model's
+        steps have the note above them and bars of the server's probabilities only."""
         spans = []
         for n, s in enumerate(self.steps):
-            tip = "\n".join(f"{c.text!r}: {c.prob:.1%} -> {c.prob_filtered:.1%}"
-                            + (f" (removed by {c.removed_by})" if c.removed_by else "")
-                            for c in s.candidates)
-            alpha = 0.15 + 0.6 * (1 - s.prob)  # unlikely choices stand out
+            if s.prob is None:
+                color = "rgba(160,160,160,0.25)"
+            else:  # unlikely choices stand out
+                color = f"rgba(255,140,0,{0.15 + 0.6 * (1 - s.prob):.2f})"
             bent = ""
             if s.masked_mass:  # the grammar removed tokens the model wanted: underline it
-                tip = (f"the grammar removed {s.masked_mass:.1%} of the probability "
-                       f"({s.masked_tokens} tokens)\n") + tip
                 width = 1 + round(3 * s.masked_mass)
                 bent = f"border-bottom:{width}px solid rgba(0,90,200,0.9);"
-            spans.append(f'<span class="ms-tok" data-step="{n}" data-prob="{s.prob:.4f}" '
+            spans.append(f'<span class="ms-tok" tabindex="0" data-step="{n}" '
+                         + (f'data-prob="{s.prob:.4f}" ' if s.prob is not None else "")
                          + (f'data-grammar-removed="{s.masked_mass:.4f}" '
                             if s.masked_mass is not None else "")
-                         + f'title="{html.escape(tip)}" style="background: rgba(255,140,0,{alpha:.2f});'
-                         f'border-radius:3px;padding:1px 0;white-space:pre-wrap;{bent}">'
-                         f'{html.escape(s.text)}</span>')
-        return '<div class="ms-inspector" style="line-height:1.9">' + "".join(spans) + "</div>"
-
-    def _remote_html(self) -> str:
-        """A remote model's steps: shaded by the server's probability (grey where it gave
-        none), hover shows its alternatives; the note above says where they came from."""
-        spans = []
-        for n, s in enumerate(self.steps):
-            tip = "\n".join(f"{c.text!r}: {c.prob:.1%}" for c in s.candidates) or \
-                "the server gave no probability for this token"
-            color = ("rgba(160,160,160,0.25)" if s.prob is None else
-                     f"rgba(255,140,0,{0.15 + 0.6 * (1 - s.prob):.2f})")
-            spans.append(f'<span class="ms-tok" data-step="{n}" '
-                         + (f'data-prob="{s.prob:.4f}" ' if s.prob is not None else "")
-                         + f'title="{html.escape(tip)}" style="background: {color};'
-                         f'border-radius:3px;padding:1px 0;white-space:pre-wrap;">'
-                         f'{html.escape(s.text)}</span>')
-        return (f'<div class="ms-inspector" style="line-height:1.9">'
-                f'<div class="ms-source">{html.escape(self.remote_note())}</div>'
+                         + f'style="background:{color};{bent}">{html.escape(s.text)}'
+                         + popup_html(s, self.remote) + "</span>")
+        note = (f'<div class="ms-source">{html.escape(self.remote_note())}</div>'
+                if self.remote else "")
+        return (f'<div class="ms-inspector" style="line-height:1.9">{POPUP_CSS}{note}'
                 + "".join(spans) + "</div>")
+
+
+# The hover chart's look: a popup under the token (shown while it is hovered or focused),
+# each row a candidate's text, two bars in one track (orange: before the stages; blue: after
+# them, what the draw used; widths from the --b and --a of the row) and the numbers.
+BEFORE_COLOR, AFTER_COLOR = "#f28c00", "#2f6fd6"
+POPUP_CSS = f"""<style>
+.ms-inspector .ms-tok{{position:relative;border-radius:3px;padding:1px 0;white-space:pre-wrap}}
+.ms-inspector .ms-pop{{display:none;position:absolute;left:0;top:1.7em;z-index:1000;
+ min-width:400px;padding:6px 8px;border:1px solid #b9b9b9;border-radius:6px;
+ background:var(--background-fill-primary,#fff);color:var(--body-text-color,#222);
+ box-shadow:0 3px 12px rgba(0,0,0,.18);font-size:12px;line-height:1.4;white-space:normal;
+ font-weight:normal;text-decoration:none}}
+.ms-inspector .ms-tok:hover>.ms-pop,.ms-inspector .ms-tok:focus>.ms-pop{{display:block}}
+.ms-pop .ms-head,.ms-pop .ms-note,.ms-pop .ms-key{{display:block;margin-bottom:3px}}
+.ms-pop .ms-key,.ms-pop .ms-note{{opacity:.8}}
+.ms-pop .ms-row{{display:grid;grid-template-columns:90px 120px auto;gap:6px;
+ align-items:center}}
+.ms-pop .ms-alt{{font-family:var(--font-mono,monospace);white-space:pre;overflow:hidden;
+ text-overflow:ellipsis}}
+.ms-pop .ms-chosen .ms-alt{{font-weight:bold}}
+.ms-pop .ms-bars{{display:block;height:12px;background:
+ linear-gradient({BEFORE_COLOR},{BEFORE_COLOR}) 0 0/var(--b) 5px no-repeat,
+ linear-gradient({AFTER_COLOR},{AFTER_COLOR}) 0 100%/var(--a) 5px no-repeat,#ececec}}
+.ms-pop .ms-num{{white-space:nowrap}}
+.ms-pop .ms-removed .ms-num{{color:#a33}}
+.ms-pop i.ms-sw{{display:inline-block;width:10px;height:5px;margin:0 3px 1px 6px}}
+</style>"""
+
+
+def _pct(p: float | None) -> str:
+    return "?" if p is None else f"{p:.1%}"
+
+
+def popup_html(step: Step, remote: bool = False) -> str:
+    """A token's hover chart (its bars: `chart`), the HTML inside its span."""
+    if remote:
+        head = (f"chose {step.text!r}: {_pct(step.prob)} by the server's logprobs"
+                if step.prob is not None else
+                f"{step.text!r}: the server gave no probability for this token")
+        key = (f'<i class="ms-sw" style="background:{BEFORE_COLOR}"></i>the server\'s '
+               "probability (no filter stages: the server does not report them)")
+    else:
+        head = (f"chose {step.text!r}: {_pct(step.prob)} → {_pct(step.prob_filtered)}"
+                + (f" · stages: {' → '.join(step.stages)}" if step.stages
+                   else " · no stage on"))
+        key = (f'<i class="ms-sw" style="background:{BEFORE_COLOR}"></i>before the stages '
+               f'(softmax of the logits)<i class="ms-sw" style="background:{AFTER_COLOR}">'
+               "</i>after them (what the draw used)")
+    rows = []
+    for bar in chart(step):
+        numbers = _pct(bar.before) if remote else f"{_pct(bar.before)} → {_pct(bar.after)}"
+        if bar.removed_by:
+            numbers += f" removed by {bar.removed_by}"
+        elif bar.chosen:
+            numbers += " chosen"
+        cls = "ms-row" + (" ms-chosen" if bar.chosen else "") + \
+            (" ms-removed" if bar.removed_by else "")
+        rows.append(f'<span class="{cls}" '
+                    + (f'data-token-id="{bar.token_id}" ' if bar.token_id is not None else "")
+                    + (f'data-before="{bar.before:.6f}" ' if bar.before is not None else "")
+                    + (f'data-after="{bar.after:.6f}" ' if bar.after is not None else "")
+                    + f'style="--b:{100 * (bar.before or 0):.1f}%;'
+                    f'--a:{100 * (bar.after or 0):.1f}%">'
+                    f'<span class="ms-alt">{html.escape(repr(bar.text))}</span>'
+                    f'<span class="ms-bars"></span><span class="ms-num">{numbers}</span>'
+                    "</span>")
+    bent = (f'<span class="ms-note">the grammar removed {step.masked_mass:.1%} of the '
+            f"probability ({step.masked_tokens} tokens)</span>" if step.masked_mass else "")
+    return (f'<span class="ms-pop" role="tooltip"><span class="ms-head">'
+            f"{html.escape(head)}</span>{bent}{''.join(rows)}"
+            f'<span class="ms-key">{key}</span></span>')
 
 
 def _p(prob: float | None, fmt: str) -> str:

@@ -16,7 +16,8 @@ from miniserve.models.registry import Models
 from miniserve.store.store import Store
 from miniserve.ui.bench_tab import BenchmarkHandlers, build_benchmark_tab
 from miniserve.ui.chat_tab import ChatHandlers, build_chat_tab
-from miniserve.ui.common import ModelHeader, Sessions, app_header, header, model_header
+from miniserve.ui.common import (ModelHeader, Sessions, app_header, header, install_keys,
+                                 model_header)
 from miniserve.ui.compare_tab import CompareHandlers, build_compare_tab
 from miniserve.ui.notebook_tab import NotebookHandlers, build_notebook_tab
 
@@ -55,6 +56,7 @@ def build_ui(models: Models | Engine, presets: dict[str, SamplingParams],
         build_compare_tab(CompareHandlers(models, presets, sessions), top)
         build_benchmark_tab(BenchmarkHandlers(models, presets), top)
         chat_tab.on_load(demo)
+        install_keys(demo)  # Enter sends in Chat, Ctrl+Enter generates in the Notebook
     # Gradio runs one event of a listener at a time unless told otherwise: the replies of many
     # browsers would then take turns instead of sharing the engine's forward passes. As many
     # engine events run at once as the engines admit (common.ENGINE_EVENTS: each model's

@@ -19,12 +19,39 @@ from miniserve.ui.common import (BENCHMARK_EVENTS, USER_ERRORS, ModelHeader, Mod
                                  build_model_picker, counts_from, error, follow_picker,
                                  user_message, using, whole)
 
-# The concurrency table's columns, from the result's rows (the plot reads the first three).
-CONCURRENCY_COLUMNS = ["preset", "concurrency", "aggregate_tokens_per_s",
-                       "stream_decode_tokens_per_s", "ttft_p50_s", "ttft_p95_s", "itl_p95_s",
-                       "ceiling_share", "ceiling_tokens_per_s", "produced_tokens",
-                       "asked_tokens", "dtype"]
+# The tables' columns: the result rows' fields (what the plots read, and what `bench --json`
+# and `--csv` write) and the header a person reads, units included. The tables show their
+# headers before the first run.
+BENCH_COLUMNS = {"prompt_tokens": "Prompt tokens", "mode": "Mode", "dtype": "Weights",
+                 "new_tokens": "New tokens", "ttft_s": "First token (s)",
+                 "decode_tokens_per_s": "Decode tokens/s", "total_s": "Total (s)",
+                 "speedup_vs_no_cache": "Speed-up vs no cache (×)",
+                 "effective_gb_s": "Weights read (GB/s)",
+                 "tokens_match": "Same tokens as the first mode",
+                 "agree_tokens": "Leading tokens in agreement",
+                 "verified": "Follows the float32 reference"}
+CONCURRENCY_COLUMNS = {"preset": "Preset", "concurrency": "Streams at once",
+                       "aggregate_tokens_per_s": "Aggregate tokens/s",
+                       "stream_decode_tokens_per_s": "Per-stream decode tokens/s",
+                       "ttft_p50_s": "First token p50 (s)", "ttft_p95_s": "First token p95 (s)",
+                       "itl_p95_s": "Inter-token p95 (s)",
+                       "ceiling_share": "Share of the ceiling",
+                       "ceiling_tokens_per_s": "Ceiling tokens/s",
+                       "produced_tokens": "Tokens produced", "asked_tokens": "Tokens asked",
+                       "dtype": "Weights"}
 CONCURRENCY_PRESETS = (GREEDY, "balanced")
+
+
+def shown(rows: list[dict], columns: dict[str, str]) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """A result's rows as (the table: `columns`' fields under their headers, in that order;
+    the plot's data: the rows with their fields' names)."""
+    data = pd.DataFrame(rows)
+    return data[list(columns)].rename(columns=columns), data
+
+
+def empty_table(columns: dict[str, str]) -> pd.DataFrame:
+    """A table before its first run: the headers, no rows."""
+    return pd.DataFrame(columns=list(columns.values()))
 
 
 def remote_note(name: str) -> str:
@@ -37,8 +64,10 @@ def remote_note(name: str) -> str:
 
 class BenchmarkHandlers:
     """The Benchmark tab's handlers over the app's models. Each takes the Model dropdown last
-    (None: the default model) and returns (table, plot data, status); on a bad value, a model
-    that cannot be loaded or a remote one (None, None, the error)."""
+    (None: the default model) and returns (table, plot data, status): the table with the
+    headers a person reads (BENCH_COLUMNS, CONCURRENCY_COLUMNS), the plot's data with the
+    result's field names; on a bad value, a model that cannot be loaded or a remote one
+    (None, None, the error)."""
 
     def __init__(self, models: Models | Engine, presets: dict[str, SamplingParams] | None = None):
         self.models = Models.of(models)
@@ -77,8 +106,7 @@ class BenchmarkHandlers:
                 result = run_bench(engine, config, progress=lambda f, m: progress(f, desc=m))
         except (*USER_ERRORS, ValueError, TypeError) as e:
             return None, None, error(user_message(e))
-        table = pd.DataFrame(to_dict(result)["rows"])
-        return table, table, describe_run(result)
+        return (*shown(to_dict(result)["rows"], BENCH_COLUMNS), describe_run(result))
 
     def concurrency(self, levels_text, presets, prompt_tokens, new_tokens, model=None,
                     progress=gr.Progress()):
@@ -94,8 +122,8 @@ class BenchmarkHandlers:
                                          presets=self.presets)
         except (*USER_ERRORS, ValueError, TypeError) as e:  # a level past the queue, a preset
             return None, None, error(user_message(e))
-        table = pd.DataFrame(to_dict(result)["rows"])[CONCURRENCY_COLUMNS]
-        return table, table, describe_concurrency(result)
+        return (*shown(to_dict(result)["rows"], CONCURRENCY_COLUMNS),
+                describe_concurrency(result))
 
     def model_note(self, model) -> str:
         """The line under the Model dropdown: empty for a local model, why not for a remote
@@ -124,7 +152,8 @@ def build_benchmark_tab(bench: BenchmarkHandlers, header: ModelHeader | None = N
             repeat = gr.Slider(minimum=1, maximum=5, value=1, step=1, label="Repeats (median)")
         button = gr.Button("Run benchmark", variant="primary")
         status = gr.Markdown()
-        table = gr.Dataframe(label="Results", interactive=False)
+        table = gr.Dataframe(empty_table(BENCH_COLUMNS), label="Results", interactive=False,
+                             elem_id="bench-table")
         plot = gr.LinePlot(x="prompt_tokens", y="decode_tokens_per_s", color="mode",
                            title="Decode tokens/s by prompt length",
                            x_title="prompt tokens", y_title="decode tokens/s")
@@ -145,8 +174,8 @@ def build_benchmark_tab(bench: BenchmarkHandlers, header: ModelHeader | None = N
                                       label="Stream new tokens")
         concurrency_button = gr.Button("Run concurrency benchmark", variant="primary")
         concurrency_status = gr.Markdown()
-        concurrency_table = gr.Dataframe(label="Concurrency results", interactive=False,
-                                         headers=CONCURRENCY_COLUMNS,
+        concurrency_table = gr.Dataframe(empty_table(CONCURRENCY_COLUMNS),
+                                         label="Concurrency results", interactive=False,
                                          elem_id="concurrency-table")
         concurrency_plot = gr.LinePlot(x="concurrency", y="aggregate_tokens_per_s",
                                        color="preset",

@@ -313,8 +313,10 @@ def build_chat_tab(chat: ChatHandlers, default_preset: str,
                     branches = gr.Markdown("", elem_id="branches")
                     prev_btn = gr.Button("‹", size="sm", scale=0, min_width=40)
                     next_btn = gr.Button("›", size="sm", scale=0, min_width=40)
-                message = gr.Textbox(label="Message", placeholder="Type a message and press "
-                                     "Enter", lines=2, autofocus=True)
+                # one line that grows: Enter sends, Shift+Enter adds a line (common.KEYS_JS)
+                message = gr.Textbox(label="Message", placeholder="Type a message: Enter "
+                                     "sends, Shift+Enter adds a line", lines=1, max_lines=8,
+                                     autofocus=True, elem_id="chat-message")
                 with gr.Row():
                     send_btn = gr.Button("Send", variant="primary")
                     stop_btn = gr.Button("Stop", variant="stop")
@@ -324,7 +326,8 @@ def build_chat_tab(chat: ChatHandlers, default_preset: str,
                 status = gr.Markdown("ready", elem_id="status")
                 inspect_on = gr.Checkbox(label="Token inspector", value=False,
                                          info="shade each token by its probability; hover "
-                                              "for the top-5 alternatives")
+                                              "one for a chart of the top-5 alternatives "
+                                              "before → after the sampling stages")
                 inspector_view = gr.HTML(elem_id="inspector")
             with gr.Column(scale=1):
                 model = build_model_picker(chat.models)

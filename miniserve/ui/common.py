@@ -457,6 +457,47 @@ def using(models: Models, name: str):
         lease.__exit__(None, None, None)
 
 
+# -- Keyboard ---------------------------------------------------------------------------------
+# What the keys do, as in chat apps and editors. Chat's message box is a one-line Textbox that
+# grows (lines=1, max_lines>1): Gradio sends it on Enter, and Shift+Enter is left to the
+# browser, which adds a line. Gradio sends on the Enter's `keypress` even while an input method
+# is composing (a Japanese or Chinese IME commits its text with Enter), so that Enter is held
+# back here, for every text box. Ctrl+Enter (Cmd+Enter) in a box of class CTRL_ENTER clicks
+# the nearest button of class CTRL_ENTER_TARGET (the Notebook's Generate). Installed once per
+# page, on load; <html data-ms-keys="on"> says it is.
+CTRL_ENTER = "ms-ctrl-enter"
+CTRL_ENTER_TARGET = "ms-ctrl-enter-target"
+KEYS_JS = """
+() => {
+  if (window.msKeys) return;
+  window.msKeys = true;
+  let composing = false;  // the last Enter's keydown came from an input method
+  window.addEventListener("keydown", (e) => {
+    if (e.key !== "Enter" && e.keyCode !== 229) return;
+    composing = e.isComposing || e.keyCode === 229;
+    if (composing || e.key !== "Enter" || !(e.ctrlKey || e.metaKey)) return;
+    const box = e.target.closest && e.target.closest(".%(box)s");
+    if (!box) return;
+    let around = box.parentElement;
+    while (around && !around.querySelector(".%(target)s")) around = around.parentElement;
+    const button = around && around.querySelector(".%(target)s");
+    if (!button) return;
+    e.preventDefault();
+    button.click();
+  }, true);
+  window.addEventListener("keypress", (e) => {
+    if (e.key === "Enter" && (e.isComposing || composing)) e.stopPropagation();
+  }, true);
+  document.documentElement.dataset.msKeys = "on";
+}
+""" % {"box": CTRL_ENTER, "target": CTRL_ENTER_TARGET}
+
+
+def install_keys(demo: gr.Blocks) -> None:
+    """The page's keys (KEYS_JS), set up when the page loads; call inside `demo`."""
+    demo.load(None, None, None, js=KEYS_JS)
+
+
 # -- Token inspector --------------------------------------------------------------------------
 BENT = 0.01  # a step the grammar bent: its mask took at least this share of the probability
 

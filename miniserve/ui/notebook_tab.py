@@ -20,7 +20,8 @@ from miniserve.core.config import RANDOM_SEEDS, SamplingParams
 from miniserve.engine.engine import Engine
 from miniserve.engine.inspector import Inspector
 from miniserve.models.registry import Models
-from miniserve.ui.common import (ENGINE_EVENTS, FREE_TEXT, USER_ERRORS,
+from miniserve.ui.common import (CTRL_ENTER, CTRL_ENTER_TARGET, ENGINE_EVENTS, FREE_TEXT,
+                                 USER_ERRORS,
                                  ModelHeader, Reading, Sessions, build_model_picker, build_output_format,
                                  build_sampling, error, follow_picker, format_note,
                                  inspector_html, load_messages, params_from, preset_values,
@@ -31,7 +32,7 @@ NOTEBOOK = "notebook"  # the kind of run (common.Sessions) that Undo and Regener
 # How long Undo and Regenerate wait for a stopped generation to end: it ends within one engine
 # step; past this (the page stopped reading it) they act anyway.
 STOP_WAIT_S = 30.0
-PLACEHOLDER = "Write the beginning of a text; Generate continues it here."
+PLACEHOLDER = "Write the beginning of a text; Generate (Ctrl+Enter) continues it here."
 
 
 def notebook_status(stats, note: str = "") -> str:
@@ -169,9 +170,10 @@ def build_notebook_tab(notebook: NotebookHandlers, default_preset: str,
         with gr.Row():
             with gr.Column(scale=3):
                 text = gr.Textbox(label="Text", lines=22, max_lines=40, placeholder=PLACEHOLDER,
-                                  elem_id="notebook-text")
-                with gr.Row():
-                    generate_btn = gr.Button("Generate", variant="primary")
+                                  elem_id="notebook-text", elem_classes=[CTRL_ENTER])
+                with gr.Row():  # Ctrl+Enter in the text: Generate (common.KEYS_JS)
+                    generate_btn = gr.Button("Generate", variant="primary",
+                                             elem_classes=[CTRL_ENTER_TARGET])
                     stop_btn = gr.Button("Stop", variant="stop")
                     regen_btn = gr.Button("Regenerate")
                     undo_btn = gr.Button("Undo")
@@ -180,7 +182,9 @@ def build_notebook_tab(notebook: NotebookHandlers, default_preset: str,
                                      elem_classes=["ms-status"])
                 inspect_on = gr.Checkbox(label="Token inspector", value=False,
                                          info="shade each generated token by its probability; "
-                                              "hover for the top-5 alternatives")
+                                              "hover one for a chart of the top-5 "
+                                              "alternatives before → after the sampling "
+                                              "stages")
                 inspector_view = gr.HTML(elem_id="notebook-inspector")
             with gr.Column(scale=1):
                 model = build_model_picker(notebook.models)
