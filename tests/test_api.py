@@ -578,3 +578,73 @@ def test_a_model_that_fails_to_load_is_a_502_and_the_others_keep_answering(route
     status, reply = send(url, "/v1/chat/completions", {"model": "second", "messages": Q,
                                                        "max_tokens": 2})
     assert status == 200 and reply["model"] == "second"
+
+
+# -- the API's own document: every request body, with the limits from config ----------------
+
+def test_openapi_documents_every_request_body_with_the_limits_from_config(engine):
+    from miniserve.core.config import FIELDS, MAX_PROMPTS
+    from miniserve.serve.routes import create_app
+    doc = create_app(engine).openapi()
+    schemas = doc["components"]["schemas"]
+    posts = {path: ops["post"] for path, ops in doc["paths"].items() if "post" in ops}
+    assert set(posts) == {"/v1/chat/completions", "/v1/completions", "/tokenize"}
+    bodies = {}
+    for path, operation in posts.items():
+        body = operation["requestBody"]
+        assert body["required"], path
+        ref = body["content"]["application/json"]["schema"]["$ref"]
+        bodies[path] = schemas[ref.rsplit("/", 1)[1]]
+        # every status these routes answer, and not FastAPI's 422 (a bad field is a 400)
+        assert {"200", "400", "404", "500", "502"} <= set(operation["responses"]), path
+        assert "422" not in operation["responses"], path
+    chat, text = bodies["/v1/chat/completions"], bodies["/v1/completions"]
+    assert chat["required"] == ["messages"] and text["required"] == ["prompt"]
+    for body in (chat, text):
+        for name in ("temperature", "top_k", "min_p", "repetition_penalty"):
+            number = body["properties"][name]["anyOf"][0]
+            assert (number["minimum"], number["maximum"]) == (FIELDS[name].low,
+                                                              FIELDS[name].high), name
+        top_p = body["properties"]["top_p"]["anyOf"][0]  # (0, 1]: zero itself is refused
+        assert (top_p["exclusiveMinimum"], top_p["maximum"]) == (0, 1)
+        assert body["properties"]["n"]["anyOf"][0]["maximum"] == MAX_CHOICES
+    assert text["properties"]["prompt"]["anyOf"][2]["maxItems"] == MAX_PROMPTS
+    assert chat["properties"]["stream"]["anyOf"][0]["type"] == "boolean"
+    assert {"429"} <= set(posts["/v1/chat/completions"]["responses"])
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"messages": Q, "temperature": 3}, "temperature", "'temperature' must be in [0, 2], got 3"),
+    ({"messages": Q, "top_p": "all"}, "top_p",
+     "'top_p' must be a number (0, 1], got 'all'"),
+    ({"messages": Q, "stream": "yes"}, "stream", "'stream' must be true or false"),
+    ({"messages": Q, "seed": -1}, "seed", "'seed' must be in [0, 9223372036854775807], got -1"),
+    ({"temperature": 0.5}, "messages", "'messages' is required"),
+])
+def test_a_bad_field_is_still_the_400_naming_it_not_a_422(local_api, body, param, message):
+    status, reply = send(f"http://127.0.0.1:{local_api}", "/v1/chat/completions", body)
+    assert status == 400, reply
+    assert reply["error"] == {"message": message, "type": "invalid_request_error",
+                              "param": param, "code": None}
+
+
+def test_bodies_that_are_not_json_objects_and_methods_a_path_does_not_take(local_api):
+    def raw(method: str, path: str, data: bytes | None = None, kind: str | None = None):
+        conn = http.client.HTTPConnection("127.0.0.1", local_api, timeout=60)
+        conn.request(method, path, data, {"Content-Type": kind} if kind else {})
+        response = conn.getresponse()
+        return response.status, response.getheader("Allow"), json.loads(response.read())
+
+    status, _, reply = raw("POST", "/v1/chat/completions", b"{not json", "application/json")
+    assert status == 400 and reply["error"]["message"] == "the request body is not valid JSON"
+    status, _, reply = raw("POST", "/v1/completions", b"[1, 2]", "application/json")
+    assert status == 400 and reply["error"]["message"] == "the request body must be a JSON object"
+    # read as JSON whatever the Content-Type says (curl -d sends a form's)
+    status, _, reply = raw("POST", "/v1/completions", json.dumps(
+        {"prompt": "Hello", "max_tokens": 1}).encode(), "application/x-www-form-urlencoded")
+    assert status == 200 and reply["usage"]["completion_tokens"] == 1
+    for method, path, allow in (("GET", "/v1/chat/completions", "POST"),
+                                ("DELETE", "/v1/models", "GET"), ("PUT", "/tokenize", "POST")):
+        status, allowed, reply = raw(method, path)
+        assert (status, allowed) == (405, allow), (method, path)
+        assert reply["error"]["code"] == "method_not_allowed"

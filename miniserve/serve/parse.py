@@ -57,17 +57,17 @@ def no_chat_template(model: str) -> APIError:
     return APIError(str(NoChatTemplate(model)), "messages", code="model_has_no_chat_template")
 
 
-def settings(body: SamplingRequest, engine, default_max_tokens: int, max_tokens_field: str,
-             least_tokens: int = 1) -> Settings:
-    """The settings both routes share, with what only the model can check: max_tokens
-    (`max_tokens_field`, at least `least_tokens`) within its context, the logit-bias ids in
-    its vocabulary, the output format compiled once."""
+def settings(body: SamplingRequest, engine, default_max_tokens: int,
+             max_tokens_fields: tuple[str, ...], least_tokens: int = 1) -> Settings:
+    """The settings both routes share, with what only the model can check: the token limit
+    (each of `max_tokens_fields` given in [least_tokens, its context]; the first one given
+    counts), the logit-bias ids in its vocabulary, the output format compiled once."""
     # a remote model whose server does not say its context: the API's own ceiling
-    limit = Limit(int, least_tokens, engine.context_length or MAX_NEW_TOKENS, default_max_tokens,
-                  max_tokens_field, "")
-    asked = getattr(body, max_tokens_field)
-    max_tokens = default_max_tokens if asked is None else \
-        check_number(max_tokens_field, asked, limit)
+    ceiling = engine.context_length or MAX_NEW_TOKENS
+    given = [check_number(name, getattr(body, name), Limit(int, least_tokens, ceiling,
+                                                            default_max_tokens, name, ""))
+             for name in max_tokens_fields if getattr(body, name) is not None]
+    max_tokens = given[0] if given else default_max_tokens
     constraint, constraint_field = body.constraint()
     sampling = {name: default if getattr(body, name) is None else getattr(body, name)
                 for name, default in API_DEFAULTS.items()}
@@ -86,10 +86,9 @@ async def chat_request(body: ChatCompletionRequest, model: str, engine) -> APIRe
     with max_tokens (never cut: 400)."""
     if not engine.has_chat_template:
         raise no_chat_template(model)
-    field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    checked = settings(body, engine, DEFAULT_MAX_TOKENS, field)
+    checked = settings(body, engine, DEFAULT_MAX_TOKENS, ("max_completion_tokens", "max_tokens"))
     params = checked.params
-    messages = [m.model_dump() for m in body.messages]
+    messages = body.messages  # checked: [{"role", "content": text}, ...]
     if engine.capabilities.over_network:  # counted by its server (a request): off the loop
         try:
             trimmed = await asyncio.to_thread(engine.trim, messages, params)
@@ -110,7 +109,7 @@ async def chat_request(body: ChatCompletionRequest, model: str, engine) -> APIRe
 async def text_request(body: CompletionRequest, model: str, engine) -> APIRequest:
     """A completion request for `engine`: each prompt as token ids fitting its context (for a
     model here), and the echoed prompts scored when logprobs are asked."""
-    checked = settings(body, engine, DEFAULT_COMPLETION_TOKENS, "max_tokens", least_tokens=0)
+    checked = settings(body, engine, DEFAULT_COMPLETION_TOKENS, ("max_tokens",), least_tokens=0)
     top, echo = body.logprobs, bool(body.echo)
     prompts = body.prompts()
     fields = ["prompt"] if len(prompts) == 1 else [f"prompt[{i}]" for i in range(len(prompts))]

@@ -92,7 +92,12 @@ def flag(name: str):
     return Annotated[bool | None, _checked(check), Field(False)]
 
 
-def unsupported(name: str, kind, description: str):
+# what a refused field may hold: nothing asked (null, [], {}, "none")
+NOTHING = Literal["none"] | Annotated[list[Any], Field(max_length=0)] | \
+    Annotated[dict[str, Any], Field(max_length=0)]
+
+
+def unsupported(name: str, description: str):
     """A field OpenAI has that this server refuses (400, code unsupported_parameter) unless
     it asks for nothing (null, [], {}, "none"): documented as only that."""
 
@@ -102,7 +107,7 @@ def unsupported(name: str, kind, description: str):
         raise APIError(f"'{name}' is not supported by this server (no tool or function "
                        "calling); for JSON output use 'response_format'", name,
                        code="unsupported_parameter")
-    return Annotated[kind | None, _checked(check), Field(None, description=description)]
+    return Annotated[NOTHING | None, _checked(check), Field(None, description=description)]
 
 
 def _model(value):
@@ -244,18 +249,36 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+# Text with something to read: a character that is neither a space nor a control character
+# (chat.clean_text drops those). Asked of every message, though only the last (the user's)
+# must have one: a schema cannot single out the last item of a list.
+VISIBLE = r"[^\s\x00-\x08\x0b\x0c\x0e-\x1f\x7f]"
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal[ROLES]  # type: ignore[valid-type]
-    content: str | list[ContentPart]
+    content: Annotated[str, Field(pattern=VISIBLE)] | Annotated[
+        list[ContentPart], Field(json_schema_extra={"contains": {
+            "type": "object", "required": ["type", "text"],
+            "properties": {"type": {"const": "text"},
+                           "text": {"type": "string", "pattern": VISIBLE}}}})]
 
 
-Messages = Annotated[list[ChatMessage], _checked(check_messages),
-                     Field(min_length=1, description="the conversation, oldest first; the last "
-                           "message is the user's (too long for the context with max_tokens: "
-                           "400, never cut)")]
+# check_messages is the whole check (its sentences name the message and the part); the
+# models document what it takes, and it returns [{"role", "content": text}, ...]
+Messages = Annotated[SkipValidation[Annotated[list[ChatMessage], Field(min_length=1)]],
+                     BeforeValidator(check_messages),
+                     Field(description="the conversation, oldest first; the last message is "
+                           "the user's (too long for the context with max_tokens: 400, never "
+                           "cut)")]
 TokenId = Annotated[int, Field(json_schema_extra={"minimum": 0}, description="a token id "
                                "(below the model's vocabulary size)")]
+
+Text = Annotated[str, Field(min_length=1)]
+Ids = Annotated[list[TokenId], Field(min_length=1)]
+Prompt = Text | Ids | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)] | \
+    Annotated[list[Ids], Field(min_length=1, max_length=MAX_PROMPTS)]
 
 
 class StreamOptions(BaseModel):
@@ -269,9 +292,21 @@ class JSONSchemaFormat(BaseModel):
     strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JSONSchemaFormat | None = Field(None, description="with type json_schema")
+class TextFormat(BaseModel):
+    type: Literal["text"]
+
+
+class JSONObjectFormat(BaseModel):
+    type: Literal["json_object"]
+
+
+class JSONSchemaResponseFormat(BaseModel):
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaFormat
+
+
+ResponseFormat = Annotated[TextFormat | JSONObjectFormat | JSONSchemaResponseFormat,
+                           Field(discriminator="type")]
 
 
 class StructuredOutputs(BaseModel):
@@ -366,19 +401,15 @@ class ChatCompletionRequest(SamplingRequest):
                                                                "max_tokens (wins over it)")
     logprobs: flag("logprobs")
     top_logprobs: limited("top_logprobs", TOP_LOGPROBS, 0)
-    tools: unsupported("tools", Annotated[list[Any], Field(max_length=0)],
-                       "refused: no tool calling")
-    tool_choice: unsupported("tool_choice", Literal["none"], "refused: no tool calling")
-    functions: unsupported("functions", Annotated[list[Any], Field(max_length=0)],
-                           "refused: no function calling")
-    function_call: unsupported("function_call", Literal["none"], "refused: no function calling")
-    parallel_tool_calls: unsupported("parallel_tool_calls", Literal["none"],
-                                     "refused: no tool calling")
+    tools: unsupported("tools", "refused: no tool calling")
+    tool_choice: unsupported("tool_choice", "refused: no tool calling")
+    functions: unsupported("functions", "refused: no function calling")
+    function_call: unsupported("function_call", "refused: no function calling")
+    parallel_tool_calls: unsupported("parallel_tool_calls", "refused: no tool calling")
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: Annotated[SkipValidation[str | list[TokenId] | list[str] | list[list[TokenId]]],
-                      _checked(_prompt), Field(description=(
+    prompt: Annotated[SkipValidation[Prompt], BeforeValidator(_prompt), Field(description=(
                           f"the text to continue: a string, token ids, or a list of up to "
                           f"{MAX_PROMPTS} of either (each gets n choices)"))]
     max_tokens: SkipValidation[Annotated[int, Field(ge=0)] | None] = Field(None, description=(
@@ -408,6 +439,11 @@ class TokenizeRequest(BaseModel):
     """vLLM's /tokenize: `prompt` (tokenized as completions does) or `messages` (with the chat
     template, the assistant's turn opened)."""
 
+    # one of prompt and messages, neither null (the checks run only for a field sent)
+    model_config = ConfigDict(json_schema_extra={"anyOf": [{"required": ["prompt"]},
+                                                           {"required": ["messages"]}]})
     model: Annotated[str | None, _checked(_model), Field(None)]
-    prompt: Annotated[str | None, _checked(_tokenize_prompt), Field(None)]
-    messages: Annotated[list[ChatMessage] | None, _checked(check_messages), Field(None)]
+    prompt: Annotated[SkipValidation[str], BeforeValidator(_tokenize_prompt), Field(None)]
+    messages: Annotated[SkipValidation[Annotated[list[ChatMessage], Field(min_length=1)]],
+                        BeforeValidator(check_messages),
+                        Field(None)]

@@ -66,6 +66,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from miniserve.core.errors import UserError
 from miniserve.models.registry import Models
@@ -78,7 +79,7 @@ from miniserve.serve.shapes import model_entry
 log = logging.getLogger("miniserve.serve")
 
 METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE")
-EVENT_STREAM = {"text/event-stream": {"schema": {"type": "string"}}}
+EVENT_STREAM = {"text/event-stream": {}}  # `data: {chunk}` events, then `data: [DONE]`
 
 
 def _errors(*statuses: int) -> dict:
@@ -120,6 +121,10 @@ def _route_class(api: OpenAIServing) -> type[APIRoute]:
                     return error_response(from_validation(e))
                 except UserError as e:
                     return error_response(e)
+                except StarletteHTTPException as e:  # FastAPI's: a body it could not read
+                    return error_response(APIError("the request body is not valid JSON")
+                                          if e.status_code == 400 else
+                                          APIError(str(e.detail), status=e.status_code))
                 except Exception as e:  # noqa: BLE001 -- a bug: said, and logged in full
                     log.exception("%s %s failed", request.method, request.url.path)
                     return error_response(APIError(f"internal error: {e}", status=500,
@@ -209,9 +214,36 @@ def build_router(models, api_key: str | None = None) -> APIRouter:
     return router
 
 
+def document(app: FastAPI) -> FastAPI:
+    """Drop from `app`'s OpenAPI document the 422 FastAPI lists for every route with a body
+    or parameters: these routes answer a request pydantic refuses with a 400 (its error
+    object is ErrorResponse), so a 422 is never sent."""
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            doc = build()  # FastAPI's, kept as app.openapi_schema: changed in place once
+            for operations in doc.get("paths", {}).values():
+                for operation in operations.values():
+                    operation.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                doc.get("components", {}).get("schemas", {}).pop(name, None)
+        return app.openapi_schema
+    app.openapi = openapi
+    return app
+
+
 def create_app(models, api_key: str | None = None) -> FastAPI:
-    app = FastAPI(title="MiniServeLM API")
+    """The API as an app of its own (`serve`, tests, the HTTP benchmark): what no route
+    answers (an unknown path) is OpenAI's error object too."""
+    app = document(FastAPI(title="MiniServeLM API"))
     app.include_router(build_router(models, api_key))
+
+    async def no_route(request: Request, exc: StarletteHTTPException):
+        response = error_response(APIError(str(exc.detail), status=exc.status_code))
+        response.headers.update(exc.headers or {})
+        return response
+    app.add_exception_handler(StarletteHTTPException, no_route)
     return app
 
 

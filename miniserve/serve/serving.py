@@ -102,7 +102,7 @@ class OpenAIServing:
         if body.messages is not None:
             if not engine.has_chat_template:
                 raise no_chat_template(engine.name)
-            ids = render(engine.tokenizer, [m.model_dump() for m in body.messages])
+            ids = render(engine.tokenizer, body.messages)  # checked: role and content
         elif body.prompt is not None:
             ids = engine.tokenizer(body.prompt)["input_ids"]
         else:

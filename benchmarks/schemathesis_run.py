@@ -1,0 +1,105 @@
+"""Fuzz the HTTP API from its own OpenAPI document with schemathesis (not part of `make test`).
+
+    .venv/bin/pip install schemathesis        # once; not a requirement of the product
+    .venv/bin/python benchmarks/schemathesis_run.py [--max-examples 25] [--port 8765]
+
+Starts `python -m miniserve serve --port PORT` (the embedded model), waits for
+/openapi.json, then runs
+
+    schemathesis run http://127.0.0.1:PORT/openapi.json --checks all --workers 1 ...
+
+Every route's request body is generated from the schema (valid and invalid), and each reply is
+checked: no 5xx, every status and content type documented, schema-valid requests accepted,
+invalid ones rejected, 405 (with Allow) for a method a path does not take. The report (JUnit and
+NDJSON) goes to $TMPDIR/miniserve-schemathesis/; the script's exit status is schemathesis'.
+
+To keep a run to minutes on a small CPU, a hook (`map_case` below, loaded through
+SCHEMATHESIS_HOOKS) caps the tokens a request may generate at MAX_TOKENS: a generated
+max_tokens above it is lowered, and a request that sets none gets it (the defaults are 1024
+for chat and 16 for completions). Both keep a schema-valid request valid and an invalid one
+invalid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import schemathesis
+
+ROOT = Path(__file__).resolve().parent.parent
+MAX_TOKENS = 4
+TOKEN_FIELDS = ("max_tokens", "max_completion_tokens")
+GENERATING = ("/v1/chat/completions", "/v1/completions")
+
+
+@schemathesis.hook
+def map_case(context, case):
+    """At most MAX_TOKENS generated tokens a request (see the module docstring). A case hook:
+    the coverage phase applies those, not `map_body`."""
+    body = case.body
+    if case.operation.path in GENERATING and isinstance(body, dict):
+        for key in TOKEN_FIELDS:
+            value = body.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > MAX_TOKENS:
+                body[key] = MAX_TOKENS
+        if all(key not in body for key in TOKEN_FIELDS):
+            body["max_tokens"] = MAX_TOKENS
+    return case
+
+
+def wait_for(url: str, server: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise SystemExit(f"the server exited with {server.returncode}")
+        try:
+            urllib.request.urlopen(url, timeout=2).read()
+            return
+        except OSError:
+            time.sleep(0.5)
+    raise SystemExit(f"{url} did not answer within {timeout:.0f} s")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument("--max-examples", type=int, default=25,
+                        help="test cases per operation and phase (schemathesis -n)")
+    parser.add_argument("--seed", type=int, default=1, help="schemathesis' random seed")
+    parser.add_argument("--report-dir", default=str(Path(tempfile.gettempdir()) /
+                                                    "miniserve-schemathesis"))
+    parser.add_argument("extra", nargs="*", help="more schemathesis options (after --)")
+    args = parser.parse_args()
+
+    base = f"http://127.0.0.1:{args.port}"
+    server = subprocess.Popen([sys.executable, "-m", "miniserve", "serve", "--port",
+                               str(args.port)], cwd=ROOT)
+    try:
+        wait_for(base + "/openapi.json", server)
+        env = {**os.environ, "SCHEMATHESIS_HOOKS": "schemathesis_run",
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent),
+                                                            os.environ.get("PYTHONPATH")]))}
+        command = [str(Path(sys.executable).with_name("schemathesis")), "run",
+                   base + "/openapi.json", "--checks", "all", "--workers", "1",
+                   "--max-examples", str(args.max_examples), "--seed", str(args.seed),
+                   "--request-timeout", "120", "--report", "junit,ndjson",
+                   "--report-dir", args.report_dir, "--no-color", *args.extra]
+        print("$", " ".join(command), flush=True)
+        started = time.monotonic()
+        code = subprocess.call(command, cwd=ROOT, env=env)
+        print(f"schemathesis finished in {time.monotonic() - started:.0f} s (exit {code})")
+        return code
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
