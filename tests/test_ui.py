@@ -13,13 +13,13 @@ import jsonschema
 import pytest
 
 from miniserve.core.config import FIELDS, ConfigError, Constraint, SamplingParams, load_presets
-from miniserve.ui import BenchmarkHandlers, ChatHandlers, CompareHandlers, build_ui
 from miniserve.store.store import open_store
+from miniserve.ui import BenchmarkHandlers, ChatHandlers, CompareHandlers, build_ui
 from miniserve.ui.bench_tab import BENCH_COLUMNS, CONCURRENCY_COLUMNS
-from miniserve.ui.common import (FORMATS, Sessions, constraint_from, format_note, params_from,
-                                 seed_from)
+from miniserve.ui.common import Sessions
 from miniserve.ui.conversation import SHOWN, Shown, new_view
 from miniserve.ui.sidebar import SidebarHandlers, file_name
+from miniserve.ui.widgets import FORMATS, constraint_from, format_note, params_from, seed_from
 
 PROMPT = "Write one sentence about a cat."
 

@@ -15,9 +15,15 @@ import pytest
 
 from miniserve.core.config import load_presets
 from miniserve.engine.engine import Engine
-from miniserve.models.registry import EngineOptions, ModelSpec, Models, engine_factory, open_models
-from miniserve.ui import (BenchmarkHandlers, ChatHandlers, CompareHandlers, NotebookHandlers,
-                          build_ui, model_header)
+from miniserve.models.registry import EngineOptions, Models, ModelSpec, engine_factory, open_models
+from miniserve.ui import (
+    BenchmarkHandlers,
+    ChatHandlers,
+    CompareHandlers,
+    NotebookHandlers,
+    build_ui,
+    model_header,
+)
 from miniserve.ui.conversation import SHOWN, Shown
 from miniserve.ui.sidebar import SidebarHandlers
 
@@ -470,7 +476,7 @@ def test_the_header_names_the_default_and_the_count_each_dropdown_its_own_model(
     """One header for every tab: the default model and how many are served, whatever a tab's
     dropdown chooses; each dropdown's line describes the model it chooses."""
     from miniserve.ui import app_header
-    from miniserve.ui.common import picker_info
+    from miniserve.ui.model_picker import picker_info
     demo = build_ui(models, presets)
     top = next(b for b in demo.blocks.values() if getattr(b, "elem_id", None) == "model-header")
     info = models.get(B).info()

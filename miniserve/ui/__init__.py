@@ -16,10 +16,11 @@ from miniserve.models.registry import Models
 from miniserve.store.store import Store
 from miniserve.ui.bench_tab import BenchmarkHandlers, build_benchmark_tab
 from miniserve.ui.chat_tab import ChatHandlers, build_chat_tab
-from miniserve.ui.common import (ModelHeader, Sessions, app_header, header, install_keys,
-                                 model_header)
+from miniserve.ui.common import Sessions
 from miniserve.ui.compare_tab import CompareHandlers, build_compare_tab
+from miniserve.ui.model_picker import ModelHeader, app_header, header, model_header
 from miniserve.ui.notebook_tab import NotebookHandlers, build_notebook_tab
+from miniserve.ui.widgets import install_keys
 
 __all__ = ["CSS", "BenchmarkHandlers", "ChatHandlers", "CompareHandlers", "NotebookHandlers",
            "build_ui", "build_benchmark_tab", "build_chat_tab", "build_compare_tab",

@@ -10,14 +10,29 @@ from contextlib import contextmanager
 import gradio as gr
 import pandas as pd
 
-from miniserve.bench.bench import (GREEDY, BenchConfig, ConcurrencyConfig, describe_concurrency,
-                             describe_run, run_bench, run_concurrency, to_dict)
+from miniserve.bench.bench import (
+    GREEDY,
+    BenchConfig,
+    ConcurrencyConfig,
+    describe_concurrency,
+    describe_run,
+    run_bench,
+    run_concurrency,
+    to_dict,
+)
 from miniserve.core.config import ConfigError, SamplingParams
 from miniserve.engine.engine import Engine
 from miniserve.models.registry import Models
-from miniserve.ui.common import (BENCHMARK_EVENTS, USER_ERRORS, ModelHeader, ModelUnavailable,
-                                 build_model_picker, counts_from, error, follow_picker,
-                                 user_message, using, whole)
+from miniserve.ui.common import (
+    BENCHMARK_EVENTS,
+    USER_ERRORS,
+    ModelUnavailable,
+    counts_from,
+    error,
+    user_message,
+)
+from miniserve.ui.model_picker import ModelHeader, build_model_picker, follow_picker, using
+from miniserve.ui.widgets import whole
 
 # The tables' columns: the result rows' fields (what the plots read, and what `bench --json`
 # and `--csv` write) and the header a person reads, units included. The tables show their

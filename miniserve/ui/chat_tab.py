@@ -7,26 +7,39 @@ generators) that runs without a browser."""
 from __future__ import annotations
 
 import html
-import secrets
 from contextlib import ExitStack
 from typing import NamedTuple
 
 import gradio as gr
 
-from miniserve.core.config import RANDOM_SEEDS, SamplingParams
+from miniserve.core.config import SamplingParams
 from miniserve.engine.engine import Engine
 from miniserve.engine.inspector import Inspector
 from miniserve.engine.turn import ChatTurn
 from miniserve.models.registry import Models
 from miniserve.store.store import Store, StoreError, open_store
-from miniserve.ui.common import (ENGINE_EVENTS, FREE_TEXT, USER_ERRORS,
-                                 ModelHeader, Reading, Sessions, build_model_picker, build_output_format,
-                                 build_sampling, error, follow_picker, format_note,
-                                 inspector_html, is_error, load_messages, message_text,
-                                 params_from, preset_values, user_message, using)
-from miniserve.ui.conversation import (SHOWN, Conversations, Shown, new_view, owner_of,
-                                       strip_marks)
+from miniserve.ui.common import (
+    ENGINE_EVENTS,
+    USER_ERRORS,
+    Reading,
+    Sessions,
+    error,
+    is_error,
+    message_text,
+    user_message,
+)
+from miniserve.ui.conversation import SHOWN, Conversations, Shown, new_view, owner_of, strip_marks
+from miniserve.ui.model_picker import ModelHeader, build_model_picker, follow_picker, load_messages, using
+from miniserve.ui.render import inspector_html
 from miniserve.ui.sidebar import SidebarHandlers, build_sidebar, wire_sidebar
+from miniserve.ui.widgets import (
+    FREE_TEXT,
+    build_output_format,
+    build_sampling,
+    format_note,
+    params_from,
+    preset_values,
+)
 
 BROWSER_KEY = "miniserve"  # the browser's local-storage key for its owner id and open chat
 

@@ -18,10 +18,24 @@ import gradio as gr
 from miniserve.core.config import SamplingParams
 from miniserve.engine.engine import Engine
 from miniserve.models.registry import Models
-from miniserve.ui.common import (ENGINE_EVENTS, FREE_TEXT, PAINT_INTERVAL_S, USER_ERRORS,
-                                 ModelHeader, Sessions, build_output_format, constraint_from,
-                                 error, format_label, format_note, load_together, loading_line,
-                                 seed_from, user_message, using, whole)
+from miniserve.ui.common import (
+    ENGINE_EVENTS,
+    PAINT_INTERVAL_S,
+    USER_ERRORS,
+    Sessions,
+    error,
+    user_message,
+)
+from miniserve.ui.model_picker import ModelHeader, load_together, loading_line, using
+from miniserve.ui.widgets import (
+    FREE_TEXT,
+    build_output_format,
+    constraint_from,
+    format_label,
+    format_note,
+    seed_from,
+    whole,
+)
 
 ABOUT = ("One prompt, several presets, the same seed: see what greedy, top-k and top-p change. "
          "The columns run as one batch: each engine step advances every column by a token.")

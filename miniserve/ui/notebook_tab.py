@@ -20,12 +20,19 @@ from miniserve.core.config import RANDOM_SEEDS, SamplingParams
 from miniserve.engine.engine import Engine
 from miniserve.engine.inspector import Inspector
 from miniserve.models.registry import Models
-from miniserve.ui.common import (CTRL_ENTER, CTRL_ENTER_TARGET, ENGINE_EVENTS, FREE_TEXT,
-                                 USER_ERRORS,
-                                 ModelHeader, Reading, Sessions, build_model_picker, build_output_format,
-                                 build_sampling, error, follow_picker, format_note,
-                                 inspector_html, load_messages, params_from, preset_values,
-                                 user_message, using)
+from miniserve.ui.common import ENGINE_EVENTS, USER_ERRORS, Reading, Sessions, error, user_message
+from miniserve.ui.model_picker import ModelHeader, build_model_picker, follow_picker, load_messages, using
+from miniserve.ui.render import inspector_html
+from miniserve.ui.widgets import (
+    CTRL_ENTER,
+    CTRL_ENTER_TARGET,
+    FREE_TEXT,
+    build_output_format,
+    build_sampling,
+    format_note,
+    params_from,
+    preset_values,
+)
 
 UNDO_DEPTH = 20  # generations Undo can take back, one after the other
 NOTEBOOK = "notebook"  # the kind of run (common.Sessions) that Undo and Regenerate stop

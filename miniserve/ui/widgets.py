@@ -1,0 +1,230 @@
+"""The controls the tabs share: the number boxes' values and sampling settings from them, the
+Output format control, the preset and sampling sliders, and the keys (Enter, Ctrl+Enter)."""
+
+
+from __future__ import annotations
+
+import json
+from typing import NamedTuple
+
+import gradio as gr
+
+from miniserve.core.config import FIELDS, ConfigError, Constraint, SamplingParams, check_seed
+
+
+def whole(value):
+    """A number box's value: an int when it is a whole number, else as given (so that the
+    settings' checks name a fraction instead of it being cut off silently)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def seed_from(value) -> int | None:
+    """The Seed box: empty or negative means a random seed; else a whole number."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            pass  # check_seed names it
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
+        return None
+    return check_seed(value)
+
+
+def params_from(settings, seed, output_format=None, format_text="") -> SamplingParams:
+    """The sliders (in FIELDS order), the Seed box and the Output format control as checked
+    sampling settings."""
+    fields = {name: whole(value) for name, value in zip(FIELDS, settings)}
+    return SamplingParams(seed=seed_from(seed), constraint=constraint_from(output_format,
+                                                                           format_text),
+                          **fields)
+
+
+# -- Output format ----------------------------------------------------------------------------
+# The dropdown's choices: the constraint kind each holds the reply to (config.Constraint), and
+# for those that need text, the text box's label and a placeholder example.
+FREE_TEXT = "Free text"
+
+
+class Format(NamedTuple):
+    kind: str | None
+    box: str = ""          # the text box's label ("": no box)
+    example: str = ""
+
+
+FORMATS = {
+    FREE_TEXT: Format(None),
+    "JSON": Format("json_object"),
+    "JSON schema": Format("json_schema", "Schema (a JSON Schema the reply must follow)",
+                          '{"type": "object", "properties": {"name": {"type": "string"}, '
+                          '"age": {"type": "integer"}}, "required": ["name", "age"]}'),
+    "Regex": Format("regex", "Pattern (the whole reply must match it)",
+                    r"(yes|no)\. [A-Z][a-z ]{10,60}\."),
+    "Choice": Format("choice", "Choices (one per line, or separated by commas)",
+                     "red\ngreen\nblue"),
+    "Grammar": Format("grammar", "Grammar (GBNF with ::=, or Lark)",
+                      'root ::= "The answer is " ("yes" | "no") "."'),
+}
+JSON_KINDS = ("json_object", "json_schema")
+
+
+def format_label(constraint: Constraint | None) -> str:
+    """The dropdown's name for a constraint's kind ("Free text" for None)."""
+    kind = constraint.kind if constraint is not None else None
+    return next(label for label, f in FORMATS.items() if f.kind == kind)
+
+
+def constraint_from(output_format, text) -> Constraint | None:
+    """The Output format control's values as a Constraint (None: free text). Raises
+    ConfigError for an unknown format and for text the format cannot start from: an empty or
+    non-JSON schema, an empty pattern or grammar, no choices. Whether the grammar library can
+    enforce it is checked when the reply starts (GrammarError)."""
+    fmt = FORMATS.get(output_format or FREE_TEXT)
+    if fmt is None:
+        raise ConfigError(f"unknown output format {output_format!r} (choose one of "
+                          f"{', '.join(FORMATS)})", "constraint")
+    text = str(text if text is not None else "")
+    if fmt.kind in (None, "json_object"):
+        return Constraint(fmt.kind) if fmt.kind else None
+    if fmt.kind == "choice":
+        lines = text.splitlines() if "\n" in text.strip() else text.split(",")
+        choices = [c.strip() for c in lines if c.strip()]
+        if not choices:
+            raise ConfigError("no choices given: write them one per line or separated by "
+                              "commas", "constraint")
+        return Constraint("choice", json.dumps(choices))
+    if not text.strip():
+        what = {"json_schema": "the JSON schema is empty: paste a JSON Schema",
+                "regex": "the regex pattern is empty: write the pattern the reply must match",
+                "grammar": "the grammar is empty: write one in GBNF (root ::= ...) or Lark"}
+        raise ConfigError(f"{what[fmt.kind]}, like {fmt.example}", "constraint")
+    if fmt.kind == "json_schema":
+        try:
+            schema = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"the JSON schema is not JSON: {e.msg} (line {e.lineno}, column "
+                              f"{e.colno})", "constraint") from None
+        return Constraint("json_schema", json.dumps(schema))
+    # a pattern as typed, less the line breaks a text box adds around it
+    return Constraint(fmt.kind, text.strip("\r\n") if fmt.kind == "regex" else text)
+
+
+def format_note(constraint: Constraint | None, finish_reason: str) -> str:
+    """What a finished reply's end means for its output format ("" when nothing to say)."""
+    if constraint is None:
+        return ""
+    if finish_reason == "length":
+        return ("incomplete JSON (cut by max new tokens)" if constraint.kind in JSON_KINDS
+                else "incomplete: cut by max new tokens before the format was complete")
+    if finish_reason == "no_token_allowed":
+        return ("ended early: the output format allowed no next token, so the reply may be "
+                "incomplete")
+    return ""
+
+
+def format_box(output_format) -> dict:
+    """The text box under the dropdown: shown with its label and example when the format
+    needs text."""
+    fmt = FORMATS.get(output_format, FORMATS[FREE_TEXT])
+    return gr.update(visible=bool(fmt.box), label=fmt.box or "Format",
+                     placeholder=fmt.example)
+
+
+class OutputFormat(NamedTuple):
+    """The control's components; `inputs` in the order constraint_from takes them."""
+    format: gr.Dropdown
+    text: gr.Textbox
+
+    @property
+    def inputs(self) -> list:
+        return [self.format, self.text]
+
+
+def build_output_format() -> OutputFormat:
+    """The Output format dropdown and its text box (call inside a layout block)."""
+    fmt = gr.Dropdown(list(FORMATS), value=FREE_TEXT, label="Output format",
+                      info="hold the reply to a format: at each step the sampler masks every "
+                           "token that would break it")
+    text = gr.Textbox(visible=False, lines=3, max_lines=12, label="Format")
+    fmt.change(format_box, fmt, text, queue=False)
+    return OutputFormat(fmt, text)
+SLIDER_MAX = {"top_k": 200}  # the slider's range; larger values are still valid via CLI/API
+SLIDER_STEP = {"temperature": 0.05, "top_k": 1, "top_p": 0.01, "min_p": 0.01,
+               "repetition_penalty": 0.01, "max_new_tokens": 1}
+
+
+def preset_values(presets: dict[str, SamplingParams], name) -> list:
+    """The sliders' values (FIELDS order) of a preset."""
+    preset = presets[name]
+    return [getattr(preset, k) for k in FIELDS]
+
+
+class SamplingControls(NamedTuple):
+    """The Preset dropdown, the sliders (FIELDS order) and the Seed box."""
+    preset: gr.Dropdown
+    sliders: list
+    seed: gr.Number
+
+    @property
+    def inputs(self) -> list:
+        """In the order the handlers take them: preset, the sliders, seed."""
+        return [self.preset, *self.sliders, self.seed]
+
+
+def build_sampling(presets: dict[str, SamplingParams], default_preset: str, apply,
+                   seed_info: str) -> SamplingControls:
+    """The Preset dropdown, a slider per sampling setting and the Seed box (call inside a
+    layout block); choosing a preset moves the sliders (`apply(name)` -> their values)."""
+    start = presets[default_preset]
+    preset = gr.Dropdown(choices=list(presets), value=default_preset, label="Preset")
+    sliders = [gr.Slider(minimum=spec.low, maximum=SLIDER_MAX.get(k, spec.high),
+                         value=getattr(start, k), step=SLIDER_STEP[k], label=spec.label,
+                         info=spec.help)
+               for k, spec in FIELDS.items()]
+    seed = gr.Number(label="Seed", value=-1, precision=0, info=seed_info)
+    preset.change(apply, preset, sliders)
+    return SamplingControls(preset, sliders, seed)
+
+
+# -- Keyboard ---------------------------------------------------------------------------------
+# What the keys do, as in chat apps and editors. Chat's message box is a one-line Textbox that
+# grows (lines=1, max_lines>1): Gradio sends it on Enter, and Shift+Enter is left to the
+# browser, which adds a line. Gradio sends on the Enter's `keypress` even while an input method
+# is composing (a Japanese or Chinese IME commits its text with Enter), so that Enter is held
+# back here, for every text box. Ctrl+Enter (Cmd+Enter) in a box of class CTRL_ENTER clicks
+# the nearest button of class CTRL_ENTER_TARGET (the Notebook's Generate). Installed once per
+# page, on load; <html data-ms-keys="on"> says it is.
+CTRL_ENTER = "ms-ctrl-enter"
+CTRL_ENTER_TARGET = "ms-ctrl-enter-target"
+KEYS_JS = """
+() => {
+  if (window.msKeys) return;
+  window.msKeys = true;
+  let composing = false;  // the last Enter's keydown came from an input method
+  window.addEventListener("keydown", (e) => {
+    if (e.key !== "Enter" && e.keyCode !== 229) return;
+    composing = e.isComposing || e.keyCode === 229;
+    if (composing || e.key !== "Enter" || !(e.ctrlKey || e.metaKey)) return;
+    const box = e.target.closest && e.target.closest(".%(box)s");
+    if (!box) return;
+    let around = box.parentElement;
+    while (around && !around.querySelector(".%(target)s")) around = around.parentElement;
+    const button = around && around.querySelector(".%(target)s");
+    if (!button) return;
+    e.preventDefault();
+    button.click();
+  }, true);
+  window.addEventListener("keypress", (e) => {
+    if (e.key === "Enter" && (e.isComposing || composing)) e.stopPropagation();
+  }, true);
+  document.documentElement.dataset.msKeys = "on";
+}
+""" % {"box": CTRL_ENTER, "target": CTRL_ENTER_TARGET}
+
+
+def install_keys(demo: gr.Blocks) -> None:
+    """The page's keys (KEYS_JS), set up when the page loads; call inside `demo`."""
+    demo.load(None, None, None, js=KEYS_JS)
