@@ -25,6 +25,7 @@ from miniserve.core.config import (
     SamplingParams,
     load_presets,
 )
+from miniserve.core.errors import Unavailable, UserError
 from miniserve.engine.grammar import GrammarError
 from miniserve.models.registry import EngineOptions, ModelSpecError
 from miniserve.models.registry import open_models as open_registry
@@ -47,6 +48,12 @@ class Parser(argparse.ArgumentParser):
 def fail(message: str, code: int = 2):
     print(f"error: {message}", file=sys.stderr)
     return code
+
+
+def fail_with(e: UserError) -> int:
+    """The command line's one mapping of an error meant for the user: its sentence on one
+    line, exit code 1 when a model could not be loaded or reached, else 2 (a bad request)."""
+    return fail(e.describe(), 1 if isinstance(e, Unavailable) else 2)
 
 
 # Whole-number settings, by flag; their ranges and defaults are in config.py. add_model_args

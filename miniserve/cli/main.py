@@ -30,6 +30,7 @@ from miniserve.cli.args import (
     add_sampling_args,
     check_format,
     fail,
+    fail_with,
     load_engine,
     open_history,
     params_from_args,
@@ -39,8 +40,8 @@ from miniserve.core.config import (
     MAX_QUEUE,
     ConfigError,
 )
+from miniserve.core.errors import UserError
 from miniserve.engine.chat import NoChatTemplate
-from miniserve.engine.engine import EngineBusy
 from miniserve.engine.inspector import Inspector
 from miniserve.runners.native import summary
 from miniserve.serve.routes import serve
@@ -79,7 +80,9 @@ def cmd_generate(args) -> int:
             if not args.json and last.text:
                 sys.stdout.write(last.text)
                 sys.stdout.flush()
-    except (ValueError, EngineBusy) as e:  # ChatError, RequestTooLarge, a remote refusal
+    except UserError as e:  # ChatError, RequestTooLarge, busy, a remote refusal
+        return fail_with(e)
+    except ValueError as e:
         return fail(str(e))
     except RuntimeError as e:  # a remote server that failed (RemoteError), the engine closed
         return fail(f"{engine.name}: {e}", 1)
@@ -350,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except UserError as e:  # what a command did not catch itself: one line, never a traceback
+        return fail_with(e)
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
