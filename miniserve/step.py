@@ -76,6 +76,8 @@ class Position:
     token: int | None = None         # the token taken here (None: not yet)
     drawn: int | None = None         # what the draw gave when it was taken
     picked: bool = False             # taken by hand
+    entropy: float = 0.0             # of the raw distribution, bits (when taken)
+    prob: float = 0.0                # the taken token's probability in the final distribution
 
 
 @dataclass
@@ -407,6 +409,7 @@ class StepSession:
             raise StepError("the output format and the logit bias allow no token here: Back, "
                             "or change them")
         pos.token, pos.drawn, pos.picked = token, drawn, pick is not None and pick != drawn
+        pos.entropy, pos.prob = self._measure(pos, token, allowed)
         self.ids = self.ids + [token]
         if self.matcher is not None:
             self.matcher.accept(token)
@@ -424,6 +427,14 @@ class StepSession:
         nxt.gen_state = after  # the stream goes on from after this position's draw
         self.positions.append(nxt)
         return nxt.cost
+
+    def _measure(self, pos: Position, token: int, allowed) -> tuple[float, float]:
+        """The raw entropy and the taken token's final probability, for the plot over tokens."""
+        x = pos.logits.float()
+        final = filter_stages(x[0], self.params, self._previous()[0],
+                              allowed[0] if allowed is not None else None)
+        probs = final[-1][1].softmax(-1) if final else x[0].softmax(-1)
+        return entropy_bits(x[0].softmax(-1)), float(probs[token])
 
     def _check_pick(self, token: int, allowed) -> None:
         if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < self.vocab:

@@ -283,3 +283,52 @@ def test_a_remote_model_says_what_it_cannot_show():
     with pytest.raises(StepError, match="model 'far' runs on a remote server: its logits "
                                         "never reach this app"):
         StepSession(Remote(), [1, 2], SamplingParams())
+
+
+# -- the Step tab's handlers, called as Gradio calls them (no browser) ------------------------
+
+def tab_settings(presets, preset="balanced", temperature=None, seed=4, bias="", fmt="Free text",
+                 fmt_text="", top=20, prompt="Write one sentence about a cat.", mode=None):
+    from miniserve.config import FIELDS
+    from miniserve.ui.step_tab import CHAT
+    values = [getattr(presets[preset], k) for k in FIELDS]
+    if temperature is not None:
+        values[0] = temperature
+    return [mode or CHAT, prompt, *values, seed, bias, fmt, fmt_text, top, None]
+
+
+def test_tab_steps_restages_picks_and_goes_back(engine, presets, monkeypatch):
+    from miniserve.ui.step_tab import StepHandlers
+    tab = StepHandlers(engine, presets)
+    settings = tab_settings(presets)
+    for _ in range(3):
+        text, chart, costs, status = tab.step(*settings)
+    assert status.startswith("3 tokens taken · seed 4"), status
+    assert text.count('class="ms-chip"') == 3 and 'data-pick="' in chart
+    assert "shared the pass with" in costs and "<polyline" in costs
+    held = tab._get(None)
+    view = held.session.view()
+    bars = re.findall(r'data-stage="final" data-token="(\d+)" data-p="([0-9.]+)"', chart)
+    assert [(int(t), float(p)) for t, p in bars] == [
+        (r.token_id, pytest.approx(r.probs[-1], abs=1e-6)) for r in view.rows
+        if r.removed_by is None]
+    calls = counting(engine, monkeypatch)
+    _, hotter, _, _ = tab.restage(*tab_settings(presets, temperature=1.6))
+    assert hotter != chart and calls["n"] == 0
+    third = held.session.view().rows[2].token_id
+    _, _, _, status = tab.act(f"pick:{third}@1", *settings)
+    assert held.session.tokens[-1] == third and held.session.positions[-2].picked
+    text, _, _, status = tab.act("back:1@2", *settings)
+    assert len(held.session.tokens) == 1 and "back to just before token 2" in status
+    assert text.count('class="ms-chip"') == 1
+    *_, status = list(tab.run(5, *settings))[-1]  # a generator: its last output
+    assert "6 tokens taken" in status or "finished" in status
+    *_, status = list(tab.run(2.5, *settings))[-1]
+    assert "Run N takes a whole number of tokens from 1 to 4096, got 2.5" in status
+    *_, status = tab.take_text("hello world", *settings)
+    assert "is not one token: it splits into 2" in status
+    *_, status = tab.step(*tab_settings(presets, bias="13:lots"))
+    assert "Logit bias: write token ID:BIAS pairs separated by commas" in status
+    *_, status = tab.reset()
+    assert "released" in status
+    assert engine.run_on_worker(lambda: held.session not in engine.scheduler.kept)

@@ -1,4 +1,4 @@
-"""The Gradio web app: Chat, Notebook, Compare and Benchmark tabs. No generation logic lives
+"""The Gradio web app: Chat, Notebook, Compare, Step and Benchmark tabs. No generation logic lives
 here: widget values become `SamplingParams`, and what the engines yield is rendered.
 
 Each tab has a module: a class holding its handlers (plain methods, the streaming ones
@@ -19,6 +19,7 @@ from miniserve.ui.chat_tab import ChatHandlers, build_chat_tab
 from miniserve.ui.common import ModelHeader, Sessions, app_header, header, model_header
 from miniserve.ui.compare_tab import CompareHandlers, build_compare_tab
 from miniserve.ui.notebook_tab import NotebookHandlers, build_notebook_tab
+from miniserve.ui.step_tab import CSS as STEP_CSS, StepHandlers, build_step_tab
 
 __all__ = ["CSS", "BenchmarkHandlers", "ChatHandlers", "CompareHandlers", "NotebookHandlers",
            "build_ui", "build_benchmark_tab", "build_chat_tab", "build_compare_tab",
@@ -29,7 +30,7 @@ CSS = """
 #status, .ms-status {font-size: 0.9em; opacity: 0.85}
 .ms-inspector .ms-tok:hover {outline: 1px solid #333}
 #notebook-text textarea {font-family: var(--font-mono); font-size: 0.92em; line-height: 1.5}
-"""
+""" + STEP_CSS
 
 
 def engine_queue(models: Models) -> int:
@@ -52,6 +53,7 @@ def build_ui(models: Models | Engine, presets: dict[str, SamplingParams],
                                   default_preset, top)
         build_notebook_tab(NotebookHandlers(models, presets, sessions), default_preset, top)
         build_compare_tab(CompareHandlers(models, presets, sessions), top)
+        build_step_tab(StepHandlers(models, presets, sessions), default_preset, demo)
         build_benchmark_tab(BenchmarkHandlers(models, presets), top)
         chat_tab.on_load(demo)
     # Gradio runs one event of a listener at a time unless told otherwise: the replies of many
