@@ -35,7 +35,7 @@ STEP = "step"                # the kind of run (common.Sessions) Stop ends
 RESTAGE_EVERY_S = 0.1        # while a slider is dragged, the stages re-run at most this often
 RUN_PAINT_S = 0.25           # Run repaints at most this often
 REAP_EVERY_S = 30.0
-COLORS = {"bar": "#4a7bd0", "cut": "#c0392b", "drawn": "#fff1a8", "picked": "#d5ecff",
+COLORS = {"bar": "#8fb3ee", "line": "#2f5fb3", "cut": "#c0392b", "drawn": "#fff1a8", "picked": "#d5ecff",
           "mass": "#9aa5b1"}
 
 
@@ -82,14 +82,14 @@ def chart_svg(view: StageView, width: int = 940) -> str:
     number beside it exact); ✕ marks the stage that removed a token; in the top-p panel a grey
     line under each row is the mass ranked above it, against the dashed cut at p. The drawn
     row is yellow, a hand-picked one blue; a row is a button that takes its token."""
-    label_w, row_h, head = 150, 18, 34
+    label_w, row_h, head = 140, 18, 34
     n = len(view.stages)
     pw = (width - label_w) / n
-    bar_w = pw - 44
+    bar_w = pw - 8  # the percentage is written over the bar's right end
     rows = view.rows
     height = head + row_h * len(rows) + 6
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" class="ms-step-chart" width="{width}" '
-           f'height="{height}" viewBox="0 0 {width} {height}" font-family="sans-serif" '
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" class="ms-step-chart" width="100%" '
+           f'style="max-width:{width}px" viewBox="0 0 {width} {height}" font-family="sans-serif" '
            f'font-size="11" data-position="{view.position}" data-drawn="{view.drawn}">']
     for k, name in enumerate(view.stages):
         x = label_w + k * pw
@@ -131,7 +131,7 @@ def chart_svg(view: StageView, width: int = 940) -> str:
             out.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="11" '
                        f'fill="{COLORS["bar"]}" data-stage="{_esc(name)}" '
                        f'data-token="{row.token_id}" data-p="{p:.6f}"/>'
-                       f'<text x="{x + bar_w + 40:.1f}" y="{y + 10}" font-size="9.5" '
+                       f'<text x="{x + bar_w:.1f}" y="{y + 10}" font-size="10" '
                        f'text-anchor="end">{100 * p:.1f}%</text>')
             if name == "top-p" and row.mass_above is not None:
                 out.append(f'<rect x="{x:.1f}" y="{y + 12}" width="{row.mass_above * bar_w:.1f}" '
@@ -207,7 +207,7 @@ def _spark(values: list[float], label: str, fmt: str, x0: float, w: float, h: fl
             f'<text x="{x0 + w}" y="11" text-anchor="end" fill="#666">{format(lo, fmt)} – '
             f'{format(hi, fmt)}</text>'
             f'<rect x="{x0}" y="16" width="{w}" height="{h - 20}" fill="none" stroke="#ddd"/>'
-            f'<polyline points="{pts}" fill="none" stroke="{COLORS["bar"]}" stroke-width="1.5"/>')
+            f'<polyline points="{pts}" fill="none" stroke="{COLORS["line"]}" stroke-width="1.5"/>')
 
 
 def costs_html(session: StepSession | None) -> str:
@@ -223,8 +223,9 @@ def costs_html(session: StepSession | None) -> str:
             f"sequence{'s' * (c.shared != 1)}")
     taken = session.positions[:len(session.tokens)]
     times = [p.cost.forward_s * 1000 for p in session.positions[1:]]  # after the prompt's
-    svg = ('<svg xmlns="http://www.w3.org/2000/svg" class="ms-step-costs" width="940" '
-           'height="90" font-family="sans-serif" font-size="11">'
+    svg = ('<svg xmlns="http://www.w3.org/2000/svg" class="ms-step-costs" width="100%" '
+           'style="max-width:940px" viewBox="0 0 940 90" font-family="sans-serif" '
+           'font-size="11">'
            + _spark(times, "step forward (ms)", ".1f", 4, 290, 90)
            + _spark([p.entropy for p in taken], "entropy (bits)", ".2f", 322, 290, 90)
            + _spark([p.prob for p in taken], "taken token's p", ".2f", 640, 290, 90)
@@ -509,7 +510,7 @@ def build_step_tab(handlers: StepHandlers, default_preset: str, demo: gr.Blocks 
     tab's session when it closes, and to wire the page's clicks at load)."""
     with gr.Tab("Step", elem_id="step-tab"):
         with gr.Row():
-            with gr.Column(scale=3):
+            with gr.Column(scale=4):
                 with gr.Row():
                     mode = gr.Radio([CHAT, RAW], value=CHAT, label="Mode", scale=1)
                     prompt = gr.Textbox(label="Prompt", lines=2, scale=3,
@@ -518,7 +519,7 @@ def build_step_tab(handlers: StepHandlers, default_preset: str, demo: gr.Blocks 
                                              "completion: the text to continue")
                 with gr.Row():
                     step_btn = gr.Button("Step", variant="primary", elem_id="step-step")
-                    count = gr.Number(value=10, precision=0, label="N", min_width=60, scale=0)
+                    count = gr.Number(value=10, precision=0, label="N", min_width=90, scale=0)
                     run_btn = gr.Button("Run N")
                     end_btn = gr.Button("Run to the end")
                     stop_btn = gr.Button("Stop", variant="stop")
