@@ -332,3 +332,41 @@ def test_tab_steps_restages_picks_and_goes_back(engine, presets, monkeypatch):
     *_, status = tab.reset()
     assert "released" in status
     assert engine.run_on_worker(lambda: held.session not in engine.scheduler.kept)
+
+
+# -- python -m miniserve step -----------------------------------------------------------------
+
+def test_cli_loop_steps_picks_goes_back_and_sets(engine, presets):
+    import io
+
+    from miniserve.step_cli import StepLoop
+    params = presets["balanced"].replace(seed=1, max_new_tokens=20)
+    s = session(engine, params)
+    out = io.StringIO()
+    lines = "\n\n3\n/set temperature 1.5\nb\nt hello world\nzz\n/set top_k x\nq\n"
+    assert StepLoop(s, presets, 6, "", out).run(io.StringIO(lines)) == 0
+    text = out.getvalue()
+    tables = text.split("    #  token")
+    assert len(tables) == 6  # two steps, a pick, a new temperature, a step back
+    head = text[text.index("    #  token"):].splitlines()[0].split()
+    assert head == ["#", "token", "raw", "rep.pen", "temp", "top-k", "top-p", "min-p",
+                    "final", "above"]
+    assert re.search(r"\n[^\n\[]*\[[^\]\n]+\]\n\[forward", text)  # the pick, bracketed
+    assert "error: 'hello world' is not one token: it splits into 2" in text
+    assert "unknown input 'zz'" in text
+    assert "error: 'top_k' must be a number, got 'x'" in text
+    assert len(s.tokens) == 2 and s.params.temperature == 1.5
+    s.release()
+
+
+def test_cli_bad_flags_are_one_line():
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-m", "miniserve", "step", "--top", "0"], cwd=root,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.strip() == "error: --top must be from 1 to 200, got 0"
+    done = subprocess.run([sys.executable, "-m", "miniserve", "step", "--temperature", "9"],
+                          cwd=root, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "'temperature' must be in [0, 2], got 9" in done.stderr
