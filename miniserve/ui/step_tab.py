@@ -561,7 +561,9 @@ def build_step_tab(handlers: StepHandlers, default_preset: str, demo: gr.Blocks 
     act_btn.click(handlers.act, [action, *settings], **engine)
     take_btn.click(handlers.take_text, [typed, *settings], **engine)
     typed.submit(handlers.take_text, [typed, *settings], **engine)
-    quiet = dict(outputs=outs, show_progress="hidden")
+    # the stages alone take milliseconds and no forward pass: sent straight, not queued behind
+    # the engine's events (Gradio's queue adds a round trip of its own)
+    quiet = dict(outputs=outs, show_progress="hidden", queue=False)
     for slider in [*sampling.sliders[:5], top]:  # max new tokens changes no distribution
         slider.release(handlers.restage, settings, **quiet)
         slider.input(handlers.restage_live, settings, trigger_mode="always_last", **quiet)
