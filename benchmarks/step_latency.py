@@ -38,7 +38,9 @@ def ms(values) -> str:
 def server_side(engine, repeat: int) -> dict:
     params = load_presets()["balanced"].replace(seed=1, max_new_tokens=4 * repeat + 8)
     messages = [{"role": "user", "content": PROMPT}]
-    s = StepSession(engine, engine.chat_prompt(messages, params), params)
+    ids = (engine.chat_prompt(messages, params) if engine.has_chat_template else
+           engine.prompt_ids(PROMPT, params))  # a base model (Gemma 3 270M): completion mode
+    s = StepSession(engine, ids, params)
     s.step()  # the prompt
     steps = []
     for _ in range(repeat):
@@ -53,7 +55,7 @@ def server_side(engine, repeat: int) -> dict:
         restage.append(time.perf_counter() - started)
     s.release()
     gaps, last = [], None
-    for chunk in engine.chat(messages, params.replace(max_new_tokens=repeat + 2)):
+    for chunk in engine.complete(ids, params.replace(max_new_tokens=repeat + 2)):
         now = time.perf_counter()
         if last is not None and chunk.token_ids and not chunk.done:
             gaps.append((now - last) / len(chunk.token_ids))

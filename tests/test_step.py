@@ -332,6 +332,12 @@ def test_tab_steps_restages_picks_and_goes_back(engine, presets, monkeypatch):
     *_, status = tab.reset()
     assert "released" in status
     assert engine.run_on_worker(lambda: held.session not in engine.scheduler.kept)
+    # the browser tab closed (demo.unload): its session goes too
+    tab.step(*settings)
+    closing = tab._get(None).session
+    tab.closed()
+    assert tab._get(None) is None and closing.released == "released (the tab closed)"
+    assert engine.run_on_worker(lambda: closing not in engine.scheduler.kept)
 
 
 # -- python -m miniserve step -----------------------------------------------------------------

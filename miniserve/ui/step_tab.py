@@ -244,7 +244,8 @@ class _Held:
 
     def __init__(self, session: StepSession, key: tuple, shown: str):
         self.session, self.key, self.shown = session, key, shown
-        self.restaged = 0.0
+        self.restaged = 0.0   # when the stages last re-ran while a slider moved
+        self.said = False     # the idle release was shown on the status line
 
 
 class StepHandlers:
@@ -458,7 +459,7 @@ class StepHandlers:
     def poll(self, request: gr.Request | None = None):
         """Now and then: say so when the idle timeout released this tab's session."""
         held = self._get(request)
-        if held is None or not held.session.released or getattr(held, "said", False):
+        if held is None or not held.session.released or held.said:
             return gr.update()
         held.said = True
         return error(held.session.released)
