@@ -152,11 +152,14 @@ def stage_view(logits: torch.Tensor, params: SamplingParams, previous_ids: torch
     mass_above = None
     if "top-p" in cuts:  # the mass above each token in top-p's input, ranked as top-p ranks
         before = stage_logits[names.index("top-p") - 1].softmax(-1)
-        order = before.sort(descending=True)
+        # rank only the tokens still in the running (after top-k, k of them; a full sort of
+        # Gemma's 262k took most of a redraw), as top_p_filter does
+        alive = (before > 0).nonzero().squeeze(-1)
+        order = before[alive].sort(descending=True)
         cum = order.values.cumsum(-1) - order.values
-        where = torch.empty_like(order.indices)
-        where[order.indices] = torch.arange(order.indices.numel())
-        mass_above = cum[where[ids]].tolist()
+        above = torch.ones_like(before)  # a removed token: all the mass is above it
+        above[alive[order.indices]] = cum
+        mass_above = above[ids].tolist()
     bias = dict(params.logit_bias)
     rows = []
     for n, i in enumerate(ids):
