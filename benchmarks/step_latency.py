@@ -64,11 +64,19 @@ def server_side(engine, repeat: int) -> dict:
 
 
 WATCH = """() => {
-  window.msTimes = [];
+  // every change of the chart: when, the temperature it was drawn with, its position
+  window.msSeen = [];
   const chart = document.querySelector('#step-chart');
-  new MutationObserver(() => { window.msDrawn = performance.now(); })
-      .observe(chart, {subtree: true, childList: true, attributes: true, characterData: true});
+  new MutationObserver(() => {
+    const svg = chart.querySelector('svg.ms-step-chart');
+    if (svg) window.msSeen.push([performance.now(), svg.dataset.temperature,
+                                 svg.dataset.position]);
+  }).observe(chart, {subtree: true, childList: true});
   document.addEventListener('pointerup', () => { window.msUp = performance.now(); }, true);
+}"""
+FIRST = """([index, value]) => {
+  const hit = window.msSeen.find(s => s[0] >= window.msStart && s[index] === value);
+  return hit ? Math.max(0, hit[0] - window.msUp) : null;
 }"""
 
 
@@ -103,15 +111,18 @@ def in_browser(engine, repeat: int) -> dict:
         status.filter(has_text="1 token taken").wait_for(timeout=60_000)
         page.evaluate(WATCH)
 
-        def timed(action) -> float:
-            page.evaluate("() => { window.msDrawn = 0; window.msUp = 0; }")
+        def timed(action, index: int, value) -> float:
+            """Seconds from the pointer's release to the chart drawn with `value` (its
+            temperature, index 1, or its position, index 2); 0 when it already was."""
+            page.evaluate("() => { window.msStart = performance.now(); window.msUp = 0; }")
             action()
-            page.wait_for_function("() => window.msUp && window.msDrawn > window.msUp",
+            want = value() if callable(value) else value
+            page.wait_for_function(f"() => ({FIRST})([{index}, {want!r}]) !== null",
                                    timeout=60_000)
-            page.wait_for_timeout(50)  # the last of the DOM swap's mutations
-            return page.evaluate("() => window.msDrawn - window.msUp") / 1000
+            return page.evaluate(f"({FIRST})([{index}, {want!r}])") / 1000
 
         slider = tab.locator("input[type=range]").first
+        number = tab.get_by_role("spinbutton", name="number input for Temperature")
         box = slider.bounding_box()
         y = box["y"] + box["height"] / 2
         for i in range(repeat):
@@ -122,9 +133,11 @@ def in_browser(engine, repeat: int) -> dict:
                 page.mouse.down()
                 page.mouse.move(x, y, steps=2)
                 page.mouse.up()
-            out["release"].append(timed(drag))
+            out["release"].append(timed(drag, 1, lambda: f"{float(number.input_value()):g}"))
+        chart = tab.locator("#step-chart svg.ms-step-chart")
         for i in range(repeat):
-            out["click"].append(timed(step.click))
+            position = int(chart.get_attribute("data-position"))
+            out["click"].append(timed(step.click, 2, str(position + 1)))
         browser.close()
     server.should_exit = True
     return out

@@ -110,6 +110,7 @@ class StageView:
     top_p: float | None              # the cut, when top-p is on
     greedy: bool
     note: str = ""                   # e.g. no token allowed
+    temperature: float = 0.0         # the setting the stages ran with (the chart says it)
 
     def as_dict(self) -> dict:
         return {"position": self.position, "stages": self.stages, "drawn": self.drawn,
@@ -181,7 +182,8 @@ def stage_view(logits: torch.Tensor, params: SamplingParams, previous_ids: torch
                      entropy_bits(raw), entropy_bits(final),
                      max(0.0, 1 - float(raw[shown].sum())),
                      max(0.0, 1 - float(final[shown].sum())),
-                     params.top_p if "top-p" in cuts else None, params.greedy)
+                     params.top_p if "top-p" in cuts else None, params.greedy,
+                     temperature=params.temperature)
 
 
 class StepSession:

@@ -90,7 +90,8 @@ def chart_svg(view: StageView, width: int = 940) -> str:
     height = head + row_h * len(rows) + 6
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" class="ms-step-chart" width="100%" '
            f'style="max-width:{width}px" viewBox="0 0 {width} {height}" font-family="sans-serif" '
-           f'font-size="11" data-position="{view.position}" data-drawn="{view.drawn}">']
+           f'font-size="11" data-position="{view.position}" data-drawn="{view.drawn}" '
+           f'data-temperature="{view.temperature:g}">']
     for k, name in enumerate(view.stages):
         x = label_w + k * pw
         out.append(f'<text x="{x + 2:.1f}" y="14" font-weight="bold">{_esc(stage_title(name, view))}'
