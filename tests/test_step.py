@@ -287,6 +287,11 @@ def test_a_remote_model_says_what_it_cannot_show():
 
 # -- the Step tab's handlers, called as Gradio calls them (no browser) ------------------------
 
+def gr_update():
+    import gradio as gr
+    return gr.update()
+
+
 def tab_settings(presets, preset="balanced", temperature=None, seed=4, bias="", fmt="Free text",
                  fmt_text="", top=20, prompt="Write one sentence about a cat.", mode=None):
     from miniserve.config import FIELDS
@@ -332,6 +337,16 @@ def test_tab_steps_restages_picks_and_goes_back(engine, presets, monkeypatch):
     *_, status = tab.reset()
     assert "released" in status
     assert engine.run_on_worker(lambda: held.session not in engine.scheduler.kept)
+    # left unused past the timeout: released, and the next poll says so (once)
+    tab.step(*settings)
+    idle = tab._get(None).session
+    idle.last_used -= tab.idle_s + 1
+    assert tab.poll() == gr_update()
+    tab.reap()
+    assert "released after 10 minutes without use" in tab.poll() and tab.poll() == gr_update()
+    assert engine.run_on_worker(lambda: idle not in engine.scheduler.kept)
+    *_, status = tab.step(*settings)  # Step starts again
+    assert status.startswith("1 token taken")
     # the browser tab closed (demo.unload): its session goes too
     tab.step(*settings)
     closing = tab._get(None).session
@@ -376,3 +391,24 @@ def test_cli_bad_flags_are_one_line():
     done = subprocess.run([sys.executable, "-m", "miniserve", "step", "--temperature", "9"],
                           cwd=root, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "'temperature' must be in [0, 2], got 9" in done.stderr
+
+
+def test_tab_bad_input_is_one_line_on_the_status(engine, presets):
+    from miniserve.ui.step_tab import RAW, StepHandlers
+    tab = StepHandlers(engine, presets)
+    *_, status = tab.back(*tab_settings(presets))
+    assert status == "**Error:** press Step first: there is no text to act on yet"
+    *_, status = tab.step(*tab_settings(presets, prompt="   "))
+    assert "write a prompt first" in status
+    *_, status = tab.step(*tab_settings(presets, seed=1.5))
+    assert "&#x27;seed&#x27; must be a whole number" in status
+    *_, status = tab.step(*tab_settings(presets, fmt="JSON schema", fmt_text="{"))
+    assert "the JSON schema is not JSON" in status
+    *_, status = tab.step(*tab_settings(presets, bias="99999999:1"))
+    assert "token id 99999999 is out of range" in status
+    assert tab.act("nonsense", *tab_settings(presets))[3] == gr_update()
+    # completion mode shows the prompt's text before the chips
+    text, *_ = tab.step(*tab_settings(presets, mode=RAW, prompt="The capital of France is"))
+    assert '<span class="ms-step-prompt">The capital of France is</span><span class="ms-chip"' \
+        in text
+    tab.reset()

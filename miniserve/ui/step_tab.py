@@ -278,16 +278,20 @@ class StepHandlers:
         if held is not None:
             held.session.release(why)
 
+    def reap(self) -> None:
+        """Release the sessions idle past their timeout (a tab that went away without closing,
+        or left open); the tab's status line says so at its next poll."""
+        with self._lock:
+            idle = [h.session for h in self._held.values() if h.session.idle()]
+        for session in idle:
+            session.release(f"this step session was released after {self.idle_s / 60:g} "
+                            "minutes without use (its KV cache went back to the budget): "
+                            "Step starts again, Reset clears it")
+
     def _reap(self) -> None:
-        """Release sessions idle past their timeout (a tab that went away without closing)."""
         while True:
             time.sleep(min(REAP_EVERY_S, max(self.idle_s, 1.0)))
-            with self._lock:
-                idle = [h.session for h in self._held.values() if h.session.idle()]
-            for session in idle:
-                session.release(f"this step session was released after {self.idle_s / 60:g} "
-                                "minutes without use (its KV cache went back to the budget): "
-                                "Step starts again, Reset clears it")
+            self.reap()
 
     def _start_reaper(self) -> None:
         if self._reaper is None:
