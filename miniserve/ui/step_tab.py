@@ -558,15 +558,18 @@ def build_step_tab(handlers: StepHandlers, default_preset: str, demo: gr.Blocks 
                 model]
     outs = [text, chart, costs, status]
     engine = dict(outputs=outs, concurrency_id=ENGINE_EVENTS)
-    step_btn.click(handlers.step, settings, **engine)
+    # one token is one pass (tens of milliseconds): sent straight rather than through Gradio's
+    # queue, whose round trip cost more than the pass (the engine's own queue still admits it)
+    one = dict(outputs=outs, queue=False, show_progress="hidden")
+    step_btn.click(handlers.step, settings, **one)
     run_btn.click(handlers.run, [count, *settings], **engine)
     end_btn.click(handlers.run_to_end, settings, **engine)
     stop_btn.click(handlers.stop, None, None, queue=False)
-    back_btn.click(handlers.back, settings, outs)
-    reset_btn.click(handlers.reset, None, outs)
-    act_btn.click(handlers.act, [action, *settings], **engine)
-    take_btn.click(handlers.take_text, [typed, *settings], **engine)
-    typed.submit(handlers.take_text, [typed, *settings], **engine)
+    back_btn.click(handlers.back, settings, **one)
+    reset_btn.click(handlers.reset, None, **one)
+    act_btn.click(handlers.act, [action, *settings], **one)
+    take_btn.click(handlers.take_text, [typed, *settings], **one)
+    typed.submit(handlers.take_text, [typed, *settings], **one)
     # the stages alone take milliseconds and no forward pass: sent straight, not queued behind
     # the engine's events (Gradio's queue adds a round trip of its own)
     quiet = dict(outputs=outs, show_progress="hidden", queue=False)
