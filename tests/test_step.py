@@ -4,6 +4,7 @@ the normal reply's text, a hand pick continues as a prompt ending in it would, n
 run no forward pass, and bad input is one specific line."""
 
 import re
+import threading
 
 import pytest
 import torch
@@ -411,4 +412,28 @@ def test_tab_bad_input_is_one_line_on_the_status(engine, presets):
     text, *_ = tab.step(*tab_settings(presets, mode=RAW, prompt="The capital of France is"))
     assert '<span class="ms-step-prompt">The capital of France is</span><span class="ms-chip"' \
         in text
+    tab.reset()
+
+
+def test_tab_run_to_the_end_stops_on_stop(engine, presets):
+    import time
+
+    from miniserve.ui.step_tab import StepHandlers
+    tab = StepHandlers(engine, presets)
+    settings = tab_settings(presets, preset="creative")
+    settings[7] = 4096  # max new tokens: it would run for minutes
+    outputs = []
+    runner = threading.Thread(target=lambda: outputs.extend(tab.run_to_end(*settings)))
+    runner.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (tab._get(None) is None or
+                                           len(tab._get(None).session.tokens) < 3):
+        time.sleep(0.01)
+    tab.stop()
+    runner.join(60)
+    assert not runner.is_alive()
+    *_, status = outputs[-1]
+    taken = len(tab._get(None).session.tokens)
+    assert status.startswith(f"{taken} tokens taken") and "stopped by you" in status
+    assert 3 <= taken < 4096
     tab.reset()
