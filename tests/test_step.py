@@ -314,7 +314,8 @@ def test_tab_steps_restages_picks_and_goes_back(engine, presets, monkeypatch):
     assert "shared the pass with" in costs and "<polyline" in costs
     held = tab._get(None)
     view = held.session.view()
-    bars = re.findall(r'data-stage="final" data-token="(\d+)" data-p="([0-9.]+)"', chart)
+    bars = re.findall(r'<g data-token="(\d+)">(?:(?!</g>).)*?data-stage="final" '
+                      r'data-p="([0-9.]+)"', chart)
     assert [(int(t), float(p)) for t, p in bars] == [
         (r.token_id, pytest.approx(r.probs[-1], abs=1e-6)) for r in view.rows
         if r.removed_by is None]

@@ -91,7 +91,9 @@ def chart_svg(view: StageView, width: int = 940) -> str:
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" class="ms-step-chart" width="100%" '
            f'style="max-width:{width}px" viewBox="0 0 {width} {height}" font-family="sans-serif" '
            f'font-size="11" data-position="{view.position}" data-drawn="{view.drawn}" '
-           f'data-temperature="{view.temperature:g}">']
+           f'data-temperature="{view.temperature:g}">'
+           # classes instead of repeated attributes: the chart is redrawn at every change
+           f'<style>.b{{fill:{COLORS["bar"]}}}.p{{font-size:10px;text-anchor:end}}</style>']
     for k, name in enumerate(view.stages):
         x = label_w + k * pw
         out.append(f'<text x="{x + 2:.1f}" y="14" font-weight="bold">{_esc(stage_title(name, view))}'
@@ -108,6 +110,7 @@ def chart_svg(view: StageView, width: int = 940) -> str:
     peaks = [max((r.probs[k] for r in rows), default=0) or 1.0 for k in range(n)]
     for i, row in enumerate(rows):
         y = head + i * row_h
+        out.append(f'<g data-token="{row.token_id}">')
         taken = view.taken if view.taken is not None else view.drawn
         if row.token_id == taken:
             fill = COLORS["picked"] if view.picked else COLORS["drawn"]
@@ -129,11 +132,9 @@ def chart_svg(view: StageView, width: int = 940) -> str:
                 gone = True
                 continue
             w = max(p / peaks[k] * bar_w, 0.5 if p > 0 else 0)
-            out.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="11" '
-                       f'fill="{COLORS["bar"]}" data-stage="{_esc(name)}" '
-                       f'data-token="{row.token_id}" data-p="{p:.6f}"/>'
-                       f'<text x="{x + bar_w:.1f}" y="{y + 10}" font-size="10" '
-                       f'text-anchor="end">{100 * p:.1f}%</text>')
+            out.append(f'<rect class="b" x="{x:.1f}" y="{y}" width="{w:.1f}" height="11" '
+                       f'data-stage="{_esc(name)}" data-p="{p:.6f}"/>'
+                       f'<text class="p" x="{x + bar_w:.1f}" y="{y + 10}">{100 * p:.1f}%</text>')
             if name == "top-p" and row.mass_above is not None:
                 out.append(f'<rect x="{x:.1f}" y="{y + 12}" width="{row.mass_above * bar_w:.1f}" '
                            f'height="2.5" fill="{COLORS["mass"]}"/>')
@@ -143,7 +144,7 @@ def chart_svg(view: StageView, width: int = 940) -> str:
         attrs = (f'class="ms-nopick" data-why="{_esc(why)}"' if why else
                  f'class="ms-pick" data-pick="{row.token_id}" style="cursor:pointer"')
         out.append(f'<rect {attrs} x="0" y="{y - 2}" width="{width}" height="{row_h}" '
-                   f'fill="transparent"><title>{_esc(tip)}</title></rect>')
+                   f'fill="transparent"><title>{_esc(tip)}</title></rect></g>')
     out.append("</svg>")
     return "".join(out)
 
