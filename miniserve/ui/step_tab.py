@@ -583,7 +583,7 @@ def build_step_tab(handlers: StepHandlers, default_preset: str, demo: gr.Blocks 
     for box in (sampling.seed, *output.inputs, bias, sampling.sliders[5]):
         box.change(handlers.restage, settings, **quiet)
     timer = gr.Timer(15)
-    timer.tick(handlers.poll, None, status, show_progress="hidden")
+    timer.tick(handlers.poll, None, status, show_progress="hidden", queue=False)
     if demo is not None:
         demo.load(None, None, None, js=ON_LOAD)
         demo.unload(handlers.closed)
