@@ -580,8 +580,11 @@ def build_step_tab(handlers: StepHandlers, default_preset: str, demo: gr.Blocks 
     # a preset moves the sliders (build_sampling), then the stages re-run on the new values
     sampling.preset.change(handlers.apply_preset, sampling.preset, sampling.sliders).then(
         handlers.restage, settings, **quiet)
-    for box in (sampling.seed, *output.inputs, bias, sampling.sliders[5]):
-        box.change(handlers.restage, settings, **quiet)
+    output.format.change(handlers.restage, settings, **quiet)
+    sampling.sliders[5].release(handlers.restage, settings, **quiet)  # max new tokens
+    for box in (sampling.seed, output.text, bias):  # typed: once done, not at each key
+        box.submit(handlers.restage, settings, **quiet)
+        box.blur(handlers.restage, settings, **quiet)
     timer = gr.Timer(15)
     timer.tick(handlers.poll, None, status, show_progress="hidden", queue=False)
     if demo is not None:
