@@ -459,7 +459,8 @@ class StepHandlers:
                 "reset: the session was released; Step starts again from the prompt")
 
     def closed(self, request: gr.Request | None = None) -> None:
-        """The browser tab closed: its session goes."""
+        """The browser tab closed: its run stops and its session goes."""
+        self.sessions.stop(request)
         self._drop(request, "released (the tab closed)")
 
     def poll(self, request: gr.Request | None = None):
