@@ -467,7 +467,7 @@ def test_drawing_the_app_loads_no_model(presets):
     assert model_header(models) == ("## MiniServeLM · SmolLM2-135M-Instruct (loads when first "
                                     "used)")
     pickers = [b for b in demo.blocks.values() if getattr(b, "label", None) == "Model"]
-    assert len(pickers) == 3 and all(p.visible and p.choices == [
+    assert len(pickers) == 4 and all(p.visible and p.choices == [  # Chat, Notebook, Step, Bench
         ("SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct"), (B, B)] for p in pickers)
 
 

@@ -1,4 +1,5 @@
-"""`python -m miniserve generate | chat | bench | serve | app` (also the `miniserve` command)."""
+"""`python -m miniserve generate | chat | step | bench | serve | app` (also the `miniserve`
+command)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from miniserve.cli.args import (
     params_from_args,
 )
 from miniserve.cli.repl import ChatSession
+from miniserve.cli.step import StepLoop
 from miniserve.core.config import (
     MAX_QUEUE,
     ConfigError,
@@ -43,6 +45,7 @@ from miniserve.core.config import (
 from miniserve.core.errors import UserError
 from miniserve.engine.chat import NoChatTemplate
 from miniserve.engine.inspector import Inspector
+from miniserve.engine.step import StepError, StepSession
 from miniserve.runners.native import summary
 from miniserve.serve.routes import serve
 
@@ -259,6 +262,41 @@ class VersionAction(argparse.Action):
         parser.exit(0, f"MiniServeLM {__version__}\n{summary()}\n")
 
 
+def cmd_step(args) -> int:
+    """One token at a time, the per-stage table after each (miniserve/cli/step.py)."""
+    try:
+        params, presets = params_from_args(args)
+    except ConfigError as e:
+        return fail(str(e))
+    if not 1 <= args.top <= 200:
+        return fail(f"--top must be from 1 to 200, got {args.top}")
+    engine, code = load_engine(args)
+    if engine is None:
+        return code
+    if check_format(engine, params):
+        return fail(check_format(engine, params))
+    prompt = args.prompt
+    if prompt is None:
+        sys.stdout.write("prompt> ")
+        sys.stdout.flush()
+        prompt = sys.stdin.readline().rstrip("\n")
+    if not prompt.strip():
+        return fail("the prompt is empty; give --prompt TEXT or type it first")
+    try:
+        if args.raw:
+            ids = engine.prompt_ids(prompt, params)
+        else:
+            ids = engine.chat_prompt([{"role": "user", "content": prompt}], params)
+        session = StepSession(engine, ids, params)
+    except (StepError, ValueError) as e:  # a remote model, no chat template, the KV budget
+        return fail(str(e))
+    try:
+        return StepLoop(session, presets, args.top, prompt if args.raw else "",
+                        sys.stdout).run(sys.stdin)
+    finally:
+        session.release()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="python -m miniserve",
                     description="MiniServeLM: a hand-written LLM decode loop you can see and tune.")
@@ -290,6 +328,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(c)
     add_history_args(c)
     c.set_defaults(func=cmd_chat)
+
+    st = sub.add_parser("step", help="decode one token at a time: the per-stage table of the "
+                                     "top candidates; Enter steps, N takes candidate N, b "
+                                     "goes back, /set as in chat, q quits")
+    st.add_argument("--prompt", default=None, help="the message (or, with --raw, the text to "
+                                                   "continue); asked for when not given")
+    st.add_argument("--raw", action="store_true",
+                    help="completion mode: continue the prompt as it is, no chat template")
+    st.add_argument("--top", type=int, default=10, help="candidates in the table (default 10)")
+    add_sampling_args(st)
+    add_model_args(st)
+    st.set_defaults(func=cmd_step)
 
     b = sub.add_parser("bench", help="no-cache vs KV-cache vs generate() over prompt lengths; "
                                      "or, with --concurrency, B streams at once")

@@ -143,6 +143,11 @@ class GrammarMatcher:
             raise GrammarError(f"token {token_id} does not fit the grammar: "
                                f"{self._m.get_error() or 'rejected'}")
 
+    def rollback(self, n: int) -> None:
+        """Take back the last `n` accepted tokens (the Step view's Back)."""
+        if n > 0 and not self._m.rollback(n):
+            raise GrammarError(f"cannot take back {n} tokens: {self._m.get_error()}")
+
     @property
     def done(self) -> bool:
         """The grammar is complete: nothing may follow (the reply ends here)."""

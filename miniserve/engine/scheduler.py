@@ -93,6 +93,11 @@ class Scheduler:
         # what happened so far, for tests and the curious: passes run, the most sequences and
         # rows one pass held, the most KV positions ever reserved
         self.passes = self.widest = self.tallest = self.peak_kv = 0
+        # the last pass: its seconds and how many sequences it held (a Step session's cost)
+        self.last_pass_s, self.last_width = 0.0, 0
+        # KV positions Step sessions (miniserve/step.py) hold between their passes, by session:
+        # counted against the budget like a running sequence's
+        self.kept: dict[object, int] = {}
 
     # -- bookkeeping --------------------------------------------------------------------
     @property
@@ -103,7 +108,7 @@ class Scheduler:
         """Positions of KV memory held: by running sequences (what they reserved, or the
         capacity of a larger cache they reused) and by the prefix cache's kept caches."""
         cached = self.prefix_cache.held_positions() if self.prefix_cache is not None else 0
-        return sum(s.held for s in self.running) + cached
+        return sum(s.held for s in self.running) + sum(self.kept.values()) + cached
 
     def check(self, seq: Sequence) -> None:
         """Refuse now a request that could never be admitted."""
@@ -132,9 +137,12 @@ class Scheduler:
             self.passes += 1
             self.widest = max(self.widest, len({id(s) for s, _ in rows}))
             self.tallest = max(self.tallest, sum(len(chunk) for _, chunk in rows))
+            self.last_width = len({id(s) for s, _ in rows})
+            started = time.perf_counter()
             try:
                 with torch.inference_mode():
                     logits = self._forward(rows)
+                self.last_pass_s = time.perf_counter() - started
             except Exception as e:  # noqa: BLE001 -- the pass's sequences end with the error
                 for seq in {id(s): s for s, _ in rows}.values():
                     self._retire(seq, error=e)
@@ -180,7 +188,7 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_batch:
             seq = self.waiting[0]
-            running = sum(s.held for s in self.running)
+            running = sum(s.held for s in self.running) + sum(self.kept.values())
             if running + seq.reserve > self.kv_budget:
                 return  # it waits, in order, until running sequences leave
             self.waiting.popleft()
@@ -191,7 +199,9 @@ class Scheduler:
 
     def _start(self, seq: Sequence, running: int) -> None:
         cache, reused, logits = None, 0, None
-        if seq.reuse_prefix and self.prefix_cache is not None:
+        if seq.cache is not None:  # a held cache (a Step session's) with the first positions
+            cache, reused = seq.cache, seq.cache.get_seq_length()
+        elif seq.reuse_prefix and self.prefix_cache is not None:
             cache, reused, logits = self.prefix_cache.take(seq.prompt)
         capacity = cache.capacity if cache is not None else 0
         seq.held = max(seq.reserve, capacity)

@@ -1,4 +1,4 @@
-"""The Gradio web app: Chat, Notebook, Compare and Benchmark tabs. No generation logic lives
+"""The Gradio web app: Chat, Notebook, Compare, Step and Benchmark tabs. No generation logic lives
 here: widget values become `SamplingParams`, and what the engines yield is rendered.
 
 Each tab has a module: a class holding its handlers (plain methods, the streaming ones
@@ -20,6 +20,8 @@ from miniserve.ui.common import Sessions
 from miniserve.ui.compare_tab import CompareHandlers, build_compare_tab
 from miniserve.ui.model_picker import ModelHeader, app_header, header, model_header
 from miniserve.ui.notebook_tab import NotebookHandlers, build_notebook_tab
+from miniserve.ui.step_tab import CSS as STEP_CSS
+from miniserve.ui.step_tab import StepHandlers, build_step_tab
 from miniserve.ui.widgets import install_keys
 
 __all__ = ["CSS", "BenchmarkHandlers", "ChatHandlers", "CompareHandlers", "NotebookHandlers",
@@ -31,7 +33,7 @@ CSS = """
 #status, .ms-status {font-size: 0.9em; opacity: 0.85}
 .ms-inspector .ms-tok:hover {outline: 1px solid #333}
 #notebook-text textarea {font-family: var(--font-mono); font-size: 0.92em; line-height: 1.5}
-"""
+""" + STEP_CSS
 
 
 def engine_queue(models: Models) -> int:
@@ -55,6 +57,7 @@ def build_ui(models: Models | Engine, presets: dict[str, SamplingParams],
                                   default_preset, top)
         build_notebook_tab(NotebookHandlers(models, presets, sessions), default_preset, top)
         build_compare_tab(CompareHandlers(models, presets, sessions), top)
+        build_step_tab(StepHandlers(models, presets, sessions), default_preset, demo)
         build_benchmark_tab(BenchmarkHandlers(models, presets), top)
         chat_tab.on_load(demo)
         install_keys(demo)  # Enter sends in Chat, Ctrl+Enter generates in the Notebook

@@ -29,7 +29,13 @@ from miniserve.ui.common import (
     user_message,
 )
 from miniserve.ui.conversation import SHOWN, Conversations, Shown, new_view, owner_of, strip_marks
-from miniserve.ui.model_picker import ModelHeader, build_model_picker, follow_picker, load_messages, using
+from miniserve.ui.model_picker import (
+    ModelHeader,
+    build_model_picker,
+    follow_picker,
+    load_messages,
+    using,
+)
 from miniserve.ui.render import inspector_html
 from miniserve.ui.sidebar import SidebarHandlers, build_sidebar, wire_sidebar
 from miniserve.ui.widgets import (

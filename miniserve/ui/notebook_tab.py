@@ -21,7 +21,13 @@ from miniserve.engine.engine import Engine
 from miniserve.engine.inspector import Inspector
 from miniserve.models.registry import Models
 from miniserve.ui.common import ENGINE_EVENTS, USER_ERRORS, Reading, Sessions, error, user_message
-from miniserve.ui.model_picker import ModelHeader, build_model_picker, follow_picker, load_messages, using
+from miniserve.ui.model_picker import (
+    ModelHeader,
+    build_model_picker,
+    follow_picker,
+    load_messages,
+    using,
+)
 from miniserve.ui.render import inspector_html
 from miniserve.ui.widgets import (
     CTRL_ENTER,

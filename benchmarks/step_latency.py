@@ -1,0 +1,159 @@
+"""The Step view's latencies, measured by hand (not a timed test): run it alone on an idle
+machine.
+
+    python benchmarks/step_latency.py                         # the embedded model, in Chromium
+    python benchmarks/step_latency.py --model gemma-3-270m --no-browser   # server side only
+
+Server side (the engine, no browser): one Step (StepSession.step: a pass through the
+scheduler, the draw, the bookkeeping) against one streamed decode step of a normal reply (the
+gaps between its chunks), and re-running the stages for new settings (update + view: what a
+slider's release costs the server; no forward pass). In Chromium (the app in this process, the
+Step tab): slider released -> chart redrawn, and a click on Step -> chart redrawn, each timed in
+the page from the pointer's release to the chart drawn with the new value. Medians over
+--repeat."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from miniserve.core.config import load_presets  # noqa: E402
+from miniserve.engine.engine import start_engine  # noqa: E402
+from miniserve.engine.step import StepSession  # noqa: E402
+
+PROMPT = "Write a short story about a lighthouse keeper."
+
+
+def ms(values) -> str:
+    return f"{statistics.median(values) * 1000:.1f} ms (min {min(values) * 1000:.1f}, n={len(values)})"
+
+
+def server_side(engine, repeat: int) -> dict:
+    params = load_presets()["balanced"].replace(seed=1, max_new_tokens=4 * repeat + 8)
+    messages = [{"role": "user", "content": PROMPT}]
+    ids = (engine.chat_prompt(messages, params) if engine.has_chat_template else
+           engine.prompt_ids(PROMPT, params))  # a base model (Gemma 3 270M): completion mode
+    s = StepSession(engine, ids, params)
+    s.step()  # the prompt
+    steps = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        s.step()
+        steps.append(time.perf_counter() - started)
+    restage = []
+    for t in [0.3 + 0.1 * (i % 12) for i in range(repeat)]:
+        started = time.perf_counter()
+        s.update(params.replace(temperature=round(t, 2)))
+        s.view()
+        restage.append(time.perf_counter() - started)
+    s.release()
+    gaps, last = [], None
+    for chunk in engine.complete(ids, params.replace(max_new_tokens=repeat + 2)):
+        now = time.perf_counter()
+        if last is not None and chunk.token_ids and not chunk.done:
+            gaps.append((now - last) / len(chunk.token_ids))
+        last = now
+    return {"step": steps, "decode": gaps, "restage": restage}
+
+
+DRAWN = """([name, value]) => {
+  const svg = document.querySelector('#step-chart svg.ms-step-chart');
+  return !!svg && svg.dataset[name] === value;
+}"""
+
+
+def in_browser(engine, repeat: int) -> dict:
+    import gradio as gr
+    import uvicorn
+    from fastapi import FastAPI
+    from playwright.sync_api import sync_playwright
+
+    from miniserve.ui import CSS, build_ui
+
+    from conftest import CHROMIUM
+    from servers import free_port
+    demo = build_ui(engine, load_presets())
+    app = gr.mount_gradio_app(FastAPI(), demo, path="/", css=CSS, footer_links=[])
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(),
+                                           log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    while not server.started:
+        time.sleep(0.05)
+    out = {"release": [], "click": []}
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM,
+                                    args=["--no-sandbox", "--disable-gpu"])
+        page = browser.new_page(viewport={"width": 1500, "height": 1200})
+        page.goto(f"http://127.0.0.1:{server.config.port}")
+        page.get_by_role("tab", name="Step").click()
+        tab = page.locator("#step-tab")
+        tab.get_by_label("Prompt").fill(PROMPT)
+        step = tab.get_by_role("button", name="Step", exact=True)
+        status = tab.locator("#step-status")
+        step.click()
+        status.filter(has_text="1 token taken").wait_for(timeout=60_000)
+
+        def timed(release, name: str, value) -> float:
+            """Seconds from `release()` (the pointer's release: a slider let go, a click) to
+            the chart drawn with `value` as its data-`name`, the page polled at each animation
+            frame (Playwright's own round trips included: a few milliseconds)."""
+            started = time.perf_counter()
+            release()
+            want = value() if callable(value) else value
+            page.wait_for_function(f"({DRAWN})([{name!r}, {want!r}])", timeout=60_000,
+                                   polling="raf")
+            return time.perf_counter() - started
+
+        slider = tab.locator("input[type=range]").first
+        number = tab.get_by_role("spinbutton", name="number input for Temperature")
+        box = slider.bounding_box()
+        y = box["y"] + box["height"] / 2
+        for i in range(repeat):
+            x = box["x"] + box["width"] * (0.2 + 0.05 * (i % 12))
+
+            page.mouse.move(x - 8, y)
+            page.mouse.down()
+            page.mouse.move(x, y, steps=2)
+            out["release"].append(timed(page.mouse.up, "temperature",
+                                        lambda: f"{float(number.input_value()):g}"))
+        chart = tab.locator("#step-chart svg.ms-step-chart")
+        for i in range(repeat):
+            position = int(chart.get_attribute("data-position"))
+            out["click"].append(timed(step.click, "position", str(position + 1)))
+        browser.close()
+    server.should_exit = True
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--repeat", type=int, default=15)
+    ap.add_argument("--no-browser", action="store_true")
+    args = ap.parse_args()
+    engine = start_engine(args.model, progress=lambda m: None)
+    engine.warm_up()
+    print(f"model {engine.name}, vocabulary {engine.runner.config.vocab_size}, "
+          f"{engine.runner_name} runner")
+    r = server_side(engine, args.repeat)
+    print(f"one Step, server side:         {ms(r['step'])}")
+    print(f"one streamed decode step:      {ms(r['decode'])}  -> Step / decode = "
+          f"{statistics.median(r['step']) / statistics.median(r['decode']):.2f}x")
+    print(f"stages re-run (update + view): {ms(r['restage'])}")
+    if not args.no_browser:
+        b = in_browser(engine, args.repeat)
+        print(f"slider released -> chart redrawn (Chromium): {ms(b['release'])}")
+        print(f"Step clicked -> chart redrawn (Chromium):    {ms(b['click'])}")
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,600 @@
+"""The Step tab: decode one token at a time and see the distribution through every sampling
+stage (miniserve/engine/step.py holds the session on the engine). Step, Run N, Run to the end
+(stoppable), Back, Reset; a click on a candidate bar takes it instead of the draw, a click on an
+earlier token goes back to just before it; sliders, preset, logit bias and output format re-run
+only the stages on the kept logits.
+
+The chart is a small inline SVG made here rather than one of Gradio's plots: it is one string
+of a few kilobytes that the browser draws at once (a redraw after a slider is released is the
+server's few milliseconds plus a DOM swap, where a Vega or Plotly plot would load and lay out a
+charting library each time), and it can draw what a bar chart component cannot: one panel per
+stage side by side, the stage that removed each token, the cumulative mass against the top-p
+cut, and rows that are buttons.
+
+`StepHandlers` holds what the buttons call (plain methods, Run's a generator), callable without
+a browser; each browser tab's session is kept by its Gradio session id and released on Reset,
+when the tab closes (`demo.unload`), or after step.IDLE_S without use."""
+
+from __future__ import annotations
+
+import html
+import threading
+import time
+
+import gradio as gr
+
+from miniserve.core.config import ConfigError, check_logit_bias
+from miniserve.engine.step import IDLE_S, TOP, StageView, StepError, StepSession, remote_note
+from miniserve.models.registry import Models
+from miniserve.ui.common import (
+    ENGINE_EVENTS,
+    USER_ERRORS,
+    Sessions,
+    error,
+    session_of,
+    user_message,
+)
+from miniserve.ui.model_picker import build_model_picker
+from miniserve.ui.widgets import build_output_format, build_sampling, params_from, preset_values
+
+CHAT, RAW = "Chat (template)", "Completion (no template)"
+STEP = "step"                # the kind of run (common.Sessions) Stop ends
+RESTAGE_EVERY_S = 0.1        # while a slider is dragged, the stages re-run at most this often
+RUN_PAINT_S = 0.25           # Run repaints at most this often
+REAP_EVERY_S = 30.0
+COLORS = {"bar": "#8fb3ee", "line": "#2f5fb3", "cut": "#c0392b", "drawn": "#fff1a8", "picked": "#d5ecff",
+          "mass": "#9aa5b1"}
+
+
+# -- logit bias as typed ----------------------------------------------------------------------
+def logit_bias_from_text(text) -> tuple:
+    """"13:-100, 42:2.5" as checked (id, bias) pairs; ConfigError saying how to write it."""
+    text = str(text or "").strip()
+    if not text:
+        return ()
+    pairs = []
+    for part in text.replace("\n", ",").split(","):
+        if not part.strip():
+            continue
+        key, sep, value = part.partition(":")
+        try:
+            pairs.append((int(key), float(value)))
+        except ValueError:
+            raise ConfigError(f"Logit bias: write token ID:BIAS pairs separated by commas, like "
+                              f"13:-100, 42:2.5 (got {part.strip()!r})", "logit_bias") from None
+    return check_logit_bias(pairs, "logit bias")
+
+
+# -- the chart ---------------------------------------------------------------------------------
+def _esc(text: str) -> str:
+    return html.escape(text, quote=True)
+
+
+def token_label(text: str, width: int = 14) -> str:
+    """A token's text as a label: spaces and line breaks made visible, long ones cut."""
+    shown = text.replace("\n", "↵").replace("\t", "⇥").replace(" ", "␣")
+    return shown if len(shown) <= width else shown[:width - 1] + "…"
+
+
+def stage_title(name: str, view: StageView) -> str:
+    if name == "top-p" and view.top_p is not None:
+        return f"top-p {view.top_p:g}"
+    return {"final": "greedy: argmax" if view.greedy else "final (draw)",
+            "repetition penalty": "rep. penalty"}.get(name, name)
+
+
+def chart_svg(view: StageView, width: int = 940) -> str:
+    """The distribution at one position as bars, one panel per stage, one row per candidate.
+    Each bar is its token's probability after that stage (scaled to the panel's largest, the
+    number beside it exact); ✕ marks the stage that removed a token; in the top-p panel a grey
+    line under each row is the mass ranked above it, against the dashed cut at p. The drawn
+    row is yellow, a hand-picked one blue; a row is a button that takes its token."""
+    label_w, row_h, head = 140, 18, 34
+    n = len(view.stages)
+    pw = (width - label_w) / n
+    bar_w = pw - 8  # the percentage is written over the bar's right end
+    rows = view.rows
+    height = head + row_h * len(rows) + 6
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" class="ms-step-chart" width="100%" '
+           f'style="max-width:{width}px" viewBox="0 0 {width} {height}" font-family="sans-serif" '
+           f'font-size="11" data-position="{view.position}" data-drawn="{view.drawn}" '
+           f'data-temperature="{view.temperature:g}">'
+           # classes instead of repeated attributes: the chart is redrawn at every change
+           f'<style>.b{{fill:{COLORS["bar"]}}}.p{{font-size:10px;text-anchor:end}}</style>']
+    for k, name in enumerate(view.stages):
+        x = label_w + k * pw
+        out.append(f'<text x="{x + 2:.1f}" y="14" font-weight="bold">{_esc(stage_title(name, view))}'
+                   f'</text>')
+        if name == "top-p" and view.top_p is not None:
+            cx = x + 2 + view.top_p * bar_w
+            out.append(f'<line x1="{cx:.1f}" x2="{cx:.1f}" y1="{head - 6}" y2="{height - 4}" '
+                       f'stroke="{COLORS["cut"]}" stroke-dasharray="3,2"/>'
+                       f'<text x="{x + 2:.1f}" y="27" font-size="9" fill="#555">grey: mass above'
+                       f'</text>')
+        if k:
+            out.append(f'<line x1="{x - 2:.1f}" x2="{x - 2:.1f}" y1="4" y2="{height - 4}" '
+                       'stroke="#ddd"/>')
+    peaks = [max((r.probs[k] for r in rows), default=0) or 1.0 for k in range(n)]
+    for i, row in enumerate(rows):
+        y = head + i * row_h
+        out.append(f'<g data-token="{row.token_id}">')
+        taken = view.taken if view.taken is not None else view.drawn
+        if row.token_id == taken:
+            fill = COLORS["picked"] if view.picked else COLORS["drawn"]
+            out.append(f'<rect x="0" y="{y - 2}" width="{width}" height="{row_h}" fill="{fill}"/>')
+        mark = "✋" if view.picked and row.token_id == view.taken else (
+            "▶" if row.token_id == taken else "")
+        out.append(f'<text x="2" y="{y + 11}" fill="#666">{i + 1}</text>'
+                   f'<text x="22" y="{y + 11}" font-family="monospace">{_esc(mark)}'
+                   f'{_esc(token_label(row.text))}</text>')
+        gone = False
+        for k, name in enumerate(view.stages):
+            x = label_w + k * pw + 2
+            p = row.probs[k]
+            if gone:
+                continue
+            if name == row.removed_by:
+                out.append(f'<text x="{x:.1f}" y="{y + 11}" fill="{COLORS["cut"]}" '
+                           f'data-removed="{_esc(name)}">✕ cut</text>')
+                gone = True
+                continue
+            w = max(p / peaks[k] * bar_w, 0.5 if p > 0 else 0)
+            out.append(f'<rect class="b" x="{x:.1f}" y="{y}" width="{w:.1f}" height="11" '
+                       f'data-stage="{_esc(name)}" data-p="{p:.6f}"/>'
+                       f'<text class="p" x="{x + bar_w:.1f}" y="{y + 10}">{100 * p:.1f}%</text>')
+            if name == "top-p" and row.mass_above is not None:
+                out.append(f'<rect x="{x:.1f}" y="{y + 12}" width="{row.mass_above * bar_w:.1f}" '
+                           f'height="2.5" fill="{COLORS["mass"]}"/>')
+        why = row.why_not
+        tip = (f"cannot be taken: {why}" if why else
+               f"take {row.text!r} (id {row.token_id}) instead of the draw")
+        attrs = (f'class="ms-nopick" data-why="{_esc(why)}"' if why else
+                 f'class="ms-pick" data-pick="{row.token_id}" style="cursor:pointer"')
+        out.append(f'<rect {attrs} x="0" y="{y - 2}" width="{width}" height="{row_h}" '
+                   f'fill="transparent"><title>{_esc(tip)}</title></rect></g>')
+    out.append("</svg>")
+    return "".join(out)
+
+
+def summary_line(view: StageView) -> str:
+    """Beside the chart: entropy, the drawn token's rank and probability, the mass outside."""
+    if view.drawn is None:
+        return view.note
+    drawn = next((r.text for r in view.rows if r.token_id == view.drawn), "")
+    parts = [f"entropy {view.entropy_raw:.2f} bits raw → {view.entropy_final:.2f} after the "
+             f"stages",
+             f"{'greedy takes' if view.greedy else 'the draw takes'} {drawn!r} (rank "
+             f"{view.rank}, p {view.drawn_raw:.1%} raw → {view.drawn_final:.1%})",
+             f"outside the {len(view.rows)} shown: {view.outside_raw:.1%} raw, "
+             f"{view.outside_final:.1%} after"]
+    if view.taken is not None and view.picked:
+        taken = next((r.text for r in view.rows if r.token_id == view.taken), "")
+        parts.append(f"taken by hand: {taken!r}")
+    return " · ".join(parts)
+
+
+def chart_html(session: StepSession | None, top: int = TOP) -> str:
+    if session is None or not session.positions:
+        return '<div class="ms-step-empty">Step reads the prompt and shows the distribution ' \
+               'of the next token through every sampling stage.</div>'
+    view = session.view(top)
+    title = (f"token {view.position + 1}: the distribution through every stage "
+             "(click a row to take that token)")
+    return (f'<div class="ms-step-view"><div><b>{_esc(title)}</b></div>'
+            f'<div class="ms-step-summary">{_esc(summary_line(view))}</div>'
+            f'{chart_svg(view)}</div>')
+
+
+def text_html(session: StepSession | None, prompt_shown: str = "") -> str:
+    """The text so far: the prompt, then each generated token a chip (a click goes back to just
+    before it); hand-picked tokens outlined."""
+    if session is None:
+        return '<div class="ms-step-text"></div>'
+    chips = []
+    for i, token in enumerate(session.tokens):
+        pos = session.positions[i]
+        tip = (f"token {i + 1}: id {token}, p {pos.prob:.1%}"
+               + (" · taken by hand" if pos.picked else "")
+               + " · click: go back to just before it")
+        cls = "ms-chip ms-picked" if pos.picked else "ms-chip"
+        chips.append(f'<span class="{cls}" data-back="{i}" title="{_esc(tip)}">'
+                     f'{_esc(session.text_of(token).replace(chr(10), "↵" + chr(10)))}</span>')
+    return (f'<div class="ms-step-text"><span class="ms-step-prompt">{_esc(prompt_shown)}</span>'
+            + "".join(chips) + "</div>")
+
+
+def _spark(values: list[float], label: str, fmt: str, x0: float, w: float, h: float) -> str:
+    """One small line plot of `values` over the tokens, with its range written."""
+    if not values:
+        return ""
+    lo, hi = min(values), max(values)
+    span = (hi - lo) or 1.0
+    step = w / max(len(values) - 1, 1)
+    pts = " ".join(f"{x0 + i * step:.1f},{18 + (h - 24) * (1 - (v - lo) / span):.1f}"
+                   for i, v in enumerate(values))
+    return (f'<text x="{x0}" y="11" font-weight="bold">{_esc(label)}</text>'
+            f'<text x="{x0 + w}" y="11" text-anchor="end" fill="#666">{format(lo, fmt)} – '
+            f'{format(hi, fmt)}</text>'
+            f'<rect x="{x0}" y="16" width="{w}" height="{h - 20}" fill="none" stroke="#ddd"/>'
+            f'<polyline points="{pts}" fill="none" stroke="{COLORS["line"]}" stroke-width="1.5"/>')
+
+
+def costs_html(session: StepSession | None) -> str:
+    """What the last pass cost, and a small plot over the tokens so far: step time, entropy
+    and the taken token's probability."""
+    if session is None or not session.positions:
+        return ""
+    c = session.positions[-1].cost
+    line = (f"last pass: forward {c.forward_s * 1000:.1f} ms (asked → logits "
+            f"{c.wall_s * 1000:.1f} ms) · fed {c.new_rows} position{'s' * (c.new_rows != 1)} · "
+            f"KV {c.kv_positions} positions, {c.kv_bytes / 1e6:.2f} MB · {c.reused} reused "
+            f"from the prefix cache · shared the pass with {c.shared} other "
+            f"sequence{'s' * (c.shared != 1)}")
+    taken = session.positions[:len(session.tokens)]
+    times = [p.cost.forward_s * 1000 for p in session.positions[1:]]  # after the prompt's
+    svg = ('<svg xmlns="http://www.w3.org/2000/svg" class="ms-step-costs" width="100%" '
+           'style="max-width:940px" viewBox="0 0 940 90" font-family="sans-serif" '
+           'font-size="11">'
+           + _spark(times, "step forward (ms)", ".1f", 4, 290, 90)
+           + _spark([p.entropy for p in taken], "entropy (bits)", ".2f", 322, 290, 90)
+           + _spark([p.prob for p in taken], "taken token's p", ".2f", 640, 290, 90)
+           + "</svg>")
+    return f'<div class="ms-step-cost">{_esc(line)}</div>{svg}'
+
+
+def _quiet(_) -> None:
+    """An action that adds nothing to the status line."""
+    return None
+
+
+# -- the handlers -------------------------------------------------------------------------------
+class _Held:
+    """One browser tab's session, what it was started from, and a release not yet said."""
+
+    def __init__(self, session: StepSession, key: tuple, shown: str):
+        self.session, self.key, self.shown = session, key, shown
+        self.restaged = 0.0   # when the stages last re-ran while a slider moved
+        self.said = False     # the idle release was shown on the status line
+
+
+class StepHandlers:
+    """The Step tab's handlers. The settings arrive as: mode, prompt, the sliders in FIELDS
+    order, seed, logit bias text, output format, its text, candidates shown, model. Each
+    returns (text HTML, chart HTML, costs HTML, status)."""
+
+    def __init__(self, models, presets, sessions: Sessions | None = None,
+                 idle_s: float = IDLE_S):
+        self.models = Models.of(models)
+        self.presets = presets
+        self.sessions = sessions or Sessions()
+        self.idle_s = idle_s
+        self._held: dict[str, _Held] = {}
+        self._lock = threading.Lock()
+        self._reaper: threading.Thread | None = None
+
+    def apply_preset(self, name) -> list:
+        return preset_values(self.presets, name)
+
+    # -- sessions ------------------------------------------------------------------------------
+    def _get(self, request) -> _Held | None:
+        with self._lock:
+            return self._held.get(session_of(request))
+
+    def _drop(self, request, why: str = "released (Reset)") -> None:
+        with self._lock:
+            held = self._held.pop(session_of(request), None)
+        if held is not None:
+            held.session.release(why)
+
+    def reap(self) -> None:
+        """Release the sessions idle past their timeout (a tab that went away without closing,
+        or left open); the tab's status line says so at its next poll."""
+        with self._lock:
+            idle = [h.session for h in self._held.values() if h.session.idle()]
+        for session in idle:
+            session.release(f"this step session was released after {self.idle_s / 60:g} "
+                            "minutes without use (its KV cache went back to the budget): "
+                            "Step starts again, Reset clears it")
+
+    def _reap(self) -> None:
+        while True:
+            time.sleep(min(REAP_EVERY_S, max(self.idle_s, 1.0)))
+            self.reap()
+
+    def _start_reaper(self) -> None:
+        if self._reaper is None:
+            self._reaper = threading.Thread(target=self._reap, name="step-reaper", daemon=True)
+            self._reaper.start()
+
+    def _params(self, settings):
+        mode, prompt, *rest = settings
+        sliders, (seed, bias, fmt, fmt_text, top, model) = rest[:6], rest[6:]
+        params = params_from(sliders, seed, fmt, fmt_text).replace(
+            logit_bias=logit_bias_from_text(bias))
+        return mode, prompt, params, int(top or TOP), model
+
+    def _session(self, settings, request, start: bool) -> tuple[_Held | None, object]:
+        """The tab's session under these settings (updated: the stages re-run, no pass), or a
+        new one when the model, the mode or the prompt changed and `start` is set."""
+        mode, prompt, params, top, model = self._params(settings)
+        name = self.models.resolve(model)
+        key = (name, mode, prompt)
+        held = self._get(request)
+        if held is not None and (held.key == key or not start):
+            if held.session.released and start:
+                self._drop(request, held.session.released)
+                held = None
+            else:
+                held.session.update(params)
+                return held, top
+        if not start:
+            return None, top
+        engine = self.models.get(name)
+        if not engine.capabilities.local_tokens:
+            raise StepError(remote_note(name))
+        if not (prompt or "").strip():
+            raise StepError("write a prompt first: Step continues it one token at a time")
+        if mode == RAW:
+            ids = engine.prompt_ids(prompt, params)
+        else:
+            ids = engine.chat_prompt([{"role": "user", "content": prompt}], params)
+        self._drop(request, "released (a new prompt)")
+        session = StepSession(engine, ids, params, idle_s=self.idle_s)
+        shown = prompt if mode == RAW else ""
+        held = _Held(session, key, shown)
+        with self._lock:
+            self._held[session_of(request)] = held
+        self._start_reaper()
+        return held, top
+
+    def _show(self, held: _Held | None, top: int, status: str):
+        s = held.session if held is not None else None
+        return text_html(s, held.shown if held else ""), chart_html(s, top), costs_html(s), status
+
+    def _status(self, held: _Held, note: str = "") -> str:
+        s = held.session
+        parts = [f"{len(s.tokens)} token{'s' * (len(s.tokens) != 1)} taken",
+                 f"seed {s.params.seed}",
+                 f"prompt {s.prompt_len} tokens" + (" (chat template)" if not held.shown
+                                                    else "")]
+        if s.finish:
+            parts.append(s.finished_note())
+        if note:
+            parts.append(note)
+        return " · ".join(parts)
+
+    def _fail(self, e: Exception, held=None, top: int = TOP):
+        message = (str(e) if isinstance(e, StepError) else user_message(e)
+                   if isinstance(e, USER_ERRORS) else f"{type(e).__name__}: {e}")
+        if held is None:
+            return gr.update(), gr.update(), gr.update(), error(message)
+        *views, _ = self._show(held, top, "")
+        return (*views, error(message))
+
+    def _act(self, settings, request, action, start: bool = False):
+        held, top = None, TOP
+        try:
+            held, top = self._session(settings, request, start)
+            if held is None:
+                raise StepError("press Step first: there is no text to act on yet")
+            note = action(held.session, top) or ""
+            return self._show(held, top, self._status(held, note))
+        except (StepError, *USER_ERRORS) as e:
+            return self._fail(e, held, top)
+        except Exception as e:  # noqa: BLE001 -- one line, never a traceback on the page
+            return self._fail(e, held, top)
+
+    # -- what the buttons call -------------------------------------------------------------------
+    def step(self, *settings, request: gr.Request | None = None):
+        """One token: the draw (the first Step reads the prompt first)."""
+        return self._act(settings, request, lambda s, top: _quiet(s.step()), start=True)
+
+    def back(self, *settings, request: gr.Request | None = None):
+        return self._act(settings, request, lambda s, top: s.back() or "one token back")
+
+    def restage(self, *settings, request: gr.Request | None = None):
+        """New settings: the stages re-run on the kept logits, no forward pass."""
+        held = self._get(request)
+        if held is None or not held.session.positions or held.session.released:
+            return gr.update(), gr.update(), gr.update(), gr.update()
+        return self._act(settings, request, lambda s, top: None)
+
+    def restage_live(self, *settings, request: gr.Request | None = None):
+        """While a slider is dragged: at most every RESTAGE_EVERY_S (its release redraws the
+        last value in any case)."""
+        held = self._get(request)
+        now = time.monotonic()
+        if held is None or now - held.restaged < RESTAGE_EVERY_S:
+            return gr.update(), gr.update(), gr.update(), gr.update()
+        held.restaged = now
+        return self.restage(*settings, request=request)
+
+    def act(self, action, *settings, request: gr.Request | None = None):
+        """A click in the page: "pick:ID" (a candidate row), "back:I" (a token chip)."""
+        kind, _, value = str(action or "").partition(":")
+        value = value.split("@")[0]  # "@<time>": the same click twice is still a change
+        if kind == "pick" and value.isdigit():
+            return self._act(settings, request, lambda s, top: _quiet(s.step(int(value))))
+        if kind == "back" and value.isdigit():
+            return self._act(settings, request, lambda s, top: s.back_to(int(value)) or
+                             f"back to just before token {int(value) + 1}")
+        return gr.update(), gr.update(), gr.update(), gr.update()
+
+    def take_text(self, text, *settings, request: gr.Request | None = None):
+        """Take the token a typed text is (one token, or an error listing its pieces)."""
+        return self._act(settings, request,
+                         lambda s, top: _quiet(s.step(s.token_for_text(text or ""))))
+
+    def run(self, count, *settings, request: gr.Request | None = None):
+        """Run N steps, repainting as it goes; Stop ends it."""
+        if not isinstance(count, (int, float)) or not float(count).is_integer() or not \
+                1 <= count <= 4096:
+            yield self._fail(StepError(f"Run N takes a whole number of tokens from 1 to 4096, "
+                                       f"got {count!r}"))
+            return
+        yield from self._run(int(count), settings, request)
+
+    def run_to_end(self, *settings, request: gr.Request | None = None):
+        """Step until the end token, the output format complete or Max new tokens."""
+        yield from self._run(None, settings, request)
+
+    def _run(self, count, settings, request):
+        with self.sessions.running(request, STEP) as cancel:
+            held, top = None, TOP
+            try:
+                held, top = self._session(settings, request, True)
+                s = held.session
+                if s.finish:
+                    raise StepError(s.finished_note())
+                painted = time.perf_counter()
+                for done in s.run(count, cancel):
+                    if time.perf_counter() - painted >= RUN_PAINT_S:
+                        painted = time.perf_counter()
+                        yield self._show(held, top, self._status(held, f"running… {done}"))
+                note = "stopped by you" if cancel.is_set() else ""
+                yield self._show(held, top, self._status(held, note))
+            except Exception as e:  # noqa: BLE001 -- StepError, a user error or other: one line
+                yield self._fail(e, held, top)
+
+    def stop(self, request: gr.Request | None = None) -> None:
+        self.sessions.stop(request)
+
+    def reset(self, request: gr.Request | None = None):
+        self.sessions.stop(request)
+        self._drop(request)
+        return (text_html(None), chart_html(None), "",
+                "reset: the session was released; Step starts again from the prompt")
+
+    def closed(self, request: gr.Request | None = None) -> None:
+        """The browser tab closed: its run stops and its session goes."""
+        self.sessions.stop(request)
+        self._drop(request, "released (the tab closed)")
+
+    def poll(self, request: gr.Request | None = None):
+        """Now and then: say so when the idle timeout released this tab's session."""
+        held = self._get(request)
+        if held is None or not held.session.released or held.said:
+            return gr.update()
+        held.said = True
+        return error(held.session.released)
+
+
+# -- the page -----------------------------------------------------------------------------------
+# A click on a candidate row or a token chip is written to a hidden box (with the time, so the
+# same click twice is a change) and a hidden button sends it; Ctrl+Enter in the tab steps.
+ON_LOAD = """
+() => {
+  if (window.msStepWired) return;
+  window.msStepWired = true;
+  const send = (value) => {
+    const box = document.querySelector('#step-action textarea, #step-action input');
+    if (!box) return;
+    box.value = value + '@' + Date.now();
+    box.dispatchEvent(new Event('input', {bubbles: true}));
+    setTimeout(() => document.querySelector('#step-act').click(), 0);
+  };
+  document.addEventListener('click', (e) => {
+    const pick = e.target.closest('#step-chart [data-pick]');
+    if (pick) { send('pick:' + pick.getAttribute('data-pick')); return; }
+    const chip = e.target.closest('#step-text [data-back]');
+    if (chip) send('back:' + chip.getAttribute('data-back'));
+  });
+  document.addEventListener('keydown', (e) => {
+    if (e.key === 'Enter' && (e.ctrlKey || e.metaKey) && e.target.closest('#step-tab')) {
+      e.preventDefault();
+      document.querySelector('#step-step').click();
+    }
+  });
+}
+"""
+CSS = """
+#step-action, #step-act {display: none !important}
+#step-text .ms-step-text {font-family: var(--font-mono); white-space: pre-wrap; line-height: 1.9}
+#step-text .ms-step-prompt {color: #666}
+#step-text .ms-chip {background: rgba(74,123,208,0.12); border-radius: 3px; cursor: pointer;
+                     padding: 1px 0; margin-right: 1px}
+#step-text .ms-chip:hover {outline: 1px solid #333}
+#step-text .ms-picked {outline: 2px dashed #2a7ab8}
+#step-chart .ms-pick:hover {fill: rgba(0,0,0,0.06)}
+.ms-step-summary, .ms-step-cost {font-size: 0.9em; opacity: 0.85; margin: 2px 0}
+"""
+
+
+def build_step_tab(handlers: StepHandlers, default_preset: str, demo: gr.Blocks | None = None):
+    """The Step tab and its events; call inside the app's `gr.Blocks` (`demo`: to release a
+    tab's session when it closes, and to wire the page's clicks at load)."""
+    with gr.Tab("Step", elem_id="step-tab"):
+        with gr.Row():
+            with gr.Column(scale=4):
+                with gr.Row():
+                    mode = gr.Radio([CHAT, RAW], value=CHAT, label="Mode", scale=1)
+                    prompt = gr.Textbox(label="Prompt", lines=2, scale=3,
+                                        value="Write one sentence about a cat.",
+                                        info="chat: your message, with the chat template; "
+                                             "completion: the text to continue")
+                with gr.Row():
+                    step_btn = gr.Button("Step", variant="primary", elem_id="step-step")
+                    count = gr.Number(value=10, precision=0, label="N", min_width=90, scale=0)
+                    run_btn = gr.Button("Run N")
+                    end_btn = gr.Button("Run to the end")
+                    stop_btn = gr.Button("Stop", variant="stop")
+                    back_btn = gr.Button("Back")
+                    reset_btn = gr.Button("Reset")
+                status = gr.Markdown("Step reads the prompt and takes one token (Ctrl+Enter); "
+                                     "click a bar's row to take that token instead, click a "
+                                     "token to go back before it", elem_id="step-status",
+                                     elem_classes=["ms-status"])
+                text = gr.HTML(text_html(None), elem_id="step-text", js_on_load=None)
+                chart = gr.HTML(chart_html(None), elem_id="step-chart", js_on_load=None)
+                with gr.Row():
+                    typed = gr.Textbox(label="Take a token by its text", scale=3,
+                                       placeholder=" the  (one token, leading space included)")
+                    take_btn = gr.Button("Take", scale=1)
+                costs = gr.HTML(elem_id="step-costs", js_on_load=None)
+                action = gr.Textbox(elem_id="step-action", show_label=False, container=False)
+                act_btn = gr.Button("act", elem_id="step-act")
+            with gr.Column(scale=1):
+                model = build_model_picker(handlers.models)
+                sampling = build_sampling(handlers.presets, default_preset,
+                                          handlers.apply_preset,
+                                          "-1 = random (the seed drawn is shown); kept per "
+                                          "position, so Back then Step draws the same token")
+                bias = gr.Textbox(label="Logit bias", placeholder="13:-100, 42:2.5",
+                                  info="token ID:BIAS, comma-separated; -100 bans a token")
+                output = build_output_format()
+                top = gr.Slider(5, 50, value=TOP, step=1, label="Candidates shown")
+    settings = [mode, prompt, *sampling.sliders, sampling.seed, bias, *output.inputs, top,
+                model]
+    outs = [text, chart, costs, status]
+    engine = dict(outputs=outs, concurrency_id=ENGINE_EVENTS)
+    # one token is one pass (tens of milliseconds): sent straight rather than through Gradio's
+    # queue, whose round trip cost more than the pass (the engine's own queue still admits it)
+    one = dict(outputs=outs, queue=False, show_progress="hidden")
+    step_btn.click(handlers.step, settings, **one)
+    run_btn.click(handlers.run, [count, *settings], **engine)
+    end_btn.click(handlers.run_to_end, settings, **engine)
+    stop_btn.click(handlers.stop, None, None, queue=False)
+    back_btn.click(handlers.back, settings, **one)
+    reset_btn.click(handlers.reset, None, **one)
+    act_btn.click(handlers.act, [action, *settings], **one)
+    take_btn.click(handlers.take_text, [typed, *settings], **one)
+    typed.submit(handlers.take_text, [typed, *settings], **one)
+    # the stages alone take milliseconds and no forward pass: sent straight, not queued behind
+    # the engine's events (Gradio's queue adds a round trip of its own)
+    quiet = dict(outputs=outs, show_progress="hidden", queue=False)
+    for slider in [*sampling.sliders[:5], top]:  # max new tokens changes no distribution
+        slider.release(handlers.restage, settings, **quiet)
+        slider.input(handlers.restage_live, settings, trigger_mode="always_last", **quiet)
+    # a preset moves the sliders (build_sampling), then the stages re-run on the new values
+    sampling.preset.change(handlers.apply_preset, sampling.preset, sampling.sliders).then(
+        handlers.restage, settings, **quiet)
+    output.format.change(handlers.restage, settings, **quiet)
+    sampling.sliders[5].release(handlers.restage, settings, **quiet)  # max new tokens
+    for box in (sampling.seed, output.text, bias):  # typed: once done, not at each key
+        box.submit(handlers.restage, settings, **quiet)
+        box.blur(handlers.restage, settings, **quiet)
+    timer = gr.Timer(15)
+    timer.tick(handlers.poll, None, status, show_progress="hidden", queue=False)
+    if demo is not None:
+        demo.load(None, None, None, js=ON_LOAD)
+        demo.unload(handlers.closed)
