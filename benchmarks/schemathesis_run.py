@@ -15,9 +15,14 @@ NDJSON) goes to $TMPDIR/miniserve-schemathesis/; the script's exit status is sch
 
 To keep a run to minutes on a small CPU, a hook (`map_case` below, loaded through
 SCHEMATHESIS_HOOKS) caps the tokens a request may generate at MAX_TOKENS: a generated
-max_tokens above it is lowered, and a request that sets none gets it (the defaults are 1024
-for chat and 16 for completions). Both keep a schema-valid request valid and an invalid one
-invalid.
+max_tokens above it is lowered, and a request that sets none (or null) gets it (the defaults
+are 1024 for chat and 16 for completions). Both keep a schema-valid request valid and an
+invalid one invalid.
+
+What a schema cannot say, so schemathesis reports it as "schema-valid request rejected"
+(ST202) by design: the last message must be the user's; token ids (prompt, logit_bias) must
+be below the model's vocabulary size; a grammar, pattern or JSON Schema must compile; a prompt
+must fit the model's context.
 """
 
 from __future__ import annotations
@@ -47,9 +52,10 @@ def map_case(context, case):
     if case.operation.path in GENERATING and isinstance(body, dict):
         for key in TOKEN_FIELDS:
             value = body.get(key)
-            if isinstance(value, int) and not isinstance(value, bool) and value > MAX_TOKENS:
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and \
+                    value > MAX_TOKENS:  # 4096.0 too: the coverage phase sends whole floats
                 body[key] = MAX_TOKENS
-        if all(key not in body for key in TOKEN_FIELDS):
+        if all(body.get(key) is None for key in TOKEN_FIELDS):  # left out or null
             body["max_tokens"] = MAX_TOKENS
     return case
 

@@ -167,7 +167,7 @@ def _response_format(fmt):
         raise ConfigError("'response_format.json_schema.schema' is required: the JSON Schema "
                           "the reply must follow (an object)", "response_format.json_schema.schema")
     return {"type": "json_schema", "json_schema": {
-        "name": name, "schema": spec["schema"], "strict": spec.get("strict")}}
+        "name": name, "schema": spec["schema"], "strict": spec.get("strict", False)}}
 
 
 def _structured_outputs(extra):
@@ -195,7 +195,14 @@ def _structured_outputs(extra):
 
 
 def _is_id(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """A token id: a whole number (JSON's 5.0 is 5, as JSON Schema's integer says)."""
+    return (isinstance(value, int) and not isinstance(value, bool)) or \
+        (isinstance(value, float) and value.is_integer())
+
+
+def _ids(prompt):
+    """A prompt with its token ids as ints."""
+    return prompt if isinstance(prompt, str) else [int(t) for t in prompt]
 
 
 def _prompt(value):
@@ -223,7 +230,7 @@ def _prompt(value):
         if not prompt:
             raise ConfigError(f"'{field}' is empty; give the text to continue, or token ids",
                               field)
-    return value
+    return _ids(value) if prompts is not value else [_ids(p) for p in value]
 
 
 def _suffix(value):
@@ -245,7 +252,7 @@ class ContentPart(BaseModel):
     """OpenAI's content parts: the text ones are kept, others dropped."""
 
     model_config = ConfigDict(extra="allow")
-    type: str
+    type: str | None = None
     text: str | None = None
 
 
@@ -289,7 +296,7 @@ class JSONSchemaFormat(BaseModel):
     name: Annotated[str, Field(min_length=1)] | None = None
     schema_: dict[str, Any] = Field(alias="schema", description="the JSON Schema the reply "
                                     "follows; a keyword the library cannot enforce is a 400")
-    strict: bool | None = None
+    strict: bool = False
 
 
 class TextFormat(BaseModel):
@@ -309,8 +316,16 @@ ResponseFormat = Annotated[TextFormat | JSONObjectFormat | JSONSchemaResponseFor
                            Field(discriminator="type")]
 
 
+def _present(name: str) -> dict:
+    """JSON Schema: `name` is sent, and not null."""
+    return {"required": [name], "properties": {name: {"not": {"type": "null"}}}}
+
+
 class StructuredOutputs(BaseModel):
     """vLLM's extension: exactly one of these."""
+
+    model_config = ConfigDict(json_schema_extra={
+        "oneOf": [_present(k) for k in STRUCTURED_KINDS], "additionalProperties": {"type": "null"}})
 
     json_: dict[str, Any] | None = Field(None, alias="json", description="a JSON Schema")
     regex: Annotated[str, Field(min_length=1)] | None = None
@@ -323,6 +338,13 @@ class StructuredOutputs(BaseModel):
 
 class SamplingRequest(BaseModel):
     """What /v1/chat/completions and /v1/completions take alike. Unknown fields are ignored."""
+
+    # _together's rules, for the document: stream_options only with stream: true; never
+    # response_format and structured_outputs both
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        {"if": _present("stream_options"),
+         "then": {"required": ["stream"], "properties": {"stream": {"const": True}}}},
+        {"not": {"allOf": [_present("response_format"), _present("structured_outputs")]}}]})
 
     model: Annotated[str | None, _checked(_model), Field(
         None, description="a served model (GET /v1/models); left out or a placeholder "
@@ -351,9 +373,9 @@ class SamplingRequest(BaseModel):
     min_p: sampling("min_p")
     repetition_penalty: sampling("repetition_penalty")
     logit_bias: Annotated[SkipValidation[
-        Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]+$")],
-                       Annotated[float, Field(ge=-100, le=100)]],
-                  Field(max_length=MAX_LOGIT_BIAS_TOKENS)] | None],
+        Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]],
+                  Field(max_length=MAX_LOGIT_BIAS_TOKENS, json_schema_extra={
+                      "propertyNames": {"pattern": r"^\s*[0-9]+\s*$"}})] | None],
         _checked(_logit_bias),
         Field(None, description="token id -> bias added to its logit; -100 bans the token")]
 
@@ -408,7 +430,19 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: unsupported("parallel_tool_calls", "refused: no tool calling")
 
 
+def _best_of_is_n() -> list[dict]:
+    """JSON Schema for "best_of equals n, or is left out" (a schema cannot compare two
+    fields, but it can list n's values)."""
+    rules = [{"if": {"required": ["n"], "properties": {"n": {"const": k}}},
+              "then": {"properties": {"best_of": {"enum": [k, None]}}}}
+             for k in range(1, MAX_CHOICES + 1)]
+    n_default = {"anyOf": [{"not": {"required": ["n"]}}, {"properties": {"n": {"type": "null"}}}]}
+    return rules + [{"if": n_default, "then": {"properties": {"best_of": {"enum": [1, None]}}}}]
+
+
 class CompletionRequest(SamplingRequest):
+    model_config = ConfigDict(json_schema_extra={
+        "allOf": SamplingRequest.model_config["json_schema_extra"]["allOf"] + _best_of_is_n()})
     prompt: Annotated[SkipValidation[Prompt], BeforeValidator(_prompt), Field(description=(
                           f"the text to continue: a string, token ids, or a list of up to "
                           f"{MAX_PROMPTS} of either (each gets n choices)"))]
