@@ -59,3 +59,14 @@ def test_both_engines_have_the_engine_surface():
         missing = [m for m in declared if not hasattr(cls, m)]
         assert not missing, f"{cls.__name__} lacks {missing}"
         assert cls.capabilities == caps
+
+
+def test_the_command_line_does_not_import_the_web_stack():
+    """generate, chat, step and bench start without Gradio or FastAPI (~3 s of imports): the
+    web app's launcher and `serve` import them when they run."""
+    import subprocess
+    import sys
+    code = ("import sys, miniserve.cli.main; "
+            "print(sorted(m for m in ('gradio', 'fastapi', 'uvicorn') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr

@@ -27,8 +27,6 @@ from miniserve.cli.args import (
 from miniserve.core.config import ConfigError, load_presets
 from miniserve.core.errors import UserError
 from miniserve.runners.loader import KNOWN_MODELS, ModelLoadError, resolve_source
-from miniserve.serve.routes import build_router
-from miniserve.ui import CSS, build_ui
 
 
 def parse_args(argv=None, prog: str = "python app.py") -> argparse.Namespace:
@@ -64,10 +62,13 @@ def main(argv=None, prog: str = "python app.py") -> int:
         return code
     store = open_history(args)  # a damaged or unwritable file: said once, then kept aside
 
+    # the web stack (Gradio, FastAPI, uvicorn: ~3 s to import) only once the flags are good
     import gradio as gr
     import uvicorn
     from fastapi import FastAPI
 
+    from miniserve.serve.routes import build_router
+    from miniserve.ui import CSS, build_ui
 
     demo = build_ui(models, presets, args.preset, store)
     url = f"http://{args.host}:{args.port}"

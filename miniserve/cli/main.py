@@ -47,7 +47,6 @@ from miniserve.engine.chat import NoChatTemplate
 from miniserve.engine.inspector import Inspector
 from miniserve.engine.step import StepError, StepSession
 from miniserve.runners.native import summary
-from miniserve.serve.routes import serve
 
 
 def cmd_generate(args) -> int:
@@ -244,6 +243,7 @@ def cmd_serve(args) -> int:
     engine, code = load_engine(args)  # the default model loads now; the others on first use
     if engine is None:
         return code
+    from miniserve.serve.routes import serve  # FastAPI and uvicorn: only for this command
     serve(args.models, host=args.host, port=args.port, api_key=args.api_key)
     return 0
 
