@@ -50,8 +50,6 @@ TOP_LOGPROBS = Limit(int, 0, 20, 0, "top_logprobs", "the most likely tokens list
                      "position (with logprobs: true)")
 COMPLETION_LOGPROBS = Limit(int, 0, MAX_COMPLETION_LOGPROBS, 0, "logprobs",
                             "log-probabilities of each token and of the `logprobs` most likely")
-# Fields that would change what a reply means if they were ignored: refused, never dropped.
-UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls")
 # The extension for output formats OpenAI's response_format has no type for (vLLM's name)
 STRUCTURED_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice",
                     "grammar": "grammar"}
@@ -65,26 +63,28 @@ def _checked(check):
     return BeforeValidator(run)
 
 
-def limited(name: str, spec: Limit, default=None):
-    """A number checked against its Limit, documented with its range."""
+def _ranged(spec: Limit, check, default):
+    """A number (or null) documented with `spec`'s kind and range, checked by `check`."""
     kind = int if spec.kind is int else float
     bounds = {"gt" if spec.low_open else "ge": spec.low, "le": spec.high}
-    return Annotated[Annotated[kind, Field(**bounds)] | None,
-                     _checked(lambda v: check_number(name, v, spec)),
+    return Annotated[Annotated[kind, Field(**bounds)] | None, _checked(check),
                      Field(default, description=spec.help)]
 
 
+def limited(name: str, spec: Limit, default=None):
+    """One of the API's own numbers, checked against its Limit."""
+    return _ranged(spec, lambda v: check_number(name, v, spec), default)
+
+
 def sampling(name: str):
-    """A sampling setting: its range from config.FIELDS, OpenAI's default when left out."""
-    spec = FIELDS[name]
-    bounds = {"gt" if spec.low_open else "ge": spec.low, "le": spec.high}
-    kind = int if spec.kind is int else float
-    return Annotated[Annotated[kind, Field(**bounds)] | None,
-                     _checked(lambda v: check_value(name, v)),
-                     Field(API_DEFAULTS[name], description=spec.help)]
+    """A sampling setting: its range from config.FIELDS (checked as SamplingParams checks
+    it), OpenAI's default when left out."""
+    return _ranged(FIELDS[name], lambda v: check_value(name, v), API_DEFAULTS[name])
 
 
 def flag(name: str):
+    """true or false (null: false)."""
+
     def check(value):
         if not isinstance(value, bool):
             raise ConfigError(f"'{name}' must be true or false", name)
@@ -99,7 +99,8 @@ NOTHING = Literal["none"] | Annotated[list[Any], Field(max_length=0)] | \
 
 def unsupported(name: str, description: str):
     """A field OpenAI has that this server refuses (400, code unsupported_parameter) unless
-    it asks for nothing (null, [], {}, "none"): documented as only that."""
+    it asks for nothing (null, [], {}, "none"), documented as only that: ignoring it would
+    change what the reply means."""
 
     def check(value):
         if value in ([], {}, "none"):
