@@ -1,6 +1,6 @@
 """Streaming over real HTTP, measured next to the same requests made in-process.
 
-`measure_http(engine)` serves the API (`miniserve.serve.api.create_app`) on a free local port in
+`measure_http(engine)` serves the API (`miniserve.serve.routes.create_app`) on a free local port in
 this process, sends `streams` streaming chat requests at once from as many client threads
 (greedy, `max_tokens=new_tokens`, a distinct prompt of about `prompt_tokens` tokens each) and
 reads the server-sent events as they arrive. Before that, it sends the same prompts straight

@@ -150,3 +150,14 @@ def test_one_row_draws_follow_the_filtered_distribution():
         assert token.shape == (1,)
         counts[int(token)] += 1
     assert torch.allclose(counts / n, expected, atol=0.015)
+
+
+def test_a_tiny_positive_temperature_is_the_argmax_not_nan():
+    """A temperature far below any useful one (an API fuzzer sent 2.6e-201) would divide the
+    logits past float32's range; it gives the argmax with all the mass, not a server error."""
+    from miniserve.engine.sampling import apply_temperature
+    logits = torch.tensor([[1.0, 3.0, 2.5, float("-inf")]])
+    for t in (2.6e-201, 1e-40, 1e-31):
+        probs = torch.softmax(apply_temperature(logits, t), dim=-1)
+        assert not probs.isnan().any() and probs[0, 1] == 1.0
+    assert torch.equal(apply_temperature(logits, 0.5), logits / 0.5)  # the usual arithmetic

@@ -67,7 +67,7 @@ def main(argv=None, prog: str = "python app.py") -> int:
     import uvicorn
     from fastapi import FastAPI
 
-    from miniserve.serve.routes import build_router
+    from miniserve.serve.routes import build_router, document
     from miniserve.ui import CSS, build_ui
 
     demo = build_ui(models, presets, args.preset, store)
@@ -79,7 +79,7 @@ def main(argv=None, prog: str = "python app.py") -> int:
         demo.launch(server_name=args.host, server_port=args.port, share=True, css=CSS,
                     run_history=False)
         return 0
-    app = FastAPI(title="MiniServeLM")
+    app = document(FastAPI(title="MiniServeLM"))
     app.include_router(build_router(models, args.api_key))
     # run_history off: Gradio would otherwise keep every event's inputs and outputs (whole
     # conversations, the sidebar's list, the owner id) in the browser's local storage, in plain

@@ -23,6 +23,9 @@ from miniserve.core.errors import UserError
 
 NEG_INF = float("-inf")
 BAN = -100.0  # a logit bias of -100 removes the token (as OpenAI documents it)
+# Below this a temperature divides logits (at most ~1e4 in size) past float32's 3e38; any
+# temperature above it scales them as it always has.
+TINY_TEMPERATURE = 1e-30
 
 
 class NoTokenAllowed(UserError, RuntimeError):
@@ -65,6 +68,10 @@ def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """Sharpen (t < 1) or flatten (t > 1) the distribution. t must be > 0 here."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 to scale logits, got {temperature}")
+    if temperature < TINY_TEMPERATURE:  # logits / t would overflow to inf (softmax to NaN):
+        # the limit as t -> 0 instead: the best logits (ties kept) at 0, every other removed
+        shifted = logits - logits.max(dim=-1, keepdim=True).values
+        return shifted.masked_fill(shifted < 0, NEG_INF)
     return logits if temperature == 1.0 else logits / temperature
 
 
