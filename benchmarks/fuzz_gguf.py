@@ -53,10 +53,56 @@ import numpy as np  # noqa: E402
 from miniserve.runners.gguf_file import GGUFFile, GGUFFileError, _Strings  # noqa: E402
 
 # Integers worth writing into a length, count, type id, dimension or offset.
-INTERESTING = [0, 1, 2, 3, 4, 5, 7, 8, 9, 10, 12, 13, 14, 15, 16, 24, 30, 31, 32, 33, 34, 35, 39,
-               41, 42, 64, 127, 128, 255, 256, 576, 577, 1024, 0x7FFF, 0x8000, 0xFFFF, 0x10000,
-               0x7FFFFFFF, 0x80000000, 0xFFFFFFFF, 1 << 32, (1 << 32) + 1, 1 << 40, 1 << 48,
-               (1 << 62) + 1, (1 << 63) - 1, 1 << 63, (1 << 64) - 1]
+INTERESTING = [
+    0,
+    1,
+    2,
+    3,
+    4,
+    5,
+    7,
+    8,
+    9,
+    10,
+    12,
+    13,
+    14,
+    15,
+    16,
+    24,
+    30,
+    31,
+    32,
+    33,
+    34,
+    35,
+    39,
+    41,
+    42,
+    64,
+    127,
+    128,
+    255,
+    256,
+    576,
+    577,
+    1024,
+    0x7FFF,
+    0x8000,
+    0xFFFF,
+    0x10000,
+    0x7FFFFFFF,
+    0x80000000,
+    0xFFFFFFFF,
+    1 << 32,
+    (1 << 32) + 1,
+    1 << 40,
+    1 << 48,
+    (1 << 62) + 1,
+    (1 << 63) - 1,
+    1 << 63,
+    (1 << 64) - 1,
+]
 BYTES = [0x00, 0x01, 0x08, 0x09, 0x0C, 0x1E, 0x20, 0x7C, 0x7E, 0x7F, 0x80, 0xFE, 0xFF]
 NON_FINITE_F16 = [0x7E00, 0x7C00, 0xFC00, 0x7C01, 0xFFFF]
 SCALE_AT = {2: [0], 3: [0, 2], 6: [0], 7: [0, 2], 8: [0]}  # Q4_0 Q4_1 Q5_0 Q5_1 Q8_0: d (m)
@@ -67,16 +113,17 @@ class Original:
 
     def __init__(self, path: Path):
         import gguf
+
         self.path = path
         self.size = path.stat().st_size
         reader = gguf.GGUFReader(path)
         self.header_len = reader.data_offset
         with open(path, "rb") as f:
             self.header = f.read(self.header_len)
-        self.fields = [(4, 4), (8, 8), (16, 8)]   # version, tensor count, key count
-        self.lengths = []                         # each string's length in the big arrays
-        self.entries = []                         # (start, end) of each tensor's table entry
-        self.tensors = []                         # (data offset, type, bytes) of each tensor
+        self.fields = [(4, 4), (8, 8), (16, 8)]  # version, tensor count, key count
+        self.lengths = []  # each string's length in the big arrays
+        self.entries = []  # (start, end) of each tensor's table entry
+        self.tensors = []  # (data offset, type, bytes) of each tensor
         for field in reader.fields.values():
             if field.name.startswith("GGUF."):
                 continue
@@ -118,44 +165,57 @@ def mutate(original: Original, seed: int) -> tuple[bytes, list[tuple[int, bytes]
         elif choice < 0.8:
             value = old ^ (1 << rng.randrange(8 * width))
         elif choice < 0.9:
-            value = rng.choice([original.size, original.size - original.header_len,
-                                original.header_len, len(head), old * 2, old + (1 << 32)])
+            value = rng.choice(
+                [
+                    original.size,
+                    original.size - original.header_len,
+                    original.header_len,
+                    len(head),
+                    old * 2,
+                    old + (1 << 32),
+                ]
+            )
         else:
             value = rng.choice(original.offsets)  # another tensor's offset: overlaps
         return value % (1 << (8 * width))
 
     for _ in range(rng.choice([1, 1, 1, 2, 2, 3, 4])):
         op = rng.random()
-        if op < 0.35:                                   # an integer field overwritten
+        if op < 0.35:  # an integer field overwritten
             pos, width = field()
             if pos + width <= len(head):
-                old = int.from_bytes(head[pos:pos + width], "little")
-                head[pos:pos + width] = number(old, width).to_bytes(width, "little")
-        elif op < 0.50:                                 # a bit flipped
+                old = int.from_bytes(head[pos : pos + width], "little")
+                head[pos : pos + width] = number(old, width).to_bytes(width, "little")
+        elif op < 0.50:  # a bit flipped
             pos = field()[0] + rng.randrange(8) if rng.random() < 0.6 else rng.randrange(len(head))
             if pos < len(head):
                 head[pos] ^= 1 << rng.randrange(8)
-        elif op < 0.60:                                 # a byte overwritten
+        elif op < 0.60:  # a byte overwritten
             head[rng.randrange(len(head))] = rng.choice(BYTES)
-        elif op < 0.74:                                 # a chunk duplicated or removed
+        elif op < 0.74:  # a chunk duplicated or removed
             a = rng.randrange(len(head))
             n = rng.choice([1, 2, 4, 8, 12, 16, 32, 64, 200])
             if op < 0.67:
                 b = rng.randrange(len(head))
-                head[b:b] = head[a:a + n]
+                head[b:b] = head[a : a + n]
             else:
-                del head[a:a + n]
+                del head[a : a + n]
             if rng.random() < 0.6:  # the header region keeps its length: the data stays put
-                head = head[:original.header_len].ljust(original.header_len, b"\0")
+                head = head[: original.header_len].ljust(original.header_len, b"\0")
         elif op < 0.80 and len(head) == original.header_len:  # one tensor entry over another
             (a0, a1), (b0, b1) = rng.sample(original.entries, 2)
             head[b0:b1] = original.header[a0:a1]
-        elif op < 0.89:                                 # cut short
+        elif op < 0.89:  # cut short
             where = rng.random()
             total = len(head) + original.size - original.header_len
-            cut = (rng.randrange(len(head)) if where < 0.5 else
-                   total - rng.randrange(1, 200) if where < 0.7 else rng.randrange(total))
-        else:                                           # a non-finite scale or float value
+            cut = (
+                rng.randrange(len(head))
+                if where < 0.5
+                else total - rng.randrange(1, 200)
+                if where < 0.7
+                else rng.randrange(total)
+            )
+        else:  # a non-finite scale or float value
             offset, kind, nbytes = rng.choice(original.tensors)
             if kind in SCALE_AT:
                 size = {2: 18, 3: 20, 6: 22, 7: 24, 8: 34}[kind]
@@ -179,7 +239,7 @@ class Scratch:
         if not self.source.exists():
             shutil.copyfile(original.path, self.source)
         self.inplace, self.whole = folder / f"{name}.gguf", folder / f"{name}-moved.gguf"
-        self.ready = False    # the in-place file holds the original data after the header
+        self.ready = False  # the in-place file holds the original data after the header
         self.undo = []
 
     def write(self, head: bytes, pokes, cut) -> Path:
@@ -203,8 +263,13 @@ class Scratch:
                 f.write(head[:total])
                 if total > len(head):
                     with open(self.source, "rb") as src:
-                        _copy(src, f, o.header_len, min(total, len(head) + o.size -
-                                                        o.header_len) - len(head), len(head))
+                        _copy(
+                            src,
+                            f,
+                            o.header_len,
+                            min(total, len(head) + o.size - o.header_len) - len(head),
+                            len(head),
+                        )
                 f.truncate(total)
         undo = []
         with open(path, "r+b") as f, open(self.source, "rb") as src:
@@ -224,8 +289,9 @@ def _copy(src, dst, offset: int, count: int, to: int) -> None:
     try:
         done = 0
         while done < count:
-            n = os.copy_file_range(src.fileno(), dst.fileno(), count - done, offset + done,
-                                   to + done)
+            n = os.copy_file_range(
+                src.fileno(), dst.fileno(), count - done, offset + done, to + done
+            )
             if n <= 0:
                 raise OSError("copy_file_range copied nothing")
             done += n
@@ -250,8 +316,7 @@ def check(path: Path, decode: bool) -> tuple[str, str]:
         return ("bug", "invariant: " + broken) if broken else ("loaded", "")
     except GGUFFileError as e:
         message = str(e)
-        if not message.startswith(path.name + ": ") or "\n" in message or \
-                not message.endswith("."):
+        if not message.startswith(path.name + ": ") or "\n" in message or not message.endswith("."):
             return "bug", f"message format: {message!r}"
         return "rejected", message
     except Exception:  # noqa: BLE001 -- anything but GGUFFileError is what we look for
@@ -261,21 +326,27 @@ def check(path: Path, decode: bool) -> tuple[str, str]:
 def invariants(f: GGUFFile, decode: bool) -> str | None:
     """What the reader promises about a file it accepted; the first broken promise, or None."""
     from gguf import GGML_QUANT_SIZES
+
     for key in f.metadata:
         if decode or not isinstance(f.metadata._values[key], _Strings):  # lazy: decoded 1 in 4
             value = f.metadata[key]
             if not isinstance(value, (int, float, str, list, np.ndarray)):
                 return f"metadata {key!r} is a {type(value).__name__}"
-    base = f.address(next(iter(f.tensors))) - next(iter(f.tensors.values())).offset \
-        if f.tensors else 0
+    base = (
+        f.address(next(iter(f.tensors))) - next(iter(f.tensors.values())).offset if f.tensors else 0
+    )
     end = 0
     for t in sorted(f.tensors.values(), key=lambda t: t.offset):
         block, size = GGML_QUANT_SIZES[t.type]
         count = 1
         for n in t.shape:
             count *= n
-        if not (1 <= len(t.shape) <= 4 and all(n > 0 for n in t.shape)
-                and t.shape[-1] % block == 0 and t.nbytes == count // block * size):
+        if not (
+            1 <= len(t.shape) <= 4
+            and all(n > 0 for n in t.shape)
+            and t.shape[-1] % block == 0
+            and t.nbytes == count // block * size
+        ):
             return f"{t.name}: shape {t.shape} and {t.nbytes} bytes disagree"
         if t.offset < max(end, f.header_bytes) or t.offset + t.nbytes > f.size:
             return f"{t.name}: bytes {t.offset}..{t.offset + t.nbytes} overlap or leave the file"
@@ -324,7 +395,7 @@ def fuzz(original: Original, args, scratch_dir: Path) -> tuple[collections.Count
     counts, bugs, accepted, kinds = collections.Counter(), [], [], collections.Counter()
     seeds = iter(range(args.seed, args.seed + args.cases))
     deadline = time.monotonic() + args.seconds
-    busy: dict = {}   # conn -> (process, seed, started)
+    busy: dict = {}  # conn -> (process, seed, started)
     idle: list = []
     procs = {}
 
@@ -387,8 +458,10 @@ def fuzz(original: Original, args, scratch_dir: Path) -> tuple[collections.Count
         if time.monotonic() - last_report > 15:
             last_report = time.monotonic()
             done = sum(counts.values())
-            print(f"  {done:,} cases, {done / (last_report - started):.1f}/s: "
-                  f"{dict(counts)}", flush=True)
+            print(
+                f"  {done:,} cases, {done / (last_report - started):.1f}/s: {dict(counts)}",
+                flush=True,
+            )
     for conn in list(procs):
         try:
             conn.send(None)
@@ -407,6 +480,7 @@ def fuzz(original: Original, args, scratch_dir: Path) -> tuple[collections.Count
 
 # ---- --load-path: the loader and one forward pass, in child processes
 
+
 def load_child(original: Original, scratch_dir: Path, seeds: list, conn) -> None:
     """Load each case's file with dtype="stored" and run one token through it; say 'start'
     before each (so a dead child names its case) and the outcome after. The cache folder is the
@@ -414,11 +488,16 @@ def load_child(original: Original, scratch_dir: Path, seeds: list, conn) -> None
     import torch
 
     from miniserve.runners.loader import ModelLoadError, load_model
+
     os.environ["MINISERVE_CACHE"] = str(scratch_dir / "cache")
     for seed in seeds:
-        path = (original.path if seed is None else
-                Scratch(original, scratch_dir, f"load-{os.getpid()}").write(*mutate(original,
-                                                                                seed)))
+        path = (
+            original.path
+            if seed is None
+            else Scratch(original, scratch_dir, f"load-{os.getpid()}").write(
+                *mutate(original, seed)
+            )
+        )
         conn.send(("start", seed))
         try:
             loaded = load_model(str(path), dtype="stored", device="cpu", progress=lambda m: None)
@@ -427,6 +506,7 @@ def load_child(original: Original, scratch_dir: Path, seeds: list, conn) -> None
             with torch.inference_mode():
                 if getattr(loaded, "stored", False):
                     from miniserve.engine.engine import make_runner
+
                     logits = make_runner(loaded).forward(ids)
                 else:
                     logits = loaded.model(ids).logits
@@ -461,8 +541,14 @@ def run_load_batch(original: Original, scratch_dir: Path, seeds: list, timeout: 
             if not parent.poll(1):
                 if not p.is_alive() and not parent.poll(0):
                     if current is None:  # before its first case: nothing more will run
-                        return results + [(s, "crash", "the child died before its first case "
-                                           f"(exit code {p.exitcode})") for s in todo]
+                        return results + [
+                            (
+                                s,
+                                "crash",
+                                f"the child died before its first case (exit code {p.exitcode})",
+                            )
+                            for s in todo
+                        ]
                     results.append((current, "crash", f"the child died (exit code {p.exitcode})"))
                     break
                 if current is not None and time.monotonic() - since > timeout:
@@ -475,8 +561,14 @@ def run_load_batch(original: Original, scratch_dir: Path, seeds: list, timeout: 
             except EOFError:
                 p.join(5)
                 if current is None:
-                    return results + [(s, "crash", "the child died before its first case "
-                                       f"(exit code {p.exitcode})") for s in todo]
+                    return results + [
+                        (
+                            s,
+                            "crash",
+                            f"the child died before its first case (exit code {p.exitcode})",
+                        )
+                        for s in todo
+                    ]
                 results.append((current, "crash", f"the child died (exit code {p.exitcode})"))
                 break
             if message[0] == "start":
@@ -496,28 +588,35 @@ def load_path(original: Original, args, scratch_dir: Path, accepted: list):
     try:
         from miniserve.runners.loader import load_model  # noqa: F401
     except Exception as e:  # noqa: BLE001
-        print(f"--load-path: cannot import miniserve.runners.loader.load_model ({type(e).__name__}: "
-              f"{e}); the quantized loading path is not there yet.")
+        print(
+            f"--load-path: cannot import miniserve.runners.loader.load_model ({type(e).__name__}: "
+            f"{e}); the quantized loading path is not there yet."
+        )
         sys.exit(2)
     print("--load-path: the unmutated file first ...", flush=True)
     base = run_load_batch(original, scratch_dir, [None], args.load_timeout)
     if base[0][1] != "ok":
-        print(f"--load-path: load_model({original.path.name!r}, dtype='stored') and one token "
-              f"fail on the unmutated file ({base[0][1]}: {base[0][2]}); the quantized "
-              "loading path is not there yet (or is broken): fix that first, or fuzz the "
-              "reader alone (without --load-path).")
+        print(
+            f"--load-path: load_model({original.path.name!r}, dtype='stored') and one token "
+            f"fail on the unmutated file ({base[0][1]}: {base[0][2]}); the quantized "
+            "loading path is not there yet (or is broken): fix that first, or fuzz the "
+            "reader alone (without --load-path)."
+        )
         sys.exit(2)
-    chosen = accepted[:args.load_cases]
-    print(f"--load-path: {len(chosen)} accepted files, {args.load_batch} to a child ...",
-          flush=True)
+    chosen = accepted[: args.load_cases]
+    print(
+        f"--load-path: {len(chosen)} accepted files, {args.load_batch} to a child ...", flush=True
+    )
     results = []
     for i in range(0, len(chosen), args.load_batch):
-        results += run_load_batch(original, scratch_dir, chosen[i:i + args.load_batch],
-                                  args.load_timeout)
+        results += run_load_batch(
+            original, scratch_dir, chosen[i : i + args.load_batch], args.load_timeout
+        )
     counts = collections.Counter(r[1] for r in results)
     print(f"--load-path: {dict(counts)}")
     for (outcome, kind), n in collections.Counter(
-            (r[1], category(r[2])) for r in results if r[1] != "ok").most_common(15):
+        (r[1], category(r[2])) for r in results if r[1] != "ok"
+    ).most_common(15):
         print(f"  {n:5,} {outcome:8} {kind}")
     return [r for r in results if r[1] in ("crash", "hang", "error")]
 
@@ -529,8 +628,9 @@ def main(argv=None) -> int:
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--seed", type=int, default=0, help="the first case's seed")
     parser.add_argument("--timeout", type=float, default=10, help="seconds a case may take")
-    parser.add_argument("--out", type=Path,
-                        default=Path(tempfile.gettempdir()) / "fuzz_gguf-failures")
+    parser.add_argument(
+        "--out", type=Path, default=Path(tempfile.gettempdir()) / "fuzz_gguf-failures"
+    )
     parser.add_argument("--replay", type=int, help="write this seed's file to --out and stop")
     parser.add_argument("--load-path", action="store_true")
     parser.add_argument("--load-cases", type=int, default=100)
@@ -539,26 +639,33 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     from miniserve.runners.loader import embedded_gguf
+
     source = embedded_gguf()
     original = Original(source)
     if args.replay is not None:
         path = save(original, args.replay, args.out, "replay", "")
         print(path, check(path, decode=True))
         return 0
-    scratch_dir = Path(tempfile.mkdtemp(prefix="fuzz_gguf-",
-                                        dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    scratch_dir = Path(
+        tempfile.mkdtemp(prefix="fuzz_gguf-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    )
     try:
-        print(f"{source.name}: {original.size:,} bytes, header region {original.header_len:,}, "
-              f"{len(original.fields):,} fields and {len(original.lengths):,} string lengths "
-              f"to aim at; {args.workers} workers, up to {args.cases:,} cases or "
-              f"{args.seconds:g} s", flush=True)
+        print(
+            f"{source.name}: {original.size:,} bytes, header region {original.header_len:,}, "
+            f"{len(original.fields):,} fields and {len(original.lengths):,} string lengths "
+            f"to aim at; {args.workers} workers, up to {args.cases:,} cases or "
+            f"{args.seconds:g} s",
+            flush=True,
+        )
         start = time.monotonic()
         counts, bugs, accepted = fuzz(original, args, scratch_dir)
         tried = sum(counts.values())
-        print(f"tried {tried:,} files in {time.monotonic() - start:.0f} s: "
-              f"{counts['rejected']:,} rejected cleanly, {counts['loaded']:,} loaded, "
-              f"{counts['crash']:,} crashes, {counts['hang']:,} hangs, "
-              f"{counts['bug']:,} other exceptions or broken invariants")
+        print(
+            f"tried {tried:,} files in {time.monotonic() - start:.0f} s: "
+            f"{counts['rejected']:,} rejected cleanly, {counts['loaded']:,} loaded, "
+            f"{counts['crash']:,} crashes, {counts['hang']:,} hangs, "
+            f"{counts['bug']:,} other exceptions or broken invariants"
+        )
         if args.load_path:
             bugs += load_path(original, args, scratch_dir, accepted)
         for seed, what, detail in bugs[:20]:

@@ -74,8 +74,8 @@ from miniserve.store.store import open_store, title_from
 
 ROOT = Path(__file__).resolve().parent.parent
 OWNER, OTHER = "a" * 32, "b" * 32  # owner ids are 32 hex digits
-LIST_LIMIT = 1000                  # what the store figures ask for (the sidebar's limit)
-SEARCHES = {                        # label: query
+LIST_LIMIT = 1000  # what the store figures ask for (the sidebar's limit)
+SEARCHES = {  # label: query
     "common word": "python",
     "rare word": "axolotl",
     "word prefix": "gard",
@@ -84,8 +84,13 @@ SEARCHES = {                        # label: query
 }
 BROWSER_SEARCHES = ("common word", "rare word", "word prefix", "two words")
 CHROMIUM = os.environ.get("MINISERVE_CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 # -- made-up conversations ------------------------------------------------------------------
 COMMON = """the of and to a in is it you that for on with as this be are can or your by if
@@ -96,12 +101,40 @@ line change run first over work result output input case default error test chec
 set return call model point start end part user text name type size page question answer
 simple better faster because while after before without between again still very well much
 here where why does do did has have had were was been""".split()
-SYLLABLES = ("ka ri to me lo sa vi ne du po ta chi ren mor lin bel dar fen gos hul "
-             "jas kel mun nor pel quin ros sel tur val wen yor zan bri cla dro fli").split()
-TOPICS = ["recipe", "budget", "travel", "physics", "poetry", "history", "server", "camera",
-          "guitar", "running", "sleep", "chess", "music", "painting", "spreadsheet",
-          "kubernetes", "sourdough", "bicycle", "telescope", "marathon", "insurance",
-          "vocabulary", "algebra", "weather", "castle", "volcano", "startup", "interview"]
+SYLLABLES = (
+    "ka ri to me lo sa vi ne du po ta chi ren mor lin bel dar fen gos hul "
+    "jas kel mun nor pel quin ros sel tur val wen yor zan bri cla dro fli"
+).split()
+TOPICS = [
+    "recipe",
+    "budget",
+    "travel",
+    "physics",
+    "poetry",
+    "history",
+    "server",
+    "camera",
+    "guitar",
+    "running",
+    "sleep",
+    "chess",
+    "music",
+    "painting",
+    "spreadsheet",
+    "kubernetes",
+    "sourdough",
+    "bicycle",
+    "telescope",
+    "marathon",
+    "insurance",
+    "vocabulary",
+    "algebra",
+    "weather",
+    "castle",
+    "volcano",
+    "startup",
+    "interview",
+]
 GARDEN = ["garden", "gardening", "gardener"]
 
 
@@ -122,8 +155,9 @@ class ChatMaker:
         rare = _vocabulary(random.Random(seed + 1000))
         self.words = COMMON + rare
         # Zipf-like: the common words most of the time, the rest with a long tail
-        self.weights = [40.0 / (i + 1) ** 0.6 for i in range(len(COMMON))] + \
-            [2.0 / (i + 1) ** 0.9 for i in range(len(rare))]
+        self.weights = [40.0 / (i + 1) ** 0.6 for i in range(len(COMMON))] + [
+            2.0 / (i + 1) ** 0.9 for i in range(len(rare))
+        ]
         self.cum = []
         total = 0.0
         for w in self.weights:
@@ -160,23 +194,43 @@ class ChatMaker:
         created = now - rng.uniform(0, 180 * 86400)
         t = created
         out: list[dict] = []
-        settings = {"preset": "balanced", "temperature": 0.7, "top_k": 50, "top_p": 0.9,
-                    "min_p": 0.0, "repetition_penalty": 1.1, "max_new_tokens": 512,
-                    "system": "", "model": "SmolLM2-135M-Instruct"}
+        settings = {
+            "preset": "balanced",
+            "temperature": 0.7,
+            "top_k": 50,
+            "top_p": 0.9,
+            "min_p": 0.0,
+            "repetition_penalty": 1.1,
+            "max_new_tokens": 512,
+            "system": "",
+            "model": "SmolLM2-135M-Instruct",
+        }
 
         def add(parent, role):
             nonlocal t
             t += rng.uniform(5, 120)
             chars = rng.randint(100, 700) if role == "user" else rng.randint(300, 1500)
-            m = {"id": len(out), "parent": parent, "role": role,
-                 "content": self.text(chars, topics), "created": t, "status": "complete",
-                 "settings": {}, "stats": {}}
+            m = {
+                "id": len(out),
+                "parent": parent,
+                "role": role,
+                "content": self.text(chars, topics),
+                "created": t,
+                "status": "complete",
+                "settings": {},
+                "stats": {},
+            }
             if role == "assistant":
                 tokens = chars // 4
                 m["settings"] = {**settings, "seed": rng.randrange(2**31)}
-                m["stats"] = {"prompt_tokens": rng.randint(20, 2000), "reused_tokens": 0,
-                              "new_tokens": tokens, "ttft_s": rng.uniform(0.05, 0.4),
-                              "total_s": tokens / 80, "finish_reason": "eos"}
+                m["stats"] = {
+                    "prompt_tokens": rng.randint(20, 2000),
+                    "reused_tokens": 0,
+                    "new_tokens": tokens,
+                    "ttft_s": rng.uniform(0.05, 0.4),
+                    "total_s": tokens / 80,
+                    "finish_reason": "eos",
+                }
             out.append(m)
             return len(out) - 1
 
@@ -186,22 +240,31 @@ class ChatMaker:
         branched = messages >= 2 and out[-1]["role"] == "assistant" and rng.random() < 0.2
         if branched:  # Regenerate: a second reply to the last user message, now the open one
             add(out[-1]["parent"], "assistant")
-        return {"format": EXPORT_FORMAT, "version": EXPORT_VERSION,
-                "title": title_from(out[0]["content"]) if out else "", "system": "",
-                "created": created, "updated": t, "current": len(out) - 1 if out else None,
-                "messages": out}
+        return {
+            "format": EXPORT_FORMAT,
+            "version": EXPORT_VERSION,
+            "title": title_from(out[0]["content"]) if out else "",
+            "system": "",
+            "created": created,
+            "updated": t,
+            "current": len(out) - 1 if out else None,
+            "messages": out,
+        }
 
     def export_all(self, n: int, messages: int) -> dict:
         now = time.time()
         rare = set(self.rng.sample(range(n), min(3, n)))
-        return {"format": EXPORT_ALL_FORMAT, "version": EXPORT_VERSION,
-                "conversations": [self.conversation(i, messages, now, i in rare)
-                                  for i in range(n)]}
+        return {
+            "format": EXPORT_ALL_FORMAT,
+            "version": EXPORT_VERSION,
+            "conversations": [self.conversation(i, messages, now, i in rare) for i in range(n)],
+        }
 
 
 def import_files(export: dict, limit: int = MAX_IMPORT_BYTES) -> list[bytes]:
     """An export of all as JSON files the app takes: one when it fits under `limit`, else
     as few as fit, each a whole EXPORT_ALL_FORMAT object."""
+
     def encode(convs):
         return json.dumps({**export, "conversations": convs}, ensure_ascii=False).encode()
 
@@ -223,8 +286,14 @@ def import_files(export: dict, limit: int = MAX_IMPORT_BYTES) -> list[bytes]:
 
 # -- timing ---------------------------------------------------------------------------------
 def figures(ms: list[float], **extra) -> dict:
-    return {"median_ms": statistics.median(ms), "p95_ms": percentile(ms, 95),
-            "min_ms": min(ms), "max_ms": max(ms), "repeats": len(ms), **extra}
+    return {
+        "median_ms": statistics.median(ms),
+        "p95_ms": percentile(ms, 95),
+        "min_ms": min(ms),
+        "max_ms": max(ms),
+        "repeats": len(ms),
+        **extra,
+    }
 
 
 def timed(fn, repeats: int, setup=None, teardown=None) -> tuple[list[float], object]:
@@ -260,19 +329,25 @@ def bench_store(n: int, messages: int, repeats: int, work: Path) -> tuple[dict, 
     describe_mb = store.size_bytes() / 1e6
     store.close()
     msgs = [m for c in mine["conversations"] for m in c["messages"]]
-    data = {"conversations_per_owner": n, "owners": 2, "messages_per_owner": len(msgs),
-            "branched_conversations": sum(len(c["messages"]) > messages
-                                          for c in mine["conversations"]),
-            "message_chars_mean": statistics.mean(len(m["content"]) for m in msgs),
-            "message_chars_min": min(len(m["content"]) for m in msgs),
-            "message_chars_max": max(len(m["content"]) for m in msgs),
-            "export_json_bytes": len(json.dumps(mine, ensure_ascii=False).encode()),
-            "import_files": len(files), "import_file_bytes": [len(f) for f in files],
-            "max_import_bytes": MAX_IMPORT_BYTES, "build_s": build_s}
+    data = {
+        "conversations_per_owner": n,
+        "owners": 2,
+        "messages_per_owner": len(msgs),
+        "branched_conversations": sum(len(c["messages"]) > messages for c in mine["conversations"]),
+        "message_chars_mean": statistics.mean(len(m["content"]) for m in msgs),
+        "message_chars_min": min(len(m["content"]) for m in msgs),
+        "message_chars_max": max(len(m["content"]) for m in msgs),
+        "export_json_bytes": len(json.dumps(mine, ensure_ascii=False).encode()),
+        "import_files": len(files),
+        "import_file_bytes": [len(f) for f in files],
+        "max_import_bytes": MAX_IMPORT_BYTES,
+        "build_s": build_s,
+    }
     out: dict = {}
 
     def close(_, s):
         s.close()
+
     ms, _ = timed(lambda: open_store(db), repeats, teardown=close)
     out["open_store"] = figures(ms)
 
@@ -281,17 +356,17 @@ def bench_store(n: int, messages: int, repeats: int, work: Path) -> tuple[dict, 
         ms, rows = timed(lambda: store.conversations(OWNER, limit=LIST_LIMIT), repeats)
         out["conversations(owner)"] = figures(ms, matches=len(rows))
         for label, query in SEARCHES.items():
-            ms, rows = timed(lambda: store.conversations(OWNER, query, limit=LIST_LIMIT),
-                             repeats)
+            ms, rows = timed(lambda: store.conversations(OWNER, query, limit=LIST_LIMIT), repeats)
             out[f"search: {label}"] = figures(ms, query=query, matches=len(rows))
-        branched = next(c for c in store.conversations(OWNER, limit=-1)
-                        if c.messages > messages)
+        branched = next(c for c in store.conversations(OWNER, limit=-1) if c.messages > messages)
         ms, path = timed(lambda: store.path(OWNER, branched.id), repeats)
         out["path()"] = figures(ms, messages=len(path))
         ms, exported = timed(lambda: store.export_all(OWNER), repeats)
-        out["export_all"] = figures(ms, conversations=len(exported["conversations"]),
-                                    json_bytes=len(json.dumps(exported, ensure_ascii=False)
-                                                   .encode()))
+        out["export_all"] = figures(
+            ms,
+            conversations=len(exported["conversations"]),
+            json_bytes=len(json.dumps(exported, ensure_ascii=False).encode()),
+        )
     finally:
         store.close()
     db_mb = db.stat().st_size / 1e6  # closed: the WAL is checkpointed into the file
@@ -306,8 +381,13 @@ def bench_store(n: int, messages: int, repeats: int, work: Path) -> tuple[dict, 
         s.close()
         for suffix in ("", "-wal", "-shm"):
             Path(s.file + suffix).unlink(missing_ok=True)
-    ms, ids = timed(lambda s: [i for f in files for i in s.import_(OWNER, f)], repeats,
-                    setup=new_store, teardown=drop)
+
+    ms, ids = timed(
+        lambda s: [i for f in files for i in s.import_(OWNER, f)],
+        repeats,
+        setup=new_store,
+        teardown=drop,
+    )
     out["import_"] = figures(ms, conversations=len(ids), files=len(files))
     out["database"] = {"mb": db_mb, "describe_mb": describe_mb}
     return out, data, files
@@ -325,9 +405,12 @@ class App:
         self.log = open(log, "w")
         started = time.perf_counter()
         self.proc = subprocess.Popen(
-            [sys.executable, "app.py", "--history-db", str(history_db), "--port",
-             str(self.port)], cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            stdout=self.log, stderr=subprocess.STDOUT)
+            [sys.executable, "app.py", "--history-db", str(history_db), "--port", str(self.port)],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         while time.perf_counter() - started < timeout:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"app.py exited with {self.proc.returncode}; see {log}")
@@ -404,8 +487,9 @@ def _since_input_ms(page, count: int) -> float:
     entries since then (all in the browser's clock)."""
     page.wait_for_function("() => window.__bench.entries.every(e => e.frame !== null)")
     b = page.evaluate("window.__bench")
-    return next(e["frame"] - b["input"] for e in b["entries"]
-                if e["n"] == count and e["t"] >= b["input"])
+    return next(
+        e["frame"] - b["input"] for e in b["entries"] if e["n"] == count and e["t"] >= b["input"]
+    )
 
 
 def _info_ms(page, start_ms: float) -> float | None:
@@ -419,20 +503,23 @@ RUN_HISTORY = "k => k.startsWith('gradio:run-history')"
 
 def run_history_chars(page) -> int:
     """Characters in Gradio's run history (localStorage) for this page's origin."""
-    return page.evaluate(f"Object.keys(localStorage).filter({RUN_HISTORY})"
-                         ".reduce((n, k) => n + localStorage.getItem(k).length, 0)")
+    return page.evaluate(
+        f"Object.keys(localStorage).filter({RUN_HISTORY})"
+        ".reduce((n, k) => n + localStorage.getItem(k).length, 0)"
+    )
 
 
 def clear_run_history(page) -> None:
-    page.evaluate(f"Object.keys(localStorage).filter({RUN_HISTORY})"
-                  ".forEach(k => localStorage.removeItem(k))")
+    page.evaluate(
+        f"Object.keys(localStorage).filter({RUN_HISTORY}).forEach(k => localStorage.removeItem(k))"
+    )
 
 
-def page_loads(context, page, url: str, kind: str, listed: int, repeats: int,
-               timeout: int) -> dict:
+def page_loads(context, page, url: str, kind: str, listed: int, repeats: int, timeout: int) -> dict:
     """`kind` "reload": page.reload(); "goto": a new tab's page.goto; until `listed` entries
     are drawn, `repeats` times."""
     from playwright.sync_api import expect
+
     shown, frame, wall, info, history = [], [], [], [], []
     for _ in range(repeats):
         tab = page if kind == "reload" else context.new_page()
@@ -442,7 +529,8 @@ def page_loads(context, page, url: str, kind: str, listed: int, repeats: int,
         else:
             tab.goto(url)
         expect(tab.locator("#conversations input[type=radio]")).to_have_count(
-            listed, timeout=timeout)
+            listed, timeout=timeout
+        )
         wall.append(time.time() * 1000 - start)
         s, f = _shown_ms(tab, start, listed)
         shown.append(s)
@@ -451,15 +539,23 @@ def page_loads(context, page, url: str, kind: str, listed: int, repeats: int,
         history.append(run_history_chars(tab))
         if kind == "goto":
             tab.close()
-    return {**figures(frame), "list_ms": shown, "frame_ms": frame, "wall_ms": wall,
-            "info_ms": info, "run_history_chars": history}
+    return {
+        **figures(frame),
+        "list_ms": shown,
+        "frame_ms": frame,
+        "wall_ms": wall,
+        "info_ms": info,
+        "run_history_chars": history,
+    }
 
 
-def searching(page, box, label: str, matches: int, listed: int, repeats: int, timeout: int,
-              fresh: bool) -> dict:
+def searching(
+    page, box, label: str, matches: int, listed: int, repeats: int, timeout: int, fresh: bool
+) -> dict:
     """Fill Search with SEARCHES[label] until the list shows its `matches`, then empty it
     until all `listed` are back; `fresh`: Gradio's run history emptied before each."""
     from playwright.sync_api import expect
+
     radios = page.locator("#conversations input[type=radio]")
     found = page.locator("#search-status")
     query = SEARCHES[label]
@@ -476,12 +572,19 @@ def searching(page, box, label: str, matches: int, listed: int, repeats: int, ti
         box.fill("")
         expect(radios).to_have_count(listed, timeout=timeout)
         cleared.append(_since_input_ms(page, listed))
-    return {**figures(shown), "query": query, "matches": matches, "shown_ms": shown,
-            "cleared": figures(cleared), "run_history_chars_before": history}
+    return {
+        **figures(shown),
+        "query": query,
+        "matches": matches,
+        "shown_ms": shown,
+        "cleared": figures(cleared),
+        "run_history_chars_before": history,
+    }
 
 
-def bench_browser(n: int, files: list[bytes], searches: dict[str, int], repeats: int,
-                  work: Path) -> dict:
+def bench_browser(
+    n: int, files: list[bytes], searches: dict[str, int], repeats: int, work: Path
+) -> dict:
     from playwright.sync_api import expect, sync_playwright
 
     from miniserve.ui.conversation import LIST_LIMIT as sidebar_limit
@@ -548,8 +651,9 @@ def bench_browser(n: int, files: list[bytes], searches: dict[str, int], repeats:
             box = page.get_by_label("Search").element_handle()
             out["search"] = {}
             for label in BROWSER_SEARCHES:
-                out["search"][label] = searching(page, box, label, searches[label], listed,
-                                                 repeats, timeout, fresh=True)
+                out["search"][label] = searching(
+                    page, box, label, searches[label], listed, repeats, timeout, fresh=True
+                )
 
             # the same once the run history is as full as the browser lets it be (each event
             # adds its inputs and outputs; the oldest go when localStorage is full)
@@ -561,11 +665,15 @@ def bench_browser(n: int, files: list[bytes], searches: dict[str, int], repeats:
                 box.fill("")
                 expect(radios).to_have_count(listed, timeout=timeout)
                 sizes.append(run_history_chars(page))
-            full = {"filled_with_searches": 2 * (len(sizes) - 1), "run_history_chars": sizes[-1],
-                    "search": {}}
+            full = {
+                "filled_with_searches": 2 * (len(sizes) - 1),
+                "run_history_chars": sizes[-1],
+                "search": {},
+            }
             for label in BROWSER_SEARCHES:
-                full["search"][label] = searching(page, box, label, searches[label], listed,
-                                                  repeats, timeout, fresh=False)
+                full["search"][label] = searching(
+                    page, box, label, searches[label], listed, repeats, timeout, fresh=False
+                )
             for kind in ("reload", "goto"):
                 full[kind] = page_loads(context, page, app.url, kind, listed, repeats, timeout)
             full["run_history_chars_after"] = run_history_chars(page)
@@ -586,92 +694,175 @@ def table(result: dict) -> str:
         label = name + (f' "{f["query"]}"' if "query" in f else "")
         rows.append((label, str(what), f"{f['median_ms']:.2f}", f"{f['p95_ms']:.2f}"))
     db = result["store"]["database"]
-    rows.append(("database size (MB, closed / open with WAL)", "",
-                 f"{db['mb']:.1f}", f"{db['describe_mb']:.1f}"))
+    rows.append(
+        (
+            "database size (MB, closed / open with WAL)",
+            "",
+            f"{db['mb']:.1f}",
+            f"{db['describe_mb']:.1f}",
+        )
+    )
     b = result.get("browser")
     if b:
         rows.append(("-- browser (in-page, next frame) --", "", "", ""))
-        rows.append((f"import via the button ({b['import_files']} file(s))", str(b["listed"]),
-                     f"{b['import_ms']:.0f}", ""))
+        rows.append(
+            (
+                f"import via the button ({b['import_files']} file(s))",
+                str(b["listed"]),
+                f"{b['import_ms']:.0f}",
+                "",
+            )
+        )
         for kind in ("reload", "goto"):
             f = b[kind]
-            rows.append((f"{kind}: until {b['listed']} listed", str(b["listed"]),
-                         f"{f['median_ms']:.0f}", f"{f['max_ms']:.0f} (max)"))
-            rows.append((f"{kind}: until the page load is done (#history-info)",
-                         str(b["listed"]), f"{statistics.median(f['info_ms']):.0f}",
-                         f"{max(f['info_ms']):.0f} (max)"))
+            rows.append(
+                (
+                    f"{kind}: until {b['listed']} listed",
+                    str(b["listed"]),
+                    f"{f['median_ms']:.0f}",
+                    f"{f['max_ms']:.0f} (max)",
+                )
+            )
+            rows.append(
+                (
+                    f"{kind}: until the page load is done (#history-info)",
+                    str(b["listed"]),
+                    f"{statistics.median(f['info_ms']):.0f}",
+                    f"{max(f['info_ms']):.0f} (max)",
+                )
+            )
             e = b["empty"][kind]
-            rows.append((f"{kind}: the same, no conversations saved", "0",
-                         f"{e['median_ms']:.0f}", f"{e['max_ms']:.0f} (max)"))
+            rows.append(
+                (
+                    f"{kind}: the same, no conversations saved",
+                    "0",
+                    f"{e['median_ms']:.0f}",
+                    f"{e['max_ms']:.0f} (max)",
+                )
+            )
         full = b["run_history_full"]
         for label, f in b["search"].items():
             g = full["search"][label]
-            rows.append((f'search box: {label} "{f["query"]}"', str(f["matches"]),
-                         f"{f['median_ms']:.0f}", f"{f['max_ms']:.0f} (max)"))
-            rows.append(("  the same, run history full", str(f["matches"]),
-                         f"{g['median_ms']:.0f}", f"{g['max_ms']:.0f} (max)"))
-            rows.append(("  cleared again, until all listed", str(b["listed"]),
-                         f"{f['cleared']['median_ms']:.0f}",
-                         f"{f['cleared']['max_ms']:.0f} (max)"))
-            rows.append(("  the same, run history full", str(b["listed"]),
-                         f"{g['cleared']['median_ms']:.0f}",
-                         f"{g['cleared']['max_ms']:.0f} (max)"))
+            rows.append(
+                (
+                    f'search box: {label} "{f["query"]}"',
+                    str(f["matches"]),
+                    f"{f['median_ms']:.0f}",
+                    f"{f['max_ms']:.0f} (max)",
+                )
+            )
+            rows.append(
+                (
+                    "  the same, run history full",
+                    str(f["matches"]),
+                    f"{g['median_ms']:.0f}",
+                    f"{g['max_ms']:.0f} (max)",
+                )
+            )
+            rows.append(
+                (
+                    "  cleared again, until all listed",
+                    str(b["listed"]),
+                    f"{f['cleared']['median_ms']:.0f}",
+                    f"{f['cleared']['max_ms']:.0f} (max)",
+                )
+            )
+            rows.append(
+                (
+                    "  the same, run history full",
+                    str(b["listed"]),
+                    f"{g['cleared']['median_ms']:.0f}",
+                    f"{g['cleared']['max_ms']:.0f} (max)",
+                )
+            )
         for kind in ("reload", "goto"):
             g = full[kind]
-            rows.append((f"{kind}: until {b['listed']} listed, run history full",
-                         str(b["listed"]), f"{g['median_ms']:.0f}", f"{g['max_ms']:.0f} (max)"))
-        rows.append((f"(run history full: {full['run_history_chars'] / 1e6:.1f} M characters "
-                     f"in localStorage after {full['filled_with_searches']} searches)",
-                     "", "", ""))
+            rows.append(
+                (
+                    f"{kind}: until {b['listed']} listed, run history full",
+                    str(b["listed"]),
+                    f"{g['median_ms']:.0f}",
+                    f"{g['max_ms']:.0f} (max)",
+                )
+            )
+        rows.append(
+            (
+                f"(run history full: {full['run_history_chars'] / 1e6:.1f} M characters "
+                f"in localStorage after {full['filled_with_searches']} searches)",
+                "",
+                "",
+                "",
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    return "\n".join(f"{r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:>{widths[2]}}  "
-                     f"{r[3]:>{widths[3]}}" for r in rows)
+    return "\n".join(
+        f"{r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]:>{widths[3]}}"
+        for r in rows
+    )
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.history_bench",
-                                description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.history_bench", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--conversations", type=int, default=1000, help="per owner (default 1000)")
-    p.add_argument("--messages", type=int, default=6,
-                   help="messages on a conversation's main branch (default 6)")
+    p.add_argument(
+        "--messages",
+        type=int,
+        default=6,
+        help="messages on a conversation's main branch (default 6)",
+    )
     p.add_argument("--repeats", type=int, default=20, help="of each store figure")
     p.add_argument("--browser", action="store_true", help="also time the sidebar in Chromium")
     p.add_argument("--browser-repeats", type=int, default=3)
     p.add_argument("--json", metavar="FILE", help="write the results here")
     args = p.parse_args(argv)
-    if args.conversations < 1 or args.messages < 1 or args.repeats < 1 or \
-            args.browser_repeats < 1:
+    if args.conversations < 1 or args.messages < 1 or args.repeats < 1 or args.browser_repeats < 1:
         p.error("--conversations, --messages and the repeats must be at least 1")
     from miniserve.core.platform import _cpuinfo, cpu_features, cpu_model
+
     info = _cpuinfo()
     cpu = cpu_model()
     if info.get("cpu family"):  # a virtual machine's "AMD EPYC" says little on its own
         cpu += f" (family {info['cpu family']} model {info.get('model', '?')})"
-    result = {"cpu": cpu, "cpu_features": cpu_features(), "cores": os.cpu_count(),
-              "machine": platform.machine(),
-              "python": platform.python_version(), "sqlite": sqlite3.sqlite_version,
-              "conversations": args.conversations, "messages": args.messages,
-              "repeats": args.repeats, "load_before": load(),
-              "time": time.strftime("%Y-%m-%d %H:%M:%S")}
-    print(f"CPU: {result['cpu']} ({result['cores']} cores); load {result['load_before']}",
-          flush=True)
+    result = {
+        "cpu": cpu,
+        "cpu_features": cpu_features(),
+        "cores": os.cpu_count(),
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+        "sqlite": sqlite3.sqlite_version,
+        "conversations": args.conversations,
+        "messages": args.messages,
+        "repeats": args.repeats,
+        "load_before": load(),
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    print(
+        f"CPU: {result['cpu']} ({result['cores']} cores); load {result['load_before']}", flush=True
+    )
     with tempfile.TemporaryDirectory(prefix="miniserve-history-bench-") as tmp:
         work = Path(tmp)
-        store_figures, data, files = bench_store(args.conversations, args.messages,
-                                                 args.repeats, work / "store")
+        store_figures, data, files = bench_store(
+            args.conversations, args.messages, args.repeats, work / "store"
+        )
         result["data"], result["store"] = data, store_figures
         if args.browser:
-            searches = {label: store_figures[f"search: {label}"]["matches"]
-                        for label in BROWSER_SEARCHES}
+            searches = {
+                label: store_figures[f"search: {label}"]["matches"] for label in BROWSER_SEARCHES
+            }
             (work / "browser").mkdir()
-            result["browser"] = bench_browser(args.conversations, files, searches,
-                                              args.browser_repeats, work / "browser")
+            result["browser"] = bench_browser(
+                args.conversations, files, searches, args.browser_repeats, work / "browser"
+            )
             result["browser_repeats"] = args.browser_repeats
     result["load_after"] = load()
-    print(f"{args.conversations} conversations per owner x 2 owners, "
-          f"{data['messages_per_owner']} messages per owner "
-          f"({data['branched_conversations']} conversations with a regenerated reply), "
-          f"export {data['export_json_bytes'] / 1e6:.1f} MB in {data['import_files']} file(s)")
+    print(
+        f"{args.conversations} conversations per owner x 2 owners, "
+        f"{data['messages_per_owner']} messages per owner "
+        f"({data['branched_conversations']} conversations with a regenerated reply), "
+        f"export {data['export_json_bytes'] / 1e6:.1f} MB in {data['import_files']} file(s)"
+    )
     print(table(result))
     print(f"load before {result['load_before']}, after {result['load_after']}")
     if args.json:

@@ -37,8 +37,14 @@ import threading
 import time
 
 from miniserve.serve.in_thread import serve_in_thread
-from miniserve.bench.bench import (StreamTimeline, at_once, clear_prefix_cache, percentile,
-                             run_streams, stream_prompt)
+from miniserve.bench.bench import (
+    StreamTimeline,
+    at_once,
+    clear_prefix_cache,
+    percentile,
+    run_streams,
+    stream_prompt,
+)
 
 ASK = "\n\nGo on writing this text, in detail."
 
@@ -53,12 +59,18 @@ def _summary(runs: list[StreamTimeline], tokens: list[int], cpu_s: float) -> dic
     per_stream = [n / (r.end - r.submit) for r, n in zip(runs, tokens) if r.end > r.submit]
     wall = end - start
     client_cpu = sum(r.cpu_s for r in runs)
-    return {"tokens": total, "wall_s": wall,
-            "tokens_per_s": total / wall if wall > 0 else 0.0,
-            "stream_tokens_per_s_p50": percentile(per_stream, 50, None),
-            "ttft_p50_s": percentile(ttft, 50, None), "ttft_p95_s": percentile(ttft, 95, None),
-            "itl_p95_s": percentile(gaps, 95, None), "cpu_s": cpu_s, "client_cpu_s": client_cpu,
-            "server_cpu_ms_per_token": (cpu_s - client_cpu) * 1000 / total if total else None}
+    return {
+        "tokens": total,
+        "wall_s": wall,
+        "tokens_per_s": total / wall if wall > 0 else 0.0,
+        "stream_tokens_per_s_p50": percentile(per_stream, 50, None),
+        "ttft_p50_s": percentile(ttft, 50, None),
+        "ttft_p95_s": percentile(ttft, 95, None),
+        "itl_p95_s": percentile(gaps, 95, None),
+        "cpu_s": cpu_s,
+        "client_cpu_s": client_cpu,
+        "server_cpu_ms_per_token": (cpu_s - client_cpu) * 1000 / total if total else None,
+    }
 
 
 def make_prompts(engine, streams: int, prompt_tokens: int, params) -> list[list[dict]]:
@@ -68,16 +80,23 @@ def make_prompts(engine, streams: int, prompt_tokens: int, params) -> list[list[
     text, and a request to go on."""
     overhead = len(engine.chat_prompt([{"role": "user", "content": ASK}], params))
     body = max(4, prompt_tokens - overhead)  # at least the stream's number and a word
-    return [[{"role": "user",
-              "content": engine.tokenizer.decode(stream_prompt(engine.tokenizer, body, i)) + ASK}]
-            for i in range(streams)]
+    return [
+        [
+            {
+                "role": "user",
+                "content": engine.tokenizer.decode(stream_prompt(engine.tokenizer, body, i)) + ASK,
+            }
+        ]
+        for i in range(streams)
+    ]
 
 
 Pieces = list[tuple[float, str]]  # (arrival, text) of each piece of a stream's reply
 
 
-def _run_http(port: int, conversations: list[list[dict]], new_tokens: int
-              ) -> tuple[list[StreamTimeline], list[Pieces], list[int]]:
+def _run_http(
+    port: int, conversations: list[list[dict]], new_tokens: int
+) -> tuple[list[StreamTimeline], list[Pieces], list[int]]:
     """The conversations as streaming requests at once, a client thread each: their timelines
     (without arrivals: see _count_tokens), the pieces of text each received and the
     completion tokens the server reported for each."""
@@ -87,15 +106,21 @@ def _run_http(port: int, conversations: list[list[dict]], new_tokens: int
     def client(i: int, start) -> StreamTimeline:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
         try:
-            body = json.dumps({"model": "default", "messages": conversations[i],
-                               "temperature": 0, "max_tokens": new_tokens, "stream": True,
-                               "stream_options": {"include_usage": True}})
+            body = json.dumps(
+                {
+                    "model": "default",
+                    "messages": conversations[i],
+                    "temperature": 0,
+                    "max_tokens": new_tokens,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
+            )
             conn.connect()
             start()
             cpu = time.thread_time()
             run = StreamTimeline(time.perf_counter())
-            conn.request("POST", "/v1/chat/completions", body,
-                         {"Content-Type": "application/json"})
+            conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
             response = conn.getresponse()
             if response.status != 200:
                 raise RuntimeError(f"HTTP {response.status}: {response.read()[:300]!r}")
@@ -127,26 +152,38 @@ def _count_tokens(runs: list[StreamTimeline], pieces: list[Pieces], tokenizer) -
     """Each piece of text as an arrival of the tokens its text encodes to (at least one): the
     server does not say how many ids an event carries. Done after the run, off its clock."""
     for run, own in zip(runs, pieces):
-        run.arrivals = [(t, max(1, len(tokenizer(text, add_special_tokens=False)["input_ids"])))
-                        for t, text in own]
+        run.arrivals = [
+            (t, max(1, len(tokenizer(text, add_special_tokens=False)["input_ids"])))
+            for t, text in own
+        ]
 
 
-def measure_http(engine, streams: int = 8, prompt_tokens: int = 64, new_tokens: int = 128,
-                 port: int | None = None) -> dict:
+def measure_http(
+    engine,
+    streams: int = 8,
+    prompt_tokens: int = 64,
+    new_tokens: int = 128,
+    port: int | None = None,
+) -> dict:
     """`streams` concurrent greedy streaming requests over HTTP and the same ones in-process;
     returns {"http": numbers, "in_process": numbers, ...} (see the module docstring)."""
     from miniserve.serve.protocol import API_DEFAULTS
     from miniserve.core.config import SamplingParams
+
     if streams < 1 or prompt_tokens < 1 or new_tokens < 1:
         raise ValueError("streams, prompt_tokens and new_tokens must be at least 1")
     params = SamplingParams(**{**API_DEFAULTS, "temperature": 0.0}, max_new_tokens=new_tokens)
     conversations = make_prompts(engine, streams, prompt_tokens, params)
     prompt_ids = [engine.chat_prompt(c, params) for c in conversations]
     if max(map(len, prompt_ids)) + new_tokens > engine.context_length:
-        raise ValueError(f"prompt_tokens + new_tokens must fit the context of "
-                         f"{engine.context_length} tokens")
-    result = {"streams": streams, "new_tokens": new_tokens,
-              "prompt_tokens": round(sum(map(len, prompt_ids)) / streams)}
+        raise ValueError(
+            f"prompt_tokens + new_tokens must fit the context of {engine.context_length} tokens"
+        )
+    result = {
+        "streams": streams,
+        "new_tokens": new_tokens,
+        "prompt_tokens": round(sum(map(len, prompt_ids)) / streams),
+    }
 
     # both runs reuse prefixes as the API does (the streams share the chat template's head),
     # each starting from an empty prefix cache
@@ -169,30 +206,40 @@ def measure_http(engine, streams: int = 8, prompt_tokens: int = 64, new_tokens: 
 
 
 def format_report(result: dict) -> str:
-    rows = [("tokens", "tokens", "{:.0f}"), ("aggregate tokens/s", "tokens_per_s", "{:.1f}"),
-            ("per-stream tokens/s (median)", "stream_tokens_per_s_p50", "{:.1f}"),
-            ("TTFT p50 (ms)", "ttft_p50_s", "ms"), ("TTFT p95 (ms)", "ttft_p95_s", "ms"),
-            ("inter-token p95 (ms)", "itl_p95_s", "ms"), ("CPU time (s)", "cpu_s", "{:.2f}"),
-            ("  of it, client threads (s)", "client_cpu_s", "{:.2f}"),
-            ("server CPU per token (ms)", "server_cpu_ms_per_token", "{:.2f}")]
+    rows = [
+        ("tokens", "tokens", "{:.0f}"),
+        ("aggregate tokens/s", "tokens_per_s", "{:.1f}"),
+        ("per-stream tokens/s (median)", "stream_tokens_per_s_p50", "{:.1f}"),
+        ("TTFT p50 (ms)", "ttft_p50_s", "ms"),
+        ("TTFT p95 (ms)", "ttft_p95_s", "ms"),
+        ("inter-token p95 (ms)", "itl_p95_s", "ms"),
+        ("CPU time (s)", "cpu_s", "{:.2f}"),
+        ("  of it, client threads (s)", "client_cpu_s", "{:.2f}"),
+        ("server CPU per token (ms)", "server_cpu_ms_per_token", "{:.2f}"),
+    ]
 
     def cell(value, fmt):
         if value is None:
             return "-"
         return f"{value * 1000:.1f}" if fmt == "ms" else fmt.format(value)
 
-    lines = [f"{result['streams']} streams, ~{result['prompt_tokens']} prompt tokens, "
-             f"{result['new_tokens']} new tokens each",
-             f"{'':30} {'in-process':>12} {'HTTP':>12}"]
+    lines = [
+        f"{result['streams']} streams, ~{result['prompt_tokens']} prompt tokens, "
+        f"{result['new_tokens']} new tokens each",
+        f"{'':30} {'in-process':>12} {'HTTP':>12}",
+    ]
     for label, key, fmt in rows:
-        lines.append(f"{label:30} {cell(result['in_process'][key], fmt):>12} "
-                     f"{cell(result['http'][key], fmt):>12}")
+        lines.append(
+            f"{label:30} {cell(result['in_process'][key], fmt):>12} "
+            f"{cell(result['http'][key], fmt):>12}"
+        )
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.http_bench",
-                                description="Streaming over HTTP vs in-process.")
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.http_bench", description="Streaming over HTTP vs in-process."
+    )
     p.add_argument("--streams", type=int, default=8)
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=128)
@@ -201,6 +248,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="also write the numbers to this file")
     args = p.parse_args(argv)
     from miniserve.engine.engine import start_engine
+
     engine = start_engine(args.model)
     engine.warm_up()
     result = measure_http(engine, args.streams, args.prompt_tokens, args.new_tokens, args.port)

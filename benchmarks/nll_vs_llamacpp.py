@@ -27,6 +27,7 @@ TEXT = ROOT / "docs" / "bench" / "nll_text.txt"
 
 def token_ids(path: str, n: int) -> list[int]:
     from miniserve.runners.loader import load_model
+
     loaded = load_model(path, dtype="stored", progress=lambda m: None)
     ids = loaded.tokenizer(TEXT.read_text())["input_ids"]
     if len(ids) < n:
@@ -37,6 +38,7 @@ def token_ids(path: str, n: int) -> list[int]:
 def ours(path: str, ids: list[int]) -> float:
     from miniserve.engine.engine import Engine
     from miniserve.runners.loader import load_model
+
     engine = Engine(load_model(path, dtype="stored", progress=lambda m: None))
     try:
         logprobs = [lp for lp, _ in engine.prompt_logprobs(ids)]
@@ -49,12 +51,20 @@ def llamacpp(path: str, ids: list[int]) -> float:
     import numpy as np
 
     from miniserve.bench.synthetic import block_amx
+
     block_amx()  # llama.cpp's AMX kernels die on this CPU (synthetic.block_amx says why)
     from llama_cpp import Llama
-    llm = Llama(model_path=path, n_ctx=len(ids) + 16, n_batch=512, logits_all=True,
-                n_threads=2, verbose=False)
+
+    llm = Llama(
+        model_path=path,
+        n_ctx=len(ids) + 16,
+        n_batch=512,
+        logits_all=True,
+        n_threads=2,
+        verbose=False,
+    )
     llm.eval(ids)
-    scores = np.asarray(llm.scores[:len(ids)], dtype=np.float64)
+    scores = np.asarray(llm.scores[: len(ids)], dtype=np.float64)
     top = scores.max(-1, keepdims=True)
     logp = scores - top - np.log(np.exp(scores - top).sum(-1, keepdims=True))
     return float(-np.mean([logp[i, ids[i + 1]] for i in range(len(ids) - 1)]))
@@ -67,8 +77,12 @@ def child(args) -> None:
 
 
 def run(engine: str, path: str, ids_file: Path) -> float:
-    done = subprocess.run([sys.executable, __file__, "--child", engine, "--ids", str(ids_file),
-                           path], capture_output=True, text=True, cwd=ROOT)
+    done = subprocess.run(
+        [sys.executable, __file__, "--child", engine, "--ids", str(ids_file), path],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     if done.returncode != 0:
         raise SystemExit(f"{engine} on {path} failed: {done.stderr.strip().splitlines()[-1:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])["nll"]
@@ -85,7 +99,10 @@ def main() -> None:
         args.file = args.files[0]
         return child(args)
     import tempfile
-    print("| file | tokens | NLL ours | NLL llama.cpp | ours / llama.cpp |\n|---|---:|---:|---:|---:|")
+
+    print(
+        "| file | tokens | NLL ours | NLL llama.cpp | ours / llama.cpp |\n|---|---:|---:|---:|---:|"
+    )
     for path in args.files:
         ids = token_ids(path, args.tokens)
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:

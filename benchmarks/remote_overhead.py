@@ -19,13 +19,24 @@ from miniserve.models.registry import parse_spec
 from miniserve.models.remote import RemoteEngine
 
 
-def remote_overhead(local, remote, new_tokens: int = 64, repeat: int = 3,
-                    prompt: str = "Tell me about the history of science.") -> dict:
+def remote_overhead(
+    local,
+    remote,
+    new_tokens: int = 64,
+    repeat: int = 3,
+    prompt: str = "Tell me about the history of science.",
+) -> dict:
     """What the remote path adds per token: the same greedy chat turn on a local engine and
     through a server of the same model (`remote`), timed at this client. The replies must be
     identical (the same model and arithmetic on both sides), else ValueError."""
-    params = SamplingParams(temperature=0, top_k=0, top_p=1.0, min_p=0.0,
-                            repetition_penalty=1.0, max_new_tokens=new_tokens)
+    params = SamplingParams(
+        temperature=0,
+        top_k=0,
+        top_p=1.0,
+        min_p=0.0,
+        repetition_penalty=1.0,
+        max_new_tokens=new_tokens,
+    )
     messages = [{"role": "user", "content": prompt}]
     runs = {"local": [], "remote": []}
     for _ in range(repeat + 1):  # the first round warms up (and fills the prefix caches);
@@ -36,19 +47,30 @@ def remote_overhead(local, remote, new_tokens: int = 64, repeat: int = 3,
     for side in runs:
         texts = {text for text, _ in runs[side]}
         stats = [s for _, s in runs[side][1:]]
-        out[side] = {"text": runs[side][0][0], "new_tokens": stats[0].new_tokens,
-                     "ms_per_token": round(statistics.median(
-                         1000 * (s.total_s - s.ttft_s) / max(s.new_tokens - 1, 1)
-                         for s in stats), 3),
-                     "ttft_ms": round(statistics.median(1000 * s.ttft_s for s in stats), 2),
-                     "same_every_run": len(texts) == 1}
-    if (out["local"]["text"], out["local"]["new_tokens"]) != \
-            (out["remote"]["text"], out["remote"]["new_tokens"]):
-        raise ValueError("the remote reply differs from the local one: not the same model or "
-                         f"arithmetic\nlocal:  {out['local']['text']!r}\n"
-                         f"remote: {out['remote']['text']!r}")
-    out["added_ms_per_token"] = round(out["remote"]["ms_per_token"]
-                                      - out["local"]["ms_per_token"], 3)
+        out[side] = {
+            "text": runs[side][0][0],
+            "new_tokens": stats[0].new_tokens,
+            "ms_per_token": round(
+                statistics.median(
+                    1000 * (s.total_s - s.ttft_s) / max(s.new_tokens - 1, 1) for s in stats
+                ),
+                3,
+            ),
+            "ttft_ms": round(statistics.median(1000 * s.ttft_s for s in stats), 2),
+            "same_every_run": len(texts) == 1,
+        }
+    if (out["local"]["text"], out["local"]["new_tokens"]) != (
+        out["remote"]["text"],
+        out["remote"]["new_tokens"],
+    ):
+        raise ValueError(
+            "the remote reply differs from the local one: not the same model or "
+            f"arithmetic\nlocal:  {out['local']['text']!r}\n"
+            f"remote: {out['remote']['text']!r}"
+        )
+    out["added_ms_per_token"] = round(
+        out["remote"]["ms_per_token"] - out["local"]["ms_per_token"], 3
+    )
     out["added_ttft_ms"] = round(out["remote"]["ttft_ms"] - out["local"]["ttft_ms"], 2)
     return out
 
@@ -60,15 +82,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.remote_overhead")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--model", default=None,
-                        help="a local source (default: the embedded model)")
+    parser.add_argument(
+        "--model", default=None, help="a local source (default: the embedded model)"
+    )
     args = parser.parse_args(argv)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "miniserve", "serve", "--port", str(port)]
-                              + (["--model", args.model] if args.model else []),
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "miniserve", "serve", "--port", str(port)]
+        + (["--model", args.model] if args.model else []),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         local = start_engine(args.model)
         local.warm_up()
@@ -90,10 +116,14 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         for side in ("local", "remote"):
             r = result[side]
-            print(f"{side:>6}: {r['ms_per_token']:.2f} ms/token, first token {r['ttft_ms']:.1f} ms "
-                  f"({r['new_tokens']} new tokens, same every run: {r['same_every_run']})")
-        print(f"the remote path adds {result['added_ms_per_token']:.2f} ms/token and "
-              f"{result['added_ttft_ms']:.1f} ms to the first token (identical replies)")
+            print(
+                f"{side:>6}: {r['ms_per_token']:.2f} ms/token, first token {r['ttft_ms']:.1f} ms "
+                f"({r['new_tokens']} new tokens, same every run: {r['same_every_run']})"
+            )
+        print(
+            f"the remote path adds {result['added_ms_per_token']:.2f} ms/token and "
+            f"{result['added_ttft_ms']:.1f} ms to the first token (identical replies)"
+        )
         return 0
     finally:
         server.terminate()

@@ -52,8 +52,11 @@ def map_case(context, case):
     if case.operation.path in GENERATING and isinstance(body, dict):
         for key in TOKEN_FIELDS:
             value = body.get(key)
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and \
-                    value > MAX_TOKENS:  # 4096.0 too: the coverage phase sends whole floats
+            if (
+                isinstance(value, (int, float))
+                and not isinstance(value, bool)
+                and value > MAX_TOKENS
+            ):  # 4096.0 too: the coverage phase sends whole floats
                 body[key] = MAX_TOKENS
         if all(body.get(key) is None for key in TOKEN_FIELDS):  # left out or null
             body["max_tokens"] = MAX_TOKENS
@@ -76,27 +79,53 @@ def wait_for(url: str, server: subprocess.Popen, timeout: float = 300) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--port", type=int, default=8765)
-    parser.add_argument("--max-examples", type=int, default=25,
-                        help="test cases per operation and phase (schemathesis -n)")
+    parser.add_argument(
+        "--max-examples",
+        type=int,
+        default=25,
+        help="test cases per operation and phase (schemathesis -n)",
+    )
     parser.add_argument("--seed", type=int, default=1, help="schemathesis' random seed")
-    parser.add_argument("--report-dir", default=str(Path(tempfile.gettempdir()) /
-                                                    "miniserve-schemathesis"))
+    parser.add_argument(
+        "--report-dir", default=str(Path(tempfile.gettempdir()) / "miniserve-schemathesis")
+    )
     parser.add_argument("extra", nargs="*", help="more schemathesis options (after --)")
     args = parser.parse_args()
 
     base = f"http://127.0.0.1:{args.port}"
-    server = subprocess.Popen([sys.executable, "-m", "miniserve", "serve", "--port",
-                               str(args.port)], cwd=ROOT)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "miniserve", "serve", "--port", str(args.port)], cwd=ROOT
+    )
     try:
         wait_for(base + "/openapi.json", server)
-        env = {**os.environ, "SCHEMATHESIS_HOOKS": "schemathesis_run",
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent),
-                                                            os.environ.get("PYTHONPATH")]))}
-        command = [str(Path(sys.executable).with_name("schemathesis")), "run",
-                   base + "/openapi.json", "--checks", "all", "--workers", "1",
-                   "--max-examples", str(args.max_examples), "--seed", str(args.seed),
-                   "--request-timeout", "120", "--report", "junit,ndjson",
-                   "--report-dir", args.report_dir, "--no-color", *args.extra]
+        env = {
+            **os.environ,
+            "SCHEMATHESIS_HOOKS": "schemathesis_run",
+            "PYTHONPATH": os.pathsep.join(
+                filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")])
+            ),
+        }
+        command = [
+            str(Path(sys.executable).with_name("schemathesis")),
+            "run",
+            base + "/openapi.json",
+            "--checks",
+            "all",
+            "--workers",
+            "1",
+            "--max-examples",
+            str(args.max_examples),
+            "--seed",
+            str(args.seed),
+            "--request-timeout",
+            "120",
+            "--report",
+            "junit,ndjson",
+            "--report-dir",
+            args.report_dir,
+            "--no-color",
+            *args.extra,
+        ]
         print("$", " ".join(command), flush=True)
         started = time.monotonic()
         code = subprocess.call(command, cwd=ROOT, env=env)

@@ -48,10 +48,12 @@ def wait_page(url: str, proc, timeout: float = 120) -> float:
 
 
 def first_token(url: str) -> float:
-    body = json.dumps({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
-                       "stream": True}).encode()
-    request = urllib.request.Request(url + "/v1/chat/completions", body,
-                                     {"Content-Type": "application/json"})
+    body = json.dumps(
+        {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "stream": True}
+    ).encode()
+    request = urllib.request.Request(
+        url + "/v1/chat/completions", body, {"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=300) as r:
         for line in r:
             if line.startswith(b"data: ") and b'"content"' in line:
@@ -82,14 +84,19 @@ def main(argv=None) -> int:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         started = time.monotonic()
-        proc = subprocess.Popen([sys.executable, "app.py", "--port", str(port), "--no-history"],
-                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen(
+            [sys.executable, "app.py", "--port", str(port), "--no-history"],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         try:
             page.append(wait_page(url, proc) - started)
             token.append(first_token(url) - started)
-            print(f"start {i + 1}: page {page[-1]:.2f} s, first token {token[-1]:.2f} s",
-                  flush=True)
+            print(
+                f"start {i + 1}: page {page[-1]:.2f} s, first token {token[-1]:.2f} s", flush=True
+            )
             if i == args.starts - 1:
                 time.sleep(5)  # the request's aftermath settles
                 hz = os.sysconf("SC_CLK_TCK")
@@ -98,16 +105,24 @@ def main(argv=None) -> int:
                 used = (ticks(proc.pid) - a) / hz
                 out["idle_cpu_percent"] = round(100 * used / args.idle_s, 3)
                 out["idle_rss_mb"] = round(rss_mb(proc.pid))
-                print(f"idle {args.idle_s:.0f} s: {out['idle_cpu_percent']}% of a core, "
-                      f"RSS {out['idle_rss_mb']} MB", flush=True)
+                print(
+                    f"idle {args.idle_s:.0f} s: {out['idle_cpu_percent']}% of a core, "
+                    f"RSS {out['idle_rss_mb']} MB",
+                    flush=True,
+                )
         finally:
             proc.terminate()
             proc.wait(timeout=30)
-    out.update(page_s=[round(x, 3) for x in page], first_token_s=[round(x, 3) for x in token],
-               page_median_s=round(statistics.median(page), 3),
-               first_token_median_s=round(statistics.median(token), 3))
-    print(f"median of {args.starts}: page {out['page_median_s']} s, first token "
-          f"{out['first_token_median_s']} s")
+    out.update(
+        page_s=[round(x, 3) for x in page],
+        first_token_s=[round(x, 3) for x in token],
+        page_median_s=round(statistics.median(page), 3),
+        first_token_median_s=round(statistics.median(token), 3),
+    )
+    print(
+        f"median of {args.starts}: page {out['page_median_s']} s, first token "
+        f"{out['first_token_median_s']} s"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     return 0

@@ -33,14 +33,19 @@ PROMPT = "Write a short story about a lighthouse keeper."
 
 
 def ms(values) -> str:
-    return f"{statistics.median(values) * 1000:.1f} ms (min {min(values) * 1000:.1f}, n={len(values)})"
+    return (
+        f"{statistics.median(values) * 1000:.1f} ms (min {min(values) * 1000:.1f}, n={len(values)})"
+    )
 
 
 def server_side(engine, repeat: int) -> dict:
     params = load_presets()["balanced"].replace(seed=1, max_new_tokens=4 * repeat + 8)
     messages = [{"role": "user", "content": PROMPT}]
-    ids = (engine.chat_prompt(messages, params) if engine.has_chat_template else
-           engine.prompt_ids(PROMPT, params))  # a base model (Gemma 3 270M): completion mode
+    ids = (
+        engine.chat_prompt(messages, params)
+        if engine.has_chat_template
+        else engine.prompt_ids(PROMPT, params)
+    )  # a base model (Gemma 3 270M): completion mode
     s = StepSession(engine, ids, params)
     s.step()  # the prompt
     steps = []
@@ -80,17 +85,20 @@ def in_browser(engine, repeat: int) -> dict:
 
     from conftest import CHROMIUM
     from servers import free_port
+
     demo = build_ui(engine, load_presets())
     app = gr.mount_gradio_app(FastAPI(), demo, path="/", css=CSS, footer_links=[])
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(),
-                                           log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning")
+    )
     threading.Thread(target=server.run, daemon=True).start()
     while not server.started:
         time.sleep(0.05)
     out = {"release": [], "click": []}
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM,
-                                    args=["--no-sandbox", "--disable-gpu"])
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"]
+        )
         page = browser.new_page(viewport={"width": 1500, "height": 1200})
         page.goto(f"http://127.0.0.1:{server.config.port}")
         page.get_by_role("tab", name="Step").click()
@@ -108,8 +116,9 @@ def in_browser(engine, repeat: int) -> dict:
             started = time.perf_counter()
             release()
             want = value() if callable(value) else value
-            page.wait_for_function(f"({DRAWN})([{name!r}, {want!r}])", timeout=60_000,
-                                   polling="raf")
+            page.wait_for_function(
+                f"({DRAWN})([{name!r}, {want!r}])", timeout=60_000, polling="raf"
+            )
             return time.perf_counter() - started
 
         slider = tab.locator("input[type=range]").first
@@ -122,8 +131,9 @@ def in_browser(engine, repeat: int) -> dict:
             page.mouse.move(x - 8, y)
             page.mouse.down()
             page.mouse.move(x, y, steps=2)
-            out["release"].append(timed(page.mouse.up, "temperature",
-                                        lambda: f"{float(number.input_value()):g}"))
+            out["release"].append(
+                timed(page.mouse.up, "temperature", lambda: f"{float(number.input_value()):g}")
+            )
         chart = tab.locator("#step-chart svg.ms-step-chart")
         for i in range(repeat):
             position = int(chart.get_attribute("data-position"))
@@ -141,12 +151,16 @@ def main() -> None:
     args = ap.parse_args()
     engine = start_engine(args.model, progress=lambda m: None)
     engine.warm_up()
-    print(f"model {engine.name}, vocabulary {engine.runner.config.vocab_size}, "
-          f"{engine.runner_name} runner")
+    print(
+        f"model {engine.name}, vocabulary {engine.runner.config.vocab_size}, "
+        f"{engine.runner_name} runner"
+    )
     r = server_side(engine, args.repeat)
     print(f"one Step, server side:         {ms(r['step'])}")
-    print(f"one streamed decode step:      {ms(r['decode'])}  -> Step / decode = "
-          f"{statistics.median(r['step']) / statistics.median(r['decode']):.2f}x")
+    print(
+        f"one streamed decode step:      {ms(r['decode'])}  -> Step / decode = "
+        f"{statistics.median(r['step']) / statistics.median(r['decode']):.2f}x"
+    )
     print(f"stages re-run (update + view): {ms(r['restage'])}")
     if not args.no_browser:
         b = in_browser(engine, args.repeat)

@@ -74,17 +74,22 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_OURS = ("{python} -m miniserve bench --model {model} --prompt-tokens {prompt_tokens} "
-                "--new-tokens {new_tokens} --repeat 1 --modes cache --json {json}")
-DEFAULT_OURS_BATCH = ("{python} -m miniserve bench --model {model} --concurrency {streams} "
-                      "--presets greedy --prompt-tokens {batch_prompt} --new-tokens {new_tokens} "
-                      "--repeat 1 --json {json}")
+DEFAULT_OURS = (
+    "{python} -m miniserve bench --model {model} --prompt-tokens {prompt_tokens} "
+    "--new-tokens {new_tokens} --repeat 1 --modes cache --json {json}"
+)
+DEFAULT_OURS_BATCH = (
+    "{python} -m miniserve bench --model {model} --concurrency {streams} "
+    "--presets greedy --prompt-tokens {batch_prompt} --new-tokens {new_tokens} "
+    "--repeat 1 --json {json}"
+)
 DEFAULT_READY = r"warming up"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 BUSY_OTHERS_FLAG = 0.05
 
 
 # -- the machine ------------------------------------------------------------------------------
+
 
 def cpu_description() -> dict:
     info: dict[str, str] = {}
@@ -95,8 +100,20 @@ def cpu_description() -> dict:
     except OSError:
         pass
     flags = set(info.get("flags", "").split())
-    named = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile",
-                         "amx_int8", "amx_bf16") if f in flags]
+    named = [
+        f
+        for f in (
+            "avx2",
+            "avx512f",
+            "avx512_vnni",
+            "avx_vnni",
+            "avx512_bf16",
+            "amx_tile",
+            "amx_int8",
+            "amx_bf16",
+        )
+        if f in flags
+    ]
     return {"model": info.get("model name", "?"), "cores": os.cpu_count(), "flags": named}
 
 
@@ -143,16 +160,16 @@ class Sampler(threading.Thread):
             self.stop.wait(self.interval)
 
 
-def run_child(cmd: list[str], ready: str | None = None, env: dict | None = None,
-              timeout: float = 3600) -> dict:
+def run_child(
+    cmd: list[str], ready: str | None = None, env: dict | None = None, timeout: float = 3600
+) -> dict:
     """Run one measurement process alone: {rc, out, err, ready_s (spawn -> the ready line),
     wall_s, peak_rss_mb (VmHWM), peak / end samples, cpu_s, others_cpu_share}."""
     ready_re = re.compile(ready) if ready else None
     self_before = resource.getrusage(resource.RUSAGE_SELF)
     busy_before = busy_jiffies()
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT,
-                            env=env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=env)
     sampler = Sampler(proc.pid)
     sampler.start()
     box: dict = {"ready_s": None, "out": [], "err": []}
@@ -172,13 +189,16 @@ def run_child(cmd: list[str], ready: str | None = None, env: dict | None = None,
                 pending += text
                 *done, pending = re.split(r"[\r\n]", pending)
                 for line in done:
-                    if (ready_re is None and not is_err and line.strip() == "READY") or \
-                            (ready_re is not None and ready_re.search(line)):
+                    if (ready_re is None and not is_err and line.strip() == "READY") or (
+                        ready_re is not None and ready_re.search(line)
+                    ):
                         box["ready_s"] = time.perf_counter() - start
                         break
 
-    readers = [threading.Thread(target=read, args=(proc.stdout, box["out"], False), daemon=True),
-               threading.Thread(target=read, args=(proc.stderr, box["err"], True), daemon=True)]
+    readers = [
+        threading.Thread(target=read, args=(proc.stdout, box["out"], False), daemon=True),
+        threading.Thread(target=read, args=(proc.stderr, box["err"], True), daemon=True),
+    ]
     for r in readers:
         r.start()
     timer = threading.Timer(timeout, proc.kill)
@@ -193,28 +213,36 @@ def run_child(cmd: list[str], ready: str | None = None, env: dict | None = None,
         r.join()
     busy = (busy_jiffies() - busy_before) / CLK_TCK
     self_after = resource.getrusage(resource.RUSAGE_SELF)
-    mine = (self_after.ru_utime + self_after.ru_stime
-            - self_before.ru_utime - self_before.ru_stime)
+    mine = self_after.ru_utime + self_after.ru_stime - self_before.ru_utime - self_before.ru_stime
     child_cpu = usage.ru_utime + usage.ru_stime
     others = max(0.0, busy - child_cpu - mine)
-    return {"rc": proc.returncode, "out": "".join(box["out"]), "err": "".join(box["err"]),
-            "ready_s": box["ready_s"], "wall_s": round(wall, 3),
-            # VmHWM as last sampled (ru_maxrss would count the forked copy of this process
-            # before its exec)
-            "peak_rss_mb": sampler.hwm or None,
-            "peak_sample": sampler.peak, "end_sample": sampler.last,
-            "cpu_s": round(child_cpu, 2), "others_cpu_s": round(others, 2),
-            "others_cpu_share": round(others / (wall * (os.cpu_count() or 1)), 3)}
+    return {
+        "rc": proc.returncode,
+        "out": "".join(box["out"]),
+        "err": "".join(box["err"]),
+        "ready_s": box["ready_s"],
+        "wall_s": round(wall, 3),
+        # VmHWM as last sampled (ru_maxrss would count the forked copy of this process
+        # before its exec)
+        "peak_rss_mb": sampler.hwm or None,
+        "peak_sample": sampler.peak,
+        "end_sample": sampler.last,
+        "cpu_s": round(child_cpu, 2),
+        "others_cpu_s": round(others, 2),
+        "others_cpu_share": round(others / (wall * (os.cpu_count() or 1)), 3),
+    }
 
 
 # -- llama.cpp, in a child process ------------------------------------------------------------
+
 
 def filler_text() -> str:
     """miniserve.bench.bench.FILLER, read from its source (importing it would import torch)."""
     tree = ast.parse((ROOT / "miniserve" / "bench.py").read_text())
     for node in tree.body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "FILLER"
-                                                for t in node.targets):
+        if isinstance(node, ast.Assign) and any(
+            getattr(t, "id", "") == "FILLER" for t in node.targets
+        ):
             return ast.literal_eval(node.value)
     raise RuntimeError("no FILLER in miniserve/bench/bench.py")
 
@@ -233,25 +261,33 @@ def own_status() -> dict:
 def llamacpp_params(extra_bufts: bool):
     """llama_model_default_params with the repacked buffers as asked (the default: on)."""
     import llama_cpp
+
     params = llama_cpp.llama_model_default_params()
     if not extra_bufts:
         params.use_extra_bufts = False
     return params
 
 
-def child_llamacpp_single(path: str, threads: int, prompts: list[int], new_tokens: int,
-                          extra_bufts: bool) -> dict:
+def child_llamacpp_single(
+    path: str, threads: int, prompts: list[int], new_tokens: int, extra_bufts: bool
+) -> dict:
     t0 = time.perf_counter()
     import llama_cpp
     from llama_cpp import llama as llama_module
+
     imported = time.perf_counter() - t0
     n_ctx = max(prompts) + new_tokens + 16
     original = llama_module.llama_cpp.llama_model_default_params
     if not extra_bufts:
         llama_module.llama_cpp.llama_model_default_params = lambda: llamacpp_params(False)
     try:
-        llm = llama_cpp.Llama(model_path=path, n_ctx=max(n_ctx, 1024), n_threads=threads,
-                              n_threads_batch=threads, verbose=True)  # its buffer sizes
+        llm = llama_cpp.Llama(
+            model_path=path,
+            n_ctx=max(n_ctx, 1024),
+            n_threads=threads,
+            n_threads_batch=threads,
+            verbose=True,
+        )  # its buffer sizes
     finally:
         llama_module.llama_cpp.llama_model_default_params = original
     constructed = time.perf_counter() - t0
@@ -265,8 +301,9 @@ def child_llamacpp_single(path: str, threads: int, prompts: list[int], new_token
         llm.reset()  # else generate() reuses the previous call's KV prefix
         tokens, first = [], None
         start = time.perf_counter()
-        for token in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0,
-                                  repeat_penalty=1.0, reset=True):
+        for token in llm.generate(
+            ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True
+        ):
             if first is None:
                 first = time.perf_counter() - start
             tokens.append(token)  # end tokens too: exactly n tokens a run
@@ -274,28 +311,43 @@ def child_llamacpp_single(path: str, threads: int, prompts: list[int], new_token
                 break
         total = time.perf_counter() - start
         decode = (len(tokens) - 1) / (total - first) if len(tokens) > 1 else 0.0
-        return {"prompt_tokens": len(ids), "new_tokens": len(tokens), "ttft_s": round(first, 4),
-                "total_s": round(total, 4), "decode_tok_s": round(decode, 2),
-                "tokens_head": tokens[:8]}
+        return {
+            "prompt_tokens": len(ids),
+            "new_tokens": len(tokens),
+            "ttft_s": round(first, 4),
+            "total_s": round(total, 4),
+            "decode_tok_s": round(decode, 2),
+            "tokens_head": tokens[:8],
+        }
 
     run(filler_ids(tokenize, 8), 4)  # one-off costs (first graph, buffers) out of the numbers
     runs = [run(filler_ids(tokenize, n), new_tokens) for n in prompts]
     cparams = llm.context_params
-    return {"engine": "llama.cpp", "kind": "single", "import_s": round(imported, 3),
-            "construct_s": round(constructed, 3), "runs": runs,
-            "settings": {"n_threads": threads, "n_ctx": llm.n_ctx(), "n_batch": llm.n_batch,
-                         "n_ubatch": cparams.n_ubatch,
-                         "flash_attn": getattr(cparams, "flash_attn_type",
-                                               getattr(cparams, "flash_attn", None)),
-                         "type_k": cparams.type_k,
-                         "load_mode": getattr(llm.model_params, "load_mode", None),
-                         "extra_bufts": bool(llm.model_params.use_extra_bufts),
-                         "system_info": llama_cpp.llama_print_system_info().decode()},
-            "status_after_load": after_load, "status_end": own_status()}
+    return {
+        "engine": "llama.cpp",
+        "kind": "single",
+        "import_s": round(imported, 3),
+        "construct_s": round(constructed, 3),
+        "runs": runs,
+        "settings": {
+            "n_threads": threads,
+            "n_ctx": llm.n_ctx(),
+            "n_batch": llm.n_batch,
+            "n_ubatch": cparams.n_ubatch,
+            "flash_attn": getattr(cparams, "flash_attn_type", getattr(cparams, "flash_attn", None)),
+            "type_k": cparams.type_k,
+            "load_mode": getattr(llm.model_params, "load_mode", None),
+            "extra_bufts": bool(llm.model_params.use_extra_bufts),
+            "system_info": llama_cpp.llama_print_system_info().decode(),
+        },
+        "status_after_load": after_load,
+        "status_end": own_status(),
+    }
 
 
-def child_llamacpp_batch(path: str, threads: int, streams: int, prompt: int, new_tokens: int,
-                         extra_bufts: bool) -> dict:
+def child_llamacpp_batch(
+    path: str, threads: int, streams: int, prompt: int, new_tokens: int, extra_bufts: bool
+) -> dict:
     sys.path.insert(0, str(ROOT))
     t0 = time.perf_counter()
     import llama_cpp
@@ -304,6 +356,7 @@ def child_llamacpp_batch(path: str, threads: int, streams: int, prompt: int, new
     # ~150 MB and a second OpenMP runtime in a process that measures llama.cpp. The batch
     # class needs none of it, so the loader is stubbed for this process.
     import types
+
     if "miniserve.runners.loader" not in sys.modules:
         stub = types.ModuleType("miniserve.runners.loader")
         stub.cache_root = stub.file_key = None
@@ -316,17 +369,20 @@ def child_llamacpp_batch(path: str, threads: int, streams: int, prompt: int, new
 
         def __init__(self, path: Path, threads: int):
             import logging
+
             logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
             self.ll = llama_cpp
             self.threads = threads
             self.kv_float32 = False
             llama_cpp.llama_backend_init()
-            self.model = llama_cpp.llama_model_load_from_file(str(path).encode(),
-                                                              llamacpp_params(extra_bufts))
+            self.model = llama_cpp.llama_model_load_from_file(
+                str(path).encode(), llamacpp_params(extra_bufts)
+            )
             if not self.model:
                 raise RuntimeError(f"llama.cpp could not load {path}")
             self.n_vocab = llama_cpp.llama_vocab_n_tokens(
-                llama_cpp.llama_model_get_vocab(self.model))
+                llama_cpp.llama_model_get_vocab(self.model)
+            )
 
     model = Batch(Path(path), threads)
     constructed = time.perf_counter() - t0
@@ -348,33 +404,50 @@ def child_llamacpp_batch(path: str, threads: int, streams: int, prompt: int, new
     last = max(s["times"][-1] for s in reply["streams"] if s["times"])
     after_first = produced - len(firsts)
     model.close()
-    return {"engine": "llama.cpp", "kind": "batch", "construct_s": round(constructed, 3),
-            "streams": streams, "prompt_tokens": prompt, "new_tokens": new_tokens,
-            "produced_tokens": produced, "wall_s": round(reply["total_s"], 4),
-            "batch_tok_s": round(produced / reply["total_s"], 2),
-            "batch_decode_tok_s": round(after_first / (last - max(firsts)), 2)
-            if last > max(firsts) else None,
-            "ttft_p50_s": round(statistics.median(firsts), 4),
-            "extra_bufts": extra_bufts, "status_end": own_status()}
+    return {
+        "engine": "llama.cpp",
+        "kind": "batch",
+        "construct_s": round(constructed, 3),
+        "streams": streams,
+        "prompt_tokens": prompt,
+        "new_tokens": new_tokens,
+        "produced_tokens": produced,
+        "wall_s": round(reply["total_s"], 4),
+        "batch_tok_s": round(produced / reply["total_s"], 2),
+        "batch_decode_tok_s": round(after_first / (last - max(firsts)), 2)
+        if last > max(firsts)
+        else None,
+        "ttft_p50_s": round(statistics.median(firsts), 4),
+        "extra_bufts": extra_bufts,
+        "status_end": own_status(),
+    }
 
 
 def child_main(args) -> int:
     if not args.llamacpp_amx and not args.no_extra_bufts:
         sys.path.insert(0, str(ROOT))
         from miniserve.bench.synthetic import block_amx
+
         block_amx()
     if args.child == "llamacpp-batch":
-        result = child_llamacpp_batch(args.files[0], args.threads, args.streams,
-                                      args.batch_prompt_tokens, args.new_tokens,
-                                      not args.no_extra_bufts)
+        result = child_llamacpp_batch(
+            args.files[0],
+            args.threads,
+            args.streams,
+            args.batch_prompt_tokens,
+            args.new_tokens,
+            not args.no_extra_bufts,
+        )
     else:
-        result = child_llamacpp_single(args.files[0], args.threads, args.prompt_list,
-                                       args.new_tokens, not args.no_extra_bufts)
+        result = child_llamacpp_single(
+            args.files[0], args.threads, args.prompt_list, args.new_tokens, not args.no_extra_bufts
+        )
     print(json.dumps(result), flush=True)
     return 0
 
 
 # -- the runs ---------------------------------------------------------------------------------
+
 
 def last_json_line(text: str) -> dict | None:
     for line in reversed(text.splitlines()):
@@ -395,25 +468,45 @@ def parse_ours(data: dict, mode: str, prompts: list[int]) -> dict:
         row = next((r for r in mine if r.get("preset") == "greedy"), mine[0] if mine else None)
         if row is None:
             return {"error": "no miniserve row in the concurrency JSON"}
-        return {"batch_tok_s": row["aggregate_tokens_per_s"], "streams": row["concurrency"],
-                "produced_tokens": row["produced_tokens"], "ttft_p50_s": row.get("ttft_p50_s"),
-                "batch_stream_decode_tok_s": row.get("stream_decode_tokens_per_s"),
-                "dtype": row.get("dtype"), "runner": data.get("runner")}
+        return {
+            "batch_tok_s": row["aggregate_tokens_per_s"],
+            "streams": row["concurrency"],
+            "produced_tokens": row["produced_tokens"],
+            "ttft_p50_s": row.get("ttft_p50_s"),
+            "batch_stream_decode_tok_s": row.get("stream_decode_tokens_per_s"),
+            "dtype": row.get("dtype"),
+            "runner": data.get("runner"),
+        }
     if rows is not None:  # bench
         runs = []
         for r in rows:
             if r.get("mode") == mode:
-                runs.append({"prompt_tokens": r["prompt_tokens"], "new_tokens": r["new_tokens"],
-                             "ttft_s": r["ttft_s"], "decode_tok_s": r["decode_tokens_per_s"]})
+                runs.append(
+                    {
+                        "prompt_tokens": r["prompt_tokens"],
+                        "new_tokens": r["new_tokens"],
+                        "ttft_s": r["ttft_s"],
+                        "decode_tok_s": r["decode_tokens_per_s"],
+                    }
+                )
         if not runs:
             return {"error": f"no rows of mode {mode!r} in the bench JSON"}
-        return {"runs": runs, "dtype": data.get("dtype"), "runner": data.get("runner"),
-                "tokens_verified": data.get("tokens_verified")}
+        return {
+            "runs": runs,
+            "dtype": data.get("dtype"),
+            "runner": data.get("runner"),
+            "tokens_verified": data.get("tokens_verified"),
+        }
     out = dict(data)  # a flat object in our own names
     if "ttft_s" in out and isinstance(out["ttft_s"], dict):
-        out["runs"] = [{"prompt_tokens": int(n), "ttft_s": s,
-                        "decode_tok_s": out.get("decode_tok_s") if int(n) == prompts[0] else None}
-                       for n, s in out.pop("ttft_s").items()]
+        out["runs"] = [
+            {
+                "prompt_tokens": int(n),
+                "ttft_s": s,
+                "decode_tok_s": out.get("decode_tok_s") if int(n) == prompts[0] else None,
+            }
+            for n, s in out.pop("ttft_s").items()
+        ]
     return out
 
 
@@ -426,14 +519,27 @@ def measure(engine: str, kind: str, path: Path, args, round_no: int) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1")
     prompts = ",".join(str(n) for n in args.prompt_list)
     if engine == "llamacpp":
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--child",
-               "llamacpp-batch" if kind == "batch" else "llamacpp-single", str(path),
-               "--threads", str(args.threads), "--prompt-tokens", prompts,
-               "--new-tokens", str(args.new_tokens), "--streams", str(args.streams),
-               "--batch-prompt-tokens", str(args.batch_prompt_tokens)]
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--child",
+            "llamacpp-batch" if kind == "batch" else "llamacpp-single",
+            str(path),
+            "--threads",
+            str(args.threads),
+            "--prompt-tokens",
+            prompts,
+            "--new-tokens",
+            str(args.new_tokens),
+            "--streams",
+            str(args.streams),
+            "--batch-prompt-tokens",
+            str(args.batch_prompt_tokens),
+        ]
         extra = not args.no_extra_bufts
-        flags = ([] if extra else ["--no-extra-bufts"]) + (["--llamacpp-amx"]
-                                                           if args.llamacpp_amx else [])
+        flags = ([] if extra else ["--no-extra-bufts"]) + (
+            ["--llamacpp-amx"] if args.llamacpp_amx else []
+        )
         done = run_child(cmd + flags, None, env, args.timeout)
         result = last_json_line(done["out"])
         if result is None and extra and done["rc"] < 0:
@@ -443,29 +549,55 @@ def measure(engine: str, kind: str, path: Path, args, round_no: int) -> dict:
             done = run_child(cmd + ["--no-extra-bufts"], None, env, args.timeout)
             result = last_json_line(done["out"])
             if result is not None:
-                result["note"] = (f"crashed with the extra buffers (exit {crashed['rc']}: "
-                                  + " | ".join(crashed["err"].strip().splitlines()[-2:])[:300]
-                                  + "); this run used the plain CPU buffers")
-        record = {"engine": engine, "kind": kind, "round": round_no, "cmd": cmd, **done,
-                  "result": result}
+                result["note"] = (
+                    f"crashed with the extra buffers (exit {crashed['rc']}: "
+                    + " | ".join(crashed["err"].strip().splitlines()[-2:])[:300]
+                    + "); this run used the plain CPU buffers"
+                )
+        record = {
+            "engine": engine,
+            "kind": kind,
+            "round": round_no,
+            "cmd": cmd,
+            **done,
+            "result": result,
+        }
     else:
         with tempfile.TemporaryDirectory() as tmp:
             out_json = Path(tmp) / "ours.json"
             template = args.ours_batch_cmd if kind == "batch" else args.ours_cmd
-            cmd = fill(template, python=sys.executable, model=str(path), json=str(out_json),
-                       prompt_tokens=prompts, new_tokens=args.new_tokens, threads=args.threads,
-                       streams=args.streams, batch_prompt=args.batch_prompt_tokens)
+            cmd = fill(
+                template,
+                python=sys.executable,
+                model=str(path),
+                json=str(out_json),
+                prompt_tokens=prompts,
+                new_tokens=args.new_tokens,
+                threads=args.threads,
+                streams=args.streams,
+                batch_prompt=args.batch_prompt_tokens,
+            )
             done = run_child(cmd, args.ours_ready, env, args.timeout)
-            data = (json.loads(out_json.read_text()) if out_json.is_file()
-                    else last_json_line(done["out"]))
+            data = (
+                json.loads(out_json.read_text())
+                if out_json.is_file()
+                else last_json_line(done["out"])
+            )
         result = parse_ours(data, args.ours_mode, args.prompt_list) if data else None
         if result and result.get("ready_s") is not None:
             done["ready_s"] = result["ready_s"]
-        record = {"engine": engine, "kind": kind, "round": round_no, "cmd": cmd, **done,
-                  "result": result}
+        record = {
+            "engine": engine,
+            "kind": kind,
+            "round": round_no,
+            "cmd": cmd,
+            **done,
+            "result": result,
+        }
     if result is None or done["rc"] not in (0, 3):  # bench exits 3 on unverified tokens
-        record["error"] = (f"exit {done['rc']}: "
-                           + " | ".join(done["err"].strip().splitlines()[-3:]))[:600]
+        record["error"] = (
+            f"exit {done['rc']}: " + " | ".join(done["err"].strip().splitlines()[-3:])
+        )[:600]
     record["buffers_mib"] = buffer_sizes(done["err"])
     if not args.keep_output:
         record["out"] = record["out"][-2000:] if record.get("error") else ""
@@ -477,8 +609,9 @@ def buffer_sizes(log: str) -> dict[str, float]:
     """llama.cpp's buffer sizes from its load log: {"model CPU_REPACK": MiB, "KV CPU": ...}."""
     out: dict[str, float] = {}
     for line in log.splitlines():
-        m = re.search(r"^\w+:\s+(\S+)\s+(model|KV|compute|output) buffer size =\s*([\d.]+) MiB",
-                      line.strip())
+        m = re.search(
+            r"^\w+:\s+(\S+)\s+(model|KV|compute|output) buffer size =\s*([\d.]+) MiB", line.strip()
+        )
         if m:
             key = f"{m.group(2)} {m.group(1)}"
             out[key] = round(out.get(key, 0.0) + float(m.group(3)), 1)
@@ -514,6 +647,7 @@ def gguf_summary(path: Path) -> dict:
     out: dict = {"size_mib": round(path.stat().st_size / 2**20, 1)}
     try:
         import gguf
+
         reader = gguf.GGUFReader(str(path))
         types: dict[str, int] = {}
         for t in reader.tensors:
@@ -521,8 +655,9 @@ def gguf_summary(path: Path) -> dict:
         out["tensor_types"] = types
         field = reader.fields.get("general.file_type")
         if field is not None:
-            out["file_type"] = gguf.LlamaFileType(int(field.contents())).name.removeprefix(
-                "MOSTLY_").lower()
+            out["file_type"] = (
+                gguf.LlamaFileType(int(field.contents())).name.removeprefix("MOSTLY_").lower()
+            )
         arch = reader.fields["general.architecture"].contents()
         out["arch"] = arch
         for key in ("block_count", "embedding_length", "vocab_size"):
@@ -539,8 +674,9 @@ def summarize(records: list[dict], prompts: list[int]) -> dict:
     """Medians per engine over the rounds."""
     out: dict = {}
     for engine in sorted({r["engine"] for r in records}):
-        mine = [r for r in records if r["engine"] == engine and r.get("result")
-                and not r.get("error")]
+        mine = [
+            r for r in records if r["engine"] == engine and r.get("result") and not r.get("error")
+        ]
         single = [r for r in mine if r["kind"] == "single"]
         batch = [r for r in mine if r["kind"] == "batch"]
         s: dict = {"rounds": len(single), "batch_rounds": len(batch)}
@@ -550,8 +686,10 @@ def summarize(records: list[dict], prompts: list[int]) -> dict:
             return round(statistics.median(values), 4) if values else None
 
         for n in prompts:
-            runs = [next((x for x in r["result"].get("runs", []) if x["prompt_tokens"] == n),
-                         None) for r in single]
+            runs = [
+                next((x for x in r["result"].get("runs", []) if x["prompt_tokens"] == n), None)
+                for r in single
+            ]
             runs = [x for x in runs if x]
             s[f"ttft_{n}_s"] = med(x["ttft_s"] for x in runs)
             if n == prompts[0]:
@@ -575,11 +713,16 @@ def summarize(records: list[dict], prompts: list[int]) -> dict:
 
 # -- the table --------------------------------------------------------------------------------
 
-COLUMNS = (("decode_tok_s", "decode tok/s", "{:.1f}"), ("ttft_64_s", "TTFT 64 (s)", "{:.3f}"),
-           ("ttft_512_s", "TTFT 512 (s)", "{:.3f}"), ("batch_tok_s", "B=8 tok/s", "{:.1f}"),
-           ("load_s", "load (s)", "{:.2f}"), ("peak_rss_mib", "peak RSS MiB", "{:.0f}"),
-           ("rss_anon_at_peak_mib", "anon MiB", "{:.0f}"),
-           ("rss_file_at_peak_mib", "file MiB", "{:.0f}"))
+COLUMNS = (
+    ("decode_tok_s", "decode tok/s", "{:.1f}"),
+    ("ttft_64_s", "TTFT 64 (s)", "{:.3f}"),
+    ("ttft_512_s", "TTFT 512 (s)", "{:.3f}"),
+    ("batch_tok_s", "B=8 tok/s", "{:.1f}"),
+    ("load_s", "load (s)", "{:.2f}"),
+    ("peak_rss_mib", "peak RSS MiB", "{:.0f}"),
+    ("rss_anon_at_peak_mib", "anon MiB", "{:.0f}"),
+    ("rss_file_at_peak_mib", "file MiB", "{:.0f}"),
+)
 
 
 def markdown(results: list[dict]) -> str:
@@ -590,17 +733,19 @@ def markdown(results: list[dict]) -> str:
         lines.append(f"CPU: {c['model']}, {c['cores']} cores ({' '.join(c['flags']) or '-'})")
     for r in results:
         st = r.get("settings", {})
-        lines.append(f"threads {st.get('threads')}, median of {st.get('repeat')} rounds, "
-                     f"{st.get('new_tokens')} new tokens, B={st.get('streams')} streams of "
-                     f"{st.get('batch_prompt_tokens')}-token prompts; each engine alone in its "
-                     "own process, rounds interleaved")
+        lines.append(
+            f"threads {st.get('threads')}, median of {st.get('repeat')} rounds, "
+            f"{st.get('new_tokens')} new tokens, B={st.get('streams')} streams of "
+            f"{st.get('batch_prompt_tokens')}-token prompts; each engine alone in its "
+            "own process, rounds interleaved"
+        )
         break
     head = ["model", "engine"] + [c[1] for c in COLUMNS]
     lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         for f in r["files"]:
             info = f["info"]
-            label = (f"{Path(f['path']).name} ({info.get('size_mib', 0):.0f} MiB)")
+            label = f"{Path(f['path']).name} ({info.get('size_mib', 0):.0f} MiB)"
             summary = f["summary"]
             for engine in ("llamacpp", "ours"):
                 if engine not in summary:
@@ -618,8 +763,13 @@ def markdown(results: list[dict]) -> str:
                     a, b = summary["ours"].get(key), summary["llamacpp"].get(key)
                     cells.append(f"{a / b:.2f}x" if a is not None and b else "-")
                 lines.append("| " + " | ".join(cells) + " |")
-    notes = [(Path(f["path"]).name, e, n) for r in results for f in r["files"]
-             for e, s in f["summary"].items() for n in s.get("notes", []) + s.get("errors", [])]
+    notes = [
+        (Path(f["path"]).name, e, n)
+        for r in results
+        for f in r["files"]
+        for e, s in f["summary"].items()
+        for n in s.get("notes", []) + s.get("errors", [])
+    ]
     for name, engine, note in notes:
         lines.append(f"- {name}, {engine}: {note}")
     return "\n".join(lines)
@@ -647,42 +797,77 @@ def merge(results: list[dict]) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("files", nargs="*", help="GGUF files")
-    p.add_argument("--engines", default="llamacpp,ours",
-                   help="comma-separated: llamacpp, ours (default both)")
+    p.add_argument(
+        "--engines", default="llamacpp,ours", help="comma-separated: llamacpp, ours (default both)"
+    )
     p.add_argument("--repeat", type=int, default=3, help="rounds (median reported)")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--prompt-tokens", default="64,512",
-                   help="prompt lengths; decode tok/s is read from the first")
+    p.add_argument(
+        "--prompt-tokens",
+        default="64,512",
+        help="prompt lengths; decode tok/s is read from the first",
+    )
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--streams", type=int, default=8, help="B for the batched run (0: none)")
     p.add_argument("--batch-prompt-tokens", type=int, default=64)
-    p.add_argument("--no-extra-bufts", action="store_true",
-                   help="llama.cpp without its extra CPU buffers (AMX, CPU_REPACK; default: "
-                        "on, its default, less AMX)")
-    p.add_argument("--llamacpp-amx", action="store_true",
-                   help="let llama.cpp use its AMX buffer (it crashes on this CPU with "
-                        "llama-cpp-python 0.3.36)")
-    p.add_argument("--ours-cmd", default=DEFAULT_OURS,
-                   help="our one-stream command ({model} {json} {prompt_tokens} {new_tokens} "
-                        "{threads} {python}); default: %(default)s")
-    p.add_argument("--ours-batch-cmd", default=DEFAULT_OURS_BATCH,
-                   help="our B-stream command ({streams} {batch_prompt} too); "
-                        "default: %(default)s")
-    p.add_argument("--ours-ready", default=DEFAULT_READY,
-                   help="regex of the output line that marks our model as loaded")
+    p.add_argument(
+        "--no-extra-bufts",
+        action="store_true",
+        help="llama.cpp without its extra CPU buffers (AMX, CPU_REPACK; default: "
+        "on, its default, less AMX)",
+    )
+    p.add_argument(
+        "--llamacpp-amx",
+        action="store_true",
+        help="let llama.cpp use its AMX buffer (it crashes on this CPU with "
+        "llama-cpp-python 0.3.36)",
+    )
+    p.add_argument(
+        "--ours-cmd",
+        default=DEFAULT_OURS,
+        help="our one-stream command ({model} {json} {prompt_tokens} {new_tokens} "
+        "{threads} {python}); default: %(default)s",
+    )
+    p.add_argument(
+        "--ours-batch-cmd",
+        default=DEFAULT_OURS_BATCH,
+        help="our B-stream command ({streams} {batch_prompt} too); default: %(default)s",
+    )
+    p.add_argument(
+        "--ours-ready",
+        default=DEFAULT_READY,
+        help="regex of the output line that marks our model as loaded",
+    )
     p.add_argument("--ours-mode", default="cache", help="the bench JSON's mode to read")
-    p.add_argument("--no-prime", action="store_true",
-                   help="no unmeasured run of ours before a file's first round")
+    p.add_argument(
+        "--no-prime",
+        action="store_true",
+        help="no unmeasured run of ours before a file's first round",
+    )
     p.add_argument("--json", default=None, help="write the raw results here")
-    p.add_argument("--from-json", nargs="+", default=None,
-                   help="print the table of saved results (several: merged by file)")
-    p.add_argument("--wait-idle", type=float, default=0, metavar="S",
-                   help="before each process, wait up to S seconds for the machine to be idle "
-                        f"(under {BUSY_OTHERS_FLAG * 100:.0f} percent of its CPU busy over 3 s)")
-    p.add_argument("--retry-busy", type=int, default=0, metavar="N",
-                   help="run a measurement again (up to N times) when other processes took "
-                        f"over {BUSY_OTHERS_FLAG * 100:.0f} percent of the CPU during it; the least "
-                        "disturbed run is kept")
+    p.add_argument(
+        "--from-json",
+        nargs="+",
+        default=None,
+        help="print the table of saved results (several: merged by file)",
+    )
+    p.add_argument(
+        "--wait-idle",
+        type=float,
+        default=0,
+        metavar="S",
+        help="before each process, wait up to S seconds for the machine to be idle "
+        f"(under {BUSY_OTHERS_FLAG * 100:.0f} percent of its CPU busy over 3 s)",
+    )
+    p.add_argument(
+        "--retry-busy",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run a measurement again (up to N times) when other processes took "
+        f"over {BUSY_OTHERS_FLAG * 100:.0f} percent of the CPU during it; the least "
+        "disturbed run is kept",
+    )
     p.add_argument("--keep-output", action="store_true", help="keep every child's output")
     p.add_argument("--timeout", type=float, default=3600, help="per process, seconds")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -702,47 +887,68 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown engine(s) {', '.join(sorted(unknown))}")
     load = os.getloadavg()[0]
     if load > 0.5:
-        print(f"warning: load average {load:.2f} before the start -- other work is running; "
-              "the figures will show it", file=sys.stderr)
-    result = {"cpu": cpu_description(), "load_average_before": round(load, 2),
-              "settings": {"threads": args.threads, "repeat": args.repeat,
-                           "prompt_tokens": args.prompt_list, "new_tokens": args.new_tokens,
-                           "streams": args.streams,
-                           "batch_prompt_tokens": args.batch_prompt_tokens,
-                           "engines": engines, "extra_bufts": not args.no_extra_bufts,
-                           "llamacpp_amx": args.llamacpp_amx and not args.no_extra_bufts,
-                           "ours_cmd": args.ours_cmd, "ours_batch_cmd": args.ours_batch_cmd,
-                           "started": time.strftime("%Y-%m-%d %H:%M:%S")},
-              "files": []}
+        print(
+            f"warning: load average {load:.2f} before the start -- other work is running; "
+            "the figures will show it",
+            file=sys.stderr,
+        )
+    result = {
+        "cpu": cpu_description(),
+        "load_average_before": round(load, 2),
+        "settings": {
+            "threads": args.threads,
+            "repeat": args.repeat,
+            "prompt_tokens": args.prompt_list,
+            "new_tokens": args.new_tokens,
+            "streams": args.streams,
+            "batch_prompt_tokens": args.batch_prompt_tokens,
+            "engines": engines,
+            "extra_bufts": not args.no_extra_bufts,
+            "llamacpp_amx": args.llamacpp_amx and not args.no_extra_bufts,
+            "ours_cmd": args.ours_cmd,
+            "ours_batch_cmd": args.ours_batch_cmd,
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        },
+        "files": [],
+    }
     kinds = ["single"] + (["batch"] if args.streams else [])
     for name in args.files:
         path = Path(name).resolve()
         warm_page_cache(path)
         entry = {"path": str(path), "info": gguf_summary(path), "records": []}
         if "ours" in engines and not args.no_prime:
-            print(f"{path.name}: ours once, unmeasured (caches, page cache) ...",
-                  file=sys.stderr, flush=True)
+            print(
+                f"{path.name}: ours once, unmeasured (caches, page cache) ...",
+                file=sys.stderr,
+                flush=True,
+            )
             prime = measure("ours", "single", path, args, 0)
             entry["prime"] = {k: prime.get(k) for k in ("rc", "ready_s", "wall_s", "error")}
         for r in range(args.repeat):
             order = engines if r % 2 == 0 else engines[::-1]  # A B, B A, A B ...
             for kind in kinds:
                 for engine in order:
-                    print(f"{path.name}: round {r + 1}/{args.repeat}, {engine} {kind} ...",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"{path.name}: round {r + 1}/{args.repeat}, {engine} {kind} ...",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     record, tries = None, 0
                     while tries <= args.retry_busy:  # a run that others disturbed: again
                         idle = wait_idle(args.wait_idle) if args.wait_idle else None
                         attempt = measure(engine, kind, path, args, r + 1)
                         attempt["idle_wait"] = idle
                         tries += 1
-                        if record is None or (attempt["others_cpu_share"]
-                                               < record["others_cpu_share"]):
+                        if record is None or (
+                            attempt["others_cpu_share"] < record["others_cpu_share"]
+                        ):
                             record = attempt
                         if record["others_cpu_share"] <= BUSY_OTHERS_FLAG:
                             break
-                        print(f"  others took {attempt['others_cpu_share']:.0%} of the CPU "
-                              "meanwhile", file=sys.stderr)
+                        print(
+                            f"  others took {attempt['others_cpu_share']:.0%} of the CPU meanwhile",
+                            file=sys.stderr,
+                        )
                     record["attempts"] = tries
                     if record.get("error"):
                         print(f"  error: {record['error']}", file=sys.stderr)

@@ -14,6 +14,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # never to the user's data folder.
 if "MINISERVE_DATA_DIR" not in os.environ:
     import tempfile
+
     os.environ["MINISERVE_DATA_DIR"] = tempfile.mkdtemp(prefix="miniserve-test-data-")
 
 
@@ -21,6 +22,7 @@ if "MINISERVE_DATA_DIR" not in os.environ:
 def loaded():
     """SmolLM2-135M-Instruct from the embedded GGUF, float32 (the reference precision)."""
     from miniserve.runners.loader import load_model
+
     return load_model(None, dtype="float32", progress=lambda m: None)
 
 
@@ -28,6 +30,7 @@ def loaded():
 def bf16():
     """The same model with bfloat16 weights."""
     from miniserve.runners.loader import load_model
+
     return load_model(None, dtype="bfloat16", progress=lambda m: None)
 
 
@@ -38,12 +41,14 @@ def stored():
     if not native_expected():
         pytest.skip("MINISERVE_NATIVE=0: weights as stored need the native runner")
     from miniserve.runners.loader import load_model
+
     return load_model(None, dtype="stored", progress=lambda m: None)
 
 
 @pytest.fixture(scope="session")
 def stored_engine(stored):
     from miniserve.engine.engine import Engine
+
     return Engine(stored)
 
 
@@ -51,6 +56,7 @@ def stored_engine(stored):
 def ref32(loaded):
     """The float32 model's weights in float64: the reference for float32 runners."""
     from reference import float64_twin
+
     return float64_twin(loaded.model)
 
 
@@ -58,12 +64,14 @@ def ref32(loaded):
 def ref16(bf16):
     """The bfloat16-rounded weights in float64: the reference for runners over bf16 weights."""
     from reference import float64_twin
+
     return float64_twin(bf16.model)
 
 
 @pytest.fixture(scope="session")
 def engine(loaded):
     from miniserve.engine.engine import Engine
+
     return Engine(loaded)
 
 
@@ -72,6 +80,7 @@ def two_models():
     """Two names over the embedded GGUF, the default and "second", each its own engine,
     loaded on first use (the web app's and the API's several-model tests)."""
     from miniserve.models.registry import open_models
+
     models = open_models(["default", "second=default"])
     yield models
     models.close()
@@ -86,10 +95,19 @@ def tokenizer(loaded):
 def tiny_model():
     """A randomly initialised Llama with the real architecture, for fast unit tests."""
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256, eos_token_id=2, bos_token_id=1)
+    config = LlamaConfig(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=2,
+        bos_token_id=1,
+    )
     return LlamaForCausalLM(config).eval()
 
 
@@ -110,14 +128,18 @@ pinned_runner = pytest.mark.pinned_runner
 same_on_every_cpu = pytest.mark.same_on_every_cpu
 
 needs_native = pytest.mark.skipif(
-    not native_expected(), reason="MINISERVE_NATIVE=0: this leg runs without the native runner "
-                                  "(the full leg runs this test)")
+    not native_expected(),
+    reason="MINISERVE_NATIVE=0: this leg runs without the native runner "
+    "(the full leg runs this test)",
+)
 
 
 def chat_ids(tokenizer, text, system=None):
     from miniserve.engine.chat import render
-    messages = ([{"role": "system", "content": system}] if system else []) + \
-        [{"role": "user", "content": text}]
+
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": text}
+    ]
     return render(tokenizer, messages)
 
 
@@ -125,6 +147,7 @@ def chat_ids(tokenizer, text, system=None):
 def app_server():
     """The real web app (UI + API on one port) with the embedded model."""
     from servers import Server
+
     server = Server(["app.py"])
     yield server
     server.stop()
@@ -137,12 +160,21 @@ CHROMIUM = os.environ.get("MINISERVE_CHROMIUM", "/usr/bin/chromium")
 def browser():
     """Debian's Chromium, headless, driven by Playwright (`make chromium` installs it)."""
     import shutil
+
     if not shutil.which(CHROMIUM):
         pytest.fail(f"Chromium not found at {CHROMIUM}; `make chromium` installs it")
     from playwright.sync_api import sync_playwright
+
     with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync"])
+        b = p.chromium.launch(
+            executable_path=CHROMIUM,
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+            ],
+        )
         yield b
         b.close()

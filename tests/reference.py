@@ -38,7 +38,8 @@ HELD_OUT = (
     "from the nearest shop. Still, he was not lonely. The postman rowed out twice a week, the "
     "children from the school came every summer, and in the evenings he played chess by radio "
     "with a retired captain in Aberdeen. When the light was automated in 1987 he moved to a "
-    "cottage on the mainland, where he planted roses and wrote a short book about birds.")
+    "cottage on the mainland, where he planted roses and wrote a short book about birds."
+)
 
 
 def float64_twin(hf_model):
@@ -46,17 +47,18 @@ def float64_twin(hf_model):
     return copy.deepcopy(hf_model).to(torch.float64).eval()
 
 
-def assert_greedy(reference, prompt_ids, tokens, bound, end_id=None,
-                  min_decided: int = 32) -> GreedyCheck:
+def assert_greedy(
+    reference, prompt_ids, tokens, bound, end_id=None, min_decided: int = 32
+) -> GreedyCheck:
     """Greedy `tokens` must follow the float64 reference (miniserve.runners.verify.check_tokens), and
     the first `min_decided` steps (or all of a shorter reply) must be decided ones, so that
     the comparison has teeth: a prompt with an early near-tie is a poor test prompt."""
-    result = check_tokens(reference, prompt_ids, tokens, bound,
-                          () if end_id is None else (end_id,))
+    result = check_tokens(reference, prompt_ids, tokens, bound, () if end_id is None else (end_id,))
     assert result.ok, f"tokens off the float64 reference (step, chosen, top, gap): {result.wrong}"
     assert result.first_undecided >= min(min_decided, result.steps), (
         f"a near-tie at step {result.first_undecided} of {result.steps}: too short a "
-        "comparison, choose another prompt")
+        "comparison, choose another prompt"
+    )
     return result
 
 
@@ -71,16 +73,20 @@ def teacher_forced(step_logits, reference, ids: list[int]) -> tuple[float, float
 
 def one_token_at_a_time(model):
     """step_logits of a runner's decode path: one token per call through its cache."""
+
     def run(ids):
         cache = model.new_cache()
         with torch.inference_mode():
             return torch.cat([model(torch.tensor([[t]]), cache).float() for t in ids])
+
     return run
 
 
 def whole_prompt(model):
     """step_logits of a runner's prompt path: every position in one pass."""
+
     def run(ids):
         with torch.inference_mode():
             return as_runner(model).forward(torch.tensor([ids]), None, all_logits=True)
+
     return run

@@ -15,9 +15,11 @@ ROOT = Path(__file__).resolve().parent.parent
 def send(url: str, path: str, body: dict | None = None) -> tuple[int, dict]:
     """GET (no body) or POST a JSON body with plain HTTP: the status and the decoded reply
     (errors included, as the server wrote them)."""
-    req = urllib.request.Request(url + path, data=None if body is None else
-                                 json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url + path,
+        data=None if body is None else json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(req, timeout=120) as response:
             return response.status, json.loads(response.read())
@@ -32,16 +34,25 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, args: list[str], ready_path: str = "/", timeout: float = 180,
-                 port: int | None = None):
+    def __init__(
+        self, args: list[str], ready_path: str = "/", timeout: float = 180, port: int | None = None
+    ):
         self.args, self.ready_path, self.timeout = args, ready_path, timeout
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(ROOT / ".pytest_cache" / f"server-{self.port}.log", "w") \
-            if (ROOT / ".pytest_cache").is_dir() else subprocess.DEVNULL
+        self.log = (
+            open(ROOT / ".pytest_cache" / f"server-{self.port}.log", "w")
+            if (ROOT / ".pytest_cache").is_dir()
+            else subprocess.DEVNULL
+        )
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen([sys.executable, *args, "--port", str(self.port)], cwd=ROOT,
-                                     env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [sys.executable, *args, "--port", str(self.port)],
+            cwd=ROOT,
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -60,8 +71,9 @@ class Server:
         """The app serves its page while the default model loads; the tests start once it
         has (/v1/models says so), as a person would see the header's model details."""
         key = self.args[self.args.index("--api-key") + 1] if "--api-key" in self.args else None
-        request = urllib.request.Request(self.url + "/v1/models", headers={
-            "Authorization": f"Bearer {key}"} if key else {})
+        request = urllib.request.Request(
+            self.url + "/v1/models", headers={"Authorization": f"Bearer {key}"} if key else {}
+        )
         with urllib.request.urlopen(request, timeout=2) as r:
             models = json.loads(r.read())["data"]
         return any(m.get("default") and m.get("loaded") for m in models)

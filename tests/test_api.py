@@ -34,8 +34,11 @@ def test_completion_with_usage_from_the_tokenizer(client, tokenizer):
     choice = r.choices[0]
     assert choice.finish_reason == "length" and choice.message.role == "assistant"
     assert r.usage.prompt_tokens == len(chat_ids(tokenizer, Q[0]["content"]))
-    assert r.usage.completion_tokens == 10 == \
-        len(tokenizer(choice.message.content, add_special_tokens=False)["input_ids"])
+    assert (
+        r.usage.completion_tokens
+        == 10
+        == len(tokenizer(choice.message.content, add_special_tokens=False)["input_ids"])
+    )
     assert r.usage.total_tokens == r.usage.prompt_tokens + 10
 
 
@@ -44,8 +47,11 @@ def test_stream_equals_non_stream(client):
     # one's cached prompt and its logits (the prefix cache), and samples with the same seed.
     kwargs = dict(model="default", messages=Q, max_tokens=24, temperature=0.8, seed=5)
     whole = client.chat.completions.create(**kwargs).choices[0].message.content
-    chunks = list(client.chat.completions.create(stream=True, stream_options={
-        "include_usage": True}, **kwargs))
+    chunks = list(
+        client.chat.completions.create(
+            stream=True, stream_options={"include_usage": True}, **kwargs
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole
     assert all(c.object == "chat.completion.chunk" for c in chunks)
@@ -56,18 +62,23 @@ def test_stream_equals_non_stream(client):
 def test_stop_is_honoured(client):
     # Exact by construction: the second request repeats the prompt (the prefix cache gives it
     # the first one's prompt and logits), so it decodes the same tokens until the stop string.
-    full = client.chat.completions.create(model="default", messages=Q, temperature=0,
-                                          max_tokens=30).choices[0].message.content
+    full = (
+        client.chat.completions.create(model="default", messages=Q, temperature=0, max_tokens=30)
+        .choices[0]
+        .message.content
+    )
     word = full.split()[1]
-    r = client.chat.completions.create(model="default", messages=Q, temperature=0,
-                                       max_tokens=30, stop=[word])
-    assert r.choices[0].message.content == full[:full.index(word)]
+    r = client.chat.completions.create(
+        model="default", messages=Q, temperature=0, max_tokens=30, stop=[word]
+    )
+    assert r.choices[0].message.content == full[: full.index(word)]
     assert r.choices[0].finish_reason == "stop"
 
 
 def test_logprobs(client):
-    r = client.chat.completions.create(model="default", messages=Q, temperature=0, max_tokens=5,
-                                       logprobs=True, top_logprobs=3)
+    r = client.chat.completions.create(
+        model="default", messages=Q, temperature=0, max_tokens=5, logprobs=True, top_logprobs=3
+    )
     content = r.choices[0].logprobs.content
     assert len(content) == 5
     for entry in content:
@@ -75,25 +86,30 @@ def test_logprobs(client):
         assert entry.token == entry.top_logprobs[0].token  # greedy picks the top-1
 
 
-@pytest.mark.parametrize("body, param", [
-    ({}, "messages"),
-    ({"messages": "hi"}, "messages"),
-    ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
-    ({"messages": Q, "temperature": -1}, "temperature"),
-    ({"messages": Q, "temperature": "hot"}, "temperature"),
-    ({"messages": Q, "top_p": 0}, "top_p"),
-    ({"messages": Q, "top_p": 1.5}, "top_p"),
-    ({"messages": Q, "max_tokens": 0}, "max_tokens"),
-    ({"messages": Q, "n": 0}, "n"),
-    ({"messages": Q, "n": MAX_CHOICES + 1}, "n"),
-    ({"messages": Q, "n": 1.5}, "n"),
-    ({"messages": Q, "stop": 5}, "stop"),
-    ({"messages": [{"role": "user", "content": "word " * 9000}]}, "messages"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({}, "messages"),
+        ({"messages": "hi"}, "messages"),
+        ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
+        ({"messages": Q, "temperature": -1}, "temperature"),
+        ({"messages": Q, "temperature": "hot"}, "temperature"),
+        ({"messages": Q, "top_p": 0}, "top_p"),
+        ({"messages": Q, "top_p": 1.5}, "top_p"),
+        ({"messages": Q, "max_tokens": 0}, "max_tokens"),
+        ({"messages": Q, "n": 0}, "n"),
+        ({"messages": Q, "n": MAX_CHOICES + 1}, "n"),
+        ({"messages": Q, "n": 1.5}, "n"),
+        ({"messages": Q, "stop": 5}, "stop"),
+        ({"messages": [{"role": "user", "content": "word " * 9000}]}, "messages"),
+    ],
+)
 def test_bad_requests_get_400_naming_the_field(app_server, body, param):
-    req = urllib.request.Request(app_server.url + "/v1/chat/completions",
-                                 data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        app_server.url + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with pytest.raises(urllib.error.HTTPError) as info:
         urllib.request.urlopen(req, timeout=60)
     assert info.value.code == 400
@@ -108,8 +124,9 @@ def test_server_keeps_working_after_bad_requests(client):
 
 
 def test_dropped_stream_frees_the_engine(client, app_server):
-    stream = client.chat.completions.create(model="default", messages=Q, max_tokens=2000,
-                                            temperature=0, stream=True)
+    stream = client.chat.completions.create(
+        model="default", messages=Q, max_tokens=2000, temperature=0, stream=True
+    )
     for i, _ in enumerate(stream):
         if i == 3:
             break
@@ -128,6 +145,7 @@ def test_dropped_stream_frees_the_engine(client, app_server):
 
 def test_api_key_required_when_set():
     from servers import Server
+
     server = Server(["-m", "miniserve", "serve", "--api-key", "s3cret"], ready_path="/docs")
     try:
         bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
@@ -141,9 +159,11 @@ def test_api_key_required_when_set():
 
 # -- n choices ----------------------------------------------------------------------------
 
+
 def test_n_choices_with_usage_summed(client, tokenizer):
-    r = client.chat.completions.create(model="default", messages=Q, temperature=0, max_tokens=4,
-                                       n=3)
+    r = client.chat.completions.create(
+        model="default", messages=Q, temperature=0, max_tokens=4, n=3
+    )
     assert [c.index for c in r.choices] == [0, 1, 2]
     assert all(c.finish_reason == "length" for c in r.choices)
     assert len({c.message.content for c in r.choices}) == 1  # greedy: the same reply 3 times
@@ -170,17 +190,29 @@ def test_n_out_of_range_names_n_and_the_range(client):
 
 def sse_events(url: str, body: dict) -> list:
     """POST a streaming request; the decoded `data:` payloads, '[DONE]' kept as a string."""
-    req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=120) as response:
         lines = [line.decode()[6:].strip() for line in response if line.startswith(b"data: ")]
     return [line if line == "[DONE]" else json.loads(line) for line in lines]
 
 
 def test_streaming_n_choices_carry_their_index_and_finish(app_server):
-    events = sse_events(app_server.url, {"messages": Q, "n": 2, "max_tokens": 5, "stream": True,
-                                         "temperature": 0.8, "seed": 3,
-                                         "stream_options": {"include_usage": True}})
+    events = sse_events(
+        app_server.url,
+        {
+            "messages": Q,
+            "n": 2,
+            "max_tokens": 5,
+            "stream": True,
+            "temperature": 0.8,
+            "seed": 3,
+            "stream_options": {"include_usage": True},
+        },
+    )
     assert events.count("[DONE]") == 1 and events[-1] == "[DONE]"
     chunks = [e for e in events[:-1] if e["choices"]]
     assert {c["choices"][0]["index"] for c in chunks} == {0, 1}
@@ -196,9 +228,11 @@ def test_streaming_n_choices_carry_their_index_and_finish(app_server):
 
 # -- the API served in this process, to look at the engine it drives ------------------------
 
+
 @pytest.fixture(scope="module")
 def local_api(engine):
     from miniserve.serve.in_thread import serve_in_thread
+
     with serve_in_thread(engine) as port:
         yield port
 
@@ -213,8 +247,9 @@ def wait_for_idle(engine, seconds=60) -> bool:
 def post(port: int, body: dict) -> http.client.HTTPConnection:
     """Send a request; read the reply from the connection (`getresponse`) or leave."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    conn.request("POST", "/v1/chat/completions", json.dumps(body),
-                 {"Content-Type": "application/json"})
+    conn.request(
+        "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"}
+    )
     return conn
 
 
@@ -242,12 +277,21 @@ def test_client_that_leaves_cancels_all_its_choices(engine, local_api, stream, m
             if item is not None and not isinstance(item, BaseException):
                 stats.append(item.stats)
             sink(item)
+
         return submit(prompt_ids, params, keep, **kwargs)
 
     monkeypatch.setattr(engine, "submit", recording)
     assert wait_for_idle(engine)
-    conn = post(local_api, {"messages": [{"role": "user", "content": LONG}], "n": 2,
-                            "max_tokens": 2000, "temperature": 0, "stream": stream})
+    conn = post(
+        local_api,
+        {
+            "messages": [{"role": "user", "content": LONG}],
+            "n": 2,
+            "max_tokens": 2000,
+            "temperature": 0,
+            "stream": stream,
+        },
+    )
     deadline = time.monotonic() + 60
     while len({id(s) for s in stats}) < 2 and time.monotonic() < deadline:  # both generating
         time.sleep(0.05)
@@ -261,6 +305,7 @@ def test_client_that_leaves_cancels_all_its_choices(engine, local_api, stream, m
 
 def test_measure_http_numbers_are_consistent(engine):
     from benchmarks.http_bench import format_report, measure_http
+
     result = measure_http(engine, streams=2, prompt_tokens=32, new_tokens=8)
     assert result["streams"] == 2 and result["new_tokens"] == 8
     for mode in ("http", "in_process"):
@@ -272,15 +317,24 @@ def test_measure_http_numbers_are_consistent(engine):
         assert 0 < m["stream_tokens_per_s_p50"]
         assert 0 <= m["client_cpu_s"] <= m["cpu_s"] + 0.01
         assert m["server_cpu_ms_per_token"] == pytest.approx(
-            (m["cpu_s"] - m["client_cpu_s"]) * 1000 / m["tokens"])
+            (m["cpu_s"] - m["client_cpu_s"]) * 1000 / m["tokens"]
+        )
     assert "server CPU per token (ms)" in format_report(result)
 
 
 def test_no_thread_is_held_per_request_or_choice(engine, local_api):
     assert wait_for_idle(engine)
     before = set(threading.enumerate())
-    conn = post(local_api, {"messages": [{"role": "user", "content": LONG}], "n": 3,
-                            "max_tokens": 2000, "temperature": 0, "stream": True})
+    conn = post(
+        local_api,
+        {
+            "messages": [{"role": "user", "content": LONG}],
+            "n": 3,
+            "max_tokens": 2000,
+            "temperature": 0,
+            "stream": True,
+        },
+    )
     response = conn.getresponse()
     for _ in range(8):  # the role chunks, then text: every choice is generating
         assert response.readline()
@@ -291,17 +345,28 @@ def test_no_thread_is_held_per_request_or_choice(engine, local_api):
 
 
 def test_streamed_logprobs_follow_their_tokens(engine, local_api):
-    events = sse_events(f"http://127.0.0.1:{local_api}",
-                        {"messages": Q, "n": 2, "max_tokens": 5, "stream": True,
-                         "temperature": 0, "logprobs": True, "top_logprobs": 2,
-                         "stream_options": {"include_usage": True}})
+    events = sse_events(
+        f"http://127.0.0.1:{local_api}",
+        {
+            "messages": Q,
+            "n": 2,
+            "max_tokens": 5,
+            "stream": True,
+            "temperature": 0,
+            "logprobs": True,
+            "top_logprobs": 2,
+            "stream_options": {"include_usage": True},
+        },
+    )
     for i in (0, 1):
-        own = [c["choices"][0] for c in events[:-1]
-               if c["choices"] and c["choices"][0]["index"] == i]
+        own = [
+            c["choices"][0] for c in events[:-1] if c["choices"] and c["choices"][0]["index"] == i
+        ]
         entries = [e for c in own if c["logprobs"] for e in c["logprobs"]["content"]]
         assert len(entries) == 5 and all(len(e["top_logprobs"]) == 2 for e in entries)
-        assert "".join(e["token"] for e in entries) == \
-            "".join(c["delta"].get("content") or "" for c in own)
+        assert "".join(e["token"] for e in entries) == "".join(
+            c["delta"].get("content") or "" for c in own
+        )
     assert events[-2]["usage"]["completion_tokens"] == 10
 
 
@@ -323,16 +388,21 @@ def test_an_error_mid_stream_is_reported_in_band(engine, local_api, monkeypatch)
                     sink(None)
                     return
             sink(item)
+
         return submit(prompt_ids, params, fail_after_two, cancel=cancel, **kwargs)
 
     monkeypatch.setattr(engine, "submit", failing)
     assert wait_for_idle(engine)
-    events = sse_events(f"http://127.0.0.1:{local_api}",
-                        {"messages": Q, "max_tokens": 20, "temperature": 0, "stream": True})
+    events = sse_events(
+        f"http://127.0.0.1:{local_api}",
+        {"messages": Q, "max_tokens": 20, "temperature": 0, "stream": True},
+    )
     assert "[DONE]" not in events
     assert "the device fell over" in events[-1]["error"]["message"]
-    assert sum(bool(e.get("choices") and e["choices"][0]["delta"].get("content"))
-               for e in events[:-1]) == 2
+    assert (
+        sum(bool(e.get("choices") and e["choices"][0]["delta"].get("content")) for e in events[:-1])
+        == 2
+    )
     assert wait_for_idle(engine)
 
 
@@ -345,15 +415,20 @@ FRUIT_SCHEMA = {
         "kind": {"type": "string", "enum": ["fruit", "vegetable"]},
         "rating": {"type": "integer", "minimum": 1, "maximum": 5},
         "tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 3},
-        "origin": {"type": "object", "properties": {"country": {"type": "string",
-                                                                "maxLength": 20}},
-                   "required": ["country"], "additionalProperties": False},
+        "origin": {
+            "type": "object",
+            "properties": {"country": {"type": "string", "maxLength": 20}},
+            "required": ["country"],
+            "additionalProperties": False,
+        },
     },
     "required": ["name", "kind", "rating", "tags", "origin"],
     "additionalProperties": False,
 }
-FRUIT_FORMAT = {"type": "json_schema",
-                "json_schema": {"name": "fruit", "schema": FRUIT_SCHEMA, "strict": True}}
+FRUIT_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {"name": "fruit", "schema": FRUIT_SCHEMA, "strict": True},
+}
 
 
 def call(url: str, body: dict) -> tuple[int, dict]:
@@ -363,8 +438,12 @@ def call(url: str, body: dict) -> tuple[int, dict]:
 
 def test_json_object_reply_is_a_json_object(client):
     r = client.chat.completions.create(
-        model="default", temperature=0, max_tokens=120, response_format={"type": "json_object"},
-        messages=[{"role": "user", "content": "Describe an apple in JSON."}])
+        model="default",
+        temperature=0,
+        max_tokens=120,
+        response_format={"type": "json_object"},
+        messages=[{"role": "user", "content": "Describe an apple in JSON."}],
+    )
     choice = r.choices[0]
     assert choice.finish_reason == "stop"
     assert isinstance(json.loads(choice.message.content), dict)
@@ -372,8 +451,10 @@ def test_json_object_reply_is_a_json_object(client):
 
 def test_json_schema_reply_validates_streamed_or_not(client):
     import jsonschema
-    kwargs = dict(model="default", messages=Q, temperature=0, max_tokens=150,
-                  response_format=FRUIT_FORMAT)
+
+    kwargs = dict(
+        model="default", messages=Q, temperature=0, max_tokens=150, response_format=FRUIT_FORMAT
+    )
     whole = client.chat.completions.create(**kwargs).choices[0]
     assert whole.finish_reason == "stop"
     jsonschema.validate(json.loads(whole.message.content), FRUIT_SCHEMA)
@@ -384,8 +465,16 @@ def test_json_schema_reply_validates_streamed_or_not(client):
 
 def test_every_sampled_choice_follows_the_schema(client):
     import jsonschema
-    r = client.chat.completions.create(model="default", messages=Q, temperature=0.8, seed=7,
-                                       n=3, max_tokens=150, response_format=FRUIT_FORMAT)
+
+    r = client.chat.completions.create(
+        model="default",
+        messages=Q,
+        temperature=0.8,
+        seed=7,
+        n=3,
+        max_tokens=150,
+        response_format=FRUIT_FORMAT,
+    )
     assert [c.index for c in r.choices] == [0, 1, 2]
     for c in r.choices:
         assert c.finish_reason == "stop", c.message.content
@@ -393,22 +482,32 @@ def test_every_sampled_choice_follows_the_schema(client):
 
 
 def test_max_tokens_cuts_a_schema_reply_with_length(client):
-    r = client.chat.completions.create(model="default", messages=Q, temperature=0, max_tokens=5,
-                                       response_format=FRUIT_FORMAT)
+    r = client.chat.completions.create(
+        model="default", messages=Q, temperature=0, max_tokens=5, response_format=FRUIT_FORMAT
+    )
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 5
     assert r.choices[0].message.content.startswith("{")
 
 
-@pytest.mark.parametrize("extension, check", [
-    ({"regex": r"[A-Z][a-z]{2,9}(, [A-Z][a-z]{2,9}){2}"},
-     lambda text: re.fullmatch(r"[A-Z][a-z]{2,9}(, [A-Z][a-z]{2,9}){2}", text)),
-    ({"choice": ["apple", "banana", "cherry"]},
-     lambda text: text in ("apple", "banana", "cherry")),
-    ({"grammar": 'root ::= "yes" | "no"'}, lambda text: text in ("yes", "no")),
-])
+@pytest.mark.parametrize(
+    "extension, check",
+    [
+        (
+            {"regex": r"[A-Z][a-z]{2,9}(, [A-Z][a-z]{2,9}){2}"},
+            lambda text: re.fullmatch(r"[A-Z][a-z]{2,9}(, [A-Z][a-z]{2,9}){2}", text),
+        ),
+        (
+            {"choice": ["apple", "banana", "cherry"]},
+            lambda text: text in ("apple", "banana", "cherry"),
+        ),
+        ({"grammar": 'root ::= "yes" | "no"'}, lambda text: text in ("yes", "no")),
+    ],
+)
 def test_structured_outputs_extension(app_server, extension, check):
-    status, body = call(app_server.url, {"messages": Q, "temperature": 0, "max_tokens": 40,
-                                         "structured_outputs": extension})
+    status, body = call(
+        app_server.url,
+        {"messages": Q, "temperature": 0, "max_tokens": 40, "structured_outputs": extension},
+    )
     assert status == 200, body
     choice = body["choices"][0]
     assert check(choice["message"]["content"]), choice["message"]["content"]
@@ -429,9 +528,13 @@ def test_no_token_allowed_when_the_grammar_and_the_bias_leave_nothing(app_server
     pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
     digits = [i for i, piece in enumerate(pieces) if piece[:1] in tuple("0123456789")]
     assert 10 <= len(digits) <= 300  # every digit, and few enough for one logit_bias
-    body = {"messages": Q, "temperature": 0, "max_tokens": 10,
-            "structured_outputs": {"regex": "[0-9]+"},
-            "logit_bias": {str(i): -100 for i in digits}}
+    body = {
+        "messages": Q,
+        "temperature": 0,
+        "max_tokens": 10,
+        "structured_outputs": {"regex": "[0-9]+"},
+        "logit_bias": {str(i): -100 for i in digits},
+    }
     status, reply = call(app_server.url, body)
     assert status == 200, reply
     assert reply["choices"][0]["finish_reason"] == "no_token_allowed"
@@ -439,55 +542,100 @@ def test_no_token_allowed_when_the_grammar_and_the_bias_leave_nothing(app_server
     assert reply["usage"]["completion_tokens"] == 0
     events = sse_events(app_server.url, {**body, "stream": True})
     assert events[-1] == "[DONE]"
-    assert [e["choices"][0]["finish_reason"] for e in events[:-1]
-            if e["choices"] and e["choices"][0]["finish_reason"]] == ["no_token_allowed"]
+    assert [
+        e["choices"][0]["finish_reason"]
+        for e in events[:-1]
+        if e["choices"] and e["choices"][0]["finish_reason"]
+    ] == ["no_token_allowed"]
 
 
 SCHEMA_FIELD = "response_format.json_schema.schema"
 
 
 def schema_format(schema) -> dict:
-    return {"response_format": {"type": "json_schema",
-                                "json_schema": {"name": "x", "schema": schema}}}
+    return {
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    }
 
 
-@pytest.mark.parametrize("extra, param, words", [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
-     SCHEMA_FIELD, ["schema", "required"]),
-    (schema_format("an object, please"), SCHEMA_FIELD, ["schema", "object"]),
-    (schema_format({"type": "array", "items": {"type": "string"}, "uniqueItems": True}),
-     SCHEMA_FIELD, ["uniqueItems"]),
-    (schema_format({"type": "object", "properties": {"a": {"not": {"type": "string"}}}}),
-     SCHEMA_FIELD, ['"not"']),
-    (schema_format({"if": {"type": "string"}, "then": {"maxLength": 3},
-                    "else": {"type": "number"}}), SCHEMA_FIELD, ['"if"', '"then"', '"else"']),
-    (schema_format({"type": "array", "contains": {"type": "string"}}), SCHEMA_FIELD,
-     ["contains"]),
-    ({"structured_outputs": {"json": {"type": "array", "uniqueItems": True}}},
-     "structured_outputs.json", ["uniqueItems"]),
-    ({"structured_outputs": {"regex": "([a-z"}}, "structured_outputs.regex",
-     ["structured_outputs.regex", "invalid regex", "([a-z"]),
-    ({"structured_outputs": {"grammar": "root ::= fruit"}}, "structured_outputs.grammar",
-     ["structured_outputs.grammar", "fruit"]),
-    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a+"}},
-     "structured_outputs", ["response_format", "structured_outputs", "not both"]),
-    ({"structured_outputs": {"regex": "a+", "choice": ["a"]}}, "structured_outputs",
-     ["exactly one"]),
-    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice", ["list"]),
-    ({"stream_options": {"include_usage": True}}, "stream_options", ["'stream': true"]),
-    ({"stream": False, "stream_options": {"include_usage": True}}, "stream_options",
-     ["'stream': true"]),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools",
-     ["'tools'", "not supported"]),
-    ({"tool_choice": "auto"}, "tool_choice", ["'tool_choice'", "not supported"]),
-    ({"logit_bias": {"5": 101}}, "logit_bias[5]", ["[-100, 100]", "101"]),
-    ({"logit_bias": {"abc": -100}}, "logit_bias", ["token ids", "'abc'"]),
-    ({"logit_bias": {"²": -100}}, "logit_bias", ["token ids"]),
-    ({"logit_bias": {"49152": -100}}, "logit_bias", ["49152", "out of range"]),
-    ({"logit_bias": {"99999999999999999999": -100}}, "logit_bias", ["out of range"]),
-    ({"n": 2, "logit_bias": {"49152": -100}}, "logit_bias", ["out of range"]),
-    ({"response_format": {"type": "yaml"}}, "response_format", ["json_object", "json_schema"]),
-])
+@pytest.mark.parametrize(
+    "extra, param, words",
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            SCHEMA_FIELD,
+            ["schema", "required"],
+        ),
+        (schema_format("an object, please"), SCHEMA_FIELD, ["schema", "object"]),
+        (
+            schema_format({"type": "array", "items": {"type": "string"}, "uniqueItems": True}),
+            SCHEMA_FIELD,
+            ["uniqueItems"],
+        ),
+        (
+            schema_format({"type": "object", "properties": {"a": {"not": {"type": "string"}}}}),
+            SCHEMA_FIELD,
+            ['"not"'],
+        ),
+        (
+            schema_format(
+                {"if": {"type": "string"}, "then": {"maxLength": 3}, "else": {"type": "number"}}
+            ),
+            SCHEMA_FIELD,
+            ['"if"', '"then"', '"else"'],
+        ),
+        (
+            schema_format({"type": "array", "contains": {"type": "string"}}),
+            SCHEMA_FIELD,
+            ["contains"],
+        ),
+        (
+            {"structured_outputs": {"json": {"type": "array", "uniqueItems": True}}},
+            "structured_outputs.json",
+            ["uniqueItems"],
+        ),
+        (
+            {"structured_outputs": {"regex": "([a-z"}},
+            "structured_outputs.regex",
+            ["structured_outputs.regex", "invalid regex", "([a-z"],
+        ),
+        (
+            {"structured_outputs": {"grammar": "root ::= fruit"}},
+            "structured_outputs.grammar",
+            ["structured_outputs.grammar", "fruit"],
+        ),
+        (
+            {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a+"}},
+            "structured_outputs",
+            ["response_format", "structured_outputs", "not both"],
+        ),
+        (
+            {"structured_outputs": {"regex": "a+", "choice": ["a"]}},
+            "structured_outputs",
+            ["exactly one"],
+        ),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs.choice", ["list"]),
+        ({"stream_options": {"include_usage": True}}, "stream_options", ["'stream': true"]),
+        (
+            {"stream": False, "stream_options": {"include_usage": True}},
+            "stream_options",
+            ["'stream': true"],
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+            "tools",
+            ["'tools'", "not supported"],
+        ),
+        ({"tool_choice": "auto"}, "tool_choice", ["'tool_choice'", "not supported"]),
+        ({"logit_bias": {"5": 101}}, "logit_bias[5]", ["[-100, 100]", "101"]),
+        ({"logit_bias": {"abc": -100}}, "logit_bias", ["token ids", "'abc'"]),
+        ({"logit_bias": {"²": -100}}, "logit_bias", ["token ids"]),
+        ({"logit_bias": {"49152": -100}}, "logit_bias", ["49152", "out of range"]),
+        ({"logit_bias": {"99999999999999999999": -100}}, "logit_bias", ["out of range"]),
+        ({"n": 2, "logit_bias": {"49152": -100}}, "logit_bias", ["out of range"]),
+        ({"response_format": {"type": "yaml"}}, "response_format", ["json_object", "json_schema"]),
+    ],
+)
 def test_bad_output_formats_get_400_naming_the_problem(app_server, extra, param, words):
     status, body = call(app_server.url, {"messages": Q, "max_tokens": 3, **extra})
     assert status == 400, body
@@ -498,15 +646,18 @@ def test_bad_output_formats_get_400_naming_the_problem(app_server, extra, param,
 
 # -- several models: each request answered by the one it names ------------------------------
 
+
 @pytest.fixture(scope="module")
 def routed():
     """Two local models over the embedded weights, each its own engine, and one whose file is
     missing; nothing is loaded before a request names it."""
     from miniserve.models.registry import open_models
     from miniserve.serve.in_thread import serve_in_thread
+
     # room for all three: a failed load must not cost a loaded model its place here
-    models = open_models(["default", "second=default", "broken=/nonexistent/missing.gguf"],
-                         max_loaded=3)
+    models = open_models(
+        ["default", "second=default", "broken=/nonexistent/missing.gguf"], max_loaded=3
+    )
     with serve_in_thread(models) as port:
         yield models, f"http://127.0.0.1:{port}"
     models.close()
@@ -518,11 +669,14 @@ def test_each_model_loads_on_first_use_and_answers_by_name(routed):
     status, listed = send(url, "/v1/models")
     assert status == 200
     assert [(m["id"], m["loaded"], m["default"], m["owned_by"]) for m in listed["data"]] == [
-        (default, False, True, "miniserve"), ("second", False, False, "miniserve"),
-        ("broken", False, False, "miniserve")]
+        (default, False, True, "miniserve"),
+        ("second", False, False, "miniserve"),
+        ("broken", False, False, "miniserve"),
+    ]
 
-    status, reply = send(url, "/v1/chat/completions", {"model": "second", "messages": Q,
-                                                       "max_tokens": 3})
+    status, reply = send(
+        url, "/v1/chat/completions", {"model": "second", "messages": Q, "max_tokens": 3}
+    )
     assert status == 200 and reply["model"] == "second"
     assert models.is_loaded("second") and not models.is_loaded(default)  # second answered
 
@@ -535,12 +689,18 @@ def test_each_model_loads_on_first_use_and_answers_by_name(routed):
 
     models.factory = factory
     first = {}
-    request = threading.Thread(target=lambda: first.update(reply=send(
-        url, "/v1/completions", {"model": "gpt-4o", "prompt": "Hello", "max_tokens": 2})))
+    request = threading.Thread(
+        target=lambda: first.update(
+            reply=send(
+                url, "/v1/completions", {"model": "gpt-4o", "prompt": "Hello", "max_tokens": 2}
+            )
+        )
+    )
     request.start()
     assert loading.wait(60)
-    status, reply = send(url, "/v1/completions", {"model": "second", "prompt": "Hi",
-                                                  "max_tokens": 2})
+    status, reply = send(
+        url, "/v1/completions", {"model": "second", "prompt": "Hi", "max_tokens": 2}
+    )
     assert status == 200 and reply["model"] == "second"
     assert not models.is_loaded(default), "the other model waited for the load"
     request.join(120)
@@ -554,11 +714,14 @@ def test_each_model_loads_on_first_use_and_answers_by_name(routed):
     assert status == 200 and one["id"] == "second" and one["loaded"] and one["chat"]
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/v1/chat/completions", {"model": "gpt-5-turbo", "messages": Q}),
-    ("/v1/completions", {"model": "gpt-5-turbo", "prompt": "Hi"}),
-    ("/v1/models/gpt-5-turbo", None),
-])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/chat/completions", {"model": "gpt-5-turbo", "messages": Q}),
+        ("/v1/completions", {"model": "gpt-5-turbo", "prompt": "Hi"}),
+        ("/v1/models/gpt-5-turbo", None),
+    ],
+)
 def test_an_unknown_model_is_a_404_listing_the_served_ones(routed, path, body):
     models, url = routed
     status, reply = send(url, path, body)
@@ -570,21 +733,25 @@ def test_an_unknown_model_is_a_404_listing_the_served_ones(routed, path, body):
 
 def test_a_model_that_fails_to_load_is_a_502_and_the_others_keep_answering(routed):
     models, url = routed
-    status, reply = send(url, "/v1/chat/completions", {"model": "broken", "messages": Q,
-                                                       "max_tokens": 2})
+    status, reply = send(
+        url, "/v1/chat/completions", {"model": "broken", "messages": Q, "max_tokens": 2}
+    )
     error = reply["error"]
     assert status == 502 and error["param"] == "model" and error["type"] == "server_error"
     assert "'broken'" in error["message"] and "does not exist" in error["message"]
-    status, reply = send(url, "/v1/chat/completions", {"model": "second", "messages": Q,
-                                                       "max_tokens": 2})
+    status, reply = send(
+        url, "/v1/chat/completions", {"model": "second", "messages": Q, "max_tokens": 2}
+    )
     assert status == 200 and reply["model"] == "second"
 
 
 # -- the API's own document: every request body, with the limits from config ----------------
 
+
 def test_openapi_documents_every_request_body_with_the_limits_from_config(engine):
     from miniserve.core.config import FIELDS, MAX_PROMPTS
     from miniserve.serve.routes import create_app
+
     doc = create_app(engine).openapi()
     schemas = doc["components"]["schemas"]
     posts = {path: ops["post"] for path, ops in doc["paths"].items() if "post" in ops}
@@ -603,8 +770,10 @@ def test_openapi_documents_every_request_body_with_the_limits_from_config(engine
     for body in (chat, text):
         for name in ("temperature", "top_k", "min_p", "repetition_penalty"):
             number = body["properties"][name]["anyOf"][0]
-            assert (number["minimum"], number["maximum"]) == (FIELDS[name].low,
-                                                              FIELDS[name].high), name
+            assert (number["minimum"], number["maximum"]) == (
+                FIELDS[name].low,
+                FIELDS[name].high,
+            ), name
         top_p = body["properties"]["top_p"]["anyOf"][0]  # (0, 1]: zero itself is refused
         assert (top_p["exclusiveMinimum"], top_p["maximum"]) == (0, 1)
         assert body["properties"]["n"]["anyOf"][0]["maximum"] == MAX_CHOICES
@@ -613,19 +782,29 @@ def test_openapi_documents_every_request_body_with_the_limits_from_config(engine
     assert {"429"} <= set(posts["/v1/chat/completions"]["responses"])
 
 
-@pytest.mark.parametrize("body, param, message", [
-    ({"messages": Q, "temperature": 3}, "temperature", "'temperature' must be in [0, 2], got 3"),
-    ({"messages": Q, "top_p": "all"}, "top_p",
-     "'top_p' must be a number (0, 1], got 'all'"),
-    ({"messages": Q, "stream": "yes"}, "stream", "'stream' must be true or false"),
-    ({"messages": Q, "seed": -1}, "seed", "'seed' must be in [0, 9223372036854775807], got -1"),
-    ({"temperature": 0.5}, "messages", "'messages' is required"),
-])
+@pytest.mark.parametrize(
+    "body, param, message",
+    [
+        (
+            {"messages": Q, "temperature": 3},
+            "temperature",
+            "'temperature' must be in [0, 2], got 3",
+        ),
+        ({"messages": Q, "top_p": "all"}, "top_p", "'top_p' must be a number (0, 1], got 'all'"),
+        ({"messages": Q, "stream": "yes"}, "stream", "'stream' must be true or false"),
+        ({"messages": Q, "seed": -1}, "seed", "'seed' must be in [0, 9223372036854775807], got -1"),
+        ({"temperature": 0.5}, "messages", "'messages' is required"),
+    ],
+)
 def test_a_bad_field_is_still_the_400_naming_it_not_a_422(local_api, body, param, message):
     status, reply = send(f"http://127.0.0.1:{local_api}", "/v1/chat/completions", body)
     assert status == 400, reply
-    assert reply["error"] == {"message": message, "type": "invalid_request_error",
-                              "param": param, "code": None}
+    assert reply["error"] == {
+        "message": message,
+        "type": "invalid_request_error",
+        "param": param,
+        "code": None,
+    }
 
 
 def test_bodies_that_are_not_json_objects_and_methods_a_path_does_not_take(local_api):
@@ -640,11 +819,18 @@ def test_bodies_that_are_not_json_objects_and_methods_a_path_does_not_take(local
     status, _, reply = raw("POST", "/v1/completions", b"[1, 2]", "application/json")
     assert status == 400 and reply["error"]["message"] == "the request body must be a JSON object"
     # read as JSON whatever the Content-Type says (curl -d sends a form's)
-    status, _, reply = raw("POST", "/v1/completions", json.dumps(
-        {"prompt": "Hello", "max_tokens": 1}).encode(), "application/x-www-form-urlencoded")
+    status, _, reply = raw(
+        "POST",
+        "/v1/completions",
+        json.dumps({"prompt": "Hello", "max_tokens": 1}).encode(),
+        "application/x-www-form-urlencoded",
+    )
     assert status == 200 and reply["usage"]["completion_tokens"] == 1
-    for method, path, allow in (("GET", "/v1/chat/completions", "POST"),
-                                ("DELETE", "/v1/models", "GET"), ("PUT", "/tokenize", "POST")):
+    for method, path, allow in (
+        ("GET", "/v1/chat/completions", "POST"),
+        ("DELETE", "/v1/models", "GET"),
+        ("PUT", "/tokenize", "POST"),
+    ):
         status, allowed, reply = raw(method, path)
         assert (status, allowed) == (405, allow), (method, path)
         assert reply["error"]["code"] == "method_not_allowed"

@@ -26,6 +26,7 @@ def base_engine(loaded):
     """The embedded model with no chat template: what a base model looks like to the API
     (its own tokenizer copy, so the session's engine keeps its template)."""
     from miniserve.engine.engine import Engine
+
     tokenizer = copy.deepcopy(loaded.tokenizer)
     tokenizer.chat_template = None
     engine = Engine(dataclasses.replace(loaded, tokenizer=tokenizer), name=BASE)
@@ -64,10 +65,17 @@ class SeenAsRemote:
 def port(engine, base_engine):
     from miniserve.models.registry import Models, ModelSpec
     from miniserve.serve.in_thread import serve_in_thread
+
     engines = {engine.name: engine, BASE: base_engine, FAR: SeenAsRemote(engine, FAR)}
-    models = Models([ModelSpec(engine.name, None), ModelSpec(BASE, None),
-                     ModelSpec(FAR, "http://127.0.0.1:9/v1", remote=True)],
-                    factory=lambda spec, progress: engines[spec.name], max_loaded=2)
+    models = Models(
+        [
+            ModelSpec(engine.name, None),
+            ModelSpec(BASE, None),
+            ModelSpec(FAR, "http://127.0.0.1:9/v1", remote=True),
+        ],
+        factory=lambda spec, progress: engines[spec.name],
+        max_loaded=2,
+    )
     with serve_in_thread(models) as port:
         yield port
 
@@ -84,9 +92,11 @@ def complete(port: int, **body) -> dict:
 
 def events(port: int, body: dict) -> list:
     """A streamed request's `data:` payloads, decoded ('[DONE]' kept as a string)."""
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions",
-                                 data=json.dumps({**body, "stream": True}).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=json.dumps({**body, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=120) as response:
         lines = [line.decode()[6:].strip() for line in response if line.startswith(b"data: ")]
     return [line if line == "[DONE]" else json.loads(line) for line in lines]
@@ -94,8 +104,9 @@ def events(port: int, body: dict) -> list:
 
 def reference_text(engine, prompt, max_tokens=16) -> tuple[str, list[int]]:
     """engine.complete_text's greedy continuation: its text and token ids."""
-    chunks = list(engine.complete_text(prompt, SamplingParams(temperature=0,
-                                                              max_new_tokens=max_tokens)))
+    chunks = list(
+        engine.complete_text(prompt, SamplingParams(temperature=0, max_new_tokens=max_tokens))
+    )
     return "".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids]
 
 
@@ -106,8 +117,7 @@ def reference_logprobs(loaded, ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits.double(), -1)
 
 
-@pytest.mark.parametrize("model, as_ids", [("default", False), ("default", True),
-                                            (BASE, False)])
+@pytest.mark.parametrize("model, as_ids", [("default", False), ("default", True), (BASE, False)])
 def test_greedy_text_is_complete_text(port, engine, base_engine, tokenizer, model, as_ids):
     own = base_engine if model == BASE else engine
     prompt = tokenizer(PROMPT)["input_ids"] if as_ids else PROMPT
@@ -118,9 +128,11 @@ def test_greedy_text_is_complete_text(port, engine, base_engine, tokenizer, mode
     assert choice["text"] == expected and choice["index"] == 0
     assert choice["finish_reason"] == "length" and choice["logprobs"] is None
     assert len(ids) == 16
-    assert reply["usage"] == {"prompt_tokens": len(tokenizer(PROMPT)["input_ids"]),
-                              "completion_tokens": 16,
-                              "total_tokens": len(tokenizer(PROMPT)["input_ids"]) + 16}
+    assert reply["usage"] == {
+        "prompt_tokens": len(tokenizer(PROMPT)["input_ids"]),
+        "completion_tokens": 16,
+        "total_tokens": len(tokenizer(PROMPT)["input_ids"]) + 16,
+    }
 
 
 def test_echo_puts_the_prompt_in_front(port):
@@ -159,8 +171,9 @@ def test_echo_with_logprobs_scores_the_prompt_first(port, engine, loaded, tokeni
     assert lp["tokens"] == [tokenizer.decode([t]) for t in ids]
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
     for pos in range(1, len(ids)):
-        assert lp["token_logprobs"][pos] == pytest.approx(float(ref[pos - 1, ids[pos]]),
-                                                          abs=2e-3), pos
+        assert lp["token_logprobs"][pos] == pytest.approx(
+            float(ref[pos - 1, ids[pos]]), abs=2e-3
+        ), pos
         top = lp["top_logprobs"][pos]
         assert lp["tokens"][pos] in top  # the token there, even when not among the 2 best
         assert 2 <= len(top) <= 3
@@ -182,8 +195,7 @@ def test_max_tokens_0_scores_the_prompt_and_generates_nothing(port, tokenizer):
     assert choice["logprobs"] == {key: value[:count] for key, value in generated.items()}
     usage = {"prompt_tokens": count, "completion_tokens": 0, "total_tokens": count}
     assert scored["usage"] == usage
-    streamed = events(port, {**kwargs, "max_tokens": 0,
-                             "stream_options": {"include_usage": True}})
+    streamed = events(port, {**kwargs, "max_tokens": 0, "stream_options": {"include_usage": True}})
     assert streamed[-1] == "[DONE]" and streamed[-2]["usage"] == usage
     assert [e["choices"] for e in streamed[:-2]] == [[choice]]
     plain = complete(port, prompt=PROMPT, max_tokens=0)["choices"][0]
@@ -194,8 +206,10 @@ def test_max_tokens_0_scores_the_prompt_and_generates_nothing(port, tokenizer):
     status, reply = request(port, {"prompt": [1] * 8193, "max_tokens": 0})
     assert status == 400 and "8193 tokens" in reply["error"]["message"], reply
     chat = {"messages": [{"role": "user", "content": "Hi"}]}
-    for path, body in [("/v1/completions", {"model": FAR, "prompt": PROMPT}),
-                       ("/v1/chat/completions", chat)]:
+    for path, body in [
+        ("/v1/completions", {"model": FAR, "prompt": PROMPT}),
+        ("/v1/chat/completions", chat),
+    ]:
         status, reply = request(port, {**body, "max_tokens": 0}, path)
         assert status == 400 and reply["error"]["param"] == "max_tokens", reply
 
@@ -204,9 +218,8 @@ def test_stop_ends_the_text_before_the_stop_string(port):
     # Exact by construction: greedy, the same prompt, so the same tokens until the stop string
     full = complete(port, prompt=PROMPT, temperature=0, max_tokens=16)["choices"][0]["text"]
     word = full.split()[1]
-    choice = complete(port, prompt=PROMPT, temperature=0, max_tokens=16,
-                      stop=[word])["choices"][0]
-    assert choice["text"] == full[:full.index(word)] and choice["finish_reason"] == "stop"
+    choice = complete(port, prompt=PROMPT, temperature=0, max_tokens=16, stop=[word])["choices"][0]
+    assert choice["text"] == full[: full.index(word)] and choice["finish_reason"] == "stop"
 
 
 def test_n_choices_with_a_seed_are_the_seeded_single_requests(port):
@@ -230,8 +243,11 @@ def test_several_prompts_get_a_block_of_choices_each(port, tokenizer):
             one = complete(port, prompt=prompt, **{**kwargs, "seed": 3 + j})
             assert reply["choices"][2 * p + j]["text"] == one["choices"][0]["text"], (p, j)
     prompt_tokens = sum(len(tokenizer(p)["input_ids"]) for p in prompts)  # each once
-    assert reply["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 16,
-                              "total_tokens": prompt_tokens + 16}
+    assert reply["usage"] == {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": 16,
+        "total_tokens": prompt_tokens + 16,
+    }
 
 
 def test_stream_concatenates_to_the_whole_reply(port):
@@ -257,13 +273,19 @@ def test_a_client_that_leaves_a_stream_cancels_it(port, engine, monkeypatch):
             if item is not None and not isinstance(item, BaseException):
                 stats.append(item.stats)
             sink(item)
+
         return submit(prompt_ids, params, keep, **kwargs)
 
     monkeypatch.setattr(engine, "submit", recording)
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    conn.request("POST", "/v1/completions", json.dumps(
-        {"prompt": "apple, " * 20, "max_tokens": 2000, "temperature": 0, "stream": True}),
-        {"Content-Type": "application/json"})
+    conn.request(
+        "POST",
+        "/v1/completions",
+        json.dumps(
+            {"prompt": "apple, " * 20, "max_tokens": 2000, "temperature": 0, "stream": True}
+        ),
+        {"Content-Type": "application/json"},
+    )
     assert conn.getresponse().readline().startswith(b"data: ")
     conn.close()  # the client goes away mid-reply
     deadline = time.monotonic() + 60
@@ -273,29 +295,38 @@ def test_a_client_that_leaves_a_stream_cancels_it(port, engine, monkeypatch):
     assert stats[-1].finish_reason == "cancelled" and stats[-1].new_tokens < 2000
 
 
-@pytest.mark.parametrize("body, param, words", [
-    ({"prompt": PROMPT, "suffix": "!"}, "suffix", ["'suffix'", "not supported"]),
-    ({"prompt": PROMPT, "logprobs": 6}, "logprobs", ["[0, 5]", "6"]),
-    ({"prompt": PROMPT, "logprobs": True}, "logprobs", ["whole number"]),
-    ({"prompt": ""}, "prompt", ["empty"]),
-    ({"prompt": []}, "prompt", ["empty"]),
-    ({"prompt": [PROMPT, ""]}, "prompt[1]", ["empty"]),
-    ({"prompt": 5}, "prompt", ["string", "token ids"]),
-    ({"prompt": [1, "a"]}, "prompt", ["string", "token ids"]),
-    ({"prompt": "word " * 9000}, "prompt", ["9001 tokens", "context window of 8192"]),
-    ({"prompt": [1, 49152]}, "prompt", ["49152", "out of range", "0..49151"]),
-    ({"prompt": [[1, 2], [-1]]}, "prompt[1]", ["-1", "out of range"]),
-    ({"prompt": PROMPT, "best_of": 2}, "best_of", ["n (1)"]),
-    ({"prompt": PROMPT, "echo": "yes"}, "echo", ["true or false"]),
-    ({"prompt": PROMPT, "max_tokens": -1}, "max_tokens", ["[0, 8192]"]),
-    ({"prompt": PROMPT, "top_p": 0}, "top_p", ["top_p"]),
-    ({"prompt": PROMPT, "stream_options": {"include_usage": True}}, "stream_options",
-     ["'stream': true"]),
-    ({"prompt": PROMPT, "logit_bias": {"49152": -100}}, "logit_bias", ["out of range"]),
-    ({"prompt": PROMPT, "structured_outputs": {"regex": "([a-z"}},
-     "structured_outputs.regex", ["invalid regex"]),
-    ({}, "prompt", ["required"]),
-])
+@pytest.mark.parametrize(
+    "body, param, words",
+    [
+        ({"prompt": PROMPT, "suffix": "!"}, "suffix", ["'suffix'", "not supported"]),
+        ({"prompt": PROMPT, "logprobs": 6}, "logprobs", ["[0, 5]", "6"]),
+        ({"prompt": PROMPT, "logprobs": True}, "logprobs", ["whole number"]),
+        ({"prompt": ""}, "prompt", ["empty"]),
+        ({"prompt": []}, "prompt", ["empty"]),
+        ({"prompt": [PROMPT, ""]}, "prompt[1]", ["empty"]),
+        ({"prompt": 5}, "prompt", ["string", "token ids"]),
+        ({"prompt": [1, "a"]}, "prompt", ["string", "token ids"]),
+        ({"prompt": "word " * 9000}, "prompt", ["9001 tokens", "context window of 8192"]),
+        ({"prompt": [1, 49152]}, "prompt", ["49152", "out of range", "0..49151"]),
+        ({"prompt": [[1, 2], [-1]]}, "prompt[1]", ["-1", "out of range"]),
+        ({"prompt": PROMPT, "best_of": 2}, "best_of", ["n (1)"]),
+        ({"prompt": PROMPT, "echo": "yes"}, "echo", ["true or false"]),
+        ({"prompt": PROMPT, "max_tokens": -1}, "max_tokens", ["[0, 8192]"]),
+        ({"prompt": PROMPT, "top_p": 0}, "top_p", ["top_p"]),
+        (
+            {"prompt": PROMPT, "stream_options": {"include_usage": True}},
+            "stream_options",
+            ["'stream': true"],
+        ),
+        ({"prompt": PROMPT, "logit_bias": {"49152": -100}}, "logit_bias", ["out of range"]),
+        (
+            {"prompt": PROMPT, "structured_outputs": {"regex": "([a-z"}},
+            "structured_outputs.regex",
+            ["invalid regex"],
+        ),
+        ({}, "prompt", ["required"]),
+    ],
+)
 def test_bad_requests_get_400_naming_the_field(port, body, param, words):
     status, reply = request(port, body)
     assert status == 400, reply
@@ -305,16 +336,24 @@ def test_bad_requests_get_400_naming_the_field(port, body, param, words):
 
 
 def test_structured_output_applies_to_completions(port):
-    reply = complete(port, model=BASE, prompt="My favourite fruit:", temperature=0,
-                     max_tokens=10, structured_outputs={"choice": ["apple", "banana"]})
+    reply = complete(
+        port,
+        model=BASE,
+        prompt="My favourite fruit:",
+        temperature=0,
+        max_tokens=10,
+        structured_outputs={"choice": ["apple", "banana"]},
+    )
     choice = reply["choices"][0]
     assert choice["text"] in ("apple", "banana") and choice["finish_reason"] == "stop"
 
 
 def test_chat_with_a_model_without_a_template_is_refused(port):
-    status, reply = request(port, {"model": BASE, "messages": [{"role": "user",
-                                                                 "content": "Hi"}]},
-                            "/v1/chat/completions")
+    status, reply = request(
+        port,
+        {"model": BASE, "messages": [{"role": "user", "content": "Hi"}]},
+        "/v1/chat/completions",
+    )
     assert status == 400
     error = reply["error"]
     assert error["param"] == "messages" and error["code"] == "model_has_no_chat_template"
@@ -330,10 +369,15 @@ def test_a_remote_model_answers_through_its_reply_iterators(port):
     assert far["usage"] == local["usage"]
     streamed = events(port, {"model": FAR, "n": 2, **kwargs})
     for i in (0, 1):
-        assert "".join(e["choices"][0]["text"] for e in streamed[:-1]
-                       if e["choices"][0]["index"] == i) == local["choices"][0]["text"]
-    chat = {"messages": [{"role": "user", "content": "Name a fruit."}], "temperature": 0,
-            "max_tokens": 6}
+        assert (
+            "".join(e["choices"][0]["text"] for e in streamed[:-1] if e["choices"][0]["index"] == i)
+            == local["choices"][0]["text"]
+        )
+    chat = {
+        "messages": [{"role": "user", "content": "Name a fruit."}],
+        "temperature": 0,
+        "max_tokens": 6,
+    }
     status, here = request(port, chat, "/v1/chat/completions")
     status_far, there = request(port, {**chat, "model": FAR}, "/v1/chat/completions")
     assert status == status_far == 200
@@ -351,15 +395,19 @@ def test_echo_that_needs_the_remote_tokenizer_is_refused(port, extra):
 def test_tokenize_counts_as_the_engine_does(port, engine):
     """vLLM's /tokenize (what a MiniServeLM using this server as a remote model asks)."""
     from conftest import chat_ids
+
     status, got = request(port, {"prompt": PROMPT}, "/tokenize")
     assert status == 200 and got["tokens"] == engine.tokenizer(PROMPT)["input_ids"]
     assert got["count"] == len(got["tokens"]) and got["max_model_len"] == engine.context_length
     messages = [{"role": "user", "content": "Name a fruit."}]
     status, got = request(port, {"messages": messages}, "/tokenize")
     assert status == 200 and got["tokens"] == chat_ids(engine.tokenizer, "Name a fruit.")
-    for body, param in (({"prompt": 3}, "prompt"), ({"messages": []}, "messages"),
-                        ({"model": BASE, "messages": messages}, "messages"),
-                        ({"model": "nope", "prompt": "x"}, "model")):
+    for body, param in (
+        ({"prompt": 3}, "prompt"),
+        ({"messages": []}, "messages"),
+        ({"model": BASE, "messages": messages}, "messages"),
+        ({"model": "nope", "prompt": "x"}, "model"),
+    ):
         status, got = request(port, body, "/tokenize")
         assert status in (400, 404) and got["error"]["param"] == param, (body, got)
 
@@ -368,6 +416,7 @@ def test_a_remote_refusal_is_the_status_of_a_streamed_request(port):
     """A remote model's request is sent before the response starts: a refusal is a 4xx even
     with stream: true, not a 200 with an error inside."""
     for stream in (False, True):
-        status, got = request(port, {"model": FAR, "prompt": "word " * 9000, "max_tokens": 8,
-                                     "stream": stream})
+        status, got = request(
+            port, {"model": FAR, "prompt": "word " * 9000, "max_tokens": 8, "stream": stream}
+        )
         assert status == 400 and got["error"]["param"] == "prompt", (stream, got)

@@ -17,10 +17,22 @@ from conftest import expected_runner
 from miniserve.bench import bench, peer
 from benchmarks import http_bench
 from miniserve.runners import native
-from miniserve.bench.bench import (ConcurrencyConfig, StreamTimeline, at_once, ceiling_tokens_per_s,
-                             concurrency_params, format_concurrency_table, percentile,
-                             product_kernel, run_concurrency, stream_prompt, to_dict,
-                             weight_elements, write_csv, write_json)
+from miniserve.bench.bench import (
+    ConcurrencyConfig,
+    StreamTimeline,
+    at_once,
+    ceiling_tokens_per_s,
+    concurrency_params,
+    format_concurrency_table,
+    percentile,
+    product_kernel,
+    run_concurrency,
+    stream_prompt,
+    to_dict,
+    weight_elements,
+    write_csv,
+    write_json,
+)
 from miniserve.core.config import SamplingParams
 from miniserve.core.platform import cpu_model
 
@@ -28,8 +40,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run(*args, script=("-m", "miniserve"), timeout=240):
-    return subprocess.run([sys.executable, *script, *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, *script, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def one_error_line(r) -> str:
@@ -73,6 +86,7 @@ def test_http_bench_reports_the_same_per_token_numbers():
 def test_streams_at_once_report_the_real_error():
     """A stream that fails breaks the barrier the others wait at: its own error is raised,
     not theirs."""
+
     def one(i, start):
         if i == 2:
             raise KeyError("the real failure")
@@ -86,9 +100,13 @@ def test_streams_at_once_report_the_real_error():
 
 
 def test_ceiling_is_the_lower_of_memory_and_arithmetic():
-    c = {"bandwidth_gb_s": 10.0, "gflops": 100.0, "weight_bytes": 10**9,
-         "weight_elements": 5 * 10**8}
-    assert ceiling_tokens_per_s(c, 1) == pytest.approx(10.0)   # memory: 10 GB/s / 1 GB
+    c = {
+        "bandwidth_gb_s": 10.0,
+        "gflops": 100.0,
+        "weight_bytes": 10**9,
+        "weight_elements": 5 * 10**8,
+    }
+    assert ceiling_tokens_per_s(c, 1) == pytest.approx(10.0)  # memory: 10 GB/s / 1 GB
     assert ceiling_tokens_per_s(c, 8) == pytest.approx(80.0)
     assert ceiling_tokens_per_s(c, 64) == pytest.approx(100.0)  # arithmetic: 100 / (2 x 0.5)
     assert ceiling_tokens_per_s({}, 4) is None
@@ -101,13 +119,15 @@ def test_stream_prompts_are_distinct_and_exactly_long(tokenizer):
 
 
 def test_concurrency_rows_are_consistent(engine, tmp_path):
-    config = ConcurrencyConfig(levels=[1, 2], prompt_tokens=16, new_tokens=6,
-                               presets=("greedy", "balanced"), repeat=1)
+    config = ConcurrencyConfig(
+        levels=[1, 2], prompt_tokens=16, new_tokens=6, presets=("greedy", "balanced"), repeat=1
+    )
     seen = []
     result = run_concurrency(engine, config, progress=lambda f, m: seen.append(f))
     assert seen and seen[-1] == 1.0 and all(0 <= f <= 1 for f in seen)
     assert [(r.engine, r.preset, r.concurrency) for r in result.rows] == [
-        ("miniserve", p, b) for p in ("greedy", "balanced") for b in (1, 2)]
+        ("miniserve", p, b) for p in ("greedy", "balanced") for b in (1, 2)
+    ]
     assert result.cpu == cpu_model() and result.runner == expected_runner()
     assert result.native_isa == ((native.isa() or "") if result.runner == "native" else "")
     c = result.ceiling
@@ -125,9 +145,11 @@ def test_concurrency_rows_are_consistent(engine, tmp_path):
         assert 0 < r.ttft_p50_s <= r.ttft_p95_s < r.wall_s
         assert r.itl_p95_s > 0 and r.stream_decode_tokens_per_s > 0
         assert r.ceiling_tokens_per_s == pytest.approx(
-            ceiling_tokens_per_s(c, r.concurrency), rel=1e-2)
+            ceiling_tokens_per_s(c, r.concurrency), rel=1e-2
+        )
         assert r.ceiling_share == pytest.approx(
-            r.aggregate_tokens_per_s / r.ceiling_tokens_per_s, abs=2e-3)
+            r.aggregate_tokens_per_s / r.ceiling_tokens_per_s, abs=2e-3
+        )
         assert r.cpu == result.cpu and r.native_isa == result.native_isa
     by_level = {r.concurrency: r for r in result.rows if r.preset == "greedy"}
     assert by_level[2].ceiling_tokens_per_s >= by_level[1].ceiling_tokens_per_s
@@ -143,10 +165,19 @@ def test_concurrency_rows_are_consistent(engine, tmp_path):
     assert data["ceiling"]["matrix"] and len(data["rows"]) == 4
     with open(f) as fh:
         rows = list(csv.DictReader(fh))
-    assert len(rows) == 4 and {"preset", "concurrency", "aggregate_tokens_per_s",
-                               "stream_decode_tokens_per_s", "ttft_p50_s", "ttft_p95_s",
-                               "itl_p95_s", "ceiling_share", "produced_tokens", "cpu",
-                               "native_isa"} <= set(rows[0])
+    assert len(rows) == 4 and {
+        "preset",
+        "concurrency",
+        "aggregate_tokens_per_s",
+        "stream_decode_tokens_per_s",
+        "ttft_p50_s",
+        "ttft_p95_s",
+        "itl_p95_s",
+        "ceiling_share",
+        "produced_tokens",
+        "cpu",
+        "native_isa",
+    } <= set(rows[0])
 
 
 def test_concurrency_presets_come_from_the_given_table_or_file(tmp_path):
@@ -159,8 +190,7 @@ def test_concurrency_presets_come_from_the_given_table_or_file(tmp_path):
         concurrency_params(config)  # the default presets.yaml has no "mine"
     f = tmp_path / "presets.yaml"
     f.write_text("presets:\n  mine:\n    temperature: 0.5\n")
-    from_file = ConcurrencyConfig(levels=[1], new_tokens=5, presets=("mine",),
-                                  presets_file=str(f))
+    from_file = ConcurrencyConfig(levels=[1], new_tokens=5, presets=("mine",), presets_file=str(f))
     assert concurrency_params(from_file)["mine"].temperature == 0.5
 
 
@@ -213,26 +243,55 @@ def test_cli_rejects_bad_levels_and_engine_flags_in_one_line():
 def test_cli_concurrency_presets_file_and_queue(tmp_path):
     presets = tmp_path / "presets.yaml"
     presets.write_text("presets:\n  mine:\n    temperature: 0.3\n")
-    line = one_error_line(run("bench", "--concurrency", "1", "--presets", "balanced",
-                              "--presets-file", str(presets)))
+    line = one_error_line(
+        run("bench", "--concurrency", "1", "--presets", "balanced", "--presets-file", str(presets))
+    )
     assert "unknown preset balanced (available: mine, greedy)" in line
     # a level past the queue: run_concurrency's own check, one line after the model's loading
-    r = run("bench", "--concurrency", "1,3", "--max-queue", "2", "--presets", "mine",
-            "--presets-file", str(presets), "--dtype", "float32")
+    r = run(
+        "bench",
+        "--concurrency",
+        "1,3",
+        "--max-queue",
+        "2",
+        "--presets",
+        "mine",
+        "--presets-file",
+        str(presets),
+        "--dtype",
+        "float32",
+    )
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
-    assert r.stderr.strip().splitlines()[-1] == \
-        "error: concurrency 3 is more than the engine admits at once (--max-queue 2)"
+    assert (
+        r.stderr.strip().splitlines()[-1]
+        == "error: concurrency 3 is more than the engine admits at once (--max-queue 2)"
+    )
 
 
 def test_cli_concurrency_run(tmp_path):
     out = tmp_path / "c.json"
-    r = run("bench", "--concurrency", "1,2", "--prompt-tokens", "12", "--new-tokens", "4",
-            "--presets", "greedy", "--dtype", "float32", "--json", str(out))
+    r = run(
+        "bench",
+        "--concurrency",
+        "1,2",
+        "--prompt-tokens",
+        "12",
+        "--new-tokens",
+        "4",
+        "--presets",
+        "greedy",
+        "--dtype",
+        "float32",
+        "--json",
+        str(out),
+    )
     assert r.returncode == 0, r.stderr
     assert "ceiling from" in r.stdout and cpu_model() in r.stdout
     data = json.loads(out.read_text())
     assert [(row["preset"], row["concurrency"]) for row in data["rows"]] == [
-        ("greedy", 1), ("greedy", 2)]
+        ("greedy", 1),
+        ("greedy", 2),
+    ]
     assert all(row["produced_tokens"] == row["asked_tokens"] for row in data["rows"])
 
 
@@ -242,8 +301,9 @@ def test_cli_concurrency_run(tmp_path):
 LLAMACPP_F32_BOUND = 0.02
 
 
-@pytest.mark.skipif(not peer.available(),
-                    reason="llama-cpp-python is not installed (make bench-peer installs it)")
+@pytest.mark.skipif(
+    not peer.available(), reason="llama-cpp-python is not installed (make bench-peer installs it)"
+)
 def test_llamacpp_batch_follows_the_reference(engine, ref32):
     """llama.cpp decoding 3 sequences of different lengths together on a float32 copy of the
     same weights (keys and values in float32 too): each stream's greedy tokens follow the
@@ -251,6 +311,7 @@ def test_llamacpp_batch_follows_the_reference(engine, ref32):
     another, or a wrong position, would choose tokens logits away from the best."""
     from miniserve.runners.loader import resolve_source
     from miniserve.runners.verify import check_tokens
+
     kind, path, _ = resolve_source(engine.loaded.source)
     if kind != "gguf":
         pytest.skip("the model is not a GGUF file")
@@ -273,6 +334,7 @@ def test_the_peer_row_names_the_files_own_weight_type(tmp_path):
     real files name it in their file names too); a file that is not a GGUF, is cut inside its
     header or has garbage counts: no type (the row says "as stored")."""
     from miniserve.runners.loader import embedded_gguf, known_model_path
+
     for path in (embedded_gguf(), known_model_path("gemma-3-270m", install=False)):
         kind = peer.file_type(path)
         assert kind.startswith("q4") and kind in path.name.lower(), (path.name, kind)
@@ -282,9 +344,13 @@ def test_the_peer_row_names_the_files_own_weight_type(tmp_path):
     # headers whose counts are garbage (2**62 keys; an array of 2**60 strings, of 2**62
     # numbers; a key 2**40 bytes long): no hang, no crash
     head = b"GGUF" + struct.pack("<IQQ", 3, 0, 2**62)
-    for n, rest in enumerate([struct.pack("<Q", 3) + b"abc" + struct.pack("<IIQ", 9, 8, 2**60),
-                              struct.pack("<Q", 3) + b"abc" + struct.pack("<IIQ", 9, 10, 2**62),
-                              struct.pack("<Q", 2**40) + b"abc"]):
+    for n, rest in enumerate(
+        [
+            struct.pack("<Q", 3) + b"abc" + struct.pack("<IIQ", 9, 8, 2**60),
+            struct.pack("<Q", 3) + b"abc" + struct.pack("<IIQ", 9, 10, 2**62),
+            struct.pack("<Q", 2**40) + b"abc",
+        ]
+    ):
         garbage = tmp_path / f"garbage{n}.gguf"
         garbage.write_bytes(head + rest)
         assert peer.file_type(garbage) is None, n

@@ -67,6 +67,7 @@ def test_enter_sends_and_shift_enter_adds_a_line(page):
     """As in chat apps: Shift+Enter adds a line, Enter sends the message with its lines; an
     Enter an input method is composing with sends nothing; the placeholder says so."""
     from playwright.sync_api import expect
+
     expect(page.locator("html")).to_have_attribute("data-ms-keys", "on")
     set_number(page, "Max new tokens", 8)
     box = page.get_by_label("Message", exact=True)
@@ -93,8 +94,14 @@ def test_enter_sends_and_shift_enter_adds_a_line(page):
 def test_factual_preset_moves_the_sliders(page):
     page.get_by_label("Preset").click()
     page.get_by_role("option", name="factual").click()
-    for label, value in [("Temperature", 0), ("Top-k", 0), ("Top-p", 1), ("Min-p", 0),
-                         ("Repetition penalty", 1), ("Max new tokens", 256)]:
+    for label, value in [
+        ("Temperature", 0),
+        ("Top-k", 0),
+        ("Top-p", 1),
+        ("Min-p", 0),
+        ("Repetition penalty", 1),
+        ("Max new tokens", 256),
+    ]:
         box = number(page, label)
         deadline = time.time() + 10
         while time.time() < deadline and float(box.input_value()) != value:
@@ -111,14 +118,17 @@ def test_factual_preset_moves_the_sliders(page):
 def test_stop_keeps_what_was_written(page):
     set_number(page, "Max new tokens", 1500)
     set_number(page, "Temperature", 0)
-    page.get_by_label("Message", exact=True).fill("Write a very long story about a dragon and a knight.")
+    page.get_by_label("Message", exact=True).fill(
+        "Write a very long story about a dragon and a knight."
+    )
     page.get_by_role("button", name="Send").click()
     deadline = time.time() + 60
     while time.time() < deadline and len(bot_text(page).split()) < 5:
         time.sleep(0.1)
     page.get_by_role("button", name="Stop").click()
-    page.wait_for_function("document.querySelector('#status').innerText.includes('cancelled')",
-                           timeout=30000)
+    page.wait_for_function(
+        "document.querySelector('#status').innerText.includes('cancelled')", timeout=30000
+    )
     kept = bot_text(page)
     assert len(kept.split()) >= 5
     new_tokens = int(re.search(r"(\d+) new tokens", status(page)).group(1))
@@ -129,28 +139,33 @@ def test_stop_keeps_what_was_written(page):
     set_number(page, "Max new tokens", 8)
     page.get_by_label("Message", exact=True).fill("Hi")
     page.get_by_role("button", name="Send").click()
-    page.wait_for_function("document.querySelectorAll(\"[data-testid='bot']\").length >= 2 && "
-                           "document.querySelector('#status').innerText.includes('tokens/s')",
-                           timeout=60000)
+    page.wait_for_function(
+        "document.querySelectorAll(\"[data-testid='bot']\").length >= 2 && "
+        "document.querySelector('#status').innerText.includes('tokens/s')",
+        timeout=60000,
+    )
 
 
 def test_empty_message_is_a_readable_error_and_keeps_the_chat(page):
     set_number(page, "Max new tokens", 6)
     page.get_by_label("Message", exact=True).fill("Hello")
     page.get_by_role("button", name="Send").click()
-    page.wait_for_function("document.querySelector('#status').innerText.includes('tokens/s')",
-                           timeout=60000)
+    page.wait_for_function(
+        "document.querySelector('#status').innerText.includes('tokens/s')", timeout=60000
+    )
     page.get_by_label("Message", exact=True).fill("   ")
     page.get_by_role("button", name="Send").click()
-    page.wait_for_function("document.querySelector('#status').innerText.includes('empty')",
-                           timeout=10000)
+    page.wait_for_function(
+        "document.querySelector('#status').innerText.includes('empty')", timeout=10000
+    )
     assert page.locator("[data-testid='user']").count() == 1
     assert page.locator("[data-testid='bot']").count() == 1
     huge = "a long message " * 3000  # ~9,000 tokens: more than the context window
     page.get_by_label("Message", exact=True).fill(huge)
     page.get_by_role("button", name="Send").click()
-    page.wait_for_function("document.querySelector('#status').innerText.includes('too long')",
-                           timeout=30000)
+    page.wait_for_function(
+        "document.querySelector('#status').innerText.includes('too long')", timeout=30000
+    )
     assert page.locator("[data-testid='user']").count() == 1  # the conversation is kept
     assert page.get_by_label("Message", exact=True).input_value() == huge  # and the text too
 
@@ -162,6 +177,7 @@ def test_inspector_shows_alternatives_on_hover(page):
     page.get_by_label("Message", exact=True).fill("Name a colour.")
     page.get_by_role("button", name="Send").click()
     from playwright.sync_api import expect
+
     expect(page.locator("#status")).to_contain_text("tokens/s", timeout=120000)
     tokens = page.locator(".ms-inspector .ms-tok")
     expect(tokens.first).to_be_visible()
@@ -187,14 +203,22 @@ def test_inspector_shows_alternatives_on_hover(page):
     assert box["width"] > 200 and box["height"] > 60
     # drawn on top of the page, not cut off by the box around the inspector
     last = rows.last.bounding_box()
-    on_top = page.evaluate("([x, y]) => !!document.elementFromPoint(x, y).closest('.ms-pop')",
-                           [last["x"] + last["width"] / 2, last["y"] + last["height"] / 2])
+    on_top = page.evaluate(
+        "([x, y]) => !!document.elementFromPoint(x, y).closest('.ms-pop')",
+        [last["x"] + last["width"] / 2, last["y"] + last["height"] / 2],
+    )
     assert on_top, "the popup's last row is visible"
     if os.environ.get("MINISERVE_SCREENSHOTS"):
         area = page.locator("#inspector").bounding_box()
-        page.screenshot(path=str(SHOTS / "inspector.png"), clip={
-            "x": area["x"], "y": area["y"], "width": max(area["width"], box["width"] + 20),
-            "height": box["y"] + box["height"] - area["y"] + 10})
+        page.screenshot(
+            path=str(SHOTS / "inspector.png"),
+            clip={
+                "x": area["x"],
+                "y": area["y"],
+                "width": max(area["width"], box["width"] + 20),
+                "height": box["y"] + box["height"] - area["y"] + 10,
+            },
+        )
     page.mouse.move(0, 0)
     expect(popup).to_be_hidden()
 
@@ -205,8 +229,10 @@ def test_benchmark_tab_shows_rows_for_each_mode(page):
     set_number(page, "New tokens", 6)
     page.get_by_role("button", name="Run benchmark").click()
     from playwright.sync_api import expect
-    expect(page.locator("body")).to_contain_text("follow the float32 reference: yes",
-                                                 timeout=180000)
+
+    expect(page.locator("body")).to_contain_text(
+        "follow the float32 reference: yes", timeout=180000
+    )
     expect(page.locator("body")).to_contain_text("hf_generate", timeout=30000)
     body = page.locator("body").inner_text()
     assert "native runner" in body  # the engine's default on this CPU, named with the table
@@ -222,9 +248,12 @@ def test_benchmark_tables_show_their_headers_before_a_run(page):
     from playwright.sync_api import expect
 
     from miniserve.ui.bench_tab import BENCH_COLUMNS, CONCURRENCY_COLUMNS
+
     page.get_by_role("tab", name="Benchmark").click()
-    for table, columns in (("#bench-table", BENCH_COLUMNS),
-                           ("#concurrency-table", CONCURRENCY_COLUMNS)):
+    for table, columns in (
+        ("#bench-table", BENCH_COLUMNS),
+        ("#concurrency-table", CONCURRENCY_COLUMNS),
+    ):
         headers = page.locator(f"{table} thead th")
         expect(headers.first).to_be_visible(timeout=10000)
         expect(page.locator(table)).to_contain_text(list(columns.values())[0])
@@ -237,22 +266,29 @@ def test_benchmark_tables_show_their_headers_before_a_run(page):
 
 def test_concurrency_benchmark_shows_a_row_per_preset_and_level(page):
     from playwright.sync_api import expect
+
     page.get_by_role("tab", name="Benchmark").click()
     page.get_by_label("Concurrency levels").fill("1,2")
     set_number(page, "Stream prompt tokens", 16)
     set_number(page, "Stream new tokens", 6)
     page.get_by_role("button", name="Run concurrency benchmark").click()
-    expect(page.locator("body")).to_contain_text("16-token prompts, 6 new tokens a stream",
-                                                 timeout=180000)
+    expect(page.locator("body")).to_contain_text(
+        "16-token prompts, 6 new tokens a stream", timeout=180000
+    )
     table = page.locator("#concurrency-table")
     expect(table).to_contain_text("Aggregate tokens/s", timeout=30000)
     rows = re.findall(r"\b(greedy|balanced)\s+(\d+)\s+\d", table.inner_text())
-    assert sorted(rows) == [("balanced", "1"), ("balanced", "2"), ("greedy", "1"),
-                            ("greedy", "2")], table.inner_text()[-1500:]
+    assert sorted(rows) == [
+        ("balanced", "1"),
+        ("balanced", "2"),
+        ("greedy", "1"),
+        ("greedy", "2"),
+    ], table.inner_text()[-1500:]
     page.get_by_label("Concurrency levels").fill("1,x")
     page.get_by_role("button", name="Run concurrency benchmark").click()
     expect(page.locator("body")).to_contain_text(
-        "Concurrency: write whole numbers separated by commas", timeout=30000)
+        "Concurrency: write whole numbers separated by commas", timeout=30000
+    )
 
 
 def test_compare_tab_shows_one_column_per_preset(page):
@@ -261,8 +297,10 @@ def test_compare_tab_shows_one_column_per_preset(page):
     set_number(page, "Tokens per column", 12)
     page.get_by_role("button", name="Compare", exact=True).click()
     from playwright.sync_api import expect
-    expect(page.locator("body")).to_contain_text("same prompt, seed 42, 2 presets as one batch",
-                                                 timeout=120000)
+
+    expect(page.locator("body")).to_contain_text(
+        "same prompt, seed 42, 2 presets as one batch", timeout=120000
+    )
     columns = page.locator(".block.ms-column:visible")
     assert columns.count() == 2
     texts = columns.all_inner_texts()
@@ -277,6 +315,7 @@ def test_two_tabs_chat_at_once_without_mixing(browser, app_server):
     the second waited its turn, the first would be complete by then). Stop in each tab ends
     its own reply; neither tab shows the other's conversation."""
     from playwright.sync_api import expect
+
     pages = []
     for question in ("Write a long story about a planet.", "Write a long story about a river."):
         p = browser.new_page(viewport={"width": 1200, "height": 900})
@@ -289,11 +328,13 @@ def test_two_tabs_chat_at_once_without_mixing(browser, app_server):
     for p, _ in pages:  # both requests are in flight together
         p.get_by_role("button", name="Send").click()
     (first, _), (second, _) = pages
-    expect(second.locator("[data-testid='bot']").last).to_contain_text(re.compile(r"\w"),
-                                                                       timeout=120000)
+    expect(second.locator("[data-testid='bot']").last).to_contain_text(
+        re.compile(r"\w"), timeout=120000
+    )
     expect(first.locator("#status")).to_contain_text("generating…", timeout=1000)
-    expect(first.locator("[data-testid='bot']").last).to_contain_text(re.compile(r"\w"),
-                                                                      timeout=10000)
+    expect(first.locator("[data-testid='bot']").last).to_contain_text(
+        re.compile(r"\w"), timeout=10000
+    )
     for p, question in pages:
         p.get_by_role("button", name="Stop").click()
         expect(p.locator("#status")).to_contain_text("tokens/s", timeout=60000)
@@ -309,9 +350,16 @@ def test_json_schema_output_format_gives_a_reply_that_follows_it(page):
 
     import jsonschema
     from playwright.sync_api import expect
-    schema = {"type": "object", "properties": {"colour": {"type": "string", "maxLength": 12},
-                                               "bright": {"type": "boolean"}},
-              "required": ["colour", "bright"], "additionalProperties": False}
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "colour": {"type": "string", "maxLength": 12},
+            "bright": {"type": "boolean"},
+        },
+        "required": ["colour", "bright"],
+        "additionalProperties": False,
+    }
     set_number(page, "Max new tokens", 40)
     set_number(page, "Temperature", 0)
     schema_box = page.get_by_role("textbox", name=re.compile(r"^Schema"))

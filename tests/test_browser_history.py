@@ -77,14 +77,16 @@ def test_a_conversation_survives_a_reload_a_restart_and_a_crash(context, app):
     page.get_by_label("Message", exact=True).fill("Write a very long story about a pelican.")
     page.get_by_role("button", name="Send").click()
     expect(page.locator("#status")).to_contain_text("generating", timeout=REPLY_TIMEOUT_MS)
-    expect(page.locator("[data-testid='bot']").nth(1)).not_to_have_text("",
-                                                                       timeout=REPLY_TIMEOUT_MS)
+    expect(page.locator("[data-testid='bot']").nth(1)).not_to_have_text(
+        "", timeout=REPLY_TIMEOUT_MS
+    )
     # the open tab loses its stream, says "Connection Lost", polls, and reloads itself once
     # the app answers again (a page.goto of ours would race that reload)
     with page.expect_navigation(timeout=RESTART_TIMEOUT_MS):
         app.restart(kill=True)
-    expect(users(page)).to_have_text(["Remember the word pelican.",
-                                      "Write a very long story about a pelican."])
+    expect(users(page)).to_have_text(
+        ["Remember the word pelican.", "Write a very long story about a pelican."]
+    )
     expect(page.locator("[data-testid='bot']")).to_have_text([reply])
 
 
@@ -115,8 +117,9 @@ def test_an_edit_makes_a_branch_and_the_arrows_switch(context, app):
     page.get_by_role("button", name="Edit").first.click()
     page.locator("#chatbot textarea").fill("Name a vegetable.")
     page.get_by_role("button", name="Submit").click()
-    expect(page.locator("#branches")).to_contain_text("your message #1 (now 2 of 2)",
-                                                      timeout=REPLY_TIMEOUT_MS)
+    expect(page.locator("#branches")).to_contain_text(
+        "your message #1 (now 2 of 2)", timeout=REPLY_TIMEOUT_MS
+    )
     expect(page.locator("#status")).to_contain_text("tokens/s", timeout=REPLY_TIMEOUT_MS)
     expect(users(page).first).to_contain_text("Name a vegetable.")
     expect(users(page).first).to_contain_text("‹ 2/2 ›")

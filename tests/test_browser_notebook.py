@@ -29,13 +29,16 @@ def two_model_app(two_models):
 
     from miniserve.core.config import load_presets
     from miniserve.ui import CSS, build_ui
+
     for name in two_models.names:  # loaded up front: the tests time replies, not loads
         two_models.get(name)
     demo = build_ui(two_models, load_presets())
-    app = gr.mount_gradio_app(FastAPI(), demo, path="/", css=CSS, footer_links=[],
-                              run_history=False)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(),
-                                           log_level="warning"))
+    app = gr.mount_gradio_app(
+        FastAPI(), demo, path="/", css=CSS, footer_links=[], run_history=False
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning")
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.time() + 60
@@ -86,9 +89,13 @@ def test_notebook_continues_the_text_in_place_and_undo_restores_it(page):
     page.get_by_role("checkbox", name="Token inspector").check()
     page.get_by_role("button", name="Generate", exact=True).click()
     # 48 tokens, or fewer where the sampled text reached the model's end token
-    expect(status).to_contain_text(re.compile(r"(48 new tokens .*finish: length|"
-                                              r"\d+ new tokens .*finish: eos)"),
-                                   timeout=REPLY_TIMEOUT_MS)
+    expect(status).to_contain_text(
+        re.compile(
+            r"(48 new tokens .*finish: length|"
+            r"\d+ new tokens .*finish: eos)"
+        ),
+        timeout=REPLY_TIMEOUT_MS,
+    )
     expect(status).to_contain_text(f"model {DEFAULT}")
     made = int(re.search(r"(\d+) new tokens", status.inner_text()).group(1))
     assert 0 < made <= 48
@@ -102,8 +109,9 @@ def test_notebook_continues_the_text_in_place_and_undo_restores_it(page):
     set_number(page, "Max new tokens", 400)
     page.get_by_role("button", name="Generate", exact=True).click()
     # the continuation streams into the same box, after the text, while it is generating
-    expect(text).to_have_value(re.compile(re.escape(STORY) + r".{30,}", re.S),
-                               timeout=REPLY_TIMEOUT_MS)
+    expect(text).to_have_value(
+        re.compile(re.escape(STORY) + r".{30,}", re.S), timeout=REPLY_TIMEOUT_MS
+    )
     expect(status).to_contain_text("generating…")
     page.get_by_role("button", name="Stop").click()
     expect(status).to_contain_text("stopped by you", timeout=REPLY_TIMEOUT_MS)
@@ -115,17 +123,18 @@ def test_notebook_continues_the_text_in_place_and_undo_restores_it(page):
     expect(status).to_contain_text("taken back")
 
 
-def test_notebook_undo_while_it_streams_stops_the_generation_and_keeps_its_text(page,
-                                                                               two_models):
+def test_notebook_undo_while_it_streams_stops_the_generation_and_keeps_its_text(page, two_models):
     text, status = notebook(page)
     text.fill(STORY)
     set_number(page, "Max new tokens", 400)
     page.get_by_role("button", name="Generate", exact=True).click()
-    expect(text).to_have_value(re.compile(re.escape(STORY) + r".{30,}", re.S),
-                               timeout=REPLY_TIMEOUT_MS)
+    expect(text).to_have_value(
+        re.compile(re.escape(STORY) + r".{30,}", re.S), timeout=REPLY_TIMEOUT_MS
+    )
     page.get_by_role("button", name="Undo").click()
-    expect(status).to_contain_text("the generation was stopped and taken back",
-                                   timeout=REPLY_TIMEOUT_MS)
+    expect(status).to_contain_text(
+        "the generation was stopped and taken back", timeout=REPLY_TIMEOUT_MS
+    )
     # Undo's output came after the generation ended: nothing streams to overwrite it
     assert [two_models.get(n).queue_depth for n in two_models.names] == [0, 0]
     expect(text).to_have_value(STORY)
@@ -141,10 +150,13 @@ def test_chat_switches_model_and_a_saved_conversation_brings_its_model_back(page
     page.get_by_label("Message", exact=True).fill("Name a colour.")
     started = time.perf_counter()
     page.get_by_role("button", name="Send").click()
-    expect(page.locator("[data-testid='bot']").last).to_contain_text(re.compile(r"\w"),
-                                                                     timeout=REPLY_TIMEOUT_MS)
-    print(f"\nfirst text from {B} in the browser: "
-          f"{(time.perf_counter() - started) * 1000:.0f} ms after the click")
+    expect(page.locator("[data-testid='bot']").last).to_contain_text(
+        re.compile(r"\w"), timeout=REPLY_TIMEOUT_MS
+    )
+    print(
+        f"\nfirst text from {B} in the browser: "
+        f"{(time.perf_counter() - started) * 1000:.0f} ms after the click"
+    )
     expect(page.locator("#status")).to_contain_text(f"model {B}", timeout=REPLY_TIMEOUT_MS)
     expect(page.locator("#status")).to_contain_text("tokens/s")
     # the header names no tab's choice: the same in every tab

@@ -26,11 +26,14 @@ def step_app(engine):
 
     from miniserve.core.config import load_presets
     from miniserve.ui import CSS, build_ui
+
     demo = build_ui(engine, load_presets())
-    app = gr.mount_gradio_app(FastAPI(), demo, path="/", css=CSS, footer_links=[],
-                              run_history=False)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(),
-                                           log_level="warning"))
+    app = gr.mount_gradio_app(
+        FastAPI(), demo, path="/", css=CSS, footer_links=[], run_history=False
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning")
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.time() + 60
@@ -54,8 +57,11 @@ def tab(browser, step_app):
 
 
 def set_number(tab, label, value):
-    box = tab.get_by_label("Seed") if label == "Seed" else \
-        tab.get_by_role("spinbutton", name=f"number input for {label}")
+    box = (
+        tab.get_by_label("Seed")
+        if label == "Seed"
+        else tab.get_by_role("spinbutton", name=f"number input for {label}")
+    )
     box.fill(str(value))
     box.press("Enter")
 
@@ -92,7 +98,8 @@ def test_step_pick_back_and_run_to_the_end(tab):
     # a smaller top-k (typed: the box's change re-runs the stages too) cuts the tail: ✕ marks
     set_number(tab, "Top-k", 12)
     expect(tab.locator("#step-chart [data-removed='top-k']").first).to_be_visible(
-        timeout=TIMEOUT_MS)
+        timeout=TIMEOUT_MS
+    )
     # pick the third candidate: it is taken, marked as a hand pick
     third = tab.locator("#step-chart .ms-pick").nth(2)
     third.click()
@@ -112,11 +119,17 @@ def test_step_pick_back_and_run_to_the_end(tab):
     expect(chart).to_have_attribute("data-position", "4")
     # run to the end: the end token or Max new tokens, said on the status line
     tab.get_by_role("button", name="Run to the end").click()
-    expect(status).to_contain_text(re.compile(r"the text is finished|Max new tokens \(40\) "
-                                              r"reached"), timeout=TIMEOUT_MS)
+    expect(status).to_contain_text(
+        re.compile(
+            r"the text is finished|Max new tokens \(40\) "
+            r"reached"
+        ),
+        timeout=TIMEOUT_MS,
+    )
     made = chips.count()
     assert 4 < made <= 40
     # Step at the end says so
     tab.get_by_role("button", name="Step", exact=True).click()
-    expect(status).to_contain_text(re.compile(r"Error.*(the text is finished|Max new tokens)"),
-                                   timeout=TIMEOUT_MS)
+    expect(status).to_contain_text(
+        re.compile(r"Error.*(the text is finished|Max new tokens)"), timeout=TIMEOUT_MS
+    )

@@ -15,14 +15,30 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run(*args, stdin=None, timeout=240, env=None):
-    return subprocess.run([sys.executable, "-m", "miniserve", *args], cwd=ROOT, input=stdin,
-                          capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **env} if env else None)
+    return subprocess.run(
+        [sys.executable, "-m", "miniserve", *args],
+        cwd=ROOT,
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **env} if env else None,
+    )
 
 
 def test_generate_json_matches_the_engine(engine, ref32):
-    r = run("generate", "--prompt", "What is the capital of France?", "--preset", "factual",
-            "--max-new-tokens", "12", "--json", "--dtype", "float32")
+    r = run(
+        "generate",
+        "--prompt",
+        "What is the capital of France?",
+        "--preset",
+        "factual",
+        "--max-new-tokens",
+        "12",
+        "--json",
+        "--dtype",
+        "float32",
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert {"text", "token_ids", "prompt_tokens", "ttft_s", "tokens_per_s", "cache"} <= set(out)
@@ -31,13 +47,28 @@ def test_generate_json_matches_the_engine(engine, ref32):
     # Exact by construction: the same runner computing the same prompt from scratch, here
     # and in the command's own process (the same CPU, the same number of threads).
     from miniserve.core.config import SamplingParams
-    text, _ = engine.chat_text([{"role": "user", "content": "What is the capital of France?"}],
-                               SamplingParams(temperature=0, max_new_tokens=12),
-                               reuse_prefix=False)
+
+    text, _ = engine.chat_text(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0, max_new_tokens=12),
+        reuse_prefix=False,
+    )
     assert out["text"] == text
-    nocache = json.loads(run("generate", "--prompt", "What is the capital of France?",
-                             "--preset", "factual", "--max-new-tokens", "12", "--json",
-                             "--dtype", "float32", "--no-cache").stdout)
+    nocache = json.loads(
+        run(
+            "generate",
+            "--prompt",
+            "What is the capital of France?",
+            "--preset",
+            "factual",
+            "--max-new-tokens",
+            "12",
+            "--json",
+            "--dtype",
+            "float32",
+            "--no-cache",
+        ).stdout
+    )
     assert nocache["cache"] is False
     # Without the cache the sums are others (many rows through MKL): held to the reference.
     prompt = chat_ids(engine.tokenizer, "What is the capital of France?")
@@ -47,15 +78,22 @@ def test_generate_json_matches_the_engine(engine, ref32):
 
 
 def test_generate_streams_text_and_show_probs():
-    r = run("generate", "--prompt", "Say hello.", "--max-new-tokens", "6", "--seed", "1",
-            "--show-probs")
+    r = run(
+        "generate", "--prompt", "Say hello.", "--max-new-tokens", "6", "--seed", "1", "--show-probs"
+    )
     assert r.returncode == 0 and r.stdout.strip()
     assert "p=" in r.stderr and "tokens/s" in r.stderr
 
 
 def test_bad_arguments_exit_nonzero_with_one_line():
-    for args in (["--top-p", "0"], ["--temperature", "9"], ["--top-k", "abc"],
-                 ["--preset", "nope"], ["--model", "/no/such/dir"], ["--max-new-tokens", "0"]):
+    for args in (
+        ["--top-p", "0"],
+        ["--temperature", "9"],
+        ["--top-k", "abc"],
+        ["--preset", "nope"],
+        ["--model", "/no/such/dir"],
+        ["--max-new-tokens", "0"],
+    ):
         r = run("generate", "--prompt", "hi", *args)
         assert r.returncode != 0, args
         lines = [l for l in r.stderr.splitlines() if l.strip()]
@@ -63,9 +101,24 @@ def test_bad_arguments_exit_nonzero_with_one_line():
 
 
 def test_chat_through_a_pipe():
-    script = "\n".join(["Hello!", "/preset factual", "/settings", "/set temperature hot",
-                        "/set top_p 7", "/set max_new_tokens 8", "What is 2+2?", "/preset",
-                        "/model", "/exit", "never read"]) + "\n"
+    script = (
+        "\n".join(
+            [
+                "Hello!",
+                "/preset factual",
+                "/settings",
+                "/set temperature hot",
+                "/set top_p 7",
+                "/set max_new_tokens 8",
+                "What is 2+2?",
+                "/preset",
+                "/model",
+                "/exit",
+                "never read",
+            ]
+        )
+        + "\n"
+    )
     r = run("chat", "--max-new-tokens", "8", stdin=script)
     assert r.returncode == 0, r.stderr
     out = r.stdout
@@ -87,13 +140,24 @@ def _lines(text: str, start: str) -> list[str]:
 def test_chat_saves_lists_loads_exports_and_imports(tmp_path):
     from miniserve.cli.repl import CLI_OWNER
     from miniserve.store.store import open_store
+
     db, js, md, bad = (tmp_path / n for n in ("h.sqlite3", "x.json", "x.md", "bad.txt"))
     bad.write_text("not json at all")
-    script = ["/export " + str(js), "Hello!", "/save Greeting", "What is 2+2?", "/list",
-              f"/export {js}", f"/export {md}", f"/import {js}", f"/import {bad}", "/load 99",
-              "/load two", f"/export {tmp_path / 'no' / 'such' / 'x.json'}"]
-    r = run("chat", *CHEAP, "--seed", "7", "--history-db", str(db),
-            stdin="\n".join(script) + "\n")
+    script = [
+        "/export " + str(js),
+        "Hello!",
+        "/save Greeting",
+        "What is 2+2?",
+        "/list",
+        f"/export {js}",
+        f"/export {md}",
+        f"/import {js}",
+        f"/import {bad}",
+        "/load 99",
+        "/load two",
+        f"/export {tmp_path / 'no' / 'such' / 'x.json'}",
+    ]
+    r = run("chat", *CHEAP, "--seed", "7", "--history-db", str(db), stdin="\n".join(script) + "\n")
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     out = r.stdout
     assert out.count("tokens/s") == 2
@@ -102,7 +166,8 @@ def test_chat_saves_lists_loads_exports_and_imports(tmp_path):
         f"error: cannot import {bad}: the file is not JSON: Expecting value at line 1, column 1",
         "error: no conversation 99; /list shows 2",
         "error: /load takes the number of a conversation in /list, got 'two'",
-        f"error: cannot write {tmp_path / 'no' / 'such' / 'x.json'}: No such file or directory"]
+        f"error: cannot write {tmp_path / 'no' / 'such' / 'x.json'}: No such file or directory",
+    ]
     assert "saved as 1: Greeting" in out and "  1. Greeting  (" in out
     assert re.search(r"^imported 1 conversation as [12]: Greeting$", out, re.M)
     # What the store holds: the turns, each reply's settings (seed included) and stats
@@ -112,8 +177,10 @@ def test_chat_saves_lists_loads_exports_and_imports(tmp_path):
     exports = [store.export(CLI_OWNER, c.id) for c in convs]
     assert exports[0] == exports[1] == json.loads(js.read_text())  # the import round-trips
     path = store.path(CLI_OWNER, convs[0].id)
-    assert [(m.role, m.status) for m in path] == \
-        [("user", "complete"), ("assistant", "complete")] * 2
+    assert [(m.role, m.status) for m in path] == [
+        ("user", "complete"),
+        ("assistant", "complete"),
+    ] * 2
     assert [m.content for m in path[::2]] == ["Hello!", "What is 2+2?"]
     for reply in path[1::2]:
         assert reply.content and reply.content in out
@@ -126,8 +193,12 @@ def test_chat_saves_lists_loads_exports_and_imports(tmp_path):
     store.close()
 
     # A second process (the file named by MINISERVE_HISTORY_DB) lists, loads and goes on
-    r = run("chat", *CHEAP, stdin="/list\n/load 1\nAnd 3+3?\n/exit\n",
-            env={"MINISERVE_HISTORY_DB": str(db)})
+    r = run(
+        "chat",
+        *CHEAP,
+        stdin="/list\n/load 1\nAnd 3+3?\n/exit\n",
+        env={"MINISERVE_HISTORY_DB": str(db)},
+    )
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     assert len(_lines(r.stdout, "  ")) == 2 and "4 messages)" in r.stdout
     assert _lines(r.stdout, "you> ") == ["you> Hello!", "you> What is 2+2?"]
@@ -137,7 +208,10 @@ def test_chat_saves_lists_loads_exports_and_imports(tmp_path):
     assert counts == [4, 6]  # the third turn went to the loaded conversation
     longer = max(store.conversations(CLI_OWNER), key=lambda c: c.messages)
     assert [m.content for m in store.path(CLI_OWNER, longer.id)][:5:2] == [
-        "Hello!", "What is 2+2?", "And 3+3?"]
+        "Hello!",
+        "What is 2+2?",
+        "And 3+3?",
+    ]
     store.close()
 
 
@@ -146,8 +220,15 @@ def test_chat_history_flags(tmp_path):
     lines = [l for l in r.stderr.splitlines() if l.strip()]
     assert r.returncode == 2 and len(lines) == 1 and "--history-max-conversations" in lines[0]
     db, data = tmp_path / "h.sqlite3", tmp_path / "data"
-    r = run("chat", *CHEAP, "--no-history", "--history-db", str(db),
-            stdin="Hi\n/save\n/list\n", env={"MINISERVE_DATA_DIR": str(data)})
+    r = run(
+        "chat",
+        *CHEAP,
+        "--no-history",
+        "--history-db",
+        str(db),
+        stdin="Hi\n/save\n/list\n",
+        env={"MINISERVE_DATA_DIR": str(data)},
+    )
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     assert "note: history is off" in r.stderr
     assert "saved as 1: Hi (in memory only: history is not kept on disk)" in r.stdout
@@ -157,8 +238,21 @@ def test_chat_history_flags(tmp_path):
 
 def test_bench_writes_json_and_csv(tmp_path):
     j, c = tmp_path / "b.json", tmp_path / "b.csv"
-    r = run("bench", "--prompt-tokens", "8,24", "--new-tokens", "4", "--repeat", "1",
-            "--dtype", "float32", "--json", str(j), "--csv", str(c))
+    r = run(
+        "bench",
+        "--prompt-tokens",
+        "8,24",
+        "--new-tokens",
+        "4",
+        "--repeat",
+        "1",
+        "--dtype",
+        "float32",
+        "--json",
+        str(j),
+        "--csv",
+        str(c),
+    )
     assert r.returncode == 0, r.stderr
     assert "follow the float32 reference: yes" in r.stdout and "checked" in r.stdout
     data = json.loads(j.read_text())
@@ -167,14 +261,21 @@ def test_bench_writes_json_and_csv(tmp_path):
     assert data["cpu"] and (data["native_isa"] or data["runner"] != "native")
     rows = data["rows"]
     assert {(row["prompt_tokens"], row["mode"]) for row in rows} == {
-        (n, m) for n in (8, 24) for m in ("no_cache", "cache", "hf_generate")}
+        (n, m) for n in (8, 24) for m in ("no_cache", "cache", "hf_generate")
+    }
     for row in rows:
         assert row["ttft_s"] > 0 and row["decode_tokens_per_s"] > 0 and row["verified"]
     with open(c) as f:
         table = list(csv.DictReader(f))
-    assert len(table) == 6 and {"prompt_tokens", "mode", "new_tokens", "ttft_s",
-                                "decode_tokens_per_s", "total_s",
-                                "speedup_vs_no_cache"} <= set(table[0])
+    assert len(table) == 6 and {
+        "prompt_tokens",
+        "mode",
+        "new_tokens",
+        "ttft_s",
+        "decode_tokens_per_s",
+        "total_s",
+        "speedup_vs_no_cache",
+    } <= set(table[0])
 
 
 def test_bench_bad_arguments():
@@ -186,19 +287,31 @@ def test_output_format_flags(tmp_path):
     """--regex holds the reply to the pattern; a schema the grammar library cannot enforce, a
     bad pattern, an unreadable file, a logit-bias id beyond the vocabulary: one line each
     naming the flag, exit 2, no traceback."""
-    r = run("generate", "--prompt", "What is today's date?", "--regex", r"\d{4}-\d{2}-\d{2}",
-            "--temperature", "0", "--max-new-tokens", "20", "--json")
+    r = run(
+        "generate",
+        "--prompt",
+        "What is today's date?",
+        "--regex",
+        r"\d{4}-\d{2}-\d{2}",
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "20",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", out["text"]) and out["finish_reason"] == "stop"
     assert out["params"]["constraint"] == {"kind": "regex", "value": r"\d{4}-\d{2}-\d{2}"}
     unique = tmp_path / "unique.json"
     unique.write_text('{"type": "array", "uniqueItems": true}')
-    for args, words in [(["--json-schema", str(unique)], "--json-schema: Unimplemented keys"),
-                        (["--regex", "a("], "--regex: "),
-                        (["--grammar", str(tmp_path / "missing.gbnf")], "--grammar: cannot read"),
-                        (["--logit-bias", "99999:-100"], "--logit-bias: token id 99999"),
-                        (["--logit-bias", "7:-101"], "must be in [-100, 100]")]:
+    for args, words in [
+        (["--json-schema", str(unique)], "--json-schema: Unimplemented keys"),
+        (["--regex", "a("], "--regex: "),
+        (["--grammar", str(tmp_path / "missing.gbnf")], "--grammar: cannot read"),
+        (["--logit-bias", "99999:-100"], "--logit-bias: token id 99999"),
+        (["--logit-bias", "7:-101"], "must be in [-100, 100]"),
+    ]:
         r = run("generate", "--prompt", "Hi", "--max-new-tokens", "2", *args)
         assert r.returncode == 2 and words in r.stderr, (args, r.stderr)
         errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
@@ -209,30 +322,56 @@ def test_preset_greedy_is_built_in_and_gives_the_argmax(engine):
     """`--preset greedy` with no presets file naming it: the most likely token at every step,
     the same tokens as a temperature-0 reply of the engine on the same runner."""
     from miniserve.core.config import SamplingParams
+
     question = "Name a large animal."
-    r = run("generate", "--prompt", question, "--preset", "greedy", "--max-new-tokens", "10",
-            "--json", "--show-probs", "--dtype", "float32")
+    r = run(
+        "generate",
+        "--prompt",
+        question,
+        "--preset",
+        "greedy",
+        "--max-new-tokens",
+        "10",
+        "--json",
+        "--show-probs",
+        "--dtype",
+        "float32",
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["params"]["temperature"] == 0 and out["params"]["top_k"] == 0
     assert out["params"]["repetition_penalty"] == 1.0 and out["token_ids"]
     # each token the command chose was the top of the raw softmax at its step
-    assert [s["token_id"] for s in out["steps"]][:len(out["token_ids"])] == out["token_ids"]
+    assert [s["token_id"] for s in out["steps"]][: len(out["token_ids"])] == out["token_ids"]
     assert all(s["top"][0]["token_id"] == s["token_id"] for s in out["steps"])
-    text, last = engine.chat_text([{"role": "user", "content": question}],
-                                  SamplingParams(temperature=0, max_new_tokens=10),
-                                  reuse_prefix=False)
+    text, last = engine.chat_text(
+        [{"role": "user", "content": question}],
+        SamplingParams(temperature=0, max_new_tokens=10),
+        reuse_prefix=False,
+    )
     assert out["text"] == text and out["new_tokens"] == last.stats.new_tokens
 
 
 def test_presets_file_defining_greedy_overrides_the_built_in(tmp_path):
     f = tmp_path / "presets.yaml"
-    f.write_text("presets:\n  greedy:\n    temperature: 0.9\n    top_k: 5\n"
-                 "    max_new_tokens: 3\n")
-    r = run("generate", "--prompt", "Hi", "--preset", "greedy", "--presets-file", str(f),
-            "--seed", "1", "--json")
+    f.write_text("presets:\n  greedy:\n    temperature: 0.9\n    top_k: 5\n    max_new_tokens: 3\n")
+    r = run(
+        "generate",
+        "--prompt",
+        "Hi",
+        "--preset",
+        "greedy",
+        "--presets-file",
+        str(f),
+        "--seed",
+        "1",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    assert (out["params"]["temperature"], out["params"]["top_k"],
-            out["params"]["max_new_tokens"]) == (0.9, 5, 3)
+    assert (
+        out["params"]["temperature"],
+        out["params"]["top_k"],
+        out["params"]["max_new_tokens"],
+    ) == (0.9, 5, 3)
     assert out["new_tokens"] <= 3

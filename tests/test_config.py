@@ -17,17 +17,20 @@ def test_shipped_presets_have_the_documented_values():
     assert (r.temperature, r.top_k, r.top_p) == (1.0, 80, 0.98)
 
 
-@pytest.mark.parametrize("body, words", [
-    ("presets:\n  fast:\n    temprature: 0.5\n", ["fast", "temprature", "unknown"]),
-    ("presets:\n  fast:\n    top_k: many\n", ["fast", "top_k", "number"]),
-    ("presets:\n  fast:\n    top_p: 1.5\n", ["fast", "top_p", "(0, 1]"]),
-    ("presets:\n  fast:\n    max_new_tokens: 2.5\n", ["fast", "max_new_tokens", "whole"]),
-    ("presets:\n  fast:\n    temperature: true\n", ["fast", "temperature"]),
-    ("", ["empty"]),
-    ("presets: [1, 2\n", ["YAML"]),
-    ("other: 1\n", ["presets"]),
-    ("presets:\n  fast: 3\n", ["fast", "mapping"]),
-])
+@pytest.mark.parametrize(
+    "body, words",
+    [
+        ("presets:\n  fast:\n    temprature: 0.5\n", ["fast", "temprature", "unknown"]),
+        ("presets:\n  fast:\n    top_k: many\n", ["fast", "top_k", "number"]),
+        ("presets:\n  fast:\n    top_p: 1.5\n", ["fast", "top_p", "(0, 1]"]),
+        ("presets:\n  fast:\n    max_new_tokens: 2.5\n", ["fast", "max_new_tokens", "whole"]),
+        ("presets:\n  fast:\n    temperature: true\n", ["fast", "temperature"]),
+        ("", ["empty"]),
+        ("presets: [1, 2\n", ["YAML"]),
+        ("other: 1\n", ["presets"]),
+        ("presets:\n  fast: 3\n", ["fast", "mapping"]),
+    ],
+)
 def test_bad_presets_file_names_file_preset_and_field(tmp_path, body, words):
     path = tmp_path / "presets.yaml"
     path.write_text(body)
@@ -44,11 +47,22 @@ def test_missing_presets_file(tmp_path):
         load_presets(tmp_path / "nope.yaml")
 
 
-@pytest.mark.parametrize("field, value", [
-    ("temperature", -0.1), ("temperature", 100), ("top_p", 0), ("top_p", 1.01),
-    ("top_k", -1), ("min_p", 2), ("max_new_tokens", 0), ("max_new_tokens", 10**9),
-    ("repetition_penalty", 0), ("temperature", float("nan")), ("top_k", "5"),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", -0.1),
+        ("temperature", 100),
+        ("top_p", 0),
+        ("top_p", 1.01),
+        ("top_k", -1),
+        ("min_p", 2),
+        ("max_new_tokens", 0),
+        ("max_new_tokens", 10**9),
+        ("repetition_penalty", 0),
+        ("temperature", float("nan")),
+        ("top_k", "5"),
+    ],
+)
 def test_params_out_of_range_name_the_field(field, value):
     with pytest.raises(ConfigError) as info:
         SamplingParams(**{field: value})
@@ -66,6 +80,7 @@ def test_defaults_are_valid_and_edges_allowed():
 
 def test_greedy_is_built_in_and_a_presets_file_overrides_it(tmp_path):
     from miniserve.core.config import BUILTIN_PRESETS, GREEDY
+
     presets = load_presets()
     assert presets[GREEDY] == BUILTIN_PRESETS[GREEDY] and presets[GREEDY].greedy
     g = presets[GREEDY]

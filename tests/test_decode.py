@@ -7,22 +7,44 @@ import threading
 import pytest
 import torch
 
-from conftest import (chat_ids, expected_runner, native_expected, needs_native,
-                      pinned_runner, same_on_every_cpu)
+from conftest import (
+    chat_ids,
+    expected_runner,
+    native_expected,
+    needs_native,
+    pinned_runner,
+    same_on_every_cpu,
+)
 from miniserve.core.config import SamplingParams
 from miniserve.engine.decode import GenerationStats, generate
 from miniserve.runners.lean import LeanRunner
 from miniserve.runners.native import NativeRunner
-from miniserve.runners.verify import BOUND_BF16_PRODUCTS, BOUND_BFLOAT16, BOUND_FLOAT32, check_tokens
-from reference import (AGREE_BFLOAT16, AGREE_FLOAT32, HELD_OUT, TINY_BOUND, assert_greedy,
-                       one_token_at_a_time, teacher_forced, whole_prompt)
+from miniserve.runners.verify import (
+    BOUND_BF16_PRODUCTS,
+    BOUND_BFLOAT16,
+    BOUND_FLOAT32,
+    check_tokens,
+)
+from reference import (
+    AGREE_BFLOAT16,
+    AGREE_FLOAT32,
+    HELD_OUT,
+    TINY_BOUND,
+    assert_greedy,
+    one_token_at_a_time,
+    teacher_forced,
+    whole_prompt,
+)
 
 GREEDY = SamplingParams(temperature=0, top_k=0, top_p=1.0, max_new_tokens=40)
 PROMPTS = {
     "short": "Explain why the sky is blue.",
-    "long": "Summarise this text in one sentence. " + " ".join(
+    "long": "Summarise this text in one sentence. "
+    + " ".join(
         f"Paragraph {i}: the river flows past the old mill, where the miller grinds wheat "
-        f"and the children count boats." for i in range(16)),
+        f"and the children count boats."
+        for i in range(16)
+    ),
     "multilingual": "Traduis en français et en japonais : « Good morning, how are you? » 日本語でも。",
 }
 
@@ -31,12 +53,20 @@ def hf_generate(model, ids, n, logits=None):
     """generate()'s greedy tokens (the end token dropped); its raw logits into `logits`."""
     input_ids = torch.tensor([ids])
     with torch.inference_mode():
-        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                             max_new_tokens=n, top_k=None, top_p=None, temperature=None,
-                             output_logits=True, return_dict_in_generate=True)
+        out = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            do_sample=False,
+            max_new_tokens=n,
+            top_k=None,
+            top_p=None,
+            temperature=None,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
     if logits is not None:
         logits.extend(row[0] for row in out.logits)
-    new = out.sequences[0, len(ids):].tolist()
+    new = out.sequences[0, len(ids) :].tolist()
     eos = model.generation_config.eos_token_id
     return new[:-1] if new and new[-1] == eos else new
 
@@ -44,8 +74,16 @@ def hf_generate(model, ids, n, logits=None):
 def run(model, ids, params=GREEDY, **kwargs):
     """(tokens, end id or None, logits of every step) of our loop."""
     steps = []
-    tokens = list(generate(model, ids, params, eos_ids=kwargs.pop("eos_ids", {2}),
-                           observer=lambda logits, _, t, _allowed: steps.append((logits[0], t)), **kwargs))
+    tokens = list(
+        generate(
+            model,
+            ids,
+            params,
+            eos_ids=kwargs.pop("eos_ids", {2}),
+            observer=lambda logits, _, t, _allowed: steps.append((logits[0], t)),
+            **kwargs,
+        )
+    )
     end = steps[-1][1] if len(steps) > len(tokens) else None
     return tokens, end, [logits for logits, _ in steps]
 
@@ -53,6 +91,7 @@ def run(model, ids, params=GREEDY, **kwargs):
 @pytest.fixture(scope="module")
 def lean_model(loaded):
     from miniserve.runners.lean import LeanRunner
+
     return LeanRunner(loaded.model)
 
 
@@ -77,12 +116,18 @@ def test_hand_loop_equals_generate_bit_for_bit(loaded, bf16, dtype):
         assert all(torch.equal(a.float(), b.float()) for a, b in zip(ours, theirs))
 
 
-@pytest.mark.parametrize("runner", [pytest.param("transformers", marks=pinned_runner),
-                                    pytest.param("lean", marks=pinned_runner),
-                                    pytest.param("native", marks=needs_native)])
+@pytest.mark.parametrize(
+    "runner",
+    [
+        pytest.param("transformers", marks=pinned_runner),
+        pytest.param("lean", marks=pinned_runner),
+        pytest.param("native", marks=needs_native),
+    ],
+)
 @pytest.mark.parametrize("name", PROMPTS)
-def test_cache_and_no_cache_follow_the_float64_reference(loaded, engine, lean_model, ref32,
-                                                         name, runner):
+def test_cache_and_no_cache_follow_the_float64_reference(
+    loaded, engine, lean_model, ref32, name, runner
+):
     """Not exact by construction: with the cache a step is one row through torch.mv or the
     C++ step, without it many rows through an MKL matrix product; the lean runner fuses
     matrices, the native one sums in C++. Each greedy reply must follow the float64 reference
@@ -108,6 +153,7 @@ def test_bfloat16_arithmetic_follows_the_reference_within_its_bound(bf16, ref16)
     only that every token is within the bound of the reference's best. What bounds bf16's
     quality is the teacher-forced agreement below."""
     from miniserve.runners.lean import LeanRunner
+
     lean = LeanRunner(bf16.model)
     assert lean.act_dtype == torch.bfloat16
     for text in (PROMPTS["short"], PROMPTS["multilingual"]):
@@ -120,27 +166,48 @@ def test_bfloat16_arithmetic_follows_the_reference_within_its_bound(bf16, ref16)
 def paths(loaded, bf16, engine, lean_model):
     """(step_logits, reference, bound, agreement threshold) of each way we compute logits."""
     from miniserve.runners.lean import LeanRunner
+
     return {
-        "engine steps, float32": (one_token_at_a_time(engine.runner), "ref32", BOUND_FLOAT32,
-                                  AGREE_FLOAT32),
-        "lean prompt pass, float32": (whole_prompt(lean_model), "ref32", BOUND_FLOAT32,
-                                      AGREE_FLOAT32),
-        "native steps, bf16 weights": (lambda ids: one_token_at_a_time(
-            NativeRunner(bf16.model, math="float32"))(ids), "ref16", BOUND_FLOAT32,
-            AGREE_FLOAT32),
-        "native steps, bf16 products": (lambda ids: one_token_at_a_time(
-            NativeRunner(bf16.model, math="bfloat16"))(ids), "ref16",
-            BOUND_BF16_PRODUCTS, AGREE_BFLOAT16),
-        "lean prompt pass, bf16": (whole_prompt(LeanRunner(bf16.model)), "ref16",
-                                   BOUND_BFLOAT16, AGREE_BFLOAT16),
+        "engine steps, float32": (
+            one_token_at_a_time(engine.runner),
+            "ref32",
+            BOUND_FLOAT32,
+            AGREE_FLOAT32,
+        ),
+        "lean prompt pass, float32": (
+            whole_prompt(lean_model),
+            "ref32",
+            BOUND_FLOAT32,
+            AGREE_FLOAT32,
+        ),
+        "native steps, bf16 weights": (
+            lambda ids: one_token_at_a_time(NativeRunner(bf16.model, math="float32"))(ids),
+            "ref16",
+            BOUND_FLOAT32,
+            AGREE_FLOAT32,
+        ),
+        "native steps, bf16 products": (
+            lambda ids: one_token_at_a_time(NativeRunner(bf16.model, math="bfloat16"))(ids),
+            "ref16",
+            BOUND_BF16_PRODUCTS,
+            AGREE_BFLOAT16,
+        ),
+        "lean prompt pass, bf16": (
+            whole_prompt(LeanRunner(bf16.model)),
+            "ref16",
+            BOUND_BFLOAT16,
+            AGREE_BFLOAT16,
+        ),
     }
 
 
-PATHS = ["engine steps, float32",
-         pytest.param("lean prompt pass, float32", marks=pinned_runner),
-         pytest.param("native steps, bf16 weights", marks=needs_native),
-         pytest.param("native steps, bf16 products", marks=needs_native),
-         pytest.param("lean prompt pass, bf16", marks=pinned_runner)]
+PATHS = [
+    "engine steps, float32",
+    pytest.param("lean prompt pass, float32", marks=pinned_runner),
+    pytest.param("native steps, bf16 weights", marks=needs_native),
+    pytest.param("native steps, bf16 products", marks=needs_native),
+    pytest.param("lean prompt pass, bf16", marks=pinned_runner),
+]
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -160,6 +227,7 @@ def broken(loaded, how: str):
     """The engine's runner (native, or lean where it is off), deliberately wrong in one way."""
     from miniserve.runners.lean import LeanRunner
     from miniserve.runners.native import NativeForward, NativeRunner
+
     model = (NativeRunner if native_expected() else LeanRunner)(loaded.model)
     if how == "rope base 10000":  # the model's is 100000
         inv = 1.0 / (10000.0 ** (torch.arange(0, model.head_dim, 2).float() / model.head_dim))
@@ -178,8 +246,10 @@ def broken(loaded, how: str):
 
 
 @same_on_every_cpu
-@pytest.mark.parametrize("how", ["rope base 10000", "one MLP residual branch dropped",
-                                 "bfloat16 weights in a float32 model"])
+@pytest.mark.parametrize(
+    "how",
+    ["rope base 10000", "one MLP residual branch dropped", "bfloat16 weights in a float32 model"],
+)
 def test_a_broken_runner_fails_these_checks(loaded, ref32, how):
     """The checks above can fail. A wrong RoPE base or a dropped residual branch: caught by
     the greedy check (on the short and multilingual prompts; the long one's summary is so
@@ -194,8 +264,11 @@ def test_a_broken_runner_fails_these_checks(loaded, ref32, how):
         for name in ("short", "multilingual"):
             ids = chat_ids(loaded.tokenizer, PROMPTS[name])
             tokens, end, _ = run(model, ids)
-            caught.append(not check_tokens(ref32, ids, tokens, BOUND_FLOAT32,
-                                           () if end is None else (end,)).ok)
+            caught.append(
+                not check_tokens(
+                    ref32, ids, tokens, BOUND_FLOAT32, () if end is None else (end,)
+                ).ok
+            )
         assert any(caught)
     held_out = chat_ids(loaded.tokenizer, HELD_OUT)
     agree, error = teacher_forced(one_token_at_a_time(model), ref32, held_out)
@@ -207,6 +280,7 @@ def test_int8_weights_keep_the_top_token(bf16, loaded):
     """Quality of int8 weights, teacher-forced: at each position of a real text, the int8
     model's most likely next token is the float32 model's most of the time."""
     from miniserve.runners.lean import LeanRunner
+
     int8 = LeanRunner(bf16.model, quant="int8")
     ids = chat_ids(loaded.tokenizer, PROMPTS["long"])[:200]
     agree = 0
@@ -224,9 +298,17 @@ def test_lean_reuses_a_cropped_cache_like_a_fresh_prefill(loaded, lean_model, en
     (so not bit for bit); the reply follows the float64 reference like a fresh one."""
     ids = chat_ids(loaded.tokenizer, PROMPTS["long"])
     cache = lean_model.new_cache()
-    list(generate(lean_model, ids[:-40] + [5, 6, 7], GREEDY.replace(max_new_tokens=3),
-                  eos_ids=set(), cache=cache))
+    list(
+        generate(
+            lean_model,
+            ids[:-40] + [5, 6, 7],
+            GREEDY.replace(max_new_tokens=3),
+            eos_ids=set(),
+            cache=cache,
+        )
+    )
     from miniserve.engine.decode import crop_cache
+
     crop_cache(cache, len(ids) - 40)  # keep the shared prefix; a block of 40 new tokens follows
     tokens, end, _ = run(lean_model, ids, eos_ids=engine.eos_ids, cache=cache)
     assert len(tokens) >= 32
@@ -237,8 +319,9 @@ def test_lean_reuses_a_cropped_cache_like_a_fresh_prefill(loaded, lean_model, en
 def test_seeded_sampling_reproducible_on_the_model(loaded, engine):
     ids = chat_ids(loaded.tokenizer, "Write a short poem about the sea.")
     params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=24)
-    run = lambda seed: list(generate(loaded.model, ids, params.replace(seed=seed),
-                                     eos_ids=engine.eos_ids))
+    run = lambda seed: list(
+        generate(loaded.model, ids, params.replace(seed=seed), eos_ids=engine.eos_ids)
+    )
     first = run(11)
     assert first == run(11)
     assert first != run(12)
@@ -248,8 +331,11 @@ def test_seeded_sampling_reproducible_on_the_model(loaded, engine):
 def test_stops_at_max_new_tokens_and_reports_stats(loaded, engine):
     ids = chat_ids(loaded.tokenizer, "Count from one to one hundred.")
     stats = GenerationStats()
-    out = list(generate(loaded.model, ids, GREEDY.replace(max_new_tokens=5),
-                        eos_ids=engine.eos_ids, stats=stats))
+    out = list(
+        generate(
+            loaded.model, ids, GREEDY.replace(max_new_tokens=5), eos_ids=engine.eos_ids, stats=stats
+        )
+    )
     assert len(out) == 5 and stats.new_tokens == 5
     assert stats.finish_reason == "length"
     assert stats.prompt_tokens == len(ids)
@@ -260,8 +346,15 @@ def test_stops_at_max_new_tokens_and_reports_stats(loaded, engine):
 def test_stops_at_eos_without_yielding_it(loaded, engine):
     ids = chat_ids(loaded.tokenizer, "Say only the word yes.")
     stats = GenerationStats()
-    out = list(generate(loaded.model, ids, GREEDY.replace(max_new_tokens=64),
-                        eos_ids=engine.eos_ids, stats=stats))
+    out = list(
+        generate(
+            loaded.model,
+            ids,
+            GREEDY.replace(max_new_tokens=64),
+            eos_ids=engine.eos_ids,
+            stats=stats,
+        )
+    )
     assert stats.finish_reason == "eos"
     assert not engine.eos_ids & set(out)
 
@@ -272,8 +365,14 @@ def test_cancel_stops_within_one_step(loaded, engine):
     cancel = threading.Event()
     stats = GenerationStats()
     out = []
-    for token in generate(loaded.model, ids, GREEDY.replace(max_new_tokens=200),
-                          eos_ids=engine.eos_ids, cancel=cancel, stats=stats):
+    for token in generate(
+        loaded.model,
+        ids,
+        GREEDY.replace(max_new_tokens=200),
+        eos_ids=engine.eos_ids,
+        cancel=cancel,
+        stats=stats,
+    ):
         out.append(token)
         if len(out) == 3:
             cancel.set()
@@ -285,10 +384,18 @@ def test_tiny_model_cache_and_no_cache_follow_the_reference(tiny_model):
     """A tiny random Llama (logits ~0.1, so a tighter bound than the real model's: measured
     largest error 2e-7): cached and uncached greedy replies both follow its float64 twin."""
     from reference import float64_twin
+
     reference = float64_twin(tiny_model)
     ids = list(range(3, 40))
     for use_cache in (True, False):
-        tokens = list(generate(tiny_model, ids, GREEDY.replace(max_new_tokens=30), eos_ids=set(),
-                               use_cache=use_cache))
+        tokens = list(
+            generate(
+                tiny_model,
+                ids,
+                GREEDY.replace(max_new_tokens=30),
+                eos_ids=set(),
+                use_cache=use_cache,
+            )
+        )
         assert len(tokens) == 30
         assert_greedy(reference, ids, tokens, TINY_BOUND)

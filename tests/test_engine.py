@@ -30,7 +30,7 @@ def test_stop_string_cuts_the_reply(engine):
     word = full.split()[2]
     text, last = engine.chat_text(messages, GREEDY.replace(max_new_tokens=40, stop=(word,)))
     assert last.stats.finish_reason == "stop"
-    assert text == full[:full.index(word)]
+    assert text == full[: full.index(word)]
 
 
 def test_follow_up_turn_reuses_the_prefix_cache(loaded):
@@ -50,9 +50,13 @@ def test_follow_up_turn_reuses_the_prefix_cache(loaded):
 def test_prefix_cache_is_bounded(loaded):
     engine = Engine(loaded, prefix_cache_entries=2)
     for i in range(4):
-        engine.chat_text([{"role": "system", "content": f"{i} is your lucky number."},
-                          {"role": "user", "content": "Why?"}],
-                         GREEDY.replace(max_new_tokens=2))
+        engine.chat_text(
+            [
+                {"role": "system", "content": f"{i} is your lucky number."},
+                {"role": "user", "content": "Why?"},
+            ],
+            GREEDY.replace(max_new_tokens=2),
+        )
     assert len(engine.prefix_cache.entries) == 2
 
 
@@ -75,12 +79,14 @@ def test_concurrent_chats_do_not_mix(engine):
     """Exact by construction: each reply is computed from scratch (no prefix reuse), alone or
     while the others wait, by the same code on the same numbers."""
     questions = ["What is 2+2?", "Name a fruit.", "What colour is the sky?"]
-    ask = lambda q: engine.chat_text([{"role": "user", "content": q}], GREEDY,
-                                     reuse_prefix=False)[0]
+    ask = lambda q: engine.chat_text([{"role": "user", "content": q}], GREEDY, reuse_prefix=False)[
+        0
+    ]
     alone = {q: ask(q) for q in questions}
     together = {}
-    threads = [threading.Thread(target=lambda q=q: together.__setitem__(q, ask(q)))
-               for q in questions]
+    threads = [
+        threading.Thread(target=lambda q=q: together.__setitem__(q, ask(q))) for q in questions
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -92,8 +98,10 @@ def test_trim_keeps_system_and_newest_and_fits(tokenizer):
     system = {"role": "system", "content": "You are terse."}
     turns = []
     for i in range(30):
-        turns += [{"role": "user", "content": f"Question {i} " + "words " * 20},
-                  {"role": "assistant", "content": f"Answer {i} " + "more " * 20}]
+        turns += [
+            {"role": "user", "content": f"Question {i} " + "words " * 20},
+            {"role": "assistant", "content": f"Answer {i} " + "more " * 20},
+        ]
     messages = [system] + turns + [{"role": "user", "content": "Last question?"}]
     result = trim_history(tokenizer, messages, context_length=600, max_new_tokens=100)
     assert result.dropped > 0
@@ -103,7 +111,7 @@ def test_trim_keeps_system_and_newest_and_fits(tokenizer):
     assert result.prompt_ids == render(tokenizer, result.messages)
     # keeping two more messages (one more turn) would not have fitted
     rest = messages[1:]
-    assert len(render(tokenizer, [system] + rest[result.dropped - 2:])) + 100 > 600
+    assert len(render(tokenizer, [system] + rest[result.dropped - 2 :])) + 100 > 600
 
 
 def test_too_long_message_is_a_clear_error(tokenizer):
@@ -113,13 +121,16 @@ def test_too_long_message_is_a_clear_error(tokenizer):
 
 
 @same_on_every_cpu
-@pytest.mark.parametrize("messages, field", [
-    ([], "messages"),
-    ([{"role": "user", "content": "   "}], "messages[0].content"),
-    ([{"role": "wizard", "content": "hi"}], "messages[0].role"),
-    ([{"role": "user", "content": 5}], "messages[0].content"),
-    ([{"role": "assistant", "content": "hi"}], "messages"),
-])
+@pytest.mark.parametrize(
+    "messages, field",
+    [
+        ([], "messages"),
+        ([{"role": "user", "content": "   "}], "messages[0].content"),
+        ([{"role": "wizard", "content": "hi"}], "messages[0].role"),
+        ([{"role": "user", "content": 5}], "messages[0].content"),
+        ([{"role": "assistant", "content": "hi"}], "messages"),
+    ],
+)
 def test_bad_messages_name_the_field(engine, messages, field):
     with pytest.raises(ChatError) as info:
         engine.chat(messages, GREEDY)
@@ -128,8 +139,9 @@ def test_bad_messages_name_the_field(engine, messages, field):
 
 @same_on_every_cpu
 def test_control_characters_and_surrogates_are_cleaned(engine):
-    text, last = engine.chat_text([{"role": "user", "content": "Hi\x00\x07 there \ud800!"}],
-                                  GREEDY.replace(max_new_tokens=4))
+    text, last = engine.chat_text(
+        [{"role": "user", "content": "Hi\x00\x07 there \ud800!"}], GREEDY.replace(max_new_tokens=4)
+    )
     assert last.done and last.stats.new_tokens > 0
 
 
@@ -143,16 +155,21 @@ def test_a_repeated_prompt_reuses_its_logits_and_answers_the_same(loaded):
     again, b = engine.chat_text(messages, params)
     assert a.stats.reused_tokens == 0 and b.stats.reused_tokens == b.stats.prompt_tokens
     assert again == first
-    partial, c = engine.chat_text(messages + [{"role": "assistant", "content": first},
-                                              {"role": "user", "content": "Another."}], params)
+    partial, c = engine.chat_text(
+        messages
+        + [{"role": "assistant", "content": first}, {"role": "user", "content": "Another."}],
+        params,
+    )
     assert 0 < c.stats.reused_tokens < c.stats.prompt_tokens  # a shared prefix: fed the rest
 
 
 def test_compare_interleaves_columns_and_matches_single_runs(engine):
     """Exact by construction: every column and every single run computes from scratch."""
     ids = engine.chat_prompt([{"role": "user", "content": "Name a bird."}], GREEDY)
-    settings = [GREEDY.replace(max_new_tokens=10),
-                SamplingParams(temperature=1.0, top_k=20, top_p=0.9, max_new_tokens=10, seed=4)]
+    settings = [
+        GREEDY.replace(max_new_tokens=10),
+        SamplingParams(temperature=1.0, top_k=20, top_p=0.9, max_new_tokens=10, seed=4),
+    ]
     texts, order = ["", ""], []
     for col, chunk, busy in engine.compare(ids, settings):
         texts[col] += chunk.text
@@ -179,6 +196,7 @@ class FakeCache:
 
 def test_prefix_cache_reuses_logits_only_for_the_same_prompt():
     from miniserve.engine.engine import PrefixCache
+
     prompt = list(range(100, 130))
     logits = object()
     cache = PrefixCache()
@@ -195,6 +213,7 @@ def test_prefix_cache_reuses_logits_only_for_the_same_prompt():
 
 def test_prefix_cache_drops_logits_of_a_prompt_it_does_not_hold_and_short_matches():
     from miniserve.engine.engine import PrefixCache
+
     prompt = list(range(100, 130))
     cache = PrefixCache()
     cache.put(prompt[:10], FakeCache(10), len(prompt), object())  # cancelled during prefill

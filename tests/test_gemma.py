@@ -43,8 +43,15 @@ def assert_follows(model, ids, reference, bound: float) -> None:
     `bound` of its."""
     tokens, logits = reference
     ours = []
-    got = list(generate(model, ids, GREEDY.replace(max_new_tokens=len(tokens)), eos_ids=set(),
-                        observer=lambda step_logits, *_: ours.append(step_logits[0])))
+    got = list(
+        generate(
+            model,
+            ids,
+            GREEDY.replace(max_new_tokens=len(tokens)),
+            eos_ids=set(),
+            observer=lambda step_logits, *_: ours.append(step_logits[0]),
+        )
+    )
     assert got == tokens
     error = max(float((a - b).abs().max()) for a, b in zip(ours, logits))
     assert error <= bound, error
@@ -71,8 +78,12 @@ def test_tiny_gemma_logits_are_transformers(kind):
     with torch.inference_mode():
         whole = ours(torch.tensor([IDS]), None, all_logits=True)
         cache = ours.new_cache()
-        chunks = torch.cat([ours(torch.tensor([IDS[a:a + 9]]), cache, all_logits=True)
-                            for a in range(0, len(IDS), 9)])
+        chunks = torch.cat(
+            [
+                ours(torch.tensor([IDS[a : a + 9]]), cache, all_logits=True)
+                for a in range(0, len(IDS), 9)
+            ]
+        )
     for got in (whole, one_token_at_a_time(ours)(IDS), chunks):
         assert torch.allclose(got, want, atol=TINY_BOUND, rtol=0), float((got - want).abs().max())
 
@@ -90,6 +101,7 @@ def test_a_wrong_window_is_caught(kind, window):
     """The checks above have teeth: a local layer that sees one position more or less than
     transformers' (a query at q sees keys k with q - k < 8), or every position, is off."""
     from miniserve.runners.native import NativeForward
+
     model = tiny_gemma3()
     want = hf_logits(model, IDS)
     ours = runner(model, kind)
@@ -116,10 +128,15 @@ def test_what_the_runners_do_not_implement_is_refused():
     """Gemma configs this pass does not compute as transformers would fall back to the
     transformers runner (engine.make_runner asks lean.supports)."""
     from types import SimpleNamespace
+
     assert lean.supports(tiny_gemma3())
-    changes = {"final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,
-               "use_bidirectional_attention": True, "hidden_activation": "gelu",
-               "layer_types": ["sliding_attention", "chunked_attention"] * 2}
+    changes = {
+        "final_logit_softcapping": 30.0,
+        "attn_logit_softcapping": 50.0,
+        "use_bidirectional_attention": True,
+        "hidden_activation": "gelu",
+        "layer_types": ["sliding_attention", "chunked_attention"] * 2,
+    }
     for name, value in changes.items():
         cfg = tiny_gemma3().config
         setattr(cfg, name, value)
@@ -133,15 +150,20 @@ def test_what_the_runners_do_not_implement_is_refused():
 
 # Base-model prompts (no chat template), chosen where every step is decided (see the module's
 # note); the last is 628 tokens, past the 512-position window of the local layers.
-SECOND = HELD_OUT.replace("lighthouse", "windmill").replace("keeper", "miller").replace(
-    "lamp room", "sail loft")
-FERRY = ("The ferry to the island ran three times a day in summer and once a day in winter, "
-         "weather permitting. Its captain, a broad woman named Morag, had sailed the crossing for "
-         "twenty-two years and claimed she could tell the state of the tide by the colour of the "
-         "water under the pier. Passengers brought bicycles, sheep, crates of whisky and, once, a "
-         "piano, which had to be lashed to the deck with four ropes and a fishing net. In the "
-         "cabin there was a stove, a bench along each wall, and a framed chart of the sound with "
-         "every wreck marked in red ink.")
+SECOND = (
+    HELD_OUT.replace("lighthouse", "windmill")
+    .replace("keeper", "miller")
+    .replace("lamp room", "sail loft")
+)
+FERRY = (
+    "The ferry to the island ran three times a day in summer and once a day in winter, "
+    "weather permitting. Its captain, a broad woman named Morag, had sailed the crossing for "
+    "twenty-two years and claimed she could tell the state of the tide by the colour of the "
+    "water under the pier. Passengers brought bicycles, sheep, crates of whisky and, once, a "
+    "piano, which had to be lashed to the deck with four ropes and a fishing net. In the "
+    "cabin there was a stove, a bench along each wall, and a framed chart of the sound with "
+    "every wreck marked in red ink."
+)
 REAL_PROMPTS = {
     "history": "The Roman Empire was",
     "code": 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
@@ -153,6 +175,7 @@ REAL_PROMPTS = {
 def gemma():
     """Gemma 3 270M (Q4_K_M GGUF, dequantized) in float32, loaded once for this file."""
     from miniserve.runners.loader import ModelLoadError, known_model_path, load_model
+
     try:  # the assembled file in the cache folder (`make models` puts it there)
         path = known_model_path("gemma-3-270m", install=False)
     except ModelLoadError as e:
@@ -199,9 +222,12 @@ def test_real_gemma_as_stored_follows_the_float64_reference(gemma):
     from miniserve.runners.loader import load_model
     from miniserve.runners.stored import StoredRunner
     from miniserve.runners.verify import BOUND_STORED
+
     stored = load_model(gemma.source, dtype="stored", progress=lambda m: None)
-    assert stored.tokenizer(REAL_PROMPTS["long"])["input_ids"] == \
-        gemma.tokenizer(REAL_PROMPTS["long"])["input_ids"]
+    assert (
+        stored.tokenizer(REAL_PROMPTS["long"])["input_ids"]
+        == gemma.tokenizer(REAL_PROMPTS["long"])["input_ids"]
+    )
     runner = StoredRunner(stored.model, "auto", stored.generation_config)
     ids = gemma.tokenizer(REAL_PROMPTS["long"])["input_ids"]
     assert len(ids) > 512

@@ -9,8 +9,14 @@ import gguf
 import numpy as np
 import pytest
 
-from miniserve.runners.gguf_file import (_SCALES, GGUFFile, GGUFFileError, _first_non_finite,
-                                 _string_starts, _string_starts_plain)
+from miniserve.runners.gguf_file import (
+    _SCALES,
+    GGUFFile,
+    GGUFFileError,
+    _first_non_finite,
+    _string_starts,
+    _string_starts_plain,
+)
 from miniserve.runners.loader import embedded_gguf
 
 
@@ -41,8 +47,9 @@ def parts_at(field) -> list[int]:
 def entry(reader, name) -> dict:
     """Where a tensor's entry keeps its fields: name_len, name, n_dims, dims, type, offset."""
     tensor = next(t for t in reader.tensors if t.name == name)
-    return dict(zip(["name_len", "name", "n_dims", "dims", "type", "offset"],
-                    parts_at(tensor.field)))
+    return dict(
+        zip(["name_len", "name", "n_dims", "dims", "type", "offset"], parts_at(tensor.field))
+    )
 
 
 def patched(tmp_path, *patches, cut=None, name="bad.gguf"):
@@ -86,8 +93,10 @@ def test_reads_what_the_gguf_package_reads(path, reader):
             view = f.data(t.name)
             assert view.dtype == np.uint8 and not view.flags.writeable
             assert np.array_equal(view, np.asarray(t.data).view(np.uint8).reshape(-1))
-            assert f.address(t.name) - f.address("token_embd.weight") == \
-                mine.offset - f.tensors["token_embd.weight"].offset
+            assert (
+                f.address(t.name) - f.address("token_embd.weight")
+                == mine.offset - f.tensors["token_embd.weight"].offset
+            )
         fields = {k: v for k, v in reader.fields.items() if not k.startswith("GGUF.")}
         assert list(f.metadata) == list(fields)
         for key, field in fields.items():
@@ -119,8 +128,9 @@ def test_views_outlive_close_and_closed_file_refuses(path):
     f.close()  # twice is fine
 
 
-@pytest.mark.parametrize("where", ["magic", "version", "header", "key", "tokens", "table",
-                                   "first tensor", "last tensor"])
+@pytest.mark.parametrize(
+    "where", ["magic", "version", "header", "key", "tokens", "table", "first tensor", "last tensor"]
+)
 def test_cut_short_anywhere(tmp_path, path, reader, original, where):
     tokens = reader.fields["tokenizer.ggml.tokens"]
     first = reader.tensors[0]
@@ -128,8 +138,10 @@ def test_cut_short_anywhere(tmp_path, path, reader, original, where):
         "magic": (3, ["not a GGUF"]),
         "version": (6, ["too short"]),
         "header": (20, ["too short"]),
-        "key": (parts_at(reader.fields["tokenizer.chat_template"])[4] + 2,
-                ["'tokenizer.chat_template'"]),
+        "key": (
+            parts_at(reader.fields["tokenizer.chat_template"])[4] + 2,
+            ["'tokenizer.chat_template'"],
+        ),
         "tokens": (parts_at(tokens)[5 + 2 * 20000], ["'tokenizer.ggml.tokens'"]),
         "table": (parts_at(reader.tensors[5].field)[3] + 3, [reader.tensors[5].name]),
         "first tensor": (first.data_offset + 100, [f"'{first.name}'", "past the end"]),
@@ -140,42 +152,64 @@ def test_cut_short_anywhere(tmp_path, path, reader, original, where):
 
 def test_offset_past_the_end(tmp_path, reader, original):
     at = entry(reader, "blk.3.attn_q.weight")["offset"]
-    message = refused(patched(tmp_path, (at, struct.pack("<Q", 1 << 40))),
-                      "tensor 'blk.3.attn_q.weight' (Q4_1, 576 x 576)", "past the end",
-                      f"({len(original):,} bytes)")
+    message = refused(
+        patched(tmp_path, (at, struct.pack("<Q", 1 << 40))),
+        "tensor 'blk.3.attn_q.weight' (Q4_1, 576 x 576)",
+        "past the end",
+        f"({len(original):,} bytes)",
+    )
     assert "truncated" in message
 
 
 def test_offset_misaligned_or_overlapping(tmp_path, reader, original):
     e = entry(reader, "blk.3.attn_q.weight")
     offset = struct.unpack_from("<Q", original, e["offset"])[0]
-    refused(patched(tmp_path, (e["offset"], struct.pack("<Q", offset + 4))),
-            "'blk.3.attn_q.weight'", "alignment")
+    refused(
+        patched(tmp_path, (e["offset"], struct.pack("<Q", offset + 4))),
+        "'blk.3.attn_q.weight'",
+        "alignment",
+    )
     other = struct.unpack_from("<Q", original, entry(reader, "blk.3.attn_k.weight")["offset"])[0]
-    refused(patched(tmp_path, (e["offset"], struct.pack("<Q", other))),
-            "'blk.3.attn_q.weight'", "'blk.3.attn_k.weight'", "overlap")
+    refused(
+        patched(tmp_path, (e["offset"], struct.pack("<Q", other))),
+        "'blk.3.attn_q.weight'",
+        "'blk.3.attn_k.weight'",
+        "overlap",
+    )
 
 
 def test_rows_that_do_not_fill_blocks(tmp_path, reader, original):
     dims = entry(reader, "blk.3.attn_q.weight")["dims"]
-    refused(patched(tmp_path, (dims, struct.pack("<Q", 577))),
-            "tensor 'blk.3.attn_q.weight' (Q4_1, 576 x 577)", "577", "32-value blocks")
-    refused(patched(tmp_path, (dims + 8, struct.pack("<Q", 0))),
-            "'blk.3.attn_q.weight'", "not positive")
+    refused(
+        patched(tmp_path, (dims, struct.pack("<Q", 577))),
+        "tensor 'blk.3.attn_q.weight' (Q4_1, 576 x 577)",
+        "577",
+        "32-value blocks",
+    )
+    refused(
+        patched(tmp_path, (dims + 8, struct.pack("<Q", 0))), "'blk.3.attn_q.weight'", "not positive"
+    )
 
 
 def test_unknown_type_and_too_many_dims(tmp_path, reader, original):
     e = entry(reader, "blk.7.ffn_up.weight")
-    refused(patched(tmp_path, (e["type"], struct.pack("<I", 4))),
-            "'blk.7.ffn_up.weight'", "unknown type id 4")
-    refused(patched(tmp_path, (e["n_dims"], struct.pack("<I", 9))),
-            "'blk.7.ffn_up.weight'", "9 dimensions")
+    refused(
+        patched(tmp_path, (e["type"], struct.pack("<I", 4))),
+        "'blk.7.ffn_up.weight'",
+        "unknown type id 4",
+    )
+    refused(
+        patched(tmp_path, (e["n_dims"], struct.pack("<I", 9))),
+        "'blk.7.ffn_up.weight'",
+        "9 dimensions",
+    )
 
 
 def test_duplicate_tensor_name(tmp_path, reader, original):
     at = entry(reader, "blk.3.attn_q.weight")["name"]
-    refused(patched(tmp_path, (at, b"blk.3.attn_k.weight")),
-            "two tensors named 'blk.3.attn_k.weight'")
+    refused(
+        patched(tmp_path, (at, b"blk.3.attn_k.weight")), "two tensors named 'blk.3.attn_k.weight'"
+    )
 
 
 def test_nan_and_inf_scales(tmp_path, reader, original):
@@ -186,18 +220,23 @@ def test_nan_and_inf_scales(tmp_path, reader, original):
     q80 = next(t for t in reader.tensors if t.name == "token_embd.weight")
     norm = next(t for t in reader.tensors if t.name == "blk.2.ffn_norm.weight")
     nan, inf, ninf, big = (struct.pack("<H", v) for v in (0x7E00, 0x7C00, 0xFC00, 0x7BFF))
-    ok = patched(tmp_path, (q41.data_offset, big), (q41.data_offset + 2, b"\xff\xfb"),
-                 name="ok.gguf")
+    ok = patched(
+        tmp_path, (q41.data_offset, big), (q41.data_offset + 2, b"\xff\xfb"), name="ok.gguf"
+    )
     with GGUFFile(ok) as f:
         f.check_scales()
     for patch, words in [
         ((q41.data_offset + 5 * 20, nan), ["'blk.3.attn_q.weight' (Q4_1", "block 5 ", "d = NaN"]),
         ((q41.data_offset + 7 * 20 + 2, ninf), ["'blk.3.attn_q.weight'", "block 7 ", "m = -inf"]),
         ((q41.data_offset + (q41.n_bytes - 20) + 2, inf), ["block 10,367 ", "m = inf"]),
-        ((q80.data_offset + 9 * 34, nan), ["'token_embd.weight' (Q8_0, 49152 x 576)",
-                                           "block 9 ", "d = NaN"]),
-        ((norm.data_offset + 4 * 3, struct.pack("<f", float("nan"))),
-         ["'blk.2.ffn_norm.weight' (F32, 576)", "element 3 is NaN"]),
+        (
+            (q80.data_offset + 9 * 34, nan),
+            ["'token_embd.weight' (Q8_0, 49152 x 576)", "block 9 ", "d = NaN"],
+        ),
+        (
+            (norm.data_offset + 4 * 3, struct.pack("<f", float("nan"))),
+            ["'blk.2.ffn_norm.weight' (F32, 576)", "element 3 is NaN"],
+        ),
     ]:
         message = refused(patched(tmp_path, patch), *words, scales=True)
         assert f"byte {patch[0]:,}" in message
@@ -210,20 +249,23 @@ def test_scale_positions_are_the_dequantizers(qtype):
     """Where check_scales looks is where the gguf package's dequantizer takes each block's
     scales: with them 1.0 a block of random bytes is finite; a NaN at each field poisons it."""
     from gguf.quants import dequantize
+
     _, size = gguf.GGML_QUANT_SIZES[qtype]
     start, fields = _SCALES[qtype]
     block = np.random.default_rng(int(qtype)).integers(0, 256, (1, size), dtype=np.uint8)
-    block[0, start:start + 2 * len(fields)] = np.full(len(fields), 1.0, np.float16).view(np.uint8)
+    block[0, start : start + 2 * len(fields)] = np.full(len(fields), 1.0, np.float16).view(np.uint8)
     assert np.isfinite(dequantize(block, qtype)).all()
     buf = np.tile(block.reshape(-1), 3)
     assert _first_non_finite(buf, start, 3, size, len(fields), np.dtype("<u2"), 0x7C00) is None
     for i in range(len(fields)):
         bad = block.copy()
-        bad[0, start + 2 * i:start + 2 * i + 2] = np.array([np.nan], np.float16).view(np.uint8)
+        bad[0, start + 2 * i : start + 2 * i + 2] = np.array([np.nan], np.float16).view(np.uint8)
         assert not np.isfinite(dequantize(bad, qtype)).all(), fields[i]
         buf = np.concatenate([block.reshape(-1), bad.reshape(-1), bad.reshape(-1)])
-        assert _first_non_finite(buf, start, 3, size, len(fields), np.dtype("<u2"),
-                                 0x7C00) == (1, i)
+        assert _first_non_finite(buf, start, 3, size, len(fields), np.dtype("<u2"), 0x7C00) == (
+            1,
+            i,
+        )
 
 
 def test_bad_magic_and_versions(tmp_path, original):
@@ -237,18 +279,31 @@ def test_bad_magic_and_versions(tmp_path, original):
 
 def test_garbage_lengths_and_counts(tmp_path, reader, original):
     name = parts_at(reader.fields["general.name"])
-    refused(patched(tmp_path, (name[0], struct.pack("<Q", 1 << 62))),
-            "metadata key #", "past the end")
-    refused(patched(tmp_path, (name[3], struct.pack("<Q", 1 << 40))),
-            "'general.name'", "1,099,511,627,776 bytes long")
+    refused(
+        patched(tmp_path, (name[0], struct.pack("<Q", 1 << 62))), "metadata key #", "past the end"
+    )
+    refused(
+        patched(tmp_path, (name[3], struct.pack("<Q", 1 << 40))),
+        "'general.name'",
+        "1,099,511,627,776 bytes long",
+    )
     tokens = parts_at(reader.fields["tokenizer.ggml.tokens"])
-    refused(patched(tmp_path, (tokens[4], struct.pack("<Q", 1 << 61))),
-            "'tokenizer.ggml.tokens'", "2,305,843,009,213,693,952 strings")
-    refused(patched(tmp_path, (tokens[5 + 2 * 1000], struct.pack("<Q", 1 << 50))),
-            "'tokenizer.ggml.tokens'", "string #1,001 of 49,152")
+    refused(
+        patched(tmp_path, (tokens[4], struct.pack("<Q", 1 << 61))),
+        "'tokenizer.ggml.tokens'",
+        "2,305,843,009,213,693,952 strings",
+    )
+    refused(
+        patched(tmp_path, (tokens[5 + 2 * 1000], struct.pack("<Q", 1 << 50))),
+        "'tokenizer.ggml.tokens'",
+        "string #1,001 of 49,152",
+    )
     types = parts_at(reader.fields["tokenizer.ggml.token_type"])
-    refused(patched(tmp_path, (types[4], struct.pack("<Q", 1 << 60))),
-            "'tokenizer.ggml.token_type'", "values of 4 bytes")
+    refused(
+        patched(tmp_path, (types[4], struct.pack("<Q", 1 << 60))),
+        "'tokenizer.ggml.token_type'",
+        "values of 4 bytes",
+    )
     refused(patched(tmp_path, (8, struct.pack("<Q", 1 << 62))), "tensors", "damaged")
     refused(patched(tmp_path, (16, struct.pack("<Q", 1 << 62))), "metadata keys")
     for seed in range(20):  # random bytes behind a good header: a clean refusal each time
@@ -260,16 +315,27 @@ def test_garbage_lengths_and_counts(tmp_path, reader, original):
 
 def test_bad_value_types_and_keys(tmp_path, reader, original):
     name = parts_at(reader.fields["general.name"])
-    refused(patched(tmp_path, (name[2], struct.pack("<I", 13))),
-            "'general.name'", "unknown value type 13")
+    refused(
+        patched(tmp_path, (name[2], struct.pack("<I", 13))),
+        "'general.name'",
+        "unknown value type 13",
+    )
     languages = parts_at(reader.fields["general.languages"])
-    refused(patched(tmp_path, (languages[3], struct.pack("<I", 9))),
-            "'general.languages'", "array of arrays")
+    refused(
+        patched(tmp_path, (languages[3], struct.pack("<I", 9))),
+        "'general.languages'",
+        "array of arrays",
+    )
     refused(patched(tmp_path, (name[1], b"general.type")), "key 'general.type' twice")
     refused(patched(tmp_path, (name[1], b"\xff")), "not valid UTF-8")
     at = parts_at(reader.fields["general.quantization_version"])  # a u32 key, renamed
-    data = (original[:at[0]] + struct.pack("<Q", 17) + b"general.alignment" +
-            struct.pack("<II", 4, 48) + original[at[3] + 4:])
+    data = (
+        original[: at[0]]
+        + struct.pack("<Q", 17)
+        + b"general.alignment"
+        + struct.pack("<II", 4, 48)
+        + original[at[3] + 4 :]
+    )
     (tmp_path / "align.gguf").write_bytes(data)
     refused(tmp_path / "align.gguf", "general.alignment 48", "not a power of two")
 
@@ -281,12 +347,16 @@ def test_string_arrays_skipped_in_numpy_as_in_python():
     for trial in range(12):
         count = int(rng.integers(1024, 3000))
         kind = rng.random(count)
-        lengths = np.where(kind < 0.05, 0, np.where(kind < 0.08, rng.integers(256, 3000, count),
-                                                    rng.integers(1, 20, count)))
+        lengths = np.where(
+            kind < 0.05,
+            0,
+            np.where(kind < 0.08, rng.integers(256, 3000, count), rng.integers(1, 20, count)),
+        )
         text = rng.integers(0 if trial % 3 == 0 else 1, 256, int(lengths.sum()), dtype=np.uint8)
         ends = np.cumsum(lengths).tolist()
-        pieces = [struct.pack("<Q", b - a) + text[a:b].tobytes()
-                  for a, b in zip([0] + ends[:-1], ends)]
+        pieces = [
+            struct.pack("<Q", b - a) + text[a:b].tobytes() for a, b in zip([0] + ends[:-1], ends)
+        ]
         raw = b"\x07" * 5 + b"".join(pieces) + bytes(rng.integers(0, 256, 64, dtype=np.uint8))
         for cut in (len(raw), len(raw) - 70, len(raw) // 2):
             data = np.frombuffer(raw[:cut], np.uint8)
@@ -303,6 +373,7 @@ def test_string_arrays_skipped_in_numpy_as_in_python():
 
 def test_peer_file_type_reads_the_header(tmp_path, path, original):
     from miniserve.bench import peer
+
     assert peer.file_type(path) == "q4_1"
     assert peer.file_type(patched(tmp_path, cut=5000)) is None
     assert peer.file_type(patched(tmp_path, (0, b"GGML"))) is None

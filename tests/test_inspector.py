@@ -18,15 +18,22 @@ def inspect_run(loaded, engine, params, text="Name three animals."):
         seen_logits.append(logits[0].float().clone())
         inspector.observe(logits, ids, token, allowed)
 
-    tokens = list(generate(loaded.model, chat_ids(loaded.tokenizer, text), params,
-                           eos_ids=engine.eos_ids, observer=observe))
+    tokens = list(
+        generate(
+            loaded.model,
+            chat_ids(loaded.tokenizer, text),
+            params,
+            eos_ids=engine.eos_ids,
+            observer=observe,
+        )
+    )
     return inspector, seen_logits, tokens
 
 
 def test_greedy_probabilities(loaded, engine):
     params = SamplingParams(temperature=0, max_new_tokens=10)
     inspector, logits, tokens = inspect_run(loaded, engine, params)
-    assert [s.token_id for s in inspector.steps][:len(tokens)] == tokens
+    assert [s.token_id for s in inspector.steps][: len(tokens)] == tokens
     for step, (raw, final), x in zip(inspector.steps, inspector.distributions, logits):
         assert abs(float(raw.sum()) - 1) < 1e-4  # a distribution over the full vocabulary
         x = x.double()
@@ -37,8 +44,9 @@ def test_greedy_probabilities(loaded, engine):
         assert probs == sorted(probs, reverse=True) and len(probs) == 5
         for c in step.candidates:
             assert math.isclose(c.prob, float(expected[c.token_id]), rel_tol=1e-4, abs_tol=1e-7)
-        assert step.prob_filtered == 1.0 and all(c.removed_by == "greedy"
-                                                 for c in step.candidates[1:])
+        assert step.prob_filtered == 1.0 and all(
+            c.removed_by == "greedy" for c in step.candidates[1:]
+        )
 
 
 def test_filters_are_reported(loaded, engine):
@@ -64,8 +72,16 @@ def test_chart_data_is_what_the_sampling_stages_give_on_the_same_logits(loaded, 
 
     from miniserve.engine.inspector import chart
     from miniserve.engine.sampling import stages
-    params = SamplingParams(temperature=0.7, top_k=20, top_p=0.8, min_p=0.05,
-                            repetition_penalty=1.3, max_new_tokens=12, seed=5)
+
+    params = SamplingParams(
+        temperature=0.7,
+        top_k=20,
+        top_p=0.8,
+        min_p=0.05,
+        repetition_penalty=1.3,
+        max_new_tokens=12,
+        seed=5,
+    )
     inspector = Inspector(loaded.tokenizer, params)
     seen = []
 
@@ -73,24 +89,35 @@ def test_chart_data_is_what_the_sampling_stages_give_on_the_same_logits(loaded, 
         seen.append((logits[0].float().clone(), ids[0].clone(), token))
         inspector.observe(logits, ids, token, allowed)
 
-    list(generate(loaded.model, chat_ids(loaded.tokenizer, "Name three animals."), params,
-                  eos_ids=engine.eos_ids, observer=observe))
+    list(
+        generate(
+            loaded.model,
+            chat_ids(loaded.tokenizer, "Name three animals."),
+            params,
+            eos_ids=engine.eos_ids,
+            observer=observe,
+        )
+    )
     html = inspector.as_html()
     popups = re.findall(r'<span class="ms-pop".*?</span></span>(?=</span>)', html)
     assert len(popups) == len(inspector.steps) == len(seen)
     removed_seen = set()
     for step, (logits, previous, token), popup in zip(inspector.steps, seen, popups):
         ran = list(stages(logits, params, previous))
-        assert step.stages == tuple(name for name, _ in ran) == (
-            "repetition penalty", "temperature", "top-k", "top-p", "min-p")
+        assert (
+            step.stages
+            == tuple(name for name, _ in ran)
+            == ("repetition penalty", "temperature", "top-k", "top-p", "min-p")
+        )
         before = logits.double().softmax(-1)
         after = ran[-1][1].double().softmax(-1)
         bars = chart(step)
         assert [b.token_id for b in bars][:5] == torch.topk(before, 5).indices.tolist()
         assert sum(b.chosen for b in bars) == 1
         assert next(b for b in bars if b.chosen).token_id == token
-        rows = re.findall(r'data-token-id="(\d+)" data-before="([\d.]+)" data-after="([\d.]+)"',
-                          popup)
+        rows = re.findall(
+            r'data-token-id="(\d+)" data-before="([\d.]+)" data-after="([\d.]+)"', popup
+        )
         assert [int(r[0]) for r in rows] == [b.token_id for b in bars]
         for bar, (_, shown_before, shown_after) in zip(bars, rows):
             i = bar.token_id
@@ -108,10 +135,12 @@ def test_chart_data_is_what_the_sampling_stages_give_on_the_same_logits(loaded, 
 
 def test_greedy_chart_shows_the_argmax_taking_all_the_mass(loaded, engine):
     from miniserve.engine.inspector import chart
+
     params = SamplingParams(temperature=0, max_new_tokens=4)
     inspector, logits, tokens = inspect_run(loaded, engine, params)
     for step, x in zip(inspector.steps, logits):
         bars = chart(step)
         assert bars[0].chosen and bars[0].token_id == int(x.argmax())
-        assert bars[0].after == 1.0 and all(b.after == 0 and b.removed_by == "greedy"
-                                             for b in bars[1:])
+        assert bars[0].after == 1.0 and all(
+            b.after == 0 and b.removed_by == "greedy" for b in bars[1:]
+        )

@@ -6,10 +6,13 @@ import torch
 from miniserve.runners.loader import ModelLoadError, load_model, pick_device, resolve_source
 
 
-@pytest.mark.parametrize("source, words", [
-    ("/no/such/model", ["/no/such/model", "does not exist"]),
-    ("./missing-folder/x.gguf", ["missing-folder", "does not exist"]),
-])
+@pytest.mark.parametrize(
+    "source, words",
+    [
+        ("/no/such/model", ["/no/such/model", "does not exist"]),
+        ("./missing-folder/x.gguf", ["missing-folder", "does not exist"]),
+    ],
+)
 def test_bad_local_source_is_one_clear_sentence(source, words):
     with pytest.raises(ModelLoadError) as info:
         load_model(source, progress=lambda m: None)
@@ -31,6 +34,7 @@ def test_folder_without_model(tmp_path):
 
 def test_unreachable_hub_id_is_one_clear_sentence(monkeypatch):
     import huggingface_hub.constants
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # read at import time: set the constant too
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(ModelLoadError) as info:
@@ -39,8 +43,13 @@ def test_unreachable_hub_id_is_one_clear_sentence(monkeypatch):
 
 
 def test_device_falls_back_to_cpu_here():
-    expected = "cuda" if torch.cuda.is_available() else "mps" if \
-        torch.backends.mps.is_available() else "cpu"
+    expected = (
+        "cuda"
+        if torch.cuda.is_available()
+        else "mps"
+        if torch.backends.mps.is_available()
+        else "cpu"
+    )
     assert pick_device().type == expected
 
 
@@ -59,5 +68,6 @@ def test_weight_cache_gives_the_same_model(tmp_path, monkeypatch, loaded):
     assert torch.equal(a, b)  # the same tensors in the same modules: exact by construction
     fresh.model.to(torch.float64)  # a dequantized GGUF is a plain model (no "quantized" flag)
     assert fresh.tokenizer("héllo 🎉")["input_ids"] == cached.tokenizer("héllo 🎉")["input_ids"]
-    assert fresh.tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False) \
-        == cached.tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False)
+    assert fresh.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "x"}], tokenize=False
+    ) == cached.tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False)

@@ -11,8 +11,14 @@ import pytest
 
 from miniserve.core.config import SamplingParams
 from miniserve.runners.loader import ModelLoadError, check_gguf, load_model
-from miniserve.models.registry import (ModelSpecError, Models, UnknownModel, load_specs_file, open_models,
-                              parse_spec)
+from miniserve.models.registry import (
+    ModelSpecError,
+    Models,
+    UnknownModel,
+    load_specs_file,
+    open_models,
+    parse_spec,
+)
 from test_cli import run
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=12)
@@ -23,9 +29,14 @@ def test_model_values_name_sources_and_urls():
     assert parse_spec("default").name == "SmolLM2-135M-Instruct"
     assert parse_spec("mine=default") == parse_spec("default").__class__("mine", "default")
     remote = parse_spec("http://gpu-box:8000/v1#Qwen/Qwen2.5-7B", context=32768, api_key="k")
-    assert (remote.name, remote.source, remote.remote, remote.served_name, remote.context,
-            remote.api_key) == ("Qwen/Qwen2.5-7B", "http://gpu-box:8000/v1", True,
-                                "Qwen/Qwen2.5-7B", 32768, "k")
+    assert (
+        remote.name,
+        remote.source,
+        remote.remote,
+        remote.served_name,
+        remote.context,
+        remote.api_key,
+    ) == ("Qwen/Qwen2.5-7B", "http://gpu-box:8000/v1", True, "Qwen/Qwen2.5-7B", 32768, "k")
     assert parse_spec("http://gpu-box:8000/v1/").name == "gpu-box:8000"
     assert parse_spec("big=https://h/v1#m").name == "big"
     assert parse_spec("/models/x.gguf").name == "x"
@@ -43,17 +54,23 @@ def test_model_values_name_sources_and_urls():
 def test_models_file(tmp_path, monkeypatch):
     monkeypatch.setenv("GPU_KEY", "secret")
     f = tmp_path / "models.yaml"
-    f.write_text("models:\n  - default\n  - {name: big, source: 'http://h:1/v1#m', context: 8192,"
-                 " api_key_env: GPU_KEY}\n  - {name: team/small, source: default}\n")
+    f.write_text(
+        "models:\n  - default\n  - {name: big, source: 'http://h:1/v1#m', context: 8192,"
+        " api_key_env: GPU_KEY}\n  - {name: team/small, source: default}\n"
+    )
     specs = load_specs_file(str(f))
     assert [s.name for s in specs] == ["SmolLM2-135M-Instruct", "big", "team/small"]
     assert specs[2].source == "default"
     assert (specs[1].context, specs[1].api_key, specs[1].served_name) == (8192, "secret", "m")
-    for text, says in (("[]", "a list of models"), ("- {name: x}", "'source'"),
-                       ("- {source: default, colour: red}", "unknown key(s) colour"),
-                       ("- {source: default, context: -3}", "'context'"), ("a: [", "cannot be read"),
-                       ("- {source: default, name: ''}", "'name' must be a non-empty string"),
-                       ("- {source: default, api_key_env: 3}", "'api_key_env'")):
+    for text, says in (
+        ("[]", "a list of models"),
+        ("- {name: x}", "'source'"),
+        ("- {source: default, colour: red}", "unknown key(s) colour"),
+        ("- {source: default, context: -3}", "'context'"),
+        ("a: [", "cannot be read"),
+        ("- {source: default, name: ''}", "'name' must be a non-empty string"),
+        ("- {source: default, api_key_env: 3}", "'api_key_env'"),
+    ):
         f.write_text(text)
         with pytest.raises(ModelSpecError, match=said(says)):
             load_specs_file(str(f))
@@ -61,6 +78,7 @@ def test_models_file(tmp_path, monkeypatch):
 
 def said(text):
     import re
+
     return re.escape(text)
 
 
@@ -108,8 +126,9 @@ def test_a_model_that_fails_to_load_leaves_the_others_working(tmp_path):
     try:
         with pytest.raises(ModelLoadError, match="does not exist"):
             models.get("broken")
-        text, _ = models.get(None).chat_text([{"role": "user", "content": "Hi"}],
-                                             GREEDY.replace(max_new_tokens=3))
+        text, _ = models.get(None).chat_text(
+            [{"role": "user", "content": "Hi"}], GREEDY.replace(max_new_tokens=3)
+        )
         assert text
     finally:
         models.close()
@@ -132,6 +151,7 @@ def test_concurrent_first_requests_load_a_model_once():
 def base_engine(engine):
     """The embedded model as a base model would be: the same weights, no chat template."""
     from miniserve.engine.engine import Engine
+
     tokenizer = copy.deepcopy(engine.tokenizer)
     tokenizer.chat_template = None
     loaded = copy.copy(engine.loaded)
@@ -143,6 +163,7 @@ def base_engine(engine):
 
 def test_completion_mode_continues_text_without_a_template(engine, base_engine):
     from miniserve.engine.chat import NoChatTemplate
+
     prompt = "The three primary colours are"
     ids = engine.tokenizer(prompt)["input_ids"]
     assert base_engine.prompt_ids(prompt, GREEDY) == ids  # plain text, no template
@@ -158,6 +179,7 @@ def test_completion_mode_continues_text_without_a_template(engine, base_engine):
     kept = base_engine.prompt_ids(long, GREEDY, trim=True)
     assert len(kept) == base_engine.context_length - GREEDY.max_new_tokens
     from miniserve.engine.chat import ChatError
+
     n = len(engine.tokenizer(long)["input_ids"])
     with pytest.raises(ChatError, match=f"'prompt' is {n} tokens, but with max_new_tokens=12"):
         base_engine.prompt_ids(long, GREEDY)
@@ -173,35 +195,57 @@ def test_a_notebook_past_the_context_keeps_its_bos():
         def __call__(self, text):
             return {"input_ids": [2] + [10 + len(w) for w in text.split()]}
 
-    ids = completion_ids(WithBos(), "a bb ccc dddd eeeee", context_length=5, max_new_tokens=2,
-                         trim=True)
+    ids = completion_ids(
+        WithBos(), "a bb ccc dddd eeeee", context_length=5, max_new_tokens=2, trim=True
+    )
     assert ids == [2, 14, 15]
 
 
 def test_prompt_logprobs_match_one_forward_pass(engine):
     import torch
-    ids = engine.tokenizer("The capital of France is Paris, and the capital of Italy is "
-                           "Rome." * 12)["input_ids"]
+
+    ids = engine.tokenizer(
+        "The capital of France is Paris, and the capital of Italy is Rome." * 12
+    )["input_ids"]
     assert len(ids) > 128  # more than one piece
     got = engine.prompt_logprobs(ids, top=3)
-    logits = engine.run_on_worker(lambda: engine.runner.forward(torch.tensor([ids]),
-                                                               all_logits=True))
+    logits = engine.run_on_worker(
+        lambda: engine.runner.forward(torch.tensor([ids]), all_logits=True)
+    )
     want = torch.log_softmax(logits.float(), -1)
     assert len(got) == len(ids) - 1
     for pos, (lp, top) in enumerate(got):
         assert lp == pytest.approx(float(want[pos, ids[pos + 1]]), abs=1e-3)
-        assert [t for t, _ in top] == want[pos].topk(3).indices.tolist() or \
-            top[0][1] == pytest.approx(float(want[pos].max()), abs=1e-3)
+        assert [t for t, _ in top] == want[pos].topk(3).indices.tolist() or top[0][
+            1
+        ] == pytest.approx(float(want[pos].max()), abs=1e-3)
 
 
 # -- the command line ------------------------------------------------------------------------
 def test_generate_raw_continues_the_prompt(engine):
-    r = run("generate", "--raw", "--prompt", "The capital of France is", "--temperature", "0",
-            "--repetition-penalty", "1", "--max-new-tokens", "10", "--json", "--dtype", "float32")
+    r = run(
+        "generate",
+        "--raw",
+        "--prompt",
+        "The capital of France is",
+        "--temperature",
+        "0",
+        "--repetition-penalty",
+        "1",
+        "--max-new-tokens",
+        "10",
+        "--json",
+        "--dtype",
+        "float32",
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    text = "".join(c.text for c in engine.complete_text(
-        "The capital of France is", GREEDY.replace(max_new_tokens=10), reuse_prefix=False))
+    text = "".join(
+        c.text
+        for c in engine.complete_text(
+            "The capital of France is", GREEDY.replace(max_new_tokens=10), reuse_prefix=False
+        )
+    )
     assert out["raw"] is True and out["text"] == text
     assert out["prompt_tokens"] == len(engine.tokenizer("The capital of France is")["input_ids"])
     r = run("generate", "--raw", "--system", "x", "--prompt", "hi")
@@ -230,17 +274,38 @@ def test_a_base_model_gets_one_line_pointing_to_raw(base_folder):
         lines = [x for x in r.stderr.splitlines() if x.startswith("error:")]
         assert len(lines) == 1 and "no chat template" in lines[0] and "--raw" in lines[0]
         assert "Traceback" not in r.stderr
-    r = run("chat", "--raw", "--model", str(base_folder), "--runner", "lean", "--temperature",
-            "0", "--max-new-tokens", "6", stdin="Once upon a time\nthere was\n")
+    r = run(
+        "chat",
+        "--raw",
+        "--model",
+        str(base_folder),
+        "--runner",
+        "lean",
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "6",
+        stdin="Once upon a time\nthere was\n",
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("tokens/s") == 2 and "Traceback" not in r.stderr
 
 
 def test_chat_switches_models_by_name(base_folder):
-    r = run("chat", "--model", "default", "--model", f"base={base_folder}", "--runner", "lean",
-            "--temperature", "0", "--max-new-tokens", "5",
-            stdin="/model\nHi\n/model nope\n/model base\nOnce upon a time\n/model default\n/raw\n"
-                  "Hi\n")
+    r = run(
+        "chat",
+        "--model",
+        "default",
+        "--model",
+        f"base={base_folder}",
+        "--runner",
+        "lean",
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "5",
+        stdin="/model\nHi\n/model nope\n/model base\nOnce upon a time\n/model default\n/raw\nHi\n",
+    )
     assert r.returncode == 0, r.stderr
     out = r.stdout
     assert "also served: base (not loaded)" in out
@@ -253,14 +318,18 @@ def test_model_flags_and_files_fail_in_one_line(tmp_path):
     not_gguf = tmp_path / "x.gguf"
     not_gguf.write_text("hello")
     from miniserve.runners.loader import embedded_gguf
+
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(embedded_gguf().read_bytes()[:5_000_000])
     odd = tmp_path / "odd.gguf"
     write_gguf(odd, "mamba9")
-    for args, says in (([str(not_gguf)], "is not a GGUF file"), ([str(cut)], "truncated"),
-                       ([str(odd)], "architecture 'mamba9' is not supported"),
-                       (["a=default", "a=default"], "two models are named 'a'"),
-                       (["http://127.0.0.1:9/v1"], "127.0.0.1:9")):
+    for args, says in (
+        ([str(not_gguf)], "is not a GGUF file"),
+        ([str(cut)], "truncated"),
+        ([str(odd)], "architecture 'mamba9' is not supported"),
+        (["a=default", "a=default"], "two models are named 'a'"),
+        (["http://127.0.0.1:9/v1"], "127.0.0.1:9"),
+    ):
         r = run("generate", "--prompt", "hi", *sum((["--model", a] for a in args), []))
         assert r.returncode in (1, 2), (args, r.stderr)
         errors = [x for x in r.stderr.splitlines() if x.startswith("error:")]
@@ -274,6 +343,7 @@ def write_gguf(path: Path, arch: str) -> None:
     """A small, whole GGUF of an architecture nobody loads."""
     import gguf
     import numpy as np
+
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(1)
     w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
@@ -285,6 +355,7 @@ def write_gguf(path: Path, arch: str) -> None:
 
 def test_loader_checks_the_file_before_transformers_does(tmp_path):
     from miniserve.runners.loader import embedded_gguf
+
     assert check_gguf(embedded_gguf()) == "llama"
     odd = tmp_path / "odd.gguf"
     write_gguf(odd, "mamba9")

@@ -29,11 +29,17 @@ def test_this_leg_runs_the_kernels_it_names():
     kernels -- a cached -march=native library, a cap that did not take -- would test nothing
     new. Without a named leg: the native target's best loops for this CPU."""
     from miniserve.core.platform import cpu_features
+
     want = os.environ.get("MINISERVE_EXPECT_ISA")
     if want is None:
         features = cpu_features()
-        want = ("avx512" if "avx512f" in features else
-                "avx2" if {"avx2", "fma"} <= set(features) else native.isa())
+        want = (
+            "avx512"
+            if "avx512f" in features
+            else "avx2"
+            if {"avx2", "fma"} <= set(features)
+            else native.isa()
+        )
     assert native.isa() == want, native.build_target()
     aten = os.environ.get("ATEN_CPU_CAPABILITY")
     if aten:
@@ -51,10 +57,13 @@ def round_bf16(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.bfloat16).float()  # round to nearest, ties to even, as decode.cpp does
 
 
-@pytest.mark.parametrize("dtype,math", [(torch.float32, "float32"), (torch.bfloat16, "float32"),
-                                        (torch.bfloat16, "bfloat16")])
-@pytest.mark.parametrize("rows,cols", [(4, 32), (7, 13), (64, 576), (130, 96), (9, 1536),
-                                       (5, 24), (3, 48)])
+@pytest.mark.parametrize(
+    "dtype,math",
+    [(torch.float32, "float32"), (torch.bfloat16, "float32"), (torch.bfloat16, "bfloat16")],
+)
+@pytest.mark.parametrize(
+    "rows,cols", [(4, 32), (7, 13), (64, 576), (130, 96), (9, 1536), (5, 24), (3, 48)]
+)
 @pytest.mark.parametrize("batch", [1, 6])
 @needs_native
 def test_matmul_equals_its_definition(dtype, math, rows, cols, batch):
@@ -85,23 +94,37 @@ def test_each_row_of_a_matmul_is_computed_as_if_alone(math, rows):
     x = torch.randn(rows, 576)
     together = native.matmul(w, x, math)
     for i in range(rows):
-        assert torch.equal(together[i], native.matmul(w, x[i:i + 1], math)[0])
+        assert torch.equal(together[i], native.matmul(w, x[i : i + 1], math)[0])
 
 
 def tiny(family: str, dtype=torch.float32):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
     torch.manual_seed(1)
     if family == "gemma3":
         return tiny_gemma3().to(dtype).eval()
     if family == "llama":  # head_dim 16: the vector paths
-        cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96,
-                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                          max_position_embeddings=512)
+        cfg = LlamaConfig(
+            vocab_size=300,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+        )
         model = LlamaForCausalLM(cfg)
     else:  # Qwen2: biases on q/k/v; head_dim 12, 40 columns: the scalar paths
-        cfg = Qwen2Config(vocab_size=300, hidden_size=48, intermediate_size=40,
-                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
-                          max_position_embeddings=512, use_sliding_window=False)
+        cfg = Qwen2Config(
+            vocab_size=300,
+            hidden_size=48,
+            intermediate_size=40,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            max_position_embeddings=512,
+            use_sliding_window=False,
+        )
         model = Qwen2ForCausalLM(cfg)
         for layer in model.model.layers:  # random, not zero, biases
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
@@ -116,15 +139,30 @@ def tiny_gemma3(window: int = 8, hidden: int = 64):
     show less); intermediate 100: the tails of the vector loops. sqrt(64) = 8 is the same
     factor in bfloat16 and float32."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
     torch.manual_seed(1)
     cfg = Gemma3TextConfig(
-        vocab_size=300, hidden_size=hidden, intermediate_size=100, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-        sliding_window=window, query_pre_attn_scalar=24,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention",
-                     "sliding_attention"],
-        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+        vocab_size=300,
+        hidden_size=hidden,
+        intermediate_size=100,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        sliding_window=window,
+        query_pre_attn_scalar=24,
+        layer_types=[
+            "sliding_attention",
+            "full_attention",
+            "sliding_attention",
+            "sliding_attention",
+        ],
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+    )
     model = Gemma3ForCausalLM(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -168,15 +206,16 @@ def test_a_sequence_gets_the_same_logits_whatever_shares_its_pass(family, math):
     assert torch.equal(one_token_at_a_time(model)(ids), whole)
     cache, pieces = model.new_cache(), []
     for a in range(0, len(ids), 7):
-        pieces.append(model.native([(ids[a:a + 7], cache)], all_logits=True))
+        pieces.append(model.native([(ids[a : a + 7], cache)], all_logits=True))
     assert torch.equal(torch.cat(pieces), whole)
     mine, other, third = model.new_cache(), model.new_cache(), model.new_cache()
     model.native([([9] * 40, other)])
     rows = []
     for a in range(0, len(ids), 50):
-        got = model.native([([4] * 3, third), (ids[a:a + 50], mine), ([11], other)],
-                           all_logits=True)
-        rows.append(got[3:3 + len(ids[a:a + 50])])
+        got = model.native(
+            [([4] * 3, third), (ids[a : a + 50], mine), ([11], other)], all_logits=True
+        )
+        rows.append(got[3 : 3 + len(ids[a : a + 50])])
     assert torch.equal(torch.cat(rows), whole)
 
 
@@ -188,8 +227,11 @@ def test_prompt_and_steps_share_the_cache(tiny_model):
     model = NativeRunner(tiny_model)
     ids = list(range(3, 60))
     for use_cache in (True, False):
-        tokens = list(generate(model, ids, GREEDY.replace(max_new_tokens=20), eos_ids=set(),
-                               use_cache=use_cache))
+        tokens = list(
+            generate(
+                model, ids, GREEDY.replace(max_new_tokens=20), eos_ids=set(), use_cache=use_cache
+            )
+        )
         assert len(tokens) == 20
         assert_greedy(reference, ids, tokens, TINY_BOUND)
 
@@ -207,8 +249,11 @@ def test_the_weights_are_moved_not_copied(tiny_model):
     assert layer["wo"] is attn.o_proj.weight and lean.lm_head is model.lm_head.weight
     assert attn.q_proj.weight.data_ptr() == layer["wqkv"].data_ptr()
     if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux: one block, with 2 MB pages asked for
-        blocks = {t.untyped_storage().data_ptr() for w in lean.layers
-                  for t in (w["wqkv"], w["wo"], w["w13"], w["w2"], lean.lm_head)}
+        blocks = {
+            t.untyped_storage().data_ptr()
+            for w in lean.layers
+            for t in (w["wqkv"], w["wo"], w["w13"], w["w2"], lean.lm_head)
+        }
         assert len(blocks) == 1
     with torch.inference_mode():
         assert torch.allclose(model(ids).logits, before, atol=TINY_BOUND, rtol=0)
@@ -230,6 +275,7 @@ def test_same_logits_from_another_thread(tiny_model):
 
 # ---- the real model ----------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("math", ["float32", "bfloat16"])
 @needs_native
 def test_real_model_over_bfloat16_weights_follows_the_float64_reference(bf16, ref16, math):
@@ -248,21 +294,37 @@ def test_real_model_over_bfloat16_weights_follows_the_float64_reference(bf16, re
         assert_greedy(ref16, ids, tokens, bound, end, min_decided=32 if math == "float32" else 0)
         if name == "short":  # without a cache: 40 forward passes over the whole text
             tokens, end, _ = run(model, ids, use_cache=False)
-            assert_greedy(ref16, ids, tokens, bound, end,
-                          min_decided=32 if math == "float32" else 0)
+            assert_greedy(
+                ref16, ids, tokens, bound, end, min_decided=32 if math == "float32" else 0
+            )
 
 
 def run_cli(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "miniserve", *args], capture_output=True,
-                          text=True, timeout=240, env={**os.environ, **(env or {})},
-                          cwd=os.path.dirname(os.path.dirname(__file__)))
+    return subprocess.run(
+        [sys.executable, "-m", "miniserve", *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, **(env or {})},
+        cwd=os.path.dirname(os.path.dirname(__file__)),
+    )
 
 
 @same_on_every_cpu
 def test_without_the_library_auto_falls_back_and_native_says_why():
     off = {"MINISERVE_NATIVE": "0"}
-    r = run_cli("bench", "--prompt-tokens", "8", "--new-tokens", "3", "--repeat", "1",
-                "--modes", "cache", env=off)
+    r = run_cli(
+        "bench",
+        "--prompt-tokens",
+        "8",
+        "--new-tokens",
+        "3",
+        "--repeat",
+        "1",
+        "--modes",
+        "cache",
+        env=off,
+    )
     assert r.returncode == 0, r.stderr
     assert "float32, lean runner" in r.stdout  # no native pass: float32 weights, PyTorch lean
     r = run_cli("generate", "--prompt", "Hi", "--runner", "native", env=off)

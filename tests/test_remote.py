@@ -20,8 +20,9 @@ from miniserve.models.registry import parse_spec
 from miniserve.models.remote import RemoteEngine, RemoteError, RemoteRefused
 from servers import Server, free_port
 
-GREEDY = SamplingParams(temperature=0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
-                        max_new_tokens=24)
+GREEDY = SamplingParams(
+    temperature=0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, max_new_tokens=24
+)
 ASK = [{"role": "user", "content": "Name three animals."}]
 
 
@@ -75,6 +76,7 @@ def remote(ours):
 
 # -- our own server: the same tokens ----------------------------------------------------------
 
+
 def test_describes_the_server(remote):
     info = remote.info()
     assert info["remote"] and info["device"] == "remote" and info["runner"] == "remote"
@@ -86,9 +88,11 @@ def test_describes_the_server(remote):
 
 def test_counts_are_the_servers_own(engine, remote):
     from conftest import chat_ids
+
     assert remote.count_chat(ASK) == len(chat_ids(engine.tokenizer, ASK[-1]["content"]))
-    assert remote.count_text("Once upon a time") == len(engine.tokenizer("Once upon a time")
-                                                        ["input_ids"])
+    assert remote.count_text("Once upon a time") == len(
+        engine.tokenizer("Once upon a time")["input_ids"]
+    )
 
 
 def test_chat_greedy_equals_the_local_engine(engine, remote):
@@ -116,7 +120,8 @@ def test_compare_runs_each_column(engine, remote):
     texts = {0: "", 1: ""}
     ends = {}
     for col, chunk, seconds in remote.compare_prompt(
-            ASK[0]["content"], [GREEDY, GREEDY.replace(temperature=0.8, seed=3)]):
+        ASK[0]["content"], [GREEDY, GREEDY.replace(temperature=0.8, seed=3)]
+    ):
         texts[col] += chunk.text
         assert seconds >= 0
         if chunk.done:
@@ -192,8 +197,10 @@ def test_history_is_trimmed_to_the_context(remote):
     turn = "Tell me about the history of science and its many branches. " * 3
     history = []
     for i in range(6):
-        history += [{"role": "user", "content": f"{i}: {turn}"},
-                    {"role": "assistant", "content": turn}]
+        history += [
+            {"role": "user", "content": f"{i}: {turn}"},
+            {"role": "assistant", "content": turn},
+        ]
     text, last = collect(small.chat(history + ASK, GREEDY.replace(max_new_tokens=8)))
     assert text.strip() and 0 < last.dropped_messages < len(history)
     assert last.dropped_messages % 2 == 0  # whole turns: never an answer without its question
@@ -203,6 +210,7 @@ def test_history_is_trimmed_to_the_context(remote):
 
 def test_bench_runs_what_applies(remote):
     from miniserve.bench.bench import BenchConfig, format_table, run_bench
+
     result = run_bench(remote, BenchConfig(prompt_tokens=[32, 128], new_tokens=4, repeat=1))
     assert [r.mode for r in result.rows] == ["remote", "remote"]
     for row, asked in zip(result.rows, (32, 128)):
@@ -214,6 +222,7 @@ def test_bench_runs_what_applies(remote):
 
 
 # -- servers that cannot be used ---------------------------------------------------------------
+
 
 def test_unreachable_url_is_one_line():
     url = f"http://127.0.0.1:{free_port()}/v1"
@@ -227,14 +236,16 @@ MODELS = {"object": "list", "data": [{"id": "fake", "object": "model", "owned_by
 
 
 def sse(*events, done=True) -> bytes:
-    body = "".join(f"data: {json.dumps(e) if not isinstance(e, str) else e}\n\n"
-                   for e in events)
+    body = "".join(f"data: {json.dumps(e) if not isinstance(e, str) else e}\n\n" for e in events)
     return (body + ("data: [DONE]\n\n" if done else "")).encode()
 
 
 def delta(text=None, finish=None):
-    return {"choices": [{"index": 0, "delta": {"content": text} if text else {},
-                         "finish_reason": finish}]}
+    return {
+        "choices": [
+            {"index": 0, "delta": {"content": text} if text else {}, "finish_reason": finish}
+        ]
+    }
 
 
 class Garbage(http.server.BaseHTTPRequestHandler):
@@ -243,14 +254,29 @@ class Garbage(http.server.BaseHTTPRequestHandler):
     REPLIES = {
         "html": (200, "text/html", b"<!DOCTYPE html><html><body>It works!</body></html>"),
         "500": (500, "text/plain", b"Internal Server Error"),
-        "refuse": (400, "application/json", json.dumps({"error": {
-            "message": "grammar: unexpected '('", "param": "structured_outputs"}}).encode()),
+        "refuse": (
+            400,
+            "application/json",
+            json.dumps(
+                {"error": {"message": "grammar: unexpected '('", "param": "structured_outputs"}}
+            ).encode(),
+        ),
         "cut": (200, "text/event-stream", sse(delta("Hello"), delta(" there"), done=False)),
         "notjson": (200, "text/event-stream", sse(delta("Hi"), "<html>oops</html>")),
-        "failed": (200, "text/event-stream", sse(delta("Hi"), {"error": {
-            "message": "out of memory", "type": "server_error"}}, done=False)),
-        "nologprobs": (200, "text/event-stream", sse(delta("Hi"), delta(" you"),
-                                                     delta(finish="stop"))),
+        "failed": (
+            200,
+            "text/event-stream",
+            sse(
+                delta("Hi"),
+                {"error": {"message": "out of memory", "type": "server_error"}},
+                done=False,
+            ),
+        ),
+        "nologprobs": (
+            200,
+            "text/event-stream",
+            sse(delta("Hi"), delta(" you"), delta(finish="stop")),
+        ),
     }
 
     def do_GET(self):
@@ -321,19 +347,35 @@ def test_no_logprobs_is_said_in_one_line(garbage):
     assert text == "Hi you" and last.stats.new_tokens == 2 and last.stats.finish_reason == "stop"
     assert [s.text for s in inspector.steps] == ["Hi", " you"]
     assert inspector.as_text().splitlines()[0] == (
-        "server logprobs: the server gave none (its tokens are shown without probabilities)")
+        "server logprobs: the server gave none (its tokens are shown without probabilities)"
+    )
 
 
 # -- llama-cpp-python's server ------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def llamacpp():
-    pytest.importorskip("llama_cpp.server.app", reason="llama-cpp-python[server] is not "
-                        "installed (pip install 'llama-cpp-python[server]')")
+    pytest.importorskip(
+        "llama_cpp.server.app",
+        reason="llama-cpp-python[server] is not installed (pip install 'llama-cpp-python[server]')",
+    )
     from miniserve.runners.loader import embedded_gguf
-    server = Server(["-m", "llama_cpp.server", "--model", str(embedded_gguf()),
-                     "--host", "127.0.0.1", "--n_ctx", "2048"], ready_path="/v1/models",
-                    timeout=120)
+
+    server = Server(
+        [
+            "-m",
+            "llama_cpp.server",
+            "--model",
+            str(embedded_gguf()),
+            "--host",
+            "127.0.0.1",
+            "--n_ctx",
+            "2048",
+        ],
+        ready_path="/v1/models",
+        timeout=120,
+    )
     yield server
     server.stop()
 
@@ -353,8 +395,9 @@ def test_llamacpp_chat_and_completion(llamacpp):
     assert info["server"] == "llama-cpp-python" and "extras/tokenize" in info["token_counts"]
     body = remote._body(GREEDY, None, True)  # what our client sends, as fields
     text, last = collect(remote.chat(ASK, GREEDY))
-    assert text.strip() and text == llamacpp_own(llamacpp, "/chat/completions",
-                                                 {**body, "messages": ASK})
+    assert text.strip() and text == llamacpp_own(
+        llamacpp, "/chat/completions", {**body, "messages": ASK}
+    )
     stats = last.stats
     assert 0 < stats.new_tokens <= 24 and stats.finish_reason in ("stop", "length")
     assert 0 < stats.ttft_s <= stats.total_s and stats.tokens_per_s > 0
@@ -362,13 +405,15 @@ def test_llamacpp_chat_and_completion(llamacpp):
     prompt = "The capital of France is"
     text, last = collect(remote.complete_text(prompt, GREEDY.replace(max_new_tokens=12)))
     body = remote._body(GREEDY.replace(max_new_tokens=12), None, False)
-    assert "Paris" in text and text == llamacpp_own(llamacpp, "/completions",
-                                                    {**body, "prompt": prompt})
+    assert "Paris" in text and text == llamacpp_own(
+        llamacpp, "/completions", {**body, "prompt": prompt}
+    )
     assert last.stats.new_tokens == 12 and last.stats.finish_reason == "length"
     assert last.stats.prompt_tokens == 5  # no usage from this server: its /extras/tokenize
     inspector = Inspector(None, GREEDY)
-    collect(remote.complete_text(prompt, GREEDY.replace(max_new_tokens=4),
-                                 observer=inspector.observe))
+    collect(
+        remote.complete_text(prompt, GREEDY.replace(max_new_tokens=4), observer=inspector.observe)
+    )
     assert len(inspector.steps) == 4 and inspector.steps[0].text == " Paris"
     assert 0 < inspector.steps[0].prob <= 1 and len(inspector.steps[0].candidates) == 5
 

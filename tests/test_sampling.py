@@ -2,14 +2,24 @@
 
 import pytest
 import torch
-from transformers.generation.logits_process import (MinPLogitsWarper,
-                                                    RepetitionPenaltyLogitsProcessor,
-                                                    TemperatureLogitsWarper, TopKLogitsWarper,
-                                                    TopPLogitsWarper)
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from miniserve.core.config import SamplingParams
-from miniserve.engine.sampling import (apply_repetition_penalty, apply_temperature, make_generator,
-                                min_p_filter, sample, top_k_filter, top_p_filter)
+from miniserve.engine.sampling import (
+    apply_repetition_penalty,
+    apply_temperature,
+    make_generator,
+    min_p_filter,
+    sample,
+    top_k_filter,
+    top_p_filter,
+)
 
 VOCAB = 1000
 
@@ -98,8 +108,10 @@ def test_matches_transformers_warpers(logits, case):
         "top_k": (top_k_filter(logits, 40), TopKLogitsWarper(40)(ids, logits)),
         "top_p": (top_p_filter(logits, 0.9), TopPLogitsWarper(0.9)(ids, logits)),
         "min_p": (min_p_filter(logits, 0.1), MinPLogitsWarper(0.1)(ids, logits)),
-        "repetition": (apply_repetition_penalty(logits, ids, 1.3),
-                       RepetitionPenaltyLogitsProcessor(1.3)(ids, logits)),
+        "repetition": (
+            apply_repetition_penalty(logits, ids, 1.3),
+            RepetitionPenaltyLogitsProcessor(1.3)(ids, logits),
+        ),
     }[case]
     # The same tokens kept: exact where no token lies within rounding of a cut-off (our top-p
     # and min-p compute their masses in another order than transformers, and softmax rounds
@@ -117,8 +129,9 @@ def test_greedy_is_argmax_and_ignores_the_generator(logits):
 def test_seeded_sampling_is_reproducible_and_seeds_differ(logits):
     params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0)
     flat = torch.zeros(1, VOCAB)  # uniform: any difference in the stream shows
-    draws = lambda seed: [int(sample(flat, params, generator=g)) for g in [make_generator(seed)]
-                          for _ in range(20)]
+    draws = lambda seed: [
+        int(sample(flat, params, generator=g)) for g in [make_generator(seed)] for _ in range(20)
+    ]
     assert draws(1) == draws(1)
     assert draws(1) != draws(2)
 
@@ -156,6 +169,7 @@ def test_a_tiny_positive_temperature_is_the_argmax_not_nan():
     """A temperature far below any useful one (an API fuzzer sent 2.6e-201) would divide the
     logits past float32's range; it gives the argmax with all the mass, not a server error."""
     from miniserve.engine.sampling import apply_temperature
+
     logits = torch.tensor([[1.0, 3.0, 2.5, float("-inf")]])
     for t in (2.6e-201, 1e-40, 1e-31):
         probs = torch.softmax(apply_temperature(logits, t), dim=-1)

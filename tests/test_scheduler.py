@@ -14,22 +14,37 @@ from miniserve.engine.decode import generate
 from miniserve.engine.engine import Engine, EngineBusy, RequestTooLarge
 from reference import HELD_OUT
 
-QUESTIONS = ["Name a bird.", "What is 2 + 2?", "Say hello in French.", "Name a color.",
-             "What is the capital of Italy?", "Write a haiku about rain.", "Name a planet.",
-             "Give me a word that rhymes with cat."]
+QUESTIONS = [
+    "Name a bird.",
+    "What is 2 + 2?",
+    "Say hello in French.",
+    "Name a color.",
+    "What is the capital of Italy?",
+    "Write a haiku about rain.",
+    "Name a planet.",
+    "Give me a word that rhymes with cat.",
+]
 
 
 def settings(n, new_tokens=24):
     """Greedy and seeded sampling, alternating."""
-    return [SamplingParams(temperature=0, max_new_tokens=new_tokens) if i % 2 == 0 else
-            SamplingParams(temperature=0.9, top_p=0.95, seed=1000 + i, max_new_tokens=new_tokens)
-            for i in range(n)]
+    return [
+        SamplingParams(temperature=0, max_new_tokens=new_tokens)
+        if i % 2 == 0
+        else SamplingParams(temperature=0.9, top_p=0.95, seed=1000 + i, max_new_tokens=new_tokens)
+        for i in range(n)
+    ]
 
 
 def alone(engine, ids, params):
     """The reference: the one-sequence loop, on the engine's runner and thread."""
-    return engine.run_on_worker(lambda: list(generate(
-        engine.runner, ids, params, eos_ids=engine.eos_ids, max_length=engine.context_length)))
+    return engine.run_on_worker(
+        lambda: list(
+            generate(
+                engine.runner, ids, params, eos_ids=engine.eos_ids, max_length=engine.context_length
+            )
+        )
+    )
 
 
 def together(engine, prompts, params, **kwargs):
@@ -77,7 +92,8 @@ def test_a_prompt_read_in_chunks_beside_other_streams_gets_the_same_tokens(reque
     blocks as stored)."""
     engine = Engine(request.getfixturevalue(which), step_tokens=24)
     prompts = [chat_ids(engine.tokenizer, HELD_OUT + " Summarize this.")] + [
-        chat_ids(engine.tokenizer, q) for q in QUESTIONS[:3]]
+        chat_ids(engine.tokenizer, q) for q in QUESTIONS[:3]
+    ]
     params = settings(4, new_tokens=16)
     got = together(engine, prompts, params)
     for ids, p, (tokens, _) in zip(prompts, params, got):
@@ -94,8 +110,10 @@ def test_a_reused_prefix_gives_the_tokens_of_a_fresh_prompt(request, which):
     params = SamplingParams(temperature=0, max_new_tokens=12)
     messages = [{"role": "user", "content": "Name three rivers."}]
     first, _ = engine.chat_text(messages, params)
-    messages += [{"role": "assistant", "content": first},
-                 {"role": "user", "content": "Which is the longest?"}]
+    messages += [
+        {"role": "assistant", "content": first},
+        {"role": "user", "content": "Which is the longest?"},
+    ]
     ids = engine.chat_prompt(messages, params)
     chunks = list(engine.complete(ids, params))
     assert 0 < chunks[-1].stats.reused_tokens < len(ids)
@@ -174,8 +192,7 @@ def test_a_waiting_request_keeps_the_prefix_cache_it_cannot_use(loaded):
     assert running + len(third) + kept + 40 > engine.scheduler.kv_budget
     long_run = engine.complete(second, params.replace(max_new_tokens=200), reuse_prefix=False)
     next(long_run)  # running: it holds the rest of the budget
-    waiting = engine.complete(third, params.replace(max_new_tokens=kept + 40),
-                              reuse_prefix=False)
+    waiting = engine.complete(third, params.replace(max_new_tokens=kept + 40), reuse_prefix=False)
     assert engine.run_on_worker(lambda: len(engine.scheduler.waiting)) == 1
     assert len(engine.prefix_cache.entries) == 1  # not given up in vain
     list(long_run)
@@ -188,8 +205,7 @@ def test_bad_token_ids_and_a_dropped_stream(engine):
     params = SamplingParams(temperature=0, max_new_tokens=40)
     with pytest.raises(ValueError, match="token id 999999 is out of range"):
         engine.complete([1, 2, 999999], params)
-    stream = engine.complete(chat_ids(engine.tokenizer, QUESTIONS[3]), params,
-                             reuse_prefix=False)
+    stream = engine.complete(chat_ids(engine.tokenizer, QUESTIONS[3]), params, reuse_prefix=False)
     cancel = stream.cancel
     del stream  # never read: dropping it cancels the request
     assert cancel.is_set()

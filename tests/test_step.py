@@ -36,14 +36,22 @@ def counting(engine, monkeypatch):
         def wrapped(*args, real=real, **kwargs):
             calls["n"] += 1
             return real(*args, **kwargs)
+
         monkeypatch.setattr(engine.runner, name, wrapped)
     return calls
 
 
 def test_chart_numbers_are_sampling_stages_on_the_same_logits(engine):
-    params = SamplingParams(temperature=0.8, top_k=30, top_p=0.9, min_p=0.02,
-                            repetition_penalty=1.3, seed=5, max_new_tokens=16,
-                            logit_bias=((13, 2.0), (198, -100)))
+    params = SamplingParams(
+        temperature=0.8,
+        top_k=30,
+        top_p=0.9,
+        min_p=0.02,
+        repetition_penalty=1.3,
+        seed=5,
+        max_new_tokens=16,
+        logit_bias=((13, 2.0), (198, -100)),
+    )
     s = session(engine, params)
     for _ in s.run(4):
         pass
@@ -51,8 +59,14 @@ def test_chart_numbers_are_sampling_stages_on_the_same_logits(engine):
     logits = s.positions[-1].logits[0]
     run = list(stages(logits, params, torch.tensor(s.ids), None))
     assert view.stages == ["raw", *[name for name, _ in run], "final"]
-    assert view.stages[1:-1] == ["logit bias", "repetition penalty", "temperature", "top-k",
-                                 "top-p", "min-p"]
+    assert view.stages[1:-1] == [
+        "logit bias",
+        "repetition penalty",
+        "temperature",
+        "top-k",
+        "top-p",
+        "min-p",
+    ]
     dists = [logits.softmax(-1)] + [x.softmax(-1) for _, x in run]
     dists.append(dists[-1])
     assert len(view.rows) >= 20
@@ -139,8 +153,11 @@ def test_back_restores_the_same_logits_candidates_and_draw(engine, presets):
 
 
 def test_back_rolls_the_grammar_back(engine):
-    params = SamplingParams(temperature=0, max_new_tokens=20,
-                            constraint=Constraint("choice", '["yes please", "no thanks"]'))
+    params = SamplingParams(
+        temperature=0,
+        max_new_tokens=20,
+        constraint=Constraint("choice", '["yes please", "no thanks"]'),
+    )
     s = session(engine, params)
     for _ in s.run():
         pass
@@ -165,10 +182,11 @@ def test_hand_pick_continues_as_a_prompt_ending_in_that_token(engine):
     for _ in s.run(6):
         pass
     after = s.tokens[3:]
-    prefix = s.ids[:s.prompt_len + 3]
-    alone = [t for c in engine.complete(prefix, params.replace(max_new_tokens=6))
-             for t in c.token_ids]
-    assert after == alone[:len(after)] and len(after) == 6
+    prefix = s.ids[: s.prompt_len + 3]
+    alone = [
+        t for c in engine.complete(prefix, params.replace(max_new_tokens=6)) for t in c.token_ids
+    ]
+    assert after == alone[: len(after)] and len(after) == 6
     s.release()
 
 
@@ -178,13 +196,22 @@ def test_new_settings_rerun_the_stages_without_a_forward_pass(engine, monkeypatc
     s.step()
     assert calls["n"] >= 2  # the prompt, then the new token
     before, passes = s.view(), calls["n"]
-    for params in (SamplingParams(temperature=1.5, top_k=40, seed=1, max_new_tokens=16),
-                   SamplingParams(temperature=0.3, top_k=5, top_p=0.5, seed=1,
-                                  max_new_tokens=16),
-                   SamplingParams(temperature=0.3, seed=1, max_new_tokens=16,
-                                  logit_bias=((before.rows[0].token_id, -100),)),
-                   SamplingParams(temperature=0.3, seed=1, max_new_tokens=16,
-                                  constraint=Constraint("regex", re.escape(s.text()) + "[0-9]+"))):
+    for params in (
+        SamplingParams(temperature=1.5, top_k=40, seed=1, max_new_tokens=16),
+        SamplingParams(temperature=0.3, top_k=5, top_p=0.5, seed=1, max_new_tokens=16),
+        SamplingParams(
+            temperature=0.3,
+            seed=1,
+            max_new_tokens=16,
+            logit_bias=((before.rows[0].token_id, -100),),
+        ),
+        SamplingParams(
+            temperature=0.3,
+            seed=1,
+            max_new_tokens=16,
+            constraint=Constraint("regex", re.escape(s.text()) + "[0-9]+"),
+        ),
+    ):
         s.update(params)
         after = s.view()
         assert after.rows != before.rows
@@ -196,8 +223,7 @@ def test_a_step_shares_the_pass_with_a_running_reply(engine):
     params = SamplingParams(temperature=0, max_new_tokens=200)
     s = session(engine, SamplingParams(temperature=0, max_new_tokens=8))
     s.step()
-    stream = engine.chat([{"role": "user", "content": "Tell a long story about a ship."}],
-                         params)
+    stream = engine.chat([{"role": "user", "content": "Tell a long story about a ship."}], params)
     next(iter(stream))  # the reply is running
     cost = s.step()
     stream.close()
@@ -234,15 +260,25 @@ def test_idle_session_is_released_and_says_so(engine):
 
 def test_bad_input_is_one_specific_line(engine):
     tok = engine.tokenizer
-    s = session(engine, SamplingParams(temperature=0.7, seed=1, max_new_tokens=8,
-                                       logit_bias=((tok.convert_tokens_to_ids("The"), -100),)))
+    s = session(
+        engine,
+        SamplingParams(
+            temperature=0.7,
+            seed=1,
+            max_new_tokens=8,
+            logit_bias=((tok.convert_tokens_to_ids("The"), -100),),
+        ),
+    )
     with pytest.raises(StepError, match="no token was taken yet"):
         s.back()
     with pytest.raises(StepError, match="Step once first"):
         s.pick_candidate(1)
     s.step()
-    with pytest.raises(StepError, match=r"'hello world' is not one token: it splits into 2: "
-                                        r"'hello' \(\d+\), ' world' \(\d+\)"):
+    with pytest.raises(
+        StepError,
+        match=r"'hello world' is not one token: it splits into 2: "
+        r"'hello' \(\d+\), ' world' \(\d+\)",
+    ):
         s.token_for_text("hello world")
     with pytest.raises(StepError, match="type the text of a token"):
         s.token_for_text("")
@@ -256,23 +292,32 @@ def test_bad_input_is_one_specific_line(engine):
     with pytest.raises(StepError, match="there is no token 6 to go back before"):
         s.back_to(5)
     s.step(tok.convert_tokens_to_ids("<|im_end|>"))  # an end token, by hand
-    with pytest.raises(StepError, match="the text is finished: the model wrote its end token "
-                                        "'<|im_end|>'"):
+    with pytest.raises(
+        StepError, match="the text is finished: the model wrote its end token '<|im_end|>'"
+    ):
         s.step()
     s.release()
-    grammar = session(engine, SamplingParams(temperature=0, max_new_tokens=8,
-                                             constraint=Constraint("choice", '["yes", "no"]')))
+    grammar = session(
+        engine,
+        SamplingParams(
+            temperature=0, max_new_tokens=8, constraint=Constraint("choice", '["yes", "no"]')
+        ),
+    )
     grammar.step()
-    with pytest.raises(StepError, match="' cat' cannot be taken: the output format does not "
-                                        "allow it here"):
+    with pytest.raises(
+        StepError, match="' cat' cannot be taken: the output format does not allow it here"
+    ):
         grammar.step(s.token_for_text(" cat"))
     grammar.release()
     free = session(engine, SamplingParams(temperature=0, max_new_tokens=8))
     for _ in free.run(3):
         pass
     with pytest.raises(StepError, match="does not fit that output format at token 1"):
-        free.update(SamplingParams(temperature=0, max_new_tokens=8,
-                                   constraint=Constraint("regex", "[0-9]+")))
+        free.update(
+            SamplingParams(
+                temperature=0, max_new_tokens=8, constraint=Constraint("regex", "[0-9]+")
+            )
+        )
     free.release()
     with pytest.raises(StepError, match="the prompt is empty"):
         StepSession(engine, [], SamplingParams())
@@ -283,22 +328,37 @@ def test_a_remote_model_says_what_it_cannot_show():
 
     class Remote:  # only what the check reads: the session never talks to the server
         capabilities, name = REMOTE, "far"
-    with pytest.raises(StepError, match="model 'far' runs on a remote server: its logits "
-                                        "never reach this app"):
+
+    with pytest.raises(
+        StepError, match="model 'far' runs on a remote server: its logits never reach this app"
+    ):
         StepSession(Remote(), [1, 2], SamplingParams())
 
 
 # -- the Step tab's handlers, called as Gradio calls them (no browser) ------------------------
 
+
 def gr_update():
     import gradio as gr
+
     return gr.update()
 
 
-def tab_settings(presets, preset="balanced", temperature=None, seed=4, bias="", fmt="Free text",
-                 fmt_text="", top=20, prompt="Write one sentence about a cat.", mode=None):
+def tab_settings(
+    presets,
+    preset="balanced",
+    temperature=None,
+    seed=4,
+    bias="",
+    fmt="Free text",
+    fmt_text="",
+    top=20,
+    prompt="Write one sentence about a cat.",
+    mode=None,
+):
     from miniserve.core.config import FIELDS
     from miniserve.ui.step_tab import CHAT
+
     values = [getattr(presets[preset], k) for k in FIELDS]
     if temperature is not None:
         values[0] = temperature
@@ -307,6 +367,7 @@ def tab_settings(presets, preset="balanced", temperature=None, seed=4, bias="", 
 
 def test_tab_steps_restages_picks_and_goes_back(engine, presets, monkeypatch):
     from miniserve.ui.step_tab import StepHandlers
+
     tab = StepHandlers(engine, presets)
     settings = tab_settings(presets)
     for _ in range(3):
@@ -316,11 +377,16 @@ def test_tab_steps_restages_picks_and_goes_back(engine, presets, monkeypatch):
     assert "shared the pass with" in costs and "<polyline" in costs
     held = tab._get(None)
     view = held.session.view()
-    bars = re.findall(r'<g data-token="(\d+)">(?:(?!</g>).)*?data-stage="final" '
-                      r'data-p="([0-9.]+)"', chart)
+    bars = re.findall(
+        r'<g data-token="(\d+)">(?:(?!</g>).)*?data-stage="final" '
+        r'data-p="([0-9.]+)"',
+        chart,
+    )
     assert [(int(t), float(p)) for t, p in bars] == [
-        (r.token_id, pytest.approx(r.probs[-1], abs=1e-6)) for r in view.rows
-        if r.removed_by is None]
+        (r.token_id, pytest.approx(r.probs[-1], abs=1e-6))
+        for r in view.rows
+        if r.removed_by is None
+    ]
     calls = counting(engine, monkeypatch)
     _, hotter, _, _ = tab.restage(*tab_settings(presets, temperature=1.6))
     assert hotter != chart and calls["n"] == 0
@@ -361,10 +427,12 @@ def test_tab_steps_restages_picks_and_goes_back(engine, presets, monkeypatch):
 
 # -- python -m miniserve step -----------------------------------------------------------------
 
+
 def test_cli_loop_steps_picks_goes_back_and_sets(engine, presets):
     import io
 
     from miniserve.cli.step import StepLoop
+
     params = presets["balanced"].replace(seed=1, max_new_tokens=20)
     s = session(engine, params)
     out = io.StringIO()
@@ -373,9 +441,19 @@ def test_cli_loop_steps_picks_goes_back_and_sets(engine, presets):
     text = out.getvalue()
     tables = text.split("    #  token")
     assert len(tables) == 6  # two steps, a pick, a new temperature, a step back
-    head = text[text.index("    #  token"):].splitlines()[0].split()
-    assert head == ["#", "token", "raw", "rep.pen", "temp", "top-k", "top-p", "min-p",
-                    "final", "above"]
+    head = text[text.index("    #  token") :].splitlines()[0].split()
+    assert head == [
+        "#",
+        "token",
+        "raw",
+        "rep.pen",
+        "temp",
+        "top-k",
+        "top-p",
+        "min-p",
+        "final",
+        "above",
+    ]
     assert re.search(r"\n[^\n\[]*\[[^\]\n]+\]\n\[forward", text)  # the pick, bracketed
     assert "error: 'hello world' is not one token: it splits into 2" in text
     assert "unknown input 'zz'" in text
@@ -388,17 +466,31 @@ def test_cli_bad_flags_are_one_line():
     import subprocess
     import sys
     from pathlib import Path
+
     root = Path(__file__).resolve().parent.parent
-    done = subprocess.run([sys.executable, "-m", "miniserve", "step", "--top", "0"], cwd=root,
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2 and done.stderr.strip() == "error: --top must be from 1 to 200, got 0"
-    done = subprocess.run([sys.executable, "-m", "miniserve", "step", "--temperature", "9"],
-                          cwd=root, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "miniserve", "step", "--top", "0"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (
+        done.returncode == 2 and done.stderr.strip() == "error: --top must be from 1 to 200, got 0"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "miniserve", "step", "--temperature", "9"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2 and "'temperature' must be in [0, 2], got 9" in done.stderr
 
 
 def test_tab_bad_input_is_one_line_on_the_status(engine, presets):
     from miniserve.ui.step_tab import RAW, StepHandlers
+
     tab = StepHandlers(engine, presets)
     *_, status = tab.back(*tab_settings(presets))
     assert status == "**Error:** press Step first: there is no text to act on yet"
@@ -413,8 +505,9 @@ def test_tab_bad_input_is_one_line_on_the_status(engine, presets):
     assert tab.act("nonsense", *tab_settings(presets))[3] == gr_update()
     # completion mode shows the prompt's text before the chips
     text, *_ = tab.step(*tab_settings(presets, mode=RAW, prompt="The capital of France is"))
-    assert '<span class="ms-step-prompt">The capital of France is</span><span class="ms-chip"' \
-        in text
+    assert (
+        '<span class="ms-step-prompt">The capital of France is</span><span class="ms-chip"' in text
+    )
     tab.reset()
 
 
@@ -422,6 +515,7 @@ def test_tab_run_to_the_end_stops_on_stop(engine, presets):
     import time
 
     from miniserve.ui.step_tab import StepHandlers
+
     tab = StepHandlers(engine, presets)
     settings = tab_settings(presets, preset="creative")
     settings[7] = 4096  # max new tokens: it would run for minutes
@@ -429,8 +523,9 @@ def test_tab_run_to_the_end_stops_on_stop(engine, presets):
     runner = threading.Thread(target=lambda: outputs.extend(tab.run_to_end(*settings)))
     runner.start()
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and (tab._get(None) is None or
-                                           len(tab._get(None).session.tokens) < 3):
+    while time.monotonic() < deadline and (
+        tab._get(None) is None or len(tab._get(None).session.tokens) < 3
+    ):
         time.sleep(0.01)
     tab.stop()
     runner.join(60)

@@ -15,8 +15,16 @@ import pytest
 
 from miniserve.core import config
 from miniserve.store.records import TITLE_CHARS
-from miniserve.store.store import (MIGRATIONS, SCHEMA_VERSION, BadImport, Branch, NotFound, Store,
-                                   StoreError, open_store)
+from miniserve.store.store import (
+    MIGRATIONS,
+    SCHEMA_VERSION,
+    BadImport,
+    Branch,
+    NotFound,
+    Store,
+    StoreError,
+    open_store,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 A, B = "alice", "bob"
@@ -52,8 +60,10 @@ def raw_rows(file):
     """Every row of every table, read through a connection of its own."""
     db = sqlite3.connect(file)
     try:
-        return {t: sorted(map(tuple, db.execute(f"SELECT * FROM {t}").fetchall()), key=repr)
-                for t in ("meta", "conversations", "messages", "search")}
+        return {
+            t: sorted(map(tuple, db.execute(f"SELECT * FROM {t}").fetchall()), key=repr)
+            for t in ("meta", "conversations", "messages", "search")
+        }
     finally:
         db.close()
 
@@ -77,20 +87,32 @@ def test_migration_from_the_first_version_keeps_and_indexes_old_conversations(tm
     db = sqlite3.connect(path)
     db.executescript(MIGRATIONS[0])
     db.execute("PRAGMA user_version = 1")
-    db.execute("INSERT INTO conversations (id, owner, title, system, created, updated, leaf) "
-               "VALUES ('old1', ?, 'Ancient voyages', 'Be brief.', 1000.0, 2000.0, 'm4')", (A,))
-    db.execute("INSERT INTO conversations (id, owner, title, created, updated, leaf) "
-               "VALUES ('old2', ?, 'Bobs notes', 1000.0, 1500.0, 'b1')", (B,))
-    old = [("m1", None, "user", "Tell me about the narwhal"),
-           ("m2", "m1", "assistant", "The narwhal has a spiral tusk"),
-           ("m3", "m2", "user", "And the walrus?"),
-           ("m4", "m3", "assistant", "Walruses have whiskers")]
+    db.execute(
+        "INSERT INTO conversations (id, owner, title, system, created, updated, leaf) "
+        "VALUES ('old1', ?, 'Ancient voyages', 'Be brief.', 1000.0, 2000.0, 'm4')",
+        (A,),
+    )
+    db.execute(
+        "INSERT INTO conversations (id, owner, title, created, updated, leaf) "
+        "VALUES ('old2', ?, 'Bobs notes', 1000.0, 1500.0, 'b1')",
+        (B,),
+    )
+    old = [
+        ("m1", None, "user", "Tell me about the narwhal"),
+        ("m2", "m1", "assistant", "The narwhal has a spiral tusk"),
+        ("m3", "m2", "user", "And the walrus?"),
+        ("m4", "m3", "assistant", "Walruses have whiskers"),
+    ]
     for i, (mid, parent, role, content) in enumerate(old):
-        db.execute("INSERT INTO messages (id, conversation_id, parent_id, role, content, "
-                   "created) VALUES (?, 'old1', ?, ?, ?, ?)", (mid, parent, role, content,
-                                                               1000.0 + i))
-    db.execute("INSERT INTO messages (id, conversation_id, parent_id, role, content, created) "
-               "VALUES ('b1', 'old2', NULL, 'user', 'narwhal shopping list', 1000.0)")
+        db.execute(
+            "INSERT INTO messages (id, conversation_id, parent_id, role, content, "
+            "created) VALUES (?, 'old1', ?, ?, ?, ?)",
+            (mid, parent, role, content, 1000.0 + i),
+        )
+    db.execute(
+        "INSERT INTO messages (id, conversation_id, parent_id, role, content, created) "
+        "VALUES ('b1', 'old2', NULL, 'user', 'narwhal shopping list', 1000.0)"
+    )
     db.commit()
     db.close()
 
@@ -98,8 +120,12 @@ def test_migration_from_the_first_version_keeps_and_indexes_old_conversations(tm
     assert s.notice is None and not s.in_memory
     assert s.version == SCHEMA_VERSION
     conv = s.get(A, "old1")
-    assert (conv.title, conv.system, conv.leaf, conv.messages) == \
-        ("Ancient voyages", "Be brief.", "m4", 4)
+    assert (conv.title, conv.system, conv.leaf, conv.messages) == (
+        "Ancient voyages",
+        "Be brief.",
+        "m4",
+        4,
+    )
     path_ = s.path(A, "old1")
     assert [(m.id, m.parent_id, m.role, m.content) for m in path_] == old
     assert all(m.status == "complete" and m.settings == {} and m.stats == {} for m in path_)
@@ -144,8 +170,9 @@ def test_a_newer_schema_is_not_opened_but_kept_aside(tmp_path):
 
 # -- owners ------------------------------------------------------------------------------
 def test_another_owners_conversation_reads_as_missing_everywhere(store):
-    cid, (u1, a1, u2, a2) = chat(store, A, "secret plans", "ok", "more secret", "fine",
-                                 system="private system")
+    cid, (u1, a1, u2, a2) = chat(
+        store, A, "secret plans", "ok", "more secret", "fine", system="private system"
+    )
     store.add(A, cid, u1.id, "assistant", "regenerated")
     store.set_leaf(A, cid, a2.id)
     before = store.export(A, cid)
@@ -285,8 +312,9 @@ def test_text_is_cleaned_of_control_characters(store):
 
 # -- undo ----------------------------------------------------------------------------------
 def test_undo_turn_removes_the_last_turn_and_gives_back_the_text(store):
-    cid, (u1, a1, u2, a2) = chat(store, A, "first question", "first answer",
-                                 "zebra question", "zebra answer")
+    cid, (u1, a1, u2, a2) = chat(
+        store, A, "first question", "first answer", "zebra question", "zebra answer"
+    )
     assert store.undo_turn(A, cid) == (a1.id, "zebra question")
     assert texts(store.path(A, cid)) == ["first question", "first answer"]
     assert store.get(A, cid).leaf == a1.id and store.get(A, cid).messages == 2
@@ -340,7 +368,7 @@ def test_titles_come_from_the_first_user_message(store):
     cid2, _ = chat(store, A, long)
     title = store.get(A, cid2).title
     assert len(title) <= TITLE_CHARS and title.endswith("…")
-    assert title == long.strip()[:TITLE_CHARS - 1].rstrip() + "…"
+    assert title == long.strip()[: TITLE_CHARS - 1].rstrip() + "…"
     exact = "x" * TITLE_CHARS
     cid3, _ = chat(store, A, exact)
     assert store.get(A, cid3).title == exact
@@ -388,19 +416,59 @@ def test_search_words_prefixes_and_all_words(store):
     assert ids(store.conversations(A, "penguins")) == [c1, c2]
 
 
-@pytest.mark.parametrize("query", [
-    '"', '""', '"narwhal', 'narwhal"', "AND", "OR", "NOT", "narwhal AND", "AND narwhal",
-    "narwhal OR penguin", "NOT narwhal", "*", "narw*", "(", ")", "(narwhal", "NEAR(",
-    "NEAR(narwhal tusk, 2)", "text:narwhal", "-narwhal", "^narwhal", "{text}: x", "+", "'",
-    "\\", "%", "_", "a_b", "narwhal;DROP TABLE messages;--", "\x00", "\u0301", "🦄",
-    '"narwhal" (tusk)', "narwhal: tusk*",
-])
+@pytest.mark.parametrize(
+    "query",
+    [
+        '"',
+        '""',
+        '"narwhal',
+        'narwhal"',
+        "AND",
+        "OR",
+        "NOT",
+        "narwhal AND",
+        "AND narwhal",
+        "narwhal OR penguin",
+        "NOT narwhal",
+        "*",
+        "narw*",
+        "(",
+        ")",
+        "(narwhal",
+        "NEAR(",
+        "NEAR(narwhal tusk, 2)",
+        "text:narwhal",
+        "-narwhal",
+        "^narwhal",
+        "{text}: x",
+        "+",
+        "'",
+        "\\",
+        "%",
+        "_",
+        "a_b",
+        "narwhal;DROP TABLE messages;--",
+        "\x00",
+        "\u0301",
+        "🦄",
+        '"narwhal" (tusk)',
+        "narwhal: tusk*",
+    ],
+)
 def test_search_never_raises_on_query_syntax(store, query):
     c1, _ = chat(store, A, "The narwhal has a tusk")
     found = ids(store.conversations(A, query))
     assert found in ([], [c1])
-    if query in ('"narwhal', 'narwhal"', "(narwhal", "-narwhal", "^narwhal", "narw*",
-                 '"narwhal" (tusk)', "narwhal: tusk*"):
+    if query in (
+        '"narwhal',
+        'narwhal"',
+        "(narwhal",
+        "-narwhal",
+        "^narwhal",
+        "narw*",
+        '"narwhal" (tusk)',
+        "narwhal: tusk*",
+    ):
         assert found == [c1]  # the words are searched for, the syntax ignored
     if query in ("narwhal AND", "NEAR(narwhal tusk, 2)", "text:narwhal", "NOT narwhal"):
         assert found == []  # "and", "near", "text", "not" are words like any other
@@ -415,8 +483,16 @@ def branched(store, owner=A):
     settings = {"temperature": 0.7, "top_k": 50, "top_p": 0.95, "seed": 1234}
     stats = {"tokens": 42, "tokens_per_s": 17.25, "ttft_s": 0.031}
     a1 = store.add(owner, cid, u1.id, "assistant", "Hi 👋", settings=settings, stats=stats)
-    a1b = store.add(owner, cid, u1.id, "assistant", "Hello th", status="stopped",
-                    settings={**settings, "temperature": 1.3}, stats={"tokens": 3})
+    a1b = store.add(
+        owner,
+        cid,
+        u1.id,
+        "assistant",
+        "Hello th",
+        status="stopped",
+        settings={**settings, "temperature": 1.3},
+        stats={"tokens": 3},
+    )
     u2 = store.add(owner, cid, a1.id, "user", "Go on")
     store.add(owner, cid, u2.id, "assistant", "Done.", settings=settings, stats=stats)
     store.set_leaf(owner, cid, a1b.id)  # the open branch is not the last message
@@ -427,8 +503,7 @@ def test_export_import_export_is_exact(store):
     cid = branched(store)
     first = store.export(A, cid)
     assert first["format"] == "miniserve.conversation" and first["version"] == 1
-    assert first["current"] == 2 and [m["parent"] for m in first["messages"]] == \
-        [None, 0, 0, 1, 3]
+    assert first["current"] == 2 and [m["parent"] for m in first["messages"]] == [None, 0, 0, 1, 3]
     assert first["messages"][2]["status"] == "stopped"
     assert first["messages"][1]["stats"]["tokens_per_s"] == 17.25
     for data in (first, json.dumps(first), json.dumps(first, ensure_ascii=False).encode()):
@@ -440,8 +515,10 @@ def test_export_import_export_is_exact(store):
     assert store.export(B, theirs) == first and ids(store.conversations(B)) == [theirs]
     assert store.export(A, cid) == first
     imported = store.get(B, theirs)
-    assert texts(store.path(B, theirs)) == ["Héllo 🦄 wörld\nsecond line\twith a tab — 日本語",
-                                             "Hello th"]
+    assert texts(store.path(B, theirs)) == [
+        "Héllo 🦄 wörld\nsecond line\twith a tab — 日本語",
+        "Hello th",
+    ]
     assert imported.messages == 5
     assert ids(store.conversations(B, "wörld")) == [theirs]  # indexed for search
 
@@ -453,8 +530,9 @@ def test_export_all_imports_every_conversation(tmp_path, store):
     chat(store, B, "not alice's")
     everything = store.export_all(A)
     assert everything["format"] == "miniserve.conversations" and everything["version"] == 1
-    assert [c["title"] for c in everything["conversations"]] == \
-        [store.get(A, c).title for c in (c1, c2, c3)]  # oldest first
+    assert [c["title"] for c in everything["conversations"]] == [
+        store.get(A, c).title for c in (c1, c2, c3)
+    ]  # oldest first
     other = Store(tmp_path / "other.sqlite3")
     new = other.import_(A, json.dumps(everything).encode())
     assert len(new) == 3
@@ -476,31 +554,43 @@ def test_markdown_and_openai_exports_give_the_open_branch(store):
     assert store.export_openai(A, cid) == [
         {"role": "system", "content": "You are terse. Ünïcödé ✓"},
         {"role": "user", "content": "Héllo 🦄 wörld\nsecond line\twith a tab — 日本語"},
-        {"role": "assistant", "content": "Hello th"}]
+        {"role": "assistant", "content": "Hello th"},
+    ]
     leaf = store.switch(A, store.path(A, cid)[-1].id, 1)
     assert [m["content"] for m in store.export_openai(A, cid)][2:] == ["Hi 👋", "Go on", "Done."]
     assert store.export_openai(A, cid, leaf) == store.export_openai(A, cid)
-    assert "Go on" in store.export_markdown(A, cid) and "Hello th" not in \
-        store.export_markdown(A, cid)
+    assert "Go on" in store.export_markdown(A, cid) and "Hello th" not in store.export_markdown(
+        A, cid
+    )
     plain, _ = chat(store, A, "no system here", "right")
-    assert store.export_openai(A, plain) == [{"role": "user", "content": "no system here"},
-                                             {"role": "assistant", "content": "right"}]
+    assert store.export_openai(A, plain) == [
+        {"role": "user", "content": "no system here"},
+        {"role": "assistant", "content": "right"},
+    ]
     assert "System" not in store.export_markdown(A, plain)
 
 
 def test_openai_messages_import(store):
     messages = [
         {"role": "system", "content": "Speak like a pirate."},
-        {"role": "user", "content": [{"type": "text", "text": "Where is "},
-                                     {"type": "image_url", "image_url": {"url": "x"}},
-                                     {"type": "text", "text": "the treasure?"}]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "Where is "},
+                {"type": "image_url", "image_url": {"url": "x"}},
+                {"type": "text", "text": "the treasure?"},
+            ],
+        },
         {"role": "assistant", "content": "Arr, buried."},
         {"role": "user", "content": "Dig!"},
     ]
     (cid,) = store.import_(A, messages)
     conv = store.get(A, cid)
-    assert (conv.title, conv.system, conv.messages) == \
-        ("Where is the treasure?", "Speak like a pirate.", 3)
+    assert (conv.title, conv.system, conv.messages) == (
+        "Where is the treasure?",
+        "Speak like a pirate.",
+        3,
+    )
     assert texts(store.path(A, cid)) == ["Where is the treasure?", "Arr, buried.", "Dig!"]
     assert store.export_openai(A, cid)[0] == {"role": "system", "content": "Speak like a pirate."}
     (cid2,) = store.import_(A, json.dumps({"messages": messages[1:3]}))
@@ -510,12 +600,19 @@ def test_openai_messages_import(store):
 
 
 def _bad_cases():
-    good = {"format": "miniserve.conversation", "version": 1, "title": "T", "system": "",
-            "created": 1.0, "updated": 2.0, "current": 1,
-            "messages": [{"id": 0, "parent": None, "role": "user", "content": "q",
-                          "created": 1.0},
-                         {"id": 1, "parent": 0, "role": "assistant", "content": "a",
-                          "created": 1.5}]}
+    good = {
+        "format": "miniserve.conversation",
+        "version": 1,
+        "title": "T",
+        "system": "",
+        "created": 1.0,
+        "updated": 2.0,
+        "current": 1,
+        "messages": [
+            {"id": 0, "parent": None, "role": "user", "content": "q", "created": 1.0},
+            {"id": 1, "parent": 0, "role": "assistant", "content": "a", "created": 1.5},
+        ],
+    }
 
     def changed(edit):
         data = json.loads(json.dumps(good))
@@ -523,58 +620,100 @@ def _bad_cases():
         return data
 
     def two(data):
-        return {"format": "miniserve.conversations", "version": 1,
-                "conversations": [good, data]}
+        return {"format": "miniserve.conversations", "version": 1, "conversations": [good, data]}
 
     return [
         ("not json", b'{"format": "miniserve.conversation", ', ["not JSON", "line 1"]),
         ("not utf-8", b"\xff\xfe\x00{\x00}\x80\x81", ["not text", "UTF-8"]),
-        ("too large", os.urandom(max(10_000_000, config.MAX_IMPORT_BYTES + 1)),
-         ["MB", "at most"]),
+        ("too large", os.urandom(max(10_000_000, config.MAX_IMPORT_BYTES + 1)), ["MB", "at most"]),
         ("a number", b"42", ["object or a list", "int"]),
         ("wrong format", changed(lambda d: d.update(format="chatgpt")), ["'format'", "chatgpt"]),
         ("wrong version", changed(lambda d: d.update(version=2)), ["'version'", "2"]),
-        ("roles out of order", changed(lambda d: d["messages"][1].update(role="user")),
-         ["messages[1].role", "alternate"]),
-        ("assistant first", changed(lambda d: d["messages"][0].update(role="assistant")),
-         ["messages[0].role"]),
-        ("parent forward", changed(lambda d: d["messages"][0].update(parent=1)),
-         ["messages[0].parent", "earlier"]),
-        ("parent is itself", changed(lambda d: d["messages"][1].update(parent=1)),
-         ["messages[1].parent"]),
-        ("parent true", changed(lambda d: d["messages"][1].update(parent=True)),
-         ["messages[1].parent"]),
+        (
+            "roles out of order",
+            changed(lambda d: d["messages"][1].update(role="user")),
+            ["messages[1].role", "alternate"],
+        ),
+        (
+            "assistant first",
+            changed(lambda d: d["messages"][0].update(role="assistant")),
+            ["messages[0].role"],
+        ),
+        (
+            "parent forward",
+            changed(lambda d: d["messages"][0].update(parent=1)),
+            ["messages[0].parent", "earlier"],
+        ),
+        (
+            "parent is itself",
+            changed(lambda d: d["messages"][1].update(parent=1)),
+            ["messages[1].parent"],
+        ),
+        (
+            "parent true",
+            changed(lambda d: d["messages"][1].update(parent=True)),
+            ["messages[1].parent"],
+        ),
         ("bad current", changed(lambda d: d.update(current=7)), ["'current'"]),
         ("current negative", changed(lambda d: d.update(current=-1)), ["'current'"]),
-        ("non-string content", changed(lambda d: d["messages"][1].update(content=5)),
-         ["messages[1].content", "string"]),
-        ("bad status", changed(lambda d: d["messages"][1].update(status="lost")),
-         ["messages[1].status"]),
+        (
+            "non-string content",
+            changed(lambda d: d["messages"][1].update(content=5)),
+            ["messages[1].content", "string"],
+        ),
+        (
+            "bad status",
+            changed(lambda d: d["messages"][1].update(status="lost")),
+            ["messages[1].status"],
+        ),
         ("bad id", changed(lambda d: d["messages"][1].update(id=5)), ["messages[1].id"]),
-        ("settings not object", changed(lambda d: d["messages"][1].update(settings=[1])),
-         ["messages[1].settings"]),
+        (
+            "settings not object",
+            changed(lambda d: d["messages"][1].update(settings=[1])),
+            ["messages[1].settings"],
+        ),
         ("no created", changed(lambda d: d.pop("created")), ["'created'"]),
         ("nan time", changed(lambda d: d.update(updated=float("nan"))), ["'updated'"]),
         ("title not string", changed(lambda d: d.update(title=3)), ["'title'"]),
         ("messages not list", changed(lambda d: d.update(messages={})), ["'messages'"]),
-        ("2nd of all bad", two(changed(lambda d: d["messages"][1].update(content=None))),
-         ["conversations[1].messages[1].content"]),
+        (
+            "2nd of all bad",
+            two(changed(lambda d: d["messages"][1].update(content=None))),
+            ["conversations[1].messages[1].content"],
+        ),
         ("2nd of all not a conversation", two({"format": "x"}), ["conversations[1].format"]),
-        ("all not a list", {"format": "miniserve.conversations", "version": 1,
-                            "conversations": {}}, ["'conversations'"]),
-        ("system not first", [{"role": "user", "content": "hi"},
-                              {"role": "system", "content": "late"}],
-         ["[1].role", "'system'", "first"]),
-        ("openai roles", [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
-         ["messages[1].role", "'assistant'"]),
-        ("openai tool role", [{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}],
-         ["messages[1].role", "'tool'"]),
+        (
+            "all not a list",
+            {"format": "miniserve.conversations", "version": 1, "conversations": {}},
+            ["'conversations'"],
+        ),
+        (
+            "system not first",
+            [{"role": "user", "content": "hi"}, {"role": "system", "content": "late"}],
+            ["[1].role", "'system'", "first"],
+        ),
+        (
+            "openai roles",
+            [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
+            ["messages[1].role", "'assistant'"],
+        ),
+        (
+            "openai tool role",
+            [{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}],
+            ["messages[1].role", "'tool'"],
+        ),
         ("openai no content", [{"role": "user", "content": None}], ["messages[0].content"]),
-        ("openai bad text part", [{"role": "user", "content": [{"type": "text", "text": 5}]}],
-         ["messages[0].content"]),
+        (
+            "openai bad text part",
+            [{"role": "user", "content": [{"type": "text", "text": 5}]}],
+            ["messages[0].content"],
+        ),
         ("openai empty", [], ["non-empty"]),
-        ("openai only system", {"messages": [{"role": "system", "content": "s"}]},
-         ["no user or assistant"]),
+        (
+            "openai only system",
+            {"messages": [{"role": "system", "content": "s"}]},
+            ["no user or assistant"],
+        ),
         ("nested too deep", b"[" * 200_000, ["deep"]),
         ("lone surrogate", '{"messages": "\ud800"}', ["not text"]),
     ]
@@ -601,8 +740,11 @@ def test_open_store_keeps_a_corrupt_file_aside(tmp_path):
     path.write_bytes(garbage)
     s = open_store(path)
     assert not s.in_memory and s.version == SCHEMA_VERSION
-    (aside,) = [p for p in tmp_path.iterdir() if p.name != path.name and "-wal" not in p.name
-                and "-shm" not in p.name]
+    (aside,) = [
+        p
+        for p in tmp_path.iterdir()
+        if p.name != path.name and "-wal" not in p.name and "-shm" not in p.name
+    ]
     assert aside.name.startswith("history.sqlite3.corrupt-")
     assert aside.read_bytes() == garbage
     assert "kept aside" in s.notice and aside.name in s.notice and "\n" not in s.notice
@@ -622,7 +764,7 @@ def test_open_store_keeps_a_damaged_database_aside(tmp_path):
     s.close()
     data = bytearray(path.read_bytes())
     assert len(data) > 40_000
-    data[8192:8192 + 4096] = b"\xa5" * 4096  # damage page 3: quick_check reports it
+    data[8192 : 8192 + 4096] = b"\xa5" * 4096  # damage page 3: quick_check reports it
     path.write_bytes(bytes(data))
     s = open_store(path)
     assert not s.in_memory and "kept aside" in s.notice and "\n" not in s.notice
@@ -708,8 +850,7 @@ def test_a_killed_process_keeps_every_message_it_added(tmp_path):
                 os.kill(os.getpid(), signal.SIGKILL)
         print("not killed", flush=True)
     """)
-    run = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
-                         timeout=60)
+    run = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=60)
     assert run.returncode == -signal.SIGKILL, run.stderr
     cid, *added = run.stdout.split()
     assert len(added) == 25
@@ -744,9 +885,14 @@ def test_delete_restore_and_purge(tmp_path):
     s.delete(B, b1)
     s.delete(A, c1)
     assert c1 not in ids(s.conversations(A)) and s.conversations(A, "apples") == []
-    for attempt in (lambda: s.get(A, c1), lambda: s.path(A, c1), lambda: s.message(A, u1.id),
-                    lambda: s.add(A, c1, a1.id, "user", "x"), lambda: s.export(A, c1),
-                    lambda: s.delete(A, c1)):
+    for attempt in (
+        lambda: s.get(A, c1),
+        lambda: s.path(A, c1),
+        lambda: s.message(A, u1.id),
+        lambda: s.add(A, c1, a1.id, "user", "x"),
+        lambda: s.export(A, c1),
+        lambda: s.delete(A, c1),
+    ):
         with pytest.raises(NotFound):
             attempt()
     assert s.restore(A) == c1

@@ -39,8 +39,9 @@ def random_blocks(qtype, rows: int, cols: int, seed: int) -> np.ndarray:
     data = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
     offset, count = SCALES[qtype]
     scales = (rng.random((rows, cols // block, count)) * 0.01 + 0.001).astype(np.float16)
-    data[:, :, offset:offset + 2 * count] = scales.view(np.uint8).reshape(rows, cols // block,
-                                                                          2 * count)
+    data[:, :, offset : offset + 2 * count] = scales.view(np.uint8).reshape(
+        rows, cols // block, 2 * count
+    )
     return data.reshape(rows, -1)
 
 
@@ -54,8 +55,9 @@ def activation_bound(w: np.ndarray, x: np.ndarray, block: int) -> np.ndarray:
     B, cols = x.shape
     step = np.abs(x.reshape(B, cols // block, block)).max(-1) / 127  # (B, blocks)
     wsum = np.abs(w.reshape(w.shape[0], cols // block, block)).sum(-1)  # (rows, blocks)
-    return (0.5 * step @ wsum.T) * (1 + BOUND_STORED_RELATIVE) + \
-        BOUND_STORED_RELATIVE * (np.abs(x) @ np.abs(w).T)
+    return (0.5 * step @ wsum.T) * (1 + BOUND_STORED_RELATIVE) + BOUND_STORED_RELATIVE * (
+        np.abs(x) @ np.abs(w).T
+    )
 
 
 CASES = [(t, 256 if t in K_QUANTS else 64) for t in LEGACY + K_QUANTS] + [(Q.F16, 48)]
@@ -64,8 +66,9 @@ CASES = [(t, 256 if t in K_QUANTS else 64) for t in LEGACY + K_QUANTS] + [(Q.F16
 @pytest.mark.parametrize("qtype,cols", CASES, ids=[c[0].name for c in CASES])
 @pytest.mark.parametrize("rows,batch", [(6, 1), (13, 5), (9, 21)])
 @needs_native
-def test_each_kernel_against_float64_over_the_independently_dequantized_weights(qtype, cols,
-                                                                               rows, batch):
+def test_each_kernel_against_float64_over_the_independently_dequantized_weights(
+    qtype, cols, rows, batch
+):
     """rows: not a multiple of 4 (the threads' shares); batch: 1, 5 (a tile of 4 and one) and
     21 (tiles of 8, 4 and 1). Dequantizing (the embedding lookup) equals gguf's decoder bit for
     bit; the product is within the bound of activation rounding of the float64 product over
@@ -73,8 +76,11 @@ def test_each_kernel_against_float64_over_the_independently_dequantized_weights(
     (test_a_broken_unpacking_is_caught)."""
     cols *= 4 if qtype in LEGACY else 2  # several blocks a row
     if qtype == Q.F16:
-        data = (np.random.default_rng(rows).standard_normal((rows, cols)) * 0.1).astype(
-            np.float16).view(np.uint8)
+        data = (
+            (np.random.default_rng(rows).standard_normal((rows, cols)) * 0.1)
+            .astype(np.float16)
+            .view(np.uint8)
+        )
         want_w = data.view(np.float16).astype(np.float64)
     else:
         data = random_blocks(qtype, rows, cols, seed=rows * 7 + batch)
@@ -85,8 +91,11 @@ def test_each_kernel_against_float64_over_the_independently_dequantized_weights(
     got = native.matmul(w, x).double().numpy()
     exact = x.double().numpy() @ want_w.T
     block = 256 if qtype in K_QUANTS else 32
-    bound = (BOUND_STORED_RELATIVE * (np.abs(x.numpy()) @ np.abs(want_w).T) if qtype == Q.F16
-             else activation_bound(want_w, x.double().numpy(), block))
+    bound = (
+        BOUND_STORED_RELATIVE * (np.abs(x.numpy()) @ np.abs(want_w).T)
+        if qtype == Q.F16
+        else activation_bound(want_w, x.double().numpy(), block)
+    )
     assert (np.abs(got - exact) <= bound).all(), float((np.abs(got - exact) / bound).max())
 
 
@@ -97,15 +106,16 @@ def test_each_row_of_a_stored_product_is_computed_as_if_alone(qtype):
     for bit, over 37 weight rows (the threads' shares and the L2 chunks)."""
     cols = 512
     if qtype == Q.F16:
-        data = (np.random.default_rng(1).standard_normal((37, cols))).astype(np.float16).view(
-            np.uint8)
+        data = (
+            (np.random.default_rng(1).standard_normal((37, cols))).astype(np.float16).view(np.uint8)
+        )
     else:
         data = random_blocks(qtype, 37, cols, seed=5)
     w = stored(np.ascontiguousarray(data), qtype, cols)
     x = torch.randn(29, cols, generator=torch.Generator().manual_seed(2))
     together = native.matmul(w, x)
     for i in range(29):
-        assert torch.equal(together[i], native.matmul(w, x[i:i + 1])[0]), i
+        assert torch.equal(together[i], native.matmul(w, x[i : i + 1])[0]), i
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
@@ -119,8 +129,13 @@ def test_a_broken_unpacking_is_caught(qtype):
     right = gguf.quants.dequantize(data, qtype).astype(np.float64)
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     swapped = data.reshape(8, cols // block, size).copy()
-    quants = slice(size - 128, size) if qtype in (Q.Q4_K,) else \
-        slice(0, 128) if qtype == Q.Q6_K else slice(size - 16, size)
+    quants = (
+        slice(size - 128, size)
+        if qtype in (Q.Q4_K,)
+        else slice(0, 128)
+        if qtype == Q.Q6_K
+        else slice(size - 16, size)
+    )
     q = swapped[:, :, quants]
     swapped[:, :, quants] = (q >> 4) | (q << 4)
     wrong = gguf.quants.dequantize(swapped.reshape(8, -1), qtype).astype(np.float64)
@@ -156,6 +171,7 @@ def test_the_real_model_as_stored_follows_the_float64_reference(stored, ref32, m
     from miniserve.runners.stored import StoredRunner
     from miniserve.runners.verify import BOUND_STORED
     from reference import HELD_OUT, teacher_forced, whole_prompt
+
     if math == "bfloat16" and not native.bf16_dot():
         pytest.skip("no bfloat16 dot products on this CPU")
     runner = StoredRunner(stored.model, math, stored.generation_config)
@@ -177,20 +193,22 @@ def test_a_sequence_as_stored_gets_the_same_logits_whatever_shares_its_pass(stor
     whole = runner.step([(ids, runner.new_cache())], all_logits=True)
     cache, pieces = runner.new_cache(), []
     for a in range(0, len(ids), 7):
-        pieces.append(runner.step([(ids[a:a + 7], cache)], all_logits=True))
+        pieces.append(runner.step([(ids[a : a + 7], cache)], all_logits=True))
     assert torch.equal(torch.cat(pieces), whole)
     mine, other, third = runner.new_cache(), runner.new_cache(), runner.new_cache()
     runner.step([([9] * 40, other)])
     rows = []
     for a in range(0, len(ids), 13):
-        got = runner.step([([4] * 3, third), (ids[a:a + 13], mine), ([11], other)],
-                          all_logits=True)
-        rows.append(got[3:3 + len(ids[a:a + 13])])
+        got = runner.step(
+            [([4] * 3, third), (ids[a : a + 13], mine), ([11], other)], all_logits=True
+        )
+        rows.append(got[3 : 3 + len(ids[a : a + 13])])
     assert torch.equal(torch.cat(rows), whole)
 
 
 def stored_runner(loaded):
     from miniserve.runners.stored import StoredRunner
+
     return StoredRunner(loaded.model, "auto", loaded.generation_config)
 
 
@@ -201,7 +219,10 @@ def test_greedy_tokens_as_stored_follow_the_float64_reference(stored_engine, ref
     from conftest import chat_ids
     from miniserve.core.config import SamplingParams
     from miniserve.runners.verify import BOUND_STORED, check_tokens
-    assert stored_engine.runner_name == "native" and stored_engine.info()["dtype"] == "q4_1 as stored"
+
+    assert (
+        stored_engine.runner_name == "native" and stored_engine.info()["dtype"] == "q4_1 as stored"
+    )
     ids = chat_ids(stored_engine.tokenizer, "Name the planets of the solar system.")
     chunks = list(stored_engine.complete(ids, SamplingParams(temperature=0, max_new_tokens=24)))
     tokens = [t for c in chunks for t in c.token_ids]
@@ -215,19 +236,24 @@ def test_loading_as_stored_writes_no_weights_and_maps_the_file(tmp_path, monkeyp
     """No dequantized copy: the cache folder gets the tokenizer alone; the matrices point
     into the file's own mapped pages."""
     from miniserve.runners.loader import embedded_gguf, load_model
+
     monkeypatch.setenv("MINISERVE_CACHE", str(tmp_path))
     loaded = load_model(None, dtype="stored", progress=lambda m: None)
     written = [p for p in tmp_path.rglob("*") if p.is_file()]
     # the tokenizer (and, where this process had not built it yet, the compiled kernels)
-    assert written and all(p.relative_to(tmp_path).parts[0] in ("tokenizers", "kernels")
-                           for p in written)
+    assert written and all(
+        p.relative_to(tmp_path).parts[0] in ("tokenizers", "kernels") for p in written
+    )
     assert sum(p.stat().st_size for p in written if "tokenizers" in p.parts) < 10 << 20
     layer = loaded.model.layers[0]
     assert isinstance(layer["wq"], StoredMatrix) and layer["wq"].type == Q.Q4_1
     if os.path.exists("/proc/self/maps"):  # the matrix's address lies in the file's mapping
         with open("/proc/self/maps") as f:
-            spans = [[int(a, 16) for a in line.split()[0].split("-")] for line in f
-                     if line.rstrip().endswith(str(embedded_gguf()))]
+            spans = [
+                [int(a, 16) for a in line.split()[0].split("-")]
+                for line in f
+                if line.rstrip().endswith(str(embedded_gguf()))
+            ]
         assert any(lo <= layer["wq"].address < hi for lo, hi in spans), spans
 
 
@@ -237,15 +263,16 @@ def test_loading_as_stored_writes_no_weights_and_maps_the_file(tmp_path, monkeyp
 def test_a_damaged_file_is_one_clear_error_before_any_kernel_runs(tmp_path, damage):
     from miniserve.runners.gguf_file import GGUFFile
     from miniserve.runners.loader import ModelLoadError, embedded_gguf, load_model
+
     data = bytearray(embedded_gguf().read_bytes())
     with GGUFFile(embedded_gguf()) as f:
         last = list(f.tensors.values())[-1]
         q = next(t for t in f.tensors.values() if t.type == Q.Q4_1)
     if damage == "cut":
-        data = data[:last.offset + last.nbytes // 2]
+        data = data[: last.offset + last.nbytes // 2]
         want = last.name
     else:  # the first block's d of a Q4_1 matrix: NaN
-        data[q.offset:q.offset + 2] = np.array([np.nan], dtype=np.float16).tobytes()
+        data[q.offset : q.offset + 2] = np.array([np.nan], dtype=np.float16).tobytes()
         want = q.name
     bad = tmp_path / "damaged.gguf"
     bad.write_bytes(bytes(data))
@@ -263,16 +290,18 @@ def test_the_tokenizer_read_as_stored_is_the_one_transformers_builds(stored, loa
     messages = [{"role": "user", "content": text}]
     for tok in (stored.tokenizer,):
         assert tok(text)["input_ids"] == loaded.tokenizer(text)["input_ids"]
-        assert tok.apply_chat_template(messages, tokenize=False) == \
-            loaded.tokenizer.apply_chat_template(messages, tokenize=False)
+        assert tok.apply_chat_template(
+            messages, tokenize=False
+        ) == loaded.tokenizer.apply_chat_template(messages, tokenize=False)
         assert tok.eos_token_id == loaded.tokenizer.eos_token_id
         assert type(tok) is type(loaded.tokenizer)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @needs_native
-def test_a_gguf_file_as_stored_computes_what_transformers_computes_from_it(tmp_path, arch,
-                                                                           monkeypatch):
+def test_a_gguf_file_as_stored_computes_what_transformers_computes_from_it(
+    tmp_path, arch, monkeypatch
+):
     """A small synthetic GGUF (miniserve/bench/synthetic.py: random F16 matrices, the embedded
     vocabulary) read two ways: as stored (our F16 kernel, float32 products) and by
     transformers (dequantized to float32). llama: q and k rows as llama.cpp's converter permutes
@@ -283,15 +312,18 @@ def test_a_gguf_file_as_stored_computes_what_transformers_computes_from_it(tmp_p
     from miniserve.bench import synthetic
     from miniserve.runners.loader import load_model
     from miniserve.runners.stored import StoredRunner
-    shape = synthetic.Shape(arch, 64, 128, 2, 4, 2, 16, 10000.0, 1e-5, tied=arch == "llama",
-                            qkv_bias=arch == "qwen2")
+
+    shape = synthetic.Shape(
+        arch, 64, 128, 2, 4, 2, 16, 10000.0, 1e-5, tied=arch == "llama", qkv_bias=arch == "qwen2"
+    )
     monkeypatch.setitem(synthetic.SHAPES, "tiny", shape)
     monkeypatch.setattr(synthetic, "STD", 0.5)  # logits of a useful size
     path = synthetic.write_gguf(tmp_path / f"tiny-{arch}.gguf", "tiny", quant="f16")
     stored_model = load_model(str(path), dtype="stored", progress=lambda m: None)
     runner = StoredRunner(stored_model.model, "float32", stored_model.generation_config)
-    reference = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name,
-                                                     dtype=torch.float32).eval()
+    reference = AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=path.name, dtype=torch.float32
+    ).eval()
     ids = [(37 * i + 11) % 40000 for i in range(40)]
     with torch.inference_mode():
         want = reference(torch.tensor([ids])).logits[0].double()
@@ -313,6 +345,7 @@ def test_a_float_model_quantized_at_load_runs_on_the_same_kernels(bf16, ref16, q
     from miniserve.engine.engine import make_runner
     from miniserve.runners.verify import BOUND_STORED
     from reference import HELD_OUT, teacher_forced, whole_prompt
+
     runner = make_runner(bf16, quant=quant)
     assert runner.name == "native" and runner.quant == quant
     w = runner.layers[0]["wqkv"]
@@ -320,7 +353,7 @@ def test_a_float_model_quantized_at_load_runs_on_the_same_kernels(bf16, ref16, q
     assert isinstance(w, StoredMatrix) and w.type == qtype
     q = bf16.model.model.layers[0].self_attn.q_proj.weight.detach().float().numpy()
     want = gguf.quants.dequantize(gguf.quants.quantize(q, qtype), qtype)
-    assert np.array_equal(native.dequantize(w)[:q.shape[0]].numpy(), want)
+    assert np.array_equal(native.dequantize(w)[: q.shape[0]].numpy(), want)
     ids = bf16.tokenizer(HELD_OUT)["input_ids"][:120]
     agree, err = teacher_forced(whole_prompt(runner), ref16, ids)
     assert agree >= (AGREE_STORED if quant == "q8_0" else 0.4), agree
@@ -334,6 +367,7 @@ def test_a_gguf_runs_as_stored_by_default_and_dequantized_where_it_cannot():
     """--dtype auto: a GGUF as stored where the native runner runs; the lean or transformers
     runner, or --quant, ask for float weights; a float model's source is never 'stored'."""
     from miniserve.engine.engine import auto_dtype
+
     assert auto_dtype("auto", None, "auto", None, None) == "stored"
     assert auto_dtype("auto", None, "native", None, "default") == "stored"
     assert auto_dtype("auto", None, "lean", None, None) != "stored"
@@ -344,15 +378,16 @@ def test_a_gguf_runs_as_stored_by_default_and_dequantized_where_it_cannot():
 @pytest.mark.parametrize("heads,kv,words", [(4, 3, "do not share"), (2, 4, "head_count_kv")])
 @same_on_every_cpu
 @needs_native
-def test_header_values_the_runner_cannot_run_are_one_error(tmp_path, monkeypatch, heads, kv,
-                                                           words):
+def test_header_values_the_runner_cannot_run_are_one_error(tmp_path, monkeypatch, heads, kv, words):
     """Head counts whose tensors are consistent but which the pass cannot run (kv heads not
     dividing the heads, more kv heads than heads): one line naming them, before native code
     sees the file (decode.cpp would divide by zero)."""
     from miniserve.bench import synthetic
     from miniserve.runners.loader import ModelLoadError, load_model
-    monkeypatch.setitem(synthetic.SHAPES, "odd", synthetic.Shape("llama", 64, 128, 1, heads, kv,
-                                                                  16, 10000.0, 1e-5))
+
+    monkeypatch.setitem(
+        synthetic.SHAPES, "odd", synthetic.Shape("llama", 64, 128, 1, heads, kv, 16, 10000.0, 1e-5)
+    )
     path = synthetic.write_gguf(tmp_path / "odd.gguf", "odd", quant="f16")
     with pytest.raises(ModelLoadError) as e:
         load_model(str(path), dtype="stored", progress=lambda m: None)

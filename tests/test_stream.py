@@ -15,8 +15,9 @@ TEXTS = [
 @pytest.mark.parametrize("text", TEXTS)
 def test_deltas_join_to_the_decoded_text(tokenizer, text):
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    assert any(REPLACEMENT in tokenizer.decode([i]) for i in ids) or text.isascii(), \
+    assert any(REPLACEMENT in tokenizer.decode([i]) for i in ids) or text.isascii(), (
         "the sample must split a character across tokens to be a real test"
+    )
     detok = Detokenizer(tokenizer)
     pieces = [detok.push(i) for i in ids] + [detok.flush()]
     assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True) == text
@@ -25,8 +26,13 @@ def test_deltas_join_to_the_decoded_text(tokenizer, text):
 
 def test_deltas_on_generated_ids(engine):
     from miniserve.core.config import SamplingParams
-    chunks = list(engine.chat([{"role": "user", "content": "Write three emoji and the word 日本."}],
-                              SamplingParams(temperature=0, max_new_tokens=30)))
+
+    chunks = list(
+        engine.chat(
+            [{"role": "user", "content": "Write three emoji and the word 日本."}],
+            SamplingParams(temperature=0, max_new_tokens=30),
+        )
+    )
     ids = [i for c in chunks for i in c.token_ids]
     assert "".join(c.text for c in chunks) == engine.tokenizer.decode(ids, skip_special_tokens=True)
 

@@ -47,8 +47,12 @@ def test_the_native_runners_implement_the_protocol(bf16, stored_engine):
 
 def test_no_runner_is_two_classes():
     """A class is one runner: its name is the class's, not decided by a flag at run time."""
-    for cls, name in ((TransformersRunner, "transformers"), (LeanRunner, "lean"),
-                      (NativeRunner, "native"), (StoredRunner, "native")):
+    for cls, name in (
+        (TransformersRunner, "transformers"),
+        (LeanRunner, "lean"),
+        (NativeRunner, "native"),
+        (StoredRunner, "native"),
+    ):
         assert cls.__dict__.get("name", getattr(cls, "name")) == name
         assert not isinstance(getattr(cls, "name"), property)
 
@@ -66,7 +70,10 @@ def test_the_command_line_does_not_import_the_web_stack():
     web app's launcher and `serve` import them when they run."""
     import subprocess
     import sys
-    code = ("import sys, miniserve.cli.main; "
-            "print(sorted(m for m in ('gradio', 'fastapi', 'uvicorn') if m in sys.modules))")
+
+    code = (
+        "import sys, miniserve.cli.main; "
+        "print(sorted(m for m in ('gradio', 'fastapi', 'uvicorn') if m in sys.modules))"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr

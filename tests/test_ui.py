@@ -52,13 +52,14 @@ def last(generator):
 
 # -- Compare ---------------------------------------------------------------------------------
 
+
 def test_compare_shows_one_column_per_chosen_preset(compare, presets):
     updates = list(compare.compare(PROMPT, ["factual", "creative"], 42, 8))
     status, *columns = updates[-1]
     assert status == "same prompt, seed 42, 2 presets as one batch"
     assert all(u[0].startswith("comparing 2 presets as one batch") for u in updates[:-1])
     assert len(columns) == 2 * len(presets)  # each preset with, then without the format
-    assert not any(c["visible"] for c in columns[len(presets):])  # no format: no second run
+    assert not any(c["visible"] for c in columns[len(presets) :])  # no format: no second run
     shown = {name: col for name, col in zip(presets, columns) if col["visible"]}
     assert list(shown) == ["factual", "creative"]
     for name, col in shown.items():
@@ -95,18 +96,22 @@ def test_compare_greedy_column_is_the_single_reply(compare, engine, presets):
     assert factual.split("\n\n")[1] == html.escape(alone)
 
 
-@pytest.mark.parametrize("prompt, chosen, seed, tokens, message", [
-    ("", ["factual"], 42, 8, "type a prompt and choose at least one preset"),
-    ("   ", ["factual"], 42, 8, "type a prompt and choose at least one preset"),
-    (PROMPT, [], 42, 8, "type a prompt and choose at least one preset"),
-    (PROMPT, None, 42, 8, "type a prompt and choose at least one preset"),
-    (PROMPT, ["factual"], 1.5, 8, "&#x27;seed&#x27; must be a whole number"),
-    (PROMPT, ["factual"], "abc", 8, "&#x27;seed&#x27; must be a whole number"),
-    (PROMPT, ["factual"], 42, 2.5, "&#x27;max_new_tokens&#x27; must be a whole number"),
-    (PROMPT, ["factual"], 42, 0, "&#x27;max_new_tokens&#x27; must be in [1, 4096]"),
-])
-def test_compare_bad_values_read_as_one_error(compare, presets, prompt, chosen, seed, tokens,
-                                              message):
+@pytest.mark.parametrize(
+    "prompt, chosen, seed, tokens, message",
+    [
+        ("", ["factual"], 42, 8, "type a prompt and choose at least one preset"),
+        ("   ", ["factual"], 42, 8, "type a prompt and choose at least one preset"),
+        (PROMPT, [], 42, 8, "type a prompt and choose at least one preset"),
+        (PROMPT, None, 42, 8, "type a prompt and choose at least one preset"),
+        (PROMPT, ["factual"], 1.5, 8, "&#x27;seed&#x27; must be a whole number"),
+        (PROMPT, ["factual"], "abc", 8, "&#x27;seed&#x27; must be a whole number"),
+        (PROMPT, ["factual"], 42, 2.5, "&#x27;max_new_tokens&#x27; must be a whole number"),
+        (PROMPT, ["factual"], 42, 0, "&#x27;max_new_tokens&#x27; must be in [1, 4096]"),
+    ],
+)
+def test_compare_bad_values_read_as_one_error(
+    compare, presets, prompt, chosen, seed, tokens, message
+):
     updates = list(compare.compare(prompt, chosen, seed, tokens))
     assert len(updates) == 1
     status, *columns = updates[0]
@@ -122,18 +127,26 @@ def test_compare_negative_seed_is_random(compare):
 def test_compare_with_and_without_the_output_format_doubles_the_columns(compare, presets):
     """The output format holds every column; "Also without" runs each preset a second time
     without it, in the same batch, and the titles say which column is which."""
-    status, *columns = last(compare.compare(PROMPT, ["factual", "creative"], 42, 6, "JSON",
-                                            "", False))
+    status, *columns = last(
+        compare.compare(PROMPT, ["factual", "creative"], 42, 6, "JSON", "", False)
+    )
     assert status == "same prompt, seed 42, 2 presets as one batch, output format JSON"
     assert sum(c["visible"] for c in columns) == 2
-    status, *columns = last(compare.compare(PROMPT, ["factual", "creative"], 42, 6, "JSON",
-                                            "", True))
-    assert status == ("same prompt, seed 42, 2 presets with and without the JSON format, "
-                      "4 replies as one batch")
-    shown = {slot[1:]: col["value"] for slot, col in zip(compare.slots, columns)
-             if col["visible"]}  # slots: (model, preset, without the format)
-    assert set(shown) == {("factual", False), ("creative", False), ("factual", True),
-                          ("creative", True)}
+    status, *columns = last(
+        compare.compare(PROMPT, ["factual", "creative"], 42, 6, "JSON", "", True)
+    )
+    assert status == (
+        "same prompt, seed 42, 2 presets with and without the JSON format, 4 replies as one batch"
+    )
+    shown = {
+        slot[1:]: col["value"] for slot, col in zip(compare.slots, columns) if col["visible"]
+    }  # slots: (model, preset, without the format)
+    assert set(shown) == {
+        ("factual", False),
+        ("creative", False),
+        ("factual", True),
+        ("creative", True),
+    }
     for (name, free), value in shown.items():
         head, text = value.split("\n\n")[:2]
         assert head.startswith(f"### {name} · {'Free text' if free else 'JSON'}\n"), head
@@ -155,8 +168,10 @@ def test_compare_bad_output_format_reads_as_one_error(compare):
     updates = list(compare.compare(PROMPT, ["factual"], 42, 4, "Regex", "[a-", True))
     assert len(updates) == 1
     status, *columns = updates[0]
-    assert status.startswith("**Error:** the output format cannot be used: ") and \
-        "unclosed character class" in status, status
+    assert (
+        status.startswith("**Error:** the output format cannot be used: ")
+        and "unclosed character class" in status
+    ), status
     assert not any(c["visible"] for c in columns)
 
 
@@ -164,10 +179,29 @@ def test_compare_bad_output_format_reads_as_one_error(compare):
 # The handlers return SHOWN values (browser, view, chatbot, conversations, title, system,
 # branches, status), the generating ones + (message box, inspector HTML).
 
-def send(chat, browser, view, message, preset="factual", max_new_tokens=12, seed=1,
-         inspect=False, system=""):
-    return chat.send(message, browser, view, "", system, preset,
-                     *sliders(chat, preset, max_new_tokens), seed, inspect)
+
+def send(
+    chat,
+    browser,
+    view,
+    message,
+    preset="factual",
+    max_new_tokens=12,
+    seed=1,
+    inspect=False,
+    system="",
+):
+    return chat.send(
+        message,
+        browser,
+        view,
+        "",
+        system,
+        preset,
+        *sliders(chat, preset, max_new_tokens),
+        seed,
+        inspect,
+    )
 
 
 def first_visit(chat):
@@ -196,8 +230,9 @@ def test_send_streams_then_shows_the_stats(chat):
 
 def test_send_with_the_inspector_returns_its_html(chat):
     browser, view = first_visit(chat)
-    *_, inspected = last(send(chat, browser, view, "Name a colour.", max_new_tokens=4,
-                              seed=-1, inspect=True))
+    *_, inspected = last(
+        send(chat, browser, view, "Name a colour.", max_new_tokens=4, seed=-1, inspect=True)
+    )
     assert "ms-tok" in inspected
 
 
@@ -205,8 +240,19 @@ def test_a_reply_is_saved_with_its_settings_stats_and_the_seed_drawn(chat):
     """Seed box -1 (random): a seed is drawn, used, saved and shown; the saved settings
     reproduce the reply."""
     browser, view = first_visit(chat)
-    shown = Shown(*last(send(chat, browser, view, "Name an animal.", preset="creative",
-                             seed=-1, system="Answer in one word."))[:8])
+    shown = Shown(
+        *last(
+            send(
+                chat,
+                browser,
+                view,
+                "Name an animal.",
+                preset="creative",
+                seed=-1,
+                system="Answer in one word.",
+            )
+        )[:8]
+    )
     owner, cid = shown.browser["owner"], shown.view["cid"]
     user, reply = chat.store.path(owner, cid)
     assert (user.role, user.content) == ("user", "Name an animal.")
@@ -218,8 +264,19 @@ def test_a_reply_is_saved_with_its_settings_stats_and_the_seed_drawn(chat):
     assert chat.store.get(owner, cid).system == "Answer in one word."
     # the same settings and seed again: the same reply
     browser, view = first_visit(chat)
-    again = Shown(*last(send(chat, browser, view, "Name an animal.", preset="creative",
-                             seed=seed, system="Answer in one word."))[:8])
+    again = Shown(
+        *last(
+            send(
+                chat,
+                browser,
+                view,
+                "Name an animal.",
+                preset="creative",
+                seed=seed,
+                system="Answer in one word.",
+            )
+        )[:8]
+    )
     assert again.chatbot[-1]["content"] == reply.content
 
 
@@ -227,15 +284,21 @@ def test_regenerate_and_edit_make_branches_and_the_arrows_switch(chat):
     browser, view = first_visit(chat)
     shown = Shown(*last(send(chat, browser, view, "Name a fruit."))[:8])
     first_reply = shown.chatbot[-1]["content"]
-    regen = Shown(*last(chat.regenerate(shown.browser, shown.view, "", "", "factual",
-                                        *sliders(chat), -1, False))[:8])
+    regen = Shown(
+        *last(
+            chat.regenerate(shown.browser, shown.view, "", "", "factual", *sliders(chat), -1, False)
+        )[:8]
+    )
     assert regen.chatbot[-1]["content"].endswith("‹ 2/2 ›")
     assert "versions of the reply #2 (now 2 of 2)" in regen.branches
     back = chat.previous_version(regen.browser, regen.view)
     assert back.chatbot[-1]["content"] == first_reply + "\n\n‹ 1/2 ›"
     edited = SimpleNamespace(index=0, value="Name a vegetable.\n\n‹ 1/1 ›", previous_value="")
-    after = Shown(*last(chat.edit(back.browser, back.view, "", "", "factual", *sliders(chat),
-                                  1, False, edited))[:8])
+    after = Shown(
+        *last(
+            chat.edit(back.browser, back.view, "", "", "factual", *sliders(chat), 1, False, edited)
+        )[:8]
+    )
     assert after.chatbot[0]["content"] == "Name a vegetable.\n\n‹ 2/2 ›"
     assert "versions of your message #1 (now 2 of 2)" in after.branches
     old = chat.previous_version(after.browser, after.view)
@@ -260,22 +323,26 @@ def test_a_turn_from_a_stale_view_becomes_a_branch(chat):
     assert contents(a.chatbot)[2] == "Name a colour."
 
 
-@pytest.mark.parametrize("message, seed, settings, error", [
-    ("   ", 1, {}, "the message is empty; type something to send"),
-    ("Hi", 1.5, {}, "&#x27;seed&#x27; must be a whole number"),
-    ("Hi", "abc", {}, "&#x27;seed&#x27; must be a whole number"),
-    ("Hi", 1, {"max_new_tokens": 2.5}, "&#x27;max_new_tokens&#x27; must be a whole number"),
-    ("Hi", 1, {"temperature": 5}, "&#x27;temperature&#x27; must be in [0, 2]"),
-    ("a long message " * 3000, 1, {}, "too long"),
-])
+@pytest.mark.parametrize(
+    "message, seed, settings, error",
+    [
+        ("   ", 1, {}, "the message is empty; type something to send"),
+        ("Hi", 1.5, {}, "&#x27;seed&#x27; must be a whole number"),
+        ("Hi", "abc", {}, "&#x27;seed&#x27; must be a whole number"),
+        ("Hi", 1, {"max_new_tokens": 2.5}, "&#x27;max_new_tokens&#x27; must be a whole number"),
+        ("Hi", 1, {"temperature": 5}, "&#x27;temperature&#x27; must be in [0, 2]"),
+        ("a long message " * 3000, 1, {}, "too long"),
+    ],
+)
 def test_send_bad_values_keep_the_chat_and_the_message(chat, message, seed, settings, error):
     browser, view = first_visit(chat)
     before = Shown(*last(send(chat, browser, view, "Hello", max_new_tokens=3))[:8])
     values = sliders(chat)
     for name, value in settings.items():
         values[list(FIELDS).index(name)] = value
-    updates = list(chat.send(message, before.browser, before.view, "", "", "factual", *values,
-                             seed, False))
+    updates = list(
+        chat.send(message, before.browser, before.view, "", "", "factual", *values, seed, False)
+    )
     *shown, box, _ = updates[-1]
     shown = Shown(*shown)
     assert shown.status.startswith("**Error:**") and error in shown.status, shown.status
@@ -286,16 +353,18 @@ def test_send_bad_values_keep_the_chat_and_the_message(chat, message, seed, sett
 
 def test_regenerate_with_nothing_to_regenerate(chat):
     browser, view = first_visit(chat)
-    *shown, box, inspected = last(chat.regenerate(browser, view, "", "", "factual",
-                                                  *sliders(chat), 1, False))
+    *shown, box, inspected = last(
+        chat.regenerate(browser, view, "", "", "factual", *sliders(chat), 1, False)
+    )
     assert Shown(*shown).status == "**Error:** nothing to regenerate yet"
     assert Shown(*shown).chatbot == []
 
 
 def test_stop_ends_the_reply_keeps_its_text_and_saves_it_as_stopped(chat):
     browser, view = first_visit(chat)
-    replies = send(chat, browser, view, "Write a very long story about a dragon.",
-                   max_new_tokens=1500)
+    replies = send(
+        chat, browser, view, "Write a very long story about a dragon.", max_new_tokens=1500
+    )
     for update in replies:
         chatbot = update[SHOWN.index("chatbot")]
         if chatbot and len(chatbot[-1]["content"].split()) >= 3:  # the reply is under way
@@ -371,8 +440,9 @@ def test_stop_ends_a_reply_after_a_comparison_of_the_same_session(engine, preset
     chat = ChatHandlers(engine, presets, sessions)
     compare = CompareHandlers(engine, presets, sessions)
     browser, view = first_visit(chat)
-    replies = send(chat, browser, view, "Write a very long story about a dragon.",
-                   max_new_tokens=1500)
+    replies = send(
+        chat, browser, view, "Write a very long story about a dragon.", max_new_tokens=1500
+    )
     for update in replies:
         chatbot = update[SHOWN.index("chatbot")]
         if chatbot and len(chatbot[-1]["content"].split()) >= 3:  # the reply is under way
@@ -426,11 +496,13 @@ def test_another_browsers_conversation_is_refused(chat):
     other, _ = first_visit(chat)
     side = SidebarHandlers(chat.conversations)
     assert side.load(other).conversations["choices"] == [] or mine.view["cid"] not in {
-        c for _, c in side.load(other).conversations["choices"]}
+        c for _, c in side.load(other).conversations["choices"]
+    }
     opened = side.open(other, mine.view["cid"])
     assert opened.chatbot == [] and opened.status.startswith("**Error:** no conversation")
-    *sent, box, _ = last(chat.send("Reply here.", other, mine.view, "", "", "factual",
-                                   *sliders(chat), 1, False))
+    *sent, box, _ = last(
+        chat.send("Reply here.", other, mine.view, "", "", "factual", *sliders(chat), 1, False)
+    )
     assert Shown(*sent).status.startswith("**Error:** no conversation") and box == "Reply here."
     assert side.export(other, mine.view, "json")[0] is None
     assert len(chat.store.path(mine.browser["owner"], mine.view["cid"])) == 2
@@ -442,7 +514,8 @@ def test_sidebar_rename_search_delete_and_undo(chat):
     one = Shown(*last(send(chat, browser, view, "Tell me about zebras.", max_new_tokens=3))[:8])
     renamed = side.rename(one.browser, one.view, "Stripes")
     assert renamed.title == "Stripes" and renamed.conversations["choices"][0][0].startswith(
-        "Stripes · ")
+        "Stripes · "
+    )
     assert side.rename(one.browser, one.view, "   ").status.startswith("**Error:** the title")
     found, line = side.search(one.browser, one.view, "zebra")
     assert [c for _, c in found["choices"]] == [one.view["cid"]] and line == "1 conversation match"
@@ -467,8 +540,11 @@ def test_export_and_import_round_trip_and_bad_files(chat, tmp_path):
     md, _ = side.export(one.browser, one.view, "Markdown (this branch)")
     assert "**User:**" in Path(md).read_text() and md.endswith(".md")
     count = len(chat.store.conversations(owner))
-    for content in (b"not json", b'{"format": "miniserve.conversation", "version": 9}',
-                    b'[{"role": "assistant", "content": "first?"}]'):
+    for content in (
+        b"not json",
+        b'{"format": "miniserve.conversation", "version": 9}',
+        b'[{"role": "assistant", "content": "first?"}]',
+    ):
         bad = tmp_path / "bad.json"
         bad.write_bytes(content)
         shown = side.import_file(one.browser, one.view, str(bad))
@@ -476,32 +552,61 @@ def test_export_and_import_round_trip_and_bad_files(chat, tmp_path):
     assert len(chat.store.conversations(owner)) == count
 
 
-@pytest.mark.parametrize("title, name", [("../../etc/passwd", "etc-passwd.json"),
-                                         ("", "conversation.json"),
-                                         ("C:\\x\\y ü", "C-x-y.json")])
+@pytest.mark.parametrize(
+    "title, name",
+    [
+        ("../../etc/passwd", "etc-passwd.json"),
+        ("", "conversation.json"),
+        ("C:\\x\\y ü", "C-x-y.json"),
+    ],
+)
 def test_export_names_cannot_leave_their_folder(title, name):
     assert file_name(title, ".json") == name
 
 
-@pytest.mark.parametrize("value, seed", [(None, None), ("", None), (-1, None), (-1.0, None),
-                                         (7.0, 7), ("12", 12), (2**63 - 1, 2**63 - 1)])
+@pytest.mark.parametrize(
+    "value, seed",
+    [
+        (None, None),
+        ("", None),
+        (-1, None),
+        (-1.0, None),
+        (7.0, 7),
+        ("12", 12),
+        (2**63 - 1, 2**63 - 1),
+    ],
+)
 def test_seed_box(value, seed):
     assert seed_from(value) == seed
 
 
 # -- Output format ---------------------------------------------------------------------------
 
-SCHEMA = {"type": "object", "properties": {"animal": {"type": "string", "maxLength": 16},
-                                           "legs": {"type": "integer", "minimum": 0,
-                                                    "maximum": 100}},
-          "required": ["animal", "legs"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "animal": {"type": "string", "maxLength": 16},
+        "legs": {"type": "integer", "minimum": 0, "maximum": 100},
+    },
+    "required": ["animal", "legs"],
+    "additionalProperties": False,
+}
 ANIMAL = "Name an animal and its number of legs."
 
 
 def test_a_json_schema_reply_parses_validates_and_is_saved_with_its_format(chat):
     browser, view = first_visit(chat)
-    *shown, box, inspected = last(send_as(chat, browser, view, ANIMAL, "JSON schema",
-                                          json.dumps(SCHEMA, indent=2), max_new_tokens=48))
+    *shown, box, inspected = last(
+        send_as(
+            chat,
+            browser,
+            view,
+            ANIMAL,
+            "JSON schema",
+            json.dumps(SCHEMA, indent=2),
+            max_new_tokens=48,
+        )
+    )
     shown = Shown(*shown)
     reply = json.loads(shown.chatbot[-1]["content"])
     jsonschema.validate(reply, SCHEMA)
@@ -511,12 +616,18 @@ def test_a_json_schema_reply_parses_validates_and_is_saved_with_its_format(chat)
     assert inspected == ""
 
 
-@pytest.mark.parametrize("fmt, text, note", [
-    ("JSON", "", "incomplete JSON (cut by max new tokens)"),
-    ("JSON schema", json.dumps(SCHEMA), "incomplete JSON (cut by max new tokens)"),
-    ("Regex", "[A-Z][a-z]+( [a-z]+){5,}\\.",
-     "incomplete: cut by max new tokens before the format was complete"),
-])
+@pytest.mark.parametrize(
+    "fmt, text, note",
+    [
+        ("JSON", "", "incomplete JSON (cut by max new tokens)"),
+        ("JSON schema", json.dumps(SCHEMA), "incomplete JSON (cut by max new tokens)"),
+        (
+            "Regex",
+            "[A-Z][a-z]+( [a-z]+){5,}\\.",
+            "incomplete: cut by max new tokens before the format was complete",
+        ),
+    ],
+)
 def test_a_reply_cut_by_max_new_tokens_says_its_format_is_incomplete(chat, fmt, text, note):
     browser, view = first_visit(chat)
     shown = Shown(*last(send_as(chat, browser, view, ANIMAL, fmt, text, max_new_tokens=3))[:8])
@@ -525,29 +636,47 @@ def test_a_reply_cut_by_max_new_tokens_says_its_format_is_incomplete(chat, fmt, 
 
 def test_the_inspector_says_how_much_the_grammar_bent_the_reply(chat):
     browser, view = first_visit(chat)
-    *shown, _, inspected = last(send_as(chat, browser, view, ANIMAL, "JSON schema",
-                                        json.dumps(SCHEMA), max_new_tokens=48, inspect=True))
+    *shown, _, inspected = last(
+        send_as(
+            chat,
+            browser,
+            view,
+            ANIMAL,
+            "JSON schema",
+            json.dumps(SCHEMA),
+            max_new_tokens=48,
+            inspect=True,
+        )
+    )
     steps = int(re.search(r"(\d+) new tokens", Shown(*shown).status).group(1))
-    line = re.search(r"grammar bent (\d+) of (\d+) steps, up to (\d+)% of the probability",
-                     inspected)
+    line = re.search(
+        r"grammar bent (\d+) of (\d+) steps, up to (\d+)% of the probability", inspected
+    )
     assert line, inspected[:300]
     bent, total, most = map(int, line.groups())
     assert total == steps and 0 < bent <= total and 1 <= most <= 100
     assert inspected.count("data-grammar-removed=") == steps
 
 
-@pytest.mark.parametrize("fmt, text, message", [
-    ("JSON schema", '{"type": "strin"}', "the output format cannot be used: Invalid type: strin"),
-    ("JSON schema", '{"type": "string", "pattern": "(?=x)"}', "look-around"),
-    ("Regex", "[a-", "unclosed character class"),
-    ("Grammar", "root ::= missing", "Rule &#x27;missing&#x27; not found"),
-    ("JSON schema", "  ", "the JSON schema is empty: paste a JSON Schema, like {"),
-    ("JSON schema", '{"type": object}', "the JSON schema is not JSON: Expecting value"),
-    ("Regex", "", "the regex pattern is empty"),
-    ("Choice", " , ,", "no choices given: write them one per line or separated by commas"),
-    ("Grammar", "\n", "the grammar is empty"),
-    ("XML", "", "unknown output format &#x27;XML&#x27;"),
-])
+@pytest.mark.parametrize(
+    "fmt, text, message",
+    [
+        (
+            "JSON schema",
+            '{"type": "strin"}',
+            "the output format cannot be used: Invalid type: strin",
+        ),
+        ("JSON schema", '{"type": "string", "pattern": "(?=x)"}', "look-around"),
+        ("Regex", "[a-", "unclosed character class"),
+        ("Grammar", "root ::= missing", "Rule &#x27;missing&#x27; not found"),
+        ("JSON schema", "  ", "the JSON schema is empty: paste a JSON Schema, like {"),
+        ("JSON schema", '{"type": object}', "the JSON schema is not JSON: Expecting value"),
+        ("Regex", "", "the regex pattern is empty"),
+        ("Choice", " , ,", "no choices given: write them one per line or separated by commas"),
+        ("Grammar", "\n", "the grammar is empty"),
+        ("XML", "", "unknown output format &#x27;XML&#x27;"),
+    ],
+)
 def test_a_bad_output_format_is_an_error_line_and_nothing_is_saved(chat, fmt, text, message):
     """In a new chat and in a conversation: the error names the library's reason, the typed
     message stays in the box, nothing is saved (no message, no new conversation)."""
@@ -570,13 +699,32 @@ def test_regenerate_and_edit_follow_the_output_format(chat):
     browser, view = first_visit(chat)
     one = Shown(*last(send(chat, browser, view, "Name a colour.", max_new_tokens=6))[:8])
     choice = ("Choice", "teal\nmauve")
-    regen = Shown(*last(chat.regenerate(one.browser, one.view, "", "", "factual",
-                                        *sliders(chat), 1, False, *choice))[:8])
+    regen = Shown(
+        *last(
+            chat.regenerate(
+                one.browser, one.view, "", "", "factual", *sliders(chat), 1, False, *choice
+            )
+        )[:8]
+    )
     assert regen.chatbot[-1]["content"].split("\n\n")[0] in ("teal", "mauve")
     edited = SimpleNamespace(index=0, value="Name a fruit.", previous_value="")
-    after = Shown(*last(chat.edit(regen.browser, regen.view, "", "", "factual",
-                                  *sliders(chat), 1, False, edited, "Choice",
-                                  "plum, fig"))[:8])
+    after = Shown(
+        *last(
+            chat.edit(
+                regen.browser,
+                regen.view,
+                "",
+                "",
+                "factual",
+                *sliders(chat),
+                1,
+                False,
+                edited,
+                "Choice",
+                "plum, fig",
+            )
+        )[:8]
+    )
     assert after.chatbot[-1]["content"] in ("plum", "fig")
 
 
@@ -585,14 +733,16 @@ def test_gradio_hands_the_output_format_to_the_handlers(engine, presets):
     the format, "Also without", the Models); an edit's EditData goes where the handler's
     parameter is, before them (Gradio inserts it by its annotation)."""
     from gradio.helpers import special_args
+
     demo = build_ui(engine, presets)
     for fn in demo.fns.values():
         if fn.name in ("send", "regenerate", "edit", "generate", "compare"):
             labels = [getattr(b, "label", None) for b in fn.inputs]
             assert labels[-3:] == ["Output format", "Format", "Model"] or (
-                fn.name == "compare" and labels[-4:] == ["Output format", "Format",
-                                                         "Also without the output format",
-                                                         "Models"]), labels
+                fn.name == "compare"
+                and labels[-4:]
+                == ["Output format", "Format", "Also without the output format", "Models"]
+            ), labels
     chat = ChatHandlers(engine, presets)
     values = [{}, new_view(), "", "", "factual", *sliders(chat), 1, False, "JSON", "", "m"]
     data = gr.EventData(None, {"index": 0, "value": "x", "previous_value": ""})
@@ -604,13 +754,16 @@ def test_gradio_hands_the_output_format_to_the_handlers(engine, presets):
 def test_output_format_values_become_a_constraint():
     assert constraint_from("Free text", "ignored") is None and constraint_from(None, "") is None
     assert constraint_from("JSON", "ignored") == Constraint("json_object")
-    assert constraint_from("JSON schema", '{ "type" : "object" }') == \
-        Constraint("json_schema", '{"type": "object"}')
+    assert constraint_from("JSON schema", '{ "type" : "object" }') == Constraint(
+        "json_schema", '{"type": "object"}'
+    )
     assert constraint_from("Regex", "\\d+\n") == Constraint("regex", "\\d+")
-    assert constraint_from("Choice", "red, green ,blue") == \
-        Constraint("choice", '["red", "green", "blue"]')
-    assert constraint_from("Choice", "yes, really\nno\n\n") == \
-        Constraint("choice", '["yes, really", "no"]')
+    assert constraint_from("Choice", "red, green ,blue") == Constraint(
+        "choice", '["red", "green", "blue"]'
+    )
+    assert constraint_from("Choice", "yes, really\nno\n\n") == Constraint(
+        "choice", '["yes, really", "no"]'
+    )
     assert constraint_from("Grammar", 'root ::= "a"') == Constraint("grammar", 'root ::= "a"')
     with pytest.raises(ConfigError, match="the JSON schema is not JSON"):
         constraint_from("JSON schema", "{")
@@ -626,22 +779,52 @@ def sliders_values():
     return [0.0, 0, 1.0, 0.0, 1.0, 8]
 
 
-def send_as(chat, browser, view, message, fmt, text, preset="factual", max_new_tokens=12,
-            seed=1, inspect=False):
+def send_as(
+    chat,
+    browser,
+    view,
+    message,
+    fmt,
+    text,
+    preset="factual",
+    max_new_tokens=12,
+    seed=1,
+    inspect=False,
+):
     """Send with the Output format set to `fmt` and its text box to `text`."""
-    return chat.send(message, browser, view, "", "", preset,
-                     *sliders(chat, preset, max_new_tokens), seed, inspect, fmt, text)
+    return chat.send(
+        message,
+        browser,
+        view,
+        "",
+        "",
+        preset,
+        *sliders(chat, preset, max_new_tokens),
+        seed,
+        inspect,
+        fmt,
+        text,
+    )
 
 
 # -- Benchmark -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("lengths, new_tokens, repeat, message", [
-    ("16,abc", 6, 1, "Prompt lengths: write whole numbers separated by commas, like 32,128,512"),
-    ("", 6, 1, "Prompt lengths: write whole numbers separated by commas"),
-    ("0", 6, 1, "prompt lengths must be whole numbers from 1 to 32768"),
-    ("16", 1, 1, "new tokens must be from 2"),
-    ("16", 6, 0, "repeat must be from 1 to 20"),
-])
+
+@pytest.mark.parametrize(
+    "lengths, new_tokens, repeat, message",
+    [
+        (
+            "16,abc",
+            6,
+            1,
+            "Prompt lengths: write whole numbers separated by commas, like 32,128,512",
+        ),
+        ("", 6, 1, "Prompt lengths: write whole numbers separated by commas"),
+        ("0", 6, 1, "prompt lengths must be whole numbers from 1 to 32768"),
+        ("16", 1, 1, "new tokens must be from 2"),
+        ("16", 6, 0, "repeat must be from 1 to 20"),
+    ],
+)
 def test_benchmark_bad_values(engine, lengths, new_tokens, repeat, message):
     table, plot, status = BenchmarkHandlers(engine).benchmark(lengths, new_tokens, repeat)
     assert table is None and plot is None
@@ -651,11 +834,20 @@ def test_benchmark_bad_values(engine, lengths, new_tokens, repeat, message):
 def test_build_ui_lays_out_the_four_tabs(engine, presets):
     demo = build_ui(engine, presets, "no such preset")
     labels = {getattr(block, "label", None) for block in demo.blocks.values()}
-    assert {"Chat", "Notebook", "Compare", "Benchmark", "Conversation", "Text", "Presets",
-            "Results"} <= labels
+    assert {
+        "Chat",
+        "Notebook",
+        "Compare",
+        "Benchmark",
+        "Conversation",
+        "Text",
+        "Presets",
+        "Results",
+    } <= labels
     # one model: no dropdown to choose it (the header names it)
-    assert not any(b.visible for b in demo.blocks.values()
-                   if getattr(b, "label", None) in ("Model", "Models"))
+    assert not any(
+        b.visible for b in demo.blocks.values() if getattr(b, "label", None) in ("Model", "Models")
+    )
 
 
 def test_replies_of_many_browsers_run_at_once(engine, presets):
@@ -679,6 +871,7 @@ def test_benchmark_tables_name_every_field_of_their_rows():
     from dataclasses import fields
 
     from miniserve.bench.bench import ConcurrencyRow, Row
+
     assert list(BENCH_COLUMNS) == [f.name for f in fields(Row)]
     assert set(CONCURRENCY_COLUMNS) <= {f.name for f in fields(ConcurrencyRow)}
     for header in (*BENCH_COLUMNS.values(), *CONCURRENCY_COLUMNS.values()):
@@ -693,8 +886,12 @@ def test_concurrency_run_fills_the_table_and_the_plot(engine, presets):
     assert list(table.columns) == list(CONCURRENCY_COLUMNS.values())
     assert list(table["Streams at once"]) == [1, 2] and set(table["Preset"]) == {"greedy"}
     assert (table["Aggregate tokens/s"] > 0).all()
-    assert {"First token p50 (s)", "First token p95 (s)", "Inter-token p95 (s)",
-            "Share of the ceiling"} <= set(table.columns)
+    assert {
+        "First token p50 (s)",
+        "First token p95 (s)",
+        "Inter-token p95 (s)",
+        "Share of the ceiling",
+    } <= set(table.columns)
     assert not any("_" in c for c in table.columns)
     # the plot: the same numbers under the fields it is drawn from
     assert list(plot["concurrency"]) == [1, 2]
@@ -702,14 +899,17 @@ def test_concurrency_run_fills_the_table_and_the_plot(engine, presets):
     assert "16-token prompts" in status and not status.startswith("**Error")
 
 
-@pytest.mark.parametrize("levels, chosen, message", [
-    ("1,two", ["greedy"], "Concurrency: write whole numbers separated by commas, like 1,2,4,8"),
-    ("  ", ["greedy"], "Concurrency: write whole numbers separated by commas"),
-    ("0,2", ["greedy"], "concurrency levels must be whole numbers from 1 to 1000"),
-    ("1,999", ["greedy"], "concurrency 999 is more than the engine admits at once"),
-    ("1,2", [], "name at least one preset"),
-    ("1,2", ["no-such-preset"], "unknown preset no-such-preset"),
-])
+@pytest.mark.parametrize(
+    "levels, chosen, message",
+    [
+        ("1,two", ["greedy"], "Concurrency: write whole numbers separated by commas, like 1,2,4,8"),
+        ("  ", ["greedy"], "Concurrency: write whole numbers separated by commas"),
+        ("0,2", ["greedy"], "concurrency levels must be whole numbers from 1 to 1000"),
+        ("1,999", ["greedy"], "concurrency 999 is more than the engine admits at once"),
+        ("1,2", [], "name at least one preset"),
+        ("1,2", ["no-such-preset"], "unknown preset no-such-preset"),
+    ],
+)
 def test_concurrency_bad_values(engine, presets, levels, chosen, message):
     table, plot, status = BenchmarkHandlers(engine, presets).concurrency(levels, chosen, 16, 4)
     assert table is None and plot is None
@@ -719,7 +919,9 @@ def test_concurrency_bad_values(engine, presets, levels, chosen, message):
 def test_concurrency_offers_greedy_and_the_apps_presets(engine, presets):
     assert "greedy" in presets  # built in
     assert BenchmarkHandlers(engine, presets).preset_names == [
-        "greedy", *(n for n in presets if n != "greedy")]
+        "greedy",
+        *(n for n in presets if n != "greedy"),
+    ]
 
 
 def test_concurrency_runs_the_apps_own_presets(engine):
@@ -747,6 +949,7 @@ def test_an_idle_app_polls_its_queue_slowly(engine, presets):
     """Gradio's queue checks for work every 1 ms when free by default (~6% of a core with no
     client); the app sets its private poll intervals, which must exist and take."""
     from miniserve.ui import IDLE_POLL_S, PROGRESS_POLL_S
+
     demo = build_ui(engine, presets)
     assert demo._queue.sleep_when_free == IDLE_POLL_S
     assert demo._queue.progress_update_sleep_when_free == PROGRESS_POLL_S

@@ -63,8 +63,9 @@ def registry(engines: dict, extra=()) -> Models:
     load for real."""
     real = engine_factory(EngineOptions())
     specs = [ModelSpec(name, None) for name in engines] + list(extra)
-    return Models(specs, lambda spec, progress: engines.get(spec.name) or real(spec, progress),
-                  max_loaded=8)
+    return Models(
+        specs, lambda spec, progress: engines.get(spec.name) or real(spec, progress), max_loaded=8
+    )
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +87,7 @@ def values(presets, preset="factual", max_new_tokens=12):
 
 # -- Loading a model -------------------------------------------------------------------------
 
+
 def test_a_model_loads_on_first_use_with_its_progress_on_the_status_line(two_models, presets):
     two_models.unload(B)  # (first in this file: B is not loaded yet, and loads once)
     chat = ChatHandlers(two_models, presets)
@@ -100,11 +102,30 @@ def test_a_model_loads_on_first_use_with_its_progress_on_the_status_line(two_mod
 
 # -- Notebook --------------------------------------------------------------------------------
 
-def generate(notebook, text, history, presets, preset="factual", max_new_tokens=12, seed=1,
-             model=None, inspect=False, regenerate=False):
+
+def generate(
+    notebook,
+    text,
+    history,
+    presets,
+    preset="factual",
+    max_new_tokens=12,
+    seed=1,
+    model=None,
+    inspect=False,
+    regenerate=False,
+):
     run = notebook.regenerate if regenerate else notebook.generate
-    return run(text, history, *values(presets, preset, max_new_tokens), seed, inspect,
-               "Free text", "", model)
+    return run(
+        text,
+        history,
+        *values(presets, preset, max_new_tokens),
+        seed,
+        inspect,
+        "Free text",
+        "",
+        model,
+    )
 
 
 def test_notebook_greedy_generate_continues_the_text_as_complete_text_does(models, presets):
@@ -127,11 +148,13 @@ def test_notebook_regenerate_and_undo(models, presets):
     first, history, *_ = last(generate(notebook, STORY, [], presets, "creative", 10, seed=3))
     assert first.startswith(STORY) and first != STORY
     edited = first + " The end."  # typed after the generation: Regenerate replaces it
-    again, history2, status, _ = last(generate(notebook, edited, history, presets, "creative",
-                                               10, seed=3, regenerate=True))
+    again, history2, status, _ = last(
+        generate(notebook, edited, history, presets, "creative", 10, seed=3, regenerate=True)
+    )
     assert again == first and history2 == [STORY], "the same seed from the same text"
-    other, *_ = last(generate(notebook, edited, history, presets, "creative", 10, seed=4,
-                              regenerate=True))
+    other, *_ = last(
+        generate(notebook, edited, history, presets, "creative", 10, seed=4, regenerate=True)
+    )
     assert other.startswith(STORY) and other != first
     # a second generation on top; Undo steps back through both
     second, history3, *_ = last(generate(notebook, first, history, presets, max_new_tokens=6))
@@ -142,10 +165,10 @@ def test_notebook_regenerate_and_undo(models, presets):
     assert (text, history5) == (STORY, [])
     text, history6, status = notebook.undo(text, history5)
     assert text == {"__type__": "update"} and history6 == [] and status == "nothing to undo"
-    update, history7, status, _ = last(generate(notebook, STORY, [], presets,
-                                                regenerate=True))
-    assert update == {"__type__": "update"} and status.startswith("**Error:** nothing to "
-                                                                  "regenerate yet")
+    update, history7, status, _ = last(generate(notebook, STORY, [], presets, regenerate=True))
+    assert update == {"__type__": "update"} and status.startswith(
+        "**Error:** nothing to regenerate yet"
+    )
 
 
 def test_notebook_stop_keeps_what_was_written(models, presets):
@@ -214,24 +237,34 @@ def test_notebook_regenerate_during_a_generation_stops_it_first(models, presets)
         assert shown[-1] == (UNCHANGED,) * 3 and first[:3] == (STORY, [STORY], "generating…")
         text, history, status, _ = last(again)
         params = presets["factual"].replace(max_new_tokens=12, seed=1)
-        expected = "".join(c.text for c in models.get(None).complete_text(STORY, params,
-                                                                           trim=True))
+        expected = "".join(c.text for c in models.get(None).complete_text(STORY, params, trim=True))
         assert text == STORY + expected and history == [STORY] and "stopped" not in status
     finally:
         notebook.stop()
         thread.join()
 
 
-@pytest.mark.parametrize("text, settings, message", [
-    ("", {}, "&#x27;prompt&#x27; is empty; give the text to continue"),
-    (STORY, {"temperature": 5}, "&#x27;temperature&#x27; must be in [0, 2]"),
-])
+@pytest.mark.parametrize(
+    "text, settings, message",
+    [
+        ("", {}, "&#x27;prompt&#x27; is empty; give the text to continue"),
+        (STORY, {"temperature": 5}, "&#x27;temperature&#x27; must be in [0, 2]"),
+    ],
+)
 def test_notebook_bad_values_leave_the_text(models, presets, text, settings, message):
     notebook = NotebookHandlers(models, presets)
     sliders = values(presets)
     for name, value in settings.items():
-        sliders[["temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-                 "max_new_tokens"].index(name)] = value
+        sliders[
+            [
+                "temperature",
+                "top_k",
+                "top_p",
+                "min_p",
+                "repetition_penalty",
+                "max_new_tokens",
+            ].index(name)
+        ] = value
     updates = list(notebook.generate(text, ["before"], *sliders, 1, False))
     assert len(updates) == 1
     box, history, status, _ = updates[0]
@@ -249,8 +282,22 @@ def test_notebook_and_chat_on_a_base_model(with_base, base_engine, presets):
     assert text == STORY + expected and "model base" in status, status
     chat = ChatHandlers(with_base, presets)
     browser = SidebarHandlers(chat.conversations).load({}).browser
-    *shown, box, _ = last(chat.send("Hello", browser, {}, "", "", "factual", *values(presets),
-                                    1, False, "Free text", "", "base"))
+    *shown, box, _ = last(
+        chat.send(
+            "Hello",
+            browser,
+            {},
+            "",
+            "",
+            "factual",
+            *values(presets),
+            1,
+            False,
+            "Free text",
+            "",
+            "base",
+        )
+    )
     shown = Shown(*shown)
     assert shown.status.startswith("**Error:** model &#x27;base&#x27; has no chat template")
     assert "the Notebook tab" in shown.status and box == "Hello" and shown.chatbot == []
@@ -259,14 +306,25 @@ def test_notebook_and_chat_on_a_base_model(with_base, base_engine, presets):
 
 # -- Chat ------------------------------------------------------------------------------------
 
+
 def send(chat, browser, view, message, presets, model, max_new_tokens=12):
-    return chat.send(message, browser, view, "", "", "factual",
-                     *values(presets, max_new_tokens=max_new_tokens), 1, False, "Free text",
-                     "", model)
+    return chat.send(
+        message,
+        browser,
+        view,
+        "",
+        "",
+        "factual",
+        *values(presets, max_new_tokens=max_new_tokens),
+        1,
+        False,
+        "Free text",
+        "",
+        model,
+    )
 
 
-def test_chat_is_answered_by_the_model_chosen_and_a_switch_keeps_the_conversation(
-        models, presets):
+def test_chat_is_answered_by_the_model_chosen_and_a_switch_keeps_the_conversation(models, presets):
     a = models.default
     chat = ChatHandlers(models, presets)
     engines = {name: models.get(name) for name in (a, B)}
@@ -305,11 +363,15 @@ def test_opening_a_saved_conversation_chooses_the_model_of_its_last_reply(models
     opened = SidebarHandlers(only_a.conversations).open(on_a.browser, on_b.view["cid"])
     model, status = only_a.saved_model(opened.browser, opened.view, a, "restored")
     assert model == {"__type__": "update"}
-    assert status == (f"restored · its last reply was made with model &#x27;{B}&#x27;, which "
-                      f"is not served here: replies now come from {a}")
+    assert status == (
+        f"restored · its last reply was made with model &#x27;{B}&#x27;, which "
+        f"is not served here: replies now come from {a}"
+    )
     # a new chat (no reply yet) leaves the dropdown as it is
-    assert chat.saved_model(on_a.browser, {}, B, "") == ({"__type__": "update"},
-                                                        {"__type__": "update"})
+    assert chat.saved_model(on_a.browser, {}, B, "") == (
+        {"__type__": "update"},
+        {"__type__": "update"},
+    )
 
 
 def test_switching_to_a_loaded_model_answers_at_once(models, presets):
@@ -330,22 +392,27 @@ def test_switching_to_a_loaded_model_answers_at_once(models, presets):
 
 
 def test_an_unknown_or_broken_model_is_the_error_line_and_the_others_keep_working(
-        models, presets, tmp_path):
+    models, presets, tmp_path
+):
     a = models.default
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"not a gguf file at all" * 10)
     models = registry({a: models.get(a)}, [ModelSpec("broken", str(bad))])
     chat = ChatHandlers(models, presets)
     browser = SidebarHandlers(chat.conversations).load({}).browser
-    for model, message in (("nope", "model &#x27;nope&#x27; is not served here; choose one "
-                                    f"of: {a}, broken"),
-                           ("broken", "model &#x27;broken&#x27; could not be loaded: ")):
+    for model, message in (
+        ("nope", f"model &#x27;nope&#x27; is not served here; choose one of: {a}, broken"),
+        ("broken", "model &#x27;broken&#x27; could not be loaded: "),
+    ):
         *shown, box, _ = last(send(chat, browser, {}, "Hi", presets, model))
         status = Shown(*shown).status
         assert status.startswith("**Error:** " + message) and box == "Hi", status
         assert "Traceback" not in status
-        text, _, status, _ = last(NotebookHandlers(models, presets).generate(
-            STORY, [], *values(presets), 1, False, "Free text", "", model))
+        text, _, status, _ = last(
+            NotebookHandlers(models, presets).generate(
+                STORY, [], *values(presets), 1, False, "Free text", "", model
+            )
+        )
         assert status.startswith("**Error:** " + message) and text == {"__type__": "update"}
     assert chat.store.conversations(browser["owner"]) == []
     ok = Shown(*last(send(chat, browser, {}, "Hi", presets, a, 4))[:8])
@@ -354,8 +421,7 @@ def test_an_unknown_or_broken_model_is_the_error_line_and_the_others_keep_workin
     compare = CompareHandlers(models, presets)
     status, *columns = last(compare.compare(PROMPT, ["factual"], 42, 6, models=[a, "broken"]))
     assert status.endswith("1 of 2 models did not run (their columns say why)"), status
-    shown = {slot[0]: col["value"] for slot, col in zip(compare.slots, columns)
-             if col["visible"]}
+    shown = {slot[0]: col["value"] for slot, col in zip(compare.slots, columns) if col["visible"]}
     assert "could not be loaded" in shown["broken"] and "tokens/s" in shown[a]
     status, *_ = last(compare.compare(PROMPT, ["factual"], 42, 6, models=["broken"]))
     assert status.startswith("**Error:** model &#x27;broken&#x27; could not be loaded")
@@ -363,8 +429,10 @@ def test_an_unknown_or_broken_model_is_the_error_line_and_the_others_keep_workin
 
 # -- Compare ---------------------------------------------------------------------------------
 
+
 def test_compare_loads_the_models_at_the_same_time_and_a_failing_one_waits_for_none(
-        models, presets, tmp_path):
+    models, presets, tmp_path
+):
     """Two models not loaded yet: a slow one (B's engine, its load held until the test lets it
     go) and a broken file. The broken one's error shows while the slow one is still loading,
     each with its own line; then the slow one answers."""
@@ -379,8 +447,9 @@ def test_compare_loads_the_models_at_the_same_time_and_a_failing_one_waits_for_n
         release.wait(10)  # without loads at once, the broken one's load waits all of this
         return models.get(B)
 
-    both = Models([ModelSpec("slow", None), ModelSpec("broken", str(bad))], factory,
-                  max_loaded=8)  # never unloads B's engine, which the fixture owns
+    both = Models(
+        [ModelSpec("slow", None), ModelSpec("broken", str(bad))], factory, max_loaded=8
+    )  # never unloads B's engine, which the fixture owns
     compare = CompareHandlers(both, presets)
     updates = compare.compare(PROMPT, ["factual"], 42, 6, models=["slow", "broken"])
     seen = []
@@ -395,8 +464,7 @@ def test_compare_loads_the_models_at_the_same_time_and_a_failing_one_waits_for_n
         seen.append(status)
     assert any("loading model slow: reading the weights" in s for s in seen), seen
     assert status.endswith("1 of 2 models did not run (their columns say why)"), status
-    shown = {slot[0]: col["value"] for slot, col in zip(compare.slots, columns)
-             if col["visible"]}
+    shown = {slot[0]: col["value"] for slot, col in zip(compare.slots, columns) if col["visible"]}
     assert "could not be loaded" in shown["broken"] and "tokens/s" in shown["slow"]
 
 
@@ -410,27 +478,29 @@ def test_compare_across_two_models_runs_them_at_the_same_time(models, presets):
     # both engines hold their requests at once (neither waited for the other)
     assert all(e.queue_depth == 2 for e in engines), [e.queue_depth for e in engines]
     status, *columns = last(updates)
-    assert status == ("same prompt, seed 42, 2 models at the same time, each with 2 presets as "
-                      "one batch")
+    assert status == (
+        "same prompt, seed 42, 2 models at the same time, each with 2 presets as one batch"
+    )
     shown = {slot: col["value"] for slot, col in zip(compare.slots, columns) if col["visible"]}
     assert set(shown) == {(m, n, False) for m in (a, B) for n in ("factual", "creative")}
     for (model, name, _), value in shown.items():
         assert value.startswith(f"### {model} · {name}\n`T="), value
         assert "tokens/s" in value.split("\n\n")[-1]
     # greedy on the same weights: the two models write the same reply, as chat_text does
-    alone, _ = engines[0].chat_text([{"role": "user", "content": PROMPT}],
-                                    presets["factual"].replace(seed=42, max_new_tokens=24))
+    alone, _ = engines[0].chat_text(
+        [{"role": "user", "content": PROMPT}],
+        presets["factual"].replace(seed=42, max_new_tokens=24),
+    )
     assert shown[(a, "factual", False)].split("\n\n")[1] == html.escape(alone)
     assert shown[(B, "factual", False)].split("\n\n")[1] == html.escape(alone)
 
 
-def test_compare_a_base_model_continues_the_prompt_and_says_so(with_base, base_engine,
-                                                               presets):
+def test_compare_a_base_model_continues_the_prompt_and_says_so(with_base, base_engine, presets):
     compare = CompareHandlers(with_base, presets)
-    status, *columns = last(compare.compare(STORY, ["factual"], 42, 8,
-                                            models=[with_base.default, "base"]))
-    shown = {slot[0]: col["value"] for slot, col in zip(compare.slots, columns)
-             if col["visible"]}
+    status, *columns = last(
+        compare.compare(STORY, ["factual"], 42, 8, models=[with_base.default, "base"])
+    )
+    shown = {slot[0]: col["value"] for slot, col in zip(compare.slots, columns) if col["visible"]}
     head, text = shown["base"].split("\n\n")[:2]
     assert head.startswith("### base · factual · completion mode (no chat template)\n"), head
     assert "completion mode" not in shown[with_base.default].split("\n")[0]
@@ -441,15 +511,20 @@ def test_compare_a_base_model_continues_the_prompt_and_says_so(with_base, base_e
 
 # -- Benchmark, header -----------------------------------------------------------------------
 
+
 def test_benchmark_runs_the_model_chosen_and_explains_a_remote_one(models, presets):
     bench = BenchmarkHandlers(models, presets)
     table, _, status = bench.concurrency("1", ["greedy"], 16, 4, B)
     assert list(table["Streams at once"]) == [1] and not status.startswith("**Error"), status
-    far = Models([ModelSpec("far", "http://127.0.0.1:9/v1", remote=True)],
-                 factory=lambda spec, progress: pytest.fail("a remote model is not contacted"))
+    far = Models(
+        [ModelSpec("far", "http://127.0.0.1:9/v1", remote=True)],
+        factory=lambda spec, progress: pytest.fail("a remote model is not contacted"),
+    )
     bench = BenchmarkHandlers(far, presets)
-    for table, plot, status in (bench.benchmark("16", 4, 1, "far"),
-                                bench.concurrency("1", ["greedy"], 16, 4, "far")):
+    for table, plot, status in (
+        bench.benchmark("16", 4, 1, "far"),
+        bench.concurrency("1", ["greedy"], 16, 4, "far"),
+    ):
         assert table is None and plot is None
         assert status.startswith("**Error:** model &#x27;far&#x27; runs on a remote server")
         assert "Only a measurement at the client applies" in status
@@ -464,30 +539,46 @@ def test_drawing_the_app_loads_no_model(presets):
     assert models.loaded() == []
     labels = {getattr(block, "label", None) for block in demo.blocks.values()}
     assert {"Chat", "Notebook", "Compare", "Benchmark", "Model", "Models", "Text"} <= labels
-    assert model_header(models) == ("## MiniServeLM · SmolLM2-135M-Instruct (loads when first "
-                                    "used)")
+    assert model_header(models) == (
+        "## MiniServeLM · SmolLM2-135M-Instruct (loads when first used)"
+    )
     pickers = [b for b in demo.blocks.values() if getattr(b, "label", None) == "Model"]
-    assert len(pickers) == 4 and all(p.visible and p.choices == [  # Chat, Notebook, Step, Bench
-        ("SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct"), (B, B)] for p in pickers)
+    assert len(pickers) == 4 and all(
+        p.visible
+        and p.choices
+        == [  # Chat, Notebook, Step, Bench
+            ("SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct"),
+            (B, B),
+        ]
+        for p in pickers
+    )
 
 
-def test_the_header_names_the_default_and_the_count_each_dropdown_its_own_model(models,
-                                                                                presets):
+def test_the_header_names_the_default_and_the_count_each_dropdown_its_own_model(models, presets):
     """One header for every tab: the default model and how many are served, whatever a tab's
     dropdown chooses; each dropdown's line describes the model it chooses."""
     from miniserve.ui import app_header
     from miniserve.ui.model_picker import picker_info
+
     demo = build_ui(models, presets)
     top = next(b for b in demo.blocks.values() if getattr(b, "elem_id", None) == "model-header")
     info = models.get(B).info()
-    details = (f"on {info['device']} ({info['dtype']}" if info["dtype"] == info["compute_dtype"]
-               else f"on {info['device']} ({info['dtype']} weights")
-    assert top.value == app_header(models) == ("## MiniServeLM · 2 models served · default "
-                                               "SmolLM2-135M-Instruct")
+    details = (
+        f"on {info['device']} ({info['dtype']}"
+        if info["dtype"] == info["compute_dtype"]
+        else f"on {info['device']} ({info['dtype']} weights"
+    )
+    assert (
+        top.value
+        == app_header(models)
+        == ("## MiniServeLM · 2 models served · default SmolLM2-135M-Instruct")
+    )
     assert picker_info(models, B).startswith(details) and picker_info(models, B).endswith(
-        f"context {info['context_length']} tokens")
+        f"context {info['context_length']} tokens"
+    )
     fresh = open_models(["default", f"{B}=default"])
     assert picker_info(fresh, B) == "loads when first used"
     # with one model there is no dropdown: the header describes it
-    assert app_header(Models.single(models.get(B))) == (f"## MiniServeLM · {B} "
-                                                        f"{picker_info(models, B)}")
+    assert app_header(Models.single(models.get(B))) == (
+        f"## MiniServeLM · {B} {picker_info(models, B)}"
+    )

@@ -53,13 +53,18 @@ DEFAULT_MODES = ("no_cache", "cache", "cache+json_schema", "hf_generate")
 # before the token budget (a string of at least this many characters): what each step's mask
 # costs. Its tokens follow the schema, so they are not checked against the free reference.
 CONSTRAINED_MODES = ("cache+json_schema",)
-BENCH_SCHEMA = {"type": "object", "properties": {"text": {"type": "string", "minLength": 100000}},
-                "required": ["text"]}
-FILLER = ("The history of science is the study of the development of science and scientific "
-          "knowledge, including both the natural and social sciences. Science is a body of "
-          "empirical, theoretical, and practical knowledge about the natural world, produced by "
-          "scientists who emphasize the observation, explanation, and prediction of real-world "
-          "phenomena. ")
+BENCH_SCHEMA = {
+    "type": "object",
+    "properties": {"text": {"type": "string", "minLength": 100000}},
+    "required": ["text"],
+}
+FILLER = (
+    "The history of science is the study of the development of science and scientific "
+    "knowledge, including both the natural and social sciences. Science is a body of "
+    "empirical, theoretical, and practical knowledge about the natural world, produced by "
+    "scientists who emphasize the observation, explanation, and prediction of real-world "
+    "phenomena. "
+)
 
 Progress = Callable[[float, str], None]
 T = TypeVar("T")
@@ -80,17 +85,20 @@ class BenchConfig:
     check: bool = True  # check our tokens against the float32 reference (loads it)
 
     def __post_init__(self):
-        if not self.prompt_tokens or any(not 1 <= n <= MAX_PROMPT_TOKENS
-                                         for n in self.prompt_tokens):
+        if not self.prompt_tokens or any(
+            not 1 <= n <= MAX_PROMPT_TOKENS for n in self.prompt_tokens
+        ):
             raise ValueError(f"prompt lengths must be whole numbers from 1 to {MAX_PROMPT_TOKENS}")
         if not 2 <= self.new_tokens <= MAX_NEW_TOKENS:
-            raise ValueError(f"new tokens must be from 2 to {MAX_NEW_TOKENS}, "
-                             f"got {self.new_tokens}")
+            raise ValueError(
+                f"new tokens must be from 2 to {MAX_NEW_TOKENS}, got {self.new_tokens}"
+            )
         check_repeat(self.repeat)
         unknown = [m for m in self.modes if m not in MODES]
         if unknown or not self.modes:
-            raise ValueError(f"unknown mode {', '.join(unknown) or '(none)'}; "
-                             f"choose from {', '.join(MODES)}")
+            raise ValueError(
+                f"unknown mode {', '.join(unknown) or '(none)'}; choose from {', '.join(MODES)}"
+            )
 
 
 @dataclass
@@ -104,17 +112,17 @@ class Row:
     total_s: float
     speedup_vs_no_cache: float | None
     effective_gb_s: float  # weight bytes read per second while decoding
-    tokens_match: bool     # the same tokens as the first mode's
-    agree_tokens: int      # how many leading tokens are the first mode's
+    tokens_match: bool  # the same tokens as the first mode's
+    agree_tokens: int  # how many leading tokens are the first mode's
     verified: bool | None  # follows the float32 reference (None: other weights, not checked)
 
 
 @dataclass
 class BenchResult:
     rows: list[Row]
-    greedy_match: bool     # all our modes (not llama.cpp) gave the same tokens
+    greedy_match: bool  # all our modes (not llama.cpp) gave the same tokens
     tokens_verified: bool  # every checked row follows the float32 reference (llama.cpp
-                           # and int8 weights are not checked: other weights)
+    # and int8 weights are not checked: other weights)
     model: str
     device: str
     dtype: str
@@ -163,12 +171,19 @@ def _hf_generate(engine: Engine, ids, params):
     timer = _FirstTokenTimer()
     with torch.inference_mode():
         start = time.perf_counter()
-        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
-                             do_sample=False, max_new_tokens=params.max_new_tokens, top_k=None,
-                             top_p=None, temperature=None, streamer=timer,
-                             eos_token_id=sorted(engine.eos_ids))
+        out = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            do_sample=False,
+            max_new_tokens=params.max_new_tokens,
+            top_k=None,
+            top_p=None,
+            temperature=None,
+            streamer=timer,
+            eos_token_id=sorted(engine.eos_ids),
+        )
         total = time.perf_counter() - start
-    tokens = [t for t in out[0, len(ids):].tolist() if t not in engine.eos_ids]
+    tokens = [t for t in out[0, len(ids) :].tolist() if t not in engine.eos_ids]
     return tokens, (timer.first or start + total) - start, total
 
 
@@ -178,8 +193,9 @@ def _run_transformers_loop(engine: Engine, ids, params):
 
     def run():
         stats = GenerationStats()
-        tokens = list(generate(engine.loaded.reference(), ids, params, eos_ids=engine.eos_ids,
-                               stats=stats))
+        tokens = list(
+            generate(engine.loaded.reference(), ids, params, eos_ids=engine.eos_ids, stats=stats)
+        )
         return tokens, stats.ttft_s, stats.total_s
 
     return engine.run_on_worker(run)
@@ -222,8 +238,9 @@ def _peer_runners(engine: Engine, config: BenchConfig, progress: Progress):
     return runners, dtypes, nbytes, peers
 
 
-def _measure(engine: Engine, config: BenchConfig, modes: list[str], runners: dict,
-             progress: Progress) -> list[tuple[list[int], dict]]:
+def _measure(
+    engine: Engine, config: BenchConfig, modes: list[str], runners: dict, progress: Progress
+) -> list[tuple[list[int], dict]]:
     """[(prompt ids, {mode: [(tokens, ttft_s, total_s) per repeat]}) per prompt length]."""
     warm = prompt_of_length(engine.tokenizer, 8)
     for mode in modes:  # first calls pay one-off costs; keep them out of the numbers
@@ -238,7 +255,9 @@ def _measure(engine: Engine, config: BenchConfig, modes: list[str], runners: dic
         for mode in modes:
             runs = []
             for r in range(config.repeat):
-                progress(done / total_runs, f"{n} prompt tokens, {mode}, run {r + 1}/{config.repeat}")
+                progress(
+                    done / total_runs, f"{n} prompt tokens, {mode}, run {r + 1}/{config.repeat}"
+                )
                 runs.append(runners[mode](ids))
                 done += 1
             results[mode] = runs
@@ -250,30 +269,55 @@ def run_bench(engine: Engine, config: BenchConfig, progress: Progress | None = N
     progress = progress or (lambda f, m: None)
     if not engine.capabilities.local_tokens:
         return run_remote_bench(engine, config, progress)
-    params = SamplingParams(temperature=0, top_k=0, top_p=1.0, repetition_penalty=1.0,
-                            max_new_tokens=config.new_tokens)
+    params = SamplingParams(
+        temperature=0, top_k=0, top_p=1.0, repetition_penalty=1.0, max_new_tokens=config.new_tokens
+    )
     dtype = str(engine.loaded.dtype).removeprefix("torch.")  # the reference modes' weights
-    ours = (f"{dtype}+int8" if engine.quant == "int8" else  # activations+weights
-            engine.info()["dtype"] if engine.loaded.stored else dtype)
-    dtypes = {"no_cache": ours, "cache": ours, "cache+json_schema": ours, "hf_generate": dtype,
-              "transformers_loop": dtype, "lean": dtype}
+    ours = (
+        f"{dtype}+int8"
+        if engine.quant == "int8"
+        # activations+weights
+        else engine.info()["dtype"]
+        if engine.loaded.stored
+        else dtype
+    )
+    dtypes = {
+        "no_cache": ours,
+        "cache": ours,
+        "cache+json_schema": ours,
+        "hf_generate": dtype,
+        "transformers_loop": dtype,
+        "lean": dtype,
+    }
     schema_params = params.replace(constraint=Constraint("json_schema", json.dumps(BENCH_SCHEMA)))
     lean_box: dict = {}  # the PyTorch lean model of the `lean` mode, built at its first run
-    runners = {"no_cache": lambda ids: _run_ours(engine, ids, params, False),
-               "cache": lambda ids: _run_ours(engine, ids, params, True),
-               "cache+json_schema": lambda ids: _run_ours(engine, ids, schema_params, True),
-               "hf_generate": lambda ids: _run_hf(engine, ids, params),
-               "transformers_loop": lambda ids: _run_transformers_loop(engine, ids, params),
-               "lean": lambda ids: _run_lean(engine, ids, params, lean_box)}
-    nbytes = {m: (engine.runner if m in ("no_cache", "cache", "cache+json_schema") else
-                  TransformersRunner(engine.loaded.reference())).weight_bytes()
-              for m in config.modes}
+    runners = {
+        "no_cache": lambda ids: _run_ours(engine, ids, params, False),
+        "cache": lambda ids: _run_ours(engine, ids, params, True),
+        "cache+json_schema": lambda ids: _run_ours(engine, ids, schema_params, True),
+        "hf_generate": lambda ids: _run_hf(engine, ids, params),
+        "transformers_loop": lambda ids: _run_transformers_loop(engine, ids, params),
+        "lean": lambda ids: _run_lean(engine, ids, params, lean_box),
+    }
+    nbytes = {
+        m: (
+            engine.runner
+            if m in ("no_cache", "cache", "cache+json_schema")
+            else TransformersRunner(engine.loaded.reference())
+        ).weight_bytes()
+        for m in config.modes
+    }
     modes = list(config.modes)
     # the error bound of each mode's logits: the engine's runner's own (bfloat16 products on
     # the native runner), else the arithmetic of the model's dtype
     ours_bound, reference_bound = runner_bound(engine.runner), bound_for(engine.loaded.dtype)
-    bounds = {"no_cache": ours_bound, "cache": ours_bound, "hf_generate": reference_bound,
-              "transformers_loop": reference_bound, "lean": reference_bound}
+    bounds = {
+        "no_cache": ours_bound,
+        "cache": ours_bound,
+        "hf_generate": reference_bound,
+        "transformers_loop": reference_bound,
+        "lean": reference_bound,
+    }
     peers = []
     if config.peer:  # llama.cpp: its own weights (a copy per precision), so not checked
         peer_runners, peer_dtypes, peer_bytes, peers = _peer_runners(engine, config, progress)
@@ -304,23 +348,45 @@ def run_bench(engine: Engine, config: BenchConfig, progress: Progress | None = N
             total = statistics.median(r[2] for r in runs)
             decode_tps = statistics.median(
                 (len(r[0]) - 1) / (r[2] - r[1]) if len(r[0]) > 1 and r[2] > r[1] else 0.0
-                for r in runs)
+                for r in runs
+            )
             if mode == "no_cache":
                 base_total = total
-            rows.append(Row(len(prompt_ids), mode, dtypes[mode], len(tokens), round(ttft, 4),
-                            round(decode_tps, 2), round(total, 4),
-                            round(base_total / total, 2) if base_total else None,
-                            round(nbytes[mode] * decode_tps / 1e9, 2),
-                            all(r[0] == first for r in runs), agree, verified))
+            rows.append(
+                Row(
+                    len(prompt_ids),
+                    mode,
+                    dtypes[mode],
+                    len(tokens),
+                    round(ttft, 4),
+                    round(decode_tps, 2),
+                    round(total, 4),
+                    round(base_total / total, 2) if base_total else None,
+                    round(nbytes[mode] * decode_tps / 1e9, 2),
+                    all(r[0] == first for r in runs),
+                    agree,
+                    verified,
+                )
+            )
     progress(1.0, "done")
-    note = ("ours computes in float32 over the bfloat16 weights, generate() in bfloat16"
-            if mixed_precision(engine) else "")
+    note = (
+        "ours computes in float32 over the bfloat16 weights, generate() in bfloat16"
+        if mixed_precision(engine)
+        else ""
+    )
     ours_rows = [r for r in rows if r.mode in bounds]  # not llama.cpp's
-    return BenchResult(rows, all(r.tokens_match for r in ours_rows),
-                       all(r.verified is not False for r in rows), engine.name,
-                       engine.loaded.device.type, ours, note=note, runner=engine.runner_name,
-                       native_isa=(native.isa() or "") if engine.runner_name == "native" else "",
-                       cpu=cpu_model())
+    return BenchResult(
+        rows,
+        all(r.tokens_match for r in ours_rows),
+        all(r.verified is not False for r in rows),
+        engine.name,
+        engine.loaded.device.type,
+        ours,
+        note=note,
+        runner=engine.runner_name,
+        native_isa=(native.isa() or "") if engine.runner_name == "native" else "",
+        cpu=cpu_model(),
+    )
 
 
 # -- a remote model (miniserve/models/remote.py) ------------------------------------------------------
@@ -332,13 +398,18 @@ REMOTE_MODE = "remote"
 
 def remote_note(engine) -> str:
     info = engine.info()
-    return (f"a remote model ({info.get('server', 'server')} at {info.get('url', '?')}): only our "
-            "streaming loop through its server ran -- time to first token and tokens/s as "
-            "this client sees them, network included; the other modes need the weights on "
-            "this machine, and its tokens are not checked (its weights are not here); prompt "
-            "tokens as the server counted them"
-            + ("" if info.get("token_counts", "").startswith("the server's") else
-               " (where it sent no count, as estimated here)"))
+    return (
+        f"a remote model ({info.get('server', 'server')} at {info.get('url', '?')}): only our "
+        "streaming loop through its server ran -- time to first token and tokens/s as "
+        "this client sees them, network included; the other modes need the weights on "
+        "this machine, and its tokens are not checked (its weights are not here); prompt "
+        "tokens as the server counted them"
+        + (
+            ""
+            if info.get("token_counts", "").startswith("the server's")
+            else " (where it sent no count, as estimated here)"
+        )
+    )
 
 
 def remote_prompt(engine, n: int, lead: str = "", count=None) -> str:
@@ -374,18 +445,30 @@ def _run_remote(engine, prompt: str, params: SamplingParams):
     """(text, prompt tokens the server counted (0: it did not say), new tokens, ttft, total)."""
     chunks = list(engine.complete_text(prompt, params))
     stats = chunks[-1].stats
-    return ("".join(c.text for c in chunks), stats.prompt_tokens, stats.new_tokens,
-            stats.ttft_s, stats.total_s)
+    return (
+        "".join(c.text for c in chunks),
+        stats.prompt_tokens,
+        stats.new_tokens,
+        stats.ttft_s,
+        stats.total_s,
+    )
 
 
 def run_remote_bench(engine, config: BenchConfig, progress: Progress) -> BenchResult:
     """The rows a remote model can have: one per prompt length, our loop through its server.
     Each run's prompt starts differently, so the server's prefix cache cannot answer it."""
     if config.peer:
-        raise ValueError("--peer needs a local .gguf model: a remote model's weights are on "
-                         "its server")
-    params = SamplingParams(temperature=0, top_k=0, top_p=1.0, min_p=0.0,
-                            repetition_penalty=1.0, max_new_tokens=config.new_tokens)
+        raise ValueError(
+            "--peer needs a local .gguf model: a remote model's weights are on its server"
+        )
+    params = SamplingParams(
+        temperature=0,
+        top_k=0,
+        top_p=1.0,
+        min_p=0.0,
+        repetition_penalty=1.0,
+        max_new_tokens=config.new_tokens,
+    )
     progress(0.0, "warming up the remote, counting its tokens")
     count = _filler_counter(engine, params)  # also the warm-up
     rows, total, done = [], len(config.prompt_tokens) * config.repeat, 0
@@ -401,14 +484,30 @@ def run_remote_bench(engine, config: BenchConfig, progress: Progress) -> BenchRe
             done += 1
         ttft = statistics.median(r[3] for r in runs)
         total_s = statistics.median(r[4] for r in runs)
-        decode = statistics.median((r[2] - 1) / (r[4] - r[3]) if r[2] > 1 and r[4] > r[3]
-                                   else 0.0 for r in runs)
+        decode = statistics.median(
+            (r[2] - 1) / (r[4] - r[3]) if r[2] > 1 and r[4] > r[3] else 0.0 for r in runs
+        )
         counted = statistics.median(r[1] for r in runs)
-        rows.append(Row(int(counted), REMOTE_MODE, "remote", runs[0][2], round(ttft, 4),
-                        round(decode, 2), round(total_s, 4), None, 0.0, True, runs[0][2], None))
+        rows.append(
+            Row(
+                int(counted),
+                REMOTE_MODE,
+                "remote",
+                runs[0][2],
+                round(ttft, 4),
+                round(decode, 2),
+                round(total_s, 4),
+                None,
+                0.0,
+                True,
+                runs[0][2],
+                None,
+            )
+        )
     progress(1.0, "done")
-    return BenchResult(rows, True, True, engine.name, "remote", "remote",
-                       note=remote_note(engine), runner="remote")
+    return BenchResult(
+        rows, True, True, engine.name, "remote", "remote", note=remote_note(engine), runner="remote"
+    )
 
 
 def _token_checker(engine: Engine, new_tokens: int):
@@ -450,10 +549,14 @@ def prefix_reuse(engine: Engine, history_tokens: int = 1500, repeat: int = 3) ->
     filler = FILLER * (history_tokens // 50 + 1)
     words = filler.split()
     history = []
-    while len(engine.chat_prompt(history + [{"role": "user", "content": "x"}], params)) \
-            < history_tokens:
-        history += [{"role": "user", "content": " ".join(words[:60])},
-                    {"role": "assistant", "content": " ".join(words[60:120])}]
+    while (
+        len(engine.chat_prompt(history + [{"role": "user", "content": "x"}], params))
+        < history_tokens
+    ):
+        history += [
+            {"role": "user", "content": " ".join(words[:60])},
+            {"role": "assistant", "content": " ".join(words[60:120])},
+        ]
     question = {"role": "user", "content": "Summarise our talk in one line."}
     warm, cold = [], []
     for _ in range(repeat):
@@ -467,21 +570,42 @@ def prefix_reuse(engine: Engine, history_tokens: int = 1500, repeat: int = 3) ->
         cold.append(miss.stats)
     warm_ttft = statistics.median(s.ttft_s for s in warm)
     cold_ttft = statistics.median(s.ttft_s for s in cold)
-    return {"prompt_tokens": warm[0].prompt_tokens, "reused_tokens": warm[0].reused_tokens,
-            "ttft_warm_s": round(warm_ttft, 4), "ttft_cold_s": round(cold_ttft, 4),
-            "speedup": round(cold_ttft / warm_ttft, 1)}
+    return {
+        "prompt_tokens": warm[0].prompt_tokens,
+        "reused_tokens": warm[0].reused_tokens,
+        "ttft_warm_s": round(warm_ttft, 4),
+        "ttft_cold_s": round(cold_ttft, 4),
+        "speedup": round(cold_ttft / warm_ttft, 1),
+    }
 
 
 def format_table(result: BenchResult) -> str:
-    head = ("prompt_tokens", "mode", "dtype", "new_tokens", "ttft_s", "decode_tok/s", "total_s",
-            "speedup", "GB/s", "tokens")
+    head = (
+        "prompt_tokens",
+        "mode",
+        "dtype",
+        "new_tokens",
+        "ttft_s",
+        "decode_tok/s",
+        "total_s",
+        "speedup",
+        "GB/s",
+        "tokens",
+    )
     lines = [" ".join(f"{h:>13}" for h in head)]
     for r in result.rows:
-        cells = (r.prompt_tokens, r.mode, r.dtype, r.new_tokens, f"{r.ttft_s:.3f}",
-                 f"{r.decode_tokens_per_s:.1f}", f"{r.total_s:.2f}",
-                 f"{r.speedup_vs_no_cache:.2f}x" if r.speedup_vs_no_cache else "-",
-                 f"{r.effective_gb_s:.1f}" if r.mode != REMOTE_MODE else "-",
-                 {True: "checked", False: "WRONG", None: "-"}[r.verified])
+        cells = (
+            r.prompt_tokens,
+            r.mode,
+            r.dtype,
+            r.new_tokens,
+            f"{r.ttft_s:.3f}",
+            f"{r.decode_tokens_per_s:.1f}",
+            f"{r.total_s:.2f}",
+            f"{r.speedup_vs_no_cache:.2f}x" if r.speedup_vs_no_cache else "-",
+            f"{r.effective_gb_s:.1f}" if r.mode != REMOTE_MODE else "-",
+            {True: "checked", False: "WRONG", None: "-"}[r.verified],
+        )
         lines.append(" ".join(f"{c:>13}" for c in cells))
     lines.append(describe_run(result))
     return "\n".join(lines)
@@ -491,44 +615,74 @@ def describe_run(result: BenchResult) -> str:
     """What ran, where, and whether its tokens are right: the line under every table."""
     if result.runner == "remote":
         return f"{result.model}: {result.note}"
-    return (f"{result.model} on {result.device} ({result.dtype}, {result.runner} runner"
-            + (f", {result.native_isa} kernels" if result.native_isa else "")
-            + (f"; {result.cpu}" if result.cpu else "") + f"); {verdict(result)}")
+    return (
+        f"{result.model} on {result.device} ({result.dtype}, {result.runner} runner"
+        + (f", {result.native_isa} kernels" if result.native_isa else "")
+        + (f"; {result.cpu}" if result.cpu else "")
+        + f"); {verdict(result)}"
+    )
 
 
 def verdict(result: BenchResult) -> str:
     """One sentence on the tokens: checked against the reference, and alike across modes."""
-    checked = ("the checked rows' greedy tokens follow the float32 reference: yes"
-               if result.tokens_verified else
-               "greedy tokens follow the float32 reference: NO -- a mode computes wrong logits")
+    checked = (
+        "the checked rows' greedy tokens follow the float32 reference: yes"
+        if result.tokens_verified
+        else "greedy tokens follow the float32 reference: NO -- a mode computes wrong logits"
+    )
     if "int8" in result.dtype:
-        alike = ("the int8 rows run rounded weights, so their tokens differ from the float "
-                 "reference as expected and are not checked (BENCHMARKS.md has the agreement)")
+        alike = (
+            "the int8 rows run rounded weights, so their tokens differ from the float "
+            "reference as expected and are not checked (BENCHMARKS.md has the agreement)"
+        )
     elif result.greedy_match:
-        alike = "identical across modes" + (" (the json_schema rows follow their schema)"
-                                            if any(r.mode in CONSTRAINED_MODES
-                                                   for r in result.rows) else "")
+        alike = "identical across modes" + (
+            " (the json_schema rows follow their schema)"
+            if any(r.mode in CONSTRAINED_MODES for r in result.rows)
+            else ""
+        )
     else:
-        parted = min(r.agree_tokens for r in result.rows
-                     if r.mode in MODES and r.mode not in CONSTRAINED_MODES)
-        alike = (f"the modes part at a near-tie after {parted} tokens (other kernels, other "
-                 "rounding)")
+        parted = min(
+            r.agree_tokens
+            for r in result.rows
+            if r.mode in MODES and r.mode not in CONSTRAINED_MODES
+        )
+        alike = (
+            f"the modes part at a near-tie after {parted} tokens (other kernels, other rounding)"
+        )
     note = f"; {result.note}" if result.note else ""
     return f"{checked}; {alike}{note}"
 
 
 def to_dict(result: BenchResult | ConcurrencyResult) -> dict:
     if isinstance(result, ConcurrencyResult):
-        return {"model": result.model, "device": result.device, "dtype": result.dtype,
-                "runner": result.runner, "math": result.math, "native_isa": result.native_isa,
-                "cpu": result.cpu, "prompt_tokens": result.prompt_tokens,
-                "new_tokens": result.new_tokens, "ceiling": result.ceiling,
-                "note": result.note, "rows": [asdict(r) for r in result.rows]}
-    return {"model": result.model, "device": result.device, "dtype": result.dtype,
-            "runner": result.runner, "native_isa": result.native_isa, "cpu": result.cpu,
-            "greedy_match": result.greedy_match, "tokens_verified": result.tokens_verified,
+        return {
+            "model": result.model,
+            "device": result.device,
+            "dtype": result.dtype,
+            "runner": result.runner,
+            "math": result.math,
+            "native_isa": result.native_isa,
+            "cpu": result.cpu,
+            "prompt_tokens": result.prompt_tokens,
+            "new_tokens": result.new_tokens,
+            "ceiling": result.ceiling,
             "note": result.note,
-            "rows": [asdict(r) for r in result.rows], "prefix_reuse": result.prefix_reuse}
+            "rows": [asdict(r) for r in result.rows],
+        }
+    return {
+        "model": result.model,
+        "device": result.device,
+        "dtype": result.dtype,
+        "runner": result.runner,
+        "native_isa": result.native_isa,
+        "cpu": result.cpu,
+        "greedy_match": result.greedy_match,
+        "tokens_verified": result.tokens_verified,
+        "note": result.note,
+        "rows": [asdict(r) for r in result.rows],
+        "prefix_reuse": result.prefix_reuse,
+    }
 
 
 def write_json(result: BenchResult | ConcurrencyResult, path: str) -> None:
@@ -552,7 +706,6 @@ def write_csv(result: BenchResult | ConcurrencyResult, path: str) -> None:
 # run, so the share of it is the engine's, not the machine's.
 
 
-
 @dataclass
 class ConcurrencyConfig:
     levels: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
@@ -565,15 +718,18 @@ class ConcurrencyConfig:
 
     def __post_init__(self):
         low, high = int(MAX_QUEUE.low), int(MAX_QUEUE.high)
-        if not self.levels or any(not isinstance(b, int) or not low <= b <= high
-                                  for b in self.levels):
+        if not self.levels or any(
+            not isinstance(b, int) or not low <= b <= high for b in self.levels
+        ):
             raise ValueError(f"concurrency levels must be whole numbers from {low} to {high}")
         if not 2 <= self.prompt_tokens <= MAX_PROMPT_TOKENS:
-            raise ValueError(f"prompt tokens must be from 2 to {MAX_PROMPT_TOKENS}, "
-                             f"got {self.prompt_tokens}")
+            raise ValueError(
+                f"prompt tokens must be from 2 to {MAX_PROMPT_TOKENS}, got {self.prompt_tokens}"
+            )
         if not 2 <= self.new_tokens <= MAX_NEW_TOKENS:
-            raise ValueError(f"new tokens must be from 2 to {MAX_NEW_TOKENS}, "
-                             f"got {self.new_tokens}")
+            raise ValueError(
+                f"new tokens must be from 2 to {MAX_NEW_TOKENS}, got {self.new_tokens}"
+            )
         check_repeat(self.repeat)
         if not self.presets:
             raise ValueError("name at least one preset")
@@ -581,21 +737,21 @@ class ConcurrencyConfig:
 
 @dataclass
 class ConcurrencyRow:
-    engine: str                # "miniserve", or "llama.cpp" (its own process, batched)
+    engine: str  # "miniserve", or "llama.cpp" (its own process, batched)
     preset: str
-    concurrency: int           # B: streams submitted at once
-    dtype: str                 # weights (+ arithmetic where it differs)
-    prompt_tokens: int         # each stream's prompt
-    new_tokens: int            # asked of each stream
-    produced_tokens: int       # what all streams of all repeats produced (an end token stops one)
-    asked_tokens: int          # concurrency x new_tokens x repeats
-    min_stream_tokens: int     # the fewest one stream produced
-    wall_s: float              # first submit -> last finish (median over repeats)
-    aggregate_tokens_per_s: float      # all streams' new tokens / wall_s (median over repeats)
+    concurrency: int  # B: streams submitted at once
+    dtype: str  # weights (+ arithmetic where it differs)
+    prompt_tokens: int  # each stream's prompt
+    new_tokens: int  # asked of each stream
+    produced_tokens: int  # what all streams of all repeats produced (an end token stops one)
+    asked_tokens: int  # concurrency x new_tokens x repeats
+    min_stream_tokens: int  # the fewest one stream produced
+    wall_s: float  # first submit -> last finish (median over repeats)
+    aggregate_tokens_per_s: float  # all streams' new tokens / wall_s (median over repeats)
     stream_decode_tokens_per_s: float  # one stream's tokens after its first / their time (median)
-    ttft_p50_s: float          # submit -> first token arrived, over the streams
+    ttft_p50_s: float  # submit -> first token arrived, over the streams
     ttft_p95_s: float
-    itl_p95_s: float           # gaps between a stream's chunks, per token they carry
+    itl_p95_s: float  # gaps between a stream's chunks, per token they carry
     ceiling_tokens_per_s: float | None  # min(B x bandwidth / weight bytes, GFLOPS / flops a token)
     ceiling_share: float | None  # aggregate / ceiling
     cpu: str
@@ -610,7 +766,7 @@ class ConcurrencyResult:
     device: str
     dtype: str
     runner: str
-    math: str                  # the arithmetic of the matrix products
+    math: str  # the arithmetic of the matrix products
     cpu: str
     native_isa: str
     prompt_tokens: int
@@ -618,7 +774,7 @@ class ConcurrencyResult:
     ceiling: dict = field(default_factory=dict)  # measured bandwidth, GFLOPS and how
     note: str = ""
     kv_budget: int | None = None  # the engine's, in positions
-    rss_mb_before: float = 0.0    # this process's resident memory around the run
+    rss_mb_before: float = 0.0  # this process's resident memory around the run
     rss_mb_after: float = 0.0
 
 
@@ -685,9 +841,9 @@ def stream_prompt(tokenizer, n: int, index: int) -> list[int]:
     return (lead + prompt_of_length(tokenizer, n))[:n]
 
 
-def concurrency_params(config: ConcurrencyConfig,
-                       presets: dict[str, SamplingParams] | None = None
-                       ) -> dict[str, SamplingParams]:
+def concurrency_params(
+    config: ConcurrencyConfig, presets: dict[str, SamplingParams] | None = None
+) -> dict[str, SamplingParams]:
     """The presets to run, by name, asking for new_tokens with no stop strings: from `presets`
     (the table a caller has loaded, the web app's), else from config.presets_file (None: the
     default presets.yaml). `greedy` is built in unless the table defines it."""
@@ -696,14 +852,16 @@ def concurrency_params(config: ConcurrencyConfig,
     presets = with_builtins(presets)
     unknown = [p for p in config.presets if p not in presets]
     if unknown:
-        raise ValueError(f"unknown preset {', '.join(unknown)} (available: "
-                         f"{', '.join(presets)})")
-    return {name: presets[name].replace(max_new_tokens=config.new_tokens, stop=())
-            for name in config.presets}
+        raise ValueError(f"unknown preset {', '.join(unknown)} (available: {', '.join(presets)})")
+    return {
+        name: presets[name].replace(max_new_tokens=config.new_tokens, stop=())
+        for name in config.presets
+    }
 
 
-def at_once(count: int, one: Callable[[int, Callable[[], None]], T],
-            name: str = "bench-stream") -> list[T]:
+def at_once(
+    count: int, one: Callable[[int, Callable[[], None]], T], name: str = "bench-stream"
+) -> list[T]:
     """one(i, start) for i in range(count), each on a thread of its own: each calls start()
     when it is ready, and all go on from there together (a barrier). Their results in order;
     the first failure is re-raised -- the real one, not the broken barrier it left the others."""
@@ -718,8 +876,10 @@ def at_once(count: int, one: Callable[[int, Callable[[], None]], T],
             errors.append(e)
             barrier.abort()
 
-    threads = [threading.Thread(target=run, args=(i,), name=f"{name}-{i}", daemon=True)
-               for i in range(count)]
+    threads = [
+        threading.Thread(target=run, args=(i,), name=f"{name}-{i}", daemon=True)
+        for i in range(count)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -730,8 +890,12 @@ def at_once(count: int, one: Callable[[int, Callable[[], None]], T],
     return results
 
 
-def run_streams(engine: Engine, prompts: list[list[int]], params: list[SamplingParams],
-                reuse_prefix: bool = False) -> list[StreamTimeline]:
+def run_streams(
+    engine: Engine,
+    prompts: list[list[int]],
+    params: list[SamplingParams],
+    reuse_prefix: bool = False,
+) -> list[StreamTimeline]:
     """Submit every prompt at once from a thread each; time what comes back."""
 
     def one(i: int, start: Callable[[], None]) -> StreamTimeline:
@@ -747,59 +911,92 @@ def run_streams(engine: Engine, prompts: list[list[int]], params: list[SamplingP
     return at_once(len(prompts), one)
 
 
-def _row(engine_name: str, preset: str, level: int, dtype: str, config: ConcurrencyConfig,
-         runs: list[list[StreamTimeline]], ceiling: float | None, cpu: str,
-         isa: str) -> ConcurrencyRow:
+def _row(
+    engine_name: str,
+    preset: str,
+    level: int,
+    dtype: str,
+    config: ConcurrencyConfig,
+    runs: list[list[StreamTimeline]],
+    ceiling: float | None,
+    cpu: str,
+    isa: str,
+) -> ConcurrencyRow:
     streams = [s for run in runs for s in run]
     walls = [max(s.end for s in run) - min(s.submit for s in run) for run in runs]
-    aggregates = [sum(s.tokens for s in run) / wall if wall > 0 else 0.0
-                  for run, wall in zip(runs, walls)]
+    aggregates = [
+        sum(s.tokens for s in run) / wall if wall > 0 else 0.0 for run, wall in zip(runs, walls)
+    ]
     ttfts = [t for s in streams if (t := s.ttft()) is not None]
     rates = [r for s in streams if (r := s.decode_rate()) is not None]
     gaps = [g for s in streams for g in s.token_gaps()]
     aggregate = statistics.median(aggregates)
     return ConcurrencyRow(
-        engine_name, preset, level, dtype, config.prompt_tokens, config.new_tokens,
-        sum(s.tokens for s in streams), level * config.new_tokens * len(runs),
+        engine_name,
+        preset,
+        level,
+        dtype,
+        config.prompt_tokens,
+        config.new_tokens,
+        sum(s.tokens for s in streams),
+        level * config.new_tokens * len(runs),
         min(s.tokens for s in streams),
-        round(statistics.median(walls), 4), round(aggregate, 2),
+        round(statistics.median(walls), 4),
+        round(aggregate, 2),
         round(statistics.median(rates), 2) if rates else 0.0,
-        round(percentile(ttfts, 50), 4), round(percentile(ttfts, 95), 4),
+        round(percentile(ttfts, 50), 4),
+        round(percentile(ttfts, 95), 4),
         round(percentile(gaps, 95), 5),
         round(ceiling, 1) if ceiling else None,
-        round(aggregate / ceiling, 3) if ceiling else None, cpu, isa)
+        round(aggregate / ceiling, 3) if ceiling else None,
+        cpu,
+        isa,
+    )
 
 
-def run_concurrency(engine: Engine, config: ConcurrencyConfig,
-                    progress: Progress | None = None,
-                    presets: dict[str, SamplingParams] | None = None) -> ConcurrencyResult:
+def run_concurrency(
+    engine: Engine,
+    config: ConcurrencyConfig,
+    progress: Progress | None = None,
+    presets: dict[str, SamplingParams] | None = None,
+) -> ConcurrencyResult:
     """Every preset at every concurrency level (and llama.cpp's greedy streams with `peer`),
     with the ceiling measured first; the presets from `presets` or config.presets_file (see
     concurrency_params). Raises ValueError for a level the engine's queue cannot hold or a
     preset that does not exist."""
     progress = progress or (lambda f, m: None)
     if not engine.capabilities.local_tokens:
-        raise ValueError(f"bench --concurrency measures this machine's scheduler; model "
-                         f"'{engine.name}' runs on a remote server (bench without "
-                         "--concurrency times our streaming loop through it)")
+        raise ValueError(
+            f"bench --concurrency measures this machine's scheduler; model "
+            f"'{engine.name}' runs on a remote server (bench without "
+            "--concurrency times our streaming loop through it)"
+        )
     params = concurrency_params(config, presets)
     too_many = [b for b in config.levels if b > engine.max_queue]
     if too_many:
-        raise ValueError(f"concurrency {max(too_many)} is more than the engine admits at once "
-                         f"(--max-queue {engine.max_queue})")
+        raise ValueError(
+            f"concurrency {max(too_many)} is more than the engine admits at once "
+            f"(--max-queue {engine.max_queue})"
+        )
     if config.prompt_tokens + config.new_tokens > engine.context_length:
-        raise ValueError(f"prompt tokens + new tokens ({config.prompt_tokens} + "
-                         f"{config.new_tokens}) exceed the context ({engine.context_length})")
+        raise ValueError(
+            f"prompt tokens + new tokens ({config.prompt_tokens} + "
+            f"{config.new_tokens}) exceed the context ({engine.context_length})"
+        )
     cpu = cpu_model()
     isa = (native.isa() or "") if engine.runner_name == "native" else ""
     info = engine.info()
     math = info.get("compute_dtype", "")
-    weights = (engine.info()["dtype"] if engine.loaded.stored
-               else str(engine.loaded.dtype).removeprefix("torch."))
+    weights = (
+        engine.info()["dtype"]
+        if engine.loaded.stored
+        else str(engine.loaded.dtype).removeprefix("torch.")
+    )
     dtype = f"{weights}+int8" if engine.quant == "int8" else weights
     shown = dtype if math in ("", weights) else f"{dtype} ({math} math)"
-    prompts = [stream_prompt(engine.tokenizer, config.prompt_tokens, i)
-               for i in range(max(config.levels))]
+    prompts = [
+        stream_prompt(engine.tokenizer, config.prompt_tokens, i) for i in range(max(config.levels))
+    ]
 
     scheduler = engine.scheduler
     rss_before = rss_mb()
@@ -817,8 +1014,9 @@ def run_concurrency(engine: Engine, config: ConcurrencyConfig,
             peer_model.run_batch(prompts[:1], 4, engine.eos_ids)
         rows = []
         jobs = [(p, b) for p in config.presets for b in config.levels]
-        total = len(jobs) * config.repeat + (len(config.levels) * config.repeat
-                                             if peer_model else 0)
+        total = len(jobs) * config.repeat + (
+            len(config.levels) * config.repeat if peer_model else 0
+        )
         done = 0
         for preset, level in jobs:
             runs = []
@@ -828,21 +1026,47 @@ def run_concurrency(engine: Engine, config: ConcurrencyConfig,
                 seeded = [params[preset].replace(seed=1000 + i) for i in range(level)]
                 runs.append(run_streams(engine, prompts[:level], seeded))
                 done += 1
-            rows.append(_row("miniserve", preset, level, shown, config, runs,
-                             ceiling_tokens_per_s(ceiling, level), cpu, isa))
+            rows.append(
+                _row(
+                    "miniserve",
+                    preset,
+                    level,
+                    shown,
+                    config,
+                    runs,
+                    ceiling_tokens_per_s(ceiling, level),
+                    cpu,
+                    isa,
+                )
+            )
             rows[-1].kv_peak = scheduler.peak_kv
         if peer_model is not None:
             peer_ceiling = dict(ceiling, weight_bytes=peer_bytes) if ceiling else {}
             for level in config.levels:
                 runs = []
                 for r in range(config.repeat):
-                    progress(done / total, f"llama.cpp, {level} at once, run {r + 1}/"
-                                           f"{config.repeat}")
-                    runs.append(_peer_streams(peer_model.run_batch(
-                        prompts[:level], config.new_tokens, engine.eos_ids)))
+                    progress(
+                        done / total, f"llama.cpp, {level} at once, run {r + 1}/{config.repeat}"
+                    )
+                    runs.append(
+                        _peer_streams(
+                            peer_model.run_batch(prompts[:level], config.new_tokens, engine.eos_ids)
+                        )
+                    )
                     done += 1
-                rows.append(_row("llama.cpp", GREEDY, level, peer_dtype, config, runs,
-                                 ceiling_tokens_per_s(peer_ceiling, level), cpu, ""))
+                rows.append(
+                    _row(
+                        "llama.cpp",
+                        GREEDY,
+                        level,
+                        peer_dtype,
+                        config,
+                        runs,
+                        ceiling_tokens_per_s(peer_ceiling, level),
+                        cpu,
+                        "",
+                    )
+                )
     finally:
         if peer_model is not None:
             peer_model.close()
@@ -850,20 +1074,34 @@ def run_concurrency(engine: Engine, config: ConcurrencyConfig,
     short = [r for r in rows if r.produced_tokens < r.asked_tokens]
     note = ""
     if short:
-        note = ("some streams ended on an end token before their new tokens: "
-                + ", ".join(f"{r.engine} {r.preset} x{r.concurrency} produced "
-                            f"{r.produced_tokens} of {r.asked_tokens}" for r in short))
-    return ConcurrencyResult(rows, engine.name, engine.loaded.device.type, dtype, engine.runner_name,
-                             math, cpu, isa, config.prompt_tokens, config.new_tokens,
-                             ceiling, note, scheduler.kv_budget, round(rss_before, 1),
-                             round(rss_mb(), 1))
+        note = "some streams ended on an end token before their new tokens: " + ", ".join(
+            f"{r.engine} {r.preset} x{r.concurrency} produced "
+            f"{r.produced_tokens} of {r.asked_tokens}"
+            for r in short
+        )
+    return ConcurrencyResult(
+        rows,
+        engine.name,
+        engine.loaded.device.type,
+        dtype,
+        engine.runner_name,
+        math,
+        cpu,
+        isa,
+        config.prompt_tokens,
+        config.new_tokens,
+        ceiling,
+        note,
+        scheduler.kv_budget,
+        round(rss_before, 1),
+        round(rss_mb(), 1),
+    )
 
 
 def _peer_streams(reply: dict) -> list[StreamTimeline]:
     """llama.cpp's batch reply (seconds from its start) as stream timelines: every stream
     was submitted at 0, and each token arrives when the step that chose it ends."""
-    return [StreamTimeline(0.0, [(t, 1) for t in s["times"]], s["end"])
-            for s in reply["streams"]]
+    return [StreamTimeline(0.0, [(t, 1) for t in s["times"]], s["end"]) for s in reply["streams"]]
 
 
 def _concurrency_peer(engine: Engine, config: ConcurrencyConfig, progress: Progress):
@@ -890,20 +1128,31 @@ def largest_weight(runner) -> tuple[str, torch.Tensor] | None:
     (int8 weights)."""
     if hasattr(runner, "layers") and hasattr(runner, "lm_head"):
         named = [("lm_head", runner.lm_head)] + [
-            (f"layers[0].{k}", t) for k, t in (runner.layers[0].items() if runner.layers else ())]
+            (f"layers[0].{k}", t) for k, t in (runner.layers[0].items() if runner.layers else ())
+        ]
     else:
         named = list(getattr(runner, "model", runner).named_parameters())
-    named = [(n, t) for n, t in named if isinstance(t, native.StoredMatrix) or (
-        isinstance(t, torch.Tensor) and t.dim() == 2
-        and t.dtype in (torch.float32, torch.bfloat16, torch.float16))]
+    named = [
+        (n, t)
+        for n, t in named
+        if isinstance(t, native.StoredMatrix)
+        or (
+            isinstance(t, torch.Tensor)
+            and t.dim() == 2
+            and t.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        )
+    ]
     return max(named, key=lambda nt: nt[1].numel(), default=None)
 
 
 def weight_elements(runner) -> int:
     """Weight elements read per decoded token: the tensors runner.weight_bytes() counts."""
     if hasattr(runner, "layers") and hasattr(runner, "lm_head"):
-        tensors = [*(x for layer in runner.layers for x in layer.values()), runner.lm_head,
-                   getattr(runner, "final_norm", None)]
+        tensors = [
+            *(x for layer in runner.layers for x in layer.values()),
+            runner.lm_head,
+            getattr(runner, "final_norm", None),
+        ]
         return sum((w.q if hasattr(w, "q") else w).numel() for w in tensors if w is not None)
     m = runner.model
     total = sum(p.numel() for p in m.parameters())
@@ -919,17 +1168,20 @@ def _bytes(w) -> int:
 
 def _type_name(type_id: int) -> str:
     import gguf
+
     return gguf.GGMLQuantizationType(type_id).name
 
 
-def product_kernel(w: torch.Tensor, math: str, use_native: bool
-                   ) -> tuple[Callable[[torch.Tensor], torch.Tensor], str]:
+def product_kernel(
+    w: torch.Tensor, math: str, use_native: bool
+) -> tuple[Callable[[torch.Tensor], torch.Tensor], str]:
     """(x (B, C) float32 -> w @ x.T as (B, R) float32, what computes it): the native matmul
     (the native runner's kernel) with `use_native`, else torch.matmul in the math dtype."""
     if use_native:
         if native.load() is None:
-            raise RuntimeError("the native kernels are not available: "
-                               f"{native.unavailable_reason()}")
+            raise RuntimeError(
+                f"the native kernels are not available: {native.unavailable_reason()}"
+            )
         return (lambda x: native.matmul(w, x, math)), "native.matmul"
     dtype = w.dtype if math != "float32" else torch.float32
     wt = w.to(dtype)
@@ -967,15 +1219,21 @@ def measure_ceiling(engine: Engine, math: str = "") -> dict:
         with torch.inference_mode():
             t1 = _best_time(lambda: product(x1))
             tb = _best_time(lambda: product(xb))
-        kind = (_type_name(w.type) if isinstance(w, native.StoredMatrix)
-                else str(w.dtype).removeprefix('torch.'))
-        return {"matrix": f"{name} ({rows}x{cols}, {kind})",
-                "bandwidth_gb_s": round(_bytes(w) / t1 / 1e9, 2),
-                "gflops": round(2 * rows * cols * CEILING_BATCH / tb / 1e9, 2),
-                "gflops_rows": CEILING_BATCH,
-                "method": f"{label} for the bandwidth and GFLOPS",
-                "weight_bytes": runner.weight_bytes(),
-                "weight_elements": weight_elements(runner), "math": math}
+        kind = (
+            _type_name(w.type)
+            if isinstance(w, native.StoredMatrix)
+            else str(w.dtype).removeprefix("torch.")
+        )
+        return {
+            "matrix": f"{name} ({rows}x{cols}, {kind})",
+            "bandwidth_gb_s": round(_bytes(w) / t1 / 1e9, 2),
+            "gflops": round(2 * rows * cols * CEILING_BATCH / tb / 1e9, 2),
+            "gflops_rows": CEILING_BATCH,
+            "method": f"{label} for the bandwidth and GFLOPS",
+            "weight_bytes": runner.weight_bytes(),
+            "weight_elements": weight_elements(runner),
+            "math": math,
+        }
 
     run = getattr(engine, "run_on_worker", None)
     return run(measure) if run else measure()
@@ -992,18 +1250,37 @@ def ceiling_tokens_per_s(ceiling: dict, level: int) -> float | None:
 
 
 def format_concurrency_table(result: ConcurrencyResult) -> str:
-    head = ("engine", "preset", "B", "tokens", "tok/s", "stream_tok/s", "ttft_p50", "ttft_p95",
-            "itl_p95_ms", "ceiling", "share", "kv_peak")
+    head = (
+        "engine",
+        "preset",
+        "B",
+        "tokens",
+        "tok/s",
+        "stream_tok/s",
+        "ttft_p50",
+        "ttft_p95",
+        "itl_p95_ms",
+        "ceiling",
+        "share",
+        "kv_peak",
+    )
     widths = (10, 9, 4, 11, 9, 13, 9, 9, 11, 9, 7, 8)
     lines = [" ".join(f"{h:>{w}}" for h, w in zip(head, widths))]
     for r in result.rows:
-        cells = (r.engine, r.preset, r.concurrency, f"{r.produced_tokens}/{r.asked_tokens}",
-                 f"{r.aggregate_tokens_per_s:.1f}",
-                 f"{r.stream_decode_tokens_per_s:.1f}", f"{r.ttft_p50_s:.3f}",
-                 f"{r.ttft_p95_s:.3f}", f"{r.itl_p95_s * 1000:.1f}",
-                 f"{r.ceiling_tokens_per_s:.0f}" if r.ceiling_tokens_per_s else "-",
-                 f"{r.ceiling_share:.0%}" if r.ceiling_share is not None else "-",
-                 r.kv_peak if r.kv_peak is not None else "-")
+        cells = (
+            r.engine,
+            r.preset,
+            r.concurrency,
+            f"{r.produced_tokens}/{r.asked_tokens}",
+            f"{r.aggregate_tokens_per_s:.1f}",
+            f"{r.stream_decode_tokens_per_s:.1f}",
+            f"{r.ttft_p50_s:.3f}",
+            f"{r.ttft_p95_s:.3f}",
+            f"{r.itl_p95_s * 1000:.1f}",
+            f"{r.ceiling_tokens_per_s:.0f}" if r.ceiling_tokens_per_s else "-",
+            f"{r.ceiling_share:.0%}" if r.ceiling_share is not None else "-",
+            r.kv_peak if r.kv_peak is not None else "-",
+        )
         lines.append(" ".join(f"{c:>{w}}" for c, w in zip(cells, widths)))
     lines.append(describe_concurrency(result))
     return "\n".join(lines)
@@ -1012,14 +1289,20 @@ def format_concurrency_table(result: ConcurrencyResult) -> str:
 def describe_concurrency(result: ConcurrencyResult) -> str:
     """The line under the concurrency table: what ran, on which CPU, and the ceiling."""
     c = result.ceiling
-    ceiling = (f"ceiling from {c['bandwidth_gb_s']:g} GB/s and {c['gflops']:g} GFLOPS measured "
-               f"on {c['matrix']} with {c['method']}" if c else
-               "no ceiling (no float weight matrix to measure)")
+    ceiling = (
+        f"ceiling from {c['bandwidth_gb_s']:g} GB/s and {c['gflops']:g} GFLOPS measured "
+        f"on {c['matrix']} with {c['method']}"
+        if c
+        else "no ceiling (no float weight matrix to measure)"
+    )
     math = f", {result.math} math" if result.math else ""
-    return (f"{result.model} on {result.device} ({result.dtype} weights{math}, {result.runner} "
-            f"runner" + (f", {result.native_isa} kernels" if result.native_isa else "")
-            + f"; CPU: {result.cpu}); {result.prompt_tokens}-token prompts, "
-            f"{result.new_tokens} new tokens a stream; {ceiling}"
-            + (f"; KV budget {result.kv_budget} positions" if result.kv_budget else "")
-            + f"; memory {result.rss_mb_before:.0f} -> {result.rss_mb_after:.0f} MB resident"
-            + (f"; {result.note}" if result.note else ""))
+    return (
+        f"{result.model} on {result.device} ({result.dtype} weights{math}, {result.runner} "
+        f"runner"
+        + (f", {result.native_isa} kernels" if result.native_isa else "")
+        + f"; CPU: {result.cpu}); {result.prompt_tokens}-token prompts, "
+        f"{result.new_tokens} new tokens a stream; {ceiling}"
+        + (f"; KV budget {result.kv_budget} positions" if result.kv_budget else "")
+        + f"; memory {result.rss_mb_before:.0f} -> {result.rss_mb_after:.0f} MB resident"
+        + (f"; {result.note}" if result.note else "")
+    )

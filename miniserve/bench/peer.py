@@ -54,6 +54,7 @@ def gguf_copy(source: Path, precision: str) -> Path:
     """The source GGUF with every tensor stored as `precision` (F32 or BF16), made once."""
     import gguf
     from gguf.quants import dequantize, quantize
+
     kind = PRECISIONS[precision]
     if kind is None:
         return source
@@ -92,6 +93,7 @@ class LlamaCppModel:
     def __init__(self, path: Path, n_ctx: int, threads: int):
         import llama_cpp
         from llama_cpp import llama as llama_module
+
         # llama.cpp's extra weight layouts (AMX / repacked) crashed here in the first batched
         # decode (a segfault in ggml_backend_amx_mul_mat with llama-cpp-python 0.3.36 on this
         # CPU); the plain CPU kernels are used instead, as `--no-extra-bufts` would.
@@ -104,8 +106,14 @@ class LlamaCppModel:
 
         llama_module.llama_cpp.llama_model_default_params = params
         try:
-            self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads,
-                                       n_threads_batch=threads, n_batch=512, verbose=False)
+            self.llm = llama_cpp.Llama(
+                model_path=str(path),
+                n_ctx=n_ctx,
+                n_threads=threads,
+                n_threads_batch=threads,
+                n_batch=512,
+                verbose=False,
+            )
         finally:
             llama_module.llama_cpp.llama_model_default_params = default_params
 
@@ -114,8 +122,9 @@ class LlamaCppModel:
         tokens = []
         start = time.perf_counter()
         first = None
-        for token in self.llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0,
-                                       repeat_penalty=1.0, reset=True):
+        for token in self.llm.generate(
+            ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True
+        ):
             if first is None:
                 first = time.perf_counter()
             if token in eos_ids:
@@ -135,6 +144,7 @@ class LlamaCppBatch:
     def __init__(self, path: Path, threads: int, kv_float32: bool = False):
 
         import llama_cpp
+
         logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # its load messages
         self.ll = llama_cpp
         self.threads = threads
@@ -163,8 +173,10 @@ class LlamaCppBatch:
             params.type_k = params.type_v = ll.GGML_TYPE_F32
         ctx = ll.llama_init_from_model(self.model, params)
         if not ctx:
-            raise RuntimeError(f"llama.cpp could not make a context for {streams} sequences "
-                               f"of {positions} positions")
+            raise RuntimeError(
+                f"llama.cpp could not make a context for {streams} sequences "
+                f"of {positions} positions"
+            )
         return ctx, params.n_batch
 
     def run(self, prompts: list[list[int]], new_tokens: int, eos_ids) -> dict:
@@ -183,7 +195,7 @@ class LlamaCppBatch:
             pending = [(s, i, t) for s, p in enumerate(prompts) for i, t in enumerate(p)]
             out_row: dict[int, int] = {}
             for lo in range(0, len(pending), n_batch):
-                part = pending[lo:lo + n_batch]
+                part = pending[lo : lo + n_batch]
                 out_row = {}
                 for j, (s, i, t) in enumerate(part):
                     last = i == len(prompts[s]) - 1
@@ -198,8 +210,9 @@ class LlamaCppBatch:
             live = [s for s in range(n) if not ends[s]]
             while live:
                 for j, s in enumerate(live):
-                    self._put(batch, j, tokens[s][-1], len(prompts[s]) + len(tokens[s]) - 1, s,
-                              True)
+                    self._put(
+                        batch, j, tokens[s][-1], len(prompts[s]) + len(tokens[s]) - 1, s, True
+                    )
                 batch.n_tokens = len(live)
                 self._decode(ctx, batch)
                 for s, token in self._choose(ctx, {s: j for j, s in enumerate(live)}).items():
@@ -209,8 +222,10 @@ class LlamaCppBatch:
         finally:
             ll.llama_batch_free(batch)
             ll.llama_free(ctx)
-        return {"streams": [{"tokens": tokens[s], "times": times[s], "end": ends[s]}
-                            for s in range(n)], "total_s": total}
+        return {
+            "streams": [{"tokens": tokens[s], "times": times[s], "end": ends[s]} for s in range(n)],
+            "total_s": total,
+        }
 
     @staticmethod
     def _put(batch, j: int, token: int, pos: int, seq: int, logits: bool) -> None:
@@ -229,8 +244,9 @@ class LlamaCppBatch:
         """{stream: its greedy token}, from the logits of each stream's row in the batch."""
         chosen = {}
         for s, j in rows.items():
-            logits = np.ctypeslib.as_array(self.ll.llama_get_logits_ith(ctx, j),
-                                           shape=(self.n_vocab,))
+            logits = np.ctypeslib.as_array(
+                self.ll.llama_get_logits_ith(ctx, j), shape=(self.n_vocab,)
+            )
             chosen[s] = int(logits.argmax())
         return chosen
 
@@ -260,19 +276,31 @@ class LlamaCppPeer:
         self.path = Path(path)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "miniserve.bench.peer", str(path), str(n_ctx), str(threads)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+        )
 
     def run(self, ids: list[int], new_tokens: int, eos_ids) -> tuple[list[int], float, float]:
-        self.proc.stdin.write(json.dumps({"ids": list(ids), "new_tokens": new_tokens,
-                                          "eos": sorted(eos_ids)}) + "\n")
+        self.proc.stdin.write(
+            json.dumps({"ids": list(ids), "new_tokens": new_tokens, "eos": sorted(eos_ids)}) + "\n"
+        )
         reply = json.loads(self.proc.stdout.readline())
         return reply["tokens"], reply["ttft_s"], reply["total_s"]
 
     def run_batch(self, prompts: list[list[int]], new_tokens: int, eos_ids) -> dict:
         """The prompts decoded together (LlamaCppBatch.run), in the peer process."""
-        self.proc.stdin.write(json.dumps({"batch": [list(p) for p in prompts],
-                                          "new_tokens": new_tokens,
-                                          "eos": sorted(eos_ids)}) + "\n")
+        self.proc.stdin.write(
+            json.dumps(
+                {
+                    "batch": [list(p) for p in prompts],
+                    "new_tokens": new_tokens,
+                    "eos": sorted(eos_ids),
+                }
+            )
+            + "\n"
+        )
         line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError("the llama.cpp process ended without a reply (see above)")

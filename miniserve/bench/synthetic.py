@@ -48,7 +48,7 @@ FILLER_TOKEN = "<|synthetic_filler_{}|>"
 
 @dataclass(frozen=True)
 class Shape:
-    arch: str            # llama.cpp's architecture name: llama or qwen2
+    arch: str  # llama.cpp's architecture name: llama or qwen2
     hidden: int
     ffn: int
     layers: int
@@ -66,13 +66,25 @@ class Shape:
 SHAPES = {
     "llama-3.2-1b": Shape("llama", 2048, 8192, 16, 32, 8, 64, 500000.0, 1e-5, real_vocab=128256),
     "llama-3.2-3b": Shape("llama", 3072, 8192, 28, 24, 8, 128, 500000.0, 1e-5, real_vocab=128256),
-    "qwen2.5-1.5b": Shape("qwen2", 1536, 8960, 28, 12, 2, 128, 1000000.0, 1e-6, qkv_bias=True,
-                          real_vocab=151936),
+    "qwen2.5-1.5b": Shape(
+        "qwen2", 1536, 8960, 28, 12, 2, 128, 1000000.0, 1e-6, qkv_bias=True, real_vocab=151936
+    ),
 }
 
 # quant name -> llama.cpp's file type (enum llama_ftype), as llama_model_quantize takes it
-FTYPES = {"f16": 1, "q4_0": 2, "q8_0": 7, "q4_k_m": 15, "q5_k_m": 17, "q4_k_s": 14,
-          "q5_k_s": 16, "q6_k": 18, "q5_0": 8, "q5_1": 9, "q4_1": 3}
+FTYPES = {
+    "f16": 1,
+    "q4_0": 2,
+    "q8_0": 7,
+    "q4_k_m": 15,
+    "q5_k_m": 17,
+    "q4_k_s": 14,
+    "q5_k_s": 16,
+    "q6_k": 18,
+    "q5_0": 8,
+    "q5_1": 9,
+    "q4_1": 3,
+}
 NUMPY_QUANTS = ("q8_0", "q4_0")  # what the fallback (gguf's numpy quantizers) makes
 
 
@@ -83,15 +95,25 @@ def tensor_shapes(shape: Shape, vocab: int) -> list[tuple[str, tuple[int, ...]]]
     out = [("token_embd.weight", (vocab, h))]
     for i in range(shape.layers):
         b = f"blk.{i}."
-        out += [(b + "attn_norm.weight", (h,)),
-                (b + "attn_q.weight", (q, h)), (b + "attn_k.weight", (kv, h)),
-                (b + "attn_v.weight", (kv, h))]
+        out += [
+            (b + "attn_norm.weight", (h,)),
+            (b + "attn_q.weight", (q, h)),
+            (b + "attn_k.weight", (kv, h)),
+            (b + "attn_v.weight", (kv, h)),
+        ]
         if shape.qkv_bias:
-            out += [(b + "attn_q.bias", (q,)), (b + "attn_k.bias", (kv,)),
-                    (b + "attn_v.bias", (kv,))]
-        out += [(b + "attn_output.weight", (h, q)), (b + "ffn_norm.weight", (h,)),
-                (b + "ffn_gate.weight", (shape.ffn, h)), (b + "ffn_up.weight", (shape.ffn, h)),
-                (b + "ffn_down.weight", (h, shape.ffn))]
+            out += [
+                (b + "attn_q.bias", (q,)),
+                (b + "attn_k.bias", (kv,)),
+                (b + "attn_v.bias", (kv,)),
+            ]
+        out += [
+            (b + "attn_output.weight", (h, q)),
+            (b + "ffn_norm.weight", (h,)),
+            (b + "ffn_gate.weight", (shape.ffn, h)),
+            (b + "ffn_up.weight", (shape.ffn, h)),
+            (b + "ffn_down.weight", (h, shape.ffn)),
+        ]
     out.append(("output_norm.weight", (h,)))
     if not shape.tied:
         out.append(("output.weight", (vocab, h)))
@@ -127,6 +149,7 @@ def _copy_tokenizer(writer, fields, vocab: int) -> int:
     """Copy the embedded model's tokenizer keys (and chat template); pad its token list to
     `vocab` with filler tokens (normal tokens no merge ever produces). Returns the vocab size."""
     import gguf
+
     base = None
     for field in fields:
         value_type = field.types[0]
@@ -135,8 +158,9 @@ def _copy_tokenizer(writer, fields, vocab: int) -> int:
         if field.name == "tokenizer.ggml.tokens":
             base = len(value)
             if vocab < base:
-                raise ValueError(f"--vocab {vocab} is smaller than the embedded vocabulary "
-                                 f"({base} tokens)")
+                raise ValueError(
+                    f"--vocab {vocab} is smaller than the embedded vocabulary ({base} tokens)"
+                )
             value = value + [FILLER_TOKEN.format(i) for i in range(base, vocab)]
         elif field.name == "tokenizer.ggml.token_type":
             value = list(value) + [int(gguf.TokenType.NORMAL)] * (vocab - len(value))
@@ -153,16 +177,26 @@ def embedded_vocab_size() -> int:
     raise ValueError("the embedded GGUF has no tokenizer.ggml.tokens")
 
 
-def write_gguf(path: Path, shape_name: str, vocab: int | None = None, quant: str = "f16",
-               seed: int = 0, progress=None) -> Path:
+def write_gguf(
+    path: Path,
+    shape_name: str,
+    vocab: int | None = None,
+    quant: str = "f16",
+    seed: int = 0,
+    progress=None,
+) -> Path:
     """Write the synthetic model as `quant` (f16, or q8_0 / q4_0 by the numpy quantizers),
     tensor by tensor (never the whole model in memory). Returns `path`."""
     import gguf
     from gguf.quants import quant_shape_to_byte_shape, quantize
+
     say = progress or (lambda m: None)
     shape = SHAPES[shape_name]
-    qtype = {"f16": None, "q8_0": gguf.GGMLQuantizationType.Q8_0,
-             "q4_0": gguf.GGMLQuantizationType.Q4_0}[quant]
+    qtype = {
+        "f16": None,
+        "q8_0": gguf.GGMLQuantizationType.Q8_0,
+        "q4_0": gguf.GGMLQuantizationType.Q4_0,
+    }[quant]
     fields = _embedded_vocab()
     vocab = vocab or next(len(f.data) for f in fields if f.name == "tokenizer.ggml.tokens")
     partial = path.with_name(path.name + ".partial")
@@ -172,10 +206,11 @@ def write_gguf(path: Path, shape_name: str, vocab: int | None = None, quant: str
     writer.add_name(f"synthetic {shape_name} (random weights)")
     writer.add_type("model")
     base_vocab = next(len(f.data) for f in fields if f.name == "tokenizer.ggml.tokens")
-    writer.add_description(f"random weights (seed {seed}, std {STD}) in the shape of "
-                           f"{shape_name}; the embedded model's tokenizer"
-                           + (f", padded from {base_vocab} to {vocab} tokens"
-                              if vocab > base_vocab else ""))
+    writer.add_description(
+        f"random weights (seed {seed}, std {STD}) in the shape of "
+        f"{shape_name}; the embedded model's tokenizer"
+        + (f", padded from {base_vocab} to {vocab} tokens" if vocab > base_vocab else "")
+    )
     writer.add_context_length(CONTEXT_LENGTH)
     writer.add_embedding_length(shape.hidden)
     writer.add_block_count(shape.layers)
@@ -202,8 +237,9 @@ def write_gguf(path: Path, shape_name: str, vocab: int | None = None, quant: str
             writer.add_tensor_info(name, dims, np.dtype(np.float16), 2 * int(np.prod(dims)))
         else:
             byte_shape = quant_shape_to_byte_shape(dims, qtype)
-            writer.add_tensor_info(name, byte_shape, np.dtype(np.uint8),
-                                   int(np.prod(byte_shape)), raw_dtype=qtype)
+            writer.add_tensor_info(
+                name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw_dtype=qtype
+            )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
@@ -227,12 +263,14 @@ def write_gguf(path: Path, shape_name: str, vocab: int | None = None, quant: str
 def llama_quantize(source: Path, out: Path, quant: str, threads: int = 0) -> Path:
     """llama.cpp's quantizer (llama-cpp-python's llama_model_quantize) from `source` (F16)."""
     import llama_cpp
+
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = FTYPES[quant]
     params.nthread = threads
     partial = out.with_name(out.name + ".partial")
-    code = llama_cpp.llama_model_quantize(str(source).encode(), str(partial).encode(),
-                                          ctypes.byref(params))
+    code = llama_cpp.llama_model_quantize(
+        str(source).encode(), str(partial).encode(), ctypes.byref(params)
+    )
     if code != 0:
         partial.unlink(missing_ok=True)
         raise RuntimeError(f"llama_model_quantize({source.name} -> {quant}) returned {code}")
@@ -254,19 +292,28 @@ def file_name(shape_name: str, vocab: int, quant: str, numpy_quant: bool = False
     return f"{shape_name}-{vocab}-{quant}{'-numpy' if numpy_quant else ''}.gguf"
 
 
-def target(shape_name: str, quant: str, vocab: int, out_dir: Path,
-           numpy_only: bool = False) -> Path:
+def target(
+    shape_name: str, quant: str, vocab: int, out_dir: Path, numpy_only: bool = False
+) -> Path:
     """Where make() puts (or finds) the file."""
     use_numpy = quant != "f16" and (numpy_only or not llama_cpp_available())
     if use_numpy and quant not in NUMPY_QUANTS:
-        raise ValueError(f"{quant} needs llama-cpp-python (llama.cpp's quantizer); without "
-                         f"it only {', '.join(NUMPY_QUANTS)} can be made")
+        raise ValueError(
+            f"{quant} needs llama-cpp-python (llama.cpp's quantizer); without "
+            f"it only {', '.join(NUMPY_QUANTS)} can be made"
+        )
     return Path(out_dir) / file_name(shape_name, vocab, quant, use_numpy)
 
 
-def make(shape_name: str, quant: str = "q4_k_m", vocab: int | None = None,
-         out_dir: Path | None = None, seed: int = 0, numpy_only: bool = False,
-         progress=None) -> Path:
+def make(
+    shape_name: str,
+    quant: str = "q4_k_m",
+    vocab: int | None = None,
+    out_dir: Path | None = None,
+    seed: int = 0,
+    numpy_only: bool = False,
+    progress=None,
+) -> Path:
     """The synthetic model's file, made once (reused when present)."""
     say = progress or (lambda m: print(m, file=sys.stderr, flush=True))
     if shape_name not in SHAPES:
@@ -280,8 +327,10 @@ def make(shape_name: str, quant: str = "q4_k_m", vocab: int | None = None,
     if out.is_file():
         return out
     if quant == "f16" or use_numpy:
-        say(f"writing {out.name} ({parameter_count(SHAPES[shape_name], vocab) / 1e9:.2f} B "
-            "parameters" + (", gguf's numpy quantizer" if use_numpy else "") + ") ...")
+        say(
+            f"writing {out.name} ({parameter_count(SHAPES[shape_name], vocab) / 1e9:.2f} B "
+            "parameters" + (", gguf's numpy quantizer" if use_numpy else "") + ") ..."
+        )
         return write_gguf(out, shape_name, vocab, quant, seed, say)
     f16 = make(shape_name, "f16", vocab, out_dir, seed, progress=say)
     say(f"quantizing {f16.name} -> {out.name} with llama.cpp ...")
@@ -291,6 +340,7 @@ def make(shape_name: str, quant: str = "q4_k_m", vocab: int | None = None,
 def tensor_types(path: Path) -> dict[str, list[str]]:
     """{ggml type: [tensor names]} of a GGUF."""
     import gguf
+
     reader = gguf.GGUFReader(str(path))
     types: dict[str, list[str]] = {}
     for t in reader.tensors:
@@ -323,18 +373,27 @@ def block_amx() -> None:
     audit_arch_x86_64, nr_arch_prctl, req_xcomp_perm = 0xC000003E, 158, 0x1023
     allow, errno_eperm = 0x7FFF0000, 0x00050000 | 1
     ld_abs, jeq, ret = 0x20, 0x15, 0x06  # BPF_LD|BPF_W|BPF_ABS, BPF_JMP|BPF_JEQ|BPF_K, BPF_RET
-    program = [(ld_abs, 0, 0, 4), (jeq, 1, 0, audit_arch_x86_64), (ret, 0, 0, allow),
-               (ld_abs, 0, 0, 0), (jeq, 0, 3, nr_arch_prctl),
-               (ld_abs, 0, 0, 16), (jeq, 0, 1, req_xcomp_perm),
-               (ret, 0, 0, errno_eperm), (ret, 0, 0, allow)]
+    program = [
+        (ld_abs, 0, 0, 4),
+        (jeq, 1, 0, audit_arch_x86_64),
+        (ret, 0, 0, allow),
+        (ld_abs, 0, 0, 0),
+        (jeq, 0, 3, nr_arch_prctl),
+        (ld_abs, 0, 0, 16),
+        (jeq, 0, 1, req_xcomp_perm),
+        (ret, 0, 0, errno_eperm),
+        (ret, 0, 0, allow),
+    ]
     code = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *i) for i in program))
 
     class SockFprog(ctypes.Structure):
         _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
     prog = SockFprog(len(program), ctypes.cast(code, ctypes.c_void_p))
-    if libc.prctl(no_new_privs, 1, 0, 0, 0) != 0 or \
-            libc.prctl(set_seccomp, mode_filter, ctypes.byref(prog), 0, 0) != 0:
+    if (
+        libc.prctl(no_new_privs, 1, 0, 0, 0) != 0
+        or libc.prctl(set_seccomp, mode_filter, ctypes.byref(prog), 0, 0) != 0
+    ):
         raise OSError(ctypes.get_errno(), "could not install the seccomp filter")
 
 
@@ -342,10 +401,12 @@ def check(path: Path, new_tokens: int = 8, threads: int = 2, amx: bool = False) 
     """Load the file in llama-cpp-python (its default buffers; AMX off unless `amx`, see
     block_amx -- which then stays off in this process) and decode a few greedy tokens."""
     import llama_cpp
+
     if not amx:
         block_amx()
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_threads=threads,
-                          n_threads_batch=threads, verbose=False)
+    llm = llama_cpp.Llama(
+        model_path=str(path), n_ctx=256, n_threads=threads, n_threads_batch=threads, verbose=False
+    )
     ids = llm.tokenize(b"The history of science is the study of", add_bos=False)
     tokens = []
     for token in llm.generate(ids, top_k=1, temp=0.0, repeat_penalty=1.0):
@@ -357,19 +418,29 @@ def check(path: Path, new_tokens: int = 8, threads: int = 2, amx: bool = False) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m miniserve.bench.synthetic",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m miniserve.bench.synthetic", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--shape", required=True, choices=sorted(SHAPES))
     parser.add_argument("--quant", default="q4_k_m", choices=sorted(FTYPES))
-    parser.add_argument("--vocab", default=None,
-                        help="pad the embedded vocabulary with filler tokens up to N tokens "
-                             "('real': the real model's size, e.g. 128256 for Llama 3)")
+    parser.add_argument(
+        "--vocab",
+        default=None,
+        help="pad the embedded vocabulary with filler tokens up to N tokens "
+        "('real': the real model's size, e.g. 128256 for Llama 3)",
+    )
     parser.add_argument("--out", default=None, help="folder (default: the cache's synthetic/)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--numpy", action="store_true",
-                        help="q8_0 / q4_0 by gguf's numpy quantizers, without llama-cpp-python")
-    parser.add_argument("--check", action="store_true",
-                        help="then load it in llama-cpp-python and decode a few tokens")
+    parser.add_argument(
+        "--numpy",
+        action="store_true",
+        help="q8_0 / q4_0 by gguf's numpy quantizers, without llama-cpp-python",
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="then load it in llama-cpp-python and decode a few tokens",
+    )
     parser.add_argument("--types", action="store_true", help="also list the tensor types")
     args = parser.parse_args(argv)
     vocab = None
@@ -377,16 +448,20 @@ def main(argv: list[str] | None = None) -> int:
         vocab = SHAPES[args.shape].real_vocab if args.vocab == "real" else int(args.vocab)
     try:
         vocab = vocab or embedded_vocab_size()
-        existed = target(args.shape, args.quant, vocab, Path(args.out or default_dir()),
-                         args.numpy).is_file()
+        existed = target(
+            args.shape, args.quant, vocab, Path(args.out or default_dir()), args.numpy
+        ).is_file()
         start = time.perf_counter()
         path = make(args.shape, args.quant, vocab, args.out, args.seed, args.numpy)
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     took = time.perf_counter() - start
-    print(f"{path.stat().st_size / 2**20:.0f} MiB, "
-          + ("already there" if existed else f"made in {took:.1f} s"), file=sys.stderr)
+    print(
+        f"{path.stat().st_size / 2**20:.0f} MiB, "
+        + ("already there" if existed else f"made in {took:.1f} s"),
+        file=sys.stderr,
+    )
     if args.types:
         print(summarize_types(path), file=sys.stderr)
     if args.check:

@@ -31,13 +31,22 @@ from miniserve.runners.loader import KNOWN_MODELS, ModelLoadError, resolve_sourc
 
 def parse_args(argv=None, prog: str = "python app.py") -> argparse.Namespace:
     p = Parser(prog=prog, description="MiniServeLM: local chat, benchmark and API.")
-    p.add_argument("--host", default=os.environ.get("MINISERVE_HOST", "127.0.0.1"),
-                   help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument(
+        "--host",
+        default=os.environ.get("MINISERVE_HOST", "127.0.0.1"),
+        help="address to bind (default 127.0.0.1: this machine only)",
+    )
     p.add_argument("--port", type=int, default=int(os.environ.get("MINISERVE_PORT", 7860)))
-    p.add_argument("--share", action="store_true",
-                   help="also open a public Gradio share link (off by default; no API there)")
-    p.add_argument("--api-key", default=os.environ.get("MINISERVE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument(
+        "--share",
+        action="store_true",
+        help="also open a public Gradio share link (off by default; no API there)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("MINISERVE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1 routes",
+    )
     p.add_argument("--presets-file", default=None, help="another presets.yaml")
     p.add_argument("--preset", default="balanced", help="the preset selected at start")
     add_model_args(p)
@@ -74,10 +83,13 @@ def main(argv=None, prog: str = "python app.py") -> int:
     url = f"http://{args.host}:{args.port}"
     if args.share:
         load_in_background(models, started, on_failure=lambda code: os._exit(code))
-        print(f"MiniServeLM page ready in {time.perf_counter() - started:.1f} s (share link "
-              "below)", flush=True)
-        demo.launch(server_name=args.host, server_port=args.port, share=True, css=CSS,
-                    run_history=False)
+        print(
+            f"MiniServeLM page ready in {time.perf_counter() - started:.1f} s (share link below)",
+            flush=True,
+        )
+        demo.launch(
+            server_name=args.host, server_port=args.port, share=True, css=CSS, run_history=False
+        )
         return 0
     app = document(FastAPI(title="MiniServeLM"))
     app.include_router(build_router(models, args.api_key))
@@ -87,8 +99,11 @@ def main(argv=None, prog: str = "python app.py") -> int:
     # 0.7 s instead of 0.1-0.2 (BENCHMARKS.md, "Saved conversations")
     app = gr.mount_gradio_app(app, demo, path="/", css=CSS, footer_links=[], run_history=False)
     # Ctrl-C: open browser tabs hold connections; they get a few seconds, not forever
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                           log_level="warning", timeout_graceful_shutdown=3))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=3
+        )
+    )
     failed = {}
 
     def stop(code: int) -> None:
@@ -96,10 +111,16 @@ def main(argv=None, prog: str = "python app.py") -> int:
         server.should_exit = True
 
     load_in_background(models, started, on_failure=stop)
-    served = "" if len(models.names) == 1 else f" ({len(models.names)} models: " + \
-        ", ".join(models.names) + ")"
-    print(f"MiniServeLM page ready in {time.perf_counter() - started:.1f} s: chat at {url} , "
-          f"API at {url}/v1{served}", flush=True)
+    served = (
+        ""
+        if len(models.names) == 1
+        else f" ({len(models.names)} models: " + ", ".join(models.names) + ")"
+    )
+    print(
+        f"MiniServeLM page ready in {time.perf_counter() - started:.1f} s: chat at {url} , "
+        f"API at {url}/v1{served}",
+        flush=True,
+    )
     server.run()
     return failed.get("code", 0)
 
@@ -125,6 +146,7 @@ def open_registry(args):
 def load_in_background(models, started: float, on_failure) -> threading.Thread:
     """Load and warm up the default model on a thread of its own; say when it is ready, or say
     why it failed in one line and call on_failure(exit code)."""
+
     def load():
         try:
             engine = models.get(None)

@@ -58,64 +58,107 @@ def fail_with(e: UserError) -> int:
 
 # Whole-number settings, by flag; their ranges and defaults are in config.py. add_model_args
 # adds the engine's, add_history_args the store's; flag_error checks every one a parser has.
-ENGINE_FLAGS: dict[str, Field] = {"--kv-budget": KV_BUDGET, "--max-batch": MAX_BATCH,
-                                  "--max-queue": MAX_QUEUE, "--max-loaded-models": MAX_LOADED_MODELS}
+ENGINE_FLAGS: dict[str, Field] = {
+    "--kv-budget": KV_BUDGET,
+    "--max-batch": MAX_BATCH,
+    "--max-queue": MAX_QUEUE,
+    "--max-loaded-models": MAX_LOADED_MODELS,
+}
 HISTORY_FLAGS: dict[str, Field] = {"--history-max-conversations": MAX_CONVERSATIONS}
 RANGED_FLAGS: dict[str, Field] = {**ENGINE_FLAGS, **HISTORY_FLAGS, "--context": CONTEXT}
 
 
 def _add_ranged(p: argparse.ArgumentParser, flags: dict[str, Field]) -> None:
     for flag, spec in flags.items():  # argparse checks the number, flag_error the range
-        p.add_argument(flag, type=int, default=spec.default, metavar="N",
-                       help=f"{spec.help}: {int(spec.low)} to {int(spec.high)} "
-                            f"(default {int(spec.default)})")
+        p.add_argument(
+            flag,
+            type=int,
+            default=spec.default,
+            metavar="N",
+            help=f"{spec.help}: {int(spec.low)} to {int(spec.high)} (default {int(spec.default)})",
+        )
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", action="append", default=None, metavar="[NAME=]SOURCE",
-                   help="a .gguf file, a model folder, a Hugging Face id, gemma-3-270m "
-                        "(installed on request; Gemma terms apply), or the URL of an "
-                        "OpenAI-compatible server, http://HOST:PORT/v1[#served-name]; "
-                        "repeatable: the first is the default (default: $MINISERVE_MODEL, "
-                        "else the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--models-file", default=None, metavar="YAML",
-                   help="the models to serve as a file (a list of sources, or of mappings with "
-                        "source, name, context, api_key_env); after any --model")
-    p.add_argument("--remote-api-key", default=os.environ.get("MINISERVE_REMOTE_API_KEY"),
-                   metavar="KEY", help="the key remote models' servers ask for (or set "
-                                       "MINISERVE_REMOTE_API_KEY); not this server's --api-key")
-    p.add_argument("--context", type=int, default=None, metavar="N",
-                   help=f"the context of remote models whose server does not report it "
-                        f"({int(CONTEXT.low)} to {int(CONTEXT.high)}; default "
-                        f"{int(CONTEXT.default)})")
-    p.add_argument("--device", default="auto", help="auto (CUDA, then MPS, then CPU), cpu, cuda, mps")
-    p.add_argument("--dtype", default="auto",
-                   help="weights: auto, stored, float32, bfloat16, float16. stored: a GGUF's "
-                        "weights as the file holds them (Q4_K, Q6_K, Q8_0, Q4_1, ... blocks, "
-                        "memory-mapped; the native runner on the CPU); the others: dequantized "
-                        "copies. auto: stored for a GGUF where the native runner runs, else "
-                        "bfloat16 on CUDA and on a CPU with the native runner, float16 on MPS, "
-                        "else float32")
-    p.add_argument("--runner", default="auto", choices=("auto", "native", "lean", "transformers"),
-                   help="lean: the readable fused forward pass in PyTorch (Llama family); "
-                        "native: the same forward pass in compiled C++, every pass -- prompt "
-                        "chunks and the decode rows of many sequences together (CPU); "
-                        "transformers: the library model; auto: the fastest that applies")
-    p.add_argument("--quant", default=None, choices=("q8_0", "q4_0", "int8"),
-                   help="quantize a float model's matrices at load: q8_0 / q4_0 (llama.cpp's "
-                        "blocks of 32 weights with a scale each, made by the gguf package, "
-                        "run by the native runner's integer kernels; for a GGUF, its own "
-                        "blocks run as stored without this); int8 (one scale a row, the "
-                        "PyTorch lean runner, bfloat16 activations)")
-    p.add_argument("--math", default="auto", choices=MATHS,
-                   help="the arithmetic of the matrix products, apart from the weights' dtype: "
-                        "float32 (float32 products and sums); bfloat16 (activations rounded to "
-                        "bfloat16, products summed in float32); auto: bfloat16 where the CPU "
-                        "has bfloat16 dot products and the weights are bfloat16, else float32. "
-                        "With weights as stored, quantized matrices always take their "
-                        "activations as int8 blocks; --math is the arithmetic of attention "
-                        "(bfloat16: a bfloat16 KV cache) and of any float matrices (auto: "
-                        "bfloat16 where the CPU has bfloat16 dot products)")
+    p.add_argument(
+        "--model",
+        action="append",
+        default=None,
+        metavar="[NAME=]SOURCE",
+        help="a .gguf file, a model folder, a Hugging Face id, gemma-3-270m "
+        "(installed on request; Gemma terms apply), or the URL of an "
+        "OpenAI-compatible server, http://HOST:PORT/v1[#served-name]; "
+        "repeatable: the first is the default (default: $MINISERVE_MODEL, "
+        "else the embedded SmolLM2-135M-Instruct)",
+    )
+    p.add_argument(
+        "--models-file",
+        default=None,
+        metavar="YAML",
+        help="the models to serve as a file (a list of sources, or of mappings with "
+        "source, name, context, api_key_env); after any --model",
+    )
+    p.add_argument(
+        "--remote-api-key",
+        default=os.environ.get("MINISERVE_REMOTE_API_KEY"),
+        metavar="KEY",
+        help="the key remote models' servers ask for (or set "
+        "MINISERVE_REMOTE_API_KEY); not this server's --api-key",
+    )
+    p.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"the context of remote models whose server does not report it "
+        f"({int(CONTEXT.low)} to {int(CONTEXT.high)}; default "
+        f"{int(CONTEXT.default)})",
+    )
+    p.add_argument(
+        "--device", default="auto", help="auto (CUDA, then MPS, then CPU), cpu, cuda, mps"
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="weights: auto, stored, float32, bfloat16, float16. stored: a GGUF's "
+        "weights as the file holds them (Q4_K, Q6_K, Q8_0, Q4_1, ... blocks, "
+        "memory-mapped; the native runner on the CPU); the others: dequantized "
+        "copies. auto: stored for a GGUF where the native runner runs, else "
+        "bfloat16 on CUDA and on a CPU with the native runner, float16 on MPS, "
+        "else float32",
+    )
+    p.add_argument(
+        "--runner",
+        default="auto",
+        choices=("auto", "native", "lean", "transformers"),
+        help="lean: the readable fused forward pass in PyTorch (Llama family); "
+        "native: the same forward pass in compiled C++, every pass -- prompt "
+        "chunks and the decode rows of many sequences together (CPU); "
+        "transformers: the library model; auto: the fastest that applies",
+    )
+    p.add_argument(
+        "--quant",
+        default=None,
+        choices=("q8_0", "q4_0", "int8"),
+        help="quantize a float model's matrices at load: q8_0 / q4_0 (llama.cpp's "
+        "blocks of 32 weights with a scale each, made by the gguf package, "
+        "run by the native runner's integer kernels; for a GGUF, its own "
+        "blocks run as stored without this); int8 (one scale a row, the "
+        "PyTorch lean runner, bfloat16 activations)",
+    )
+    p.add_argument(
+        "--math",
+        default="auto",
+        choices=MATHS,
+        help="the arithmetic of the matrix products, apart from the weights' dtype: "
+        "float32 (float32 products and sums); bfloat16 (activations rounded to "
+        "bfloat16, products summed in float32); auto: bfloat16 where the CPU "
+        "has bfloat16 dot products and the weights are bfloat16, else float32. "
+        "With weights as stored, quantized matrices always take their "
+        "activations as int8 blocks; --math is the arithmetic of attention "
+        "(bfloat16: a bfloat16 KV cache) and of any float matrices (auto: "
+        "bfloat16 where the CPU has bfloat16 dot products)",
+    )
     _add_ranged(p, ENGINE_FLAGS)
 
 
@@ -130,13 +173,19 @@ def flag_error(args) -> str | None:
 
 def add_history_args(p: argparse.ArgumentParser) -> None:
     """Where saved conversations go (miniserve/store/store.py)."""
-    p.add_argument("--history-db", default=os.environ.get("MINISERVE_HISTORY_DB"),
-                   metavar="PATH",
-                   help="the SQLite file of saved conversations (or set MINISERVE_HISTORY_DB; "
-                        "default: history.sqlite3 in the data folder, $MINISERVE_DATA_DIR "
-                        "if set)")
-    p.add_argument("--no-history", action="store_true",
-                   help="keep nothing on disk: conversations live in memory until the app stops")
+    p.add_argument(
+        "--history-db",
+        default=os.environ.get("MINISERVE_HISTORY_DB"),
+        metavar="PATH",
+        help="the SQLite file of saved conversations (or set MINISERVE_HISTORY_DB; "
+        "default: history.sqlite3 in the data folder, $MINISERVE_DATA_DIR "
+        "if set)",
+    )
+    p.add_argument(
+        "--no-history",
+        action="store_true",
+        help="keep nothing on disk: conversations live in memory until the app stops",
+    )
     _add_ranged(p, HISTORY_FLAGS)
 
 
@@ -144,38 +193,60 @@ def open_history(args) -> Store:
     """The conversation store the flags of add_history_args name; its notice (history off,
     a file kept aside or not writable), if any, printed once to stderr. Range-check the flags
     first (flag_error; load_engine does)."""
-    history = store.open_store(args.history_db, enabled=not args.no_history,
-                               max_conversations=args.history_max_conversations)
+    history = store.open_store(
+        args.history_db,
+        enabled=not args.no_history,
+        max_conversations=args.history_max_conversations,
+    )
     if history.notice:
         print(f"note: {history.notice}", file=sys.stderr)
     return history
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default=None,
-                   help=f"a preset from presets.yaml, or the built-in greedy (argmax, no "
-                        f"filters; a presets file may redefine it) (default: {DEFAULT_PRESET})")
+    p.add_argument(
+        "--preset",
+        default=None,
+        help=f"a preset from presets.yaml, or the built-in greedy (argmax, no "
+        f"filters; a presets file may redefine it) (default: {DEFAULT_PRESET})",
+    )
     p.add_argument("--presets-file", default=None, help="another presets.yaml")
     for name, spec in FIELDS.items():
-        p.add_argument("--" + name.replace("_", "-"), type=spec.kind, default=None,
-                       metavar="N", help=f"{spec.help} {spec.describe()}")
+        p.add_argument(
+            "--" + name.replace("_", "-"),
+            type=spec.kind,
+            default=None,
+            metavar="N",
+            help=f"{spec.help} {spec.describe()}",
+        )
     p.add_argument("--seed", type=int, default=None, help="random seed for a reproducible run")
-    p.add_argument("--logit-bias", metavar="ID:BIAS,...", default=None,
-                   help="add BIAS (-100..100; -100 bans) to token ID's logit, e.g. 13:-100,42:2.5")
+    p.add_argument(
+        "--logit-bias",
+        metavar="ID:BIAS,...",
+        default=None,
+        help="add BIAS (-100..100; -100 bans) to token ID's logit, e.g. 13:-100,42:2.5",
+    )
     fmt = p.add_argument_group("output format (the reply is held to it, token by token)")
     one = fmt.add_mutually_exclusive_group()
     one.add_argument("--json-object", action="store_true", help="any JSON object")
-    one.add_argument("--json-schema", metavar="FILE",
-                     help="JSON valid against the JSON Schema in FILE")
+    one.add_argument(
+        "--json-schema", metavar="FILE", help="JSON valid against the JSON Schema in FILE"
+    )
     one.add_argument("--regex", metavar="PATTERN", help="text matching PATTERN, whole")
     one.add_argument("--choice", metavar="A,B,C", help="exactly one of these strings")
-    one.add_argument("--grammar", metavar="FILE",
-                     help="a grammar in FILE: GBNF (llama.cpp's, with ::=) or Lark")
+    one.add_argument(
+        "--grammar", metavar="FILE", help="a grammar in FILE: GBNF (llama.cpp's, with ::=) or Lark"
+    )
 
 
 # the flag each output format comes from, for errors
-FORMAT_FLAGS = {"json_object": "--json-object", "json_schema": "--json-schema",
-                "regex": "--regex", "choice": "--choice", "grammar": "--grammar"}
+FORMAT_FLAGS = {
+    "json_object": "--json-object",
+    "json_schema": "--json-schema",
+    "regex": "--regex",
+    "choice": "--choice",
+    "grammar": "--grammar",
+}
 
 
 def constraint_from_args(args):
@@ -188,8 +259,9 @@ def constraint_from_args(args):
     if getattr(args, "choice", None) is not None:
         choices = [c for c in args.choice.split(",") if c]
         if not choices:
-            raise ConfigError("--choice: give the strings separated by commas, like yes,no",
-                              "choice")
+            raise ConfigError(
+                "--choice: give the strings separated by commas, like yes,no", "choice"
+            )
         return Constraint("choice", json.dumps(choices))
     for kind, flag in (("json_schema", "--json-schema"), ("grammar", "--grammar")):
         path = getattr(args, kind, None)
@@ -203,14 +275,15 @@ def constraint_from_args(args):
             try:
                 json.loads(text)
             except json.JSONDecodeError as e:
-                raise ConfigError(f"{flag}: {path} is not JSON: {e.msg} at line {e.lineno}",
-                                  kind) from None
+                raise ConfigError(
+                    f"{flag}: {path} is not JSON: {e.msg} at line {e.lineno}", kind
+                ) from None
         return Constraint(kind, text)
     return None
 
 
 def logit_bias_from(text: str | None) -> dict:
-    """"13:-100,42:2.5" as {13: -100.0, 42: 2.5}; ConfigError naming --logit-bias."""
+    """ "13:-100,42:2.5" as {13: -100.0, 42: 2.5}; ConfigError naming --logit-bias."""
     if not text:
         return {}
     out = {}
@@ -219,8 +292,11 @@ def logit_bias_from(text: str | None) -> dict:
         try:
             out[int(key)] = float(value)
         except ValueError:
-            raise ConfigError(f"--logit-bias: write ID:BIAS pairs separated by commas, like "
-                              f"13:-100,42:2.5 (got {part!r})", "logit_bias") from None
+            raise ConfigError(
+                f"--logit-bias: write ID:BIAS pairs separated by commas, like "
+                f"13:-100,42:2.5 (got {part!r})",
+                "logit_bias",
+            ) from None
     return out
 
 
@@ -230,8 +306,12 @@ def params_from_args(args) -> tuple[SamplingParams, dict[str, SamplingParams]]:
     if name not in presets:
         raise ConfigError(f"unknown preset '{name}' (available: {', '.join(presets)})", "preset")
     changes = {k: getattr(args, k) for k in FIELDS if getattr(args, k) is not None}
-    return presets[name].replace(seed=args.seed, logit_bias=logit_bias_from(args.logit_bias),
-                                 constraint=constraint_from_args(args), **changes), presets
+    return presets[name].replace(
+        seed=args.seed,
+        logit_bias=logit_bias_from(args.logit_bias),
+        constraint=constraint_from_args(args),
+        **changes,
+    ), presets
 
 
 def check_format(engine, params) -> str | None:
@@ -250,11 +330,24 @@ def open_models(args):
     """The models the flags name (nothing loaded yet); ModelSpecError for a bad entry."""
     env = os.environ.get("MINISERVE_MODEL")
     sources = args.model or ([env] if env and not args.models_file else [])
-    options = EngineOptions(device=args.device, dtype=args.dtype, runner=args.runner,
-                            quant=args.quant, math=args.math, kv_budget=args.kv_budget,
-                            max_queue=args.max_queue, max_batch=args.max_batch)
-    return open_registry(sources, args.models_file, options, args.max_loaded_models,
-                         args.context, args.remote_api_key)
+    options = EngineOptions(
+        device=args.device,
+        dtype=args.dtype,
+        runner=args.runner,
+        quant=args.quant,
+        math=args.math,
+        kv_budget=args.kv_budget,
+        max_queue=args.max_queue,
+        max_batch=args.max_batch,
+    )
+    return open_registry(
+        sources,
+        args.models_file,
+        options,
+        args.max_loaded_models,
+        args.context,
+        args.remote_api_key,
+    )
 
 
 def load_engine(args):

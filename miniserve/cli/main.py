@@ -65,17 +65,22 @@ def cmd_generate(args) -> int:
         return code
     if check_format(engine, params):
         return fail(check_format(engine, params))
-    messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
-        [{"role": "user", "content": args.prompt}]
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+        {"role": "user", "content": args.prompt}
+    ]
     inspector = None
     if args.show_probs:
         inspector = Inspector(engine.tokenizer, params)
     parts, ids, last = [], [], None
     observer = inspector.observe if inspector else None
     try:
-        stream = (engine.complete_text(args.prompt, params, use_cache=not args.no_cache,
-                                       observer=observer) if args.raw else
-                  engine.chat(messages, params, use_cache=not args.no_cache, observer=observer))
+        stream = (
+            engine.complete_text(
+                args.prompt, params, use_cache=not args.no_cache, observer=observer
+            )
+            if args.raw
+            else engine.chat(messages, params, use_cache=not args.no_cache, observer=observer)
+        )
         for last in stream:
             parts.append(last.text)
             ids.extend(last.token_ids)
@@ -90,13 +95,21 @@ def cmd_generate(args) -> int:
         return fail(f"{engine.name}: {e}", 1)
     stats = last.stats
     if args.json:
-        out = {"text": "".join(parts), "token_ids": ids, "prompt_tokens": stats.prompt_tokens,
-               "new_tokens": stats.new_tokens, "ttft_s": round(stats.ttft_s, 4),
-               "tokens_per_s": round(stats.tokens_per_s, 2),
-               "decode_tokens_per_s": round(stats.decode_tokens_per_s, 2),
-               "total_s": round(stats.total_s, 4), "finish_reason": stats.finish_reason,
-               "cache": not args.no_cache, "model": engine.name, "raw": args.raw,
-               "params": params.as_dict()}
+        out = {
+            "text": "".join(parts),
+            "token_ids": ids,
+            "prompt_tokens": stats.prompt_tokens,
+            "new_tokens": stats.new_tokens,
+            "ttft_s": round(stats.ttft_s, 4),
+            "tokens_per_s": round(stats.tokens_per_s, 2),
+            "decode_tokens_per_s": round(stats.decode_tokens_per_s, 2),
+            "total_s": round(stats.total_s, 4),
+            "finish_reason": stats.finish_reason,
+            "cache": not args.no_cache,
+            "model": engine.name,
+            "raw": args.raw,
+            "params": params.as_dict(),
+        }
         if inspector:
             out["steps"] = inspector.as_json()
         print(json.dumps(out, ensure_ascii=False))
@@ -106,8 +119,10 @@ def cmd_generate(args) -> int:
             print(inspector.as_text(), file=sys.stderr)
         print(f"[{stats.summary()}, cache {'off' if args.no_cache else 'on'}]", file=sys.stderr)
         if params.constraint is not None and stats.finish_reason == "length":
-            print("[incomplete: --max-new-tokens ended the reply before its format was complete]",
-                  file=sys.stderr)
+            print(
+                "[incomplete: --max-new-tokens ended the reply before its format was complete]",
+                file=sys.stderr,
+            )
     return 0
 
 
@@ -125,9 +140,15 @@ def cmd_chat(args) -> int:
         return fail(str(NoChatTemplate(engine.name)))
     history = open_history(args)
     try:
-        session = ChatSession(args.models, params, presets, system=args.system,
-                              preset_name=args.preset or DEFAULT_PRESET, store=history,
-                              raw=args.raw)
+        session = ChatSession(
+            args.models,
+            params,
+            presets,
+            system=args.system,
+            preset_name=args.preset or DEFAULT_PRESET,
+            store=history,
+            raw=args.raw,
+        )
         return session.run(sys.stdin, sys.stdout)
     finally:
         history.close()
@@ -141,8 +162,7 @@ def _whole_numbers(text: str, flag: str, low: int = 1, high: int | None = None) 
     except ValueError:
         values = []
     if not values or any(v < low or (high is not None and v > high) for v in values):
-        raise ValueError(f"{flag} must be comma-separated whole numbers {allowed}, "
-                         f"got '{text}'")
+        raise ValueError(f"{flag} must be comma-separated whole numbers {allowed}, got '{text}'")
     return values
 
 
@@ -169,17 +189,26 @@ def cmd_bench(args) -> int:
     if args.concurrency is not None:
         return cmd_bench_concurrency(args)
     try:
-        lengths = _whole_numbers(args.prompt_tokens or "64,256,1024", "--prompt-tokens", 1,
-                                 MAX_PROMPT_TOKENS)
-        config = BenchConfig(prompt_tokens=lengths, new_tokens=_given(args.new_tokens, 64),
-                             repeat=_given(args.repeat, 3), modes=tuple(args.modes.split(",")),
-                             peer=args.peer, check=not args.no_check)
+        lengths = _whole_numbers(
+            args.prompt_tokens or "64,256,1024", "--prompt-tokens", 1, MAX_PROMPT_TOKENS
+        )
+        config = BenchConfig(
+            prompt_tokens=lengths,
+            new_tokens=_given(args.new_tokens, 64),
+            repeat=_given(args.repeat, 3),
+            modes=tuple(args.modes.split(",")),
+            peer=args.peer,
+            check=not args.no_check,
+        )
     except ValueError as e:
         return fail(str(e))
+
     def measure(engine, bar):
         if args.prefix_reuse and not engine.capabilities.local_tokens:  # before anything runs
-            raise ValueError("--prefix-reuse times this engine's own prefix cache: it needs a "
-                             "local model, not a remote one")
+            raise ValueError(
+                "--prefix-reuse times this engine's own prefix cache: it needs a "
+                "local model, not a remote one"
+            )
         return run_bench(engine, config, progress=bar)
 
     engine, result = _bench_and_print(args, measure, format_table)
@@ -187,10 +216,12 @@ def cmd_bench(args) -> int:
         return result
     if args.prefix_reuse:
         reuse = result.prefix_reuse = prefix_reuse(engine, args.prefix_reuse)
-        print(f"follow-up turn after {reuse['prompt_tokens']} tokens of conversation: first "
-              f"token in {reuse['ttft_warm_s']:.3f} s with {reuse['reused_tokens']} tokens "
-              f"reused from the prefix cache vs {reuse['ttft_cold_s']:.3f} s cold "
-              f"({reuse['speedup']}x)")
+        print(
+            f"follow-up turn after {reuse['prompt_tokens']} tokens of conversation: first "
+            f"token in {reuse['ttft_warm_s']:.3f} s with {reuse['reused_tokens']} tokens "
+            f"reused from the prefix cache vs {reuse['ttft_cold_s']:.3f} s cold "
+            f"({reuse['speedup']}x)"
+        )
     _write_files(result, args)
     return 0 if result.tokens_verified else 3
 
@@ -198,25 +229,35 @@ def cmd_bench(args) -> int:
 def cmd_bench_concurrency(args) -> int:
     """bench --concurrency 1,2,4,8: B streams at once per level and preset."""
     try:
-        levels = _whole_numbers(args.concurrency, "--concurrency", int(MAX_QUEUE.low),
-                                int(MAX_QUEUE.high))
-        lengths = _whole_numbers(args.prompt_tokens or "64", "--prompt-tokens", 1,
-                                 MAX_PROMPT_TOKENS)
+        levels = _whole_numbers(
+            args.concurrency, "--concurrency", int(MAX_QUEUE.low), int(MAX_QUEUE.high)
+        )
+        lengths = _whole_numbers(
+            args.prompt_tokens or "64", "--prompt-tokens", 1, MAX_PROMPT_TOKENS
+        )
         if len(lengths) != 1:
-            raise ValueError("--prompt-tokens takes one length with --concurrency, "
-                             f"got '{args.prompt_tokens}'")
+            raise ValueError(
+                f"--prompt-tokens takes one length with --concurrency, got '{args.prompt_tokens}'"
+            )
         presets = tuple(p.strip() for p in args.presets.split(",") if p.strip())
-        config = ConcurrencyConfig(levels=levels, prompt_tokens=lengths[0],
-                                   new_tokens=_given(args.new_tokens, 128), presets=presets,
-                                   repeat=_given(args.repeat, 1), peer=args.peer,
-                                   presets_file=args.presets_file)
+        config = ConcurrencyConfig(
+            levels=levels,
+            prompt_tokens=lengths[0],
+            new_tokens=_given(args.new_tokens, 128),
+            presets=presets,
+            repeat=_given(args.repeat, 1),
+            peer=args.peer,
+            presets_file=args.presets_file,
+        )
         concurrency_params(config)  # an unknown preset is reported before the model loads
     except (ValueError, ConfigError) as e:
         return fail(str(e))
     # a level past --max-queue: run_concurrency's ValueError, one line
     engine, result = _bench_and_print(
-        args, lambda engine, bar: run_concurrency(engine, config, progress=bar),
-        format_concurrency_table)
+        args,
+        lambda engine, bar: run_concurrency(engine, config, progress=bar),
+        format_concurrency_table,
+    )
     if engine is None:
         return result
     _write_files(result, args)
@@ -235,7 +276,9 @@ def _write_files(result, args) -> None:
 def _bar(fraction: float, message: str) -> None:
     width = 30
     filled = int(width * fraction)
-    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {fraction:4.0%} {message[:60]:<60}")
+    sys.stderr.write(
+        f"\r[{'#' * filled}{'.' * (width - filled)}] {fraction:4.0%} {message[:60]:<60}"
+    )
     sys.stderr.flush()
 
 
@@ -244,6 +287,7 @@ def cmd_serve(args) -> int:
     if engine is None:
         return code
     from miniserve.serve.routes import serve  # FastAPI and uvicorn: only for this command
+
     serve(args.models, host=args.host, port=args.port, api_key=args.api_key)
     return 0
 
@@ -291,17 +335,23 @@ def cmd_step(args) -> int:
     except (StepError, ValueError) as e:  # a remote model, no chat template, the KV budget
         return fail(str(e))
     try:
-        return StepLoop(session, presets, args.top, prompt if args.raw else "",
-                        sys.stdout).run(sys.stdin)
+        return StepLoop(session, presets, args.top, prompt if args.raw else "", sys.stdout).run(
+            sys.stdin
+        )
     finally:
         session.release()
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="python -m miniserve",
-                    description="MiniServeLM: a hand-written LLM decode loop you can see and tune.")
-    parser.add_argument("--version", action=VersionAction,
-                        help="the version, this CPU and the kernels that run on it")
+    parser = Parser(
+        prog="python -m miniserve",
+        description="MiniServeLM: a hand-written LLM decode loop you can see and tune.",
+    )
+    parser.add_argument(
+        "--version",
+        action=VersionAction,
+        help="the version, this CPU and the kernels that run on it",
+    )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
 
     g = sub.add_parser("generate", help="answer one prompt, streaming to stdout")
@@ -310,71 +360,124 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--no-cache", action="store_true", help="recompute the whole sequence each step")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    g.add_argument("--show-probs", action="store_true",
-                   help="show each token's probability and the top-5 alternatives")
-    g.add_argument("--raw", action="store_true",
-                   help="completion mode: continue the prompt as it is, no chat template (what "
-                        "a base model needs)")
+    g.add_argument(
+        "--show-probs",
+        action="store_true",
+        help="show each token's probability and the top-5 alternatives",
+    )
+    g.add_argument(
+        "--raw",
+        action="store_true",
+        help="completion mode: continue the prompt as it is, no chat template (what "
+        "a base model needs)",
+    )
     add_sampling_args(g)
     add_model_args(g)
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("chat", help="a terminal chat (reads one message a line from a pipe)")
     c.add_argument("--system", default=None, help="system prompt")
-    c.add_argument("--raw", action="store_true",
-                   help="completion mode: each line is added to one running text, which the "
-                        "model continues (no chat template; for base models)")
+    c.add_argument(
+        "--raw",
+        action="store_true",
+        help="completion mode: each line is added to one running text, which the "
+        "model continues (no chat template; for base models)",
+    )
     add_sampling_args(c)
     add_model_args(c)
     add_history_args(c)
     c.set_defaults(func=cmd_chat)
 
-    st = sub.add_parser("step", help="decode one token at a time: the per-stage table of the "
-                                     "top candidates; Enter steps, N takes candidate N, b "
-                                     "goes back, /set as in chat, q quits")
-    st.add_argument("--prompt", default=None, help="the message (or, with --raw, the text to "
-                                                   "continue); asked for when not given")
-    st.add_argument("--raw", action="store_true",
-                    help="completion mode: continue the prompt as it is, no chat template")
+    st = sub.add_parser(
+        "step",
+        help="decode one token at a time: the per-stage table of the "
+        "top candidates; Enter steps, N takes candidate N, b "
+        "goes back, /set as in chat, q quits",
+    )
+    st.add_argument(
+        "--prompt",
+        default=None,
+        help="the message (or, with --raw, the text to continue); asked for when not given",
+    )
+    st.add_argument(
+        "--raw",
+        action="store_true",
+        help="completion mode: continue the prompt as it is, no chat template",
+    )
     st.add_argument("--top", type=int, default=10, help="candidates in the table (default 10)")
     add_sampling_args(st)
     add_model_args(st)
     st.set_defaults(func=cmd_step)
 
-    b = sub.add_parser("bench", help="no-cache vs KV-cache vs generate() over prompt lengths; "
-                                     "or, with --concurrency, B streams at once")
-    b.add_argument("--prompt-tokens", default=None,
-                   help="comma-separated prompt lengths (default 64,256,1024; with "
-                        "--concurrency one length, default 64)")
-    b.add_argument("--new-tokens", type=int, default=None,
-                   help="new tokens a run (default 64; with --concurrency 128 a stream)")
-    b.add_argument("--repeat", type=int, default=None,
-                   help="runs per row; the median is reported (default 3; with --concurrency 1)")
-    b.add_argument("--concurrency", default=None, metavar="B,B,...",
-                   help="comma-separated numbers of streams submitted at once (e.g. 1,2,4,8; "
-                        "at most --max-queue): "
-                        "aggregate and per-stream tokens/s, time to first token, inter-token "
-                        "latency and the share of the measured ceiling, per preset")
-    b.add_argument("--presets", default="greedy,balanced",
-                   help="with --concurrency: comma-separated presets (greedy is built in; the "
-                        "others come from presets.yaml)")
+    b = sub.add_parser(
+        "bench",
+        help="no-cache vs KV-cache vs generate() over prompt lengths; "
+        "or, with --concurrency, B streams at once",
+    )
+    b.add_argument(
+        "--prompt-tokens",
+        default=None,
+        help="comma-separated prompt lengths (default 64,256,1024; with "
+        "--concurrency one length, default 64)",
+    )
+    b.add_argument(
+        "--new-tokens",
+        type=int,
+        default=None,
+        help="new tokens a run (default 64; with --concurrency 128 a stream)",
+    )
+    b.add_argument(
+        "--repeat",
+        type=int,
+        default=None,
+        help="runs per row; the median is reported (default 3; with --concurrency 1)",
+    )
+    b.add_argument(
+        "--concurrency",
+        default=None,
+        metavar="B,B,...",
+        help="comma-separated numbers of streams submitted at once (e.g. 1,2,4,8; "
+        "at most --max-queue): "
+        "aggregate and per-stream tokens/s, time to first token, inter-token "
+        "latency and the share of the measured ceiling, per preset",
+    )
+    b.add_argument(
+        "--presets",
+        default="greedy,balanced",
+        help="with --concurrency: comma-separated presets (greedy is built in; the "
+        "others come from presets.yaml)",
+    )
     b.add_argument("--presets-file", default=None, help="another presets.yaml")
-    b.add_argument("--modes", default="no_cache,cache,hf_generate",
-                   help="comma-separated: no_cache, cache, hf_generate, transformers_loop "
-                        "(our cached loop on the transformers model), lean (our cached loop on "
-                        "the PyTorch lean pass, to set beside the native runner)")
-    b.add_argument("--peer", action="store_true",
-                   help="also llama.cpp on the same GGUF weights at f32, bf16 and as stored "
-                        "(q4_1 for the embedded model); with "
-                        "--concurrency, its batched decoding of the same greedy streams "
-                        "(needs llama-cpp-python: make bench-peer)")
-    b.add_argument("--no-check", action="store_true",
-                   help="do not check our greedy tokens against the float32 reference (which "
-                        "loads a float32 copy of the weights: for a large GGUF run as stored, "
-                        "gigabytes and a minute)")
-    b.add_argument("--prefix-reuse", type=int, default=0, metavar="TOKENS",
-                   help="also time a follow-up chat turn after this much history, with and "
-                        "without prefix-cache reuse (0 = skip)")
+    b.add_argument(
+        "--modes",
+        default="no_cache,cache,hf_generate",
+        help="comma-separated: no_cache, cache, hf_generate, transformers_loop "
+        "(our cached loop on the transformers model), lean (our cached loop on "
+        "the PyTorch lean pass, to set beside the native runner)",
+    )
+    b.add_argument(
+        "--peer",
+        action="store_true",
+        help="also llama.cpp on the same GGUF weights at f32, bf16 and as stored "
+        "(q4_1 for the embedded model); with "
+        "--concurrency, its batched decoding of the same greedy streams "
+        "(needs llama-cpp-python: make bench-peer)",
+    )
+    b.add_argument(
+        "--no-check",
+        action="store_true",
+        help="do not check our greedy tokens against the float32 reference (which "
+        "loads a float32 copy of the weights: for a large GGUF run as stored, "
+        "gigabytes and a minute)",
+    )
+    b.add_argument(
+        "--prefix-reuse",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="also time a follow-up chat turn after this much history, with and "
+        "without prefix-cache reuse (0 = skip)",
+    )
     b.add_argument("--json", default=None, metavar="FILE")
     b.add_argument("--csv", default=None, metavar="FILE")
     add_model_args(b)
@@ -383,14 +486,20 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="the OpenAI-compatible HTTP API, without the web UI")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=os.environ.get("MINISERVE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' (or set MINISERVE_API_KEY)")
+    s.add_argument(
+        "--api-key",
+        default=os.environ.get("MINISERVE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' (or set MINISERVE_API_KEY)",
+    )
     add_model_args(s)
     s.set_defaults(func=cmd_serve)
 
-    a = sub.add_parser("app", add_help=False,
-                       help="the web app: chat, notebook, compare, benchmark and the API on one "
-                            "port (as python app.py; `miniserve app --help` for its flags)")
+    a = sub.add_parser(
+        "app",
+        add_help=False,
+        help="the web app: chat, notebook, compare, benchmark and the API on one "
+        "port (as python app.py; `miniserve app --help` for its flags)",
+    )
     a.add_argument("app_args", nargs=argparse.REMAINDER)
     a.set_defaults(func=cmd_app)
     return parser
@@ -413,4 +522,3 @@ def main(argv: list[str] | None = None) -> int:
     finally:  # engine threads end before the interpreter does (no pass cut off mid-way)
         if getattr(args, "models", None) is not None:
             args.models.close()
-

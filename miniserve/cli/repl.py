@@ -48,9 +48,16 @@ HELP = """commands:
 
 
 class ChatSession:
-    def __init__(self, models: Models | Engine, params: SamplingParams,
-                 presets: dict[str, SamplingParams], system: str | None = None,
-                 preset_name: str = "", store: Store | None = None, raw: bool = False):
+    def __init__(
+        self,
+        models: Models | Engine,
+        params: SamplingParams,
+        presets: dict[str, SamplingParams],
+        system: str | None = None,
+        preset_name: str = "",
+        store: Store | None = None,
+        raw: bool = False,
+    ):
         self.models = Models.of(models)
         self.model_name = self.models.default
         self.raw = raw
@@ -82,11 +89,21 @@ class ChatSession:
         rest = rest.strip()
         if name in ("exit", "quit"):
             return False
-        handler = {"help": self.cmd_help, "preset": self.cmd_preset, "settings": self.cmd_settings,
-                   "set": self.cmd_set, "system": self.cmd_system, "reset": self.cmd_reset,
-                   "model": self.cmd_model, "save": self.cmd_save, "list": self.cmd_list,
-                   "load": self.cmd_load, "export": self.cmd_export,
-                   "import": self.cmd_import, "raw": self.cmd_raw}.get(name)
+        handler = {
+            "help": self.cmd_help,
+            "preset": self.cmd_preset,
+            "settings": self.cmd_settings,
+            "set": self.cmd_set,
+            "system": self.cmd_system,
+            "reset": self.cmd_reset,
+            "model": self.cmd_model,
+            "save": self.cmd_save,
+            "list": self.cmd_list,
+            "load": self.cmd_load,
+            "export": self.cmd_export,
+            "import": self.cmd_import,
+            "raw": self.cmd_raw,
+        }.get(name)
         if handler is None:
             self.say(f"unknown command /{name}; /help lists the commands")
         else:
@@ -108,9 +125,11 @@ class ChatSession:
 
     def describe(self) -> str:
         p = self.params
-        return (f"T={p.temperature:g} top_k={p.top_k} top_p={p.top_p:g} min_p={p.min_p:g} "
-                f"repetition_penalty={p.repetition_penalty:g} max_new_tokens={p.max_new_tokens} "
-                f"seed={p.seed if p.seed is not None else 'random'}")
+        return (
+            f"T={p.temperature:g} top_k={p.top_k} top_p={p.top_p:g} min_p={p.min_p:g} "
+            f"repetition_penalty={p.repetition_penalty:g} max_new_tokens={p.max_new_tokens} "
+            f"seed={p.seed if p.seed is not None else 'random'}"
+        )
 
     def cmd_settings(self, _):
         self.say(f"[{self.preset_name or 'custom'}] " + self.describe())
@@ -136,8 +155,11 @@ class ChatSession:
     def cmd_system(self, text):
         self.system = text or None
         self.new_conversation()
-        self.say("system prompt set; new conversation" if text else
-                 "system prompt cleared; new conversation")
+        self.say(
+            "system prompt set; new conversation"
+            if text
+            else "system prompt cleared; new conversation"
+        )
 
     def cmd_reset(self, _):
         self.new_conversation()
@@ -168,15 +190,22 @@ class ChatSession:
                 self.say(f"{name} has no chat template (a base model): raw mode on")
         info = self.engine.info()
         if info.get("remote"):
-            self.say(f"{info['name']}: remote, {info.get('url', info.get('source', ''))}, "
-                     f"context {info['context_length']} tokens")
+            self.say(
+                f"{info['name']}: remote, {info.get('url', info.get('source', ''))}, "
+                f"context {info['context_length']} tokens"
+            )
         else:
-            self.say(f"{info['name']} on {info['device']} ({info['dtype']}, {info['runner']} "
-                     f"runner), context {info['context_length']} tokens, "
-                     f"{info['parameters'] / 1e6:.0f}M parameters, from {info['source']}"
-                     + (", no chat template (raw mode)" if not info.get("chat", True) else ""))
-        others = [n + ("" if self.models.is_loaded(n) else " (not loaded)")
-                  for n in self.models.names if n != self.model_name]
+            self.say(
+                f"{info['name']} on {info['device']} ({info['dtype']}, {info['runner']} "
+                f"runner), context {info['context_length']} tokens, "
+                f"{info['parameters'] / 1e6:.0f}M parameters, from {info['source']}"
+                + (", no chat template (raw mode)" if not info.get("chat", True) else "")
+            )
+        others = [
+            n + ("" if self.models.is_loaded(n) else " (not loaded)")
+            for n in self.models.names
+            if n != self.model_name
+        ]
         if others:
             self.say("also served: " + ", ".join(others) + "; /model NAME switches")
 
@@ -186,8 +215,11 @@ class ChatSession:
             return
         self.raw = not self.raw
         self.new_conversation()
-        self.say("raw mode on: each line is added to one text the model continues; /reset "
-                 "clears it" if self.raw else "raw mode off: chat turns; new conversation")
+        self.say(
+            "raw mode on: each line is added to one text the model continues; /reset clears it"
+            if self.raw
+            else "raw mode off: chat turns; new conversation"
+        )
 
     # -- saved conversations ------------------------------------------------------------------
     def _no_store(self) -> bool:
@@ -209,8 +241,9 @@ class ChatSession:
                 try:
                     parent = None
                     for message, details in zip(self.history, self.details):
-                        parent = self.store.add(CLI_OWNER, cid, parent, message["role"],
-                                                message["content"], **details).id
+                        parent = self.store.add(
+                            CLI_OWNER, cid, parent, message["role"], message["content"], **details
+                        ).id
                     if title:
                         self.store.rename(CLI_OWNER, cid, title)
                 except BaseException:
@@ -220,7 +253,7 @@ class ChatSession:
             elif title:
                 self.store.rename(CLI_OWNER, self.cid, title)
             saved = self.store.get(CLI_OWNER, self.cid)
-            number, = self._numbers([self.cid])
+            (number,) = self._numbers([self.cid])
         except (StoreError, sqlite3.Error) as e:
             self.say(f"error: not saved: {e}")
             return
@@ -236,22 +269,26 @@ class ChatSession:
             self.say("no saved conversations")
         for i, c in enumerate(conversations, 1):
             when = time.strftime("%Y-%m-%d %H:%M", time.localtime(c.updated))
-            self.say(f"{'*' if c.id == self.cid else ' '}{i:3}. {c.title or '(untitled)'}  "
-                     f"({when}, {c.messages} message{'' if c.messages == 1 else 's'})")
+            self.say(
+                f"{'*' if c.id == self.cid else ' '}{i:3}. {c.title or '(untitled)'}  "
+                f"({when}, {c.messages} message{'' if c.messages == 1 else 's'})"
+            )
 
     def cmd_load(self, arg):
         if self._no_store():
             return
-        cids = self.listing if self.listing is not None else \
-            [c.id for c in self.store.conversations(CLI_OWNER, limit=-1)]
+        cids = (
+            self.listing
+            if self.listing is not None
+            else [c.id for c in self.store.conversations(CLI_OWNER, limit=-1)]
+        )
         try:
             n = int(arg)
         except ValueError:
             self.say(f"error: /load takes the number of a conversation in /list, got '{arg}'")
             return
         if not 1 <= n <= len(cids):
-            self.say(f"error: no conversation {n}; /list shows "
-                     f"{len(cids) if cids else 'none'}")
+            self.say(f"error: no conversation {n}; /list shows {len(cids) if cids else 'none'}")
             return
         try:
             conversation = self.store.get(CLI_OWNER, cids[n - 1])
@@ -263,18 +300,26 @@ class ChatSession:
         self.cid, self.leaf = conversation.id, path[-1].id if path else None
         self.system = conversation.system or None
         self.history = [{"role": m.role, "content": m.content} for m in path]
-        self.details = [{"status": m.status, "settings": m.settings, "stats": m.stats}
-                        for m in path]
-        self.say(f"loaded {n}: {conversation.title or '(untitled)'} "
-                 f"({len(path)} message{'' if len(path) == 1 else 's'})")
+        self.details = [
+            {"status": m.status, "settings": m.settings, "stats": m.stats} for m in path
+        ]
+        self.say(
+            f"loaded {n}: {conversation.title or '(untitled)'} "
+            f"({len(path)} message{'' if len(path) == 1 else 's'})"
+        )
         if self.system:
             self.say(f"system: {self.system}")
         for m in path:
-            self.say(("you> " if m.role == "user" else "bot> ") + m.content +
-                     (" [stopped]" if m.status == "stopped" else ""))
+            self.say(
+                ("you> " if m.role == "user" else "bot> ")
+                + m.content
+                + (" [stopped]" if m.status == "stopped" else "")
+            )
         if unanswered is not None:
-            self.say("[its last message had no reply and is left out; what you send next "
-                     "starts a branch beside it]")
+            self.say(
+                "[its last message had no reply and is left out; what you send next "
+                "starts a branch beside it]"
+            )
 
     def cmd_export(self, file):
         if self._no_store():
@@ -287,7 +332,8 @@ class ChatSession:
             return
         try:
             text, _ = self.store.export_text(
-                CLI_OWNER, self.cid, "md" if Path(file).suffix.lower() == ".md" else "json")
+                CLI_OWNER, self.cid, "md" if Path(file).suffix.lower() == ".md" else "json"
+            )
             text += "" if text.endswith("\n") else "\n"
             Path(file).expanduser().write_text(text, encoding="utf-8")
         except (StoreError, sqlite3.Error) as e:
@@ -314,8 +360,10 @@ class ChatSession:
         except (StoreError, sqlite3.Error) as e:
             self.say(f"error: cannot import {file}: {e}")
             return
-        self.say(f"imported {len(cids)} conversation{'' if len(cids) == 1 else 's'} as " +
-                 "; ".join(f"{n}: {t}" for n, t in zip(numbers, titles)))
+        self.say(
+            f"imported {len(cids)} conversation{'' if len(cids) == 1 else 's'} as "
+            + "; ".join(f"{n}: {t}" for n, t in zip(numbers, titles))
+        )
 
     def _keep(self, role: str, content: str, **details) -> str | None:
         """Add a message to the saved conversation (if any); its id. A store that fails says
@@ -323,8 +371,7 @@ class ChatSession:
         if self.cid is None:
             return None
         try:
-            self.leaf = self.store.add(CLI_OWNER, self.cid, self.leaf, role, content,
-                                       **details).id
+            self.leaf = self.store.add(CLI_OWNER, self.cid, self.leaf, role, content, **details).id
             return self.leaf
         except (StoreError, sqlite3.Error) as e:
             self.cid = self.leaf = None
@@ -380,8 +427,14 @@ class ChatSession:
             self.continue_text(text)
             return
         try:
-            turn = ChatTurn(self.engine, self.params, system=self.system, history=self.history,
-                            text=text, preset=self.preset_name)
+            turn = ChatTurn(
+                self.engine,
+                self.params,
+                system=self.system,
+                history=self.history,
+                text=text,
+                preset=self.preset_name,
+            )
         except UserError as e:
             self.say(f"error: {e.describe()}")
             return
@@ -406,8 +459,10 @@ class ChatSession:
         reply = turn.text_so_far
         self.say()
         if last is not None and last.dropped_messages:
-            self.say(f"[history trimmed: {last.dropped_messages} older messages left out to fit "
-                     f"the {self.engine.context_length}-token context]")
+            self.say(
+                f"[history trimmed: {last.dropped_messages} older messages left out to fit "
+                f"the {self.engine.context_length}-token context]"
+            )
         if last is not None and (last.done or stopped):
             s = last.stats  # the engine's own record, final once it has seen the cancel
             deadline = time.monotonic() + 5
@@ -423,8 +478,9 @@ class ChatSession:
         self.out = stdout
         interactive = stdin.isatty()
         if interactive:
-            self.say(f"MiniServeLM chat with {self.engine.name} -- /help for commands, "
-                     "Ctrl-D to leave")
+            self.say(
+                f"MiniServeLM chat with {self.engine.name} -- /help for commands, Ctrl-D to leave"
+            )
         while True:
             try:
                 line = input("you> ") if interactive else stdin.readline()
@@ -450,5 +506,8 @@ def _number(value: str, key: str) -> float:
         number = float(value)
     except ValueError:
         raise ConfigError(f"'{key}' must be a number, got '{value}'", key) from None
-    return int(number) if FIELDS.get(key) and FIELDS[key].kind is int and number.is_integer() \
+    return (
+        int(number)
+        if FIELDS.get(key) and FIELDS[key].kind is int and number.is_integer()
         else number
+    )

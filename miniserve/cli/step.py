@@ -13,9 +13,18 @@ from miniserve.engine.step import StageView, StepError, StepSession
 
 HELP = """Enter: one token (the draw) · N: take candidate N · t TEXT: take the token TEXT is ·
 b: back one token · /set KEY VALUE ({keys}, seed) · /preset NAME · /settings · q: quit"""
-SHORT = {"raw": "raw", "logit bias": "bias", "repetition penalty": "rep.pen",
-         "grammar": "grammar", "temperature": "temp", "top-k": "top-k", "top-p": "top-p",
-         "min-p": "min-p", "greedy": "greedy", "final": "final"}
+SHORT = {
+    "raw": "raw",
+    "logit bias": "bias",
+    "repetition penalty": "rep.pen",
+    "grammar": "grammar",
+    "temperature": "temp",
+    "top-k": "top-k",
+    "top-p": "top-p",
+    "min-p": "min-p",
+    "greedy": "greedy",
+    "final": "final",
+}
 
 
 def stage_table(view: StageView, top: int) -> str:
@@ -24,12 +33,22 @@ def stage_table(view: StageView, top: int) -> str:
     p); ▶ marks the draw, ✋ a hand pick."""
     cols = [SHORT.get(s, s[:7]) for s in view.stages]
     topp = "top-p" in view.stages
-    head = f"{'':2}{'#':>3}  {'token':<16}" + "".join(f"{c:>9}" for c in cols) + (
-        f"{'above':>9}" if topp else "")
+    head = (
+        f"{'':2}{'#':>3}  {'token':<16}"
+        + "".join(f"{c:>9}" for c in cols)
+        + (f"{'above':>9}" if topp else "")
+    )
     lines = [summary(view), head]
     for n, row in enumerate(view.rows, 1):  # the top ones, then the draw if it is not
-        mark = "✋" if view.picked and row.token_id == view.taken else (
-            "▶" if row.token_id == (view.taken if view.taken is not None else view.drawn) else "")
+        mark = (
+            "✋"
+            if view.picked and row.token_id == view.taken
+            else (
+                "▶"
+                if row.token_id == (view.taken if view.taken is not None else view.drawn)
+                else ""
+            )
+        )
         cells, gone = [], False
         for stage, p in zip(view.stages, row.probs):
             if gone:
@@ -41,8 +60,7 @@ def stage_table(view: StageView, top: int) -> str:
                 cells.append(f"{100 * p:8.2f}%")
         above = f"{row.mass_above:9.3f}" if topp and row.mass_above is not None else ""
         why = f"  (cannot: {row.why_not})" if row.why_not else ""
-        lines.append(f"{mark:<2}{n:>3}  {repr(row.text)[:16]:<16}" + "".join(cells) + above
-                     + why)
+        lines.append(f"{mark:<2}{n:>3}  {repr(row.text)[:16]:<16}" + "".join(cells) + above + why)
     return "\n".join(lines)
 
 
@@ -51,18 +69,25 @@ def summary(view: StageView) -> str:
         return f"token {view.position + 1}: {view.note}"
     drawn = next((r.text for r in view.rows if r.token_id == view.drawn), "")
     cut = f" · top-p cut at {view.top_p:g}" if view.top_p is not None else ""
-    return (f"token {view.position + 1} · entropy {view.entropy_raw:.2f} bits raw → "
-            f"{view.entropy_final:.2f} · {'greedy' if view.greedy else 'the draw'} takes "
-            f"{drawn!r} (rank {view.rank}, {view.drawn_raw:.1%} raw → {view.drawn_final:.1%}) · "
-            f"outside the {len(view.rows)} shown: {view.outside_raw:.1%} raw{cut}")
+    return (
+        f"token {view.position + 1} · entropy {view.entropy_raw:.2f} bits raw → "
+        f"{view.entropy_final:.2f} · {'greedy' if view.greedy else 'the draw'} takes "
+        f"{drawn!r} (rank {view.rank}, {view.drawn_raw:.1%} raw → {view.drawn_final:.1%}) · "
+        f"outside the {len(view.rows)} shown: {view.outside_raw:.1%} raw{cut}"
+    )
 
 
 class StepLoop:
     """One step session read from lines (a terminal or a pipe)."""
 
     def __init__(self, session: StepSession, presets: dict, top: int, shown_prompt: str, out):
-        self.s, self.presets, self.top, self.prompt, self.out = (session, presets, top,
-                                                                 shown_prompt, out)
+        self.s, self.presets, self.top, self.prompt, self.out = (
+            session,
+            presets,
+            top,
+            shown_prompt,
+            out,
+        )
 
     def say(self, text: str = "") -> None:
         self.out.write(text + "\n")
@@ -70,14 +95,18 @@ class StepLoop:
 
     def show(self) -> None:
         s = self.s
-        text = "".join(("[" + s.text_of(t) + "]") if p.picked else s.text_of(t)
-                       for t, p in zip(s.tokens, s.positions))
+        text = "".join(
+            ("[" + s.text_of(t) + "]") if p.picked else s.text_of(t)
+            for t, p in zip(s.tokens, s.positions)
+        )
         self.say(f"\n{self.prompt}{text}")
         c = s.positions[-1].cost if s.positions else None
         if c is not None:
-            self.say(f"[forward {c.forward_s * 1000:.1f} ms · fed {c.new_rows} · KV "
-                     f"{c.kv_positions} positions, {c.kv_bytes / 1e6:.2f} MB · {c.reused} "
-                     f"reused from the prefix cache · shared the pass with {c.shared} others]")
+            self.say(
+                f"[forward {c.forward_s * 1000:.1f} ms · fed {c.new_rows} · KV "
+                f"{c.kv_positions} positions, {c.kv_bytes / 1e6:.2f} MB · {c.reused} "
+                f"reused from the prefix cache · shared the pass with {c.shared} others]"
+            )
         if s.finish:
             self.say(s.finished_note())
         view = s.view(self.top)
@@ -105,13 +134,11 @@ class StepLoop:
             elif key in FIELDS:
                 s.update(s.params.replace(**{key: _number(value, key)}))
             else:
-                raise ConfigError(f"unknown setting '{key}' (allowed: {', '.join(FIELDS)}, "
-                                  "seed)")
+                raise ConfigError(f"unknown setting '{key}' (allowed: {', '.join(FIELDS)}, seed)")
         elif line.startswith("/preset"):
             name = line[7:].strip()
             if name not in self.presets:
-                raise ConfigError(f"unknown preset '{name}' (available: "
-                                  f"{', '.join(self.presets)})")
+                raise ConfigError(f"unknown preset '{name}' (available: {', '.join(self.presets)})")
             s.update(self.presets[name].replace(seed=s.params.seed))
         elif line == "/settings":
             self.say(", ".join(f"{k}={v}" for k, v in s.params.as_dict().items()))
@@ -136,8 +163,7 @@ class StepLoop:
             if not line:
                 return 0
             try:
-                if not self.command(line.rstrip("\r\n").strip()
-                                    if line.strip() else ""):
+                if not self.command(line.rstrip("\r\n").strip() if line.strip() else ""):
                     return 0
             except (StepError, ConfigError, ValueError) as e:
                 self.say(f"error: {e}")

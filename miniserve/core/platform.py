@@ -10,8 +10,18 @@ import platform
 from pathlib import Path
 
 # flags of /proc/cpuinfo worth naming: vector widths, bfloat16 dot products, matrix tiles
-FEATURES = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16",
-            "asimd", "bf16", "sve")
+FEATURES = (
+    "avx2",
+    "fma",
+    "avx512f",
+    "avx512_bf16",
+    "avx512_vnni",
+    "amx_tile",
+    "amx_bf16",
+    "asimd",
+    "bf16",
+    "sve",
+)
 # the switches that cap the libraries' kernels (README, "Other CPUs")
 CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR")
 
@@ -30,8 +40,7 @@ def _cpuinfo() -> dict[str, str]:
 
 def cpu_model() -> str:
     info = _cpuinfo()
-    return (info.get("model name") or info.get("Model") or platform.processor()
-            or platform.machine())
+    return info.get("model name") or info.get("Model") or platform.processor() or platform.machine()
 
 
 def cpu_flags() -> str:
@@ -50,6 +59,7 @@ def rss_mb() -> float:
     """This process's resident memory now (VmRSS), in MiB; where /proc is missing, the most
     it has held."""
     import resource
+
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("VmRSS:"):

@@ -30,13 +30,14 @@ class NoChatTemplate(ChatError):
         super().__init__(
             f"model '{model}' has no chat template (it is a base model, which continues text "
             "rather than answering messages): use completion mode -- the Notebook tab, "
-            "`generate --raw` / `chat --raw`, or POST /v1/completions", "messages")
+            "`generate --raw` / `chat --raw`, or POST /v1/completions",
+            "messages",
+        )
         self.model = model
 
 
 def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
-
 
 
 def check_messages(messages, field: str = "messages") -> list[dict]:
@@ -50,19 +51,24 @@ def check_messages(messages, field: str = "messages") -> list[dict]:
             raise ChatError(f"'{where}' must be an object with 'role' and 'content'", where)
         role, content = m.get("role"), m.get("content")
         if role not in ROLES:
-            raise ChatError(f"'{where}.role' must be one of {', '.join(ROLES)}, got {role!r}",
-                            f"{where}.role")
+            raise ChatError(
+                f"'{where}.role' must be one of {', '.join(ROLES)}, got {role!r}", f"{where}.role"
+            )
         if isinstance(content, list):  # OpenAI content parts: keep the text ones
-            content = "".join(p.get("text", "") for p in content
-                              if isinstance(p, dict) and p.get("type") == "text")
+            content = "".join(
+                p.get("text", "")
+                for p in content
+                if isinstance(p, dict) and p.get("type") == "text"
+            )
         if not isinstance(content, str):
             raise ChatError(f"'{where}.content' must be a string", f"{where}.content")
         out.append({"role": role, "content": clean_text(content)})
     if out[-1]["role"] != "user":
         raise ChatError(f"the last of '{field}' must be a user message", field)
     if not out[-1]["content"].strip():
-        raise ChatError("the message is empty; type something to send", f"{field}[{len(out) - 1}]"
-                        ".content")
+        raise ChatError(
+            "the message is empty; type something to send", f"{field}[{len(out) - 1}].content"
+        )
     return out
 
 
@@ -72,8 +78,14 @@ def render(tokenizer, messages: list[dict]) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def completion_ids(tokenizer, prompt, context_length: int, max_new_tokens: int,
-                   field: str = "prompt", trim: bool = False) -> list[int]:
+def completion_ids(
+    tokenizer,
+    prompt,
+    context_length: int,
+    max_new_tokens: int,
+    field: str = "prompt",
+    trim: bool = False,
+) -> list[int]:
     """A completion's prompt as ids: text is tokenized as the model's tokenizer does for plain
     text (with its BOS, if it adds one); a list of ids is taken as is. Too long for the context
     with max_new_tokens: ChatError -- or, with `trim`, the oldest tokens dropped (what a
@@ -92,27 +104,30 @@ def completion_ids(tokenizer, prompt, context_length: int, max_new_tokens: int,
         if trim and limit > 1:  # the newest tokens, behind the BOS the model always saw
             bos = getattr(tokenizer, "bos_token_id", None)
             keep = [ids[0]] if bos is not None and ids[0] == bos else []
-            return keep + ids[len(ids) - limit + len(keep):]
+            return keep + ids[len(ids) - limit + len(keep) :]
         raise ChatError(
             f"'{field}' is {len(ids)} tokens, but with max_new_tokens={max_new_tokens} the "
             f"context window of {context_length} tokens leaves room for {max(limit, 0)}; shorten "
-            "it or lower max new tokens", field)
+            "it or lower max new tokens",
+            field,
+        )
     return ids
 
 
 @dataclass
 class Trimmed:
-    messages: list[dict]   # what is sent
+    messages: list[dict]  # what is sent
     prompt_ids: list[int]
-    dropped: int           # how many older messages were left out
+    dropped: int  # how many older messages were left out
 
 
-def trim_history(tokenizer, messages: list[dict], context_length: int,
-                 max_new_tokens: int) -> Trimmed:
+def trim_history(
+    tokenizer, messages: list[dict], context_length: int, max_new_tokens: int
+) -> Trimmed:
     """Drop the oldest turns until prompt + max_new_tokens fits in the context window."""
     limit = context_length - max_new_tokens
     system = [m for m in messages[:1] if m["role"] == "system"]
-    turns = messages[len(system):]
+    turns = messages[len(system) :]
 
     def attempt(drop: int) -> list[int]:
         return render(tokenizer, system + turns[drop:])
@@ -126,7 +141,9 @@ def trim_history(tokenizer, messages: list[dict], context_length: int,
         raise ChatError(
             f"the message is too long: {len(ids)} prompt tokens with the system prompt, but with "
             f"max_new_tokens={max_new_tokens} the context window of {context_length} tokens leaves "
-            f"room for {max(limit, 0)}; shorten the message or lower max new tokens", "messages")
+            f"room for {max(limit, 0)}; shorten the message or lower max new tokens",
+            "messages",
+        )
     # fewest dropped messages that fit (more dropped -> shorter prompt, so bisect)
     lo, hi = 1, newest_only  # attempt(hi) fits
     while lo < hi:

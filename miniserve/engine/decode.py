@@ -43,9 +43,9 @@ class GenerationStats:
     """Filled in while tokens are generated; read it during or after the loop."""
 
     prompt_tokens: int = 0
-    reused_tokens: int = 0     # prompt tokens whose KV came from an earlier request
+    reused_tokens: int = 0  # prompt tokens whose KV came from an earlier request
     new_tokens: int = 0
-    ttft_s: float = 0.0        # prompt in -> first token chosen (prefill + one sample)
+    ttft_s: float = 0.0  # prompt in -> first token chosen (prefill + one sample)
     total_s: float = 0.0
     # "eos" | "length" | "stop" (a stop string, or the grammar complete) | "cancelled" |
     # "no_token_allowed" (the grammar and the logit bias left no token to choose)
@@ -64,18 +64,27 @@ class GenerationStats:
 
     def summary(self, sep: str = ", ") -> str:
         """The line the web app, the terminal chat and `generate` show after a reply."""
-        return sep.join([f"{self.prompt_tokens} prompt tokens ({self.reused_tokens} reused "
-                         f"from cache)", f"{self.new_tokens} new tokens",
-                         f"first token {self.ttft_s:.2f} s",
-                         f"{self.decode_tokens_per_s:.1f} tokens/s",
-                         f"finish: {self.finish_reason}"])
+        return sep.join(
+            [
+                f"{self.prompt_tokens} prompt tokens ({self.reused_tokens} reused from cache)",
+                f"{self.new_tokens} new tokens",
+                f"first token {self.ttft_s:.2f} s",
+                f"{self.decode_tokens_per_s:.1f} tokens/s",
+                f"finish: {self.finish_reason}",
+            ]
+        )
 
     def as_dict(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "reused_tokens": self.reused_tokens,
-                "new_tokens": self.new_tokens, "ttft_s": round(self.ttft_s, 4),
-                "total_s": round(self.total_s, 4),
-                "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
-                "tokens_per_s": round(self.tokens_per_s, 2), "finish_reason": self.finish_reason}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "reused_tokens": self.reused_tokens,
+            "new_tokens": self.new_tokens,
+            "ttft_s": round(self.ttft_s, 4),
+            "total_s": round(self.total_s, 4),
+            "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
+            "tokens_per_s": round(self.tokens_per_s, 2),
+            "finish_reason": self.finish_reason,
+        }
 
 
 def crop_cache(cache, keep: int) -> None:
@@ -86,13 +95,22 @@ def crop_cache(cache, keep: int) -> None:
         cache.crop(-remove)
 
 
-def generate(model, prompt_ids: list[int] | torch.Tensor, params: SamplingParams, *,
-             eos_ids: set[int] | frozenset[int] = frozenset(), use_cache: bool = True,
-             cache=None, cancel: threading.Event | None = None,
-             generator: torch.Generator | None = None, stats: GenerationStats | None = None,
-             max_length: int | None = None, observer: LogitsObserver | None = None,
-             prompt_logits: torch.Tensor | None = None,
-             matcher: Matcher | None = None) -> Iterator[int]:
+def generate(
+    model,
+    prompt_ids: list[int] | torch.Tensor,
+    params: SamplingParams,
+    *,
+    eos_ids: set[int] | frozenset[int] = frozenset(),
+    use_cache: bool = True,
+    cache=None,
+    cancel: threading.Event | None = None,
+    generator: torch.Generator | None = None,
+    stats: GenerationStats | None = None,
+    max_length: int | None = None,
+    observer: LogitsObserver | None = None,
+    prompt_logits: torch.Tensor | None = None,
+    matcher: Matcher | None = None,
+) -> Iterator[int]:
     """Yield new token ids one at a time until EOS, the token budget, or `cancel`.
 
     `cache` may already hold the keys/values of a prefix of `prompt_ids` (prefix reuse);
@@ -127,16 +145,42 @@ def generate(model, prompt_ids: list[int] | torch.Tensor, params: SamplingParams
     stats.finish_reason = "length"
 
     try:
-        yield from _loop(model, ids, params, budget, eos_ids, use_cache, cache, cancel,
-                         generator, stats, observer, prompt_logits, matcher)
+        yield from _loop(
+            model,
+            ids,
+            params,
+            budget,
+            eos_ids,
+            use_cache,
+            cache,
+            cancel,
+            generator,
+            stats,
+            observer,
+            prompt_logits,
+            matcher,
+        )
     finally:
         stats.total_s = time.perf_counter() - stats.started
 
 
-def _loop(model, ids, params, budget, eos_ids, use_cache, cache, cancel, generator, stats,
-          observer, prompt_logits, matcher) -> Iterator[int]:
+def _loop(
+    model,
+    ids,
+    params,
+    budget,
+    eos_ids,
+    use_cache,
+    cache,
+    cancel,
+    generator,
+    stats,
+    observer,
+    prompt_logits,
+    matcher,
+) -> Iterator[int]:
     # Step 0: the prompt (or its uncached tail) goes through the model once.
-    pending = ids[:, stats.reused_tokens:] if use_cache else ids
+    pending = ids[:, stats.reused_tokens :] if use_cache else ids
     for index in range(max(budget, 0)):
         if cancel is not None and cancel.is_set():
             stats.finish_reason = "cancelled"
@@ -148,8 +192,9 @@ def _loop(model, ids, params, budget, eos_ids, use_cache, cache, cancel, generat
                 logits = prompt_logits  # the whole prompt is cached, and what it produced
             else:
                 logits = model.forward(pending, cache if use_cache else None)
-            token_id, ids = choose(logits, params, ids, generator, eos_ids, stats, observer,
-                                   matcher)
+            token_id, ids = choose(
+                logits, params, ids, generator, eos_ids, stats, observer, matcher
+            )
             if ids is None:  # an end token, or no token allowed
                 break
             # Next step's input: only the new token with a cache, everything without.
@@ -160,10 +205,16 @@ def _loop(model, ids, params, budget, eos_ids, use_cache, cache, cancel, generat
             break
 
 
-def choose(logits: torch.Tensor, params: SamplingParams, ids: torch.Tensor,
-           generator: torch.Generator | None, eos_ids, stats: GenerationStats,
-           observer: LogitsObserver | None = None,
-           matcher: Matcher | None = None) -> tuple[int | None, torch.Tensor | None]:
+def choose(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    ids: torch.Tensor,
+    generator: torch.Generator | None,
+    eos_ids,
+    stats: GenerationStats,
+    observer: LogitsObserver | None = None,
+    matcher: Matcher | None = None,
+) -> tuple[int | None, torch.Tensor | None]:
     """One step's choice, the same in this loop and in the scheduler: sample (the repetition
     penalty sees every id so far; the grammar's mask is a stage; greedy skips the softmax),
     time it, show it to the observer, advance the grammar. Returns (token id, ids with it

@@ -56,8 +56,15 @@ from miniserve.runners.loader import (
 )
 from miniserve.runners.stored import StoredRunner, quantize_at_load
 
-END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|end|>", "</s>",
-              "<end_of_turn>")
+END_TOKENS = (
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|eot_id|>",
+    "<|end_of_text|>",
+    "<|end|>",
+    "</s>",
+    "<end_of_turn>",
+)
 PROMPT_LOGITS_ROWS = 128  # prompt positions whose logits are held at once (echo + logprobs)
 
 
@@ -152,7 +159,7 @@ class PrefixCache:
         best, best_len, best_whole = None, 0, False
         for key, entry in self.entries.items():
             n = common_prefix(entry.ids, prompt)
-            whole = (n == len(prompt) == entry.prompt_len and entry.prompt_logits is not None)
+            whole = n == len(prompt) == entry.prompt_len and entry.prompt_logits is not None
             if (n, whole) > (best_len, best_whole):
                 best, best_len, best_whole = key, n, whole
         if not best_whole:  # the last prompt token must be fed for its logits
@@ -169,13 +176,17 @@ class PrefixCache:
         if len(ids) < prompt_len:  # stopped before the prompt was in: its logits are not
             prompt_logits = None
         prompt = tuple(ids[:prompt_len])
-        for key in [k for k, e in self.entries.items()  # one entry per prompt: of the n
-                    if prompt_len and e.ids[:prompt_len] == prompt]:  # choices, the last
+        for key in [
+            k
+            for k, e in self.entries.items()  # one entry per prompt: of the n
+            if prompt_len and e.ids[:prompt_len] == prompt
+        ]:  # choices, the last
             del self.entries[key]
         self.entries[self._next] = _Entry(tuple(ids), cache, prompt_len, prompt_logits)
         self._next += 1
         while len(self.entries) > self.max_entries or (
-                len(self.entries) > 1 and self.total_tokens() > self.max_tokens):
+            len(self.entries) > 1 and self.total_tokens() > self.max_tokens
+        ):
             self.entries.popitem(last=False)
 
     def total_tokens(self) -> int:
@@ -183,8 +194,7 @@ class PrefixCache:
 
     def held_positions(self) -> int:
         """KV positions the kept caches hold in memory (their capacity, where they say)."""
-        return sum(max(e.cache.capacity, len(e.ids))
-                   for e in self.entries.values())
+        return sum(max(e.cache.capacity, len(e.ids)) for e in self.entries.values())
 
     def clear(self) -> None:
         self.entries.clear()
@@ -202,8 +212,9 @@ RUNNERS = ("auto", "native", "lean", "transformers")
 QUANTS = ("q8_0", "q4_0")  # at load, into the native runner's blocks (stored.quantize_at_load)
 
 
-def make_runner(loaded: LoadedModel, runner: str = "auto", quant: str | None = None,
-                math: str = "auto"):
+def make_runner(
+    loaded: LoadedModel, runner: str = "auto", quant: str | None = None, math: str = "auto"
+):
     """The module the decode loop drives. transformers: the library model. lean: our readable
     PyTorch forward pass (Llama family). native: lean, with every pass in compiled code
     (miniserve/runners/native.py; CPU, float32 or bfloat16 weights). auto: the fastest that applies."""
@@ -211,33 +222,46 @@ def make_runner(loaded: LoadedModel, runner: str = "auto", quant: str | None = N
         raise ValueError(f"unknown runner '{runner}': use {', '.join(RUNNERS)}")
     if loaded.stored:  # a GGUF's weights as stored: the native runner over the mapped file
         if runner not in ("auto", "native"):
-            raise ValueError(f"the {runner} runner computes over dequantized weights: use "
-                             f"--dtype float32 or bfloat16 with --runner {runner}")
+            raise ValueError(
+                f"the {runner} runner computes over dequantized weights: use "
+                f"--dtype float32 or bfloat16 with --runner {runner}"
+            )
         if quant:
-            raise ValueError(f"--quant {quant} quantizes float weights at load; this GGUF's "
-                             "weights are used as stored (for --quant, add --dtype bfloat16)")
+            raise ValueError(
+                f"--quant {quant} quantizes float weights at load; this GGUF's "
+                "weights are used as stored (for --quant, add --dtype bfloat16)"
+            )
         return StoredRunner(loaded.model, math, loaded.generation_config)
     if quant in QUANTS:  # a float model's matrices quantized to blocks at load (native)
         if runner not in ("auto", "native") or loaded.device.type != "cpu":
-            raise ValueError(f"--quant {quant} runs on the native runner on the CPU, not "
-                             f"{'--runner ' + runner if runner not in ('auto', 'native') else loaded.device.type}")
+            raise ValueError(
+                f"--quant {quant} runs on the native runner on the CPU, not "
+                f"{'--runner ' + runner if runner not in ('auto', 'native') else loaded.device.type}"
+            )
         if not lean.supports(loaded.model):
-            raise ValueError(f"--quant {quant} needs an architecture the native runner runs "
-                             f"(Llama family, Qwen2, Gemma 3), not {loaded.model.config.model_type}")
+            raise ValueError(
+                f"--quant {quant} needs an architecture the native runner runs "
+                f"(Llama family, Qwen2, Gemma 3), not {loaded.model.config.model_type}"
+            )
         return quantize_at_load(loaded.model, quant, math)
     if quant and runner in ("transformers", "native"):
         raise ValueError(f"--quant needs the lean runner, not {runner}")
     if runner == "transformers" or (runner == "auto" and not lean.supports(loaded.model)):
         dtype = str(loaded.model.dtype).removeprefix("torch.")
         if math not in ("auto", dtype):
-            raise ValueError(f"--math {math} needs the native runner; the transformers runner "
-                             f"computes in the weights' dtype ({dtype})")
+            raise ValueError(
+                f"--math {math} needs the native runner; the transformers runner "
+                f"computes in the weights' dtype ({dtype})"
+            )
         return TransformersRunner(loaded.model)
     if not lean.supports(loaded.model):
-        raise ValueError(f"the {runner} runner does not support "
-                         f"{loaded.model.config.model_type}; use --runner transformers")
+        raise ValueError(
+            f"the {runner} runner does not support "
+            f"{loaded.model.config.model_type}; use --runner transformers"
+        )
     if runner == "native" or (
-            runner == "auto" and native.supports(loaded.device, loaded.model.dtype, quant)):
+        runner == "auto" and native.supports(loaded.device, loaded.model.dtype, quant)
+    ):
         if quant:
             raise ValueError(f"--quant {quant} runs on the lean runner, not the native one")
         return native.NativeRunner(loaded.model, math=math)
@@ -269,8 +293,14 @@ class _Reply:
     """Turns a sequence's token ids into Chunks for its caller: UTF-8-safe text, stop strings,
     a last chunk with the stats."""
 
-    def __init__(self, tokenizer, params: SamplingParams, stats: GenerationStats, sink,
-                 dropped_messages: int = 0):
+    def __init__(
+        self,
+        tokenizer,
+        params: SamplingParams,
+        stats: GenerationStats,
+        sink,
+        dropped_messages: int = 0,
+    ):
         self.detok = Detokenizer(tokenizer)
         self.stops = StopStrings(params.stop)
         self.stats, self.sink, self.dropped = stats, sink, dropped_messages
@@ -292,16 +322,31 @@ class _Reply:
             return
         stopped = self.stops.stopped
         tail = "" if stopped else self.stops.feed(self.detok.flush()) + self.stops.flush()
-        self.sink(Chunk(tail, [] if stopped else self.pending, self.stats, done=True,
-                        dropped_messages=self.dropped))
+        self.sink(
+            Chunk(
+                tail,
+                [] if stopped else self.pending,
+                self.stats,
+                done=True,
+                dropped_messages=self.dropped,
+            )
+        )
 
 
 class Engine(Admitting):
-    def __init__(self, loaded: LoadedModel, max_queue: int = MAX_QUEUE.default,
-                 prefix_cache_entries: int = 4,
-                 runner: str = "auto", quant: str | None = None, math: str = "auto",
-                 kv_budget: int | None = None, max_batch: int | None = None,
-                 step_tokens: int | None = None, name: str | None = None):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        max_queue: int = MAX_QUEUE.default,
+        prefix_cache_entries: int = 4,
+        runner: str = "auto",
+        quant: str | None = None,
+        math: str = "auto",
+        kv_budget: int | None = None,
+        max_batch: int | None = None,
+        step_tokens: int | None = None,
+        name: str | None = None,
+    ):
         self.loaded = loaded
         self._name = name or loaded.name
         self.runner = make_runner(loaded, runner, quant, math)
@@ -312,12 +357,15 @@ class Engine(Admitting):
         self.prefix_cache = PrefixCache(max_entries=prefix_cache_entries)
         self.max_queue = max_queue
         self.scheduler = Scheduler(
-            self.runner, prefix_cache=self.prefix_cache,
+            self.runner,
+            prefix_cache=self.prefix_cache,
             max_batch=max_batch or MAX_BATCH.default,
             step_tokens=step_tokens or STEP_TOKENS.default,
-            kv_budget=kv_budget or KV_BUDGET.default)
-        self._admission = Admission(lambda n: f"the server is busy ({n} requests running or "
-                                              "waiting); try again in a moment")
+            kv_budget=kv_budget or KV_BUDGET.default,
+        )
+        self._admission = Admission(
+            lambda n: f"the server is busy ({n} requests running or waiting); try again in a moment"
+        )
         self._grammars = None
         self._start_worker()
 
@@ -329,7 +377,7 @@ class Engine(Admitting):
 
     @property
     def runner_name(self) -> str:
-        """"transformers", "lean" or "native" (runners/base.py)."""
+        """ "transformers", "lean" or "native" (runners/base.py)."""
         return self.runner.name
 
     @property
@@ -339,17 +387,26 @@ class Engine(Admitting):
 
     def info(self) -> dict:
         s = self.scheduler
-        return {**describe(self.loaded), "name": self.name, "chat": self.has_chat_template,
-                "remote": False, "runner": self.runner_name, "quant": self.quant or "none",
-                "compute_dtype": self.runner.math,
-                "kernels": native.isa() if self.runner_name == "native" else None,
-                "max_batch": s.max_batch, "step_tokens": s.step_tokens,
-                "kv_budget": s.kv_budget}
+        return {
+            **describe(self.loaded),
+            "name": self.name,
+            "chat": self.has_chat_template,
+            "remote": False,
+            "runner": self.runner_name,
+            "quant": self.quant or "none",
+            "compute_dtype": self.runner.math,
+            "kernels": native.isa() if self.runner_name == "native" else None,
+            "max_batch": s.max_batch,
+            "step_tokens": s.step_tokens,
+            "kv_budget": s.kv_budget,
+        }
 
     def _end_ids(self) -> set[int]:
         ids = set()
         gen_eos = self.loaded.generation_config.eos_token_id
-        ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
+        ids.update(
+            gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else []
+        )
         if self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         vocab = self.tokenizer.get_vocab()
@@ -419,8 +476,7 @@ class Engine(Admitting):
         """The grammar compiler for this model's tokenizer (built on first use; a constraint
         compiled once is reused)."""
         if self._grammars is None:
-            self._grammars = Grammars(self.tokenizer, self.eos_ids,
-                                      self.runner.config.vocab_size)
+            self._grammars = Grammars(self.tokenizer, self.eos_ids, self.runner.config.vocab_size)
         return self._grammars
 
     def check(self, params: SamplingParams) -> None:
@@ -430,8 +486,11 @@ class Engine(Admitting):
         vocab = self.runner.config.vocab_size
         bad = next((t for t, _ in params.logit_bias if t >= vocab), None)
         if bad is not None:
-            raise ConfigError(f"'logit_bias': token id {bad} is out of range: the vocabulary "
-                              f"has ids 0..{vocab - 1}", "logit_bias")
+            raise ConfigError(
+                f"'logit_bias': token id {bad} is out of range: the vocabulary "
+                f"has ids 0..{vocab - 1}",
+                "logit_bias",
+            )
         if params.constraint is not None:
             self.grammars.check(params.constraint)
 
@@ -441,10 +500,17 @@ class Engine(Admitting):
         pattern or grammar that cannot be used."""
         return None if params.constraint is None else self.grammars.matcher(params.constraint)
 
-    def complete(self, prompt_ids: list[int], params: SamplingParams, *,
-                 cancel: threading.Event | None = None, use_cache: bool = True,
-                 reuse_prefix: bool = True, observer: LogitsObserver | None = None,
-                 dropped_messages: int = 0) -> Iterator[Chunk]:
+    def complete(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        cancel: threading.Event | None = None,
+        use_cache: bool = True,
+        reuse_prefix: bool = True,
+        observer: LogitsObserver | None = None,
+        dropped_messages: int = 0,
+    ) -> Iterator[Chunk]:
         """Stream a reply to raw prompt ids: text pieces, then a final chunk with stats.
 
         The request joins the scheduler: it advances in the same forward passes as every
@@ -458,19 +524,29 @@ class Engine(Admitting):
 
             def job():
                 try:
-                    self._solo_reply(prompt_ids, params, cancel, observer, out.put,
-                                     dropped_messages)
+                    self._solo_reply(
+                        prompt_ids, params, cancel, observer, out.put, dropped_messages
+                    )
                 finally:
                     self._release()
+
             self._jobs.put(job)
         else:
-            self._start([(prompt_ids, params, out.put)], cancel, reuse_prefix, observer,
-                        dropped_messages)
+            self._start(
+                [(prompt_ids, params, out.put)], cancel, reuse_prefix, observer, dropped_messages
+            )
         return Stream(drain(out, cancel), cancel)
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, sink, *,
-               cancel: threading.Event | None = None, reuse_prefix: bool = True,
-               observer: LogitsObserver | None = None) -> threading.Event:
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        sink,
+        *,
+        cancel: threading.Event | None = None,
+        reuse_prefix: bool = True,
+        observer: LogitsObserver | None = None,
+    ) -> threading.Event:
         """Start a request without a thread to read it: `sink(item)` is called on the engine
         thread with each Chunk, an exception if it failed, then None. It must return at once
         (e.g. hand the item to an event loop). Returns the event that cancels it."""
@@ -478,30 +554,47 @@ class Engine(Admitting):
         self._start([(prompt_ids, params, sink)], cancel, reuse_prefix, observer, 0)
         return cancel
 
-    def compare(self, prompt_ids: list[int], settings: list[SamplingParams], *,
-                cancel: threading.Event | None = None) -> Iterator[tuple[int, Chunk, float]]:
+    def compare(
+        self,
+        prompt_ids: list[int],
+        settings: list[SamplingParams],
+        *,
+        cancel: threading.Event | None = None,
+    ) -> Iterator[tuple[int, Chunk, float]]:
         """Answer one prompt under several settings at once, as one batch: every step
         advances all the columns. Yields (column, chunk, that column's seconds so far)."""
         cancel = cancel or threading.Event()
         out: queue.Queue = queue.Queue()
 
         def column(col):
-            return lambda item: out.put(item if item is None or isinstance(item, BaseException)
-                                        else (col, item))
+            return lambda item: out.put(
+                item if item is None or isinstance(item, BaseException) else (col, item)
+            )
 
-        self._start([(prompt_ids, p, column(i)) for i, p in enumerate(settings)], cancel,
-                    False, None, 0)
+        self._start(
+            [(prompt_ids, p, column(i)) for i, p in enumerate(settings)], cancel, False, None, 0
+        )
         return columns(out, cancel, len(settings))
 
-    def compare_prompt(self, prompt: str, settings: list[SamplingParams], *, raw: bool = False,
-                       cancel: threading.Event | None = None):
+    def compare_prompt(
+        self,
+        prompt: str,
+        settings: list[SamplingParams],
+        *,
+        raw: bool = False,
+        cancel: threading.Event | None = None,
+    ):
         """compare() of one user message (raw: of a text to continue, completion mode)."""
-        ids = (self.prompt_ids(prompt, settings[0]) if raw else
-               self.chat_prompt([{"role": "user", "content": prompt}], settings[0]))
+        ids = (
+            self.prompt_ids(prompt, settings[0])
+            if raw
+            else self.chat_prompt([{"role": "user", "content": prompt}], settings[0])
+        )
         return self.compare(ids, settings, cancel=cancel)
 
-    def _start(self, requests, cancel: threading.Event, reuse_prefix: bool, observer,
-               dropped_messages: int) -> None:
+    def _start(
+        self, requests, cancel: threading.Event, reuse_prefix: bool, observer, dropped_messages: int
+    ) -> None:
         """Queue sequences for the scheduler: (prompt ids, params, sink) each. Admission
         happens now: a full queue raises EngineBusy, a request too large for the KV budget
         RequestTooLarge, before anything starts. Each sink gets Chunks, then None."""
@@ -513,8 +606,9 @@ class Engine(Admitting):
             vocab = self.runner.config.vocab_size
             bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
             if bad is not None:
-                raise ValueError(f"token id {bad} is out of range: the vocabulary has ids "
-                                 f"0..{vocab - 1}")
+                raise ValueError(
+                    f"token id {bad} is out of range: the vocabulary has ids 0..{vocab - 1}"
+                )
             self.check(params)
             matcher = self.matcher(params)
             stats = GenerationStats(prompt_tokens=len(prompt_ids))
@@ -527,10 +621,19 @@ class Engine(Admitting):
                     sink(None)
                     self._release()
 
-            seq = Sequence(prompt_ids, params,
-                           min(params.max_new_tokens, self.context_length - len(prompt_ids)),
-                           reply.token, finish, self.eos_ids, cancel, observer, matcher,
-                           reuse_prefix, stats)
+            seq = Sequence(
+                prompt_ids,
+                params,
+                min(params.max_new_tokens, self.context_length - len(prompt_ids)),
+                reply.token,
+                finish,
+                self.eos_ids,
+                cancel,
+                observer,
+                matcher,
+                reuse_prefix,
+                stats,
+            )
             self.scheduler.check(seq)
             seqs.append(seq)
         self._admit(len(seqs))
@@ -542,10 +645,18 @@ class Engine(Admitting):
         reply = _Reply(self.tokenizer, params, stats, sink, dropped_messages)
         try:
             if not cancel.is_set():  # a caller that left while queued costs nothing
-                for token_id in generate(self.runner, prompt_ids, params, eos_ids=self.eos_ids,
-                                         use_cache=False, cancel=cancel, stats=stats,
-                                         max_length=self.context_length, observer=observer,
-                                         matcher=self.matcher(params)):
+                for token_id in generate(
+                    self.runner,
+                    prompt_ids,
+                    params,
+                    eos_ids=self.eos_ids,
+                    use_cache=False,
+                    cancel=cancel,
+                    stats=stats,
+                    max_length=self.context_length,
+                    observer=observer,
+                    matcher=self.matcher(params),
+                ):
                     if not reply.token(token_id):
                         stats.finish_reason = "stop"
                         break
@@ -555,19 +666,31 @@ class Engine(Admitting):
         finally:
             sink(None)
 
-    def complete_text(self, prompt, params: SamplingParams, trim: bool = False,
-                      **kwargs) -> Iterator[Chunk]:
+    def complete_text(
+        self, prompt, params: SamplingParams, trim: bool = False, **kwargs
+    ) -> Iterator[Chunk]:
         """Completion mode: stream the continuation of a text (or of token ids), no template.
         Too long for the context: ChatError, or with `trim` the oldest tokens dropped."""
         return self.complete(self.prompt_ids(prompt, params, trim=trim), params, **kwargs)
 
-    def prompt_ids(self, prompt, params: SamplingParams, trim: bool = False,
-                   field: str = "prompt", new_tokens: int | None = None) -> list[int]:
+    def prompt_ids(
+        self,
+        prompt,
+        params: SamplingParams,
+        trim: bool = False,
+        field: str = "prompt",
+        new_tokens: int | None = None,
+    ) -> list[int]:
         """The ids complete_text would send for `prompt` (a string or a list of ids), leaving
         room for `new_tokens` (params.max_new_tokens unless given: 0 to score it alone)."""
-        return completion_ids(self.tokenizer, prompt, self.context_length,
-                              params.max_new_tokens if new_tokens is None else new_tokens,
-                              field, trim)
+        return completion_ids(
+            self.tokenizer,
+            prompt,
+            self.context_length,
+            params.max_new_tokens if new_tokens is None else new_tokens,
+            field,
+            trim,
+        )
 
     def prompt_logprobs(self, prompt_ids: list[int], top: int = 0) -> list[tuple]:
         """For each prompt position after the first: (logprob of the token that is there,
@@ -579,7 +702,7 @@ class Engine(Admitting):
             cache = self.runner.new_cache(len(prompt_ids))
             out = []
             for start in range(0, len(prompt_ids) - 1, PROMPT_LOGITS_ROWS):
-                piece = prompt_ids[start:start + PROMPT_LOGITS_ROWS]
+                piece = prompt_ids[start : start + PROMPT_LOGITS_ROWS]
                 logits = self.runner.forward(torch.tensor([piece]), cache, all_logits=True)
                 logp = torch.log_softmax(logits.float(), dim=-1)
                 for row in range(len(piece)):
@@ -604,22 +727,24 @@ class Engine(Admitting):
     def chat(self, messages: list[dict], params: SamplingParams, **kwargs) -> Iterator[Chunk]:
         """Stream the assistant's reply to a conversation, trimmed to fit the context."""
         trimmed = self.trim(messages, params)
-        return self.complete(trimmed.prompt_ids, params, dropped_messages=trimmed.dropped,
-                             **kwargs)
+        return self.complete(trimmed.prompt_ids, params, dropped_messages=trimmed.dropped, **kwargs)
 
     def trim(self, messages: list[dict], params: SamplingParams):
         """Check the messages and drop the oldest turns until the reply fits the context.
         A model without a chat template: NoChatTemplate (a ChatError)."""
         if not self.has_chat_template:
             raise NoChatTemplate(self.name)
-        return trim_history(self.tokenizer, check_messages(messages), self.context_length,
-                            params.max_new_tokens)
+        return trim_history(
+            self.tokenizer, check_messages(messages), self.context_length, params.max_new_tokens
+        )
 
     def chat_prompt(self, messages: list[dict], params: SamplingParams) -> list[int]:
         """The prompt ids `chat` would send (checked and trimmed)."""
         return self.trim(messages, params).prompt_ids
 
-    def chat_text(self, messages: list[dict], params: SamplingParams, **kwargs) -> tuple[str, Chunk]:
+    def chat_text(
+        self, messages: list[dict], params: SamplingParams, **kwargs
+    ) -> tuple[str, Chunk]:
         """The whole reply at once (collects `chat`)."""
         parts, last = [], None
         for last in self.chat(messages, params, **kwargs):
@@ -632,8 +757,11 @@ class Engine(Admitting):
     def warm_up(self) -> float:
         """One tiny generation so the first user request does not pay one-off costs."""
         start = time.perf_counter()
-        for _ in self.complete(self.tokenizer("Hello")["input_ids"],
-                               SamplingParams(temperature=0, max_new_tokens=2), reuse_prefix=False):
+        for _ in self.complete(
+            self.tokenizer("Hello")["input_ids"],
+            SamplingParams(temperature=0, max_new_tokens=2),
+            reuse_prefix=False,
+        ):
             pass
         return time.perf_counter() - start
 
@@ -658,12 +786,14 @@ def drain(out: queue.Queue, cancel: threading.Event, ends: int = 1) -> Iterator:
 def columns(out: queue.Queue, cancel: threading.Event, n: int) -> "Stream":
     """Compare's stream over `n` columns' sinks, each item (column, chunk): (column, chunk,
     the column's seconds so far) -- for the local engine and the remote one alike."""
-    return Stream(((col, chunk, chunk.stats.total_s) for col, chunk in drain(out, cancel, n)),
-                  cancel)
+    return Stream(
+        ((col, chunk, chunk.stats.total_s) for col, chunk in drain(out, cancel, n)), cancel
+    )
 
 
-def auto_dtype(dtype: str, device: str | None, runner: str, quant: str | None,
-               source: str | None = None) -> str:
+def auto_dtype(
+    dtype: str, device: str | None, runner: str, quant: str | None, source: str | None = None
+) -> str:
     """--dtype auto picks the fastest weights for what will run them: a GGUF's weights as
     stored where the native runner runs (fewer bytes a token than any float copy: Q4_K_M ~4.9
     bits a weight against bfloat16's 16; BENCHMARKS.md, "Weights as stored"); int8 runs with
@@ -706,21 +836,42 @@ def runs_as_stored(source: str | None) -> bool:
         return True
 
 
-def start_engine(model: str | None = None, device: str | None = "auto", dtype: str = "auto",
-                 runner: str = "auto", quant: str | None = None, progress=None,
-                 math: str = "auto", kv_budget: int | None = None,
-                 max_queue: int = MAX_QUEUE.default, max_batch: int | None = None,
-                 name: str | None = None) -> Engine:
+def start_engine(
+    model: str | None = None,
+    device: str | None = "auto",
+    dtype: str = "auto",
+    runner: str = "auto",
+    quant: str | None = None,
+    progress=None,
+    math: str = "auto",
+    kv_budget: int | None = None,
+    max_queue: int = MAX_QUEUE.default,
+    max_batch: int | None = None,
+    name: str | None = None,
+) -> Engine:
     """Load a model and start its engine, as the app, the CLI and `serve` do. Raises
     ModelLoadError (the model) or ValueError (the runner / quantization)."""
     chosen = auto_dtype(dtype, device, runner, quant, model)
     if dtype == "auto" and chosen != "stored" and is_gguf(model) and runs_as_stored(model):
-        why = (f"--runner {runner}" if runner not in ("auto", "native") else
-               f"--quant {quant}" if quant else native.unavailable_reason()
-               or "the native runner does not run on this device")
+        why = (
+            f"--runner {runner}"
+            if runner not in ("auto", "native")
+            else f"--quant {quant}"
+            if quant
+            else native.unavailable_reason() or "the native runner does not run on this device"
+        )
         (progress or (lambda m: print(m, file=sys.stderr, flush=True)))(
             f"The GGUF's weights are dequantized ({why}); as stored they need the native "
-            "runner on the CPU.")
+            "runner on the CPU."
+        )
     loaded = load_model(model, device=device, dtype=chosen, progress=progress)
-    return Engine(loaded, runner=runner, quant=quant, math=math, kv_budget=kv_budget,
-                  max_queue=max_queue, max_batch=max_batch, name=name)
+    return Engine(
+        loaded,
+        runner=runner,
+        quant=quant,
+        math=math,
+        kv_budget=kv_budget,
+        max_queue=max_queue,
+        max_batch=max_batch,
+        name=name,
+    )

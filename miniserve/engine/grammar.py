@@ -54,18 +54,21 @@ def grammar_text(constraint: Constraint) -> str:
     """The constraint in llguidance's grammar format (checked only for shape here)."""
     kind, value = constraint.kind, constraint.value
     if kind == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}',
-                                                             overrides=COMPACT_JSON)
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            '{"type": "object"}', overrides=COMPACT_JSON
+        )
     if kind == "json_schema":
         try:
             schema = json.loads(value)
         except json.JSONDecodeError as e:
-            raise GrammarError(f"the JSON Schema is not JSON: {e.msg} (line {e.lineno}, "
-                               f"column {e.colno})") from None
+            raise GrammarError(
+                f"the JSON Schema is not JSON: {e.msg} (line {e.lineno}, column {e.colno})"
+            ) from None
         if not isinstance(schema, (dict, bool)):
             raise GrammarError("a JSON Schema must be an object")
-        return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(closed_objects(schema)),
-                                                             overrides=COMPACT_JSON)
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            json.dumps(closed_objects(schema)), overrides=COMPACT_JSON
+        )
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(value)
     if kind == "choice":
@@ -73,8 +76,11 @@ def grammar_text(constraint: Constraint) -> str:
             choices = json.loads(value)
         except json.JSONDecodeError:
             choices = None
-        if not isinstance(choices, list) or not choices or \
-                any(not isinstance(c, str) or not c for c in choices):
+        if (
+            not isinstance(choices, list)
+            or not choices
+            or any(not isinstance(c, str) or not c for c in choices)
+        ):
             raise GrammarError("the choices must be a list of non-empty strings")
         return llguidance.grammar_from("choice", json.dumps(choices))
     if kind == "grammar":
@@ -84,14 +90,34 @@ def grammar_text(constraint: Constraint) -> str:
 
 
 # the keywords whose values are schemas, or maps or lists of them
-_SUBSCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else",
-              "propertyNames", "unevaluatedItems", "unevaluatedProperties")
-_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions",
-                   "dependentSchemas")
+_SUBSCHEMA = (
+    "items",
+    "additionalItems",
+    "contains",
+    "not",
+    "if",
+    "then",
+    "else",
+    "propertyNames",
+    "unevaluatedItems",
+    "unevaluatedProperties",
+)
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")  # not allOf: its parts add up
 # beside these, other keys may be declared elsewhere: such an object is left open
-_COMBINED = ("additionalProperties", "patternProperties", "unevaluatedProperties", "allOf",
-             "anyOf", "oneOf", "$ref", "dependentSchemas", "if", "then", "else")
+_COMBINED = (
+    "additionalProperties",
+    "patternProperties",
+    "unevaluatedProperties",
+    "allOf",
+    "anyOf",
+    "oneOf",
+    "$ref",
+    "dependentSchemas",
+    "if",
+    "then",
+    "else",
+)
 
 
 def closed_objects(schema):
@@ -135,13 +161,14 @@ class GrammarMatcher:
         if bits.numel() >= width:
             return bits[:width].unsqueeze(0)
         out = torch.zeros(1, width, dtype=torch.bool)
-        out[0, :bits.numel()] = bits
+        out[0, : bits.numel()] = bits
         return out
 
     def accept(self, token_id: int) -> None:
         if not self._m.consume_token(token_id):
-            raise GrammarError(f"token {token_id} does not fit the grammar: "
-                               f"{self._m.get_error() or 'rejected'}")
+            raise GrammarError(
+                f"token {token_id} does not fit the grammar: {self._m.get_error() or 'rejected'}"
+            )
 
     def rollback(self, n: int) -> None:
         """Take back the last `n` accepted tokens (the Step view's Back)."""
@@ -160,8 +187,10 @@ class Grammars:
     def __init__(self, tokenizer, eos_ids, vocab: int | None = None):
         self.vocab = max(vocab or 0, len(tokenizer))
         import llguidance.hf  # imports transformers: at first use, not with this module
+
         self._tokenizer = llguidance.hf.from_tokenizer(
-            tokenizer, n_vocab=self.vocab, eos_token=sorted(eos_ids) or None)
+            tokenizer, n_vocab=self.vocab, eos_token=sorted(eos_ids) or None
+        )
         self._lock = threading.Lock()  # the API's threads and the engine thread share it
         self._compiled: OrderedDict[Constraint, llguidance.LLMatcher] = OrderedDict()
 

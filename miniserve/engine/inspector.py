@@ -30,9 +30,9 @@ from miniserve.engine.sampling import stages
 class Candidate:
     token_id: int | None  # None: a remote model's (the server gives text)
     text: str
-    prob: float          # softmax of the raw logits (remote: the server's probability)
+    prob: float  # softmax of the raw logits (remote: the server's probability)
     prob_filtered: float | None  # after all filters (what the draw used); 0 if removed
-    removed_by: str | None       # (both None for a remote model: the server does not say)
+    removed_by: str | None  # (both None for a remote model: the server does not say)
 
 
 @dataclass
@@ -43,8 +43,8 @@ class Step:
     prob_filtered: float | None
     candidates: list[Candidate]
     masked_mass: float | None = None  # probability the grammar removed (None: no grammar)
-    masked_tokens: int = 0            # how many tokens it removed
-    stages: tuple[str, ...] = ()      # the sampling stages that were on, in their order
+    masked_tokens: int = 0  # how many tokens it removed
+    stages: tuple[str, ...] = ()  # the sampling stages that were on, in their order
 
 
 @dataclass
@@ -52,6 +52,7 @@ class Bar:
     """One row of a token's chart (what the hover popup draws): a candidate's probability
     before the sampling stages (softmax of the logits) and after them (the distribution the
     draw used; None for a remote model's, whose server does not say)."""
+
     token_id: int | None
     text: str
     before: float | None
@@ -63,17 +64,25 @@ class Bar:
 def chart(step: Step) -> list[Bar]:
     """The bars of a step's chart: its top candidates by raw probability, then the chosen
     token when it is not among them (a sampled draw can be less likely than the top 5)."""
-    bars = [Bar(c.token_id, c.text, c.prob, c.prob_filtered, c.removed_by,
-                c.token_id == step.token_id if step.token_id is not None
-                else c.text == step.text)
-            for c in step.candidates]
+    bars = [
+        Bar(
+            c.token_id,
+            c.text,
+            c.prob,
+            c.prob_filtered,
+            c.removed_by,
+            c.token_id == step.token_id if step.token_id is not None else c.text == step.text,
+        )
+        for c in step.candidates
+    ]
     if not any(b.chosen for b in bars):
         bars.append(Bar(step.token_id, step.text, step.prob, step.prob_filtered, None, True))
     return bars
 
 
-def filter_stages(logits: torch.Tensor, params: SamplingParams, previous_ids,
-                  allowed: torch.Tensor | None = None) -> list[tuple]:
+def filter_stages(
+    logits: torch.Tensor, params: SamplingParams, previous_ids, allowed: torch.Tensor | None = None
+) -> list[tuple]:
     """(stage name, logits after it) for each stage that is on, in the sampling order; greedy
     ends with the argmax (every other token "removed by greedy")."""
     out = list(stages(logits, params, previous_ids, allowed))
@@ -84,8 +93,9 @@ def filter_stages(logits: torch.Tensor, params: SamplingParams, previous_ids,
 
 
 class Inspector:
-    def __init__(self, tokenizer, params: SamplingParams, top: int = 5,
-                 keep_distributions: bool = False):
+    def __init__(
+        self, tokenizer, params: SamplingParams, top: int = 5, keep_distributions: bool = False
+    ):
         self.tokenizer = tokenizer
         self.params = params
         self.top = top
@@ -97,8 +107,13 @@ class Inspector:
     def _text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def observe(self, logits: torch.Tensor, previous_ids: torch.Tensor, token_id: int,
-                allowed: torch.Tensor | None = None) -> None:
+    def observe(
+        self,
+        logits: torch.Tensor,
+        previous_ids: torch.Tensor,
+        token_id: int,
+        allowed: torch.Tensor | None = None,
+    ) -> None:
         logits = logits[0].float()
         raw = logits.softmax(-1)
         mask = allowed[0] if allowed is not None else None
@@ -106,8 +121,7 @@ class Inspector:
         final = stages[-1][1].softmax(-1)
         masked_mass, masked_tokens = None, 0
         if mask is not None:  # what the grammar took: the mass of the tokens it removed
-            before = dict(stages).get("repetition penalty",
-                                      dict(stages).get("logit bias", logits))
+            before = dict(stages).get("repetition penalty", dict(stages).get("logit bias", logits))
             masked_mass = float(before.softmax(-1)[~mask].sum())
             masked_tokens = int((~mask).sum())
         if self.keep:
@@ -117,20 +131,36 @@ class Inspector:
         for p, i in zip(top.values.tolist(), top.indices.tolist()):
             removed = next((name for name, x in stages if x[i] == float("-inf")), None)
             candidates.append(Candidate(i, self._text(i), p, float(final[i]), removed))
-        self.steps.append(Step(token_id, self._text(token_id), float(raw[token_id]),
-                               float(final[token_id]), candidates, masked_mass, masked_tokens,
-                               tuple(name for name, _ in stages)))
+        self.steps.append(
+            Step(
+                token_id,
+                self._text(token_id),
+                float(raw[token_id]),
+                float(final[token_id]),
+                candidates,
+                masked_mass,
+                masked_tokens,
+                tuple(name for name, _ in stages),
+            )
+        )
 
-    def add_remote_step(self, text: str, logprob: float | None,
-                        top: list[tuple[str, float]] = ()) -> None:
+    def add_remote_step(
+        self, text: str, logprob: float | None, top: list[tuple[str, float]] = ()
+    ) -> None:
         """A remote model's step: the token's text, the server's logprob of it (None when the
         server gave none) and its top alternatives as (text, logprob). No token ids, no filter
         stages: the server reports probabilities, not what its sampler removed."""
         self.remote = True
         prob = math.exp(logprob) if logprob is not None else None
-        self.steps.append(Step(None, text, prob, None,
-                               [Candidate(None, t, math.exp(lp), None, None)
-                                for t, lp in list(top)[:self.top]]))
+        self.steps.append(
+            Step(
+                None,
+                text,
+                prob,
+                None,
+                [Candidate(None, t, math.exp(lp), None, None) for t, lp in list(top)[: self.top]],
+            )
+        )
 
     def remote_note(self) -> str:
         """The line above a remote model's steps ("" for a local one)."""
@@ -138,39 +168,74 @@ class Inspector:
             return ""
         missing = sum(s.prob is None for s in self.steps)
         if self.steps and missing == len(self.steps):
-            return "server logprobs: the server gave none (its tokens are shown without " \
-                   "probabilities)"
+            return (
+                "server logprobs: the server gave none (its tokens are shown without probabilities)"
+            )
         return "server logprobs (no filter stages: the server does not report them)" + (
-            f"; the server gave none for {missing} of {len(self.steps)} tokens" if missing
-            else "")
+            f"; the server gave none for {missing} of {len(self.steps)} tokens" if missing else ""
+        )
 
     def as_json(self) -> list[dict]:
         if self.remote:
-            return [{"token_id": None, "text": s.text, "source": "server logprobs",
-                     "prob": round(s.prob, 5) if s.prob is not None else None,
-                     "top": [{"token_id": None, "text": c.text, "prob": round(c.prob, 5)}
-                             for c in s.candidates]} for s in self.steps]
-        return [{"token_id": s.token_id, "text": s.text, "prob": round(s.prob, 5),
-                 "prob_filtered": round(s.prob_filtered, 5),
-                 "top": [{"token_id": c.token_id, "text": c.text, "prob": round(c.prob, 5),
-                          "prob_filtered": round(c.prob_filtered, 5), "removed_by": c.removed_by}
-                         for c in s.candidates],
-                 **({"grammar_removed_mass": round(s.masked_mass, 5),
-                     "grammar_removed_tokens": s.masked_tokens}
-                    if s.masked_mass is not None else {})} for s in self.steps]
+            return [
+                {
+                    "token_id": None,
+                    "text": s.text,
+                    "source": "server logprobs",
+                    "prob": round(s.prob, 5) if s.prob is not None else None,
+                    "top": [
+                        {"token_id": None, "text": c.text, "prob": round(c.prob, 5)}
+                        for c in s.candidates
+                    ],
+                }
+                for s in self.steps
+            ]
+        return [
+            {
+                "token_id": s.token_id,
+                "text": s.text,
+                "prob": round(s.prob, 5),
+                "prob_filtered": round(s.prob_filtered, 5),
+                "top": [
+                    {
+                        "token_id": c.token_id,
+                        "text": c.text,
+                        "prob": round(c.prob, 5),
+                        "prob_filtered": round(c.prob_filtered, 5),
+                        "removed_by": c.removed_by,
+                    }
+                    for c in s.candidates
+                ],
+                **(
+                    {
+                        "grammar_removed_mass": round(s.masked_mass, 5),
+                        "grammar_removed_tokens": s.masked_tokens,
+                    }
+                    if s.masked_mass is not None
+                    else {}
+                ),
+            }
+            for s in self.steps
+        ]
 
     def as_text(self) -> str:
         if self.remote:
-            return "\n".join([self.remote_note()] + [
-                f"{n:4d} {s.text!r:>16} p={_p(s.prob, '.3f')}  | "
-                + ", ".join(f"{c.text!r} {c.prob:.2f}" for c in s.candidates)
-                for n, s in enumerate(self.steps)])
+            return "\n".join(
+                [self.remote_note()]
+                + [
+                    f"{n:4d} {s.text!r:>16} p={_p(s.prob, '.3f')}  | "
+                    + ", ".join(f"{c.text!r} {c.prob:.2f}" for c in s.candidates)
+                    for n, s in enumerate(self.steps)
+                ]
+            )
         lines = []
         for n, s in enumerate(self.steps):
-            alts = ", ".join(f"{c.text!r} {c.prob:.2f}->{c.prob_filtered:.2f}"
-                             + (f" (cut by {c.removed_by})" if c.removed_by else "")
-                             for c in s.candidates)
-            bent = (f"  [grammar removed {s.masked_mass:.0%}]" if s.masked_mass else "")
+            alts = ", ".join(
+                f"{c.text!r} {c.prob:.2f}->{c.prob_filtered:.2f}"
+                + (f" (cut by {c.removed_by})" if c.removed_by else "")
+                for c in s.candidates
+            )
+            bent = f"  [grammar removed {s.masked_mass:.0%}]" if s.masked_mass else ""
             lines.append(f"{n:4d} {s.text!r:>16} p={s.prob:.3f}  | {alts}{bent}")
         return "\n".join(lines)
 
@@ -190,16 +255,26 @@ class Inspector:
             if s.masked_mass:  # the grammar removed tokens the model wanted: underline it
                 width = 1 + round(3 * s.masked_mass)
                 bent = f"border-bottom:{width}px solid rgba(0,90,200,0.9);"
-            spans.append(f'<span class="ms-tok" tabindex="0" data-step="{n}" '
-                         + (f'data-prob="{s.prob:.4f}" ' if s.prob is not None else "")
-                         + (f'data-grammar-removed="{s.masked_mass:.4f}" '
-                            if s.masked_mass is not None else "")
-                         + f'style="background:{color};{bent}">{html.escape(s.text)}'
-                         + popup_html(s, self.remote) + "</span>")
-        note = (f'<div class="ms-source">{html.escape(self.remote_note())}</div>'
-                if self.remote else "")
-        return (f'<div class="ms-inspector" style="line-height:1.9">{POPUP_CSS}{note}'
-                + "".join(spans) + "</div>")
+            spans.append(
+                f'<span class="ms-tok" tabindex="0" data-step="{n}" '
+                + (f'data-prob="{s.prob:.4f}" ' if s.prob is not None else "")
+                + (
+                    f'data-grammar-removed="{s.masked_mass:.4f}" '
+                    if s.masked_mass is not None
+                    else ""
+                )
+                + f'style="background:{color};{bent}">{html.escape(s.text)}'
+                + popup_html(s, self.remote)
+                + "</span>"
+            )
+        note = (
+            f'<div class="ms-source">{html.escape(self.remote_note())}</div>' if self.remote else ""
+        )
+        return (
+            f'<div class="ms-inspector" style="line-height:1.9">{POPUP_CSS}{note}'
+            + "".join(spans)
+            + "</div>"
+        )
 
 
 # The hover chart's look: a popup under the token (shown while it is hovered or focused),
@@ -237,18 +312,24 @@ def _pct(p: float | None) -> str:
 def popup_html(step: Step, remote: bool = False) -> str:
     """A token's hover chart (its bars: `chart`), the HTML inside its span."""
     if remote:
-        head = (f"chose {step.text!r}: {_pct(step.prob)} by the server's logprobs"
-                if step.prob is not None else
-                f"{step.text!r}: the server gave no probability for this token")
-        key = (f'<i class="ms-sw" style="background:{BEFORE_COLOR}"></i>the server\'s '
-               "probability (no filter stages: the server does not report them)")
+        head = (
+            f"chose {step.text!r}: {_pct(step.prob)} by the server's logprobs"
+            if step.prob is not None
+            else f"{step.text!r}: the server gave no probability for this token"
+        )
+        key = (
+            f'<i class="ms-sw" style="background:{BEFORE_COLOR}"></i>the server\'s '
+            "probability (no filter stages: the server does not report them)"
+        )
     else:
-        head = (f"chose {step.text!r}: {_pct(step.prob)} → {_pct(step.prob_filtered)}"
-                + (f" · stages: {' → '.join(step.stages)}" if step.stages
-                   else " · no stage on"))
-        key = (f'<i class="ms-sw" style="background:{BEFORE_COLOR}"></i>before the stages '
-               f'(softmax of the logits)<i class="ms-sw" style="background:{AFTER_COLOR}">'
-               "</i>after them (what the draw used)")
+        head = f"chose {step.text!r}: {_pct(step.prob)} → {_pct(step.prob_filtered)}" + (
+            f" · stages: {' → '.join(step.stages)}" if step.stages else " · no stage on"
+        )
+        key = (
+            f'<i class="ms-sw" style="background:{BEFORE_COLOR}"></i>before the stages '
+            f'(softmax of the logits)<i class="ms-sw" style="background:{AFTER_COLOR}">'
+            "</i>after them (what the draw used)"
+        )
     rows = []
     for bar in chart(step):
         numbers = _pct(bar.before) if remote else f"{_pct(bar.before)} → {_pct(bar.after)}"
@@ -256,22 +337,33 @@ def popup_html(step: Step, remote: bool = False) -> str:
             numbers += f" removed by {bar.removed_by}"
         elif bar.chosen:
             numbers += " chosen"
-        cls = "ms-row" + (" ms-chosen" if bar.chosen else "") + \
-            (" ms-removed" if bar.removed_by else "")
-        rows.append(f'<span class="{cls}" '
-                    + (f'data-token-id="{bar.token_id}" ' if bar.token_id is not None else "")
-                    + (f'data-before="{bar.before:.6f}" ' if bar.before is not None else "")
-                    + (f'data-after="{bar.after:.6f}" ' if bar.after is not None else "")
-                    + f'style="--b:{100 * (bar.before or 0):.1f}%;'
-                    f'--a:{100 * (bar.after or 0):.1f}%">'
-                    f'<span class="ms-alt">{html.escape(repr(bar.text))}</span>'
-                    f'<span class="ms-bars"></span><span class="ms-num">{numbers}</span>'
-                    "</span>")
-    bent = (f'<span class="ms-note">the grammar removed {step.masked_mass:.1%} of the '
-            f"probability ({step.masked_tokens} tokens)</span>" if step.masked_mass else "")
-    return (f'<span class="ms-pop" role="tooltip"><span class="ms-head">'
-            f"{html.escape(head)}</span>{bent}{''.join(rows)}"
-            f'<span class="ms-key">{key}</span></span>')
+        cls = (
+            "ms-row"
+            + (" ms-chosen" if bar.chosen else "")
+            + (" ms-removed" if bar.removed_by else "")
+        )
+        rows.append(
+            f'<span class="{cls}" '
+            + (f'data-token-id="{bar.token_id}" ' if bar.token_id is not None else "")
+            + (f'data-before="{bar.before:.6f}" ' if bar.before is not None else "")
+            + (f'data-after="{bar.after:.6f}" ' if bar.after is not None else "")
+            + f'style="--b:{100 * (bar.before or 0):.1f}%;'
+            f'--a:{100 * (bar.after or 0):.1f}%">'
+            f'<span class="ms-alt">{html.escape(repr(bar.text))}</span>'
+            f'<span class="ms-bars"></span><span class="ms-num">{numbers}</span>'
+            "</span>"
+        )
+    bent = (
+        f'<span class="ms-note">the grammar removed {step.masked_mass:.1%} of the '
+        f"probability ({step.masked_tokens} tokens)</span>"
+        if step.masked_mass
+        else ""
+    )
+    return (
+        f'<span class="ms-pop" role="tooltip"><span class="ms-head">'
+        f"{html.escape(head)}</span>{bent}{''.join(rows)}"
+        f'<span class="ms-key">{key}</span></span>'
+    )
 
 
 def _p(prob: float | None, fmt: str) -> str:

@@ -37,8 +37,9 @@ def apply_logit_bias(logits: torch.Tensor, bias: tuple[tuple[int, float], ...]) 
     if not bias:
         return logits
     ids = torch.tensor([i for i, _ in bias], dtype=torch.long, device=logits.device)
-    values = torch.tensor([NEG_INF if b <= BAN else b for _, b in bias], dtype=logits.dtype,
-                          device=logits.device)
+    values = torch.tensor(
+        [NEG_INF if b <= BAN else b for _, b in bias], dtype=logits.dtype, device=logits.device
+    )
     return logits.index_add(-1, ids, values.expand(*logits.shape[:-1], -1))
 
 
@@ -49,8 +50,9 @@ def apply_mask(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tens
     return logits.masked_fill(~allowed, NEG_INF)
 
 
-def apply_repetition_penalty(logits: torch.Tensor, previous_ids: torch.Tensor | None,
-                             penalty: float) -> torch.Tensor:
+def apply_repetition_penalty(
+    logits: torch.Tensor, previous_ids: torch.Tensor | None, penalty: float
+) -> torch.Tensor:
     """Make tokens already in `previous_ids` less likely (CTRL paper, as transformers does).
 
     A seen token's positive score is divided by `penalty`, a negative one multiplied,
@@ -113,8 +115,12 @@ def min_p_filter(logits: torch.Tensor, min_p: float) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, NEG_INF)
 
 
-def stages(logits: torch.Tensor, params: SamplingParams, previous_ids: torch.Tensor | None = None,
-           allowed: torch.Tensor | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def stages(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    previous_ids: torch.Tensor | None = None,
+    allowed: torch.Tensor | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(stage name, logits after it) for each stage that is on, in the one sampling order.
     Greedy (temperature 0) ends with the grammar mask: the argmax is taken there."""
     if params.logit_bias:
@@ -128,17 +134,22 @@ def stages(logits: torch.Tensor, params: SamplingParams, previous_ids: torch.Ten
         yield "grammar", logits
     if params.greedy:
         return
-    for name, stage, value in (("temperature", apply_temperature, params.temperature),
-                               ("top-k", top_k_filter, params.top_k),
-                               ("top-p", top_p_filter, params.top_p),
-                               ("min-p", min_p_filter, params.min_p)):
+    for name, stage, value in (
+        ("temperature", apply_temperature, params.temperature),
+        ("top-k", top_k_filter, params.top_k),
+        ("top-p", top_p_filter, params.top_p),
+        ("min-p", min_p_filter, params.min_p),
+    ):
         logits = stage(logits, value)
         yield name, logits
 
 
-def filter_logits(logits: torch.Tensor, params: SamplingParams,
-                  previous_ids: torch.Tensor | None = None,
-                  allowed: torch.Tensor | None = None) -> torch.Tensor:
+def filter_logits(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    previous_ids: torch.Tensor | None = None,
+    allowed: torch.Tensor | None = None,
+) -> torch.Tensor:
     """All of the stages, in order: the logits the draw (or the argmax) sees."""
     for _, logits in stages(logits, params, previous_ids, allowed):
         pass
@@ -154,9 +165,13 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return gen
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, previous_ids: torch.Tensor | None = None,
-           generator: torch.Generator | None = None,
-           allowed: torch.Tensor | None = None) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    previous_ids: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    allowed: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Choose one token per row of `logits` (shape (B, vocab)); returns ids of shape (B,).
     `allowed`: the grammar's mask (bool, same shape), or None."""
     constrained = allowed is not None or bool(params.logit_bias)

@@ -51,23 +51,23 @@ class Sequence:
 
     prompt: list[int]
     params: SamplingParams
-    budget: int                      # new tokens at most (max_new_tokens, within the context)
+    budget: int  # new tokens at most (max_new_tokens, within the context)
     emit: Callable[[int], bool]
     finish: Callable[[BaseException | None], None]
     eos_ids: frozenset = frozenset()
     cancel: threading.Event = field(default_factory=threading.Event)
     observer: LogitsObserver | None = None
-    matcher: Matcher | None = None   # the grammar the reply follows (its own state)
+    matcher: Matcher | None = None  # the grammar the reply follows (its own state)
     reuse_prefix: bool = True
     stats: GenerationStats = field(default_factory=GenerationStats)
     # set by the scheduler
     cache: object = None
-    done_prompt: int = 0             # prompt positions in the cache
+    done_prompt: int = 0  # prompt positions in the cache
     pending_logits: torch.Tensor | None = None  # what the cached whole prompt produced
     first_logits: torch.Tensor | None = None
     tokens: list[int] = field(default_factory=list)
     ids: torch.Tensor | None = None  # prompt + tokens, for the repetition penalty
-    held: int = 0                    # KV positions held while running (>= reserve)
+    held: int = 0  # KV positions held while running (>= reserve)
     generator: torch.Generator | None = None
 
     @property
@@ -81,8 +81,15 @@ class Sequence:
 
 
 class Scheduler:
-    def __init__(self, runner, *, prefix_cache=None, max_batch: int = MAX_BATCH.default,
-                 step_tokens: int = STEP_TOKENS.default, kv_budget: int = KV_BUDGET.default):
+    def __init__(
+        self,
+        runner,
+        *,
+        prefix_cache=None,
+        max_batch: int = MAX_BATCH.default,
+        step_tokens: int = STEP_TOKENS.default,
+        kv_budget: int = KV_BUDGET.default,
+    ):
         self.runner = runner
         self.prefix_cache = prefix_cache
         self.max_batch = max_batch
@@ -116,7 +123,8 @@ class Scheduler:
             raise RequestTooLarge(
                 f"this request needs {seq.reserve} positions of KV cache ({len(seq.prompt)} "
                 f"prompt + {seq.budget} new tokens) but the KV budget is {self.kv_budget} "
-                "(--kv-budget): shorten the prompt or max_tokens, or raise the budget")
+                "(--kv-budget): shorten the prompt or max_tokens, or raise the budget"
+            )
 
     def add(self, seq: Sequence) -> None:
         self.check(seq)
@@ -154,7 +162,7 @@ class Scheduler:
             for i, (seq, chunk) in enumerate(rows):
                 seq.done_prompt = min(len(seq.prompt), seq.done_prompt + len(chunk))
                 if not seq.prefilling:  # its prompt is in, or it is decoding
-                    self._advance_or_fail(seq, logits[i:i + 1])
+                    self._advance_or_fail(seq, logits[i : i + 1])
 
     def _advance_or_fail(self, seq: Sequence, logits: torch.Tensor) -> None:
         try:
@@ -175,12 +183,15 @@ class Scheduler:
     def _rows(self) -> list[tuple[Sequence, list[int]]]:
         """Decode rows first (every running sequence advances each step), then prompt chunks
         in admission order while the step has rows left."""
-        rows = [(s, s.tokens[-1:]) for s in self.running
-                if not s.prefilling and s.pending_logits is None]
+        rows = [
+            (s, s.tokens[-1:])
+            for s in self.running
+            if not s.prefilling and s.pending_logits is None
+        ]
         left = self.step_tokens - len(rows)
         for s in self.running:
             if s.prefilling and left > 0:
-                chunk = s.prompt[s.done_prompt:s.done_prompt + left]
+                chunk = s.prompt[s.done_prompt : s.done_prompt + left]
                 rows.append((s, chunk))
                 left -= len(chunk)
         return rows
@@ -206,8 +217,11 @@ class Scheduler:
         capacity = cache.capacity if cache is not None else 0
         seq.held = max(seq.reserve, capacity)
         # room: give up kept caches, oldest first (the one just taken is no longer among them)
-        while self.prefix_cache is not None and self.prefix_cache.entries and (
-                running + seq.held + self.prefix_cache.held_positions() > self.kv_budget):
+        while (
+            self.prefix_cache is not None
+            and self.prefix_cache.entries
+            and (running + seq.held + self.prefix_cache.held_positions() > self.kv_budget)
+        ):
             self.prefix_cache.entries.popitem(last=False)
         if cache is None:
             cache = self.runner.new_cache(seq.reserve)
@@ -226,8 +240,16 @@ class Scheduler:
         """Choose the sequence's next token from its logits, as decode.generate does."""
         if seq.first_logits is None:  # kept with its cache: not a view of the pass's logits
             seq.first_logits = logits.clone()
-        token_id, ids = choose(logits, seq.params, seq.ids, seq.generator, seq.eos_ids,
-                               seq.stats, seq.observer, seq.matcher)
+        token_id, ids = choose(
+            logits,
+            seq.params,
+            seq.ids,
+            seq.generator,
+            seq.eos_ids,
+            seq.stats,
+            seq.observer,
+            seq.matcher,
+        )
         if ids is None:  # an end token, or no token allowed
             return self._retire(seq)
         seq.ids = ids
@@ -250,7 +272,8 @@ class Scheduler:
             self.running.remove(seq)
             if error is None and seq.reuse_prefix and self.prefix_cache is not None:
                 held = seq.cache.get_seq_length()
-                self.prefix_cache.put((seq.prompt + seq.tokens)[:held], seq.cache,
-                                      len(seq.prompt), seq.first_logits)
+                self.prefix_cache.put(
+                    (seq.prompt + seq.tokens)[:held], seq.cache, len(seq.prompt), seq.first_logits
+                )
         seq.stats.total_s = time.perf_counter() - seq.stats.started
         seq.finish(error)

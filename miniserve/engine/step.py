@@ -38,8 +38,8 @@ from miniserve.engine.inspector import filter_stages
 from miniserve.engine.sampling import NoTokenAllowed, make_generator, sample
 from miniserve.engine.scheduler import Sequence
 
-TOP = 20              # candidates shown by default
-IDLE_S = 600.0        # a session nobody touched for this long is released
+TOP = 20  # candidates shown by default
+IDLE_S = 600.0  # a session nobody touched for this long is released
 ONE_PASS = SamplingParams(temperature=0, max_new_tokens=1)  # the pass's own draw is unused
 
 
@@ -49,77 +49,93 @@ class StepError(ValueError):
 
 def _locked(method):
     """One action of a session at a time (a click while Run streams, the idle reaper)."""
+
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         with self._lock:
             return method(self, *args, **kwargs)
+
     return wrapper
 
 
 @dataclass
 class StepCost:
     """What computing one position cost."""
-    forward_s: float      # the forward pass that produced its logits (0: none was needed)
-    wall_s: float         # asked -> logits here: queue wait, pass, hand-over
-    new_rows: int         # positions that pass fed for this session (the prompt, then 1)
-    kv_positions: int     # positions in the session's KV cache after it
-    kv_bytes: int         # their bytes (keys and values, all layers)
-    reused: int           # positions taken from the engine's prefix cache (first pass only)
-    shared: int           # other sequences in the same pass
+
+    forward_s: float  # the forward pass that produced its logits (0: none was needed)
+    wall_s: float  # asked -> logits here: queue wait, pass, hand-over
+    new_rows: int  # positions that pass fed for this session (the prompt, then 1)
+    kv_positions: int  # positions in the session's KV cache after it
+    kv_bytes: int  # their bytes (keys and values, all layers)
+    reused: int  # positions taken from the engine's prefix cache (first pass only)
+    shared: int  # other sequences in the same pass
 
 
 @dataclass
 class Position:
-    logits: torch.Tensor             # (1, vocab) float32: the raw logits, kept
-    gen_state: torch.Tensor | None   # the generator's state before this position's draw
+    logits: torch.Tensor  # (1, vocab) float32: the raw logits, kept
+    gen_state: torch.Tensor | None  # the generator's state before this position's draw
     cost: StepCost
-    token: int | None = None         # the token taken here (None: not yet)
-    drawn: int | None = None         # what the draw gave when it was taken
-    picked: bool = False             # taken by hand
-    entropy: float = 0.0             # of the raw distribution, bits (when taken)
-    prob: float = 0.0                # the taken token's probability in the final distribution
+    token: int | None = None  # the token taken here (None: not yet)
+    drawn: int | None = None  # what the draw gave when it was taken
+    picked: bool = False  # taken by hand
+    entropy: float = 0.0  # of the raw distribution, bits (when taken)
+    prob: float = 0.0  # the taken token's probability in the final distribution
 
 
 @dataclass
 class Row:
     """One candidate token across the stages."""
+
     token_id: int
     text: str
-    probs: list[float]               # per stage (StageView.stages): its probability there
-    removed_by: str | None           # the first stage that removed it
+    probs: list[float]  # per stage (StageView.stages): its probability there
+    removed_by: str | None  # the first stage that removed it
     mass_above: float | None = None  # top-p: the mass of the tokens ranked above it there
-    why_not: str | None = None       # why it cannot be picked (grammar, a -100 bias)
+    why_not: str | None = None  # why it cannot be picked (grammar, a -100 bias)
 
 
 @dataclass
 class StageView:
     """The distribution at one position through every stage: what the chart is drawn from."""
-    position: int                    # index of the generated token this decides
-    stages: list[str]                # "raw", each stage sampling.stages yielded, "final"
+
+    position: int  # index of the generated token this decides
+    stages: list[str]  # "raw", each stage sampling.stages yielded, "final"
     rows: list[Row]
-    drawn: int | None                # the token the draw takes (or took) under these settings
-    taken: int | None                # the token taken here, when decided
+    drawn: int | None  # the token the draw takes (or took) under these settings
+    taken: int | None  # the token taken here, when decided
     picked: bool
-    rank: int | None                 # the drawn token's rank in the raw distribution (1 = top)
+    rank: int | None  # the drawn token's rank in the raw distribution (1 = top)
     drawn_raw: float
     drawn_final: float
-    entropy_raw: float               # bits
+    entropy_raw: float  # bits
     entropy_final: float
-    outside_raw: float               # mass outside the shown candidates
+    outside_raw: float  # mass outside the shown candidates
     outside_final: float
-    top_p: float | None              # the cut, when top-p is on
+    top_p: float | None  # the cut, when top-p is on
     greedy: bool
-    note: str = ""                   # e.g. no token allowed
-    temperature: float = 0.0         # the setting the stages ran with (the chart says it)
+    note: str = ""  # e.g. no token allowed
+    temperature: float = 0.0  # the setting the stages ran with (the chart says it)
 
     def as_dict(self) -> dict:
-        return {"position": self.position, "stages": self.stages, "drawn": self.drawn,
-                "taken": self.taken, "picked": self.picked, "rank": self.rank,
-                "drawn_raw": self.drawn_raw, "drawn_final": self.drawn_final,
-                "entropy_raw": self.entropy_raw, "entropy_final": self.entropy_final,
-                "outside_raw": self.outside_raw, "outside_final": self.outside_final,
-                "top_p": self.top_p, "greedy": self.greedy, "note": self.note,
-                "rows": [r.__dict__ for r in self.rows]}
+        return {
+            "position": self.position,
+            "stages": self.stages,
+            "drawn": self.drawn,
+            "taken": self.taken,
+            "picked": self.picked,
+            "rank": self.rank,
+            "drawn_raw": self.drawn_raw,
+            "drawn_final": self.drawn_final,
+            "entropy_raw": self.entropy_raw,
+            "entropy_final": self.entropy_final,
+            "outside_raw": self.outside_raw,
+            "outside_final": self.outside_final,
+            "top_p": self.top_p,
+            "greedy": self.greedy,
+            "note": self.note,
+            "rows": [r.__dict__ for r in self.rows],
+        }
 
 
 def entropy_bits(probs: torch.Tensor) -> float:
@@ -127,9 +143,16 @@ def entropy_bits(probs: torch.Tensor) -> float:
     return float(-(p * p.log2()).sum()) if p.numel() else 0.0
 
 
-def stage_view(logits: torch.Tensor, params: SamplingParams, previous_ids: torch.Tensor,
-               allowed: torch.Tensor | None, text_of, top: int = TOP, drawn: int | None = None,
-               position: int = 0) -> StageView:
+def stage_view(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    previous_ids: torch.Tensor,
+    allowed: torch.Tensor | None,
+    text_of,
+    top: int = TOP,
+    drawn: int | None = None,
+    position: int = 0,
+) -> StageView:
     """The stages on kept logits (1, vocab): the top `top` raw candidates (and the drawn token,
     and any token a stage lifted into the final top `top`) with their probability after each
     stage -- `sampling.stages` itself, through inspector.filter_stages (greedy ends with the
@@ -170,20 +193,38 @@ def stage_view(logits: torch.Tensor, params: SamplingParams, previous_ids: torch
             why = "the output format does not allow it here"
         elif bias.get(i, 0) <= -100:
             why = "the logit bias bans it (-100)"
-        rows.append(Row(i, text_of(i), [float(d[i]) for d in dists], removed,
-                        mass_above[n] if mass_above is not None else None, why))
+        rows.append(
+            Row(
+                i,
+                text_of(i),
+                [float(d[i]) for d in dists],
+                removed,
+                mass_above[n] if mass_above is not None else None,
+                why,
+            )
+        )
     shown = torch.tensor(ids)
     rank = None
     if drawn is not None:
         rank = int((raw > raw[drawn]).sum()) + 1
-    return StageView(position, names, rows, drawn, None, False, rank,
-                     float(raw[drawn]) if drawn is not None else 0.0,
-                     float(final[drawn]) if drawn is not None else 0.0,
-                     entropy_bits(raw), entropy_bits(final),
-                     max(0.0, 1 - float(raw[shown].sum())),
-                     max(0.0, 1 - float(final[shown].sum())),
-                     params.top_p if "top-p" in cuts else None, params.greedy,
-                     temperature=params.temperature)
+    return StageView(
+        position,
+        names,
+        rows,
+        drawn,
+        None,
+        False,
+        rank,
+        float(raw[drawn]) if drawn is not None else 0.0,
+        float(final[drawn]) if drawn is not None else 0.0,
+        entropy_bits(raw),
+        entropy_bits(final),
+        max(0.0, 1 - float(raw[shown].sum())),
+        max(0.0, 1 - float(final[shown].sum())),
+        params.top_p if "top-p" in cuts else None,
+        params.greedy,
+        temperature=params.temperature,
+    )
 
 
 class StepSession:
@@ -191,8 +232,9 @@ class StepSession:
     whole prompt (chat template applied, or the text as it is). Methods are called from one
     thread at a time (the tab's handlers, the CLI); the passes run on the engine thread."""
 
-    def __init__(self, engine, prompt_ids: list[int], params: SamplingParams,
-                 idle_s: float = IDLE_S):
+    def __init__(
+        self, engine, prompt_ids: list[int], params: SamplingParams, idle_s: float = IDLE_S
+    ):
         if not engine.capabilities.local_tokens:
             raise StepError(remote_note(engine.name))
         prompt_ids = list(prompt_ids)
@@ -200,27 +242,30 @@ class StepSession:
             raise StepError("the prompt is empty: write the text to start from")
         engine.check(params)
         self.engine = engine
-        self.params = params if params.seed is not None else params.replace(
-            seed=secrets.randbelow(RANDOM_SEEDS))
+        self.params = (
+            params
+            if params.seed is not None
+            else params.replace(seed=secrets.randbelow(RANDOM_SEEDS))
+        )
         self.prompt_len = len(prompt_ids)
-        self.ids = prompt_ids             # prompt + tokens taken so far
+        self.ids = prompt_ids  # prompt + tokens taken so far
         self.positions: list[Position] = []
         self.matcher = engine.matcher(self.params)
         self.device = engine.runner.device
         self.generator = make_generator(self.params.seed, self.device)
         self.cache = None
-        self.reserved = 0                 # KV positions counted against the budget
+        self.reserved = 0  # KV positions counted against the budget
         self.idle_s = idle_s
         self.last_used = time.monotonic()
-        self.released = ""                # why it was released ("" while it holds its cache)
-        self.finish = ""                  # "eos" | "stop" | "length" | "context" | ""
+        self.released = ""  # why it was released ("" while it holds its cache)
+        self.finish = ""  # "eos" | "stop" | "length" | "context" | ""
         self._lock = threading.RLock()
         self._reserve(len(prompt_ids) + self.params.max_new_tokens)
 
     # -- what it holds -------------------------------------------------------------------
     @property
     def tokens(self) -> list[int]:
-        return self.ids[self.prompt_len:]
+        return self.ids[self.prompt_len :]
 
     @property
     def vocab(self) -> int:
@@ -247,9 +292,11 @@ class StepSession:
         if self.released:
             raise StepError(self.released)
         if time.monotonic() - self.last_used > self.idle_s:
-            self.release(f"this step session was released after {self.idle_s / 60:g} "
-                         "minutes without use (its KV cache went back to the budget): Reset "
-                         "or Step starts again")
+            self.release(
+                f"this step session was released after {self.idle_s / 60:g} "
+                "minutes without use (its KV cache went back to the budget): Reset "
+                "or Step starts again"
+            )
             raise StepError(self.released)
         self.last_used = time.monotonic()
 
@@ -264,14 +311,17 @@ class StepSession:
 
         def job():
             others = sum(s.held for s in sched.running) + sum(
-                v for k, v in sched.kept.items() if k is not self)
+                v for k, v in sched.kept.items() if k is not self
+            )
             if others + positions > sched.kv_budget:
                 raise StepError(
                     f"the KV budget (--kv-budget {sched.kv_budget}) has "
                     f"{max(sched.kv_budget - others, 0)} positions free and this step "
                     f"session needs {positions} (prompt + max new tokens): wait for running "
-                    "replies to end, lower Max new tokens, or raise --kv-budget")
+                    "replies to end, lower Max new tokens, or raise --kv-budget"
+                )
             sched.kept[self] = positions
+
         self.engine.run_on_worker(job)
         self.reserved = positions
 
@@ -307,21 +357,35 @@ class StepSession:
             engine._release()
             done.set()
 
-        seq = Sequence(list(self.ids), ONE_PASS, 1, lambda t: True, finish, frozenset(),
-                       observer=observe, reuse_prefix=False,
-                       stats=GenerationStats(prompt_tokens=len(self.ids)))
+        seq = Sequence(
+            list(self.ids),
+            ONE_PASS,
+            1,
+            lambda t: True,
+            finish,
+            frozenset(),
+            observer=observe,
+            reuse_prefix=False,
+            stats=GenerationStats(prompt_tokens=len(self.ids)),
+        )
 
         def add():
             reused = 0
             if self.cache is None:  # the first pass: a prefix another request left, if any
-                cache, reused, logits = (sched.prefix_cache.take(self.ids)
-                                         if sched.prefix_cache is not None else (None, 0, None))
+                cache, reused, logits = (
+                    sched.prefix_cache.take(self.ids)
+                    if sched.prefix_cache is not None
+                    else (None, 0, None)
+                )
                 if cache is not None and logits is not None:
                     crop = reused - 1  # its logits are of the whole prompt: feed the last again
                     cache.crop(crop - cache.get_seq_length())
                     reused = crop
-                self.cache = cache if cache is not None else engine.runner.new_cache(
-                    max(self.reserved, len(self.ids) + 1))
+                self.cache = (
+                    cache
+                    if cache is not None
+                    else engine.runner.new_cache(max(self.reserved, len(self.ids) + 1))
+                )
             box["reused"] = reused
             box["cached"] = self.cache.get_seq_length()
             if hasattr(self.cache, "reserve"):  # grown by doubling, not a position a step
@@ -340,9 +404,15 @@ class StepSession:
             raise box["error"]
         if "logits" not in box:
             raise StepError("the pass ended without logits (the engine was stopped?)")
-        cost = StepCost(box["forward_s"], time.perf_counter() - started,
-                        len(self.ids) - box["cached"], self.kv_positions(), self.kv_bytes(),
-                        box["reused"], box["shared"])
+        cost = StepCost(
+            box["forward_s"],
+            time.perf_counter() - started,
+            len(self.ids) - box["cached"],
+            self.kv_positions(),
+            self.kv_bytes(),
+            box["reused"],
+            box["shared"],
+        )
         state = self.generator.get_state() if self.generator is not None else None
         return Position(box["logits"], state, cost)
 
@@ -359,8 +429,9 @@ class StepSession:
         if self.generator is not None and pos.gen_state is not None:
             self.generator.set_state(pos.gen_state)
         try:
-            return int(sample(pos.logits, self.params, self._previous(), self.generator,
-                              allowed).item())
+            return int(
+                sample(pos.logits, self.params, self._previous(), self.generator, allowed).item()
+            )
         except NoTokenAllowed:
             return None
 
@@ -373,7 +444,7 @@ class StepSession:
         pos = self.positions[-1]
         index = len(self.positions) - 1
         decided = pos.token is not None
-        previous = self._previous()[:, :self.prompt_len + index]
+        previous = self._previous()[:, : self.prompt_len + index]
         allowed = None
         if self.matcher is not None:
             if decided:  # the mask as it was before the token: one back, then forward again
@@ -383,8 +454,9 @@ class StepSession:
             else:
                 allowed = self._allowed()
         drawn = pos.drawn if decided else self._draw(pos, allowed)
-        view = stage_view(pos.logits, self.params, previous, allowed, self.text_of, top,
-                          drawn, index)
+        view = stage_view(
+            pos.logits, self.params, previous, allowed, self.text_of, top, drawn, index
+        )
         view.taken, view.picked = pos.token, pos.picked
         if drawn is None:
             view.note = "the output format and the logit bias allow no token here"
@@ -411,8 +483,9 @@ class StepSession:
             self._check_pick(pick, allowed)
         token = pick if pick is not None else drawn
         if token is None:
-            raise StepError("the output format and the logit bias allow no token here: Back, "
-                            "or change them")
+            raise StepError(
+                "the output format and the logit bias allow no token here: Back, or change them"
+            )
         pos.token, pos.drawn, pos.picked = token, drawn, pick is not None and pick != drawn
         pos.entropy, pos.prob = self._measure(pos, token, allowed)
         self.ids = self.ids + [token]
@@ -436,21 +509,25 @@ class StepSession:
     def _measure(self, pos: Position, token: int, allowed) -> tuple[float, float]:
         """The raw entropy and the taken token's final probability, for the plot over tokens."""
         x = pos.logits.float()
-        final = filter_stages(x[0], self.params, self._previous()[0],
-                              allowed[0] if allowed is not None else None)
+        final = filter_stages(
+            x[0], self.params, self._previous()[0], allowed[0] if allowed is not None else None
+        )
         probs = final[-1][1].softmax(-1) if final else x[0].softmax(-1)
         return entropy_bits(x[0].softmax(-1)), float(probs[token])
 
     def _check_pick(self, token: int, allowed) -> None:
         if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < self.vocab:
-            raise StepError(f"token id {token!r} is out of range: the vocabulary has ids "
-                            f"0..{self.vocab - 1}")
+            raise StepError(
+                f"token id {token!r} is out of range: the vocabulary has ids 0..{self.vocab - 1}"
+            )
         if allowed is not None and not bool(allowed[0, token]):
-            raise StepError(f"{self.text_of(token)!r} cannot be taken: the output format does "
-                            "not allow it here")
+            raise StepError(
+                f"{self.text_of(token)!r} cannot be taken: the output format does not allow it here"
+            )
         if dict(self.params.logit_bias).get(token, 0) <= -100:
-            raise StepError(f"{self.text_of(token)!r} cannot be taken: the logit bias bans it "
-                            "(-100)")
+            raise StepError(
+                f"{self.text_of(token)!r} cannot be taken: the logit bias bans it (-100)"
+            )
 
     @_locked
     def pick_candidate(self, k: int, top: int = TOP) -> StepCost:
@@ -473,8 +550,10 @@ class StepSession:
         if not ids:
             raise StepError(f"{text!r} is no token at all")
         parts = ", ".join(f"{self.text_of(i)!r} ({i})" for i in ids)
-        raise StepError(f"{text!r} is not one token: it splits into {len(ids)}: {parts}; "
-                        "take them one at a time")
+        raise StepError(
+            f"{text!r} is not one token: it splits into {len(ids)}: {parts}; "
+            "take them one at a time"
+        )
 
     def run(self, n: int | None = None, cancel: threading.Event | None = None):
         """Step n times (None: to the end); yields after each step. Stops at the end of the
@@ -504,12 +583,11 @@ class StepSession:
         if not self.positions or taken == 0:
             raise StepError("nothing to go back to: no token was taken yet")
         if not 0 <= keep < taken:
-            raise StepError(f"there is no token {keep + 1} to go back before: the text has "
-                            f"{taken}")
+            raise StepError(f"there is no token {keep + 1} to go back before: the text has {taken}")
         if self.matcher is not None:
             self.matcher.rollback(taken - keep)
-        self.ids = self.ids[:self.prompt_len + keep]
-        self.positions = self.positions[:keep + 1]
+        self.ids = self.ids[: self.prompt_len + keep]
+        self.positions = self.positions[: keep + 1]
         pos = self.positions[-1]
         pos.token, pos.drawn, pos.picked = None, None, False
         self.finish = ""
@@ -529,9 +607,11 @@ class StepSession:
                 try:
                     matcher.accept(token)
                 except GrammarError:
-                    raise StepError(f"the text so far does not fit that output format at "
-                                    f"token {n + 1} ({self.text_of(token)!r}): go back before "
-                                    "it first") from None
+                    raise StepError(
+                        f"the text so far does not fit that output format at "
+                        f"token {n + 1} ({self.text_of(token)!r}): go back before "
+                        "it first"
+                    ) from None
             self.matcher = matcher
         if params.seed != self.params.seed:  # a new seed draws from here on
             self.generator = make_generator(params.seed, self.device)
@@ -548,13 +628,13 @@ class StepSession:
     # -- what to say -------------------------------------------------------------------------
     def finished_note(self) -> str:
         last = self.text_of(self.tokens[-1]) if self.tokens else ""
-        return {"eos": f"the text is finished: the model wrote its end token {last!r}. Back "
-                       "or a click on an earlier token goes on from there; Reset starts again",
-                "stop": "the text is finished: the output format is complete",
-                "length": f"Max new tokens ({self.params.max_new_tokens}) reached: raise it "
-                          "to go on",
-                "context": f"the context ({self.engine.context_length} tokens) is full"
-                }.get(self.finish, "")
+        return {
+            "eos": f"the text is finished: the model wrote its end token {last!r}. Back "
+            "or a click on an earlier token goes on from there; Reset starts again",
+            "stop": "the text is finished: the output format is complete",
+            "length": f"Max new tokens ({self.params.max_new_tokens}) reached: raise it to go on",
+            "context": f"the context ({self.engine.context_length} tokens) is full",
+        }.get(self.finish, "")
 
     def costs(self) -> list[StepCost]:
         return [p.cost for p in self.positions]
@@ -562,7 +642,9 @@ class StepSession:
 
 def remote_note(name: str) -> str:
     """What the Step view says for a model served by another server."""
-    return (f"model '{name}' runs on a remote server: its logits never reach this app, so the "
-            "stages, hand picks, Back and the costs cannot be shown here. The Chat and "
-            "Notebook tabs' token inspector shows what the server's logprobs allow (the top "
-            "alternatives of each token, no stages)")
+    return (
+        f"model '{name}' runs on a remote server: its logits never reach this app, so the "
+        "stages, hand picks, Back and the costs cannot be shown here. The Chat and "
+        "Notebook tabs' token inspector shows what the server's logprobs allow (the top "
+        "alternatives of each token, no stages)"
+    )

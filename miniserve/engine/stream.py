@@ -22,28 +22,29 @@ class Detokenizer:
         self.skip_special = skip_special_tokens
         self.ids: list[int] = []
         self.prefix_offset = 0  # decode from here, so context-dependent spacing is right
-        self.read_offset = 0    # text of ids[:read_offset] has been emitted
+        self.read_offset = 0  # text of ids[:read_offset] has been emitted
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special,
-                                     clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(
+            ids, skip_special_tokens=self.skip_special, clean_up_tokenization_spaces=False
+        )
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        before = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        after = self._decode(self.ids[self.prefix_offset:])
+        before = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        after = self._decode(self.ids[self.prefix_offset :])
         if len(after) > len(before) and not after.endswith(REPLACEMENT):
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.ids)
-            return after[len(before):]
+            return after[len(before) :]
         return ""
 
     def flush(self) -> str:
         """Whatever is still held back (an incomplete character at the very end)."""
-        before = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        after = self._decode(self.ids[self.prefix_offset:])
+        before = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        after = self._decode(self.ids[self.prefix_offset :])
         self.prefix_offset = self.read_offset = len(self.ids)
-        return after[len(before):]
+        return after[len(before) :]
 
     @property
     def text(self) -> str:
@@ -70,10 +71,12 @@ class StopStrings:
             out, self.pending = self.pending[:cut], ""
             return out
         # keep back the longest tail that could still grow into a stop string
-        hold = max((k for s in self.stops for k in range(1, len(s))
-                    if self.pending.endswith(s[:k])), default=0)
-        out = self.pending[:len(self.pending) - hold]
-        self.pending = self.pending[len(out):]
+        hold = max(
+            (k for s in self.stops for k in range(1, len(s)) if self.pending.endswith(s[:k])),
+            default=0,
+        )
+        out = self.pending[: len(self.pending) - hold]
+        self.pending = self.pending[len(out) :]
         return out
 
     def flush(self) -> str:

@@ -18,15 +18,18 @@ from miniserve.store.store import Message, Store
 
 def with_seed(params: SamplingParams) -> SamplingParams:
     """The settings as they are, or with a seed drawn for this reply when they have none."""
-    return params if params.seed is not None else \
-        params.replace(seed=secrets.randbelow(RANDOM_SEEDS))
+    return (
+        params if params.seed is not None else params.replace(seed=secrets.randbelow(RANDOM_SEEDS))
+    )
 
 
 def chat_messages(system: str | None, history: list[dict], text: str | None) -> list[dict]:
     """What the model is sent: the system prompt (if any), the history, the new message."""
-    return (([{"role": "system", "content": system}] if (system or "").strip() else [])
-            + [{"role": m["role"], "content": m["content"]} for m in history]
-            + ([{"role": "user", "content": text}] if text is not None else []))
+    return (
+        ([{"role": "system", "content": system}] if (system or "").strip() else [])
+        + [{"role": m["role"], "content": m["content"]} for m in history]
+        + ([{"role": "user", "content": text}] if text is not None else [])
+    )
 
 
 class ChatTurn:
@@ -34,15 +37,23 @@ class ChatTurn:
     `history`). Iterate it for the engine's chunks; `text_so_far`, `last` and `stopped` say
     where it is. (`cancel` may also be set by the caller's own stop button.)"""
 
-    def __init__(self, engine, params: SamplingParams, *, system: str | None,
-                 history: list[dict], text: str | None, preset: str | None = None,
-                 observer=None, cancel: threading.Event | None = None):
+    def __init__(
+        self,
+        engine,
+        params: SamplingParams,
+        *,
+        system: str | None,
+        history: list[dict],
+        text: str | None,
+        preset: str | None = None,
+        observer=None,
+        cancel: threading.Event | None = None,
+    ):
         self.engine, self.system, self.text, self.preset = engine, system or "", text, preset
         self.params = with_seed(params)
         self.cancel = cancel or threading.Event()
         self.messages = chat_messages(system, history, text)
-        self.stream = engine.chat(self.messages, self.params, cancel=self.cancel,
-                                  observer=observer)
+        self.stream = engine.chat(self.messages, self.params, cancel=self.cancel, observer=observer)
         self.text_so_far, self.last, self.stopped = "", None, False
         self.conversation: str | None = None
         self.question: str | None = None  # the saved user message the reply answers
@@ -58,8 +69,9 @@ class ChatTurn:
         self.cancel.set()
 
     # -- saving -----------------------------------------------------------------------------
-    def save_question(self, store: Store, owner: str, conversation: str | None,
-                      under: str | None) -> str | None:
+    def save_question(
+        self, store: Store, owner: str, conversation: str | None, under: str | None
+    ) -> str | None:
         """Open (or create) the conversation, keep its system prompt, and save the user's
         message under the message `under`; with no new text, the reply answers `under`."""
         if conversation is None:
@@ -67,8 +79,11 @@ class ChatTurn:
         elif self.system != store.get(owner, conversation).system:
             store.set_system(owner, conversation, self.system)
         self.conversation = conversation
-        self.question = (store.add(owner, conversation, under, "user", self.text).id
-                         if self.text is not None else under)
+        self.question = (
+            store.add(owner, conversation, under, "user", self.text).id
+            if self.text is not None
+            else under
+        )
         return self.question
 
     def details(self) -> dict:
@@ -76,11 +91,18 @@ class ChatTurn:
         preset, the sampling fields with the seed, the system prompt, the model) and stats."""
         stats = self.last.stats if self.last is not None else None
         stopped = self.stopped or (stats is not None and stats.finish_reason == "cancelled")
-        return {"status": "stopped" if stopped else "complete",
-                "settings": {"preset": self.preset, **self.params.as_dict(),
-                             "system": self.system, "model": self.engine.name},
-                "stats": stats.as_dict() if stats is not None else {}}
+        return {
+            "status": "stopped" if stopped else "complete",
+            "settings": {
+                "preset": self.preset,
+                **self.params.as_dict(),
+                "system": self.system,
+                "model": self.engine.name,
+            },
+            "stats": stats.as_dict() if stats is not None else {},
+        }
 
     def save_reply(self, store: Store, owner: str) -> Message:
-        return store.add(owner, self.conversation, self.question, "assistant",
-                         self.text_so_far, **self.details())
+        return store.add(
+            owner, self.conversation, self.question, "assistant", self.text_so_far, **self.details()
+        )

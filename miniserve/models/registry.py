@@ -43,8 +43,7 @@ class UnknownModel(NotServed, LookupError):
 
     def __init__(self, name: str, served: list[str]):
         self.name, self.served = name, served
-        super().__init__(f"model '{name}' is not served here; choose one of: "
-                         f"{', '.join(served)}")
+        super().__init__(f"model '{name}' is not served here; choose one of: {', '.join(served)}")
 
     def __str__(self) -> str:  # LookupError would quote the message
         return self.args[0]
@@ -56,17 +55,18 @@ class ModelSpecError(UserError, ValueError):
 
 @dataclass(frozen=True)
 class ModelSpec:
-    name: str                  # the dropdown's and the API's name
-    source: str | None         # a local source (loader.resolve_source) or the server's URL
+    name: str  # the dropdown's and the API's name
+    source: str | None  # a local source (loader.resolve_source) or the server's URL
     remote: bool = False
     served_name: str | None = None  # remote: the model to ask the server for (after '#')
-    context: int | None = None      # remote: the context, if the server does not say
-    api_key: str | None = None      # remote: the server's key (not this server's --api-key)
+    context: int | None = None  # remote: the context, if the server does not say
+    api_key: str | None = None  # remote: the server's key (not this server's --api-key)
 
 
 def is_url(source: str | None) -> bool:
-    return bool(source) and source.split("://", 1)[0].lower() in ("http", "https") \
-        and "://" in source
+    return (
+        bool(source) and source.split("://", 1)[0].lower() in ("http", "https") and "://" in source
+    )
 
 
 def default_name(source: str | None) -> str:
@@ -88,8 +88,9 @@ def parse_spec(text: str, context: int | None = None, api_key: str | None = None
     """One --model value: SRC, NAME=SRC, or URL[#served-name]."""
     text = text.strip()
     if not text:
-        raise ModelSpecError("--model is empty: give a .gguf file, a folder, a Hugging Face id, "
-                             "a URL or default")
+        raise ModelSpecError(
+            "--model is empty: give a .gguf file, a folder, a Hugging Face id, a URL or default"
+        )
     name = None
     head, eq, tail = text.partition("=")
     if eq and "://" not in head and "/" not in head and head.strip():
@@ -102,18 +103,21 @@ def parse_spec(text: str, context: int | None = None, api_key: str | None = None
 def _spec(name: str | None, text: str, context: int | None, api_key: str | None) -> ModelSpec:
     if is_url(text):
         import httpx
+
         try:
             httpx.URL(text.partition("#")[0])
         except Exception as e:  # noqa: BLE001 -- httpx.InvalidURL and friends
             raise ModelSpecError(f"'{text}' is not a valid URL: {e}") from None
         url, _, served = text.partition("#")
-        return ModelSpec(name or default_name(text), url.rstrip("/"), True, served or None,
-                         context, api_key)
+        return ModelSpec(
+            name or default_name(text), url.rstrip("/"), True, served or None, context, api_key
+        )
     return ModelSpec(name or default_name(text), text)
 
 
-def load_specs_file(path: str, context: int | None = None,
-                    api_key: str | None = None) -> list[ModelSpec]:
+def load_specs_file(
+    path: str, context: int | None = None, api_key: str | None = None
+) -> list[ModelSpec]:
     """models.yaml: a list of entries, each a source string or a mapping with `source` and
     optionally `name`, `context` (remote) and `api_key_env` (remote: the variable holding the
     server's key)."""
@@ -123,8 +127,9 @@ def load_specs_file(path: str, context: int | None = None,
         raise ModelSpecError(f"--models-file {path}: cannot be read ({e})") from None
     entries = data.get("models") if isinstance(data, dict) else data
     if not isinstance(entries, list) or not entries:
-        raise ModelSpecError(f"--models-file {path}: expected a list of models (or 'models:' "
-                             "with a list)")
+        raise ModelSpecError(
+            f"--models-file {path}: expected a list of models (or 'models:' with a list)"
+        )
     specs = []
     for i, entry in enumerate(entries, 1):
         where = f"--models-file {path}, entry {i}"
@@ -132,12 +137,15 @@ def load_specs_file(path: str, context: int | None = None,
             specs.append(parse_spec(entry, context, api_key))
             continue
         if not isinstance(entry, dict) or not isinstance(entry.get("source"), str):
-            raise ModelSpecError(f"{where}: each entry is a source string or a mapping with "
-                                 "'source'")
+            raise ModelSpecError(
+                f"{where}: each entry is a source string or a mapping with 'source'"
+            )
         unknown = set(entry) - {"source", "name", "context", "api_key_env"}
         if unknown:
-            raise ModelSpecError(f"{where}: unknown key(s) {', '.join(sorted(unknown))} "
-                                 "(allowed: source, name, context, api_key_env)")
+            raise ModelSpecError(
+                f"{where}: unknown key(s) {', '.join(sorted(unknown))} "
+                "(allowed: source, name, context, api_key_env)"
+            )
         ctx = entry.get("context", context)
         if ctx is not None and (not isinstance(ctx, int) or isinstance(ctx, bool) or ctx < 16):
             raise ModelSpecError(f"{where}: 'context' must be a whole number of at least 16")
@@ -145,8 +153,9 @@ def load_specs_file(path: str, context: int | None = None,
         if name is not None and (not isinstance(name, str) or not name.strip()):
             raise ModelSpecError(f"{where}: 'name' must be a non-empty string")
         if key_env is not None and not isinstance(key_env, str):
-            raise ModelSpecError(f"{where}: 'api_key_env' must be the name of an environment "
-                                 "variable")
+            raise ModelSpecError(
+                f"{where}: 'api_key_env' must be the name of an environment variable"
+            )
         if not entry["source"].strip():
             raise ModelSpecError(f"{where}: 'source' is empty")
         key = os.environ.get(key_env) if key_env else api_key
@@ -160,8 +169,9 @@ def check_specs(specs: list[ModelSpec]) -> list[ModelSpec]:
     seen = set()
     for spec in specs:
         if spec.name in seen:
-            raise ModelSpecError(f"two models are named '{spec.name}': name one of them "
-                                 "with --model NAME=SOURCE")
+            raise ModelSpecError(
+                f"two models are named '{spec.name}': name one of them with --model NAME=SOURCE"
+            )
         seen.add(spec.name)
     return specs
 
@@ -172,10 +182,16 @@ class Models:
     `factory(spec, progress)` makes a started engine (miniserve.engine.engine.start_engine for local
     sources, miniserve.models.remote.RemoteEngine for URLs)."""
 
-    def __init__(self, specs: list[ModelSpec], factory: Callable,
-                 max_loaded: int = int(MAX_LOADED_MODELS.default), max_queue: int | None = None):
+    def __init__(
+        self,
+        specs: list[ModelSpec],
+        factory: Callable,
+        max_loaded: int = int(MAX_LOADED_MODELS.default),
+        max_queue: int | None = None,
+    ):
         self.specs: OrderedDict[str, ModelSpec] = OrderedDict(
-            (s.name, s) for s in check_specs(list(specs)))
+            (s.name, s) for s in check_specs(list(specs))
+        )
         self.factory = factory
         self.max_loaded = max_loaded
         self.max_queue = max_queue  # each engine's (--max-queue), known before any loads
@@ -193,8 +209,11 @@ class Models:
 
     @staticmethod
     def of(engine_or_models) -> "Models":
-        return engine_or_models if isinstance(engine_or_models, Models) \
+        return (
+            engine_or_models
+            if isinstance(engine_or_models, Models)
             else Models.single(engine_or_models)
+        )
 
     # -- names ---------------------------------------------------------------------------
     @property
@@ -228,10 +247,16 @@ class Models:
         out = []
         for name, spec in self.specs.items():
             engine = self._engines.get(name)
-            out.append({"name": name, "remote": spec.remote, "loaded": engine is not None,
-                        "source": spec.source, "default": name == self.default,
-                        "context_length": engine.context_length if engine is not None
-                        else spec.context})
+            out.append(
+                {
+                    "name": name,
+                    "remote": spec.remote,
+                    "loaded": engine is not None,
+                    "source": spec.source,
+                    "default": name == self.default,
+                    "context_length": engine.context_length if engine is not None else spec.context,
+                }
+            )
         return out
 
     # -- engines -------------------------------------------------------------------------
@@ -310,6 +335,7 @@ class Models:
             engine.close()
         if engines:
             import gc
+
             gc.collect()  # the weights go now, before the next model's load needs the memory
 
     def close(self) -> None:
@@ -327,6 +353,7 @@ def timed_get(models: Models, name: str | None, progress=None) -> tuple[object, 
 @dataclass
 class EngineOptions:
     """How local models are run (the --device/--dtype/--runner/... flags), the same for each."""
+
     device: str | None = "auto"
     dtype: str = "auto"
     runner: str = "auto"
@@ -345,10 +372,19 @@ def engine_factory(options: EngineOptions):
         max_queue = options.max_queue or int(MAX_QUEUE.default)
         if spec.remote:
             return RemoteEngine(spec, max_queue=max_queue, progress=progress)
-        engine = start_engine(spec.source, device=options.device, dtype=options.dtype,
-                              runner=options.runner, quant=options.quant, progress=progress,
-                              math=options.math, kv_budget=options.kv_budget,
-                              max_queue=max_queue, max_batch=options.max_batch, name=spec.name)
+        engine = start_engine(
+            spec.source,
+            device=options.device,
+            dtype=options.dtype,
+            runner=options.runner,
+            quant=options.quant,
+            progress=progress,
+            math=options.math,
+            kv_budget=options.kv_budget,
+            max_queue=max_queue,
+            max_batch=options.max_batch,
+            name=spec.name,
+        )
         try:
             engine.warm_up()
         except BaseException:  # its thread holds the weights: end it, or they are never freed
@@ -359,9 +395,14 @@ def engine_factory(options: EngineOptions):
     return make
 
 
-def open_models(sources: list[str] | None, models_file: str | None = None,
-                options: EngineOptions | None = None, max_loaded: int | None = None,
-                context: int | None = None, remote_api_key: str | None = None) -> Models:
+def open_models(
+    sources: list[str] | None,
+    models_file: str | None = None,
+    options: EngineOptions | None = None,
+    max_loaded: int | None = None,
+    context: int | None = None,
+    remote_api_key: str | None = None,
+) -> Models:
     """The registry the flags name: --model (repeatable) and/or --models-file, in that order;
     nothing: the embedded model. Nothing is loaded yet (ModelSpecError for a bad entry)."""
     specs = [parse_spec(s, context, remote_api_key) for s in sources or []]
@@ -370,5 +411,9 @@ def open_models(sources: list[str] | None, models_file: str | None = None,
     if not specs:
         specs = [parse_spec("default")]
     options = options or EngineOptions()
-    return Models(specs, engine_factory(options), max_loaded or int(MAX_LOADED_MODELS.default),
-                  options.max_queue)
+    return Models(
+        specs,
+        engine_factory(options),
+        max_loaded or int(MAX_LOADED_MODELS.default),
+        options.max_queue,
+    )

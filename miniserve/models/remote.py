@@ -86,12 +86,13 @@ class RemoteRefused(ConfigError):
 @dataclass
 class ServerFacts:
     """What the construction learned from the server."""
-    flavor: str             # vllm | llama.cpp | ollama | llama-cpp-python | miniserve | openai
-    served: str             # the model name to send
-    context: int | None     # what the server reports, if it does
-    context_from: str       # where `context` came from
-    chat: bool = True       # False: the server says the model has no chat template
-    tokenize: str = ""      # vllm | llama.cpp | extras | "" (estimate)
+
+    flavor: str  # vllm | llama.cpp | ollama | llama-cpp-python | miniserve | openai
+    served: str  # the model name to send
+    context: int | None  # what the server reports, if it does
+    context_from: str  # where `context` came from
+    chat: bool = True  # False: the server says the model has no chat template
+    tokenize: str = ""  # vllm | llama.cpp | extras | "" (estimate)
 
 
 class RemoteEngine(Admitting):
@@ -107,8 +108,12 @@ class RemoteEngine(Admitting):
         self.max_queue = max_queue
         headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
         self.client = httpx.Client(timeout=TIMEOUT, headers=headers)
-        self._admission = Admission(lambda n: f"model '{self.name}' has {n} requests in flight "
-                                              "to its server; try again in a moment")
+        self._admission = Admission(
+            lambda n: (
+                f"model '{self.name}' has {n} requests in flight "
+                "to its server; try again in a moment"
+            )
+        )
         if progress:
             progress(f"Connecting to {self.url} ...")
         try:
@@ -118,8 +123,10 @@ class RemoteEngine(Admitting):
             raise
         self.context_length, self.context_from = self._context()
         if progress:
-            progress(f"{self.url}: model '{self.facts.served}' ({self.facts.flavor}), "
-                     f"context {self.context_length} ({self.context_from})")
+            progress(
+                f"{self.url}: model '{self.facts.served}' ({self.facts.flavor}), "
+                f"context {self.context_length} ({self.context_from})"
+            )
 
     # -- what the server is ------------------------------------------------------------------
     @property
@@ -138,8 +145,10 @@ class RemoteEngine(Admitting):
             facts.context, facts.context_from = entry["max_model_len"], "vLLM max_model_len"
             facts.tokenize = "vllm"
         elif isinstance(entry.get("context_length"), int):  # MiniServeLM
-            facts.context, facts.context_from = entry["context_length"], \
-                "the server's /v1/models context_length"
+            facts.context, facts.context_from = (
+                entry["context_length"],
+                "the server's /v1/models context_length",
+            )
             facts.chat = entry.get("chat") is not False
         if facts.flavor in ("llama.cpp", "openai"):
             self._ask_llamacpp(facts)
@@ -168,36 +177,46 @@ class RemoteEngine(Admitting):
             try:
                 r = self.client.get(url + "/models", timeout=PROBE_TIMEOUT)
             except httpx.HTTPError as e:
-                raise ModelLoadError(f"cannot reach an OpenAI-compatible server at {self.url}: "
-                                     f"{_network_reason(e)}") from None
+                raise ModelLoadError(
+                    f"cannot reach an OpenAI-compatible server at {self.url}: {_network_reason(e)}"
+                ) from None
             if r.status_code in (401, 403):
-                raise ModelLoadError(f"the server at {self.url} asks for an API key: pass "
-                                     "--remote-api-key KEY (or set MINISERVE_REMOTE_API_KEY)"
-                                     if not self.spec.api_key else
-                                     f"the server at {self.url} refused the API key given "
-                                     f"({r.status_code})")
+                raise ModelLoadError(
+                    f"the server at {self.url} asks for an API key: pass "
+                    "--remote-api-key KEY (or set MINISERVE_REMOTE_API_KEY)"
+                    if not self.spec.api_key
+                    else f"the server at {self.url} refused the API key given ({r.status_code})"
+                )
             data = _json(r)
-            if r.status_code == 200 and isinstance(data, dict) and \
-                    isinstance(data.get("data"), list):
+            if (
+                r.status_code == 200
+                and isinstance(data, dict)
+                and isinstance(data.get("data"), list)
+            ):
                 self.url = url
                 return [m for m in data["data"] if isinstance(m, dict)]
             reason = reason or f"GET {url}/models answered {r.status_code} " + (
-                "with JSON that is not a model list" if data is not None else
-                f"with {_what(r)}")
-        raise ModelLoadError(f"{self.url} is not an OpenAI-compatible API ({reason}); give the "
-                             "server's address ending in /v1, e.g. http://HOST:8000/v1")
+                "with JSON that is not a model list" if data is not None else f"with {_what(r)}"
+            )
+        raise ModelLoadError(
+            f"{self.url} is not an OpenAI-compatible API ({reason}); give the "
+            "server's address ending in /v1, e.g. http://HOST:8000/v1"
+        )
 
     def _served(self, models: list[dict]) -> str:
         ids = [m["id"] for m in models if isinstance(m.get("id"), str)]
         wanted = self.spec.served_name
         if wanted:
             if ids and wanted not in ids:
-                raise ModelLoadError(f"the server at {self.url} does not serve '{wanted}'; it "
-                                     f"serves: {', '.join(ids)}")
+                raise ModelLoadError(
+                    f"the server at {self.url} does not serve '{wanted}'; it "
+                    f"serves: {', '.join(ids)}"
+                )
             return wanted
         if not ids:
-            raise ModelLoadError(f"the server at {self.url} lists no models: name one with "
-                                 f"{self.url}#MODEL")
+            raise ModelLoadError(
+                f"the server at {self.url} lists no models: name one with {self.url}#MODEL"
+            )
         return ids[0]
 
     def _ask_llamacpp(self, facts: ServerFacts) -> None:
@@ -208,12 +227,14 @@ class RemoteEngine(Admitting):
         facts.flavor, facts.tokenize = "llama.cpp", "llama.cpp"
         if props.get("chat_template") == "":
             facts.chat = False
-        n_ctx = (props.get("default_generation_settings") or {}).get("n_ctx") or \
-            props.get("n_ctx")
+        n_ctx = (props.get("default_generation_settings") or {}).get("n_ctx") or props.get("n_ctx")
         if not isinstance(n_ctx, int):  # older servers: per slot
             slots = self._probe("GET", "/slots")
-            n_ctx = slots[0].get("n_ctx") if isinstance(slots, list) and slots and \
-                isinstance(slots[0], dict) else None
+            n_ctx = (
+                slots[0].get("n_ctx")
+                if isinstance(slots, list) and slots and isinstance(slots[0], dict)
+                else None
+            )
         if isinstance(n_ctx, int) and n_ctx > 0:
             facts.context, facts.context_from = n_ctx, "llama.cpp /props n_ctx"
 
@@ -252,11 +273,19 @@ class RemoteEngine(Admitting):
         return self.facts.chat
 
     def info(self) -> dict:
-        return {"name": self.name, "remote": True, "device": "remote", "runner": "remote",
-                "url": self.url, "server": self.facts.flavor,
-                "served_model": self.facts.served, "chat": self.has_chat_template,
-                "context_length": self.context_length, "context_from": self.context_from,
-                "token_counts": _count_source(self.facts.tokenize)}
+        return {
+            "name": self.name,
+            "remote": True,
+            "device": "remote",
+            "runner": "remote",
+            "url": self.url,
+            "server": self.facts.flavor,
+            "served_model": self.facts.served,
+            "chat": self.has_chat_template,
+            "context_length": self.context_length,
+            "context_from": self.context_from,
+            "token_counts": _count_source(self.facts.tokenize),
+        }
 
     def close(self) -> None:
         self.client.close()
@@ -266,11 +295,13 @@ class RemoteEngine(Admitting):
         """Tokens of a completion prompt: the server's count, or an estimate."""
         kind = self.facts.tokenize
         if kind == "vllm":
-            return int(self._post_json("/tokenize", {"model": self.facts.served,
-                                                     "prompt": text})["count"])
+            return int(
+                self._post_json("/tokenize", {"model": self.facts.served, "prompt": text})["count"]
+            )
         if kind == "llama.cpp":
-            return len(self._post_json("/tokenize", {"content": text, "add_special": True})
-                       ["tokens"])
+            return len(
+                self._post_json("/tokenize", {"content": text, "add_special": True})["tokens"]
+            )
         if kind == "extras":
             return len(self._post_json("/extras/tokenize", {"input": text})["tokens"])
         return len(text.encode("utf-8")) // BYTES_PER_TOKEN + 1
@@ -280,9 +311,16 @@ class RemoteEngine(Admitting):
         (vLLM, llama.cpp), else the contents' tokens and an estimate of the template's."""
         kind = self.facts.tokenize
         if kind == "vllm":
-            return int(self._post_json("/tokenize", {
-                "model": self.facts.served, "messages": messages,
-                "add_generation_prompt": True})["count"])
+            return int(
+                self._post_json(
+                    "/tokenize",
+                    {
+                        "model": self.facts.served,
+                        "messages": messages,
+                        "add_generation_prompt": True,
+                    },
+                )["count"]
+            )
         if kind == "llama.cpp":
             prompt = self._post_json("/apply-template", {"messages": messages})["prompt"]
             return len(self._post_json("/tokenize", {"content": prompt})["tokens"])
@@ -305,8 +343,9 @@ class RemoteEngine(Admitting):
         bound = sum(self._most_tokens(m["content"]) + 4 * MESSAGE_TOKENS for m in messages)
         if bound + 8 * TEMPLATE_TOKENS <= limit:  # surely fits: no request to count it
             return Trimmed(messages, [], 0)
-        trimmed = trim_history(_ServerCounts(self), messages, self.context_length,
-                               params.max_new_tokens)
+        trimmed = trim_history(
+            _ServerCounts(self), messages, self.context_length, params.max_new_tokens
+        )
         return Trimmed(trimmed.messages, [], trimmed.dropped)
 
     def _prompt_text(self, prompt, params: SamplingParams, trim: bool):
@@ -320,7 +359,7 @@ class RemoteEngine(Admitting):
                 raise ChatError("'prompt' is empty; give at least one token", "prompt")
             if len(ids) > limit and not (trim and limit > 0):
                 raise _too_long(len(ids), params, self.context_length)
-            return ids[max(len(ids) - limit, 0):]
+            return ids[max(len(ids) - limit, 0) :]
         text = clean_text(prompt)
         if not text:
             raise ChatError("'prompt' is empty; give the text to continue", "prompt")
@@ -334,7 +373,7 @@ class RemoteEngine(Admitting):
                 return text
             raise _too_long(n, params, self.context_length)
         while n > limit and text:  # keep the newest part: cut in proportion, then recount
-            text = text[len(text) - int(len(text) * limit / n * 0.95):]
+            text = text[len(text) - int(len(text) * limit / n * 0.95) :]
             n = self.count_text(text)
         return text
 
@@ -345,19 +384,27 @@ class RemoteEngine(Admitting):
         body = _format_fields(params, self.facts.flavor)
         if body is None:
             kind = params.constraint.kind.replace("_", " ")
-            raise GrammarError(f"the server of model '{self.name}' ({self.facts.flavor}) "
-                               f"cannot hold a reply to a {kind}; use JSON or JSON schema",
-                               "constraint")
+            raise GrammarError(
+                f"the server of model '{self.name}' ({self.facts.flavor}) "
+                f"cannot hold a reply to a {kind}; use JSON or JSON schema",
+                "constraint",
+            )
 
     def _body(self, params: SamplingParams, inspector, chat: bool) -> dict:
         self.check(params)
-        body = {"model": self.facts.served, "stream": True,
-                "stream_options": {"include_usage": True},
-                "max_tokens": params.max_new_tokens, "temperature": params.temperature,
-                "top_p": params.top_p}
-        extras = {"top_k": params.top_k, "min_p": params.min_p,
-                  PENALTY_FIELD.get(self.facts.flavor, "repetition_penalty"):
-                      params.repetition_penalty}
+        body = {
+            "model": self.facts.served,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "max_tokens": params.max_new_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+        }
+        extras = {
+            "top_k": params.top_k,
+            "min_p": params.min_p,
+            PENALTY_FIELD.get(self.facts.flavor, "repetition_penalty"): params.repetition_penalty,
+        }
         if self.facts.flavor == "openai":  # OpenAI itself refuses fields it does not know
             extras = {k: v for k, v in extras.items() if v != EXTRAS_OFF[k]}
         body.update(extras)  # sent when off too: llama.cpp's own defaults are not off
@@ -369,23 +416,39 @@ class RemoteEngine(Admitting):
             body["logit_bias"] = {str(t): b for t, b in params.logit_bias}
         if inspector is not None:  # as many alternatives as it shows (OpenAI allows 0-20)
             top = min(max(int(getattr(inspector, "top", TOP_LOGPROBS)), 0), MAX_TOP_LOGPROBS)
-            body.update({"logprobs": True, "top_logprobs": top} if chat
-                        else {"logprobs": min(top, 5)})  # completions: 0-5
+            body.update(
+                {"logprobs": True, "top_logprobs": top} if chat else {"logprobs": min(top, 5)}
+            )  # completions: 0-5
         body.update(_format_fields(params, self.facts.flavor))
         return body
 
-    def chat(self, messages: list[dict], params: SamplingParams, *, cancel=None,
-             observer=None, **ignored) -> "RemoteStream":
+    def chat(
+        self, messages: list[dict], params: SamplingParams, *, cancel=None, observer=None, **ignored
+    ) -> "RemoteStream":
         """Stream the reply to a conversation, its history trimmed to fit the context."""
         trimmed = self.trim(messages, params)
         inspector = _inspector(observer)
         body = {**self._body(params, inspector, True), "messages": trimmed.messages}
         exact = self.facts.tokenize in ("vllm", "llama.cpp")  # the template counted too
-        return self._start("/chat/completions", body, cancel, inspector, trimmed.dropped,
-                           (lambda: self.count_chat(trimmed.messages)) if exact else None)
+        return self._start(
+            "/chat/completions",
+            body,
+            cancel,
+            inspector,
+            trimmed.dropped,
+            (lambda: self.count_chat(trimmed.messages)) if exact else None,
+        )
 
-    def complete_text(self, prompt, params: SamplingParams, trim: bool = False, *,
-                      cancel=None, observer=None, **ignored) -> "RemoteStream":
+    def complete_text(
+        self,
+        prompt,
+        params: SamplingParams,
+        trim: bool = False,
+        *,
+        cancel=None,
+        observer=None,
+        **ignored,
+    ) -> "RemoteStream":
         """Completion mode: stream the continuation of a text (or of token ids)."""
         text = self._prompt_text(prompt, params, trim)
         inspector = _inspector(observer)
@@ -399,8 +462,9 @@ class RemoteEngine(Admitting):
             return lambda: len(prompt)
         return (lambda: self.count_text(prompt)) if self.facts.tokenize else None
 
-    def _start(self, path: str, body: dict, cancel, inspector, dropped: int,
-               prompt_tokens=None) -> "RemoteStream":
+    def _start(
+        self, path: str, body: dict, cancel, inspector, dropped: int, prompt_tokens=None
+    ) -> "RemoteStream":
         """Send the request now (a refusal is raised here, before any chunk), and return the
         stream that reads its reply. prompt_tokens(): the prompt's tokens as the server counts
         them, asked for when it sends no usage (None: no exact count to ask for)."""
@@ -411,8 +475,16 @@ class RemoteEngine(Admitting):
         except BaseException:
             self._release()
             raise
-        return RemoteStream(self, response, started, cancel or threading.Event(), inspector,
-                            dropped, path == "/chat/completions", prompt_tokens)
+        return RemoteStream(
+            self,
+            response,
+            started,
+            cancel or threading.Event(),
+            inspector,
+            dropped,
+            path == "/chat/completions",
+            prompt_tokens,
+        )
 
     def _send(self, path: str, body: dict) -> httpx.Response:
         request = self.client.build_request("POST", self.url + path, json=body)
@@ -462,11 +534,15 @@ class RemoteEngine(Admitting):
         if r.status_code in (400, 413, 422):
             error = data.get("error") if isinstance(data, dict) else None
             param = error.get("param") if isinstance(error, dict) else None
-            return RemoteRefused(f"the server of model '{self.name}' at {self.url} refused the "
-                                 f"request: {said}", param if isinstance(param, str) else None)
+            return RemoteRefused(
+                f"the server of model '{self.name}' at {self.url} refused the request: {said}",
+                param if isinstance(param, str) else None,
+            )
         if r.status_code == 429:
-            return EngineBusy(f"the server of model '{self.name}' at {self.url} is busy "
-                              f"({said}); try again in a moment")
+            return EngineBusy(
+                f"the server of model '{self.name}' at {self.url} is busy "
+                f"({said}); try again in a moment"
+            )
         if r.status_code in (401, 403):
             said += " -- check --remote-api-key (or MINISERVE_REMOTE_API_KEY)"
         return self._error(f"it answered {r.status_code}: {said}", r.status_code)
@@ -475,25 +551,32 @@ class RemoteEngine(Admitting):
         return RemoteError(f"model '{self.name}' at {self.url}: {reason}", status)
 
     def _cut(self, how: str = "") -> RemoteError:
-        return RemoteError(f"the server at {self.url} stopped in the middle of the reply "
-                           f"(model '{self.name}'" + (f"; {how})" if how else ")"))
+        return RemoteError(
+            f"the server at {self.url} stopped in the middle of the reply "
+            f"(model '{self.name}'" + (f"; {how})" if how else ")")
+        )
 
-    def compare_prompt(self, prompt: str, settings: list[SamplingParams], *, raw: bool = False,
-                       cancel=None) -> Stream:
+    def compare_prompt(
+        self, prompt: str, settings: list[SamplingParams], *, raw: bool = False, cancel=None
+    ) -> Stream:
         """One prompt under several settings at once: one request per column, each read on a
         thread of its own. Yields (column, chunk, that column's seconds so far)."""
         cancel = cancel or threading.Event()
         if len(settings) > self.max_queue - self.queue_depth:
-            raise EngineBusy(f"model '{self.name}': {len(settings)} columns need "
-                             f"{len(settings)} places and {self.max_queue - self.queue_depth} "
-                             "are free; try again in a moment")
+            raise EngineBusy(
+                f"model '{self.name}': {len(settings)} columns need "
+                f"{len(settings)} places and {self.max_queue - self.queue_depth} "
+                "are free; try again in a moment"
+            )
         out: queue.Queue = queue.Queue()
 
         def column(col: int, params: SamplingParams) -> None:
             try:
-                stream = (self.complete_text(prompt, params, cancel=cancel) if raw else
-                          self.chat([{"role": "user", "content": prompt}], params,
-                                    cancel=cancel))
+                stream = (
+                    self.complete_text(prompt, params, cancel=cancel)
+                    if raw
+                    else self.chat([{"role": "user", "content": prompt}], params, cancel=cancel)
+                )
                 for chunk in stream:
                     out.put((col, chunk))
             except BaseException as e:  # noqa: BLE001 -- re-raised in the caller
@@ -502,8 +585,9 @@ class RemoteEngine(Admitting):
                 out.put(None)
 
         for col, params in enumerate(settings):
-            threading.Thread(target=column, args=(col, params), name=f"miniserve-remote-{col}",
-                             daemon=True).start()
+            threading.Thread(
+                target=column, args=(col, params), name=f"miniserve-remote-{col}", daemon=True
+            ).start()
         return columns(out, cancel, len(settings))
 
 
@@ -528,9 +612,17 @@ class RemoteStream:
     Chunks (the last has done=True and the stats). Closing it, dropping it or setting `cancel`
     closes the HTTP response at the next chunk, and the last chunk says "cancelled"."""
 
-    def __init__(self, engine: RemoteEngine, response: httpx.Response, started: float,
-                 cancel: threading.Event, inspector, dropped: int, chat: bool,
-                 prompt_tokens=None):
+    def __init__(
+        self,
+        engine: RemoteEngine,
+        response: httpx.Response,
+        started: float,
+        cancel: threading.Event,
+        inspector,
+        dropped: int,
+        chat: bool,
+        prompt_tokens=None,
+    ):
         self.engine, self.response, self.cancel = engine, response, cancel
         self.inspector, self.dropped, self.chat = inspector, dropped, chat
         self.prompt_tokens = prompt_tokens
@@ -604,8 +696,11 @@ class RemoteStream:
             if isinstance(usage, dict):
                 stats.prompt_tokens = _int(usage.get("prompt_tokens"), stats.prompt_tokens)
                 stats.new_tokens = _int(usage.get("completion_tokens"), stats.new_tokens)
-            if not stats.prompt_tokens and self.prompt_tokens and \
-                    stats.finish_reason != "cancelled":  # the server sent no usage
+            if (
+                not stats.prompt_tokens
+                and self.prompt_tokens
+                and stats.finish_reason != "cancelled"
+            ):  # the server sent no usage
                 stats.prompt_tokens = self._count_prompt()
             stats.total_s = time.perf_counter() - stats.started
             yield Chunk("", [], stats, done=True, dropped_messages=self.dropped)
@@ -626,13 +721,12 @@ class RemoteStream:
                     return
                 if field in ("data", "error"):
                     yield self._event(value, field)
-                elif line and not line.startswith(":") and field not in ("event", "id",
-                                                                          "retry"):
-                    raise self.engine._error(f"it sent a line that is not an event: "
-                                             f"{_snippet(line)}")
+                elif line and not line.startswith(":") and field not in ("event", "id", "retry"):
+                    raise self.engine._error(
+                        f"it sent a line that is not an event: {_snippet(line)}"
+                    )
         except httpx.TimeoutException:
-            raise self.engine._error(f"the server sent nothing for {TIMEOUT.read:.0f} s") \
-                from None
+            raise self.engine._error(f"the server sent nothing for {TIMEOUT.read:.0f} s") from None
         except httpx.HTTPError as e:
             if self._stopping():
                 return
@@ -642,8 +736,9 @@ class RemoteStream:
         try:
             event = json.loads(value)
         except json.JSONDecodeError:
-            raise self.engine._error(f"it sent an event that is not JSON: {_snippet(value)}") \
-                from None
+            raise self.engine._error(
+                f"it sent an event that is not JSON: {_snippet(value)}"
+            ) from None
         if not isinstance(event, dict):
             raise self.engine._error(f"it sent an event that is not an object: {_snippet(value)}")
         message = _error_message(event)
@@ -693,19 +788,35 @@ def _logprob_steps(logprobs) -> list[tuple[str, float | None, list]]:
     if not isinstance(logprobs, dict):
         return []
     if isinstance(logprobs.get("content"), list):
-        return [(str(e.get("token", "")), _float(e.get("logprob")),
-                 [(str(t.get("token", "")), _float(t.get("logprob"), -math.inf))
-                  for t in e.get("top_logprobs") or [] if isinstance(t, dict)])
-                for e in logprobs["content"] if isinstance(e, dict)]
+        return [
+            (
+                str(e.get("token", "")),
+                _float(e.get("logprob")),
+                [
+                    (str(t.get("token", "")), _float(t.get("logprob"), -math.inf))
+                    for t in e.get("top_logprobs") or []
+                    if isinstance(t, dict)
+                ],
+            )
+            for e in logprobs["content"]
+            if isinstance(e, dict)
+        ]
     tokens = logprobs.get("tokens")
     if not isinstance(tokens, list):
         return []
     values = logprobs.get("token_logprobs") or [None] * len(tokens)
     tops = logprobs.get("top_logprobs") or [{}] * len(tokens)
-    return [(str(t), _float(v), sorted(((str(k), _float(p, -math.inf))
-                                        for k, p in (top or {}).items()),
-                                       key=lambda kv: -kv[1]))
-            for t, v, top in zip(tokens, values, tops)]
+    return [
+        (
+            str(t),
+            _float(v),
+            sorted(
+                ((str(k), _float(p, -math.inf)) for k, p in (top or {}).items()),
+                key=lambda kv: -kv[1],
+            ),
+        )
+        for t, v, top in zip(tokens, values, tops)
+    ]
 
 
 def _format_fields(params: SamplingParams, flavor: str) -> dict | None:
@@ -718,12 +829,15 @@ def _format_fields(params: SamplingParams, flavor: str) -> dict | None:
     if c.kind == "json_object":
         return {"response_format": {"type": "json_object"}}
     if c.kind == "json_schema":
-        return {"response_format": {"type": "json_schema", "json_schema": {
-            "name": "output", "schema": json.loads(c.value), "strict": True}}}
+        return {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "output", "schema": json.loads(c.value), "strict": True},
+            }
+        }
     if flavor in ("llama.cpp", "llama-cpp-python"):
         if c.kind == "choice":
-            return {"grammar": "root ::= " + " | ".join(json.dumps(x)
-                                                        for x in json.loads(c.value))}
+            return {"grammar": "root ::= " + " | ".join(json.dumps(x) for x in json.loads(c.value))}
         if c.kind == "grammar" and "::=" in c.value:
             return {"grammar": c.value}
         return None
@@ -750,18 +864,23 @@ def _flavor(entry: dict) -> str:
 
 
 def _count_source(kind: str) -> str:
-    return {"vllm": "the server's /tokenize (vLLM's, with the chat template)",
-            "llama.cpp": "the server's /apply-template and /tokenize",
-            "extras": "the server's /extras/tokenize (the chat template's tokens estimated)",
-            }.get(kind, f"an estimate (~{BYTES_PER_TOKEN} bytes a token; the server has no "
-                        "tokenize endpoint)")
+    return {
+        "vllm": "the server's /tokenize (vLLM's, with the chat template)",
+        "llama.cpp": "the server's /apply-template and /tokenize",
+        "extras": "the server's /extras/tokenize (the chat template's tokens estimated)",
+    }.get(
+        kind, f"an estimate (~{BYTES_PER_TOKEN} bytes a token; the server has no tokenize endpoint)"
+    )
 
 
 def _too_long(n: int, params: SamplingParams, context: int) -> ChatError:
     room = max(context - params.max_new_tokens, 0)
-    return ChatError(f"'prompt' is {n} tokens, but with max_new_tokens={params.max_new_tokens} "
-                     f"the context window of {context} tokens leaves room for {room}; shorten "
-                     "it or lower max new tokens", "prompt")
+    return ChatError(
+        f"'prompt' is {n} tokens, but with max_new_tokens={params.max_new_tokens} "
+        f"the context window of {context} tokens leaves room for {room}; shorten "
+        "it or lower max new tokens",
+        "prompt",
+    )
 
 
 def _json(r: httpx.Response):
@@ -827,5 +946,6 @@ def _int(value, default: int) -> int:
 
 
 def _float(value, default=None):
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) \
-        else default
+    return (
+        float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
+    )

@@ -56,8 +56,9 @@ class Runner(Protocol):
 
     def new_cache(self, capacity: int = 256) -> Cache: ...
 
-    def forward(self, input_ids: torch.Tensor, cache: Cache | None = None,
-                all_logits: bool = False) -> torch.Tensor: ...
+    def forward(
+        self, input_ids: torch.Tensor, cache: Cache | None = None, all_logits: bool = False
+    ) -> torch.Tensor: ...
 
     def step(self, entries: list[tuple[Any, Cache]], all_logits: bool = False) -> torch.Tensor: ...
 
@@ -103,5 +104,5 @@ class KVCache:
         for name in ("k", "v"):
             old = getattr(self, name)
             new = old.new_empty((*old.shape[:2], capacity, old.shape[3]))
-            new[:, :, :self.length] = old[:, :, :self.length]
+            new[:, :, : self.length] = old[:, :, : self.length]
             setattr(self, name, new)

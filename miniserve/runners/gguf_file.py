@@ -29,26 +29,38 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 MAGIC = b"GGUF"
-VERSIONS = (2, 3)          # 1 had 32-bit counts; 2 and 3 differ only in allowing big-endian
-DEFAULT_ALIGNMENT = 32     # when general.alignment is absent
-MAX_DIMS = 4               # GGML_MAX_DIMS
-MAX_KEYS = 1 << 16         # more metadata keys (real files: ~50) or tensors (thousands) than
-MAX_TENSORS = 1 << 18      # these mean a damaged header, not a model: bounds the parse's time
-EAGER_STRINGS = 64         # longer string arrays are decoded on first access of their key
-SMALL_FLOATS = 1 << 20     # float tensors with fewer elements (norms, biases): every value checked
+VERSIONS = (2, 3)  # 1 had 32-bit counts; 2 and 3 differ only in allowing big-endian
+DEFAULT_ALIGNMENT = 32  # when general.alignment is absent
+MAX_DIMS = 4  # GGML_MAX_DIMS
+MAX_KEYS = 1 << 16  # more metadata keys (real files: ~50) or tensors (thousands) than
+MAX_TENSORS = 1 << 18  # these mean a damaged header, not a model: bounds the parse's time
+EAGER_STRINGS = 64  # longer string arrays are decoded on first access of their key
+SMALL_FLOATS = 1 << 20  # float tensors with fewer elements (norms, biases): every value checked
 
 _V = GGUFValueType
 _Q = GGMLQuantizationType
-_SCALARS = {kind: struct.Struct(fmt) for kind, fmt in {
-    _V.UINT8: "<B", _V.INT8: "<b", _V.UINT16: "<H", _V.INT16: "<h", _V.UINT32: "<I",
-    _V.INT32: "<i", _V.FLOAT32: "<f", _V.BOOL: "<?", _V.UINT64: "<Q", _V.INT64: "<q",
-    _V.FLOAT64: "<d"}.items()}
+_SCALARS = {
+    kind: struct.Struct(fmt)
+    for kind, fmt in {
+        _V.UINT8: "<B",
+        _V.INT8: "<b",
+        _V.UINT16: "<H",
+        _V.INT16: "<h",
+        _V.UINT32: "<I",
+        _V.INT32: "<i",
+        _V.FLOAT32: "<f",
+        _V.BOOL: "<?",
+        _V.UINT64: "<Q",
+        _V.INT64: "<q",
+        _V.FLOAT64: "<d",
+    }.items()
+}
 _ARRAYS = {kind: np.dtype("<u1" if kind == _V.BOOL else s.format) for kind, s in _SCALARS.items()}
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 _TENSOR_TAIL = struct.Struct("<IQ")  # type id, offset
-_MIN_KV = 8 + 4 + 1                  # empty key, value type, a one-byte value
-_MIN_TENSOR = 8 + 4 + 8 + 4 + 8      # empty name, one dimension, type id, offset
+_MIN_KV = 8 + 4 + 1  # empty key, value type, a one-byte value
+_MIN_TENSOR = 8 + 4 + 8 + 4 + 8  # empty name, one dimension, type id, offset
 
 # Where each block keeps its fp16 scales (ggml-common.h's block structs; the same splits as
 # gguf.quants' dequantizers): (byte offset in the block, the fields there, 2 bytes each). Not
@@ -56,27 +68,42 @@ _MIN_TENSOR = 8 + 4 + 8 + 4 + 8      # empty name, one dimension, type id, offse
 # scale, llama.cpp's internal type), IQ1_M (its scale is packed into the sub-block scales),
 # MXFP4 / NVFP4 (8-bit scales), Q1_0 (no reference layout in the gguf package).
 _SCALES = {
-    _Q.Q4_0: (0, ("d",)), _Q.Q4_1: (0, ("d", "m")), _Q.Q5_0: (0, ("d",)),
-    _Q.Q5_1: (0, ("d", "m")), _Q.Q8_0: (0, ("d",)),
-    _Q.Q2_K: (80, ("d", "dmin")), _Q.Q3_K: (108, ("d",)), _Q.Q4_K: (0, ("d", "dmin")),
-    _Q.Q5_K: (0, ("d", "dmin")), _Q.Q6_K: (208, ("d",)),
-    _Q.IQ2_XXS: (0, ("d",)), _Q.IQ2_XS: (0, ("d",)), _Q.IQ2_S: (0, ("d",)),
-    _Q.IQ3_XXS: (0, ("d",)), _Q.IQ3_S: (0, ("d",)), _Q.IQ1_S: (0, ("d",)),
-    _Q.IQ4_NL: (0, ("d",)), _Q.IQ4_XS: (0, ("d",)),
-    _Q.TQ1_0: (52, ("d",)), _Q.TQ2_0: (64, ("d",)),
+    _Q.Q4_0: (0, ("d",)),
+    _Q.Q4_1: (0, ("d", "m")),
+    _Q.Q5_0: (0, ("d",)),
+    _Q.Q5_1: (0, ("d", "m")),
+    _Q.Q8_0: (0, ("d",)),
+    _Q.Q2_K: (80, ("d", "dmin")),
+    _Q.Q3_K: (108, ("d",)),
+    _Q.Q4_K: (0, ("d", "dmin")),
+    _Q.Q5_K: (0, ("d", "dmin")),
+    _Q.Q6_K: (208, ("d",)),
+    _Q.IQ2_XXS: (0, ("d",)),
+    _Q.IQ2_XS: (0, ("d",)),
+    _Q.IQ2_S: (0, ("d",)),
+    _Q.IQ3_XXS: (0, ("d",)),
+    _Q.IQ3_S: (0, ("d",)),
+    _Q.IQ1_S: (0, ("d",)),
+    _Q.IQ4_NL: (0, ("d",)),
+    _Q.IQ4_XS: (0, ("d",)),
+    _Q.TQ1_0: (52, ("d",)),
+    _Q.TQ2_0: (64, ("d",)),
 }
 # Plain float tensors: the value's bits and +inf's (without the sign, at least that: inf or NaN).
-_FLOATS = {_Q.F32: (np.dtype("<u4"), 0x7F800000), _Q.F16: (np.dtype("<u2"), 0x7C00),
-           _Q.BF16: (np.dtype("<u2"), 0x7F80)}
+_FLOATS = {
+    _Q.F32: (np.dtype("<u4"), 0x7F800000),
+    _Q.F16: (np.dtype("<u2"), 0x7C00),
+    _Q.BF16: (np.dtype("<u2"), 0x7F80),
+}
 _F16_INF = 0x7C00
 _F16 = np.dtype("<u2")
-_VECTOR_STRINGS = 1024     # string arrays at least this long are skipped with numpy
-_SHORT_STRING = 1 << 8     # ... whose strings are mostly shorter than this (a tighter bound
-                           # than any length: 8 bytes before a start read as last char + length)
-_MAX_STEPS = 256           # ... unless past this many Python steps they skip < 32 strings each
+_VECTOR_STRINGS = 1024  # string arrays at least this long are skipped with numpy
+_SHORT_STRING = 1 << 8  # ... whose strings are mostly shorter than this (a tighter bound
+# than any length: 8 bytes before a start read as last char + length)
+_MAX_STEPS = 256  # ... unless past this many Python steps they skip < 32 strings each
 _U64_DTYPE = np.dtype("<u8")
-_WINDOW = 1 << 22          # ... looked at this many bytes at a time
-_SCAN_ROWS = 1 << 16       # check_scales reads this many blocks at a time (measured fastest)
+_WINDOW = 1 << 22  # ... looked at this many bytes at a time
+_SCAN_ROWS = 1 << 16  # check_scales reads this many blocks at a time (measured fastest)
 
 
 class GGUFFileError(ValueError):
@@ -88,6 +115,7 @@ class GGUFFileError(ValueError):
 class TensorInfo:
     """One entry of the tensor table. shape is row-major -- GGUF's ne reversed: (rows, cols) for
     a matrix, (n,) for a vector; offset is absolute in the file, nbytes the stored size."""
+
     name: str
     type: int
     shape: tuple[int, ...]
@@ -99,7 +127,7 @@ class TensorInfo:
         return _type_name(self.type)
 
     def describe(self) -> str:
-        """"tensor 'blk.0.attn_q.weight' (Q4_K, 2048 x 2048)": how messages name it."""
+        """ "tensor 'blk.0.attn_q.weight' (Q4_K, 2048 x 2048)": how messages name it."""
         shape = " x ".join(map(str, self.shape))
         return f"tensor '{_short(self.name)}' ({self.type_name}, {shape})"
 
@@ -107,6 +135,7 @@ class TensorInfo:
 @dataclass(frozen=True)
 class _Strings:
     """A string array not decoded yet: where its first length prefix is, and how many."""
+
     offset: int
     count: int
 
@@ -121,10 +150,13 @@ class _Metadata(Mapping):
         value = self._values[key]
         if isinstance(value, _Strings):
             if self._mm is None:
-                raise ValueError(f"{self._name} is closed: the metadata value '{key}' was "
-                                 "not read before close()")
-            value = self._values[key] = _read_strings(self._mm, self._buf, value.offset,
-                                                      value.count)
+                raise ValueError(
+                    f"{self._name} is closed: the metadata value '{key}' was "
+                    "not read before close()"
+                )
+            value = self._values[key] = _read_strings(
+                self._mm, self._buf, value.offset, value.count
+            )
         return value
 
     def __iter__(self) -> Iterator[str]:
@@ -152,13 +184,18 @@ class GGUFFile:
             self.size = os.fstat(f.fileno()).st_size
             head = f.read(24)
             if head[:4] != MAGIC:
-                raise self._error("is empty, not a GGUF file" if not head else
-                                  f"is not a GGUF file (it starts with {head[:4]!r}, not "
-                                  "b'GGUF'); pass a .gguf model file")
+                raise self._error(
+                    "is empty, not a GGUF file"
+                    if not head
+                    else f"is not a GGUF file (it starts with {head[:4]!r}, not "
+                    "b'GGUF'); pass a .gguf model file"
+                )
             self._check_version(head)
             if len(head) < 24:
-                raise self._error(f"is only {self.size:,} bytes, too short for a GGUF header: "
-                                  "the file is truncated; download it again")
+                raise self._error(
+                    f"is only {self.size:,} bytes, too short for a GGUF header: "
+                    "the file is truncated; download it again"
+                )
             self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         self.size = len(self._mm)
         try:
@@ -192,7 +229,7 @@ class GGUFFile:
         t = self._tensor(name)
         if self._buf is None:
             raise ValueError(f"{self._name} is closed")
-        return self._buf[t.offset:t.offset + t.nbytes]
+        return self._buf[t.offset : t.offset + t.nbytes]
 
     def address(self, name: str) -> int:
         """The address of the tensor's first byte in this process, for native code; valid
@@ -211,24 +248,30 @@ class GGUFFile:
             size = GGML_QUANT_SIZES[t.type][1]
             if t.type in _SCALES:
                 start, fields = _SCALES[t.type]
-                found = _first_non_finite(self._buf, t.offset + start, t.nbytes // size, size,
-                                          len(fields), _F16, _F16_INF)
+                found = _first_non_finite(
+                    self._buf, t.offset + start, t.nbytes // size, size, len(fields), _F16, _F16_INF
+                )
                 if found is not None:
                     index, field = found
                     at = t.offset + index * size + start + 2 * field
-                    raise self._error(f"{t.describe()}: block {index:,} has a non-finite scale "
-                                      f"({fields[field]} = {self._float_text(at, t.type)}) at "
-                                      f"byte {at:,}: the file is damaged; download it again")
+                    raise self._error(
+                        f"{t.describe()}: block {index:,} has a non-finite scale "
+                        f"({fields[field]} = {self._float_text(at, t.type)}) at "
+                        f"byte {at:,}: the file is damaged; download it again"
+                    )
             elif t.type in _FLOATS and t.nbytes // size < SMALL_FLOATS:
                 dtype, inf = _FLOATS[t.type]
-                found = _first_non_finite(self._buf, t.offset, t.nbytes // size, size, 1,
-                                          dtype, inf)
+                found = _first_non_finite(
+                    self._buf, t.offset, t.nbytes // size, size, 1, dtype, inf
+                )
                 if found is not None:
                     index = found[0]
                     at = t.offset + index * size
-                    raise self._error(f"{t.describe()}: element {index:,} is "
-                                      f"{self._float_text(at, t.type)} (at byte {at:,}): the file "
-                                      "is damaged; download it again")
+                    raise self._error(
+                        f"{t.describe()}: element {index:,} is "
+                        f"{self._float_text(at, t.type)} (at byte {at:,}): the file "
+                        "is damaged; download it again"
+                    )
 
     def close(self) -> None:
         self._buf = None
@@ -248,8 +291,10 @@ class GGUFFile:
         self.close()
 
     def __repr__(self) -> str:
-        return (f"GGUFFile('{self.path}', {self.architecture}, {len(self.tensors)} tensors"
-                f"{', closed' if self._mm is None else ''})")
+        return (
+            f"GGUFFile('{self.path}', {self.architecture}, {len(self.tensors)} tensors"
+            f"{', closed' if self._mm is None else ''})"
+        )
 
     # ---- parsing
 
@@ -257,25 +302,35 @@ class GGUFFile:
         return GGUFFileError(f"{self._name}: {message}.")
 
     def _past_end(self, what: str) -> GGUFFileError:
-        return self._error(f"{what}, past the end of the file ({self.size:,} bytes): the file "
-                           "is truncated or its header damaged; download it again")
+        return self._error(
+            f"{what}, past the end of the file ({self.size:,} bytes): the file "
+            "is truncated or its header damaged; download it again"
+        )
 
     def _check_version(self, head: bytes) -> None:
         if len(head) < 8:
-            raise self._error(f"is only {self.size:,} bytes, too short for a GGUF header: the "
-                              "file is truncated; download it again")
+            raise self._error(
+                f"is only {self.size:,} bytes, too short for a GGUF header: the "
+                "file is truncated; download it again"
+            )
         version = _U32.unpack_from(head, 4)[0]
         if version in VERSIONS:
             self.version = version
         elif version & 0xFFFF == 0 and version >> 24 in VERSIONS:
-            raise self._error("is a big-endian GGUF, which is not supported: convert the model "
-                              "again as little-endian")
+            raise self._error(
+                "is a big-endian GGUF, which is not supported: convert the model "
+                "again as little-endian"
+            )
         elif version == 1:
-            raise self._error("is GGUF version 1 (2023's first format), which is not supported: "
-                              "convert the model again")
+            raise self._error(
+                "is GGUF version 1 (2023's first format), which is not supported: "
+                "convert the model again"
+            )
         else:
-            raise self._error(f"has GGUF version {version:,}, which is not supported (only 2 "
-                              "and 3): the file is damaged or from a newer format")
+            raise self._error(
+                f"has GGUF version {version:,}, which is not supported (only 2 "
+                "and 3): the file is damaged or from a newer format"
+            )
 
     def _need(self, pos: int, n: int, what: str) -> int:
         """pos + n, after checking that n bytes are there."""
@@ -288,33 +343,39 @@ class GGUFFile:
         start = self._need(pos, 8, f"{what}'s length")
         n = _U64.unpack_from(self._mm, pos)[0]
         if n > self.size - start:
-            raise self._past_end(f"{what} says it is {n:,} bytes long, running from byte "
-                                 f"{start:,}")
-        raw = self._mm[start:start + n]
+            raise self._past_end(f"{what} says it is {n:,} bytes long, running from byte {start:,}")
+        raw = self._mm[start : start + n]
         try:
             return raw.decode("utf-8", "strict" if strict else "replace"), start + n
         except UnicodeDecodeError:
-            raise self._error(f"{what} is not valid UTF-8 ({raw[:40]!r}): the header is "
-                              "damaged; download it again") from None
+            raise self._error(
+                f"{what} is not valid UTF-8 ({raw[:40]!r}): the header is "
+                "damaged; download it again"
+            ) from None
 
     def _parse(self) -> None:
         mm, size = self._mm, self.size
         n_tensors, n_kv = struct.unpack_from("<QQ", mm, 8)
         if n_kv > MAX_KEYS or n_tensors > MAX_TENSORS:
-            raise self._error(f"says it has {n_tensors:,} tensors and {n_kv:,} metadata keys, "
-                              f"more than any model (at most {MAX_TENSORS:,} and {MAX_KEYS:,} "
-                              "are read): the header is damaged")
+            raise self._error(
+                f"says it has {n_tensors:,} tensors and {n_kv:,} metadata keys, "
+                f"more than any model (at most {MAX_TENSORS:,} and {MAX_KEYS:,} "
+                "are read): the header is damaged"
+            )
         if n_kv * _MIN_KV + n_tensors * _MIN_TENSOR > size - 24:
-            raise self._error(f"says it has {n_tensors:,} tensors and {n_kv:,} metadata keys, "
-                              f"more than its {size:,} bytes can hold: the header is damaged or "
-                              "the file truncated; download it again")
+            raise self._error(
+                f"says it has {n_tensors:,} tensors and {n_kv:,} metadata keys, "
+                f"more than its {size:,} bytes can hold: the header is damaged or "
+                "the file truncated; download it again"
+            )
         pos = 24
         values: dict = {}
         for i in range(n_kv):
             key, pos = self._text(pos, f"metadata key #{i + 1:,} of {n_kv:,}", strict=True)
             if key in values:
-                raise self._error(f"has the metadata key '{_short(key)}' twice: the header is "
-                                  "damaged")
+                raise self._error(
+                    f"has the metadata key '{_short(key)}' twice: the header is damaged"
+                )
             where = f"the metadata value '{_short(key)}'"
             kind = _U32.unpack_from(mm, self._need(pos, 4, f"{where}'s type") - 4)[0]
             values[key], pos = self._value(pos + 4, kind, where)
@@ -322,40 +383,50 @@ class GGUFFile:
 
         alignment = values.get("general.alignment", DEFAULT_ALIGNMENT)
         if type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1):
-            raise self._error(f"has general.alignment {alignment!r}, not a power of two: the "
-                              "header is damaged")
+            raise self._error(
+                f"has general.alignment {alignment!r}, not a power of two: the header is damaged"
+            )
         self.alignment = alignment
 
         table = []
         names = set()
         for i in range(n_tensors):
-            name, pos = self._text(pos, f"the name of tensor #{i + 1:,} of {n_tensors:,}",
-                                   strict=True)
+            name, pos = self._text(
+                pos, f"the name of tensor #{i + 1:,} of {n_tensors:,}", strict=True
+            )
             where = f"tensor '{_short(name)}'"
             pos = self._need(pos, 4, f"{where}'s dimension count")
             n_dims = _U32.unpack_from(mm, pos - 4)[0]
             if not 1 <= n_dims <= MAX_DIMS:
-                raise self._error(f"{where} has {n_dims:,} dimensions (GGUF allows 1 to "
-                                  f"{MAX_DIMS}): the tensor table is damaged")
+                raise self._error(
+                    f"{where} has {n_dims:,} dimensions (GGUF allows 1 to "
+                    f"{MAX_DIMS}): the tensor table is damaged"
+                )
             pos = self._need(pos, 8 * n_dims + _TENSOR_TAIL.size, f"{where}'s entry")
             ne = struct.unpack_from(f"<{n_dims}Q", mm, pos - 8 * n_dims - _TENSOR_TAIL.size)
             kind, offset = _TENSOR_TAIL.unpack_from(mm, pos - _TENSOR_TAIL.size)
             if kind not in GGML_QUANT_SIZES:
-                raise self._error(f"{where} has the unknown type id {kind:,}: the tensor table "
-                                  "is damaged or the file is from a newer llama.cpp")
+                raise self._error(
+                    f"{where} has the unknown type id {kind:,}: the tensor table "
+                    "is damaged or the file is from a newer llama.cpp"
+                )
             shape = tuple(reversed(ne))
             described = f"{where} ({_type_name(kind)}, {' x '.join(map(str, shape))})"
             if not all(0 < n < 1 << 63 for n in ne):
-                raise self._error(f"{described} has a dimension that is not positive: the "
-                                  "tensor table is damaged")
+                raise self._error(
+                    f"{described} has a dimension that is not positive: the tensor table is damaged"
+                )
             block, type_size = GGML_QUANT_SIZES[kind]
             if ne[0] % block:
-                raise self._error(f"{described} has rows of {ne[0]:,} values, not a whole "
-                                  f"number of its type's {block}-value blocks: the tensor table "
-                                  "is damaged")
+                raise self._error(
+                    f"{described} has rows of {ne[0]:,} values, not a whole "
+                    f"number of its type's {block}-value blocks: the tensor table "
+                    "is damaged"
+                )
             if name in names:
-                raise self._error(f"has two tensors named '{_short(name)}': the tensor table is "
-                                  "damaged")
+                raise self._error(
+                    f"has two tensors named '{_short(name)}': the tensor table is damaged"
+                )
             names.add(name)
             count = 1
             for n in ne:
@@ -366,21 +437,27 @@ class GGUFFile:
         tensors = {}
         for name, kind, shape, offset, nbytes, described in table:
             if offset % alignment:
-                raise self._error(f"{described} starts at data offset {offset:,}, not a "
-                                  f"multiple of the alignment ({alignment}): the tensor table "
-                                  "is damaged")
+                raise self._error(
+                    f"{described} starts at data offset {offset:,}, not a "
+                    f"multiple of the alignment ({alignment}): the tensor table "
+                    "is damaged"
+                )
             start = self._data_start + offset
             if start + nbytes > size:
-                raise self._error(f"{described} ends at byte {start + nbytes:,}, past the end "
-                                  f"of the file ({size:,} bytes): the file is truncated; "
-                                  "download it again")
+                raise self._error(
+                    f"{described} ends at byte {start + nbytes:,}, past the end "
+                    f"of the file ({size:,} bytes): the file is truncated; "
+                    "download it again"
+                )
             tensors[name] = TensorInfo(name, kind, shape, start, nbytes)
         ordered = sorted(tensors.values(), key=lambda t: t.offset)
         for a, b in zip(ordered, ordered[1:]):
             if b.offset < a.offset + a.nbytes:
-                raise self._error(f"{a.describe()} (bytes {a.offset:,} to "
-                                  f"{a.offset + a.nbytes:,}) and {b.describe()} (from byte "
-                                  f"{b.offset:,}) overlap: the tensor table is damaged")
+                raise self._error(
+                    f"{a.describe()} (bytes {a.offset:,} to "
+                    f"{a.offset + a.nbytes:,}) and {b.describe()} (from byte "
+                    f"{b.offset:,}) overlap: the tensor table is damaged"
+                )
         self.tensors: dict[str, TensorInfo] = tensors
 
     def _value(self, pos: int, kind: int, where: str):
@@ -392,15 +469,18 @@ class GGUFFile:
         if kind == _V.STRING:
             return self._text(pos, where, strict=False)
         if kind != _V.ARRAY:
-            raise self._error(f"{where} has the unknown value type {kind:,}: the header is "
-                              "damaged or the file is from a newer format")
+            raise self._error(
+                f"{where} has the unknown value type {kind:,}: the header is "
+                "damaged or the file is from a newer format"
+            )
         start = self._need(pos, 12, f"{where}'s array header")
         inner, count = struct.unpack_from("<IQ", mm, pos)
         left = self.size - start
         if inner == _V.STRING:
             if count > left // 8:
-                raise self._past_end(f"{where} says it holds {count:,} strings, running from "
-                                     f"byte {start:,}")
+                raise self._past_end(
+                    f"{where} says it holds {count:,} strings, running from byte {start:,}"
+                )
             if count <= EAGER_STRINGS:
                 values = []
                 for i in range(count):
@@ -412,17 +492,26 @@ class GGUFFile:
                 raise self._past_end(f"{where}'s string #{end + 1:,} of {count:,} runs on")
             return _Strings(start, count), end
         if inner == _V.ARRAY:
-            raise self._error(f"{where} is an array of arrays, which GGUF readers do not "
-                              "support: the header is damaged")
+            raise self._error(
+                f"{where} is an array of arrays, which GGUF readers do not "
+                "support: the header is damaged"
+            )
         if inner not in _ARRAYS:
-            raise self._error(f"{where} is an array of the unknown value type {inner:,}: the "
-                              "header is damaged or the file is from a newer format")
+            raise self._error(
+                f"{where} is an array of the unknown value type {inner:,}: the "
+                "header is damaged or the file is from a newer format"
+            )
         dtype = _ARRAYS[inner]
         if count > left // dtype.itemsize:
-            raise self._past_end(f"{where} says it holds {count:,} values of {dtype.itemsize} "
-                                 f"bytes, running from byte {start:,}")
-        values = np.frombuffer(mm, dtype=dtype, count=count, offset=start).copy() if count \
+            raise self._past_end(
+                f"{where} says it holds {count:,} values of {dtype.itemsize} "
+                f"bytes, running from byte {start:,}"
+            )
+        values = (
+            np.frombuffer(mm, dtype=dtype, count=count, offset=start).copy()
+            if count
             else np.empty(0, dtype)
+        )
         if inner == _V.BOOL:
             values = values != 0
         return values, start + count * dtype.itemsize
@@ -438,7 +527,7 @@ class GGUFFile:
         if kind == _Q.F32:
             value = struct.unpack_from("<f", self._mm, at)[0]
         elif kind == _Q.BF16:
-            value = struct.unpack("<f", b"\0\0" + self._mm[at:at + 2])[0]
+            value = struct.unpack("<f", b"\0\0" + self._mm[at : at + 2])[0]
         else:
             value = struct.unpack_from("<e", self._mm, at)[0]
         return "NaN" if value != value else str(value)
@@ -459,8 +548,9 @@ def _type_name(kind: int) -> str:
         return f"type {kind}"
 
 
-def _string_starts(mm, buf: np.ndarray, pos: int, count: int, size: int,
-                   keep: bool = True) -> tuple[np.ndarray | bool | None, int]:
+def _string_starts(
+    mm, buf: np.ndarray, pos: int, count: int, size: int, keep: bool = True
+) -> tuple[np.ndarray | bool | None, int]:
     """(starts, end) of `count` length-prefixed strings from pos: each one's length prefix's
     position (only True unless `keep`: skipping needs none), and where the last ends; (None,
     index) of the first that runs past the end.
@@ -482,11 +572,11 @@ def _string_starts(mm, buf: np.ndarray, pos: int, count: int, size: int,
         span = min(size - pos, left * 32 + 4096, _WINDOW)
         if span < 16:
             break
-        zero = buf[pos:pos + span] == 0
+        zero = buf[pos : pos + span] == 0
         two = zero[:-1] & zero[1:]
         four = two[:-2] & two[2:]
-        c = np.flatnonzero(four[1:-3] & four[4:])       # bytes p+1 .. p+7 zero, p < span - 7
-        if not len(c) or c[0]:                          # a long first string: a plain step
+        c = np.flatnonzero(four[1:-3] & four[4:])  # bytes p+1 .. p+7 zero, p < span - 7
+        if not len(c) or c[0]:  # a long first string: a plain step
             if keep:
                 runs.append(np.array([pos], dtype=np.int64))
             pos += 8 + _U64.unpack_from(mm, pos)[0]
@@ -497,26 +587,26 @@ def _string_starts(mm, buf: np.ndarray, pos: int, count: int, size: int,
             continue
         heads = np.ndarray((span - 7,), _U64_DTYPE, buf, pos, (1,))
         nxt = c + 8 + heads[c].astype(np.int64)
-        breaks = np.flatnonzero(nxt[:-1] != c[1:])      # c[k]'s successor is not c[k + 1]
+        breaks = np.flatnonzero(nxt[:-1] != c[1:])  # c[k]'s successor is not c[k + 1]
         k = 0
         while True:
             steps += 1
             j = int(np.searchsorted(breaks, k))
             m = min(int(breaks[j]) if j < len(breaks) else len(c) - 1, k + left - 1)
             if keep:
-                runs.append(c[k:m + 1] + pos)
+                runs.append(c[k : m + 1] + pos)
             left -= m - k + 1
             successor = int(nxt[m])
-            if not left:                                # the array ends in this run
+            if not left:  # the array ends in this run
                 end = pos + successor
                 if end > size:
                     return None, count - 1
                 return (np.concatenate(runs) if keep else True), end
             idx = int(np.searchsorted(c, successor))
             if idx < len(c) and c[idx] == successor and worth_it():
-                k = idx                                 # past candidates that were not starts
+                k = idx  # past candidates that were not starts
                 continue
-            pos += successor                            # past the window, or not a candidate
+            pos += successor  # past the window, or not a candidate
             break
     if pos > size:
         return None, count - left - 1
@@ -526,8 +616,9 @@ def _string_starts(mm, buf: np.ndarray, pos: int, count: int, size: int,
     return (np.concatenate(runs + [rest]) if keep else True), end
 
 
-def _string_starts_plain(mm, pos: int, count: int, size: int, keep: bool = True,
-                         buf: np.ndarray | None = None) -> tuple[np.ndarray | bool | None, int]:
+def _string_starts_plain(
+    mm, pos: int, count: int, size: int, keep: bool = True, buf: np.ndarray | None = None
+) -> tuple[np.ndarray | bool | None, int]:
     """_string_starts, a Python step a string -- except over a run of empty strings (zeros, 8
     bytes each: a file of zeros behind a header), counted in numpy when `buf` is given."""
     unpack = _U64.unpack_from
@@ -559,12 +650,12 @@ def _zero_groups(buf: np.ndarray, pos: int, most: int) -> int:
     done, n = 0, 64
     while done < most:
         n = min(n, most - done)
-        window = buf[pos + 8 * done:pos + 8 * (done + n)]
+        window = buf[pos + 8 * done : pos + 8 * (done + n)]
         first = int(np.argmax(window != 0)) if len(window) else 0
-        if len(window) and window[first]:   # a nonzero byte: the run ends in this window
+        if len(window) and window[first]:  # a nonzero byte: the run ends in this window
             return max(done + first // 8, 1)
         done += len(window) // 8
-        if len(window) < 8 * n:             # the end of the file
+        if len(window) < 8 * n:  # the end of the file
             return max(done, 1)
         n = min(n * 4, 1 << 20)
     return done
@@ -577,8 +668,9 @@ def _read_strings(mm, buf: np.ndarray, pos: int, count: int) -> list[str]:
     return [mm[a:b].decode("utf-8", "replace") for a, b in zip((starts + 8).tolist(), lasts)]
 
 
-def _first_non_finite(buf: np.ndarray, start: int, rows: int, stride: int, width: int,
-                      dtype: np.dtype, inf: int) -> tuple[int, int] | None:
+def _first_non_finite(
+    buf: np.ndarray, start: int, rows: int, stride: int, width: int, dtype: np.dtype, inf: int
+) -> tuple[int, int] | None:
     """(row, column) of the first of `rows` groups of `width` (1, or 2 for fp16 pairs) values,
     `stride` bytes apart from byte `start`, that is inf or NaN: its bits without the sign at
     least `inf`'s; None if none. Chunks of _SCAN_ROWS through one preallocated buffer: a
@@ -590,8 +682,11 @@ def _first_non_finite(buf: np.ndarray, start: int, rows: int, stride: int, width
     for first in range(0, rows, _SCAN_ROWS):
         n = min(_SCAN_ROWS, rows - first)
         offset = start + first * stride
-        x = np.bitwise_and(np.ndarray((n,), wide, buf, offset, (stride,)),
-                           inf << 16 | inf if pairs else inf | (inf - 1), out=scratch[:n])
+        x = np.bitwise_and(
+            np.ndarray((n,), wide, buf, offset, (stride,)),
+            inf << 16 | inf if pairs else inf | (inf - 1),
+            out=scratch[:n],
+        )
         if pairs:
             low = inf & -inf
             np.add(x, low << 16 | low, out=x)

@@ -33,8 +33,12 @@ class TransformersRunner:
 
     def step(self, entries, all_logits: bool = False) -> torch.Tensor:
         """One sequence after another (transformers' caches are one sequence each)."""
-        return torch.cat([self.forward(torch.as_tensor(ids).view(1, -1), cache, all_logits)
-                          for ids, cache in entries])
+        return torch.cat(
+            [
+                self.forward(torch.as_tensor(ids).view(1, -1), cache, all_logits)
+                for ids, cache in entries
+            ]
+        )
 
     def forward(self, input_ids: torch.Tensor, cache=None, all_logits: bool = False):
         kwargs = {_cache_kwarg(type(self.model)): cache, "use_cache": cache is not None}

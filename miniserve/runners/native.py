@@ -71,8 +71,9 @@ def _cpu_id() -> str:
 
 
 def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++") or \
-        shutil.which("clang++")
+    return (
+        shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++") or shutil.which("clang++")
+    )
 
 
 def build_target() -> str:
@@ -86,12 +87,18 @@ def build_target() -> str:
 def library_path(compiler: str, target: str = "native") -> Path:
     """Where the library for `target` is kept. The key holds the flags, so that libraries built
     for different targets (or with different flags) are never taken for one another."""
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
-                             timeout=30).stdout
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, timeout=30
+    ).stdout
     flags = repr((FLAGS, target, TARGETS[target]))
     sources = b"".join(path.read_bytes() for path in KERNEL_FILES)
-    key = hashlib.sha256(sources + version.encode() + _cpu_id().encode()
-                         + platform.machine().encode() + flags.encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        sources
+        + version.encode()
+        + _cpu_id().encode()
+        + platform.machine().encode()
+        + flags.encode()
+    ).hexdigest()[:16]
     return cache_root() / "kernels" / f"decode-{target}-{key}.so"
 
 
@@ -120,8 +127,7 @@ def load() -> ctypes.CDLL | None:
             _reason = "turned off by MINISERVE_NATIVE=0"
             return None
         if _target not in TARGETS:
-            _reason = (f"unknown MINISERVE_NATIVE_ARCH={_target!r} "
-                       f"(one of: {', '.join(TARGETS)})")
+            _reason = f"unknown MINISERVE_NATIVE_ARCH={_target!r} (one of: {', '.join(TARGETS)})"
             return None
         compiler = _compiler()
         if compiler is None:
@@ -130,8 +136,11 @@ def load() -> ctypes.CDLL | None:
         try:
             path = library_path(compiler, _target)
             if not path.exists():
-                print(f"Compiling the native forward pass ({SOURCE.name}, {_target}) ...",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"Compiling the native forward pass ({SOURCE.name}, {_target}) ...",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 _build(compiler, path, _target)
             lib = ctypes.CDLL(str(path))
             if lib.ms_abi_version() != ABI_VERSION:
@@ -162,6 +171,7 @@ NORMS = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "attn_out_norm", "mlp_out_
 class StoredMatrix(NamedTuple):
     """A matrix in a GGUF file's own block format, used where it lies (memory-mapped): the
     address of its first row, ggml's type id, its rows and columns, its bytes."""
+
     address: int
     type: int
     rows: int
@@ -181,20 +191,32 @@ class MsMat(ctypes.Structure):  # decode.cpp's structs, field by field
 
 
 class MsLayer(ctypes.Structure):
-    _fields_ = [("attn_norm", ctypes.c_void_p), ("qkv", MsMat * 3), ("bqkv", ctypes.c_void_p),
-                ("wo", MsMat), ("mlp_norm", ctypes.c_void_p), ("gate_up", MsMat * 2),
-                ("w2", MsMat),
-                *((name, ctypes.c_void_p) for name in ("q_norm", "k_norm", "attn_out_norm",
-                                                       "mlp_out_norm", "cos", "sin")),
-                ("window", ctypes.c_long)]
+    _fields_ = [
+        ("attn_norm", ctypes.c_void_p),
+        ("qkv", MsMat * 3),
+        ("bqkv", ctypes.c_void_p),
+        ("wo", MsMat),
+        ("mlp_norm", ctypes.c_void_p),
+        ("gate_up", MsMat * 2),
+        ("w2", MsMat),
+        *(
+            (name, ctypes.c_void_p)
+            for name in ("q_norm", "k_norm", "attn_out_norm", "mlp_out_norm", "cos", "sin")
+        ),
+        ("window", ctypes.c_long),
+    ]
 
 
 class MsModel(ctypes.Structure):
-    _fields_ = [*((name, ctypes.c_long) for name in ("layers", "D", "H", "KV", "hd", "I", "V")),
-                ("embed", MsMat), ("lm_head", MsMat), ("final_norm", ctypes.c_void_p),
-                ("layer", ctypes.POINTER(MsLayer)),
-                *((name, ctypes.c_float) for name in ("eps", "embed_scale", "attn_scale")),
-                *((name, ctypes.c_int) for name in ("gelu", "rope_pairs", "math", "threads"))]
+    _fields_ = [
+        *((name, ctypes.c_long) for name in ("layers", "D", "H", "KV", "hd", "I", "V")),
+        ("embed", MsMat),
+        ("lm_head", MsMat),
+        ("final_norm", ctypes.c_void_p),
+        ("layer", ctypes.POINTER(MsLayer)),
+        *((name, ctypes.c_float) for name in ("eps", "embed_scale", "attn_scale")),
+        *((name, ctypes.c_int) for name in ("gelu", "rope_pairs", "math", "threads")),
+    ]
 
 
 def ms_mat(w) -> MsMat:
@@ -209,9 +231,11 @@ def ms_mat(w) -> MsMat:
 
 
 class MsRows(ctypes.Structure):
-    _fields_ = [("n", ctypes.c_long), ("n_out", ctypes.c_long),
-                *((name, ctypes.c_void_p) for name in ("token", "pos", "cap", "out", "k", "v",
-                                                       "logits"))]
+    _fields_ = [
+        ("n", ctypes.c_long),
+        ("n_out", ctypes.c_long),
+        *((name, ctypes.c_void_p) for name in ("token", "pos", "cap", "out", "k", "v", "logits")),
+    ]
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -237,8 +261,7 @@ def _declare(lib: ctypes.CDLL) -> None:
 def supports(device: torch.device, dtype: torch.dtype, quant: str | None = None) -> bool:
     """The native runner runs a lean model on the CPU with float32 or bfloat16 weights, no
     quantization, where the library could be built."""
-    return (device.type == "cpu" and dtype in DTYPE_CODES and quant is None
-            and load() is not None)
+    return device.type == "cpu" and dtype in DTYPE_CODES and quant is None and load() is not None
 
 
 def bf16_dot() -> bool:
@@ -270,8 +293,15 @@ def matmul(w, x: torch.Tensor, math: str = "float32") -> torch.Tensor:
         math = resolve_math(math, w.dtype)
     x = x.reshape(-1, cols).contiguous()
     y = torch.empty(x.shape[0], rows, dtype=torch.float32)
-    lib.ms_matmul(ctypes.byref(ms_mat(w)), x.data_ptr(), y.data_ptr(), x.shape[0], cols,
-                  MATH_CODES[math], torch.get_num_threads())
+    lib.ms_matmul(
+        ctypes.byref(ms_mat(w)),
+        x.data_ptr(),
+        y.data_ptr(),
+        x.shape[0],
+        cols,
+        MATH_CODES[math],
+        torch.get_num_threads(),
+    )
     return y
 
 
@@ -318,8 +348,14 @@ class NativeCache(KVCache):
 
     TILE = 16
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int = 256,
-                 dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        capacity: int = 256,
+        dtype: torch.dtype = torch.float32,
+    ):
         capacity = -(-max(capacity, 16) // 16) * 16
         self.k = torch.zeros(layers, kv_heads, capacity // 16, head_dim, 16, dtype=dtype)
         self.v = torch.zeros(layers, kv_heads, capacity, head_dim, dtype=dtype)
@@ -328,8 +364,8 @@ class NativeCache(KVCache):
     def _grow(self, capacity: int) -> None:
         k = self.k.new_zeros((*self.k.shape[:2], capacity // 16, *self.k.shape[3:]))
         v = self.v.new_zeros((*self.v.shape[:2], capacity, self.v.shape[3]))
-        k[:, :, :self.k.shape[2]] = self.k
-        v[:, :, :self.capacity] = self.v
+        k[:, :, : self.k.shape[2]] = self.k
+        v[:, :, : self.capacity] = self.v
         self.k, self.v = k, v
 
 
@@ -351,22 +387,37 @@ class NativeForward:
         self.V = _rows(model.lm_head)
         assert model.head_dim <= 1024
         self._kept = []  # the float32 norm weights the structs point to
-        self._layers = (MsLayer * len(model.layers))(*[
-            self._layer(w, *model.layer_tables(i), model.windows[i])
-            for i, w in enumerate(model.layers)])
+        self._layers = (MsLayer * len(model.layers))(
+            *[
+                self._layer(w, *model.layer_tables(i), model.windows[i])
+                for i, w in enumerate(model.layers)
+            ]
+        )
         self.struct = MsModel(
-            layers=len(model.layers), D=cfg.hidden_size, H=model.n_heads, KV=model.n_kv,
-            hd=model.head_dim, I=cfg.intermediate_size, V=self.V,
-            embed=ms_mat(model.embed), lm_head=ms_mat(model.lm_head),
-            final_norm=self._float32(model.final_norm), layer=self._layers,
-            eps=float(model.eps), embed_scale=_embed_scale(model),
-            attn_scale=_attn_scale(model), gelu=int(model.gemma),
-            rope_pairs=int(getattr(model, "rope_pairs", False)), math=MATH_CODES[math],
-            threads=torch.get_num_threads())
+            layers=len(model.layers),
+            D=cfg.hidden_size,
+            H=model.n_heads,
+            KV=model.n_kv,
+            hd=model.head_dim,
+            I=cfg.intermediate_size,
+            V=self.V,
+            embed=ms_mat(model.embed),
+            lm_head=ms_mat(model.lm_head),
+            final_norm=self._float32(model.final_norm),
+            layer=self._layers,
+            eps=float(model.eps),
+            embed_scale=_embed_scale(model),
+            attn_scale=_attn_scale(model),
+            gelu=int(model.gemma),
+            rope_pairs=int(getattr(model, "rope_pairs", False)),
+            math=MATH_CODES[math],
+            threads=torch.get_num_threads(),
+        )
         self.max_positions = model.cos.shape[0]
         self.scratch = torch.empty(0, dtype=torch.float32)
-        self.kv_dtype = (torch.bfloat16 if self.lib.ms_kv_bf16(ctypes.byref(self.struct))
-                         else torch.float32)
+        self.kv_dtype = (
+            torch.bfloat16 if self.lib.ms_kv_bf16(ctypes.byref(self.struct)) else torch.float32
+        )
 
     def _float32(self, t: torch.Tensor | None) -> int | None:
         """The address of `t` as float32 (a copy, kept, where it is not), or None."""
@@ -376,20 +427,23 @@ class NativeForward:
         self._kept.append(t)
         return t.data_ptr()
 
-    def _layer(self, w: dict, cos: torch.Tensor, sin: torch.Tensor,
-               window: int | None) -> MsLayer:
+    def _layer(self, w: dict, cos: torch.Tensor, sin: torch.Tensor, window: int | None) -> MsLayer:
         qkv = [w["wqkv"]] if "wqkv" in w else [w["wq"], w["wk"], w["wv"]]
         gate_up = [w["w13"]] if "w13" in w else [w["w1"], w["w3"]]
         assert cos.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
         return MsLayer(
             attn_norm=self._float32(w["attn_norm"]),
             qkv=(MsMat * 3)(*(ms_mat(m) for m in qkv + [None] * (3 - len(qkv)))),
-            bqkv=self._float32(w.get("bqkv")), wo=ms_mat(w["wo"]),
+            bqkv=self._float32(w.get("bqkv")),
+            wo=ms_mat(w["wo"]),
             mlp_norm=self._float32(w["mlp_norm"]),
             gate_up=(MsMat * 2)(*(ms_mat(m) for m in gate_up + [None] * (2 - len(gate_up)))),
             w2=ms_mat(w["w2"]),
             **{name: self._float32(w.get(name)) for name in NORMS[2:]},
-            cos=cos.data_ptr(), sin=sin.data_ptr(), window=window or 0)
+            cos=cos.data_ptr(),
+            sin=sin.data_ptr(),
+            window=window or 0,
+        )
 
     def new_cache(self, capacity: int = 256) -> NativeCache:
         m = self.model
@@ -405,8 +459,9 @@ class NativeForward:
             if n == 0:
                 raise ValueError("each sequence in a pass needs at least one new token")
             if start + n > self.max_positions:
-                raise ValueError(f"position {start + n - 1} is past the model's "
-                                 f"{self.max_positions} positions")
+                raise ValueError(
+                    f"position {start + n - 1} is past the model's {self.max_positions} positions"
+                )
             cache.reserve(start + n)
             if all_logits:
                 out.extend(range(len(tokens), len(tokens) + n))
@@ -419,13 +474,11 @@ class NativeForward:
             vs += [cache.v.data_ptr()] * n
         arrays = [torch.tensor(a, dtype=torch.int64) for a in (tokens, pos, caps, out, ks, vs)]
         logits = torch.empty(len(out), self.V, dtype=torch.float32)  # fresh: callers keep it
-        rows = MsRows(len(tokens), len(out), *(a.data_ptr() for a in arrays),
-                      logits.data_ptr())
+        rows = MsRows(len(tokens), len(out), *(a.data_ptr() for a in arrays), logits.data_ptr())
         need = self.lib.ms_scratch_floats(ctypes.byref(self.struct), len(tokens), max(pos) + 1)
         if self.scratch.numel() < need:
             self.scratch = torch.empty(need, dtype=torch.float32)
-        self.lib.ms_forward(ctypes.byref(self.struct), ctypes.byref(rows),
-                            self.scratch.data_ptr())
+        self.lib.ms_forward(ctypes.byref(self.struct), ctypes.byref(rows), self.scratch.data_ptr())
         for ids, cache in entries:
             cache.length += len(ids)
         return logits
@@ -447,8 +500,9 @@ class CompiledPass:
 
     def forward(self, input_ids: torch.Tensor, cache=None, all_logits: bool = False):
         ids = input_ids[0].tolist()
-        logits = self.native([(ids, cache if cache is not None else self.new_cache(len(ids)))],
-                             all_logits)
+        logits = self.native(
+            [(ids, cache if cache is not None else self.new_cache(len(ids)))], all_logits
+        )
         return logits if all_logits else logits.view(1, -1)
 
     __call__ = forward
@@ -462,8 +516,10 @@ class NativeRunner(CompiledPass, LeanRunner):
     def __init__(self, hf_model, math: str = "auto"):
         if not supports(hf_model.device, hf_model.dtype):
             reason = unavailable_reason()
-            raise ValueError("the native runner needs a CPU model with float32 or bfloat16 "
-                             "weights and no --quant" + (f"; {reason}" if reason else ""))
+            raise ValueError(
+                "the native runner needs a CPU model with float32 or bfloat16 "
+                "weights and no --quant" + (f"; {reason}" if reason else "")
+            )
         super().__init__(hf_model, math=math)
         self.native = NativeForward(self, self.math)
 
@@ -477,17 +533,22 @@ class NativeRunner(CompiledPass, LeanRunner):
 def kernels() -> dict:
     """Which kernels run here: PyTorch's vector level, the caps in force, the native pass's."""
     caps = {name: os.environ[name] for name in platform_info.CAPS if name in os.environ}
-    return {"aten": torch.backends.cpu.get_cpu_capability(), "caps": caps,
-            "native": isa() or f"off ({unavailable_reason()})",
-            "native_target": build_target()}
+    return {
+        "aten": torch.backends.cpu.get_cpu_capability(),
+        "caps": caps,
+        "native": isa() or f"off ({unavailable_reason()})",
+        "native_target": build_target(),
+    }
 
 
 def summary() -> str:
     """Two lines for people: the CPU, then the kernels in use."""
     k = kernels()
     caps = ", ".join(f"{n}={v}" for n, v in k["caps"].items())
-    return (f"CPU: {platform_info.cpu_model()} ({platform.machine()}; {' '.join(platform_info.cpu_features()) or 'no vector extensions named'})\n"
-            f"kernels: PyTorch {torch.__version__} {k['aten']}"
-            + (f" (capped: {caps})" if caps else "")
-            + f"; native forward pass {k['native']}"
-            + (f" (target {k['native_target']})" if not k["native"].startswith("off") else ""))
+    return (
+        f"CPU: {platform_info.cpu_model()} ({platform.machine()}; {' '.join(platform_info.cpu_features()) or 'no vector extensions named'})\n"
+        f"kernels: PyTorch {torch.__version__} {k['aten']}"
+        + (f" (capped: {caps})" if caps else "")
+        + f"; native forward pass {k['native']}"
+        + (f" (target {k['native_target']})" if not k["native"].startswith("off") else "")
+    )

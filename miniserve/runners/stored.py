@@ -55,8 +55,11 @@ def runs_as_stored(path: Path) -> bool:
             arch = f.architecture
             scaling = str(f.get(f"{arch}.rope.scaling.type", "none") or "none")
             matrices = {t.type for t in f.tensors.values() if len(t.shape) == 2}
-            return (arch in ARCHITECTURES and scaling in ("none", "linear", "llama3")
-                    and matrices <= IN_PLACE)
+            return (
+                arch in ARCHITECTURES
+                and scaling in ("none", "linear", "llama3")
+                and matrices <= IN_PLACE
+            )
     except (GGUFFileError, OSError):
         return True
 
@@ -68,6 +71,7 @@ class StoredModelError(ValueError):
 @dataclass
 class StoredConfig:
     """What the engine and the runner read of a model's configuration, in transformers' names."""
+
     model_type: str
     hidden_size: int
     intermediate_size: int
@@ -101,12 +105,16 @@ class GGUFWeights:
         f = self.file
         arch = f.architecture
         if arch not in ARCHITECTURES:
-            raise StoredModelError(f"{self.path.name}: architecture '{arch}' does not run with its "
-                                   f"weights as stored (these do: {', '.join(ARCHITECTURES)})")
+            raise StoredModelError(
+                f"{self.path.name}: architecture '{arch}' does not run with its "
+                f"weights as stored (these do: {', '.join(ARCHITECTURES)})"
+            )
         self.arch = arch
         if native.load() is None:  # before anything is read: nothing runs the blocks here
-            raise StoredModelError("weights as stored need the native runner: "
-                                   + (native.unavailable_reason() or "it is not available"))
+            raise StoredModelError(
+                "weights as stored need the native runner: "
+                + (native.unavailable_reason() or "it is not available")
+            )
         self.config = self._config()
         self._kept: list = []  # float32 copies the runner points to
         self.converted: list[str] = []  # tensors dequantized at load (types not run in place)
@@ -117,22 +125,30 @@ class GGUFWeights:
             raise StoredModelError(str(e)) from None
         cfg = self.config
         self.embed = self.matrix("token_embd.weight", (cfg.vocab_size, cfg.hidden_size))
-        self.lm_head = (self.matrix("output.weight", (cfg.vocab_size, cfg.hidden_size))
-                        if "output.weight" in f.tensors else self.embed)
+        self.lm_head = (
+            self.matrix("output.weight", (cfg.vocab_size, cfg.hidden_size))
+            if "output.weight" in f.tensors
+            else self.embed
+        )
         self.final_norm = self.vector("output_norm.weight", cfg.hidden_size)
         self.layers = [self._layer(i) for i in range(cfg.num_hidden_layers)]
         if self.converted:
-            _say(progress, f"{self.path.name}: {len(self.converted)} tensors of types the kernels "
-                           f"do not run in place were dequantized to float32 at load "
-                           f"({', '.join(sorted(set(self.converted)))})")
+            _say(
+                progress,
+                f"{self.path.name}: {len(self.converted)} tensors of types the kernels "
+                f"do not run in place were dequantized to float32 at load "
+                f"({', '.join(sorted(set(self.converted)))})",
+            )
 
     # -- configuration ---------------------------------------------------------------------
     def _meta(self, key: str, default=None, required: bool = True):
         value = self.file.get(f"{self.arch}.{key}", None)
         if value is None:
             if required and default is None:
-                raise StoredModelError(f"{self.path.name}: the header has no "
-                                       f"'{self.arch}.{key}'; the file is incomplete")
+                raise StoredModelError(
+                    f"{self.path.name}: the header has no "
+                    f"'{self.arch}.{key}'; the file is incomplete"
+                )
             return default
         return value.item() if isinstance(value, np.generic) else value
 
@@ -143,16 +159,20 @@ class GGUFWeights:
         if isinstance(value, (list, tuple, np.ndarray)):
             values = {int(v) for v in value}
             if len(values) != 1:
-                raise StoredModelError(f"{self.path.name}: '{self.arch}.{key}' differs from "
-                                       "layer to layer, which does not run as stored")
+                raise StoredModelError(
+                    f"{self.path.name}: '{self.arch}.{key}' differs from "
+                    "layer to layer, which does not run as stored"
+                )
             value = values.pop()
         try:
             number = int(value)
         except (TypeError, ValueError):
             number = None
         if number is None or not low <= number <= high or number != value:
-            raise StoredModelError(f"{self.path.name}: '{self.arch}.{key}' is {value!r}; a whole "
-                                   f"number from {low} to {high} was expected")
+            raise StoredModelError(
+                f"{self.path.name}: '{self.arch}.{key}' is {value!r}; a whole "
+                f"number from {low} to {high} was expected"
+            )
         return number
 
     def _config(self) -> StoredConfig:
@@ -160,16 +180,20 @@ class GGUFWeights:
         heads = self._count("attention.head_count", high=4096)
         kv = self._count("attention.head_count_kv", heads, high=heads)
         if heads % kv:
-            raise StoredModelError(f"{self.path.name}: {heads} attention heads do not share "
-                                   f"{kv} kv heads evenly")
+            raise StoredModelError(
+                f"{self.path.name}: {heads} attention heads do not share {kv} kv heads evenly"
+            )
         head_dim = self._count("attention.key_length", max(D // heads, 2), low=2, high=1024)
         if head_dim % 2:
-            raise StoredModelError(f"{self.path.name}: head size {head_dim} is odd (RoPE turns "
-                                   "pairs)")
+            raise StoredModelError(
+                f"{self.path.name}: head size {head_dim} is odd (RoPE turns pairs)"
+            )
         layers = self._count("block_count", high=4096)
         if f"blk.{layers - 1}.attn_q.weight" not in self.file.tensors:
-            raise StoredModelError(f"{self.path.name}: the header says {layers} layers, but "
-                                   f"tensor 'blk.{layers - 1}.attn_q.weight' is missing")
+            raise StoredModelError(
+                f"{self.path.name}: the header says {layers} layers, but "
+                f"tensor 'blk.{layers - 1}.attn_q.weight' is missing"
+            )
         vocab = self.file.tensors.get("token_embd.weight")
         if vocab is None or len(vocab.shape) != 2:
             raise StoredModelError(f"{self.path.name}: no 2-D tensor 'token_embd.weight'")
@@ -177,24 +201,45 @@ class GGUFWeights:
         gemma = self.arch == "gemma3"
         return StoredConfig(
             model_type={"gemma3": "gemma3_text"}.get(self.arch, self.arch),
-            hidden_size=D, intermediate_size=self._count("feed_forward_length"),
-            num_hidden_layers=layers, num_attention_heads=heads,
-            num_key_value_heads=kv, head_dim=head_dim, vocab_size=int(vocab.shape[0]),
+            hidden_size=D,
+            intermediate_size=self._count("feed_forward_length"),
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv,
+            head_dim=head_dim,
+            vocab_size=int(vocab.shape[0]),
             max_position_embeddings=min(context, MAX_POSITIONS),
-            rms_norm_eps=float(self._meta("attention.layer_norm_rms_epsilon", 1e-6 if gemma
-                                          else 1e-5)),
+            rms_norm_eps=float(
+                self._meta("attention.layer_norm_rms_epsilon", 1e-6 if gemma else 1e-5)
+            ),
             rope_theta=float(self._meta("rope.freq_base", 1e6 if gemma else 10000.0)),
             context_length=context,
-            sliding_window=int(self._meta("attention.sliding_window", 512)) if gemma else None)
+            sliding_window=int(self._meta("attention.sliding_window", 512)) if gemma else None,
+        )
 
     # -- tensors ---------------------------------------------------------------------------
     def _names(self) -> dict:
-        names = {"embed": "token_embd.weight", "lm_head": "output.weight",
-                 "final_norm": "output_norm.weight"}
+        names = {
+            "embed": "token_embd.weight",
+            "lm_head": "output.weight",
+            "final_norm": "output_norm.weight",
+        }
         for i in range(self.config.num_hidden_layers):
-            for part in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
-                         "ffn_down", "attn_norm", "ffn_norm", "attn_q_norm", "attn_k_norm",
-                         "post_attention_norm", "post_ffw_norm"):
+            for part in (
+                "attn_q",
+                "attn_k",
+                "attn_v",
+                "attn_output",
+                "ffn_gate",
+                "ffn_up",
+                "ffn_down",
+                "attn_norm",
+                "ffn_norm",
+                "attn_q_norm",
+                "attn_k_norm",
+                "post_attention_norm",
+                "post_ffw_norm",
+            ):
                 names[f"{i}.{part}"] = f"blk.{i}.{part}.weight"
         return names
 
@@ -209,21 +254,23 @@ class GGUFWeights:
         not run in place."""
         info = self._tensor(name)
         if tuple(info.shape) != tuple(shape):
-            raise StoredModelError(f"{self.path.name}: tensor '{name}' is {info.shape}, the "
-                                   f"header's sizes make it {shape}")
+            raise StoredModelError(
+                f"{self.path.name}: tensor '{name}' is {info.shape}, the "
+                f"header's sizes make it {shape}"
+            )
         rows, cols = shape
         if info.type in FLOAT_TYPES and info.type != F16:
             t = _tensor_view(self.file.data(name), FLOAT_TYPES[info.type]).view(shape)
             self._kept.append(t)  # bfloat16 / float32 where they lie
             return t
         if native.row_bytes(info.type, cols) * rows == info.nbytes:
-            return native.StoredMatrix(self.file.address(name), info.type, rows, cols,
-                                       info.nbytes)
+            return native.StoredMatrix(self.file.address(name), info.type, rows, cols, info.nbytes)
         self.converted.append(info.type_name)
         return self._dequantized(name, info, shape)
 
     def _dequantized(self, name, info, shape) -> torch.Tensor:
         import gguf
+
         data = gguf.quants.dequantize(self.file.data(name), gguf.GGMLQuantizationType(info.type))
         t = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32)).view(shape)
         self._kept.append(t)
@@ -241,8 +288,10 @@ class GGUFWeights:
         else:
             t = self._dequantized(name, info, (-1,))
         if t.numel() != n:
-            raise StoredModelError(f"{self.path.name}: tensor '{name}' has {t.numel()} numbers, "
-                                   f"the header's sizes make it {n}")
+            raise StoredModelError(
+                f"{self.path.name}: tensor '{name}' has {t.numel()} numbers, "
+                f"the header's sizes make it {n}"
+            )
         return t.contiguous()
 
     def _layer(self, i: int) -> dict:
@@ -250,20 +299,28 @@ class GGUFWeights:
         D, I, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
         q_rows, kv_rows = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
         b = f"blk.{i}."
-        w = {"attn_norm": self.vector(b + "attn_norm.weight", D),
-             "wq": self.matrix(b + "attn_q.weight", (q_rows, D)),
-             "wk": self.matrix(b + "attn_k.weight", (kv_rows, D)),
-             "wv": self.matrix(b + "attn_v.weight", (kv_rows, D)),
-             "wo": self.matrix(b + "attn_output.weight", (D, q_rows)),
-             "mlp_norm": self.vector(b + "ffn_norm.weight", D),
-             "w1": self.matrix(b + "ffn_gate.weight", (I, D)),
-             "w3": self.matrix(b + "ffn_up.weight", (I, D)),
-             "w2": self.matrix(b + "ffn_down.weight", (D, I))}
-        biases = [self.vector(b + f"attn_{x}.bias", n, optional=True)
-                  for x, n in (("q", q_rows), ("k", kv_rows), ("v", kv_rows))]
+        w = {
+            "attn_norm": self.vector(b + "attn_norm.weight", D),
+            "wq": self.matrix(b + "attn_q.weight", (q_rows, D)),
+            "wk": self.matrix(b + "attn_k.weight", (kv_rows, D)),
+            "wv": self.matrix(b + "attn_v.weight", (kv_rows, D)),
+            "wo": self.matrix(b + "attn_output.weight", (D, q_rows)),
+            "mlp_norm": self.vector(b + "ffn_norm.weight", D),
+            "w1": self.matrix(b + "ffn_gate.weight", (I, D)),
+            "w3": self.matrix(b + "ffn_up.weight", (I, D)),
+            "w2": self.matrix(b + "ffn_down.weight", (D, I)),
+        }
+        biases = [
+            self.vector(b + f"attn_{x}.bias", n, optional=True)
+            for x, n in (("q", q_rows), ("k", kv_rows), ("v", kv_rows))
+        ]
         if any(t is not None for t in biases):
-            w["bqkv"] = torch.cat([t if t is not None else torch.zeros(n) for t, n in
-                                   zip(biases, (q_rows, kv_rows, kv_rows))])
+            w["bqkv"] = torch.cat(
+                [
+                    t if t is not None else torch.zeros(n)
+                    for t, n in zip(biases, (q_rows, kv_rows, kv_rows))
+                ]
+            )
         if self.arch == "gemma3":  # its norms as llama.cpp stores them: 1 + w already
             w["q_norm"] = self.vector(b + "attn_q_norm.weight", hd)
             w["k_norm"] = self.vector(b + "attn_k_norm.weight", hd)
@@ -285,6 +342,7 @@ class GGUFWeights:
         """What the file's weights are, as llama.cpp names the mix (q4_k_m, q8_0, ...), else
         the most common matrix type."""
         import gguf
+
         kind = self.file.get("general.file_type")
         try:
             return gguf.LlamaFileType(int(kind)).name.removeprefix("MOSTLY_").lower()
@@ -308,8 +366,14 @@ def _tensor_view(data: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         return torch.frombuffer(data, dtype=dtype)
 
 
-def rope_tables(weights: GGUFWeights, theta: float, pairs: bool, positions: int,
-                scale: float = 1.0, divisors: torch.Tensor | None = None):
+def rope_tables(
+    weights: GGUFWeights,
+    theta: float,
+    pairs: bool,
+    positions: int,
+    scale: float = 1.0,
+    divisors: torch.Tensor | None = None,
+):
     """cos and sin (positions, head_dim) float32 for RoPE with base `theta`: frequencies
     theta^(-2i/hd) divided by `scale` (linear scaling) or by Llama 3's per-frequency divisors;
     laid out as halves (each angle at i and i + hd/2) or as pairs (at 2i and 2i + 1)."""
@@ -319,7 +383,7 @@ def rope_tables(weights: GGUFWeights, theta: float, pairs: bool, positions: int,
     if divisors is not None:
         inv_freq = inv_freq / divisors
     freqs = torch.outer(torch.arange(positions, dtype=torch.float32), inv_freq)
-    emb = (freqs.repeat_interleave(2, dim=-1) if pairs else torch.cat((freqs, freqs), dim=-1))
+    emb = freqs.repeat_interleave(2, dim=-1) if pairs else torch.cat((freqs, freqs), dim=-1)
     return emb.cos().contiguous(), emb.sin().contiguous()
 
 
@@ -332,8 +396,10 @@ class StoredRunner(native.CompiledPass):
 
     def __init__(self, weights: GGUFWeights, math: str = "auto", generation_config=None):
         if native.load() is None:
-            raise ValueError("weights as stored need the native runner: "
-                             + (native.unavailable_reason() or "it is not available"))
+            raise ValueError(
+                "weights as stored need the native runner: "
+                + (native.unavailable_reason() or "it is not available")
+            )
         self.weights = weights
         self.config = weights.config
         self.generation_config = generation_config
@@ -341,8 +407,11 @@ class StoredRunner(native.CompiledPass):
         # the arithmetic of attention and of float matrices: bfloat16 where the CPU has
         # bfloat16 dot products (a bfloat16 KV cache, half the bytes), else float32
         self.math = native.resolve_math(math, torch.bfloat16)
-        self.n_heads, self.n_kv, self.head_dim = (cfg.num_attention_heads,
-                                                  cfg.num_key_value_heads, cfg.head_dim)
+        self.n_heads, self.n_kv, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
         self.eps = cfg.rms_norm_eps
         self.gemma = weights.arch == "gemma3"
         self.rope_pairs = weights.arch == "llama"
@@ -353,21 +422,31 @@ class StoredRunner(native.CompiledPass):
         meta = weights._meta
         scaling = str(meta("rope.scaling.type", "", required=False) or "none")
         if scaling not in ("none", "linear", "llama3"):
-            raise ValueError(f"{weights.path.name}: RoPE scaling '{scaling}' does not run with "
-                             "the weights as stored (none, linear and llama3 do)")
+            raise ValueError(
+                f"{weights.path.name}: RoPE scaling '{scaling}' does not run with "
+                "the weights as stored (none, linear and llama3 do)"
+            )
         # linear: the positions divided by the factor; llama3: per-frequency divisors (below)
-        scale = float(meta("rope.scaling.factor", 1.0, required=False) or 1.0) \
-            if scaling == "linear" else 1.0
-        divisors = (weights.vector("rope_freqs.weight", cfg.head_dim // 2)
-                    if "rope_freqs.weight" in weights.file.tensors else None)
-        self.cos, self.sin = rope_tables(weights, cfg.rope_theta, self.rope_pairs, positions,
-                                         scale, divisors)
+        scale = (
+            float(meta("rope.scaling.factor", 1.0, required=False) or 1.0)
+            if scaling == "linear"
+            else 1.0
+        )
+        divisors = (
+            weights.vector("rope_freqs.weight", cfg.head_dim // 2)
+            if "rope_freqs.weight" in weights.file.tensors
+            else None
+        )
+        self.cos, self.sin = rope_tables(
+            weights, cfg.rope_theta, self.rope_pairs, positions, scale, divisors
+        )
         if self.gemma:  # local layers: base 10000, unscaled; every 6th layer global
             self.local_cos, self.local_sin = rope_tables(weights, 10000.0, False, positions)
-            self.windows = [None if (i + 1) % 6 == 0 else cfg.sliding_window
-                            for i in range(len(self.layers))]
+            self.windows = [
+                None if (i + 1) % 6 == 0 else cfg.sliding_window for i in range(len(self.layers))
+            ]
             self.embed_scale = torch.tensor(float(cfg.hidden_size) ** 0.5)
-            self.attn_scale = cfg.head_dim ** -0.5
+            self.attn_scale = cfg.head_dim**-0.5
         else:
             self.windows = [None] * len(self.layers)
             self.embed_scale = None
@@ -400,8 +479,10 @@ def quantize_at_load(hf_model, quant: str, math: str = "auto"):
     if quant not in QUANTS:
         raise ValueError(f"unknown --quant '{quant}': use {', '.join(QUANTS)}")
     if native.load() is None:
-        raise ValueError(f"--quant {quant} runs on the native runner: "
-                         + (native.unavailable_reason() or "it is not available"))
+        raise ValueError(
+            f"--quant {quant} runs on the native runner: "
+            + (native.unavailable_reason() or "it is not available")
+        )
     qtype = gguf.GGMLQuantizationType(QUANTS[quant])
     # its matrices fused and its tables float32, as the native runner takes them; the float
     # matrices' pass is replaced below by one over their blocks
@@ -411,8 +492,10 @@ def quantize_at_load(hf_model, quant: str, math: str = "auto"):
     def blocks(w: torch.Tensor) -> native.StoredMatrix:
         rows, cols = w.shape
         if cols % 32:
-            raise ValueError(f"--quant {quant} needs rows of whole 32-weight blocks; this "
-                             f"model has a matrix {rows} x {cols}")
+            raise ValueError(
+                f"--quant {quant} needs rows of whole 32-weight blocks; this "
+                f"model has a matrix {rows} x {cols}"
+            )
         data = gguf.quants.quantize(w.detach().float().cpu().numpy(), qtype)
         kept.append(data)
         return native.StoredMatrix(data.ctypes.data, int(qtype), rows, cols, data.nbytes)

@@ -73,9 +73,9 @@ def runner_bound(runner) -> float:
 
 @dataclass
 class GreedyCheck:
-    steps: int = 0              # tokens checked (the end token included when one was chosen)
-    decided: int = 0            # steps whose reference margin exceeds 2 x bound
-    first_undecided: int = 0    # index of the first undecided step (= steps when none)
+    steps: int = 0  # tokens checked (the end token included when one was chosen)
+    decided: int = 0  # steps whose reference margin exceeds 2 x bound
+    first_undecided: int = 0  # index of the first undecided step (= steps when none)
     wrong: list = field(default_factory=list)  # (step, chosen, reference top, logit gap)
 
     @property
@@ -83,8 +83,9 @@ class GreedyCheck:
         return not self.wrong
 
 
-def check_greedy(reference_rows: torch.Tensor, chosen: list[int], bound: float,
-                 end_ids=()) -> GreedyCheck:
+def check_greedy(
+    reference_rows: torch.Tensor, chosen: list[int], bound: float, end_ids=()
+) -> GreedyCheck:
     """reference_rows[i]: the reference's logits for the step that chose chosen[i]. With
     `end_ids`, one more row is the step that stopped on an end token (not recorded which):
     the nearest of them to the reference's best is checked there."""
@@ -120,8 +121,9 @@ def all_logits(model, ids: list[int]) -> torch.Tensor:
     return last_logits(model, ids, len(ids))
 
 
-def check_tokens(reference_model, prompt_ids: list[int], tokens: list[int], bound: float,
-                 end_ids=()) -> GreedyCheck:
+def check_tokens(
+    reference_model, prompt_ids: list[int], tokens: list[int], bound: float, end_ids=()
+) -> GreedyCheck:
     """Check greedy `tokens`, chosen after `prompt_ids`, against a transformers reference.
     `end_ids`: the candidate then stopped by choosing one of them (checked too)."""
     if not tokens and not end_ids:

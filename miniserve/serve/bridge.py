@@ -70,6 +70,7 @@ class Choices:
                 post((i, None, item))
             else:
                 post((i, item, None))
+
         return sink
 
     def _post(self, item) -> None:  # the engine thread
@@ -109,8 +110,9 @@ class Waker:
     that became ready meanwhile: when the engine emits one chunk for each of many streams in
     one step, the loop wakes once, not once per stream."""
 
-    _by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Waker] = \
+    _by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Waker] = (
         weakref.WeakKeyDictionary()
+    )
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self._loop = weakref.ref(loop)  # a strong one would keep the loop as a key for ever

@@ -24,8 +24,15 @@ class APIError(UserError, ValueError):
     field given where it is raised. A ValueError too, so that pydantic carries it out of a
     field's check (protocol.py) as it does a ConfigError."""
 
-    def __init__(self, message: str, field: str | None = None, *, status: int = 400,
-                 kind: str = "invalid_request_error", code: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        field: str | None = None,
+        *,
+        status: int = 400,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.field, self.status, self.kind, self.code = field, status, kind, code
 
@@ -46,8 +53,14 @@ class ErrorResponse(BaseModel):
 
 
 def error_body(error: UserError) -> dict:
-    return {"error": {"message": str(error), "type": error.kind, "param": error.field,
-                      "code": error.code}}
+    return {
+        "error": {
+            "message": str(error),
+            "type": error.kind,
+            "param": error.field,
+            "code": error.code,
+        }
+    }
 
 
 def error_response(error: UserError) -> JSONResponse:
@@ -70,8 +83,12 @@ def as_user_error(error: BaseException, model: str, over_network: bool) -> UserE
     if isinstance(error, UserError):
         return error
     if over_network:
-        return APIError(f"model '{model}' failed: {error}", status=502, kind="server_error",
-                        code="model_unavailable")
+        return APIError(
+            f"model '{model}' failed: {error}",
+            status=502,
+            kind="server_error",
+            code="model_unavailable",
+        )
     return APIError(f"generation failed: {error}", status=500, kind="server_error")
 
 

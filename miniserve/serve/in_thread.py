@@ -19,10 +19,12 @@ def serve_in_thread(engine, port: int | None = None, api_key: str | None = None)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", port or 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, api_key), log_level="warning",
-                                           lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True,
-                              name="miniserve-http")
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(engine, api_key), log_level="warning", lifespan="off")
+    )
+    thread = threading.Thread(
+        target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="miniserve-http"
+    )
     thread.start()
     try:
         deadline = time.monotonic() + 60

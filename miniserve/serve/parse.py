@@ -28,6 +28,7 @@ from miniserve.serve.protocol import (
 @dataclass
 class Settings:
     """What both routes take alike, checked."""
+
     params: SamplingParams
     n: int
     stream: bool
@@ -39,9 +40,10 @@ class Settings:
 class APIRequest:
     """A checked request, ready to start: `prompts` are token ids for a local engine, what
     the remote engine takes (messages, a prompt) for a remote one."""
-    model: str          # the served name
+
+    model: str  # the served name
     engine: object
-    kind: str           # "chat" or "text"
+    kind: str  # "chat" or "text"
     prompts: list
     settings: Settings
     logprobs: bool = False
@@ -57,23 +59,41 @@ def no_chat_template(model: str) -> APIError:
     return APIError(str(NoChatTemplate(model)), "messages", code="model_has_no_chat_template")
 
 
-def settings(body: SamplingRequest, engine, default_max_tokens: int,
-             max_tokens_fields: tuple[str, ...], least_tokens: int = 1) -> Settings:
+def settings(
+    body: SamplingRequest,
+    engine,
+    default_max_tokens: int,
+    max_tokens_fields: tuple[str, ...],
+    least_tokens: int = 1,
+) -> Settings:
     """The settings both routes share, with what only the model can check: the token limit
     (each of `max_tokens_fields` given in [least_tokens, its context]; the first one given
     counts), the logit-bias ids in its vocabulary, the output format compiled once."""
     # a remote model whose server does not say its context: the API's own ceiling
     ceiling = engine.context_length or MAX_NEW_TOKENS
-    given = [check_number(name, getattr(body, name), Limit(int, least_tokens, ceiling,
-                                                            default_max_tokens, name, ""))
-             for name in max_tokens_fields if getattr(body, name) is not None]
+    given = [
+        check_number(
+            name,
+            getattr(body, name),
+            Limit(int, least_tokens, ceiling, default_max_tokens, name, ""),
+        )
+        for name in max_tokens_fields
+        if getattr(body, name) is not None
+    ]
     max_tokens = given[0] if given else default_max_tokens
     constraint, constraint_field = body.constraint()
-    sampling = {name: default if getattr(body, name) is None else getattr(body, name)
-                for name, default in API_DEFAULTS.items()}
-    params = SamplingParams(**sampling, max_new_tokens=min(max(max_tokens, 1), MAX_NEW_TOKENS),
-                            seed=body.seed, stop=tuple(body.stop or ()),
-                            logit_bias=body.logit_bias, constraint=constraint)
+    sampling = {
+        name: default if getattr(body, name) is None else getattr(body, name)
+        for name, default in API_DEFAULTS.items()
+    }
+    params = SamplingParams(
+        **sampling,
+        max_new_tokens=min(max(max_tokens, 1), MAX_NEW_TOKENS),
+        seed=body.seed,
+        stop=tuple(body.stop or ()),
+        logit_bias=body.logit_bias,
+        constraint=constraint,
+    )
     try:
         engine.check(params)  # ids in the vocabulary; the format compiled once
     except GrammarError as e:
@@ -97,13 +117,23 @@ async def chat_request(body: ChatCompletionRequest, model: str, engine) -> APIRe
     else:
         trimmed = engine.trim(messages, params)
     if trimmed.dropped:  # sent on purpose: never cut it
-        raise APIError(f"the conversation is longer than the context window of "
-                       f"{engine.context_length} tokens allows with "
-                       f"max_tokens={params.max_new_tokens}; shorten it", "messages",
-                       code="context_length_exceeded")
+        raise APIError(
+            f"the conversation is longer than the context window of "
+            f"{engine.context_length} tokens allows with "
+            f"max_tokens={params.max_new_tokens}; shorten it",
+            "messages",
+            code="context_length_exceeded",
+        )
     prompt = trimmed.prompt_ids if engine.capabilities.local_tokens else trimmed.messages
-    return APIRequest(model, engine, "chat", [prompt], checked, bool(body.logprobs),
-                      (body.top_logprobs or 0) if body.logprobs else 0)
+    return APIRequest(
+        model,
+        engine,
+        "chat",
+        [prompt],
+        checked,
+        bool(body.logprobs),
+        (body.top_logprobs or 0) if body.logprobs else 0,
+    )
 
 
 async def text_request(body: CompletionRequest, model: str, engine) -> APIRequest:
@@ -116,15 +146,21 @@ async def text_request(body: CompletionRequest, model: str, engine) -> APIReques
     req = APIRequest(model, engine, "text", prompts, checked, top is not None, top or 0)
     if not engine.capabilities.local_tokens:  # the prompt's tokens are its server's
         if checked.max_tokens == 0:
-            raise APIError(f"'max_tokens': 0 (the prompt scored, nothing generated) is not "
-                           f"available for the remote model '{model}': its prompt's "
-                           "log-probabilities are its server's", "max_tokens",
-                           code="unsupported_parameter")
+            raise APIError(
+                f"'max_tokens': 0 (the prompt scored, nothing generated) is not "
+                f"available for the remote model '{model}': its prompt's "
+                "log-probabilities are its server's",
+                "max_tokens",
+                code="unsupported_parameter",
+            )
         if echo and (top is not None or any(isinstance(p, list) for p in prompts)):
-            raise APIError(f"'echo' with {'logprobs' if top is not None else 'token ids'} is "
-                           f"not available for the remote model '{model}': its prompt tokens "
-                           "and their log-probabilities are its server's", "echo",
-                           code="unsupported_parameter")
+            raise APIError(
+                f"'echo' with {'logprobs' if top is not None else 'token ids'} is "
+                f"not available for the remote model '{model}': its prompt tokens "
+                "and their log-probabilities are its server's",
+                "echo",
+                code="unsupported_parameter",
+            )
         req.echo = [(p, []) for p in prompts] if echo else None
         return req
     req.prompts = [_prompt_ids(engine, p, checked, f) for p, f in zip(prompts, fields)]
@@ -138,11 +174,14 @@ def _prompt_ids(engine, prompt, checked: Settings, field: str) -> list[int]:
     if isinstance(prompt, list):
         bad = next((t for t in prompt if not 0 <= t < vocab), None)
         if bad is not None:
-            raise ConfigError(f"'{field}': token id {bad} is out of range: the vocabulary has "
-                              f"ids 0..{vocab - 1}", field)
+            raise ConfigError(
+                f"'{field}': token id {bad} is out of range: the vocabulary has ids 0..{vocab - 1}",
+                field,
+            )
     # too long for the context with max_tokens: a ChatError naming the field
-    return engine.prompt_ids(prompt, checked.params, field=field,
-                             new_tokens=min(checked.max_tokens, MAX_NEW_TOKENS))
+    return engine.prompt_ids(
+        prompt, checked.params, field=field, new_tokens=min(checked.max_tokens, MAX_NEW_TOKENS)
+    )
 
 
 async def _echo(engine, prompt, ids: list[int], top: int | None) -> tuple[str, list]:

@@ -34,25 +34,59 @@ from miniserve.core.config import Field as Limit
 from miniserve.engine.chat import ROLES, check_messages
 from miniserve.serve.errors import APIError
 
-DEFAULT_MAX_TOKENS = 1024        # chat
-DEFAULT_COMPLETION_TOKENS = 16   # /v1/completions, as OpenAI's
-MAX_COMPLETION_LOGPROBS = 5      # /v1/completions `logprobs`, as OpenAI's
+DEFAULT_MAX_TOKENS = 1024  # chat
+DEFAULT_COMPLETION_TOKENS = 16  # /v1/completions, as OpenAI's
+MAX_COMPLETION_LOGPROBS = 5  # /v1/completions `logprobs`, as OpenAI's
 # OpenAI's defaults (sampling with temperature 1, no filters) where a request is silent
-API_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
-                "repetition_penalty": 1.0}
+API_DEFAULTS = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+}
 # The API's own numeric fields, checked as every number is (config.check_number)
-N = Limit(int, 1, MAX_CHOICES, 1, "n", "choices to generate (for each prompt); each takes one "
-          "place in the queue; with a seed, choice i samples with seed + i")
+N = Limit(
+    int,
+    1,
+    MAX_CHOICES,
+    1,
+    "n",
+    "choices to generate (for each prompt); each takes one "
+    "place in the queue; with a seed, choice i samples with seed + i",
+)
 BEST_OF = Limit(int, 1, MAX_CHOICES, 1, "best_of", "must equal n: every choice is returned")
-PENALTY = Limit(float, -2.0, 2.0, 0.0, "penalty", "accepted for OpenAI's clients and not "
-                "applied: use repetition_penalty")
-TOP_LOGPROBS = Limit(int, 0, 20, 0, "top_logprobs", "the most likely tokens listed at each "
-                     "position (with logprobs: true)")
-COMPLETION_LOGPROBS = Limit(int, 0, MAX_COMPLETION_LOGPROBS, 0, "logprobs",
-                            "log-probabilities of each token and of the `logprobs` most likely")
+PENALTY = Limit(
+    float,
+    -2.0,
+    2.0,
+    0.0,
+    "penalty",
+    "accepted for OpenAI's clients and not applied: use repetition_penalty",
+)
+TOP_LOGPROBS = Limit(
+    int,
+    0,
+    20,
+    0,
+    "top_logprobs",
+    "the most likely tokens listed at each position (with logprobs: true)",
+)
+COMPLETION_LOGPROBS = Limit(
+    int,
+    0,
+    MAX_COMPLETION_LOGPROBS,
+    0,
+    "logprobs",
+    "log-probabilities of each token and of the `logprobs` most likely",
+)
 # The extension for output formats OpenAI's response_format has no type for (vLLM's name)
-STRUCTURED_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice",
-                    "grammar": "grammar"}
+STRUCTURED_KINDS = {
+    "json": "json_schema",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "grammar",
+}
 
 
 def _checked(check):
@@ -60,6 +94,7 @@ def _checked(check):
 
     def run(value):
         return None if value is None else check(value)
+
     return BeforeValidator(run)
 
 
@@ -67,8 +102,11 @@ def _ranged(spec: Limit, check, default):
     """A number (or null) documented with `spec`'s kind and range, checked by `check`."""
     kind = int if spec.kind is int else float
     bounds = {"gt" if spec.low_open else "ge": spec.low, "le": spec.high}
-    return Annotated[Annotated[kind, Field(**bounds)] | None, _checked(check),
-                     Field(default, description=spec.help)]
+    return Annotated[
+        Annotated[kind, Field(**bounds)] | None,
+        _checked(check),
+        Field(default, description=spec.help),
+    ]
 
 
 def limited(name: str, spec: Limit, default=None):
@@ -89,12 +127,16 @@ def flag(name: str):
         if not isinstance(value, bool):
             raise ConfigError(f"'{name}' must be true or false", name)
         return value
+
     return Annotated[bool | None, _checked(check), Field(False)]
 
 
 # what a refused field may hold: nothing asked (null, [], {}, "none")
-NOTHING = Literal["none"] | Annotated[list[Any], Field(max_length=0)] | \
-    Annotated[dict[str, Any], Field(max_length=0)]
+NOTHING = (
+    Literal["none"]
+    | Annotated[list[Any], Field(max_length=0)]
+    | Annotated[dict[str, Any], Field(max_length=0)]
+)
 
 
 def unsupported(name: str, description: str):
@@ -105,9 +147,13 @@ def unsupported(name: str, description: str):
     def check(value):
         if value in ([], {}, "none"):
             return None
-        raise APIError(f"'{name}' is not supported by this server (no tool or function "
-                       "calling); for JSON output use 'response_format'", name,
-                       code="unsupported_parameter")
+        raise APIError(
+            f"'{name}' is not supported by this server (no tool or function "
+            "calling); for JSON output use 'response_format'",
+            name,
+            code="unsupported_parameter",
+        )
+
     return Annotated[NOTHING | None, _checked(check), Field(None, description=description)]
 
 
@@ -122,60 +168,84 @@ def _stream_options(value):
         raise ConfigError("'stream_options' must be an object", "stream_options")
     usage = value.get("include_usage")
     if usage is not None and not isinstance(usage, bool):
-        raise ConfigError("'stream_options.include_usage' must be true or false",
-                          "stream_options.include_usage")
+        raise ConfigError(
+            "'stream_options.include_usage' must be true or false", "stream_options.include_usage"
+        )
     return value
 
 
 def _stop(value):
     stop = [value] if isinstance(value, str) else value
-    if not isinstance(stop, list) or len(stop) > 4 or \
-            any(not isinstance(s, str) or not s for s in stop):
-        raise ConfigError("'stop' must be a non-empty string or a list of up to 4 of them",
-                          "stop")
+    if (
+        not isinstance(stop, list)
+        or len(stop) > 4
+        or any(not isinstance(s, str) or not s for s in stop)
+    ):
+        raise ConfigError("'stop' must be a non-empty string or a list of up to 4 of them", "stop")
     return stop
 
 
 def _logit_bias(value):
     if not isinstance(value, dict):
-        raise ConfigError("'logit_bias' must be an object mapping token ids to a bias in "
-                          "[-100, 100]", "logit_bias")
+        raise ConfigError(
+            "'logit_bias' must be an object mapping token ids to a bias in [-100, 100]",
+            "logit_bias",
+        )
     check_logit_bias(value)  # ids as whole numbers, each bias in range (the vocabulary: later)
     return value
 
 
 def _response_format(fmt):
     field = "response_format"
-    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object",
-                                                            "json_schema"):
-        raise ConfigError("'response_format' must be {\"type\": \"text\"}, "
-                          "{\"type\": \"json_object\"} or {\"type\": \"json_schema\", "
-                          "\"json_schema\": {\"name\": ..., \"schema\": {...}}}", field)
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+        raise ConfigError(
+            '\'response_format\' must be {"type": "text"}, '
+            '{"type": "json_object"} or {"type": "json_schema", '
+            '"json_schema": {"name": ..., "schema": {...}}}',
+            field,
+        )
     if fmt["type"] != "json_schema":
         return {"type": fmt["type"]}  # nothing else is read
     spec = fmt.get("json_schema")
     if not isinstance(spec, dict):
-        raise ConfigError("'response_format.json_schema' must be an object with 'name' and "
-                          "'schema'", "response_format.json_schema")
+        raise ConfigError(
+            "'response_format.json_schema' must be an object with 'name' and 'schema'",
+            "response_format.json_schema",
+        )
     name = spec.get("name")
     if name is not None and (not isinstance(name, str) or not name):
-        raise ConfigError("'response_format.json_schema.name' must be a non-empty string",
-                          "response_format.json_schema.name")
+        raise ConfigError(
+            "'response_format.json_schema.name' must be a non-empty string",
+            "response_format.json_schema.name",
+        )
     if not isinstance(spec.get("strict", False), bool):
-        raise ConfigError("'response_format.json_schema.strict' must be true or false",
-                          "response_format.json_schema.strict")
+        raise ConfigError(
+            "'response_format.json_schema.strict' must be true or false",
+            "response_format.json_schema.strict",
+        )
     if not isinstance(spec.get("schema"), dict):
-        raise ConfigError("'response_format.json_schema.schema' is required: the JSON Schema "
-                          "the reply must follow (an object)", "response_format.json_schema.schema")
-    return {"type": "json_schema", "json_schema": {
-        "name": name, "schema": spec["schema"], "strict": spec.get("strict", False)}}
+        raise ConfigError(
+            "'response_format.json_schema.schema' is required: the JSON Schema "
+            "the reply must follow (an object)",
+            "response_format.json_schema.schema",
+        )
+    return {
+        "type": "json_schema",
+        "json_schema": {
+            "name": name,
+            "schema": spec["schema"],
+            "strict": spec.get("strict", False),
+        },
+    }
 
 
 def _structured_outputs(extra):
     given = [k for k in extra if extra[k] is not None] if isinstance(extra, dict) else []
     if len(given) != 1 or given[0] not in STRUCTURED_KINDS:
-        raise ConfigError("'structured_outputs' must hold exactly one of "
-                          f"{', '.join(STRUCTURED_KINDS)}", "structured_outputs")
+        raise ConfigError(
+            f"'structured_outputs' must hold exactly one of {', '.join(STRUCTURED_KINDS)}",
+            "structured_outputs",
+        )
     key = given[0]
     value, field = extra[key], f"structured_outputs.{key}"
     if key == "json":
@@ -187,8 +257,11 @@ def _structured_outputs(extra):
         if not isinstance(value, dict):
             raise ConfigError(f"'{field}' must be a JSON Schema (an object)", field)
     elif key == "choice":
-        if not isinstance(value, list) or not value or \
-                any(not isinstance(c, str) or not c for c in value):
+        if (
+            not isinstance(value, list)
+            or not value
+            or any(not isinstance(c, str) or not c for c in value)
+        ):
             raise ConfigError(f"'{field}' must be a list of non-empty strings", field)
     elif not isinstance(value, str) or not value.strip():
         raise ConfigError(f"'{field}' must be a non-empty string", field)
@@ -197,8 +270,9 @@ def _structured_outputs(extra):
 
 def _is_id(value) -> bool:
     """A token id: a whole number (JSON's 5.0 is 5, as JSON Schema's integer says)."""
-    return (isinstance(value, int) and not isinstance(value, bool)) or \
-        (isinstance(value, float) and value.is_integer())
+    return (isinstance(value, int) and not isinstance(value, bool)) or (
+        isinstance(value, float) and value.is_integer()
+    )
 
 
 def _ids(prompt):
@@ -209,35 +283,43 @@ def _ids(prompt):
 def _prompt(value):
     """OpenAI's four shapes of `prompt` (a string, a list of token ids, a list of strings, a
     list of id lists), at most MAX_PROMPTS prompts, none empty."""
-    shapes = ("'prompt' must be a string, a list of token ids, or a list of strings or of "
-              "token id lists")
-    if isinstance(value, str) or (isinstance(value, list) and value and
-                                  all(_is_id(t) for t in value)):
+    shapes = (
+        "'prompt' must be a string, a list of token ids, or a list of strings or of token id lists"
+    )
+    if isinstance(value, str) or (
+        isinstance(value, list) and value and all(_is_id(t) for t in value)
+    ):
         prompts = [value]
     elif not isinstance(value, list):
         raise ConfigError(shapes, "prompt")
     elif not value:
         raise ConfigError("'prompt' is empty; give the text to continue, or token ids", "prompt")
-    elif not (all(isinstance(p, str) for p in value) or
-              all(isinstance(p, list) and all(_is_id(t) for t in p) for p in value)):
+    elif not (
+        all(isinstance(p, str) for p in value)
+        or all(isinstance(p, list) and all(_is_id(t) for t in p) for p in value)
+    ):
         raise ConfigError(shapes, "prompt")
     elif len(value) > MAX_PROMPTS:
-        raise ConfigError(f"'prompt' holds {len(value)} prompts; at most {MAX_PROMPTS} in one "
-                          "request", "prompt")
+        raise ConfigError(
+            f"'prompt' holds {len(value)} prompts; at most {MAX_PROMPTS} in one request", "prompt"
+        )
     else:
         prompts = value
     fields = ["prompt"] if len(prompts) == 1 else [f"prompt[{i}]" for i in range(len(prompts))]
     for prompt, field in zip(prompts, fields):
         if not prompt:
-            raise ConfigError(f"'{field}' is empty; give the text to continue, or token ids",
-                              field)
+            raise ConfigError(f"'{field}' is empty; give the text to continue, or token ids", field)
     return _ids(value) if prompts is not value else [_ids(p) for p in value]
 
 
 def _suffix(value):
     if value != "":
-        raise APIError("'suffix' is not supported by this server (no insertion): send the text "
-                       "before the gap as 'prompt'", "suffix", code="unsupported_parameter")
+        raise APIError(
+            "'suffix' is not supported by this server (no insertion): send the text "
+            "before the gap as 'prompt'",
+            "suffix",
+            code="unsupported_parameter",
+        )
     return value
 
 
@@ -248,6 +330,7 @@ def _tokenize_prompt(value):
 
 
 # -- the parts of a request ------------------------------------------------------------------
+
 
 class ContentPart(BaseModel):
     """OpenAI's content parts: the text ones are kept, others dropped."""
@@ -266,27 +349,53 @@ VISIBLE = r"[^\s\x00-\x08\x0b\x0c\x0e-\x1f\x7f]"
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal[ROLES]  # type: ignore[valid-type]
-    content: Annotated[str, Field(pattern=VISIBLE)] | Annotated[
-        list[ContentPart], Field(json_schema_extra={"contains": {
-            "type": "object", "required": ["type", "text"],
-            "properties": {"type": {"const": "text"},
-                           "text": {"type": "string", "pattern": VISIBLE}}}})]
+    content: (
+        Annotated[str, Field(pattern=VISIBLE)]
+        | Annotated[
+            list[ContentPart],
+            Field(
+                json_schema_extra={
+                    "contains": {
+                        "type": "object",
+                        "required": ["type", "text"],
+                        "properties": {
+                            "type": {"const": "text"},
+                            "text": {"type": "string", "pattern": VISIBLE},
+                        },
+                    }
+                }
+            ),
+        ]
+    )
 
 
 # check_messages is the whole check (its sentences name the message and the part); the
 # models document what it takes, and it returns [{"role", "content": text}, ...]
-Messages = Annotated[SkipValidation[Annotated[list[ChatMessage], Field(min_length=1)]],
-                     BeforeValidator(check_messages),
-                     Field(description="the conversation, oldest first; the last message is "
-                           "the user's (too long for the context with max_tokens: 400, never "
-                           "cut)")]
-TokenId = Annotated[int, Field(json_schema_extra={"minimum": 0}, description="a token id "
-                               "(below the model's vocabulary size)")]
+Messages = Annotated[
+    SkipValidation[Annotated[list[ChatMessage], Field(min_length=1)]],
+    BeforeValidator(check_messages),
+    Field(
+        description="the conversation, oldest first; the last message is "
+        "the user's (too long for the context with max_tokens: 400, never "
+        "cut)"
+    ),
+]
+TokenId = Annotated[
+    int,
+    Field(
+        json_schema_extra={"minimum": 0},
+        description="a token id (below the model's vocabulary size)",
+    ),
+]
 
 Text = Annotated[str, Field(min_length=1)]
 Ids = Annotated[list[TokenId], Field(min_length=1)]
-Prompt = Text | Ids | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)] | \
-    Annotated[list[Ids], Field(min_length=1, max_length=MAX_PROMPTS)]
+Prompt = (
+    Text
+    | Ids
+    | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)]
+    | Annotated[list[Ids], Field(min_length=1, max_length=MAX_PROMPTS)]
+)
 
 
 class StreamOptions(BaseModel):
@@ -295,8 +404,11 @@ class StreamOptions(BaseModel):
 
 class JSONSchemaFormat(BaseModel):
     name: Annotated[str, Field(min_length=1)] | None = None
-    schema_: dict[str, Any] = Field(alias="schema", description="the JSON Schema the reply "
-                                    "follows; a keyword the library cannot enforce is a 400")
+    schema_: dict[str, Any] = Field(
+        alias="schema",
+        description="the JSON Schema the reply "
+        "follows; a keyword the library cannot enforce is a 400",
+    )
     strict: bool = False
 
 
@@ -313,8 +425,9 @@ class JSONSchemaResponseFormat(BaseModel):
     json_schema: JSONSchemaFormat
 
 
-ResponseFormat = Annotated[TextFormat | JSONObjectFormat | JSONSchemaResponseFormat,
-                           Field(discriminator="type")]
+ResponseFormat = Annotated[
+    TextFormat | JSONObjectFormat | JSONSchemaResponseFormat, Field(discriminator="type")
+]
 
 
 def _present(name: str) -> dict:
@@ -325,47 +438,85 @@ def _present(name: str) -> dict:
 class StructuredOutputs(BaseModel):
     """vLLM's extension: exactly one of these."""
 
-    model_config = ConfigDict(json_schema_extra={
-        "oneOf": [_present(k) for k in STRUCTURED_KINDS], "additionalProperties": {"type": "null"}})
+    model_config = ConfigDict(
+        json_schema_extra={
+            "oneOf": [_present(k) for k in STRUCTURED_KINDS],
+            "additionalProperties": {"type": "null"},
+        }
+    )
 
     json_: dict[str, Any] | None = Field(None, alias="json", description="a JSON Schema")
     regex: Annotated[str, Field(min_length=1)] | None = None
     choice: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)] | None = None
     grammar: Annotated[str, Field(min_length=1)] | None = Field(
-        None, description="Lark, or GBNF as llama.cpp writes it")
+        None, description="Lark, or GBNF as llama.cpp writes it"
+    )
 
 
 # -- the requests ----------------------------------------------------------------------------
+
 
 class SamplingRequest(BaseModel):
     """What /v1/chat/completions and /v1/completions take alike. Unknown fields are ignored."""
 
     # _together's rules, for the document: stream_options only with stream: true; never
     # response_format and structured_outputs both
-    model_config = ConfigDict(json_schema_extra={"allOf": [
-        {"if": _present("stream_options"),
-         "then": {"required": ["stream"], "properties": {"stream": {"const": True}}}},
-        {"not": {"allOf": [_present("response_format"), _present("structured_outputs")]}}]})
+    model_config = ConfigDict(
+        json_schema_extra={
+            "allOf": [
+                {
+                    "if": _present("stream_options"),
+                    "then": {"required": ["stream"], "properties": {"stream": {"const": True}}},
+                },
+                {"not": {"allOf": [_present("response_format"), _present("structured_outputs")]}},
+            ]
+        }
+    )
 
-    model: Annotated[str | None, _checked(_model), Field(
-        None, description="a served model (GET /v1/models); left out or a placeholder "
-                          "(\"default\", \"gpt-4o\", ...): the default")]
+    model: Annotated[
+        str | None,
+        _checked(_model),
+        Field(
+            None,
+            description="a served model (GET /v1/models); left out or a placeholder "
+            '("default", "gpt-4o", ...): the default',
+        ),
+    ]
     n: limited("n", N, 1)
     stream: flag("stream")
-    stream_options: Annotated[StreamOptions | None, _checked(_stream_options),
-                              Field(None, description="only with stream: true")]
-    response_format: Annotated[ResponseFormat | None, _checked(_response_format), Field(
-        None, description="text, any JSON object, or JSON following a schema")]
-    structured_outputs: Annotated[StructuredOutputs | None, _checked(_structured_outputs), Field(
-        None, description="extension: exactly one of json, regex, choice, grammar; never with "
-                          "response_format")]
-    stop: Annotated[SkipValidation[
-        Annotated[str, Field(min_length=1)] |
-        Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=4)] | None],
-        _checked(_stop), Field(None, description="up to 4 stop strings")]
-    seed: Annotated[Annotated[int, Field(ge=0, le=SEED_MAX)] | None,
-                    _checked(check_seed), Field(None, description="choice i samples with "
-                                                                  "seed + i")]
+    stream_options: Annotated[
+        StreamOptions | None,
+        _checked(_stream_options),
+        Field(None, description="only with stream: true"),
+    ]
+    response_format: Annotated[
+        ResponseFormat | None,
+        _checked(_response_format),
+        Field(None, description="text, any JSON object, or JSON following a schema"),
+    ]
+    structured_outputs: Annotated[
+        StructuredOutputs | None,
+        _checked(_structured_outputs),
+        Field(
+            None,
+            description="extension: exactly one of json, regex, choice, grammar; never with "
+            "response_format",
+        ),
+    ]
+    stop: Annotated[
+        SkipValidation[
+            Annotated[str, Field(min_length=1)]
+            | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=4)]
+            | None
+        ],
+        _checked(_stop),
+        Field(None, description="up to 4 stop strings"),
+    ]
+    seed: Annotated[
+        Annotated[int, Field(ge=0, le=SEED_MAX)] | None,
+        _checked(check_seed),
+        Field(None, description="choice i samples with seed + i"),
+    ]
     presence_penalty: limited("presence_penalty", PENALTY, 0.0)
     frequency_penalty: limited("frequency_penalty", PENALTY, 0.0)
     temperature: sampling("temperature")
@@ -373,22 +524,33 @@ class SamplingRequest(BaseModel):
     top_k: sampling("top_k")
     min_p: sampling("min_p")
     repetition_penalty: sampling("repetition_penalty")
-    logit_bias: Annotated[SkipValidation[
-        Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]],
-                  Field(max_length=MAX_LOGIT_BIAS_TOKENS, json_schema_extra={
-                      "propertyNames": {"pattern": r"^\s*[0-9]+\s*$"}})] | None],
+    logit_bias: Annotated[
+        SkipValidation[
+            Annotated[
+                dict[str, Annotated[float, Field(ge=-100, le=100)]],
+                Field(
+                    max_length=MAX_LOGIT_BIAS_TOKENS,
+                    json_schema_extra={"propertyNames": {"pattern": r"^\s*[0-9]+\s*$"}},
+                ),
+            ]
+            | None
+        ],
         _checked(_logit_bias),
-        Field(None, description="token id -> bias added to its logit; -100 bans the token")]
+        Field(None, description="token id -> bias added to its logit; -100 bans the token"),
+    ]
 
     @model_validator(mode="after")
     def _together(self):
         """What one field cannot say alone."""
         if self.response_format is not None and self.structured_outputs is not None:
-            raise ConfigError("give either 'response_format' or 'structured_outputs', not both",
-                              "structured_outputs")
+            raise ConfigError(
+                "give either 'response_format' or 'structured_outputs', not both",
+                "structured_outputs",
+            )
         if self.stream_options is not None and not self.stream:
-            raise ConfigError("'stream_options' is only allowed with 'stream': true",
-                              "stream_options")
+            raise ConfigError(
+                "'stream_options' is only allowed with 'stream': true", "stream_options"
+            )
         return self
 
     def constraint(self) -> tuple[Constraint | None, str | None]:
@@ -398,12 +560,15 @@ class SamplingRequest(BaseModel):
         if fmt is not None and fmt.type == "json_object":
             return Constraint("json_object"), "response_format"
         if fmt is not None and fmt.type == "json_schema":
-            return (Constraint("json_schema", json.dumps(fmt.json_schema.schema_)),
-                    "response_format.json_schema.schema")
+            return (
+                Constraint("json_schema", json.dumps(fmt.json_schema.schema_)),
+                "response_format.json_schema.schema",
+            )
         if extra is None:
             return None, None
-        key, value = next((k, v) for k, v in extra.model_dump(by_alias=True).items()
-                          if v is not None)
+        key, value = next(
+            (k, v) for k, v in extra.model_dump(by_alias=True).items() if v is not None
+        )
         text = value if isinstance(value, str) else json.dumps(value)
         return Constraint(STRUCTURED_KINDS[key], text), f"structured_outputs.{key}"
 
@@ -417,11 +582,16 @@ MaxTokens = SkipValidation[Annotated[int, Field(ge=1)] | None]  # checked in par
 
 class ChatCompletionRequest(SamplingRequest):
     messages: Messages
-    max_tokens: MaxTokens = Field(None, description=(
-        f"tokens to generate at most (default {DEFAULT_MAX_TOKENS}), up to the model's context "
-        f"window (GET /v1/models: context_length; {MAX_NEW_TOKENS} generated at most)"))
-    max_completion_tokens: MaxTokens = Field(None, description="OpenAI's newer name of "
-                                                               "max_tokens (wins over it)")
+    max_tokens: MaxTokens = Field(
+        None,
+        description=(
+            f"tokens to generate at most (default {DEFAULT_MAX_TOKENS}), up to the model's context "
+            f"window (GET /v1/models: context_length; {MAX_NEW_TOKENS} generated at most)"
+        ),
+    )
+    max_completion_tokens: MaxTokens = Field(
+        None, description="OpenAI's newer name of max_tokens (wins over it)"
+    )
     logprobs: flag("logprobs")
     top_logprobs: limited("top_logprobs", TOP_LOGPROBS, 0)
     tools: unsupported("tools", "refused: no tool calling")
@@ -434,34 +604,56 @@ class ChatCompletionRequest(SamplingRequest):
 def _best_of_is_n() -> list[dict]:
     """JSON Schema for "best_of equals n, or is left out" (a schema cannot compare two
     fields, but it can list n's values)."""
-    rules = [{"if": {"required": ["n"], "properties": {"n": {"const": k}}},
-              "then": {"properties": {"best_of": {"enum": [k, None]}}}}
-             for k in range(1, MAX_CHOICES + 1)]
+    rules = [
+        {
+            "if": {"required": ["n"], "properties": {"n": {"const": k}}},
+            "then": {"properties": {"best_of": {"enum": [k, None]}}},
+        }
+        for k in range(1, MAX_CHOICES + 1)
+    ]
     n_default = {"anyOf": [{"not": {"required": ["n"]}}, {"properties": {"n": {"type": "null"}}}]}
     return rules + [{"if": n_default, "then": {"properties": {"best_of": {"enum": [1, None]}}}}]
 
 
 class CompletionRequest(SamplingRequest):
-    model_config = ConfigDict(json_schema_extra={
-        "allOf": SamplingRequest.model_config["json_schema_extra"]["allOf"] + _best_of_is_n()})
-    prompt: Annotated[SkipValidation[Prompt], BeforeValidator(_prompt), Field(description=(
-                          f"the text to continue: a string, token ids, or a list of up to "
-                          f"{MAX_PROMPTS} of either (each gets n choices)"))]
-    max_tokens: SkipValidation[Annotated[int, Field(ge=0)] | None] = Field(None, description=(
-        f"tokens to generate at most (default {DEFAULT_COMPLETION_TOKENS}), up to the model's "
-        "context window; 0 generates nothing and scores the prompt (echo, logprobs)"))
+    model_config = ConfigDict(
+        json_schema_extra={
+            "allOf": SamplingRequest.model_config["json_schema_extra"]["allOf"] + _best_of_is_n()
+        }
+    )
+    prompt: Annotated[
+        SkipValidation[Prompt],
+        BeforeValidator(_prompt),
+        Field(
+            description=(
+                f"the text to continue: a string, token ids, or a list of up to "
+                f"{MAX_PROMPTS} of either (each gets n choices)"
+            )
+        ),
+    ]
+    max_tokens: SkipValidation[Annotated[int, Field(ge=0)] | None] = Field(
+        None,
+        description=(
+            f"tokens to generate at most (default {DEFAULT_COMPLETION_TOKENS}), up to the model's "
+            "context window; 0 generates nothing and scores the prompt (echo, logprobs)"
+        ),
+    )
     echo: flag("echo")
     logprobs: limited("logprobs", COMPLETION_LOGPROBS)
     best_of: limited("best_of", BEST_OF)
-    suffix: Annotated[Literal[""] | None, _checked(_suffix),
-                      Field(None, description="refused: no insertion")]
+    suffix: Annotated[
+        Literal[""] | None, _checked(_suffix), Field(None, description="refused: no insertion")
+    ]
 
     @model_validator(mode="after")
     def _best_of_is_n(self):
         if self.best_of is not None and self.best_of != (self.n or 1):
-            raise APIError(f"'best_of' must equal n ({self.n or 1}) or be left out: this server "
-                           "returns every choice it generates", "best_of",
-                           code="unsupported_parameter")
+            raise APIError(
+                f"'best_of' must equal n ({self.n or 1}) or be left out: this server "
+                "returns every choice it generates",
+                "best_of",
+                code="unsupported_parameter",
+            )
         return self
 
     def prompts(self) -> list:
@@ -475,10 +667,13 @@ class TokenizeRequest(BaseModel):
     template, the assistant's turn opened)."""
 
     # one of prompt and messages, neither null (the checks run only for a field sent)
-    model_config = ConfigDict(json_schema_extra={"anyOf": [{"required": ["prompt"]},
-                                                           {"required": ["messages"]}]})
+    model_config = ConfigDict(
+        json_schema_extra={"anyOf": [{"required": ["prompt"]}, {"required": ["messages"]}]}
+    )
     model: Annotated[str | None, _checked(_model), Field(None)]
     prompt: Annotated[SkipValidation[str], BeforeValidator(_tokenize_prompt), Field(None)]
-    messages: Annotated[SkipValidation[Annotated[list[ChatMessage], Field(min_length=1)]],
-                        BeforeValidator(check_messages),
-                        Field(None)]
+    messages: Annotated[
+        SkipValidation[Annotated[list[ChatMessage], Field(min_length=1)]],
+        BeforeValidator(check_messages),
+        Field(None),
+    ]

@@ -84,11 +84,14 @@ EVENT_STREAM = {"text/event-stream": {}}  # `data: {chunk}` events, then `data: 
 
 def _errors(*statuses: int) -> dict:
     """The error statuses a route can answer, documented with OpenAI's error object."""
-    said = {400: "a field is wrong (the message names it and what is allowed)",
-            401: "missing or wrong API key", 404: "no such model",
-            429: "the server is busy: too many requests running or waiting",
-            500: "a failure of this server", 502: "the model could not be loaded, or its "
-                                                  "(remote) server failed"}
+    said = {
+        400: "a field is wrong (the message names it and what is allowed)",
+        401: "missing or wrong API key",
+        404: "no such model",
+        429: "the server is busy: too many requests running or waiting",
+        500: "a failure of this server",
+        502: "the model could not be loaded, or its (remote) server failed",
+    }
     return {s: {"model": ErrorResponse, "description": said[s]} for s in statuses}
 
 
@@ -99,9 +102,10 @@ def _as_json(request: Request) -> Request:
     if request.method != "POST" or "json" in kind:
         return request
     headers = [(k, v) for k, v in request.scope["headers"] if k != b"content-type"]
-    return Request({**request.scope, "headers": [*headers, (b"content-type",
-                                                              b"application/json")]},
-                   request.receive)
+    return Request(
+        {**request.scope, "headers": [*headers, (b"content-type", b"application/json")]},
+        request.receive,
+    )
 
 
 def _route_class(api: OpenAIServing) -> type[APIRoute]:
@@ -122,14 +126,19 @@ def _route_class(api: OpenAIServing) -> type[APIRoute]:
                 except UserError as e:
                     return error_response(e)
                 except StarletteHTTPException as e:  # FastAPI's: a body it could not read
-                    return error_response(APIError("the request body is not valid JSON")
-                                          if e.status_code == 400 else
-                                          APIError(str(e.detail), status=e.status_code))
+                    return error_response(
+                        APIError("the request body is not valid JSON")
+                        if e.status_code == 400
+                        else APIError(str(e.detail), status=e.status_code)
+                    )
                 except Exception as e:  # noqa: BLE001 -- a bug: said, and logged in full
                     log.exception("%s %s failed", request.method, request.url.path)
-                    return error_response(APIError(f"internal error: {e}", status=500,
-                                                   kind="server_error"))
+                    return error_response(
+                        APIError(f"internal error: {e}", status=500, kind="server_error")
+                    )
+
             return answer
+
     return Route
 
 
@@ -139,11 +148,22 @@ def _not_allowed(router: APIRouter, path: str, allowed: tuple[str, ...]) -> None
     allow = ", ".join(allowed)
 
     async def not_allowed():
-        return JSONResponse(status_code=405, headers={"Allow": allow}, content={"error": {
-            "message": f"method not allowed; {path} takes {allow}",
-            "type": "invalid_request_error", "param": None, "code": "method_not_allowed"}})
-    router.add_api_route(path, not_allowed, include_in_schema=False,
-                         methods=[m for m in METHODS if m not in allowed])
+        return JSONResponse(
+            status_code=405,
+            headers={"Allow": allow},
+            content={
+                "error": {
+                    "message": f"method not allowed; {path} takes {allow}",
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": "method_not_allowed",
+                }
+            },
+        )
+
+    router.add_api_route(
+        path, not_allowed, include_in_schema=False, methods=[m for m in METHODS if m not in allowed]
+    )
 
 
 def build_router(models, api_key: str | None = None) -> APIRouter:
@@ -154,14 +174,15 @@ def build_router(models, api_key: str | None = None) -> APIRouter:
 
     @router.get("/v1/models", responses=_errors(*auth, 500))
     def list_models():
-        return {"object": "list", "data": [model_entry(api.models, d)
-                                           for d in api.models.describe()]}
+        return {
+            "object": "list",
+            "data": [model_entry(api.models, d) for d in api.models.describe()],
+        }
 
     @router.get("/v1/models/{model:path}", responses=_errors(*auth, 404, 500))
     def get_model(model: str):
         name = api.resolve(model)
-        return next(model_entry(api.models, d) for d in api.models.describe()
-                    if d["name"] == name)
+        return next(model_entry(api.models, d) for d in api.models.describe() if d["name"] == name)
 
     async def answer(request: Request, body, kind: str):
         lease = None
@@ -178,16 +199,21 @@ def build_router(models, api_key: str | None = None) -> APIRouter:
                 # `finally`: end the choices when the generator is collected
                 weakref.finalize(stream, end, choices, lease)
                 lease = None  # the stream releases it when it ends
-                return StreamingResponse(stream, media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache"})
+                return StreamingResponse(
+                    stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+                )
             return await whole_reply(request, api.complete(req, choices), choices)
         finally:
             if lease is not None:
                 lease.release()
 
-    replies = {200: {"description": "the reply; with stream: true, server-sent events",
-                     "content": EVENT_STREAM},
-               **_errors(400, *auth, 404, 429, 500, 502)}
+    replies = {
+        200: {
+            "description": "the reply; with stream: true, server-sent events",
+            "content": EVENT_STREAM,
+        },
+        **_errors(400, *auth, 404, 429, 500, 502),
+    }
 
     @router.post("/v1/chat/completions", responses=replies)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -207,9 +233,13 @@ def build_router(models, api_key: str | None = None) -> APIRouter:
         finally:
             lease.release()
 
-    for path, allowed in (("/v1/models", ("GET",)), ("/v1/models/{model:path}", ("GET",)),
-                          ("/v1/chat/completions", ("POST",)), ("/v1/completions", ("POST",)),
-                          ("/tokenize", ("POST",))):
+    for path, allowed in (
+        ("/v1/models", ("GET",)),
+        ("/v1/models/{model:path}", ("GET",)),
+        ("/v1/chat/completions", ("POST",)),
+        ("/v1/completions", ("POST",)),
+        ("/tokenize", ("POST",)),
+    ):
         _not_allowed(router, path, allowed)
     return router
 
@@ -229,6 +259,7 @@ def document(app: FastAPI) -> FastAPI:
             for name in ("HTTPValidationError", "ValidationError"):
                 doc.get("components", {}).get("schemas", {}).pop(name, None)
         return app.openapi_schema
+
     app.openapi = openapi
     return app
 
@@ -243,14 +274,18 @@ def create_app(models, api_key: str | None = None) -> FastAPI:
         response = error_response(APIError(str(exc.detail), status=exc.status_code))
         response.headers.update(exc.headers or {})
         return response
+
     app.add_exception_handler(StarletteHTTPException, no_route)
     return app
 
 
-def serve(models, host: str = "127.0.0.1", port: int = 8000,
-          api_key: str | None = None) -> None:
+def serve(models, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None) -> None:
     import uvicorn
+
     models = Models.of(models)
-    print(f"MiniServeLM API on http://{host}:{port}/v1 (models: {', '.join(models.names)}; "
-          f"default {models.default})", flush=True)
+    print(
+        f"MiniServeLM API on http://{host}:{port}/v1 (models: {', '.join(models.names)}; "
+        f"default {models.default})",
+        flush=True,
+    )
     uvicorn.run(create_app(models, api_key), host=host, port=port, log_level="warning")

@@ -71,8 +71,12 @@ class OpenAIServing:
         header = request.headers.get("authorization", "")
         token = header[7:] if header.lower().startswith("bearer ") else ""
         if not secrets.compare_digest(token.encode(), self.api_key.encode()):
-            raise APIError("missing or wrong API key: send 'Authorization: Bearer KEY'",
-                           status=401, kind="authentication_error", code="invalid_api_key")
+            raise APIError(
+                "missing or wrong API key: send 'Authorization: Bearer KEY'",
+                status=401,
+                kind="authentication_error",
+                code="invalid_api_key",
+            )
 
     def resolve(self, model: str | None) -> str:
         """The served name `model` means. Unknown: 404 naming the request's field, with
@@ -89,8 +93,13 @@ class OpenAIServing:
         try:
             await lease.acquire()
         except Exception as e:  # noqa: BLE001
-            raise APIError(f"model '{lease.name}' could not be loaded: {e}", "model",
-                           status=502, kind="server_error", code="model_unavailable") from None
+            raise APIError(
+                f"model '{lease.name}' could not be loaded: {e}",
+                "model",
+                status=502,
+                kind="server_error",
+                code="model_unavailable",
+            ) from None
         return lease
 
     @staticmethod
@@ -119,9 +128,12 @@ class OpenAIServing:
         free = engine.max_queue - engine.queue_depth
         if total > free:
             need = f"n={n}" if len(req.prompts) == 1 else f"{len(req.prompts)} prompts x n={n}"
-            raise Busy("the server is busy; try again in a moment" if total == 1 else
-                       f"the server is busy: {need} needs {total} places in the queue and "
-                       f"{max(free, 0)} are free; try again in a moment")
+            raise Busy(
+                "the server is busy; try again in a moment"
+                if total == 1
+                else f"the server is busy: {need} needs {total} places in the queue and "
+                f"{max(free, 0)} are free; try again in a moment"
+            )
         choices = Choices(asyncio.get_running_loop())
         try:
             for i in range(total):
@@ -143,18 +155,21 @@ class OpenAIServing:
         params = req.settings.params
         if params.seed is not None and j:
             params = params.replace(seed=(params.seed + j) % (SEED_MAX + 1))
-        recorder = LogprobRecorder(req.engine.tokenizer, req.top_logprobs) \
-            if req.logprobs else None
+        recorder = LogprobRecorder(req.engine.tokenizer, req.top_logprobs) if req.logprobs else None
         return req.prompts[prompt], params, recorder
 
     def _start_choice(self, req: APIRequest, index: int, choices: Choices) -> None:
         prompt, params, recorder = self._choice(req, index)
-        req.engine.submit(prompt, params, choices.sink(index), cancel=choices.cancel,
-                          observer=recorder.observe if recorder else None)
+        req.engine.submit(
+            prompt,
+            params,
+            choices.sink(index),
+            cancel=choices.cancel,
+            observer=recorder.observe if recorder else None,
+        )
         choices.started(recorder)  # after submit: a choice that did not start is not waited for
 
-    async def _start_remote_choice(self, req: APIRequest, index: int,
-                                   choices: Choices) -> None:
+    async def _start_remote_choice(self, req: APIRequest, index: int, choices: Choices) -> None:
         """Send one choice to a remote engine (off the event loop: it waits on the network),
         then read its reply on a thread of its own, which hands each item to the sink as the
         local engine thread does. Its own cancel event: a finished stream may set the event it
@@ -162,8 +177,9 @@ class OpenAIServing:
         prompt, params, recorder = self._choice(req, index)
         reply = req.engine.chat if req.kind == "chat" else req.engine.complete_text
         own = threading.Event()
-        stream = await asyncio.to_thread(reply, prompt, params, cancel=own,
-                                         observer=recorder.observe if recorder else None)
+        stream = await asyncio.to_thread(
+            reply, prompt, params, cancel=own, observer=recorder.observe if recorder else None
+        )
         choices.on_stop(lambda: (own.set(), stream.close()))
         read_remote(stream, choices.sink(index))
         choices.started(recorder)
@@ -171,11 +187,13 @@ class OpenAIServing:
     @staticmethod
     def _usage(req: APIRequest, last: list) -> dict:
         # each prompt counted once, whatever its number of choices
-        prompt = sum(last[p * req.settings.n].stats.prompt_tokens
-                     for p in range(len(req.prompts)))
+        prompt = sum(last[p * req.settings.n].stats.prompt_tokens for p in range(len(req.prompts)))
         completion = sum(c.stats.new_tokens for c in last)
-        return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
 
     @staticmethod
     def _finish(stats) -> str:
@@ -192,8 +210,9 @@ class OpenAIServing:
             while choices.running:
                 for i, chunk, error in await choices.next_batch():
                     if error is not None:
-                        raise as_user_error(error, req.model,
-                                            req.engine.capabilities.over_network) from None
+                        raise as_user_error(
+                            error, req.model, req.engine.capabilities.over_network
+                        ) from None
                     if chunk is not None:
                         parts[i].append(chunk.text)
                         if chunk.done:
@@ -203,11 +222,18 @@ class OpenAIServing:
         finally:
             choices.stop()
         shape = shape_of(req, choices)
-        return {"id": f"{shape.prefix}-{uuid.uuid4().hex[:24]}", "object": shape.object,
-                "created": int(time.time()), "model": req.model,
-                "choices": [shape.whole(i, "".join(parts[i]), self._finish(last[i].stats))
-                            for i in range(req.choices)],
-                "usage": self._usage(req, last), "system_fingerprint": "miniserve"}
+        return {
+            "id": f"{shape.prefix}-{uuid.uuid4().hex[:24]}",
+            "object": shape.object,
+            "created": int(time.time()),
+            "model": req.model,
+            "choices": [
+                shape.whole(i, "".join(parts[i]), self._finish(last[i].stats))
+                for i in range(req.choices)
+            ],
+            "usage": self._usage(req, last),
+            "system_fingerprint": "miniserve",
+        }
 
     def prompt_only(self, req: APIRequest):
         """`max_tokens: 0` on /v1/completions: nothing generated, the prompt (with echo) and
@@ -216,17 +242,30 @@ class OpenAIServing:
         shape = TextShape(req, None)
         choices = [shape.prompt_only(i) for i in range(req.choices)]
         prompt_tokens = sum(len(p) for p in req.prompts)
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": 0,
-                 "total_tokens": prompt_tokens}
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": 0,
+            "total_tokens": prompt_tokens,
+        }
         if not req.settings.stream:
-            return {"id": f"{shape.prefix}-{uuid.uuid4().hex[:24]}", "object": shape.object,
-                    "created": int(time.time()), "model": req.model, "choices": choices,
-                    "usage": usage, "system_fingerprint": "miniserve"}
+            return {
+                "id": f"{shape.prefix}-{uuid.uuid4().hex[:24]}",
+                "object": shape.object,
+                "created": int(time.time()),
+                "model": req.model,
+                "choices": choices,
+                "usage": usage,
+                "system_fingerprint": "miniserve",
+            }
         event = events(req, shape)
-        body = "".join(event(c) for c in choices) + \
-            (event(None, usage) if req.settings.include_usage else "") + "data: [DONE]\n\n"
-        return StreamingResponse(iter([body]), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        body = (
+            "".join(event(c) for c in choices)
+            + (event(None, usage) if req.settings.include_usage else "")
+            + "data: [DONE]\n\n"
+        )
+        return StreamingResponse(
+            iter([body]), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
 
     async def stream(self, req: APIRequest, choices: Choices, lease: Lease):
         shape = shape_of(req, choices)
@@ -234,8 +273,9 @@ class OpenAIServing:
 
         last: list = [None] * req.choices
         try:
-            opening = "".join(event(c) for i in range(req.choices)
-                              if (c := shape.opening(i)) is not None)
+            opening = "".join(
+                event(c) for i in range(req.choices) if (c := shape.opening(i)) is not None
+            )
             if opening:
                 yield opening
             while choices.running:
@@ -255,8 +295,7 @@ class OpenAIServing:
                         out.append(event(shape.piece(i, "", self._finish(chunk.stats))))
                 if out:
                     yield "".join(out)
-            tail = [event(None, usage=self._usage(req, last))] \
-                if req.settings.include_usage else []
+            tail = [event(None, usage=self._usage(req, last))] if req.settings.include_usage else []
             yield "".join(tail) + "data: [DONE]\n\n"
         finally:
             end(choices, lease)  # the client went away (this generator was cancelled) or done

@@ -28,15 +28,17 @@ class LogprobRecorder:
         entry = self._item(self.tokenizer.decode([token_id]), float(logp[token_id]))
         if self.top:
             values, indices = torch.topk(logp, self.top)
-            entry["top_logprobs"] = [self._item(self.tokenizer.decode([i]), v)
-                                     for v, i in zip(values.tolist(), indices.tolist())]
+            entry["top_logprobs"] = [
+                self._item(self.tokenizer.decode([i]), v)
+                for v, i in zip(values.tolist(), indices.tolist())
+            ]
         else:
             entry["top_logprobs"] = []
         self.entries.append(entry)
 
     def add_remote_step(self, text: str, logprob: float, top=()) -> None:
         entry = self._item(text, logprob)
-        entry["top_logprobs"] = [self._item(t, lp) for t, lp in list(top)[:self.top]]
+        entry["top_logprobs"] = [self._item(t, lp) for t, lp in list(top)[: self.top]]
         self.entries.append(entry)
 
     @staticmethod
@@ -46,6 +48,7 @@ class LogprobRecorder:
 
 class ChatShape:
     """How a chat reply is written: messages, and streamed deltas."""
+
     prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
     def __init__(self, req: APIRequest, choices: Choices):
@@ -57,20 +60,31 @@ class ChatShape:
 
     def whole(self, i: int, text: str, finish: str) -> dict:
         recorder = self._recorder(i)
-        return {"index": i, "message": {"role": "assistant", "content": text},
-                "finish_reason": finish,
-                "logprobs": {"content": recorder.entries} if recorder else None}
+        return {
+            "index": i,
+            "message": {"role": "assistant", "content": text},
+            "finish_reason": finish,
+            "logprobs": {"content": recorder.entries} if recorder else None,
+        }
 
     def opening(self, i: int) -> dict:
-        return {"index": i, "delta": {"role": "assistant", "content": ""},
-                "finish_reason": None, "logprobs": None}
+        return {
+            "index": i,
+            "delta": {"role": "assistant", "content": ""},
+            "finish_reason": None,
+            "logprobs": None,
+        }
 
     def piece(self, i: int, text: str, finish: str | None = None) -> dict:
-        choice = {"index": i, "delta": {"content": text} if text else {},
-                  "finish_reason": finish, "logprobs": None}
+        choice = {
+            "index": i,
+            "delta": {"content": text} if text else {},
+            "finish_reason": finish,
+            "logprobs": None,
+        }
         recorder = self._recorder(i)
         if recorder and len(recorder.entries) > self.sent[i]:
-            choice["logprobs"] = {"content": recorder.entries[self.sent[i]:]}
+            choice["logprobs"] = {"content": recorder.entries[self.sent[i] :]}
             self.sent[i] = len(recorder.entries)
         return choice
 
@@ -78,12 +92,13 @@ class ChatShape:
 class TextShape:
     """How a completion is written: text (the prompt in front with echo) and OpenAI's legacy
     logprobs, streamed as pieces of text."""
+
     prefix, object, chunk_object = "cmpl", "text_completion", "text_completion"
 
     def __init__(self, req: APIRequest, choices: Choices):
         self.req, self.choices = req, choices
-        self.sent = [0] * req.choices     # recorder entries already written, per choice
-        self.offset = [0] * req.choices   # text_offset of the next token, per choice
+        self.sent = [0] * req.choices  # recorder entries already written, per choice
+        self.offset = [0] * req.choices  # text_offset of the next token, per choice
 
     def _echo(self, i: int) -> tuple[str, list]:
         return self.req.echo[i // self.req.settings.n] if self.req.echo else ("", [])
@@ -95,7 +110,7 @@ class TextShape:
             return None
         if generated:
             recorder = self.choices.choices[i].recorder
-            for e in recorder.entries[self.sent[i]:]:
+            for e in recorder.entries[self.sent[i] :]:
                 best = {t["token"]: t["logprob"] for t in e["top_logprobs"]}
                 best.setdefault(e["token"], e["logprob"])  # the chosen token is always there
                 entries = entries + [(e["token"], e["logprob"], best)]
@@ -111,27 +126,42 @@ class TextShape:
 
     def whole(self, i: int, text: str, finish: str) -> dict:
         echo, entries = self._echo(i)
-        return {"index": i, "text": echo + text, "logprobs": self._logprobs(i, entries),
-                "finish_reason": finish}
+        return {
+            "index": i,
+            "text": echo + text,
+            "logprobs": self._logprobs(i, entries),
+            "finish_reason": finish,
+        }
 
     def prompt_only(self, i: int) -> dict:
         """Choice i of a request that generates nothing (max_tokens 0)."""
         echo, entries = self._echo(i)
-        return {"index": i, "text": echo, "logprobs": self._logprobs(i, entries, False),
-                "finish_reason": "length"}
+        return {
+            "index": i,
+            "text": echo,
+            "logprobs": self._logprobs(i, entries, False),
+            "finish_reason": "length",
+        }
 
     def opening(self, i: int) -> dict | None:
         if not self.req.echo:
             return None
         echo, entries = self._echo(i)
-        return {"index": i, "text": echo, "logprobs": self._logprobs(i, entries, False),
-                "finish_reason": None}
+        return {
+            "index": i,
+            "text": echo,
+            "logprobs": self._logprobs(i, entries, False),
+            "finish_reason": None,
+        }
 
     def piece(self, i: int, text: str, finish: str | None = None) -> dict:
         logprobs = self._logprobs(i, [])
-        return {"index": i, "text": text,
-                "logprobs": logprobs if logprobs and logprobs["tokens"] else None,
-                "finish_reason": finish}
+        return {
+            "index": i,
+            "text": text,
+            "logprobs": logprobs if logprobs and logprobs["tokens"] else None,
+            "finish_reason": finish,
+        }
 
 
 def _shape(req: APIRequest, choices: Choices):
@@ -149,18 +179,31 @@ def events(req: APIRequest, shape):
     ident, created = f"{shape.prefix}-{uuid.uuid4().hex[:24]}", int(time.time())
 
     def event(choice: dict | None, usage=None) -> str:
-        chunk = {"id": ident, "object": shape.chunk_object, "created": created,
-                 "model": req.model, "system_fingerprint": "miniserve",
-                 "choices": [choice] if choice is not None else []}
+        chunk = {
+            "id": ident,
+            "object": shape.chunk_object,
+            "created": created,
+            "model": req.model,
+            "system_fingerprint": "miniserve",
+            "choices": [choice] if choice is not None else [],
+        }
         if usage is not None or req.settings.include_usage:
             chunk["usage"] = usage
         return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+
     return event
 
 
 def model_entry(models: Models, described: dict) -> dict:
     engine = models.loaded_engine(described["name"])
-    return {"id": described["name"], "object": "model", "created": 0, "owned_by": "miniserve",
-            "default": described["default"], "loaded": described["loaded"],
-            "remote": described["remote"], "context_length": described["context_length"],
-            "chat": engine.has_chat_template if engine is not None else None}
+    return {
+        "id": described["name"],
+        "object": "model",
+        "created": 0,
+        "owned_by": "miniserve",
+        "default": described["default"],
+        "loaded": described["loaded"],
+        "remote": described["remote"],
+        "context_length": described["context_length"],
+        "chat": engine.has_chat_template if engine is not None else None,
+    }

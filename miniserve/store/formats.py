@@ -20,7 +20,7 @@ from miniserve.store.records import (
     title_from,
 )
 
-EXPORT_FORMAT = "miniserve.conversation"      # one conversation
+EXPORT_FORMAT = "miniserve.conversation"  # one conversation
 EXPORT_ALL_FORMAT = "miniserve.conversations"  # all of an owner's
 EXPORT_VERSION = 1
 
@@ -31,13 +31,28 @@ def export_tree(conv: Summary, rows) -> dict:
     a parent always comes before its children. `rows`: the conversation's messages in the
     order they were added."""
     index = {r["id"]: i for i, r in enumerate(rows)}
-    return {"format": EXPORT_FORMAT, "version": EXPORT_VERSION, "title": conv.title,
-            "system": conv.system, "created": conv.created, "updated": conv.updated,
-            "current": index.get(conv.leaf),
-            "messages": [{"id": i, "parent": index.get(r["parent_id"]), "role": r["role"],
-                          "content": r["content"], "created": r["created"],
-                          "status": r["status"], "settings": json.loads(r["settings"]),
-                          "stats": json.loads(r["stats"])} for i, r in enumerate(rows)]}
+    return {
+        "format": EXPORT_FORMAT,
+        "version": EXPORT_VERSION,
+        "title": conv.title,
+        "system": conv.system,
+        "created": conv.created,
+        "updated": conv.updated,
+        "current": index.get(conv.leaf),
+        "messages": [
+            {
+                "id": i,
+                "parent": index.get(r["parent_id"]),
+                "role": r["role"],
+                "content": r["content"],
+                "created": r["created"],
+                "status": r["status"],
+                "settings": json.loads(r["settings"]),
+                "stats": json.loads(r["stats"]),
+            }
+            for i, r in enumerate(rows)
+        ],
+    }
 
 
 def export_all(trees: list[dict]) -> dict:
@@ -46,8 +61,9 @@ def export_all(trees: list[dict]) -> dict:
 
 def openai_messages(conv: Summary, path: list[Message]) -> list[dict]:
     """The open branch as an OpenAI `messages` list (the system prompt first)."""
-    return ([{"role": "system", "content": conv.system}] if conv.system else []) + \
-        [{"role": m.role, "content": m.content} for m in path]
+    return ([{"role": "system", "content": conv.system}] if conv.system else []) + [
+        {"role": m.role, "content": m.content} for m in path
+    ]
 
 
 def markdown(conv: Summary, path: list[Message]) -> str:
@@ -55,8 +71,12 @@ def markdown(conv: Summary, path: list[Message]) -> str:
     if conv.system:
         parts += ["**System:**", "", conv.system, ""]
     for m in path:
-        parts += [f"**{m.role.capitalize()}:**" + (" *(stopped)*" if m.status == "stopped"
-                                                     else ""), "", m.content, ""]
+        parts += [
+            f"**{m.role.capitalize()}:**" + (" *(stopped)*" if m.status == "stopped" else ""),
+            "",
+            m.content,
+            "",
+        ]
     return "\n".join(parts)
 
 
@@ -68,8 +88,9 @@ def as_text(kind: str, tree, conv: Summary, path: list[Message]) -> tuple[str, s
     if kind == "md":
         return markdown(conv, path), ".md"
     if kind == "openai":
-        return json.dumps(openai_messages(conv, path), indent=2, ensure_ascii=False), \
-            ".messages.json"
+        return json.dumps(
+            openai_messages(conv, path), indent=2, ensure_ascii=False
+        ), ".messages.json"
     raise StoreError(f"unknown export {kind!r} (json, md or openai)")
 
 
@@ -81,15 +102,18 @@ def read_import(data) -> list[dict]:
     if isinstance(data, (bytes, bytearray, str)):
         raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else bytes(data)
         if len(raw) > MAX_IMPORT_BYTES:
-            raise BadImport(f"the file is {len(raw) / 1e6:.1f} MB; an import may be at most "
-                            f"{MAX_IMPORT_BYTES / 1e6:.0f} MB")
+            raise BadImport(
+                f"the file is {len(raw) / 1e6:.1f} MB; an import may be at most "
+                f"{MAX_IMPORT_BYTES / 1e6:.0f} MB"
+            )
         try:
             data = json.loads(raw.decode("utf-8"))
         except UnicodeDecodeError:
             raise BadImport("the file is not text (UTF-8 JSON expected)") from None
         except json.JSONDecodeError as e:
-            raise BadImport(f"the file is not JSON: {e.msg} at line {e.lineno}, column "
-                            f"{e.colno}") from None
+            raise BadImport(
+                f"the file is not JSON: {e.msg} at line {e.lineno}, column {e.colno}"
+            ) from None
         except RecursionError:
             raise BadImport("the file's JSON is nested too deeply") from None
     return _parse_import(data)
@@ -106,11 +130,15 @@ def _parse_import(data) -> list[dict]:
     if fmt is None and "messages" in data:
         return [_from_openai(data["messages"], "messages")]
     if fmt not in (EXPORT_FORMAT, EXPORT_ALL_FORMAT):
-        raise BadImport(f"'format' must be {EXPORT_FORMAT!r} or {EXPORT_ALL_FORMAT!r} (or give "
-                        f"an OpenAI 'messages' list), got {fmt!r}")
+        raise BadImport(
+            f"'format' must be {EXPORT_FORMAT!r} or {EXPORT_ALL_FORMAT!r} (or give "
+            f"an OpenAI 'messages' list), got {fmt!r}"
+        )
     if data.get("version") != EXPORT_VERSION:
-        raise BadImport(f"'version' {data.get('version')!r} is not one this app reads "
-                        f"(it reads version {EXPORT_VERSION})")
+        raise BadImport(
+            f"'version' {data.get('version')!r} is not one this app reads "
+            f"(it reads version {EXPORT_VERSION})"
+        )
     if fmt == EXPORT_FORMAT:
         return [_tree(data, "")]
     conversations = data.get("conversations")
@@ -131,8 +159,9 @@ def _is_number(x) -> bool:
 def _tree(c, at: str) -> dict:
     _need(isinstance(c, dict), at.rstrip(".") or "(top)", "must be an object")
     if at and (c.get("format") != EXPORT_FORMAT or c.get("version") != EXPORT_VERSION):
-        raise BadImport(f"'{at}format' and 'version' must be {EXPORT_FORMAT!r} and "
-                        f"{EXPORT_VERSION}")
+        raise BadImport(
+            f"'{at}format' and 'version' must be {EXPORT_FORMAT!r} and {EXPORT_VERSION}"
+        )
     for key in ("title", "system"):
         _need(isinstance(c.get(key, ""), str), at + key, "must be a string")
     for key in ("created", "updated"):
@@ -145,32 +174,56 @@ def _tree(c, at: str) -> dict:
         _need(isinstance(m, dict), where, "must be an object")
         _need(m.get("id") == i, where + ".id", f"must be {i} (its place in the list)")
         parent = m.get("parent")
-        _need(parent is None or (isinstance(parent, int) and not isinstance(parent, bool)
-                                 and 0 <= parent < i),
-              where + ".parent", "must be null or the id of an earlier message")
+        _need(
+            parent is None
+            or (isinstance(parent, int) and not isinstance(parent, bool) and 0 <= parent < i),
+            where + ".parent",
+            "must be null or the id of an earlier message",
+        )
         role = m.get("role")
         _need(role in ROLES, where + ".role", f"must be one of {', '.join(ROLES)}, got {role!r}")
         expected = "user" if parent is None or out[parent]["role"] == "assistant" else "assistant"
-        _need(role == expected, where + ".role",
-              f"is {role!r} but follows {'the start' if parent is None else 'a ' + out[parent]['role'] + ' message'}"
-              f"; roles must alternate, starting with the user")
+        _need(
+            role == expected,
+            where + ".role",
+            f"is {role!r} but follows {'the start' if parent is None else 'a ' + out[parent]['role'] + ' message'}"
+            f"; roles must alternate, starting with the user",
+        )
         _need(isinstance(m.get("content"), str), where + ".content", "must be a string")
-        _need(m.get("status", "complete") in STATUSES, where + ".status",
-              f"must be one of {', '.join(STATUSES)}")
+        _need(
+            m.get("status", "complete") in STATUSES,
+            where + ".status",
+            f"must be one of {', '.join(STATUSES)}",
+        )
         _need(_is_number(m.get("created")), where + ".created", "must be a time in seconds")
         for key in ("settings", "stats"):
             _need(isinstance(m.get(key, {}), dict), f"{where}.{key}", "must be an object")
-        out.append({"parent": parent, "role": role, "content": clean(m["content"]),
-                    "status": m.get("status", "complete"), "created": m["created"],
-                    "settings": m.get("settings", {}), "stats": m.get("stats", {})})
+        out.append(
+            {
+                "parent": parent,
+                "role": role,
+                "content": clean(m["content"]),
+                "status": m.get("status", "complete"),
+                "created": m["created"],
+                "settings": m.get("settings", {}),
+                "stats": m.get("stats", {}),
+            }
+        )
     current = c.get("current")
-    _need(current is None or (isinstance(current, int) and not isinstance(current, bool)
-                              and 0 <= current < len(out)),
-          at + "current", "must be null or the id of a message")
-    return {"title": clean(c.get("title", ""))[:200], "system": clean(c.get("system", "")),
-            "created": c["created"], "updated": c["updated"],
-            "current": current if current is not None else (len(out) - 1 if out else None),
-            "messages": out}
+    _need(
+        current is None
+        or (isinstance(current, int) and not isinstance(current, bool) and 0 <= current < len(out)),
+        at + "current",
+        "must be null or the id of a message",
+    )
+    return {
+        "title": clean(c.get("title", ""))[:200],
+        "system": clean(c.get("system", "")),
+        "created": c["created"],
+        "updated": c["updated"],
+        "current": current if current is not None else (len(out) - 1 if out else None),
+        "messages": out,
+    }
 
 
 def _from_openai(messages, at: str) -> dict:
@@ -184,10 +237,16 @@ def _from_openai(messages, at: str) -> dict:
         _need(isinstance(m, dict), where, "must be an object with 'role' and 'content'")
         role, content = m.get("role"), m.get("content")
         if isinstance(content, list):  # content parts: the text ones
-            texts = [p.get("text", "") for p in content
-                     if isinstance(p, dict) and p.get("type") == "text"]
-            _need(all(isinstance(t, str) for t in texts), where + ".content",
-                  "has a text part whose 'text' is not a string")
+            texts = [
+                p.get("text", "")
+                for p in content
+                if isinstance(p, dict) and p.get("type") == "text"
+            ]
+            _need(
+                all(isinstance(t, str) for t in texts),
+                where + ".content",
+                "has a text part whose 'text' is not a string",
+            )
             content = "".join(texts)
         _need(isinstance(content, str), where + ".content", "must be a string")
         if role == "system":
@@ -195,12 +254,29 @@ def _from_openai(messages, at: str) -> dict:
             system = content
             continue
         expected = "user" if not out or out[-1]["role"] == "assistant" else "assistant"
-        _need(role == expected, where + ".role",
-              f"must be {expected!r} (roles take turns, starting with the user), got {role!r}")
-        out.append({"parent": len(out) - 1 if out else None, "role": role,
-                    "content": clean(content), "status": "complete", "created": time.time(),
-                    "settings": {}, "stats": {}})
+        _need(
+            role == expected,
+            where + ".role",
+            f"must be {expected!r} (roles take turns, starting with the user), got {role!r}",
+        )
+        out.append(
+            {
+                "parent": len(out) - 1 if out else None,
+                "role": role,
+                "content": clean(content),
+                "status": "complete",
+                "created": time.time(),
+                "settings": {},
+                "stats": {},
+            }
+        )
     _need(bool(out), at, "has no user or assistant message")
     now = time.time()
-    return {"title": title_from(out[0]["content"]), "system": clean(system), "created": now,
-            "updated": now, "current": len(out) - 1, "messages": out}
+    return {
+        "title": title_from(out[0]["content"]),
+        "system": clean(system),
+        "created": now,
+        "updated": now,
+        "current": len(out) - 1,
+        "messages": out,
+    }

@@ -52,6 +52,7 @@ class Summary:
 @dataclass(frozen=True)
 class Branch:
     """Where a message sits among its siblings: `index` of `count` (1-based)."""
+
     index: int
     count: int
 
@@ -65,7 +66,7 @@ def title_from(text: str) -> str:
     """A conversation's title from its first message: the first line, cut to TITLE_CHARS."""
     line = next((ln.strip() for ln in clean(text).splitlines() if ln.strip()), "")
     line = " ".join(line.split())
-    return line if len(line) <= TITLE_CHARS else line[:TITLE_CHARS - 1].rstrip() + "…"
+    return line if len(line) <= TITLE_CHARS else line[: TITLE_CHARS - 1].rstrip() + "…"
 
 
 def as_dict(message: Message) -> dict:

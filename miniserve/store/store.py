@@ -96,16 +96,20 @@ def default_path() -> Path:
     return data_dir() / "history.sqlite3"
 
 
-def open_store(path: str | Path | None = None, *, enabled: bool = True,
-               max_conversations: int = 0) -> "Store":
+def open_store(
+    path: str | Path | None = None, *, enabled: bool = True, max_conversations: int = 0
+) -> "Store":
     """The app's store. `path` None: the default file in the data folder. `enabled` False
     (--no-history): in memory, gone when the app stops. A file that is not a readable
     database is moved aside (…corrupt-DATE) and a new one started; a file or folder that
     cannot be written: in memory. Either way `store.notice` says what happened, in one line."""
     if not enabled:
-        return Store(":memory:", max_conversations=max_conversations,
-                     notice="history is off (--no-history): conversations are kept in memory "
-                            "until the app stops")
+        return Store(
+            ":memory:",
+            max_conversations=max_conversations,
+            notice="history is off (--no-history): conversations are kept in memory "
+            "until the app stops",
+        )
     path = Path(path) if path is not None else default_path()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -123,8 +127,10 @@ def open_store(path: str | Path | None = None, *, enabled: bool = True,
         except (OSError, sqlite3.DatabaseError) as again:
             return _in_memory(path, again, max_conversations)
         reason = " ".join(str(e).split())  # one line: quick_check may report several
-        store.notice = (f"the history file {path} could not be read ({reason}); it was kept "
-                        f"aside as {aside.name} and a new one started")
+        store.notice = (
+            f"the history file {path} could not be read ({reason}); it was kept "
+            f"aside as {aside.name} and a new one started"
+        )
         return store
     except OSError as e:
         return _in_memory(path, e, max_conversations)
@@ -133,24 +139,32 @@ def open_store(path: str | Path | None = None, *, enabled: bool = True,
 def _unreadable(error: sqlite3.DatabaseError) -> bool:
     """A file that is not a database (or a damaged one), as opposed to one we may not write."""
     text = str(error).lower()
-    return not isinstance(error, sqlite3.OperationalError) or "malformed" in text or \
-        "not a database" in text or "newer" in text or "integrity" in text
+    return (
+        not isinstance(error, sqlite3.OperationalError)
+        or "malformed" in text
+        or "not a database" in text
+        or "newer" in text
+        or "integrity" in text
+    )
 
 
 def _in_memory(path, error, max_conversations) -> "Store":
     reason = getattr(error, "strerror", None) or str(error)
-    return Store(":memory:", max_conversations=max_conversations,
-                 notice=f"cannot write the history file {path} ({reason}); conversations are "
-                        f"kept in memory until the app stops")
+    return Store(
+        ":memory:",
+        max_conversations=max_conversations,
+        notice=f"cannot write the history file {path} ({reason}); conversations are "
+        f"kept in memory until the app stops",
+    )
 
 
 class Store:
-    def __init__(self, path: str | Path, *, max_conversations: int = 0,
-                 notice: str | None = None):
+    def __init__(self, path: str | Path, *, max_conversations: int = 0, notice: str | None = None):
         self.file = str(path)
         self.in_memory = self.file == ":memory:"
-        self.max_conversations = check_number("max_conversations", max_conversations,
-                                              MAX_CONVERSATIONS)
+        self.max_conversations = check_number(
+            "max_conversations", max_conversations, MAX_CONVERSATIONS
+        )
         self.notice = notice
         self._lock = threading.RLock()  # one connection, shared by Gradio's threads
         self._db = sqlite3.connect(self.file, check_same_thread=False, isolation_level=None)
@@ -177,8 +191,9 @@ class Store:
     def _migrate(self) -> None:
         version = self.version
         if version > SCHEMA_VERSION:
-            raise sqlite3.DatabaseError(f"schema version {version} is newer than this "
-                                        f"MiniServeLM reads ({SCHEMA_VERSION})")
+            raise sqlite3.DatabaseError(
+                f"schema version {version} is newer than this MiniServeLM reads ({SCHEMA_VERSION})"
+            )
         for target in range(version + 1, SCHEMA_VERSION + 1):
             with self._tx() as db:
                 db.executescript_in_tx(MIGRATIONS[target - 1])
@@ -230,8 +245,11 @@ class Store:
         now = time.time()
         title = title_from(title)
         with self._tx() as db:
-            db.execute("INSERT INTO conversations (id, owner, title, system, created, updated) "
-                       "VALUES (?, ?, ?, ?, ?, ?)", (cid, owner, title, clean(system), now, now))
+            db.execute(
+                "INSERT INTO conversations (id, owner, title, system, created, updated) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                (cid, owner, title, clean(system), now, now),
+            )
             db.index(cid, None, title)
             self._retain(db, owner, keep=cid)
         return cid
@@ -243,7 +261,8 @@ class Store:
         extra = db.execute(
             "SELECT id FROM conversations WHERE owner = ? AND deleted IS NULL AND id != ? "
             "ORDER BY updated DESC LIMIT -1 OFFSET ?",
-            (owner, keep, self.max_conversations - 1)).fetchall()
+            (owner, keep, self.max_conversations - 1),
+        ).fetchall()
         for row in extra:
             db.purge(row["id"])
 
@@ -251,10 +270,12 @@ class Store:
         with self._lock:
             row = self._db.execute(
                 f"{_SUMMARY} WHERE c.id = ? AND c.owner = ? AND c.deleted IS NULL",
-                (str(cid), owner)).fetchone()
+                (str(cid), owner),
+            ).fetchone()
         if row is None:
-            raise NotFound(f"no conversation {cid!r} here (it was deleted, or belongs to "
-                           f"another user)")
+            raise NotFound(
+                f"no conversation {cid!r} here (it was deleted, or belongs to another user)"
+            )
         return _summary(row)
 
     def conversations(self, owner: str, query: str = "", limit: int = 500) -> list[Summary]:
@@ -265,13 +286,17 @@ class Store:
             if not words:
                 rows = self._db.execute(
                     f"{_SUMMARY} WHERE c.owner = ? AND c.deleted IS NULL "
-                    f"ORDER BY c.updated DESC LIMIT ?", (owner, limit)).fetchall()
+                    f"ORDER BY c.updated DESC LIMIT ?",
+                    (owner, limit),
+                ).fetchall()
             else:
                 match = " ".join('"' + w.replace('"', '""') + '"*' for w in words)
                 rows = self._db.execute(
                     f"{_SUMMARY} WHERE c.owner = ? AND c.deleted IS NULL AND c.id IN "
                     f"(SELECT conversation_id FROM search WHERE search MATCH ?) "
-                    f"ORDER BY c.updated DESC LIMIT ?", (owner, match, limit)).fetchall()
+                    f"ORDER BY c.updated DESC LIMIT ?",
+                    (owner, match, limit),
+                ).fetchall()
         return [_summary(r) for r in rows]
 
     def rename(self, owner: str, cid: str, title: str) -> None:
@@ -282,8 +307,9 @@ class Store:
         self.get(owner, cid)
         with self._tx() as db:
             db.execute("UPDATE conversations SET title = ? WHERE id = ?", (title, cid))
-            db.execute("DELETE FROM search WHERE conversation_id = ? AND message_id IS NULL",
-                       (cid,))
+            db.execute(
+                "DELETE FROM search WHERE conversation_id = ? AND message_id IS NULL", (cid,)
+            )
             db.index(cid, None, title)
 
     def set_system(self, owner: str, cid: str, system: str) -> None:
@@ -296,16 +322,20 @@ class Store:
         (or the store is reopened), when it is removed for good."""
         self.get(owner, cid)
         with self._tx() as db:
-            for row in db.execute("SELECT id FROM conversations WHERE owner = ? AND deleted IS "
-                                  "NOT NULL", (owner,)).fetchall():
+            for row in db.execute(
+                "SELECT id FROM conversations WHERE owner = ? AND deleted IS NOT NULL", (owner,)
+            ).fetchall():
                 db.purge(row["id"])
             db.execute("UPDATE conversations SET deleted = ? WHERE id = ?", (time.time(), cid))
 
     def restore(self, owner: str) -> str | None:
         """Undo the owner's last delete; the conversation's id, or None when there is none."""
         with self._tx() as db:
-            row = db.execute("SELECT id FROM conversations WHERE owner = ? AND deleted IS NOT "
-                             "NULL ORDER BY deleted DESC LIMIT 1", (owner,)).fetchone()
+            row = db.execute(
+                "SELECT id FROM conversations WHERE owner = ? AND deleted IS NOT "
+                "NULL ORDER BY deleted DESC LIMIT 1",
+                (owner,),
+            ).fetchone()
             if row is None:
                 return None
             db.execute("UPDATE conversations SET deleted = NULL WHERE id = ?", (row["id"],))
@@ -313,14 +343,25 @@ class Store:
 
     def _purge_deleted(self) -> None:
         with self._tx() as db:
-            for row in db.execute("SELECT id FROM conversations WHERE deleted IS NOT NULL"
-                                  ).fetchall():
+            for row in db.execute(
+                "SELECT id FROM conversations WHERE deleted IS NOT NULL"
+            ).fetchall():
                 db.purge(row["id"])
 
     # -- messages -----------------------------------------------------------------------------
-    def add(self, owner: str, cid: str, parent_id: str | None, role: str, content: str, *,
-            status: str = "complete", settings: dict | None = None,
-            stats: dict | None = None, created: float | None = None) -> Message:
+    def add(
+        self,
+        owner: str,
+        cid: str,
+        parent_id: str | None,
+        role: str,
+        content: str,
+        *,
+        status: str = "complete",
+        settings: dict | None = None,
+        stats: dict | None = None,
+        created: float | None = None,
+    ) -> Message:
         """Add a message under `parent_id` (None: a first message) and open it as the leaf.
         A parent that already has children gets a sibling: a new branch, the old one kept."""
         conv = self.get(owner, cid)
@@ -329,16 +370,20 @@ class Store:
         if status not in STATUSES:
             raise StoreError(f"status must be one of {', '.join(STATUSES)}, got {status!r}")
         with self._tx() as db:
-            message = db.add(cid, parent_id, role, clean(content), status, settings or {},
-                             stats or {}, created)
+            message = db.add(
+                cid, parent_id, role, clean(content), status, settings or {}, stats or {}, created
+            )
             if not conv.title and role == "user":
                 title = title_from(content)
                 db.execute("UPDATE conversations SET title = ? WHERE id = ?", (title, cid))
-                db.execute("DELETE FROM search WHERE conversation_id = ? AND message_id IS NULL",
-                           (cid,))
+                db.execute(
+                    "DELETE FROM search WHERE conversation_id = ? AND message_id IS NULL", (cid,)
+                )
                 db.index(cid, None, title)
-            db.execute("UPDATE conversations SET leaf = ?, updated = ? WHERE id = ?",
-                       (message.id, time.time(), cid))
+            db.execute(
+                "UPDATE conversations SET leaf = ?, updated = ? WHERE id = ?",
+                (message.id, time.time(), cid),
+            )
         return message
 
     def message(self, owner: str, message_id: str) -> Message:
@@ -346,7 +391,8 @@ class Store:
             row = self._db.execute(
                 "SELECT m.* FROM messages m JOIN conversations c ON c.id = m.conversation_id "
                 "WHERE m.id = ? AND c.owner = ? AND c.deleted IS NULL",
-                (str(message_id), owner)).fetchone()
+                (str(message_id), owner),
+            ).fetchone()
         if row is None:
             raise NotFound(f"no message {message_id!r} here")
         return _message(row)
@@ -363,16 +409,23 @@ class Store:
                 "SELECT m.parent_id, up.depth + 1 FROM messages m JOIN up ON m.id = up.id "
                 "WHERE m.parent_id IS NOT NULL) "
                 "SELECT m.* FROM up JOIN messages m ON m.id = up.id "
-                "WHERE m.conversation_id = ? ORDER BY up.depth DESC", (leaf_id, cid)).fetchall()
+                "WHERE m.conversation_id = ? ORDER BY up.depth DESC",
+                (leaf_id, cid),
+            ).fetchall()
         if not rows or rows[-1]["id"] != leaf_id:
             raise NotFound(f"no message {leaf_id!r} in this conversation")
         return [_message(r) for r in rows]
 
     def _siblings(self, message: Message) -> list[str]:
         with self._lock:
-            return [r[0] for r in self._db.execute(
-                "SELECT id FROM messages WHERE conversation_id = ? AND parent_id IS ? "
-                "ORDER BY rowid", (message.conversation_id, message.parent_id)).fetchall()]
+            return [
+                r[0]
+                for r in self._db.execute(
+                    "SELECT id FROM messages WHERE conversation_id = ? AND parent_id IS ? "
+                    "ORDER BY rowid",
+                    (message.conversation_id, message.parent_id),
+                ).fetchall()
+            ]
 
     def branch(self, owner: str, message_id: str) -> Branch:
         message = self.message(owner, message_id)
@@ -386,8 +439,10 @@ class Store:
         cid = messages[0].conversation_id
         self.get(owner, cid)
         with self._lock:
-            rows = self._db.execute("SELECT id, parent_id FROM messages WHERE conversation_id "
-                                    "= ? ORDER BY rowid", (cid,)).fetchall()
+            rows = self._db.execute(
+                "SELECT id, parent_id FROM messages WHERE conversation_id = ? ORDER BY rowid",
+                (cid,),
+            ).fetchall()
         children: dict[str | None, list[str]] = {}
         for r in rows:
             children.setdefault(r["parent_id"], []).append(r["id"])
@@ -407,7 +462,8 @@ class Store:
             while True:
                 child = self._db.execute(
                     "SELECT id FROM messages WHERE parent_id = ? ORDER BY rowid DESC LIMIT 1",
-                    (target,)).fetchone()
+                    (target,),
+                ).fetchone()
                 if child is None:
                     break
                 target = child[0]
@@ -441,12 +497,16 @@ class Store:
                 db.execute("DELETE FROM search WHERE message_id = ?", (m.id,))
                 db.execute("DELETE FROM messages WHERE id = ?", (m.id,))
             if new_leaf is None:  # the first message went: open its newest remaining sibling
-                row = db.execute("SELECT id FROM messages WHERE conversation_id = ? AND "
-                                 "parent_id IS NULL ORDER BY rowid DESC LIMIT 1",
-                                 (cid,)).fetchone()
+                row = db.execute(
+                    "SELECT id FROM messages WHERE conversation_id = ? AND "
+                    "parent_id IS NULL ORDER BY rowid DESC LIMIT 1",
+                    (cid,),
+                ).fetchone()
                 new_leaf = row[0] if row else None
-            db.execute("UPDATE conversations SET leaf = ?, updated = ? WHERE id = ?",
-                       (new_leaf, time.time(), cid))
+            db.execute(
+                "UPDATE conversations SET leaf = ?, updated = ? WHERE id = ?",
+                (new_leaf, time.time(), cid),
+            )
         if new_leaf is not None and new_leaf != (path[cut - 1].id if cut > 0 else None):
             new_leaf = self.switch(owner, new_leaf, 0)
         return new_leaf, path[cut].content
@@ -454,8 +514,9 @@ class Store:
     # -- export and import ----------------------------------------------------------------
     def _rows(self, cid: str):
         with self._lock:
-            return self._db.execute("SELECT * FROM messages WHERE conversation_id = ? "
-                                    "ORDER BY rowid", (cid,)).fetchall()
+            return self._db.execute(
+                "SELECT * FROM messages WHERE conversation_id = ? ORDER BY rowid", (cid,)
+            ).fetchall()
 
     def export(self, owner: str, cid: str) -> dict:
         """The whole tree (formats.EXPORT_FORMAT, documented in README.md)."""
@@ -463,8 +524,9 @@ class Store:
         return formats.export_tree(conv, self._rows(cid))
 
     def export_all(self, owner: str) -> dict:
-        return formats.export_all([self.export(owner, c.id)
-                                   for c in reversed(self.conversations(owner, limit=-1))])
+        return formats.export_all(
+            [self.export(owner, c.id) for c in reversed(self.conversations(owner, limit=-1))]
+        )
 
     def export_openai(self, owner: str, cid: str, leaf_id: str | None = None) -> list[dict]:
         return formats.openai_messages(self.get(owner, cid), self.path(owner, cid, leaf_id))
@@ -472,12 +534,17 @@ class Store:
     def export_markdown(self, owner: str, cid: str, leaf_id: str | None = None) -> str:
         return formats.markdown(self.get(owner, cid), self.path(owner, cid, leaf_id))
 
-    def export_text(self, owner: str, cid: str, kind: str,
-                    leaf_id: str | None = None) -> tuple[str, str]:
+    def export_text(
+        self, owner: str, cid: str, kind: str, leaf_id: str | None = None
+    ) -> tuple[str, str]:
         """An export as a file's text and suffix (formats.as_text)."""
         conv = self.get(owner, cid)
-        return formats.as_text(kind, lambda: self.export(owner, cid), conv,
-                               self.path(owner, cid, leaf_id) if kind != "json" else [])
+        return formats.as_text(
+            kind,
+            lambda: self.export(owner, cid),
+            conv,
+            self.path(owner, cid, leaf_id) if kind != "json" else [],
+        )
 
     def import_file(self, owner: str, path: str | Path) -> list[str]:
         """`import_` of a file, its size checked before it is read. OSError when it cannot be
@@ -485,8 +552,10 @@ class Store:
         path = Path(path).expanduser()
         size = path.stat().st_size
         if size > MAX_IMPORT_BYTES:
-            raise BadImport(f"the file is {size / 1e6:.1f} MB; an import may be at most "
-                            f"{MAX_IMPORT_BYTES / 1e6:.0f} MB")
+            raise BadImport(
+                f"the file is {size / 1e6:.1f} MB; an import may be at most "
+                f"{MAX_IMPORT_BYTES / 1e6:.0f} MB"
+            )
         return self.import_(owner, path.read_bytes())
 
     def import_(self, owner: str, data) -> list[str]:
@@ -498,16 +567,27 @@ class Store:
         with self._tx() as db:
             for tree in trees:
                 cid = uuid.uuid4().hex
-                db.execute("INSERT INTO conversations (id, owner, title, system, created, "
-                           "updated) VALUES (?, ?, ?, ?, ?, ?)",
-                           (cid, owner, tree["title"], tree["system"], tree["created"],
-                            tree["updated"]))
+                db.execute(
+                    "INSERT INTO conversations (id, owner, title, system, created, "
+                    "updated) VALUES (?, ?, ?, ?, ?, ?)",
+                    (cid, owner, tree["title"], tree["system"], tree["created"], tree["updated"]),
+                )
                 db.index(cid, None, tree["title"])
                 new_ids: list[str] = []
                 for m in tree["messages"]:
                     parent = new_ids[m["parent"]] if m["parent"] is not None else None
-                    new_ids.append(db.add(cid, parent, m["role"], m["content"], m["status"],
-                                          m["settings"], m["stats"], m["created"]).id)
+                    new_ids.append(
+                        db.add(
+                            cid,
+                            parent,
+                            m["role"],
+                            m["content"],
+                            m["status"],
+                            m["settings"],
+                            m["stats"],
+                            m["created"],
+                        ).id
+                    )
                 leaf = new_ids[tree["current"]] if tree["current"] is not None else None
                 db.execute("UPDATE conversations SET leaf = ? WHERE id = ?", (leaf, cid))
                 self._retain(db, owner, keep=cid)
@@ -515,19 +595,36 @@ class Store:
         return ids
 
 
-_SUMMARY = ("SELECT c.*, (SELECT count(*) FROM messages m WHERE m.conversation_id = c.id) "
-            "AS n FROM conversations c")
+_SUMMARY = (
+    "SELECT c.*, (SELECT count(*) FROM messages m WHERE m.conversation_id = c.id) "
+    "AS n FROM conversations c"
+)
 
 
 def _summary(row) -> Summary:
-    return Summary(row["id"], row["title"], row["system"], row["created"], row["updated"],
-                   row["leaf"], row["n"])
+    return Summary(
+        row["id"],
+        row["title"],
+        row["system"],
+        row["created"],
+        row["updated"],
+        row["leaf"],
+        row["n"],
+    )
 
 
 def _message(row) -> Message:
-    return Message(row["id"], row["conversation_id"], row["parent_id"], row["role"],
-                   row["content"], row["created"], row["status"], json.loads(row["settings"]),
-                   json.loads(row["stats"]))
+    return Message(
+        row["id"],
+        row["conversation_id"],
+        row["parent_id"],
+        row["role"],
+        row["content"],
+        row["created"],
+        row["status"],
+        json.loads(row["settings"]),
+        json.loads(row["stats"]),
+    )
 
 
 class _Tx:
@@ -546,29 +643,45 @@ class _Tx:
                 self.db.execute(statement)
 
     def index(self, cid: str, message_id: str | None, text: str) -> None:
-        self.db.execute("INSERT INTO search (text, conversation_id, message_id) "
-                        "VALUES (?, ?, ?)", (text, cid, message_id))
+        self.db.execute(
+            "INSERT INTO search (text, conversation_id, message_id) VALUES (?, ?, ?)",
+            (text, cid, message_id),
+        )
 
     def add(self, cid, parent_id, role, content, status, settings, stats, created) -> Message:
         if parent_id is None:
             parent_role = None
         else:
-            row = self.db.execute("SELECT role FROM messages WHERE id = ? AND "
-                                  "conversation_id = ?", (parent_id, cid)).fetchone()
+            row = self.db.execute(
+                "SELECT role FROM messages WHERE id = ? AND conversation_id = ?", (parent_id, cid)
+            ).fetchone()
             if row is None:
                 raise NotFound(f"no message {parent_id!r} in this conversation")
             parent_role = row[0]
         expected = "user" if parent_role in (None, "assistant") else "assistant"
         if role != expected:
-            raise StoreError(f"a {role} message cannot follow "
-                             f"{'the start' if parent_role is None else 'a ' + parent_role + ' message'}"
-                             f"; expected a {expected} message")
+            raise StoreError(
+                f"a {role} message cannot follow "
+                f"{'the start' if parent_role is None else 'a ' + parent_role + ' message'}"
+                f"; expected a {expected} message"
+            )
         mid = uuid.uuid4().hex
         created = time.time() if created is None else created
-        self.db.execute("INSERT INTO messages (id, conversation_id, parent_id, role, content, "
-                        "created, status, settings, stats) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                        (mid, cid, parent_id, role, content, created, status,
-                         json.dumps(settings), json.dumps(stats)))
+        self.db.execute(
+            "INSERT INTO messages (id, conversation_id, parent_id, role, content, "
+            "created, status, settings, stats) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                mid,
+                cid,
+                parent_id,
+                role,
+                content,
+                created,
+                status,
+                json.dumps(settings),
+                json.dumps(stats),
+            ),
+        )
         self.index(cid, mid, content)
         return Message(mid, cid, parent_id, role, content, created, status, settings, stats)
 
@@ -576,5 +689,3 @@ class _Tx:
         self.db.execute("DELETE FROM search WHERE conversation_id = ?", (cid,))
         self.db.execute("DELETE FROM messages WHERE conversation_id = ?", (cid,))
         self.db.execute("DELETE FROM conversations WHERE id = ?", (cid,))
-
-

@@ -24,28 +24,46 @@ from miniserve.ui.step_tab import CSS as STEP_CSS
 from miniserve.ui.step_tab import StepHandlers, build_step_tab
 from miniserve.ui.widgets import install_keys
 
-__all__ = ["CSS", "BenchmarkHandlers", "ChatHandlers", "CompareHandlers", "NotebookHandlers",
-           "build_ui", "build_benchmark_tab", "build_chat_tab", "build_compare_tab",
-           "build_notebook_tab", "app_header", "header", "model_header"]
+__all__ = [
+    "CSS",
+    "BenchmarkHandlers",
+    "ChatHandlers",
+    "CompareHandlers",
+    "NotebookHandlers",
+    "build_ui",
+    "build_benchmark_tab",
+    "build_chat_tab",
+    "build_compare_tab",
+    "build_notebook_tab",
+    "app_header",
+    "header",
+    "model_header",
+]
 
 SPARE_THREADS = 8  # Gradio threads beyond the engines' queues: Undo, presets, a benchmark
-CSS = """
+CSS = (
+    """
 #status, .ms-status {font-size: 0.9em; opacity: 0.85}
 .ms-inspector .ms-tok:hover {outline: 1px solid #333}
 #notebook-text textarea {font-family: var(--font-mono); font-size: 0.92em; line-height: 1.5}
-""" + STEP_CSS
+"""
+    + STEP_CSS
+)
 
 
 def engine_queue(models: Models) -> int:
     """How many requests one model's engine admits: the default model's own when it is loaded,
     else --max-queue's (drawing the page loads nothing)."""
     engine = models.loaded_engine(models.default)
-    return engine.max_queue if engine is not None else models.max_queue or \
-        int(MAX_QUEUE.default)
+    return engine.max_queue if engine is not None else models.max_queue or int(MAX_QUEUE.default)
 
 
-def build_ui(models: Models | Engine, presets: dict[str, SamplingParams],
-             default_preset: str = "balanced", store: Store | None = None) -> gr.Blocks:
+def build_ui(
+    models: Models | Engine,
+    presets: dict[str, SamplingParams],
+    default_preset: str = "balanced",
+    store: Store | None = None,
+) -> gr.Blocks:
     """The app over the `models` registry (or a single Engine). `store`: the saved
     conversations (None: kept in memory only)."""
     models = Models.of(models)
@@ -53,8 +71,9 @@ def build_ui(models: Models | Engine, presets: dict[str, SamplingParams],
     sessions = Sessions()  # Stop in the Chat tab also ends the session's comparison
     with gr.Blocks(title="MiniServeLM") as demo:
         top = ModelHeader(models)
-        chat_tab = build_chat_tab(ChatHandlers(models, presets, sessions, store),
-                                  default_preset, top)
+        chat_tab = build_chat_tab(
+            ChatHandlers(models, presets, sessions, store), default_preset, top
+        )
         build_notebook_tab(NotebookHandlers(models, presets, sessions), default_preset, top)
         build_compare_tab(CompareHandlers(models, presets, sessions), top)
         build_step_tab(StepHandlers(models, presets, sessions), default_preset, demo)
@@ -85,10 +104,14 @@ PROGRESS_POLL_S = 0.1
 
 def quiet_when_idle(demo: gr.Blocks) -> None:
     queue = demo._queue
-    if not hasattr(queue, "sleep_when_free") or \
-            not hasattr(queue, "progress_update_sleep_when_free"):
-        raise RuntimeError("this Gradio's queue has no idle poll settings: check "
-                           "miniserve/ui/__init__.py's quiet_when_idle against it")
+    if not hasattr(queue, "sleep_when_free") or not hasattr(
+        queue, "progress_update_sleep_when_free"
+    ):
+        raise RuntimeError(
+            "this Gradio's queue has no idle poll settings: check "
+            "miniserve/ui/__init__.py's quiet_when_idle against it"
+        )
     queue.sleep_when_free = max(queue.sleep_when_free, IDLE_POLL_S)
-    queue.progress_update_sleep_when_free = max(queue.progress_update_sleep_when_free,
-                                                PROGRESS_POLL_S)
+    queue.progress_update_sleep_when_free = max(
+        queue.progress_update_sleep_when_free, PROGRESS_POLL_S
+    )

@@ -37,23 +37,34 @@ from miniserve.ui.widgets import whole
 # The tables' columns: the result rows' fields (what the plots read, and what `bench --json`
 # and `--csv` write) and the header a person reads, units included. The tables show their
 # headers before the first run.
-BENCH_COLUMNS = {"prompt_tokens": "Prompt tokens", "mode": "Mode", "dtype": "Weights",
-                 "new_tokens": "New tokens", "ttft_s": "First token (s)",
-                 "decode_tokens_per_s": "Decode tokens/s", "total_s": "Total (s)",
-                 "speedup_vs_no_cache": "Speed-up vs no cache (×)",
-                 "effective_gb_s": "Weights read (GB/s)",
-                 "tokens_match": "Same tokens as the first mode",
-                 "agree_tokens": "Leading tokens in agreement",
-                 "verified": "Follows the float32 reference"}
-CONCURRENCY_COLUMNS = {"preset": "Preset", "concurrency": "Streams at once",
-                       "aggregate_tokens_per_s": "Aggregate tokens/s",
-                       "stream_decode_tokens_per_s": "Per-stream decode tokens/s",
-                       "ttft_p50_s": "First token p50 (s)", "ttft_p95_s": "First token p95 (s)",
-                       "itl_p95_s": "Inter-token p95 (s)",
-                       "ceiling_share": "Share of the ceiling",
-                       "ceiling_tokens_per_s": "Ceiling tokens/s",
-                       "produced_tokens": "Tokens produced", "asked_tokens": "Tokens asked",
-                       "dtype": "Weights"}
+BENCH_COLUMNS = {
+    "prompt_tokens": "Prompt tokens",
+    "mode": "Mode",
+    "dtype": "Weights",
+    "new_tokens": "New tokens",
+    "ttft_s": "First token (s)",
+    "decode_tokens_per_s": "Decode tokens/s",
+    "total_s": "Total (s)",
+    "speedup_vs_no_cache": "Speed-up vs no cache (×)",
+    "effective_gb_s": "Weights read (GB/s)",
+    "tokens_match": "Same tokens as the first mode",
+    "agree_tokens": "Leading tokens in agreement",
+    "verified": "Follows the float32 reference",
+}
+CONCURRENCY_COLUMNS = {
+    "preset": "Preset",
+    "concurrency": "Streams at once",
+    "aggregate_tokens_per_s": "Aggregate tokens/s",
+    "stream_decode_tokens_per_s": "Per-stream decode tokens/s",
+    "ttft_p50_s": "First token p50 (s)",
+    "ttft_p95_s": "First token p95 (s)",
+    "itl_p95_s": "Inter-token p95 (s)",
+    "ceiling_share": "Share of the ceiling",
+    "ceiling_tokens_per_s": "Ceiling tokens/s",
+    "produced_tokens": "Tokens produced",
+    "asked_tokens": "Tokens asked",
+    "dtype": "Weights",
+}
 CONCURRENCY_PRESETS = (GREEDY, "balanced")
 
 
@@ -71,10 +82,12 @@ def empty_table(columns: dict[str, str]) -> pd.DataFrame:
 
 def remote_note(name: str) -> str:
     """Why a remote model is not benchmarked here, and what measures it."""
-    return (f"model '{name}' runs on a remote server: these benchmarks time this machine's own "
-            "engine (its runners, KV cache and scheduler), so they do not apply to it. Only a "
-            "measurement at the client applies: the first-token time and tokens/s that Chat, "
-            "Notebook and Compare show for each of its replies")
+    return (
+        f"model '{name}' runs on a remote server: these benchmarks time this machine's own "
+        "engine (its runners, KV cache and scheduler), so they do not apply to it. Only a "
+        "measurement at the client applies: the first-token time and tokens/s that Chat, "
+        "Notebook and Compare show for each of its replies"
+    )
 
 
 class BenchmarkHandlers:
@@ -103,8 +116,9 @@ class BenchmarkHandlers:
         if not self.models.is_loaded(name):
             progress(0, desc=f"loading model {name}…")
             try:
-                self.models.get(name, progress=lambda m: progress(
-                    0, desc=f"loading model {name}: {m}"))
+                self.models.get(
+                    name, progress=lambda m: progress(0, desc=f"loading model {name}: {m}")
+                )
             except Exception as e:  # noqa: BLE001 -- the tab's error line
                 raise ModelUnavailable(name, e) from e
         with using(self.models, name) as engine:
@@ -115,30 +129,34 @@ class BenchmarkHandlers:
     def benchmark(self, lengths_text, new_tokens, repeat, model=None, progress=gr.Progress()):
         try:
             lengths = counts_from(lengths_text, "Prompt lengths", "32,128,512")
-            config = BenchConfig(prompt_tokens=lengths, new_tokens=whole(new_tokens),
-                                 repeat=whole(repeat))
+            config = BenchConfig(
+                prompt_tokens=lengths, new_tokens=whole(new_tokens), repeat=whole(repeat)
+            )
             with self.measured(model, progress) as engine:
                 result = run_bench(engine, config, progress=lambda f, m: progress(f, desc=m))
         except (*USER_ERRORS, ValueError, TypeError) as e:
             return None, None, error(user_message(e))
         return (*shown(to_dict(result)["rows"], BENCH_COLUMNS), describe_run(result))
 
-    def concurrency(self, levels_text, presets, prompt_tokens, new_tokens, model=None,
-                    progress=gr.Progress()):
+    def concurrency(
+        self, levels_text, presets, prompt_tokens, new_tokens, model=None, progress=gr.Progress()
+    ):
         """Every chosen preset at every concurrency level (streams submitted at once)."""
         try:
             levels = counts_from(levels_text, "Concurrency", "1,2,4,8")
-            config = ConcurrencyConfig(levels=levels, prompt_tokens=whole(prompt_tokens),
-                                       new_tokens=whole(new_tokens),
-                                       presets=tuple(presets or ()))
+            config = ConcurrencyConfig(
+                levels=levels,
+                prompt_tokens=whole(prompt_tokens),
+                new_tokens=whole(new_tokens),
+                presets=tuple(presets or ()),
+            )
             with self.measured(model, progress) as engine:
-                result = run_concurrency(engine, config,
-                                         progress=lambda f, m: progress(f, desc=m),
-                                         presets=self.presets)
+                result = run_concurrency(
+                    engine, config, progress=lambda f, m: progress(f, desc=m), presets=self.presets
+                )
         except (*USER_ERRORS, ValueError, TypeError) as e:  # a level past the queue, a preset
             return None, None, error(user_message(e))
-        return (*shown(to_dict(result)["rows"], CONCURRENCY_COLUMNS),
-                describe_concurrency(result))
+        return (*shown(to_dict(result)["rows"], CONCURRENCY_COLUMNS), describe_concurrency(result))
 
     def model_note(self, model) -> str:
         """The line under the Model dropdown: empty for a local model, why not for a remote
@@ -159,51 +177,81 @@ def build_benchmark_tab(bench: BenchmarkHandlers, header: ModelHeader | None = N
         with gr.Row(visible=len(bench.models.names) > 1 or bool(remote)):
             model = build_model_picker(bench.models)
             note = gr.Markdown(remote)
-        gr.Markdown("Manual decoding with and without the KV cache, and transformers' "
-                    "`generate()` as the reference, greedy, over several prompt lengths.")
+        gr.Markdown(
+            "Manual decoding with and without the KV cache, and transformers' "
+            "`generate()` as the reference, greedy, over several prompt lengths."
+        )
         with gr.Row():
             lengths = gr.Textbox(label="Prompt lengths (tokens)", value="32,128,512")
             new_tokens = gr.Slider(minimum=2, maximum=256, value=24, step=1, label="New tokens")
             repeat = gr.Slider(minimum=1, maximum=5, value=1, step=1, label="Repeats (median)")
         button = gr.Button("Run benchmark", variant="primary")
         status = gr.Markdown()
-        table = gr.Dataframe(empty_table(BENCH_COLUMNS), label="Results", interactive=False,
-                             elem_id="bench-table")
-        plot = gr.LinePlot(x="prompt_tokens", y="decode_tokens_per_s", color="mode",
-                           title="Decode tokens/s by prompt length",
-                           x_title="prompt tokens", y_title="decode tokens/s")
+        table = gr.Dataframe(
+            empty_table(BENCH_COLUMNS), label="Results", interactive=False, elem_id="bench-table"
+        )
+        plot = gr.LinePlot(
+            x="prompt_tokens",
+            y="decode_tokens_per_s",
+            color="mode",
+            title="Decode tokens/s by prompt length",
+            x_title="prompt tokens",
+            y_title="decode tokens/s",
+        )
 
-        gr.Markdown("### Concurrency\nSeveral streams submitted at once, each with its own "
-                    "prompt and seed: all streams' tokens per second of wall time (aggregate), "
-                    "one stream's own rate, time to first token, the gaps between tokens, and "
-                    "the share of the ceiling measured on this machine in the same run.")
+        gr.Markdown(
+            "### Concurrency\nSeveral streams submitted at once, each with its own "
+            "prompt and seed: all streams' tokens per second of wall time (aggregate), "
+            "one stream's own rate, time to first token, the gaps between tokens, and "
+            "the share of the ceiling measured on this machine in the same run."
+        )
         with gr.Row():
-            levels = gr.Textbox(label="Concurrency levels (streams at once)", value="1,2,4,8",
-                                placeholder="1,2,4,8")
-            chosen = gr.Dropdown(choices=bench.preset_names, multiselect=True,
-                                 value=[n for n in CONCURRENCY_PRESETS if n in bench.preset_names],
-                                 label="Concurrency presets")
-            prompt_tokens = gr.Slider(minimum=2, maximum=2048, value=64, step=1,
-                                      label="Stream prompt tokens")
-            stream_tokens = gr.Slider(minimum=2, maximum=512, value=128, step=1,
-                                      label="Stream new tokens")
+            levels = gr.Textbox(
+                label="Concurrency levels (streams at once)", value="1,2,4,8", placeholder="1,2,4,8"
+            )
+            chosen = gr.Dropdown(
+                choices=bench.preset_names,
+                multiselect=True,
+                value=[n for n in CONCURRENCY_PRESETS if n in bench.preset_names],
+                label="Concurrency presets",
+            )
+            prompt_tokens = gr.Slider(
+                minimum=2, maximum=2048, value=64, step=1, label="Stream prompt tokens"
+            )
+            stream_tokens = gr.Slider(
+                minimum=2, maximum=512, value=128, step=1, label="Stream new tokens"
+            )
         concurrency_button = gr.Button("Run concurrency benchmark", variant="primary")
         concurrency_status = gr.Markdown()
-        concurrency_table = gr.Dataframe(empty_table(CONCURRENCY_COLUMNS),
-                                         label="Concurrency results", interactive=False,
-                                         elem_id="concurrency-table")
-        concurrency_plot = gr.LinePlot(x="concurrency", y="aggregate_tokens_per_s",
-                                       color="preset",
-                                       title="Aggregate tokens/s by concurrency",
-                                       x_title="streams at once",
-                                       y_title="aggregate tokens/s")
+        concurrency_table = gr.Dataframe(
+            empty_table(CONCURRENCY_COLUMNS),
+            label="Concurrency results",
+            interactive=False,
+            elem_id="concurrency-table",
+        )
+        concurrency_plot = gr.LinePlot(
+            x="concurrency",
+            y="aggregate_tokens_per_s",
+            color="preset",
+            title="Aggregate tokens/s by concurrency",
+            x_title="streams at once",
+            y_title="aggregate tokens/s",
+        )
     one_at_a_time = dict(concurrency_id=BENCHMARK_EVENTS, concurrency_limit=1)
-    runs = [button.click(bench.benchmark, [lengths, new_tokens, repeat, model],
-                         [table, plot, status], **one_at_a_time),
-            concurrency_button.click(bench.concurrency,
-                                     [levels, chosen, prompt_tokens, stream_tokens, model],
-                                     [concurrency_table, concurrency_plot, concurrency_status],
-                                     **one_at_a_time)]
+    runs = [
+        button.click(
+            bench.benchmark,
+            [lengths, new_tokens, repeat, model],
+            [table, plot, status],
+            **one_at_a_time,
+        ),
+        concurrency_button.click(
+            bench.concurrency,
+            [levels, chosen, prompt_tokens, stream_tokens, model],
+            [concurrency_table, concurrency_plot, concurrency_status],
+            **one_at_a_time,
+        ),
+    ]
     model.change(bench.model_note, model, note, queue=False, show_progress="hidden")
     follow_picker(bench.models, model, runs)
     if header is not None:

@@ -52,8 +52,11 @@ BROWSER_KEY = "miniserve"  # the browser's local-storage key for its owner id an
 
 def chat_status(stats, dropped: int, note: str = "") -> str:
     """The line under the chat after a reply: its stats and whether old turns were dropped."""
-    trimmed = (f" · history trimmed: {dropped} older messages dropped to fit the context"
-               if dropped else " · history not trimmed")
+    trimmed = (
+        f" · history trimmed: {dropped} older messages dropped to fit the context"
+        if dropped
+        else " · history not trimmed"
+    )
     return stats.summary(" · ") + trimmed + (f" · {note}" if note else "")
 
 
@@ -65,8 +68,13 @@ class ChatHandlers:
     the default model); `request` (injected by Gradio) names the browser session that Stop
     cancels."""
 
-    def __init__(self, models: Models | Engine, presets: dict[str, SamplingParams],
-                 sessions: Sessions | None = None, store: Store | None = None):
+    def __init__(
+        self,
+        models: Models | Engine,
+        presets: dict[str, SamplingParams],
+        sessions: Sessions | None = None,
+        store: Store | None = None,
+    ):
         self.models = Models.of(models)
         self.presets = presets
         self.sessions = sessions or Sessions()
@@ -79,13 +87,29 @@ class ChatHandlers:
         try:
             return self.conversations.show(browser, view, status, query)
         except StoreError as e:
-            return self.conversations.show(browser, new_view(),
-                                           status if is_error(status) else error(str(e)), query)
+            return self.conversations.show(
+                browser, new_view(), status if is_error(status) else error(str(e)), query
+            )
 
-    def _respond(self, browser, view, query, system, preset, settings, seed, inspect_on,
-                 request, *, output=(FREE_TEXT, ""), model=None, text: str | None = None,
-                 under: str | None = None, reply_to: str | None = None,
-                 focus_new: bool = False):
+    def _respond(
+        self,
+        browser,
+        view,
+        query,
+        system,
+        preset,
+        settings,
+        seed,
+        inspect_on,
+        request,
+        *,
+        output=(FREE_TEXT, ""),
+        model=None,
+        text: str | None = None,
+        under: str | None = None,
+        reply_to: str | None = None,
+        focus_new: bool = False,
+    ):
         """Add the user's `text` under the message `under` (None: as a first message) and
         stream the reply to it from `model`; with `text` None, stream a new reply to the user
         message `reply_to` (Regenerate); `output` is the Output format control's (format,
@@ -111,23 +135,35 @@ class ChatHandlers:
             try:
                 engine = held.enter_context(using(self.models, name))
                 inspector = Inspector(engine.tokenizer, params) if inspect_on else None
-                turn = ChatTurn(engine, params, system=system, history=history, text=text,
-                                preset=preset, cancel=cancel,
-                                observer=inspector.observe if inspector else None)
-                reply_to = turn.save_question(self.store, owner, cid,
-                                              under if text is not None else reply_to)
+                turn = ChatTurn(
+                    engine,
+                    params,
+                    system=system,
+                    history=history,
+                    text=text,
+                    preset=preset,
+                    cancel=cancel,
+                    observer=inspector.observe if inspector else None,
+                )
+                reply_to = turn.save_question(
+                    self.store, owner, cid, under if text is not None else reply_to
+                )
                 cid, params = turn.conversation, turn.params
             except (*USER_ERRORS, StoreError) as e:
                 yield (*self._show(browser, view, error(user_message(e)), query), box, "")
                 return
             except Exception as e:  # noqa: BLE001 -- e.g. a remote server that went away
-                yield (*self._show(browser, view, error(f"{type(e).__name__}: {e}"), query),
-                       box, "")
+                yield (
+                    *self._show(browser, view, error(f"{type(e).__name__}: {e}"), query),
+                    box,
+                    "",
+                )
                 return
             view = new_view(cid, reply_to, reply_to if focus_new and text is not None else None)
             base = self.conversations.show(browser, view, "generating…", query)
-            streaming = base._replace(conversations=gr.update(), title=gr.update(),
-                                      system=gr.update())
+            streaming = base._replace(
+                conversations=gr.update(), title=gr.update(), system=gr.update()
+            )
             shown = [*base.chatbot, {"role": "assistant", "content": ""}]
             yield (*base._replace(chatbot=shown), "", "")
             reading = Reading(turn)
@@ -136,30 +172,40 @@ class ChatHandlers:
                     shown[-1] = {"role": "assistant", "content": text_so_far}
                     yield (*streaming._replace(chatbot=shown), "", "")
             except Exception as e:  # noqa: BLE001 -- show it; the user's message is saved
-                yield (*self._show(browser, view, error(f"{type(e).__name__}: {e}"), query),
-                       "", "")
+                yield (*self._show(browser, view, error(f"{type(e).__name__}: {e}"), query), "", "")
                 return
             text_so_far, last = reading.text, reading.last
             if last is None or not last.done:
-                yield (*self._show(browser, view, error("the reply ended without its stats"),
-                                   query), "", "")
+                yield (
+                    *self._show(browser, view, error("the reply ended without its stats"), query),
+                    "",
+                    "",
+                )
                 return
             stats = last.stats
             stopped = turn.details()["status"] == "stopped"
             try:
                 reply = turn.save_reply(self.store, owner)
             except StoreError as e:
-                yield (*self._show(browser, view, error(f"the reply was not saved: {e}"),
-                                   query), "", "")
+                yield (
+                    *self._show(browser, view, error(f"the reply was not saved: {e}"), query),
+                    "",
+                    "",
+                )
                 return
-            notes = (self.model_note(name), f"seed {params.seed}",
-                     "stopped by you" if stopped else "",
-                     format_note(params.constraint, stats.finish_reason))
+            notes = (
+                self.model_note(name),
+                f"seed {params.seed}",
+                "stopped by you" if stopped else "",
+                format_note(params.constraint, stats.finish_reason),
+            )
             note = " · ".join(n for n in notes if n)
             final = self.conversations.show(
-                browser, new_view(cid, reply.id, reply.id if focus_new and text is None
-                                  else view["focus"]),
-                chat_status(stats, last.dropped_messages, note), query)
+                browser,
+                new_view(cid, reply.id, reply.id if focus_new and text is None else view["focus"]),
+                chat_status(stats, last.dropped_messages, note),
+                query,
+            )
             yield (*final, "", inspector_html(inspector))
 
     def saved_model(self, browser, view, model, status=""):
@@ -171,8 +217,14 @@ class ChatHandlers:
             path = self.conversations.path(owner_of(browser), view)
         except StoreError:
             return gr.update(), gr.update()  # the open itself said why
-        saved = next((m.settings.get("model") for m in reversed(path)
-                      if m.role == "assistant" and (m.settings or {}).get("model")), None)
+        saved = next(
+            (
+                m.settings.get("model")
+                for m in reversed(path)
+                if m.role == "assistant" and (m.settings or {}).get("model")
+            ),
+            None,
+        )
         if not isinstance(saved, str):
             return gr.update(), gr.update()  # no reply yet, or saved without a model
         if saved in self.models.names:
@@ -181,8 +233,10 @@ class ChatHandlers:
             current = self.models.resolve(model)
         except USER_ERRORS:
             current = self.models.default
-        note = html.escape(f"its last reply was made with model '{saved}', which is not served "
-                           f"here: replies now come from {current}")
+        note = html.escape(
+            f"its last reply was made with model '{saved}', which is not served "
+            f"here: replies now come from {current}"
+        )
         return gr.update(), f"{status} · {note}" if status else note
 
     def model_note(self, name: str) -> str:
@@ -191,24 +245,75 @@ class ChatHandlers:
 
     # explicit parameters: Gradio injects `request` and event data only into functions
     # without *args
-    def send(self, message, browser, view, query, system, preset, temperature, top_k, top_p,
-             min_p, repetition_penalty, max_new_tokens, seed, inspect_on,
-             output_format=FREE_TEXT, format_text="", model=None,
-             request: gr.Request | None = None):
+    def send(
+        self,
+        message,
+        browser,
+        view,
+        query,
+        system,
+        preset,
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        repetition_penalty,
+        max_new_tokens,
+        seed,
+        inspect_on,
+        output_format=FREE_TEXT,
+        format_text="",
+        model=None,
+        request: gr.Request | None = None,
+    ):
         """Send: the message goes under the leaf this tab shows."""
         settings = [temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens]
         if not (message or "").strip():
-            yield (*self._show(browser, view, error("the message is empty; type something to "
-                                                    "send"), query), message, "")
+            yield (
+                *self._show(
+                    browser, view, error("the message is empty; type something to send"), query
+                ),
+                message,
+                "",
+            )
             return
-        yield from self._respond(browser, view, query, system, preset, settings, seed,
-                                 inspect_on, request, output=(output_format, format_text),
-                                 model=model, text=message, under=view.get("leaf"))
+        yield from self._respond(
+            browser,
+            view,
+            query,
+            system,
+            preset,
+            settings,
+            seed,
+            inspect_on,
+            request,
+            output=(output_format, format_text),
+            model=model,
+            text=message,
+            under=view.get("leaf"),
+        )
 
-    def edit(self, browser, view, query, system, preset, temperature, top_k, top_p, min_p,
-             repetition_penalty, max_new_tokens, seed, inspect_on, edited: gr.EditData,
-             output_format=FREE_TEXT, format_text="", model=None,
-             request: gr.Request | None = None):
+    def edit(
+        self,
+        browser,
+        view,
+        query,
+        system,
+        preset,
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        repetition_penalty,
+        max_new_tokens,
+        seed,
+        inspect_on,
+        edited: gr.EditData,
+        output_format=FREE_TEXT,
+        format_text="",
+        model=None,
+        request: gr.Request | None = None,
+    ):
         """An edited user message: a new version of it (a branch; the old one is kept) and a
         reply to it."""
         settings = [temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens]
@@ -219,24 +324,57 @@ class ChatHandlers:
             return
         index = edited.index[0] if isinstance(edited.index, (list, tuple)) else edited.index
         text = strip_marks(message_text(edited.value))
-        if not isinstance(index, int) or not 0 <= index < len(path) or \
-                path[index].role != "user":
-            yield (*self._show(browser, view, error("only your own messages can be edited"),
-                               query), gr.update(), "")
+        if not isinstance(index, int) or not 0 <= index < len(path) or path[index].role != "user":
+            yield (
+                *self._show(browser, view, error("only your own messages can be edited"), query),
+                gr.update(),
+                "",
+            )
             return
         if not text.strip():
-            yield (*self._show(browser, view, error("the edited message is empty"), query),
-                   gr.update(), "")
+            yield (
+                *self._show(browser, view, error("the edited message is empty"), query),
+                gr.update(),
+                "",
+            )
             return
-        yield from self._respond(browser, view, query, system, preset, settings, seed,
-                                 inspect_on, request, output=(output_format, format_text),
-                                 model=model, text=text, under=path[index].parent_id,
-                                 focus_new=True)
+        yield from self._respond(
+            browser,
+            view,
+            query,
+            system,
+            preset,
+            settings,
+            seed,
+            inspect_on,
+            request,
+            output=(output_format, format_text),
+            model=model,
+            text=text,
+            under=path[index].parent_id,
+            focus_new=True,
+        )
 
-    def regenerate(self, browser, view, query, system, preset, temperature, top_k, top_p,
-                   min_p, repetition_penalty, max_new_tokens, seed, inspect_on,
-                   output_format=FREE_TEXT, format_text="", model=None,
-                   request: gr.Request | None = None):
+    def regenerate(
+        self,
+        browser,
+        view,
+        query,
+        system,
+        preset,
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        repetition_penalty,
+        max_new_tokens,
+        seed,
+        inspect_on,
+        output_format=FREE_TEXT,
+        format_text="",
+        model=None,
+        request: gr.Request | None = None,
+    ):
         """A new version of the last reply (a branch; the old reply is kept)."""
         settings = [temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens]
         try:
@@ -247,12 +385,27 @@ class ChatHandlers:
         while path and path[-1].role == "assistant":
             path.pop()
         if not path:
-            yield (*self._show(browser, view, error("nothing to regenerate yet"), query),
-                   gr.update(), "")
+            yield (
+                *self._show(browser, view, error("nothing to regenerate yet"), query),
+                gr.update(),
+                "",
+            )
             return
-        yield from self._respond(browser, view, query, system, preset, settings, seed,
-                                 inspect_on, request, output=(output_format, format_text),
-                                 model=model, reply_to=path[-1].id, focus_new=True)
+        yield from self._respond(
+            browser,
+            view,
+            query,
+            system,
+            preset,
+            settings,
+            seed,
+            inspect_on,
+            request,
+            output=(output_format, format_text),
+            model=model,
+            reply_to=path[-1].id,
+            focus_new=True,
+        )
 
     def stop(self, request: gr.Request | None = None) -> None:
         self.sessions.stop(request)
@@ -265,8 +418,15 @@ class ChatHandlers:
             leaf, text = self.store.undo_turn(owner_of(browser), view["cid"], view["leaf"])
         except StoreError as e:
             return (*self._show(browser, view, error(str(e)), query), "")
-        return (*self._show(browser, new_view(view["cid"], leaf),
-                            "last turn removed" if text else "nothing to undo", query), text)
+        return (
+            *self._show(
+                browser,
+                new_view(view["cid"], leaf),
+                "last turn removed" if text else "nothing to undo",
+                query,
+            ),
+            text,
+        )
 
     def clear(self, browser, query=""):
         """A new chat (the old one stays in the list): SHOWN values, message box, inspector."""
@@ -290,12 +450,14 @@ class ChatHandlers:
             focus = shown.view["focus"]
             if focus is None:
                 return shown._replace(status="this branch has no other versions")
-            depth = next(i for i, m in enumerate(self.conversations.path(owner, view))
-                         if m.id == focus)
+            depth = next(
+                i for i, m in enumerate(self.conversations.path(owner, view)) if m.id == focus
+            )
             leaf = self.store.switch(owner, focus, step)
             path = self.conversations.path(owner, new_view(view["cid"], leaf))
-            return self.conversations.show(browser, new_view(view["cid"], leaf,
-                                                             path[depth].id), "", query)
+            return self.conversations.show(
+                browser, new_view(view["cid"], leaf, path[depth].id), "", query
+            )
         except StoreError as e:
             return self._show(browser, view, error(str(e)), query)
 
@@ -310,32 +472,44 @@ class ChatHandlers:
         return preset_values(self.presets, name)
 
 
-def build_chat_tab(chat: ChatHandlers, default_preset: str,
-                   header: ModelHeader | None = None) -> "ChatTab":
+def build_chat_tab(
+    chat: ChatHandlers, default_preset: str, header: ModelHeader | None = None
+) -> "ChatTab":
     """The Chat tab, its sidebar and their events; call inside the app's `gr.Blocks`.
     `header`: the line above the tabs, redrawn after this tab's runs. Returns what
     the page-load event needs (`ChatTab.on_load`)."""
     side = SidebarHandlers(chat.conversations)
     # what the browser keeps: its owner id and open conversation, encrypted with a key kept in
     # the history database, so it still reads after a restart
-    browser = gr.BrowserState({"owner": None, "open": None}, storage_key=BROWSER_KEY,
-                              secret=chat.store.secret())
+    browser = gr.BrowserState(
+        {"owner": None, "open": None}, storage_key=BROWSER_KEY, secret=chat.store.secret()
+    )
     view = gr.State(new_view())
     with gr.Tab("Chat"):
         with gr.Row():
             with gr.Column(scale=1, min_width=220):
                 bar = build_sidebar(side)
             with gr.Column(scale=3):
-                chatbot = gr.Chatbot(label="Conversation", height=460, buttons=["copy"],
-                                     editable="user", elem_id="chatbot")
+                chatbot = gr.Chatbot(
+                    label="Conversation",
+                    height=460,
+                    buttons=["copy"],
+                    editable="user",
+                    elem_id="chatbot",
+                )
                 with gr.Row(visible=False) as versions:  # shown where a message has versions
                     branches = gr.Markdown("", elem_id="branches")
                     prev_btn = gr.Button("‹", size="sm", scale=0, min_width=40)
                     next_btn = gr.Button("›", size="sm", scale=0, min_width=40)
                 # one line that grows: Enter sends, Shift+Enter adds a line (common.KEYS_JS)
-                message = gr.Textbox(label="Message", placeholder="Type a message: Enter "
-                                     "sends, Shift+Enter adds a line", lines=1, max_lines=8,
-                                     autofocus=True, elem_id="chat-message")
+                message = gr.Textbox(
+                    label="Message",
+                    placeholder="Type a message: Enter sends, Shift+Enter adds a line",
+                    lines=1,
+                    max_lines=8,
+                    autofocus=True,
+                    elem_id="chat-message",
+                )
                 with gr.Row():
                     send_btn = gr.Button("Send", variant="primary")
                     stop_btn = gr.Button("Stop", variant="stop")
@@ -343,32 +517,49 @@ def build_chat_tab(chat: ChatHandlers, default_preset: str,
                     undo_btn = gr.Button("Undo")
                     clear_btn = gr.Button("Clear")
                 status = gr.Markdown("ready", elem_id="status")
-                inspect_on = gr.Checkbox(label="Token inspector", value=False,
-                                         info="shade each token by its probability; hover "
-                                              "one for a chart of the top-5 alternatives "
-                                              "before → after the sampling stages")
+                inspect_on = gr.Checkbox(
+                    label="Token inspector",
+                    value=False,
+                    info="shade each token by its probability; hover "
+                    "one for a chart of the top-5 alternatives "
+                    "before → after the sampling stages",
+                )
                 inspector_view = gr.HTML(elem_id="inspector")
             with gr.Column(scale=1):
                 model = build_model_picker(chat.models)
-                sampling = build_sampling(chat.presets, default_preset, chat.apply_preset,
-                                          "-1 = random (the seed drawn is shown and saved with "
-                                          "the reply); a fixed seed repeats a sampled reply")
-                system = gr.Textbox(label="System prompt", lines=3,
-                                    placeholder="(the model's default)")
+                sampling = build_sampling(
+                    chat.presets,
+                    default_preset,
+                    chat.apply_preset,
+                    "-1 = random (the seed drawn is shown and saved with "
+                    "the reply); a fixed seed repeats a sampled reply",
+                )
+                system = gr.Textbox(
+                    label="System prompt", lines=3, placeholder="(the model's default)"
+                )
                 output = build_output_format()
 
-    parts = {"browser": browser, "view": view, "chatbot": chatbot,
-             "conversations": bar["conversations"], "title": bar["title"], "system": system,
-             "branches": branches, "status": status}
+    parts = {
+        "browser": browser,
+        "view": view,
+        "chatbot": chatbot,
+        "conversations": bar["conversations"],
+        "title": bar["title"],
+        "system": system,
+        "branches": branches,
+        "status": status,
+    }
     shown = [parts[name] for name in SHOWN]
     q = bar["search"]
     # the handlers' parameters in order; Gradio puts an edit's EditData before the format's
     settings = [system, *sampling.inputs, inspect_on, *output.inputs, model]
     generating = dict(outputs=[*shown, message, inspector_view], concurrency_id=ENGINE_EVENTS)
-    runs = [send_btn.click(chat.send, [message, browser, view, q, *settings], **generating),
-            message.submit(chat.send, [message, browser, view, q, *settings], **generating),
-            regen_btn.click(chat.regenerate, [browser, view, q, *settings], **generating),
-            chatbot.edit(chat.edit, [browser, view, q, *settings], **generating)]
+    runs = [
+        send_btn.click(chat.send, [message, browser, view, q, *settings], **generating),
+        message.submit(chat.send, [message, browser, view, q, *settings], **generating),
+        regen_btn.click(chat.regenerate, [browser, view, q, *settings], **generating),
+        chatbot.edit(chat.edit, [browser, view, q, *settings], **generating),
+    ]
     follow_picker(chat.models, model, runs)
     if header is not None:
         header.refresh_after(runs)
@@ -379,11 +570,14 @@ def build_chat_tab(chat: ChatHandlers, default_preset: str,
     chatbot.select(chat.choose, [browser, view, q], shown)
     prev_btn.click(chat.previous_version, [browser, view, q], shown)
     next_btn.click(chat.next_version, [browser, view, q], shown)
-    branches.change(lambda line: gr.update(visible=bool(line)), branches, versions,
-                    queue=False)
+    branches.change(lambda line: gr.update(visible=bool(line)), branches, versions, queue=False)
     # a saved conversation that opens moves the Model dropdown to the model of its last reply
-    follow_saved = dict(fn=chat.saved_model, inputs=[browser, view, model, status],
-                        outputs=[model, status], show_progress="hidden")
+    follow_saved = dict(
+        fn=chat.saved_model,
+        inputs=[browser, view, model, status],
+        outputs=[model, status],
+        show_progress="hidden",
+    )
     for opened in wire_sidebar(side, bar, shown, browser, view):
         opened.then(**follow_saved)
     return ChatTab(side, browser, shown, q, bar["info"], follow_saved)
@@ -391,6 +585,7 @@ def build_chat_tab(chat: ChatHandlers, default_preset: str,
 
 class ChatTab(NamedTuple):
     """What the app needs after laying the tab out: the page-load event's parts."""
+
     sidebar: SidebarHandlers
     browser: gr.BrowserState
     shown: list

@@ -2,7 +2,6 @@
 streamed reply as a tab paints it, the event groups, and the cancel events of each browser
 session (Stop ends what it runs)."""
 
-
 from __future__ import annotations
 
 import html
@@ -37,6 +36,8 @@ class Reading:
             if self.last.text and time.perf_counter() - last_paint >= PAINT_INTERVAL_S:
                 last_paint = time.perf_counter()
                 yield self.text
+
+
 # The events that run the engine (Send, Regenerate, Compare) share one Gradio concurrency group:
 # as many run at once as the engine admits (the app's queue sets the limit to its max_queue),
 # so the replies of many browsers advance in the same forward passes; past it they wait their
@@ -89,8 +90,14 @@ def message_text(content) -> str:
 
 
 # -- Presets and sampling controls -----------------------------------------------------------
-assert list(FIELDS) == ["temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-                        "max_new_tokens"], "the handlers take the sliders in this order"
+assert list(FIELDS) == [
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "max_new_tokens",
+], "the handlers take the sliders in this order"
 
 
 def counts_from(text, what: str, example: str) -> list[int]:
@@ -102,8 +109,10 @@ def counts_from(text, what: str, example: str) -> list[int]:
     except ValueError:
         counts = []
     if not counts:
-        raise ConfigError(f"{what}: write whole numbers separated by commas, like {example} "
-                          f"(got {str(text or '').strip()!r})")
+        raise ConfigError(
+            f"{what}: write whole numbers separated by commas, like {example} "
+            f"(got {str(text or '').strip()!r})"
+        )
     return counts
 
 
@@ -126,6 +135,7 @@ class Cancel(threading.Event):
 class Run(NamedTuple):
     """One reply, generation or comparison of a browser session: its cancel event; `ended`,
     set once it has written its last output; `kind`, the tab that runs it."""
+
     cancel: Cancel
     ended: threading.Event
     kind: str
@@ -160,8 +170,9 @@ class Sessions:
 
     def _runs_of(self, request, kind: str | None = None) -> list[Run]:
         with self._lock:
-            return [r for r in self._runs.get(session_of(request), ())
-                    if kind is None or r.kind == kind]
+            return [
+                r for r in self._runs.get(session_of(request), ()) if kind is None or r.kind == kind
+            ]
 
     def stop(self, request) -> bool:
         """Cancel everything the request's session is running; False when it runs nothing."""

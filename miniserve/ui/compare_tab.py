@@ -37,11 +37,15 @@ from miniserve.ui.widgets import (
     whole,
 )
 
-ABOUT = ("One prompt, several presets, the same seed: see what greedy, top-k and top-p change. "
-         "The columns run as one batch: each engine step advances every column by a token.")
-ABOUT_MODELS = (" With several models chosen, each model runs its columns on its own engine, "
-                "at the same time as the others (and those not loaded yet load at the same "
-                "time); a base model (no chat template) continues the prompt as text.")
+ABOUT = (
+    "One prompt, several presets, the same seed: see what greedy, top-k and top-p change. "
+    "The columns run as one batch: each engine step advances every column by a token."
+)
+ABOUT_MODELS = (
+    " With several models chosen, each model runs its columns on its own engine, "
+    "at the same time as the others (and those not loaded yet load at the same "
+    "time); a base model (no chat template) continues the prompt as text."
+)
 DEFAULT_CHOICE = ("factual", "balanced", "creative")
 COMPLETION = "completion mode (no chat template)"
 
@@ -51,17 +55,31 @@ class CompareHandlers:
     (model, preset, False) for each model and preset under the output format, then
     (model, preset, True) for each without it."""
 
-    def __init__(self, models: Models | Engine, presets: dict[str, SamplingParams],
-                 sessions: Sessions | None = None):
+    def __init__(
+        self,
+        models: Models | Engine,
+        presets: dict[str, SamplingParams],
+        sessions: Sessions | None = None,
+    ):
         self.models = Models.of(models)
         self.presets = presets
         self.sessions = sessions or Sessions()
-        self.slots = [(m, n, free) for free in (False, True) for m in self.models.names
-                      for n in presets]
+        self.slots = [
+            (m, n, free) for free in (False, True) for m in self.models.names for n in presets
+        ]
 
-    def compare(self, prompt, chosen, seed, max_tokens, output_format=FREE_TEXT,
-                format_text="", also_free=False, models=None,
-                request: gr.Request | None = None):
+    def compare(
+        self,
+        prompt,
+        chosen,
+        seed,
+        max_tokens,
+        output_format=FREE_TEXT,
+        format_text="",
+        also_free=False,
+        models=None,
+        request: gr.Request | None = None,
+    ):
         """Answer `prompt` with each preset named in `chosen`, held to the output format, by
         each model in `models` (None: the default model); with `also_free` (and a format),
         each preset a second time without it, in the same batch. Yields [status, one update
@@ -83,11 +101,15 @@ class CompareHandlers:
             runs = [(n, False) for n in names]  # each model's batch: (preset, free)
             if also_free and constraint is not None:
                 runs += [(n, True) for n in names]
-            settings = [self.presets[n].replace(seed=seed, max_new_tokens=whole(max_tokens),
-                                                constraint=None if free else constraint)
-                        for n, free in runs]
-            chosen_models = list(dict.fromkeys(self.models.resolve(m)
-                                               for m in (models or [None])))
+            settings = [
+                self.presets[n].replace(
+                    seed=seed,
+                    max_new_tokens=whole(max_tokens),
+                    constraint=None if free else constraint,
+                )
+                for n, free in runs
+            ]
+            chosen_models = list(dict.fromkeys(self.models.resolve(m) for m in (models or [None])))
         except USER_ERRORS as e:
             yield [error(user_message(e))] + hidden
             return
@@ -106,29 +128,44 @@ class CompareHandlers:
                     raw = not engine.has_chat_template
                     # a cancel event per model: a stream that ends sets its own event
                     stop = threading.Event()
-                    streams[name] = (raw, stop, engine.compare_prompt(
-                        prompt, settings, raw=raw, cancel=stop))
+                    streams[name] = (
+                        raw,
+                        stop,
+                        engine.compare_prompt(prompt, settings, raw=raw, cancel=stop),
+                    )
                 except USER_ERRORS as e:
                     failed[name] = user_message(e)
                 except Exception as e:  # noqa: BLE001 -- show it; the other models run
                     failed[name] = f"{type(e).__name__}: {e}"
             if not streams:
-                reasons = [failed[m] if len(failed) == 1 else f"{m}: {failed[m]}"
-                           for m in chosen_models]
+                reasons = [
+                    failed[m] if len(failed) == 1 else f"{m}: {failed[m]}" for m in chosen_models
+                ]
                 yield [error("; ".join(reasons))] + hidden
                 return
             batch = self.batch(names, runs, constraint)
             if len(chosen_models) > 1:
                 batch = f"{len(chosen_models)} models at the same time, each with {batch}"
-            note = (" · “Also without the output format” needs an output format"
-                    if also_free and constraint is None else "")
-            yield from self._stream(streams, chosen_models, runs, settings, constraint,
-                                    failed, cancel, batch,
-                                    f"same prompt, seed {seed if seed is not None else 'random'}"
-                                    f", {batch}{note}")
+            note = (
+                " · “Also without the output format” needs an output format"
+                if also_free and constraint is None
+                else ""
+            )
+            yield from self._stream(
+                streams,
+                chosen_models,
+                runs,
+                settings,
+                constraint,
+                failed,
+                cancel,
+                batch,
+                f"same prompt, seed {seed if seed is not None else 'random'}, {batch}{note}",
+            )
 
-    def _stream(self, streams, chosen_models, runs, settings, constraint, failed, cancel,
-                batch, summary):
+    def _stream(
+        self, streams, chosen_models, runs, settings, constraint, failed, cancel, batch, summary
+    ):
         """Read every model's stream on a thread of its own, repainting the columns as their
         text arrives; Stop (the session's cancel event) ends them all."""
         arrived: queue.Queue = queue.Queue()
@@ -145,8 +182,9 @@ class CompareHandlers:
         footers = {key: "" for key in texts}
         raw = {m: r for m, (r, _, _) in streams.items()}
         for name, (_, _, stream) in streams.items():
-            threading.Thread(target=read, args=(name, stream), daemon=True,
-                             name=f"compare-{name}").start()
+            threading.Thread(
+                target=read, args=(name, stream), daemon=True, name=f"compare-{name}"
+            ).start()
         running, last_paint = set(streams), 0.0
         try:
             while running:
@@ -161,8 +199,11 @@ class CompareHandlers:
                     continue
                 if col is None:
                     if isinstance(item, BaseException):
-                        failed[name] = (user_message(item) if isinstance(item, USER_ERRORS)
-                                        else f"{type(item).__name__}: {item}")
+                        failed[name] = (
+                            user_message(item)
+                            if isinstance(item, USER_ERRORS)
+                            else f"{type(item).__name__}: {item}"
+                        )
                     else:
                         running.discard(name)
                     continue
@@ -172,22 +213,29 @@ class CompareHandlers:
                 if item.done or time.perf_counter() - last_paint >= PAINT_INTERVAL_S:
                     last_paint = time.perf_counter()
                     yield [f"comparing {batch}…"] + self.columns(
-                        texts, footers, constraint, raw, failed, chosen_models, runs)
+                        texts, footers, constraint, raw, failed, chosen_models, runs
+                    )
         finally:  # the page went away: the streams stop too
             for _, stop, _ in streams.values():
                 stop.set()
-        note = (f" · {len(failed)} of {len(chosen_models)} models did not run (their columns "
-                f"say why)" if failed else "")
+        note = (
+            f" · {len(failed)} of {len(chosen_models)} models did not run (their columns say why)"
+            if failed
+            else ""
+        )
         yield [summary + note] + self.columns(
-            texts, footers, constraint, raw, failed, chosen_models, runs)
+            texts, footers, constraint, raw, failed, chosen_models, runs
+        )
 
     @staticmethod
     def footer(chunk, constraint) -> str:
         stats = chunk.stats
         ending = format_note(constraint, stats.finish_reason)
-        return (f"{stats.new_tokens} tokens · {stats.decode_tokens_per_s:.1f} tokens/s"
-                + (f" · {stats.finish_reason}" if chunk.done else "")
-                + (f" · {ending}" if chunk.done and ending else ""))
+        return (
+            f"{stats.new_tokens} tokens · {stats.decode_tokens_per_s:.1f} tokens/s"
+            + (f" · {stats.finish_reason}" if chunk.done else "")
+            + (f" · {ending}" if chunk.done and ending else "")
+        )
 
     @staticmethod
     def batch(names, runs, constraint) -> str:
@@ -197,8 +245,9 @@ class CompareHandlers:
             return f"{presets} as one batch"
         label = format_label(constraint)
         if len(runs) > len(names):
-            return (f"{presets} with and without the {label} format, {len(runs)} replies as "
-                    f"one batch")
+            return (
+                f"{presets} with and without the {label} format, {len(runs)} replies as one batch"
+            )
         return f"{presets} as one batch, output format {label}"
 
     def columns(self, texts, footers, constraint, raw, failed, chosen_models, runs) -> list:
@@ -214,12 +263,20 @@ class CompareHandlers:
                 out.append(gr.update(visible=False, value=""))
                 continue
             p = self.presets[name]
-            title = ((f"{model} · " if several else "") + name
-                     + (f" · {format_label(None if free else constraint)}"
-                        if constraint is not None else "")
-                     + (f" · {COMPLETION}" if raw.get(model) else ""))
-            head = (f"### {title}\n`T={p.temperature:g} top_k={p.top_k} top_p={p.top_p:g} "
-                    f"min_p={p.min_p:g} rep={p.repetition_penalty:g}`\n\n")
+            title = (
+                (f"{model} · " if several else "")
+                + name
+                + (
+                    f" · {format_label(None if free else constraint)}"
+                    if constraint is not None
+                    else ""
+                )
+                + (f" · {COMPLETION}" if raw.get(model) else "")
+            )
+            head = (
+                f"### {title}\n`T={p.temperature:g} top_k={p.top_k} top_p={p.top_p:g} "
+                f"min_p={p.min_p:g} rep={p.repetition_penalty:g}`\n\n"
+            )
             if model in failed:
                 body = error(failed[model])
             else:
@@ -237,34 +294,48 @@ def build_compare_tab(compare: CompareHandlers, header: ModelHeader | None = Non
         gr.Markdown(ABOUT + (ABOUT_MODELS if several else ""))
         with gr.Row():
             prompt = gr.Textbox(label="Prompt", scale=3, value="Write one sentence about a cat.")
-            chosen = gr.CheckboxGroup(choices=list(presets), label="Presets",
-                                      value=[n for n in DEFAULT_CHOICE if n in presets])
+            chosen = gr.CheckboxGroup(
+                choices=list(presets),
+                label="Presets",
+                value=[n for n in DEFAULT_CHOICE if n in presets],
+            )
         # shown only when the app serves several models (with one there is nothing to choose)
-        chosen_models = gr.CheckboxGroup(choices=models.names, value=[models.default],
-                                         label="Models", visible=several,
-                                         info="each chosen model answers with every chosen "
-                                              "preset; a model not loaded yet loads first")
+        chosen_models = gr.CheckboxGroup(
+            choices=models.names,
+            value=[models.default],
+            label="Models",
+            visible=several,
+            info="each chosen model answers with every chosen "
+            "preset; a model not loaded yet loads first",
+        )
         with gr.Row():
             seed = gr.Number(label="Compare seed", value=42, precision=0, info="-1 = random")
-            tokens = gr.Slider(minimum=1, maximum=512, value=48, step=1,
-                               label="Tokens per column")
+            tokens = gr.Slider(minimum=1, maximum=512, value=48, step=1, label="Tokens per column")
             button = gr.Button("Compare", variant="primary")
         with gr.Row():
             with gr.Column(scale=3):
                 output = build_output_format()
-            also_free = gr.Checkbox(label="Also without the output format", scale=1,
-                                    info="each preset twice in the same batch: with the "
-                                         "format and without it, side by side")
+            also_free = gr.Checkbox(
+                label="Also without the output format",
+                scale=1,
+                info="each preset twice in the same batch: with the "
+                "format and without it, side by side",
+            )
         status = gr.Markdown()
         # one row: a preset's columns side by side, each model's next to the others', each
         # beside its column without the format; a narrow page wraps them
         with gr.Row():
-            slots = {(m, n, free): gr.Markdown(visible=False, elem_classes=["ms-column"],
-                                               min_width=240)
-                     for n in presets for m in models.names for free in (False, True)}
-    run = button.click(compare.compare,
-                       [prompt, chosen, seed, tokens, *output.inputs, also_free, chosen_models],
-                       [status, *(slots[slot] for slot in compare.slots)],
-                       concurrency_id=ENGINE_EVENTS)
+            slots = {
+                (m, n, free): gr.Markdown(visible=False, elem_classes=["ms-column"], min_width=240)
+                for n in presets
+                for m in models.names
+                for free in (False, True)
+            }
+    run = button.click(
+        compare.compare,
+        [prompt, chosen, seed, tokens, *output.inputs, also_free, chosen_models],
+        [status, *(slots[slot] for slot in compare.slots)],
+        concurrency_id=ENGINE_EVENTS,
+    )
     if header is not None:
         header.refresh_after([run])

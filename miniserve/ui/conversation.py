@@ -82,24 +82,37 @@ class Conversations:
         return browser
 
     def choices(self, owner: str, query: str = "") -> list[tuple[str, str]]:
-        return [(f"{c.title or 'New chat'} · {when(c.updated)}", c.id)
-                for c in self.store.conversations(owner, query or "", LIST_LIMIT)]
+        return [
+            (f"{c.title or 'New chat'} · {when(c.updated)}", c.id)
+            for c in self.store.conversations(owner, query or "", LIST_LIMIT)
+        ]
 
     def listing(self, owner: str, cid: str | None, query: str = "") -> dict:
         choices = self.choices(owner, query)
         return gr.update(choices=choices, value=cid if cid in {c for _, c in choices} else None)
 
     def path(self, owner: str, view: dict) -> list[Message]:
-        return self.store.path(owner, view["cid"], view["leaf"]) if view.get("cid") and \
-            view.get("leaf") else []
+        return (
+            self.store.path(owner, view["cid"], view["leaf"])
+            if view.get("cid") and view.get("leaf")
+            else []
+        )
 
     def show(self, browser: dict, view: dict, status: str = "", query: str = "") -> Shown:
         """The browser tab showing `view`'s conversation up to its leaf."""
         owner = owner_of(browser)
         cid = view.get("cid")
         if cid is None:
-            return Shown({**browser, "open": None}, new_view(), [],
-                         self.listing(owner, None, query), "", gr.update(), "", status)
+            return Shown(
+                {**browser, "open": None},
+                new_view(),
+                [],
+                self.listing(owner, None, query),
+                "",
+                gr.update(),
+                "",
+                status,
+            )
         conv = self.store.get(owner, cid)
         path = self.path(owner, view)
         branches = self.store.branches(owner, path)
@@ -113,8 +126,16 @@ class Conversations:
             shown.append({"role": m.role, "content": text})
         focus = self.focus(path, branches, view.get("focus"))
         view = new_view(cid, view.get("leaf"), focus)
-        return Shown({**browser, "open": cid}, view, shown, self.listing(owner, cid, query),
-                     conv.title, conv.system, self.branch_line(path, branches, focus), status)
+        return Shown(
+            {**browser, "open": cid},
+            view,
+            shown,
+            self.listing(owner, cid, query),
+            conv.title,
+            conv.system,
+            self.branch_line(path, branches, focus),
+            status,
+        )
 
     @staticmethod
     def focus(path, branches, wanted: str | None) -> str | None:
@@ -132,11 +153,14 @@ class Conversations:
         i = next(i for i, m in enumerate(path) if m.id == focus)
         b = branches[i]
         who = "your message" if path[i].role == "user" else "the reply"
-        return (f"‹ › step through the versions of {who} #{i + 1} (now {b.index} of {b.count}); "
-                f"click another message marked ‹ › to choose it")
+        return (
+            f"‹ › step through the versions of {who} #{i + 1} (now {b.index} of {b.count}); "
+            f"click another message marked ‹ › to choose it"
+        )
 
-    def open(self, browser, cid: str, status: str = "", query: str = "",
-             focus: str | None = None) -> Shown:
+    def open(
+        self, browser, cid: str, status: str = "", query: str = "", focus: str | None = None
+    ) -> Shown:
         """Open a conversation at its open leaf."""
         conv = self.store.get(owner_of(browser), cid)
         return self.show(browser, new_view(cid, conv.leaf, focus), status, query)

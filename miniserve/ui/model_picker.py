@@ -1,7 +1,6 @@
 """The Model dropdown and loading a model with its progress on the status line; the header
 that says where each model runs."""
 
-
 from __future__ import annotations
 
 import queue
@@ -16,6 +15,7 @@ from miniserve.ui.common import ModelUnavailable, error
 
 # -- Models -----------------------------------------------------------------------------------
 
+
 def picker_info(models: Models, name) -> str:
     """The line under a Model dropdown: what the chosen model is and where it runs."""
     try:
@@ -28,15 +28,21 @@ def build_model_picker(models: Models) -> gr.Dropdown:
     """The Model dropdown (call inside a layout block); `follow_picker` wires it once the
     tab's runs exist. Shown only when the app serves more than one model: with one, the
     header names it and a dropdown of one choice does nothing."""
-    return gr.Dropdown(models.names, value=models.default, label="Model",
-                       visible=len(models.names) > 1, elem_classes=["ms-model"],
-                       info=picker_info(models, models.default))
+    return gr.Dropdown(
+        models.names,
+        value=models.default,
+        label="Model",
+        visible=len(models.names) > 1,
+        elem_classes=["ms-model"],
+        info=picker_info(models, models.default),
+    )
 
 
 def follow_picker(models: Models, picker: gr.Dropdown, runs=()) -> None:
     """The dropdown's line describes its choice: redrawn when the choice changes (by the user
     or by a handler) and after each of the tab's `runs` (a model loaded by one is then
     described in full)."""
+
     def describe(name):
         return gr.update(info=picker_info(models, name))
 
@@ -48,6 +54,7 @@ def follow_picker(models: Models, picker: gr.Dropdown, runs=()) -> None:
 def start_load(models: Models, name: str, messages: queue.Queue) -> None:
     """Load `name` on a thread of its own, putting (name, item) on `messages`: each progress
     line, then None when it is loaded or the exception when the load failed."""
+
     def load():
         try:
             models.get(name, progress=lambda m: messages.put((name, str(m))))
@@ -58,8 +65,9 @@ def start_load(models: Models, name: str, messages: queue.Queue) -> None:
     threading.Thread(target=load, name=f"load-{name}", daemon=True).start()
 
 
-def load_messages(models: Models, name: str,
-                  cancel: threading.Event | None = None) -> Iterator[str]:
+def load_messages(
+    models: Models, name: str, cancel: threading.Event | None = None
+) -> Iterator[str]:
     """Load a model that is not loaded (on a thread), yielding its progress for the tab's
     status line; nothing when it is loaded. Raises UnknownModel, or ModelUnavailable when the
     load fails. A set `cancel` (Stop, Undo) ends the waiting, not the load, which goes on."""
@@ -86,8 +94,9 @@ def load_together(models: Models, names: list[str]) -> Iterator[tuple[dict, dict
     slow or failing one delays none of the others. Yields (progress, failed) after each
     message: the last progress line of each model still loading, and the reason of each that
     failed (ModelUnavailable's message); nothing when all are loaded."""
-    waiting = [n for n in dict.fromkeys(models.resolve(n) for n in names)
-               if not models.is_loaded(n)]
+    waiting = [
+        n for n in dict.fromkeys(models.resolve(n) for n in names) if not models.is_loaded(n)
+    ]
     messages: queue.Queue = queue.Queue()
     for name in waiting:
         start_load(models, name, messages)
@@ -109,18 +118,24 @@ def load_together(models: Models, names: list[str]) -> Iterator[tuple[dict, dict
 
 def loading_line(progress: dict, failed: dict) -> str:
     """The status line while models load together: each one's progress or why it failed."""
-    return " · ".join([f"loading model {n}" + (f": {m}" if m else "…")
-                       for n, m in progress.items()]
-                      + [error(reason) for reason in failed.values()])
+    return " · ".join(
+        [f"loading model {n}" + (f": {m}" if m else "…") for n, m in progress.items()]
+        + [error(reason) for reason in failed.values()]
+    )
 
 
 def where(info: dict) -> str:
     """Where and how a loaded local model runs, and its context."""
-    precision = info["dtype"] + (f" weights, {info['compute_dtype']} arithmetic"
-                                 if info["compute_dtype"] != info["dtype"] else "")
-    return (f"on {info['device']} ({precision}, {info['runner']} runner"
-            + (f", {info['kernels']} kernels" if info["kernels"] else "")
-            + f"), context {info['context_length']} tokens")
+    precision = info["dtype"] + (
+        f" weights, {info['compute_dtype']} arithmetic"
+        if info["compute_dtype"] != info["dtype"]
+        else ""
+    )
+    return (
+        f"on {info['device']} ({precision}, {info['runner']} runner"
+        + (f", {info['kernels']} kernels" if info["kernels"] else "")
+        + f"), context {info['context_length']} tokens"
+    )
 
 
 def header(info: dict) -> str:
@@ -140,8 +155,7 @@ def model_details(models: Models, name: str | None = None) -> str:
         return where(engine.info()) + ("" if engine.has_chat_template else f" · {BASE_MODEL}")
     if spec.remote:
         context = engine.context_length if engine is not None else spec.context
-        return f"on the server {spec.source}" + (f", context {context} tokens" if context
-                                                  else "")
+        return f"on the server {spec.source}" + (f", context {context} tokens" if context else "")
     return "(loads when first used)"
 
 

@@ -60,25 +60,58 @@ class NotebookHandlers:
     Model dropdown (None: the default model); they yield (text, history, status, inspector
     HTML). `request` (injected by Gradio) names the browser session that Stop cancels."""
 
-    def __init__(self, models: Models | Engine, presets: dict[str, SamplingParams],
-                 sessions: Sessions | None = None):
+    def __init__(
+        self,
+        models: Models | Engine,
+        presets: dict[str, SamplingParams],
+        sessions: Sessions | None = None,
+    ):
         self.models = Models.of(models)
         self.presets = presets
         self.sessions = sessions or Sessions()
 
-    def generate(self, text, history, temperature, top_k, top_p, min_p, repetition_penalty,
-                 max_new_tokens, seed, inspect_on, output_format=FREE_TEXT, format_text="",
-                 model=None, request: gr.Request | None = None):
+    def generate(
+        self,
+        text,
+        history,
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        repetition_penalty,
+        max_new_tokens,
+        seed,
+        inspect_on,
+        output_format=FREE_TEXT,
+        format_text="",
+        model=None,
+        request: gr.Request | None = None,
+    ):
         """Continue the text as it is; Undo will bring this text back."""
         settings = [temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens]
         start = text or ""
         history = [*(history or []), start][-UNDO_DEPTH:]
-        yield from self._continue(start, history, settings, seed, inspect_on,
-                                  (output_format, format_text), model, request)
+        yield from self._continue(
+            start, history, settings, seed, inspect_on, (output_format, format_text), model, request
+        )
 
-    def regenerate(self, text, history, temperature, top_k, top_p, min_p, repetition_penalty,
-                   max_new_tokens, seed, inspect_on, output_format=FREE_TEXT, format_text="",
-                   model=None, request: gr.Request | None = None):
+    def regenerate(
+        self,
+        text,
+        history,
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        repetition_penalty,
+        max_new_tokens,
+        seed,
+        inspect_on,
+        output_format=FREE_TEXT,
+        format_text="",
+        model=None,
+        request: gr.Request | None = None,
+    ):
         """The last generation again, from the text as it was before it (what is in the box
         now is replaced; Undo still brings back that earlier text)."""
         settings = [temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens]
@@ -86,8 +119,16 @@ class NotebookHandlers:
         if not history:
             yield gr.update(), history, error("nothing to regenerate yet: Generate first"), ""
             return
-        yield from self._continue(history[-1], history, settings, seed, inspect_on,
-                                  (output_format, format_text), model, request)
+        yield from self._continue(
+            history[-1],
+            history,
+            settings,
+            seed,
+            inspect_on,
+            (output_format, format_text),
+            model,
+            request,
+        )
 
     def undo(self, text, history, request: gr.Request | None = None):
         """The text as it was before the last generation: (text, history, status). A
@@ -96,8 +137,15 @@ class NotebookHandlers:
         if not history:
             return gr.update(), history, "nothing to undo"
         *history, before = history
-        return before, history, ("the generation was stopped and taken back" if stopped
-                                 else "the last generation was taken back")
+        return (
+            before,
+            history,
+            (
+                "the generation was stopped and taken back"
+                if stopped
+                else "the last generation was taken back"
+            ),
+        )
 
     def stop(self, request: gr.Request | None = None) -> None:
         self.sessions.stop(request)
@@ -106,8 +154,9 @@ class NotebookHandlers:
         """The sliders' values (FIELDS order) of a preset."""
         return preset_values(self.presets, name)
 
-    def _continue(self, start: str, history: list, settings, seed, inspect_on, output, model,
-                  request):
+    def _continue(
+        self, start: str, history: list, settings, seed, inspect_on, output, model, request
+    ):
         """Stream the continuation of `start` into the box, after it. On an error the box is
         left as it is (nothing was written) and the history as it was."""
         unchanged = gr.update()
@@ -122,13 +171,22 @@ class NotebookHandlers:
                 for note in load_messages(self.models, name, cancel):
                     yield unchanged, unchanged, note, ""
                 if cancel.is_set():  # (taken over: Undo or Regenerate writes the status)
-                    yield (unchanged, unchanged,
-                           unchanged if cancel.taken_over else "stopped before it started", "")
+                    yield (
+                        unchanged,
+                        unchanged,
+                        unchanged if cancel.taken_over else "stopped before it started",
+                        "",
+                    )
                     return
                 engine = held.enter_context(using(self.models, name))
                 inspector = Inspector(engine.tokenizer, params) if inspect_on else None
-                stream = engine.complete_text(start, params, trim=True, cancel=cancel,
-                                              observer=inspector.observe if inspector else None)
+                stream = engine.complete_text(
+                    start,
+                    params,
+                    trim=True,
+                    cancel=cancel,
+                    observer=inspector.observe if inspector else None,
+                )
             except USER_ERRORS as e:
                 yield unchanged, unchanged, error(user_message(e)), ""
                 return
@@ -148,18 +206,22 @@ class NotebookHandlers:
                 yield unchanged, unchanged, unchanged, unchanged
                 return
             if last is None or not last.done:
-                yield start + written, history, error("the generation ended without its "
-                                                      "stats"), ""
+                yield start + written, history, error("the generation ended without its stats"), ""
                 return
             stats = last.stats
-            notes = (f"model {name}" if len(self.models.names) > 1 else "",
-                     f"seed {params.seed}",
-                     "stopped by you" if stats.finish_reason == "cancelled" else "",
-                     self.trim_note(engine, start, stats.prompt_tokens),
-                     format_note(params.constraint, stats.finish_reason))
-            yield (start + written, history,
-                   notebook_status(stats, " · ".join(n for n in notes if n)),
-                   inspector_html(inspector))
+            notes = (
+                f"model {name}" if len(self.models.names) > 1 else "",
+                f"seed {params.seed}",
+                "stopped by you" if stats.finish_reason == "cancelled" else "",
+                self.trim_note(engine, start, stats.prompt_tokens),
+                format_note(params.constraint, stats.finish_reason),
+            )
+            yield (
+                start + written,
+                history,
+                notebook_status(stats, " · ".join(n for n in notes if n)),
+                inspector_html(inspector),
+            )
 
     @staticmethod
     def trim_note(engine, text: str, prompt_tokens: int) -> str:
@@ -170,47 +232,66 @@ class NotebookHandlers:
         total = len(engine.tokenizer(text)["input_ids"])
         if total <= prompt_tokens:
             return ""
-        return (f"the text is {total} tokens: the model saw its last {prompt_tokens} (the "
-                f"context is {engine.context_length} with room for max new tokens)")
+        return (
+            f"the text is {total} tokens: the model saw its last {prompt_tokens} (the "
+            f"context is {engine.context_length} with room for max new tokens)"
+        )
 
 
-def build_notebook_tab(notebook: NotebookHandlers, default_preset: str,
-                       header: ModelHeader | None = None) -> None:
+def build_notebook_tab(
+    notebook: NotebookHandlers, default_preset: str, header: ModelHeader | None = None
+) -> None:
     """The Notebook tab and its events; call inside the app's `gr.Blocks`. `header`: the line
     above the tabs, redrawn after this tab's runs."""
     history = gr.State([])
     with gr.Tab("Notebook"):
         with gr.Row():
             with gr.Column(scale=3):
-                text = gr.Textbox(label="Text", lines=22, max_lines=40, placeholder=PLACEHOLDER,
-                                  elem_id="notebook-text", elem_classes=[CTRL_ENTER])
+                text = gr.Textbox(
+                    label="Text",
+                    lines=22,
+                    max_lines=40,
+                    placeholder=PLACEHOLDER,
+                    elem_id="notebook-text",
+                    elem_classes=[CTRL_ENTER],
+                )
                 with gr.Row():  # Ctrl+Enter in the text: Generate (common.KEYS_JS)
-                    generate_btn = gr.Button("Generate", variant="primary",
-                                             elem_classes=[CTRL_ENTER_TARGET])
+                    generate_btn = gr.Button(
+                        "Generate", variant="primary", elem_classes=[CTRL_ENTER_TARGET]
+                    )
                     stop_btn = gr.Button("Stop", variant="stop")
                     regen_btn = gr.Button("Regenerate")
                     undo_btn = gr.Button("Undo")
-                status = gr.Markdown("completion mode: the model continues the text as it is, "
-                                     "no chat template", elem_id="notebook-status",
-                                     elem_classes=["ms-status"])
-                inspect_on = gr.Checkbox(label="Token inspector", value=False,
-                                         info="shade each generated token by its probability; "
-                                              "hover one for a chart of the top-5 "
-                                              "alternatives before → after the sampling "
-                                              "stages")
+                status = gr.Markdown(
+                    "completion mode: the model continues the text as it is, no chat template",
+                    elem_id="notebook-status",
+                    elem_classes=["ms-status"],
+                )
+                inspect_on = gr.Checkbox(
+                    label="Token inspector",
+                    value=False,
+                    info="shade each generated token by its probability; "
+                    "hover one for a chart of the top-5 "
+                    "alternatives before → after the sampling "
+                    "stages",
+                )
                 inspector_view = gr.HTML(elem_id="notebook-inspector")
             with gr.Column(scale=1):
                 model = build_model_picker(notebook.models)
-                sampling = build_sampling(notebook.presets, default_preset,
-                                          notebook.apply_preset,
-                                          "-1 = random (the seed drawn is shown); a fixed "
-                                          "seed repeats a sampled continuation")
+                sampling = build_sampling(
+                    notebook.presets,
+                    default_preset,
+                    notebook.apply_preset,
+                    "-1 = random (the seed drawn is shown); a fixed "
+                    "seed repeats a sampled continuation",
+                )
                 output = build_output_format()
     settings = [*sampling.sliders, sampling.seed, inspect_on, *output.inputs, model]
-    generating = dict(outputs=[text, history, status, inspector_view],
-                      concurrency_id=ENGINE_EVENTS)
-    runs = [generate_btn.click(notebook.generate, [text, history, *settings], **generating),
-            regen_btn.click(notebook.regenerate, [text, history, *settings], **generating)]
+    generating = dict(outputs=[text, history, status, inspector_view], concurrency_id=ENGINE_EVENTS)
+    runs = [
+        generate_btn.click(notebook.generate, [text, history, *settings], **generating),
+        regen_btn.click(notebook.regenerate, [text, history, *settings], **generating),
+    ]
     stop_btn.click(notebook.stop, None, None, queue=False)
     # queued, as the generation is, so that both reach the page on its one event stream in the
     # order they are sent: Undo stops a running generation and waits for it to end first (its

@@ -1,6 +1,5 @@
 """The token inspector's HTML, as the Chat and Notebook tabs show it."""
 
-
 from __future__ import annotations
 
 import html
@@ -16,9 +15,11 @@ def grammar_line(steps) -> str:
     if not masses:
         return ""
     bent = sum(m >= BENT for m in masses)
-    return (f"grammar bent {bent} of {len(masses)} steps, up to {max(masses):.0%} of the "
-            f"probability (a step counts when its mask removed ≥ {BENT:.0%}; hover an "
-            f"underlined token for what it removed)")
+    return (
+        f"grammar bent {bent} of {len(masses)} steps, up to {max(masses):.0%} of the "
+        f"probability (a step counts when its mask removed ≥ {BENT:.0%}; hover an "
+        f"underlined token for what it removed)"
+    )
 
 
 def inspector_html(inspector) -> str:
@@ -26,5 +27,6 @@ def inspector_html(inspector) -> str:
     if inspector is None:
         return ""
     line = grammar_line(inspector.steps)
-    return (f'<div class="ms-grammar">{html.escape(line)}</div>' if line else "") + \
-        inspector.as_html()
+    return (
+        f'<div class="ms-grammar">{html.escape(line)}</div>' if line else ""
+    ) + inspector.as_html()

@@ -15,8 +15,11 @@ from miniserve.store.store import StoreError
 from miniserve.ui.common import error
 from miniserve.ui.conversation import Conversations, Shown, new_view, owner_of
 
-EXPORTS = {"JSON (whole tree)": "json", "Markdown (this branch)": "md",
-           "OpenAI messages (this branch)": "openai"}
+EXPORTS = {
+    "JSON (whole tree)": "json",
+    "Markdown (this branch)": "md",
+    "OpenAI messages (this branch)": "openai",
+}
 
 
 def file_name(title: str, suffix: str) -> str:
@@ -57,15 +60,15 @@ class SidebarHandlers:
     def open(self, browser, cid, query=""):
         if not cid:
             return self.conversations.show(browser, new_view(), "", query)
-        return self._guard(browser, None, query,
-                           lambda: self.conversations.open(browser, cid, "", query))
+        return self._guard(
+            browser, None, query, lambda: self.conversations.open(browser, cid, "", query)
+        )
 
     def search(self, browser, view, query):
         owner = owner_of(browser)
         found = self.conversations.listing(owner, view.get("cid"), query)
         n = len(found["choices"])
-        return found, (f"{n} conversation{'s' * (n != 1)} match" if (query or "").strip()
-                       else "")
+        return found, (f"{n} conversation{'s' * (n != 1)} match" if (query or "").strip() else "")
 
     def rename(self, browser, view, title, query=""):
         def action():
@@ -73,6 +76,7 @@ class SidebarHandlers:
                 raise StoreError("nothing to rename yet: send a message first")
             self.store.rename(owner_of(browser), view["cid"], title)
             return self.conversations.show(browser, view, "renamed", query)
+
         return self._guard(browser, view, query, action)
 
     def delete(self, browser, view, query=""):
@@ -81,9 +85,10 @@ class SidebarHandlers:
                 raise StoreError("no conversation is open")
             title = self.store.get(owner_of(browser), view["cid"]).title
             self.store.delete(owner_of(browser), view["cid"])
-            return self.conversations.show(browser, new_view(),
-                                           f"deleted “{title}” · Undo delete brings it back",
-                                           query)
+            return self.conversations.show(
+                browser, new_view(), f"deleted “{title}” · Undo delete brings it back", query
+            )
+
         return self._guard(browser, view, query, action)
 
     def undo_delete(self, browser, view, query=""):
@@ -115,11 +120,13 @@ class SidebarHandlers:
             path = upload if isinstance(upload, str) else getattr(upload, "name", upload)
             ids = self.store.import_file(owner_of(browser), path)
         except (StoreError, OSError) as e:
-            return self.conversations.show(browser, view, error(f"import failed, nothing was "
-                                                                f"imported: {e}"), query)
+            return self.conversations.show(
+                browser, view, error(f"import failed, nothing was imported: {e}"), query
+            )
         n = len(ids)
-        return self.conversations.open(browser, ids[0],
-                                       f"imported {n} conversation{'s' * (n != 1)}", query)
+        return self.conversations.open(
+            browser, ids[0], f"imported {n} conversation{'s' * (n != 1)}", query
+        )
 
 
 def build_sidebar(side: SidebarHandlers) -> dict:
@@ -127,8 +134,9 @@ def build_sidebar(side: SidebarHandlers) -> dict:
     Chat tab's components exist."""
     c = {}
     c["new"] = gr.Button("New chat", variant="primary", size="sm")
-    c["search"] = gr.Textbox(label="Search", placeholder="words in titles and messages",
-                             max_lines=1)
+    c["search"] = gr.Textbox(
+        label="Search", placeholder="words in titles and messages", max_lines=1
+    )
     c["found"] = gr.Markdown("", elem_id="search-status")
     c["conversations"] = gr.Radio(label="Conversations", choices=[], elem_id="conversations")
     with gr.Accordion("This conversation", open=False):
@@ -137,8 +145,7 @@ def build_sidebar(side: SidebarHandlers) -> dict:
             c["rename"] = gr.Button("Rename", size="sm")
             c["delete"] = gr.Button("Delete", variant="stop", size="sm")
             c["undo_delete"] = gr.Button("Undo delete", size="sm")
-        c["export_kind"] = gr.Dropdown(list(EXPORTS), value=next(iter(EXPORTS)),
-                                       label="Export as")
+        c["export_kind"] = gr.Dropdown(list(EXPORTS), value=next(iter(EXPORTS)), label="Export as")
         c["export"] = gr.Button("Export", size="sm")
         c["file"] = gr.File(label="Exported file", interactive=False, elem_id="export-file")
         c["import"] = gr.UploadButton("Import JSON", file_types=[".json"], size="sm")

@@ -38,17 +38,23 @@ from miniserve.ui.model_picker import build_model_picker
 from miniserve.ui.widgets import build_output_format, build_sampling, params_from, preset_values
 
 CHAT, RAW = "Chat (template)", "Completion (no template)"
-STEP = "step"                # the kind of run (common.Sessions) Stop ends
-RESTAGE_EVERY_S = 0.1        # while a slider is dragged, the stages re-run at most this often
-RUN_PAINT_S = 0.25           # Run repaints at most this often
+STEP = "step"  # the kind of run (common.Sessions) Stop ends
+RESTAGE_EVERY_S = 0.1  # while a slider is dragged, the stages re-run at most this often
+RUN_PAINT_S = 0.25  # Run repaints at most this often
 REAP_EVERY_S = 30.0
-COLORS = {"bar": "#8fb3ee", "line": "#2f5fb3", "cut": "#c0392b", "drawn": "#fff1a8", "picked": "#d5ecff",
-          "mass": "#9aa5b1"}
+COLORS = {
+    "bar": "#8fb3ee",
+    "line": "#2f5fb3",
+    "cut": "#c0392b",
+    "drawn": "#fff1a8",
+    "picked": "#d5ecff",
+    "mass": "#9aa5b1",
+}
 
 
 # -- logit bias as typed ----------------------------------------------------------------------
 def logit_bias_from_text(text) -> tuple:
-    """"13:-100, 42:2.5" as checked (id, bias) pairs; ConfigError saying how to write it."""
+    """ "13:-100, 42:2.5" as checked (id, bias) pairs; ConfigError saying how to write it."""
     text = str(text or "").strip()
     if not text:
         return ()
@@ -60,8 +66,11 @@ def logit_bias_from_text(text) -> tuple:
         try:
             pairs.append((int(key), float(value)))
         except ValueError:
-            raise ConfigError(f"Logit bias: write token ID:BIAS pairs separated by commas, like "
-                              f"13:-100, 42:2.5 (got {part.strip()!r})", "logit_bias") from None
+            raise ConfigError(
+                f"Logit bias: write token ID:BIAS pairs separated by commas, like "
+                f"13:-100, 42:2.5 (got {part.strip()!r})",
+                "logit_bias",
+            ) from None
     return check_logit_bias(pairs, "logit bias")
 
 
@@ -73,14 +82,16 @@ def _esc(text: str) -> str:
 def token_label(text: str, width: int = 14) -> str:
     """A token's text as a label: spaces and line breaks made visible, long ones cut."""
     shown = text.replace("\n", "↵").replace("\t", "⇥").replace(" ", "␣")
-    return shown if len(shown) <= width else shown[:width - 1] + "…"
+    return shown if len(shown) <= width else shown[: width - 1] + "…"
 
 
 def stage_title(name: str, view: StageView) -> str:
     if name == "top-p" and view.top_p is not None:
         return f"top-p {view.top_p:g}"
-    return {"final": "greedy: argmax" if view.greedy else "final (draw)",
-            "repetition penalty": "rep. penalty"}.get(name, name)
+    return {
+        "final": "greedy: argmax" if view.greedy else "final (draw)",
+        "repetition penalty": "rep. penalty",
+    }.get(name, name)
 
 
 def chart_svg(view: StageView, width: int = 940) -> str:
@@ -95,25 +106,32 @@ def chart_svg(view: StageView, width: int = 940) -> str:
     bar_w = pw - 8  # the percentage is written over the bar's right end
     rows = view.rows
     height = head + row_h * len(rows) + 6
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" class="ms-step-chart" width="100%" '
-           f'style="max-width:{width}px" viewBox="0 0 {width} {height}" font-family="sans-serif" '
-           f'font-size="11" data-position="{view.position}" data-drawn="{view.drawn}" '
-           f'data-temperature="{view.temperature:g}">'
-           # classes instead of repeated attributes: the chart is redrawn at every change
-           f'<style>.b{{fill:{COLORS["bar"]}}}.p{{font-size:10px;text-anchor:end}}</style>']
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" class="ms-step-chart" width="100%" '
+        f'style="max-width:{width}px" viewBox="0 0 {width} {height}" font-family="sans-serif" '
+        f'font-size="11" data-position="{view.position}" data-drawn="{view.drawn}" '
+        f'data-temperature="{view.temperature:g}">'
+        # classes instead of repeated attributes: the chart is redrawn at every change
+        f"<style>.b{{fill:{COLORS['bar']}}}.p{{font-size:10px;text-anchor:end}}</style>"
+    ]
     for k, name in enumerate(view.stages):
         x = label_w + k * pw
-        out.append(f'<text x="{x + 2:.1f}" y="14" font-weight="bold">{_esc(stage_title(name, view))}'
-                   f'</text>')
+        out.append(
+            f'<text x="{x + 2:.1f}" y="14" font-weight="bold">{_esc(stage_title(name, view))}'
+            f"</text>"
+        )
         if name == "top-p" and view.top_p is not None:
             cx = x + 2 + view.top_p * bar_w
-            out.append(f'<line x1="{cx:.1f}" x2="{cx:.1f}" y1="{head - 6}" y2="{height - 4}" '
-                       f'stroke="{COLORS["cut"]}" stroke-dasharray="3,2"/>'
-                       f'<text x="{x + 2:.1f}" y="27" font-size="9" fill="#555">grey: mass above'
-                       f'</text>')
+            out.append(
+                f'<line x1="{cx:.1f}" x2="{cx:.1f}" y1="{head - 6}" y2="{height - 4}" '
+                f'stroke="{COLORS["cut"]}" stroke-dasharray="3,2"/>'
+                f'<text x="{x + 2:.1f}" y="27" font-size="9" fill="#555">grey: mass above'
+                f"</text>"
+            )
         if k:
-            out.append(f'<line x1="{x - 2:.1f}" x2="{x - 2:.1f}" y1="4" y2="{height - 4}" '
-                       'stroke="#ddd"/>')
+            out.append(
+                f'<line x1="{x - 2:.1f}" x2="{x - 2:.1f}" y1="4" y2="{height - 4}" stroke="#ddd"/>'
+            )
     peaks = [max((r.probs[k] for r in rows), default=0) or 1.0 for k in range(n)]
     for i, row in enumerate(rows):
         y = head + i * row_h
@@ -122,11 +140,16 @@ def chart_svg(view: StageView, width: int = 940) -> str:
         if row.token_id == taken:
             fill = COLORS["picked"] if view.picked else COLORS["drawn"]
             out.append(f'<rect x="0" y="{y - 2}" width="{width}" height="{row_h}" fill="{fill}"/>')
-        mark = "✋" if view.picked and row.token_id == view.taken else (
-            "▶" if row.token_id == taken else "")
-        out.append(f'<text x="2" y="{y + 11}" fill="#666">{i + 1}</text>'
-                   f'<text x="22" y="{y + 11}" font-family="monospace">{_esc(mark)}'
-                   f'{_esc(token_label(row.text))}</text>')
+        mark = (
+            "✋"
+            if view.picked and row.token_id == view.taken
+            else ("▶" if row.token_id == taken else "")
+        )
+        out.append(
+            f'<text x="2" y="{y + 11}" fill="#666">{i + 1}</text>'
+            f'<text x="22" y="{y + 11}" font-family="monospace">{_esc(mark)}'
+            f"{_esc(token_label(row.text))}</text>"
+        )
         gone = False
         for k, name in enumerate(view.stages):
             x = label_w + k * pw + 2
@@ -134,24 +157,38 @@ def chart_svg(view: StageView, width: int = 940) -> str:
             if gone:
                 continue
             if name == row.removed_by:
-                out.append(f'<text x="{x:.1f}" y="{y + 11}" fill="{COLORS["cut"]}" '
-                           f'data-removed="{_esc(name)}">✕ cut</text>')
+                out.append(
+                    f'<text x="{x:.1f}" y="{y + 11}" fill="{COLORS["cut"]}" '
+                    f'data-removed="{_esc(name)}">✕ cut</text>'
+                )
                 gone = True
                 continue
             w = max(p / peaks[k] * bar_w, 0.5 if p > 0 else 0)
-            out.append(f'<rect class="b" x="{x:.1f}" y="{y}" width="{w:.1f}" height="11" '
-                       f'data-stage="{_esc(name)}" data-p="{p:.6f}"/>'
-                       f'<text class="p" x="{x + bar_w:.1f}" y="{y + 10}">{100 * p:.1f}%</text>')
+            out.append(
+                f'<rect class="b" x="{x:.1f}" y="{y}" width="{w:.1f}" height="11" '
+                f'data-stage="{_esc(name)}" data-p="{p:.6f}"/>'
+                f'<text class="p" x="{x + bar_w:.1f}" y="{y + 10}">{100 * p:.1f}%</text>'
+            )
             if name == "top-p" and row.mass_above is not None:
-                out.append(f'<rect x="{x:.1f}" y="{y + 12}" width="{row.mass_above * bar_w:.1f}" '
-                           f'height="2.5" fill="{COLORS["mass"]}"/>')
+                out.append(
+                    f'<rect x="{x:.1f}" y="{y + 12}" width="{row.mass_above * bar_w:.1f}" '
+                    f'height="2.5" fill="{COLORS["mass"]}"/>'
+                )
         why = row.why_not
-        tip = (f"cannot be taken: {why}" if why else
-               f"take {row.text!r} (id {row.token_id}) instead of the draw")
-        attrs = (f'class="ms-nopick" data-why="{_esc(why)}"' if why else
-                 f'class="ms-pick" data-pick="{row.token_id}" style="cursor:pointer"')
-        out.append(f'<rect {attrs} x="0" y="{y - 2}" width="{width}" height="{row_h}" '
-                   f'fill="transparent"><title>{_esc(tip)}</title></rect></g>')
+        tip = (
+            f"cannot be taken: {why}"
+            if why
+            else f"take {row.text!r} (id {row.token_id}) instead of the draw"
+        )
+        attrs = (
+            f'class="ms-nopick" data-why="{_esc(why)}"'
+            if why
+            else f'class="ms-pick" data-pick="{row.token_id}" style="cursor:pointer"'
+        )
+        out.append(
+            f'<rect {attrs} x="0" y="{y - 2}" width="{width}" height="{row_h}" '
+            f'fill="transparent"><title>{_esc(tip)}</title></rect></g>'
+        )
     out.append("</svg>")
     return "".join(out)
 
@@ -161,12 +198,13 @@ def summary_line(view: StageView) -> str:
     if view.drawn is None:
         return view.note
     drawn = next((r.text for r in view.rows if r.token_id == view.drawn), "")
-    parts = [f"entropy {view.entropy_raw:.2f} bits raw → {view.entropy_final:.2f} after the "
-             f"stages",
-             f"{'greedy takes' if view.greedy else 'the draw takes'} {drawn!r} (rank "
-             f"{view.rank}, p {view.drawn_raw:.1%} raw → {view.drawn_final:.1%})",
-             f"outside the {len(view.rows)} shown: {view.outside_raw:.1%} raw, "
-             f"{view.outside_final:.1%} after"]
+    parts = [
+        f"entropy {view.entropy_raw:.2f} bits raw → {view.entropy_final:.2f} after the stages",
+        f"{'greedy takes' if view.greedy else 'the draw takes'} {drawn!r} (rank "
+        f"{view.rank}, p {view.drawn_raw:.1%} raw → {view.drawn_final:.1%})",
+        f"outside the {len(view.rows)} shown: {view.outside_raw:.1%} raw, "
+        f"{view.outside_final:.1%} after",
+    ]
     if view.taken is not None and view.picked:
         taken = next((r.text for r in view.rows if r.token_id == view.taken), "")
         parts.append(f"taken by hand: {taken!r}")
@@ -175,14 +213,20 @@ def summary_line(view: StageView) -> str:
 
 def chart_html(session: StepSession | None, top: int = TOP) -> str:
     if session is None or not session.positions:
-        return '<div class="ms-step-empty">Step reads the prompt and shows the distribution ' \
-               'of the next token through every sampling stage.</div>'
+        return (
+            '<div class="ms-step-empty">Step reads the prompt and shows the distribution '
+            "of the next token through every sampling stage.</div>"
+        )
     view = session.view(top)
-    title = (f"token {view.position + 1}: the distribution through every stage "
-             "(click a row to take that token)")
-    return (f'<div class="ms-step-view"><div><b>{_esc(title)}</b></div>'
-            f'<div class="ms-step-summary">{_esc(summary_line(view))}</div>'
-            f'{chart_svg(view)}</div>')
+    title = (
+        f"token {view.position + 1}: the distribution through every stage "
+        "(click a row to take that token)"
+    )
+    return (
+        f'<div class="ms-step-view"><div><b>{_esc(title)}</b></div>'
+        f'<div class="ms-step-summary">{_esc(summary_line(view))}</div>'
+        f"{chart_svg(view)}</div>"
+    )
 
 
 def text_html(session: StepSession | None, prompt_shown: str = "") -> str:
@@ -193,14 +237,21 @@ def text_html(session: StepSession | None, prompt_shown: str = "") -> str:
     chips = []
     for i, token in enumerate(session.tokens):
         pos = session.positions[i]
-        tip = (f"token {i + 1}: id {token}, p {pos.prob:.1%}"
-               + (" · taken by hand" if pos.picked else "")
-               + " · click: go back to just before it")
+        tip = (
+            f"token {i + 1}: id {token}, p {pos.prob:.1%}"
+            + (" · taken by hand" if pos.picked else "")
+            + " · click: go back to just before it"
+        )
         cls = "ms-chip ms-picked" if pos.picked else "ms-chip"
-        chips.append(f'<span class="{cls}" data-back="{i}" title="{_esc(tip)}">'
-                     f'{_esc(session.text_of(token).replace(chr(10), "↵" + chr(10)))}</span>')
-    return (f'<div class="ms-step-text"><span class="ms-step-prompt">{_esc(prompt_shown)}</span>'
-            + "".join(chips) + "</div>")
+        chips.append(
+            f'<span class="{cls}" data-back="{i}" title="{_esc(tip)}">'
+            f"{_esc(session.text_of(token).replace(chr(10), '↵' + chr(10)))}</span>"
+        )
+    return (
+        f'<div class="ms-step-text"><span class="ms-step-prompt">{_esc(prompt_shown)}</span>'
+        + "".join(chips)
+        + "</div>"
+    )
 
 
 def _spark(values: list[float], label: str, fmt: str, x0: float, w: float, h: float) -> str:
@@ -210,13 +261,17 @@ def _spark(values: list[float], label: str, fmt: str, x0: float, w: float, h: fl
     lo, hi = min(values), max(values)
     span = (hi - lo) or 1.0
     step = w / max(len(values) - 1, 1)
-    pts = " ".join(f"{x0 + i * step:.1f},{18 + (h - 24) * (1 - (v - lo) / span):.1f}"
-                   for i, v in enumerate(values))
-    return (f'<text x="{x0}" y="11" font-weight="bold">{_esc(label)}</text>'
-            f'<text x="{x0 + w}" y="11" text-anchor="end" fill="#666">{format(lo, fmt)} – '
-            f'{format(hi, fmt)}</text>'
-            f'<rect x="{x0}" y="16" width="{w}" height="{h - 20}" fill="none" stroke="#ddd"/>'
-            f'<polyline points="{pts}" fill="none" stroke="{COLORS["line"]}" stroke-width="1.5"/>')
+    pts = " ".join(
+        f"{x0 + i * step:.1f},{18 + (h - 24) * (1 - (v - lo) / span):.1f}"
+        for i, v in enumerate(values)
+    )
+    return (
+        f'<text x="{x0}" y="11" font-weight="bold">{_esc(label)}</text>'
+        f'<text x="{x0 + w}" y="11" text-anchor="end" fill="#666">{format(lo, fmt)} – '
+        f"{format(hi, fmt)}</text>"
+        f'<rect x="{x0}" y="16" width="{w}" height="{h - 20}" fill="none" stroke="#ddd"/>'
+        f'<polyline points="{pts}" fill="none" stroke="{COLORS["line"]}" stroke-width="1.5"/>'
+    )
 
 
 def costs_html(session: StepSession | None) -> str:
@@ -225,20 +280,24 @@ def costs_html(session: StepSession | None) -> str:
     if session is None or not session.positions:
         return ""
     c = session.positions[-1].cost
-    line = (f"last pass: forward {c.forward_s * 1000:.1f} ms (asked → logits "
-            f"{c.wall_s * 1000:.1f} ms) · fed {c.new_rows} position{'s' * (c.new_rows != 1)} · "
-            f"KV {c.kv_positions} positions, {c.kv_bytes / 1e6:.2f} MB · {c.reused} reused "
-            f"from the prefix cache · shared the pass with {c.shared} other "
-            f"sequence{'s' * (c.shared != 1)}")
-    taken = session.positions[:len(session.tokens)]
+    line = (
+        f"last pass: forward {c.forward_s * 1000:.1f} ms (asked → logits "
+        f"{c.wall_s * 1000:.1f} ms) · fed {c.new_rows} position{'s' * (c.new_rows != 1)} · "
+        f"KV {c.kv_positions} positions, {c.kv_bytes / 1e6:.2f} MB · {c.reused} reused "
+        f"from the prefix cache · shared the pass with {c.shared} other "
+        f"sequence{'s' * (c.shared != 1)}"
+    )
+    taken = session.positions[: len(session.tokens)]
     times = [p.cost.forward_s * 1000 for p in session.positions[1:]]  # after the prompt's
-    svg = ('<svg xmlns="http://www.w3.org/2000/svg" class="ms-step-costs" width="100%" '
-           'style="max-width:940px" viewBox="0 0 940 90" font-family="sans-serif" '
-           'font-size="11">'
-           + _spark(times, "step forward (ms)", ".1f", 4, 290, 90)
-           + _spark([p.entropy for p in taken], "entropy (bits)", ".2f", 322, 290, 90)
-           + _spark([p.prob for p in taken], "taken token's p", ".2f", 640, 290, 90)
-           + "</svg>")
+    svg = (
+        '<svg xmlns="http://www.w3.org/2000/svg" class="ms-step-costs" width="100%" '
+        'style="max-width:940px" viewBox="0 0 940 90" font-family="sans-serif" '
+        'font-size="11">'
+        + _spark(times, "step forward (ms)", ".1f", 4, 290, 90)
+        + _spark([p.entropy for p in taken], "entropy (bits)", ".2f", 322, 290, 90)
+        + _spark([p.prob for p in taken], "taken token's p", ".2f", 640, 290, 90)
+        + "</svg>"
+    )
     return f'<div class="ms-step-cost">{_esc(line)}</div>{svg}'
 
 
@@ -253,8 +312,8 @@ class _Held:
 
     def __init__(self, session: StepSession, key: tuple, shown: str):
         self.session, self.key, self.shown = session, key, shown
-        self.restaged = 0.0   # when the stages last re-ran while a slider moved
-        self.said = False     # the idle release was shown on the status line
+        self.restaged = 0.0  # when the stages last re-ran while a slider moved
+        self.said = False  # the idle release was shown on the status line
 
 
 class StepHandlers:
@@ -262,8 +321,7 @@ class StepHandlers:
     order, seed, logit bias text, output format, its text, candidates shown, model. Each
     returns (text HTML, chart HTML, costs HTML, status)."""
 
-    def __init__(self, models, presets, sessions: Sessions | None = None,
-                 idle_s: float = IDLE_S):
+    def __init__(self, models, presets, sessions: Sessions | None = None, idle_s: float = IDLE_S):
         self.models = Models.of(models)
         self.presets = presets
         self.sessions = sessions or Sessions()
@@ -292,9 +350,11 @@ class StepHandlers:
         with self._lock:
             idle = [h.session for h in self._held.values() if h.session.idle()]
         for session in idle:
-            session.release(f"this step session was released after {self.idle_s / 60:g} "
-                            "minutes without use (its KV cache went back to the budget): "
-                            "Step starts again, Reset clears it")
+            session.release(
+                f"this step session was released after {self.idle_s / 60:g} "
+                "minutes without use (its KV cache went back to the budget): "
+                "Step starts again, Reset clears it"
+            )
 
     def _reap(self) -> None:
         while True:
@@ -310,7 +370,8 @@ class StepHandlers:
         mode, prompt, *rest = settings
         sliders, (seed, bias, fmt, fmt_text, top, model) = rest[:6], rest[6:]
         params = params_from(sliders, seed, fmt, fmt_text).replace(
-            logit_bias=logit_bias_from_text(bias))
+            logit_bias=logit_bias_from_text(bias)
+        )
         return mode, prompt, params, int(top or TOP), model
 
     def _session(self, settings, request, start: bool) -> tuple[_Held | None, object]:
@@ -353,10 +414,11 @@ class StepHandlers:
 
     def _status(self, held: _Held, note: str = "") -> str:
         s = held.session
-        parts = [f"{len(s.tokens)} token{'s' * (len(s.tokens) != 1)} taken",
-                 f"seed {s.params.seed}",
-                 f"prompt {s.prompt_len} tokens" + (" (chat template)" if not held.shown
-                                                    else "")]
+        parts = [
+            f"{len(s.tokens)} token{'s' * (len(s.tokens) != 1)} taken",
+            f"seed {s.params.seed}",
+            f"prompt {s.prompt_len} tokens" + (" (chat template)" if not held.shown else ""),
+        ]
         if s.finish:
             parts.append(s.finished_note())
         if note:
@@ -364,8 +426,13 @@ class StepHandlers:
         return " · ".join(parts)
 
     def _fail(self, e: Exception, held=None, top: int = TOP):
-        message = (str(e) if isinstance(e, StepError) else user_message(e)
-                   if isinstance(e, USER_ERRORS) else f"{type(e).__name__}: {e}")
+        message = (
+            str(e)
+            if isinstance(e, StepError)
+            else user_message(e)
+            if isinstance(e, USER_ERRORS)
+            else f"{type(e).__name__}: {e}"
+        )
         if held is None:
             return gr.update(), gr.update(), gr.update(), error(message)
         *views, _ = self._show(held, top, "")
@@ -416,21 +483,31 @@ class StepHandlers:
         if kind == "pick" and value.isdigit():
             return self._act(settings, request, lambda s, top: _quiet(s.step(int(value))))
         if kind == "back" and value.isdigit():
-            return self._act(settings, request, lambda s, top: s.back_to(int(value)) or
-                             f"back to just before token {int(value) + 1}")
+            return self._act(
+                settings,
+                request,
+                lambda s, top: (
+                    s.back_to(int(value)) or f"back to just before token {int(value) + 1}"
+                ),
+            )
         return gr.update(), gr.update(), gr.update(), gr.update()
 
     def take_text(self, text, *settings, request: gr.Request | None = None):
         """Take the token a typed text is (one token, or an error listing its pieces)."""
-        return self._act(settings, request,
-                         lambda s, top: _quiet(s.step(s.token_for_text(text or ""))))
+        return self._act(
+            settings, request, lambda s, top: _quiet(s.step(s.token_for_text(text or "")))
+        )
 
     def run(self, count, *settings, request: gr.Request | None = None):
         """Run N steps, repainting as it goes; Stop ends it."""
-        if not isinstance(count, (int, float)) or not float(count).is_integer() or not \
-                1 <= count <= 4096:
-            yield self._fail(StepError(f"Run N takes a whole number of tokens from 1 to 4096, "
-                                       f"got {count!r}"))
+        if (
+            not isinstance(count, (int, float))
+            or not float(count).is_integer()
+            or not 1 <= count <= 4096
+        ):
+            yield self._fail(
+                StepError(f"Run N takes a whole number of tokens from 1 to 4096, got {count!r}")
+            )
             return
         yield from self._run(int(count), settings, request)
 
@@ -462,8 +539,12 @@ class StepHandlers:
     def reset(self, request: gr.Request | None = None):
         self.sessions.stop(request)
         self._drop(request)
-        return (text_html(None), chart_html(None), "",
-                "reset: the session was released; Step starts again from the prompt")
+        return (
+            text_html(None),
+            chart_html(None),
+            "",
+            "reset: the session was released; Step starts again from the prompt",
+        )
 
     def closed(self, request: gr.Request | None = None) -> None:
         """The browser tab closed: its run stops and its session goes."""
@@ -528,10 +609,14 @@ def build_step_tab(handlers: StepHandlers, default_preset: str, demo: gr.Blocks 
             with gr.Column(scale=4):
                 with gr.Row():
                     mode = gr.Radio([CHAT, RAW], value=CHAT, label="Mode", scale=1)
-                    prompt = gr.Textbox(label="Prompt", lines=2, scale=3,
-                                        value="Write one sentence about a cat.",
-                                        info="chat: your message, with the chat template; "
-                                             "completion: the text to continue")
+                    prompt = gr.Textbox(
+                        label="Prompt",
+                        lines=2,
+                        scale=3,
+                        value="Write one sentence about a cat.",
+                        info="chat: your message, with the chat template; "
+                        "completion: the text to continue",
+                    )
                 with gr.Row():
                     step_btn = gr.Button("Step", variant="primary", elem_id="step-step")
                     count = gr.Number(value=10, precision=0, label="N", min_width=90, scale=0)
@@ -540,31 +625,42 @@ def build_step_tab(handlers: StepHandlers, default_preset: str, demo: gr.Blocks 
                     stop_btn = gr.Button("Stop", variant="stop")
                     back_btn = gr.Button("Back")
                     reset_btn = gr.Button("Reset")
-                status = gr.Markdown("Step reads the prompt and takes one token (Ctrl+Enter); "
-                                     "click a bar's row to take that token instead, click a "
-                                     "token to go back before it", elem_id="step-status",
-                                     elem_classes=["ms-status"])
+                status = gr.Markdown(
+                    "Step reads the prompt and takes one token (Ctrl+Enter); "
+                    "click a bar's row to take that token instead, click a "
+                    "token to go back before it",
+                    elem_id="step-status",
+                    elem_classes=["ms-status"],
+                )
                 text = gr.HTML(text_html(None), elem_id="step-text", js_on_load=None)
                 chart = gr.HTML(chart_html(None), elem_id="step-chart", js_on_load=None)
                 with gr.Row():
-                    typed = gr.Textbox(label="Take a token by its text", scale=3,
-                                       placeholder=" the  (one token, leading space included)")
+                    typed = gr.Textbox(
+                        label="Take a token by its text",
+                        scale=3,
+                        placeholder=" the  (one token, leading space included)",
+                    )
                     take_btn = gr.Button("Take", scale=1)
                 costs = gr.HTML(elem_id="step-costs", js_on_load=None)
                 action = gr.Textbox(elem_id="step-action", show_label=False, container=False)
                 act_btn = gr.Button("act", elem_id="step-act")
             with gr.Column(scale=1):
                 model = build_model_picker(handlers.models)
-                sampling = build_sampling(handlers.presets, default_preset,
-                                          handlers.apply_preset,
-                                          "-1 = random (the seed drawn is shown); kept per "
-                                          "position, so Back then Step draws the same token")
-                bias = gr.Textbox(label="Logit bias", placeholder="13:-100, 42:2.5",
-                                  info="token ID:BIAS, comma-separated; -100 bans a token")
+                sampling = build_sampling(
+                    handlers.presets,
+                    default_preset,
+                    handlers.apply_preset,
+                    "-1 = random (the seed drawn is shown); kept per "
+                    "position, so Back then Step draws the same token",
+                )
+                bias = gr.Textbox(
+                    label="Logit bias",
+                    placeholder="13:-100, 42:2.5",
+                    info="token ID:BIAS, comma-separated; -100 bans a token",
+                )
                 output = build_output_format()
                 top = gr.Slider(5, 50, value=TOP, step=1, label="Candidates shown")
-    settings = [mode, prompt, *sampling.sliders, sampling.seed, bias, *output.inputs, top,
-                model]
+    settings = [mode, prompt, *sampling.sliders, sampling.seed, bias, *output.inputs, top, model]
     outs = [text, chart, costs, status]
     engine = dict(outputs=outs, concurrency_id=ENGINE_EVENTS)
     # one token is one pass (tens of milliseconds): sent straight rather than through Gradio's
@@ -587,7 +683,8 @@ def build_step_tab(handlers: StepHandlers, default_preset: str, demo: gr.Blocks 
         slider.input(handlers.restage_live, settings, trigger_mode="always_last", **quiet)
     # a preset moves the sliders (build_sampling), then the stages re-run on the new values
     sampling.preset.change(handlers.apply_preset, sampling.preset, sampling.sliders).then(
-        handlers.restage, settings, **quiet)
+        handlers.restage, settings, **quiet
+    )
     output.format.change(handlers.restage, settings, **quiet)
     sampling.sliders[5].release(handlers.restage, settings, **quiet)  # max new tokens
     for box in (sampling.seed, output.text, bias):  # typed: once done, not at each key

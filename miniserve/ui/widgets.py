@@ -1,7 +1,6 @@
 """The controls the tabs share: the number boxes' values and sampling settings from them, the
 Output format control, the preset and sampling sliders, and the keys (Enter, Ctrl+Enter)."""
 
-
 from __future__ import annotations
 
 import json
@@ -38,9 +37,9 @@ def params_from(settings, seed, output_format=None, format_text="") -> SamplingP
     """The sliders (in FIELDS order), the Seed box and the Output format control as checked
     sampling settings."""
     fields = {name: whole(value) for name, value in zip(FIELDS, settings)}
-    return SamplingParams(seed=seed_from(seed), constraint=constraint_from(output_format,
-                                                                           format_text),
-                          **fields)
+    return SamplingParams(
+        seed=seed_from(seed), constraint=constraint_from(output_format, format_text), **fields
+    )
 
 
 # -- Output format ----------------------------------------------------------------------------
@@ -51,22 +50,30 @@ FREE_TEXT = "Free text"
 
 class Format(NamedTuple):
     kind: str | None
-    box: str = ""          # the text box's label ("": no box)
+    box: str = ""  # the text box's label ("": no box)
     example: str = ""
 
 
 FORMATS = {
     FREE_TEXT: Format(None),
     "JSON": Format("json_object"),
-    "JSON schema": Format("json_schema", "Schema (a JSON Schema the reply must follow)",
-                          '{"type": "object", "properties": {"name": {"type": "string"}, '
-                          '"age": {"type": "integer"}}, "required": ["name", "age"]}'),
-    "Regex": Format("regex", "Pattern (the whole reply must match it)",
-                    r"(yes|no)\. [A-Z][a-z ]{10,60}\."),
-    "Choice": Format("choice", "Choices (one per line, or separated by commas)",
-                     "red\ngreen\nblue"),
-    "Grammar": Format("grammar", "Grammar (GBNF with ::=, or Lark)",
-                      'root ::= "The answer is " ("yes" | "no") "."'),
+    "JSON schema": Format(
+        "json_schema",
+        "Schema (a JSON Schema the reply must follow)",
+        '{"type": "object", "properties": {"name": {"type": "string"}, '
+        '"age": {"type": "integer"}}, "required": ["name", "age"]}',
+    ),
+    "Regex": Format(
+        "regex", "Pattern (the whole reply must match it)", r"(yes|no)\. [A-Z][a-z ]{10,60}\."
+    ),
+    "Choice": Format(
+        "choice", "Choices (one per line, or separated by commas)", "red\ngreen\nblue"
+    ),
+    "Grammar": Format(
+        "grammar",
+        "Grammar (GBNF with ::=, or Lark)",
+        'root ::= "The answer is " ("yes" | "no") "."',
+    ),
 }
 JSON_KINDS = ("json_object", "json_schema")
 
@@ -84,8 +91,10 @@ def constraint_from(output_format, text) -> Constraint | None:
     enforce it is checked when the reply starts (GrammarError)."""
     fmt = FORMATS.get(output_format or FREE_TEXT)
     if fmt is None:
-        raise ConfigError(f"unknown output format {output_format!r} (choose one of "
-                          f"{', '.join(FORMATS)})", "constraint")
+        raise ConfigError(
+            f"unknown output format {output_format!r} (choose one of {', '.join(FORMATS)})",
+            "constraint",
+        )
     text = str(text if text is not None else "")
     if fmt.kind in (None, "json_object"):
         return Constraint(fmt.kind) if fmt.kind else None
@@ -93,20 +102,25 @@ def constraint_from(output_format, text) -> Constraint | None:
         lines = text.splitlines() if "\n" in text.strip() else text.split(",")
         choices = [c.strip() for c in lines if c.strip()]
         if not choices:
-            raise ConfigError("no choices given: write them one per line or separated by "
-                              "commas", "constraint")
+            raise ConfigError(
+                "no choices given: write them one per line or separated by commas", "constraint"
+            )
         return Constraint("choice", json.dumps(choices))
     if not text.strip():
-        what = {"json_schema": "the JSON schema is empty: paste a JSON Schema",
-                "regex": "the regex pattern is empty: write the pattern the reply must match",
-                "grammar": "the grammar is empty: write one in GBNF (root ::= ...) or Lark"}
+        what = {
+            "json_schema": "the JSON schema is empty: paste a JSON Schema",
+            "regex": "the regex pattern is empty: write the pattern the reply must match",
+            "grammar": "the grammar is empty: write one in GBNF (root ::= ...) or Lark",
+        }
         raise ConfigError(f"{what[fmt.kind]}, like {fmt.example}", "constraint")
     if fmt.kind == "json_schema":
         try:
             schema = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ConfigError(f"the JSON schema is not JSON: {e.msg} (line {e.lineno}, column "
-                              f"{e.colno})", "constraint") from None
+            raise ConfigError(
+                f"the JSON schema is not JSON: {e.msg} (line {e.lineno}, column {e.colno})",
+                "constraint",
+            ) from None
         return Constraint("json_schema", json.dumps(schema))
     # a pattern as typed, less the line breaks a text box adds around it
     return Constraint(fmt.kind, text.strip("\r\n") if fmt.kind == "regex" else text)
@@ -117,11 +131,15 @@ def format_note(constraint: Constraint | None, finish_reason: str) -> str:
     if constraint is None:
         return ""
     if finish_reason == "length":
-        return ("incomplete JSON (cut by max new tokens)" if constraint.kind in JSON_KINDS
-                else "incomplete: cut by max new tokens before the format was complete")
+        return (
+            "incomplete JSON (cut by max new tokens)"
+            if constraint.kind in JSON_KINDS
+            else "incomplete: cut by max new tokens before the format was complete"
+        )
     if finish_reason == "no_token_allowed":
-        return ("ended early: the output format allowed no next token, so the reply may be "
-                "incomplete")
+        return (
+            "ended early: the output format allowed no next token, so the reply may be incomplete"
+        )
     return ""
 
 
@@ -129,12 +147,12 @@ def format_box(output_format) -> dict:
     """The text box under the dropdown: shown with its label and example when the format
     needs text."""
     fmt = FORMATS.get(output_format, FORMATS[FREE_TEXT])
-    return gr.update(visible=bool(fmt.box), label=fmt.box or "Format",
-                     placeholder=fmt.example)
+    return gr.update(visible=bool(fmt.box), label=fmt.box or "Format", placeholder=fmt.example)
 
 
 class OutputFormat(NamedTuple):
     """The control's components; `inputs` in the order constraint_from takes them."""
+
     format: gr.Dropdown
     text: gr.Textbox
 
@@ -145,15 +163,27 @@ class OutputFormat(NamedTuple):
 
 def build_output_format() -> OutputFormat:
     """The Output format dropdown and its text box (call inside a layout block)."""
-    fmt = gr.Dropdown(list(FORMATS), value=FREE_TEXT, label="Output format",
-                      info="hold the reply to a format: at each step the sampler masks every "
-                           "token that would break it")
+    fmt = gr.Dropdown(
+        list(FORMATS),
+        value=FREE_TEXT,
+        label="Output format",
+        info="hold the reply to a format: at each step the sampler masks every "
+        "token that would break it",
+    )
     text = gr.Textbox(visible=False, lines=3, max_lines=12, label="Format")
     fmt.change(format_box, fmt, text, queue=False)
     return OutputFormat(fmt, text)
+
+
 SLIDER_MAX = {"top_k": 200}  # the slider's range; larger values are still valid via CLI/API
-SLIDER_STEP = {"temperature": 0.05, "top_k": 1, "top_p": 0.01, "min_p": 0.01,
-               "repetition_penalty": 0.01, "max_new_tokens": 1}
+SLIDER_STEP = {
+    "temperature": 0.05,
+    "top_k": 1,
+    "top_p": 0.01,
+    "min_p": 0.01,
+    "repetition_penalty": 0.01,
+    "max_new_tokens": 1,
+}
 
 
 def preset_values(presets: dict[str, SamplingParams], name) -> list:
@@ -164,6 +194,7 @@ def preset_values(presets: dict[str, SamplingParams], name) -> list:
 
 class SamplingControls(NamedTuple):
     """The Preset dropdown, the sliders (FIELDS order) and the Seed box."""
+
     preset: gr.Dropdown
     sliders: list
     seed: gr.Number
@@ -174,16 +205,24 @@ class SamplingControls(NamedTuple):
         return [self.preset, *self.sliders, self.seed]
 
 
-def build_sampling(presets: dict[str, SamplingParams], default_preset: str, apply,
-                   seed_info: str) -> SamplingControls:
+def build_sampling(
+    presets: dict[str, SamplingParams], default_preset: str, apply, seed_info: str
+) -> SamplingControls:
     """The Preset dropdown, a slider per sampling setting and the Seed box (call inside a
     layout block); choosing a preset moves the sliders (`apply(name)` -> their values)."""
     start = presets[default_preset]
     preset = gr.Dropdown(choices=list(presets), value=default_preset, label="Preset")
-    sliders = [gr.Slider(minimum=spec.low, maximum=SLIDER_MAX.get(k, spec.high),
-                         value=getattr(start, k), step=SLIDER_STEP[k], label=spec.label,
-                         info=spec.help)
-               for k, spec in FIELDS.items()]
+    sliders = [
+        gr.Slider(
+            minimum=spec.low,
+            maximum=SLIDER_MAX.get(k, spec.high),
+            value=getattr(start, k),
+            step=SLIDER_STEP[k],
+            label=spec.label,
+            info=spec.help,
+        )
+        for k, spec in FIELDS.items()
+    ]
     seed = gr.Number(label="Seed", value=-1, precision=0, info=seed_info)
     preset.change(apply, preset, sliders)
     return SamplingControls(preset, sliders, seed)
