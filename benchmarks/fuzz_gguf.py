@@ -20,7 +20,8 @@ the case's file is saved to --out. Cases run in worker processes, each rewriting
 scratch file in /dev/shm (only the header when the tensor data has not moved).
 
 --load-path goes on, for files the reader accepts (up to --load-cases), to
-miniserve.runners.loader.load_model(path, dtype="stored") and one forward pass of one token, in a child
+miniserve.runners.loader.load_model(path, dtype="stored") and one forward pass of one token, in a
+child
 process per batch of cases, so a native crash is a dead child, not a dead fuzzer. It first
 checks that the unmutated file loads that way, and says so clearly if it does not (the
 quantized runner is another engineer's, and may not exist yet).

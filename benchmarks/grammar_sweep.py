@@ -437,8 +437,8 @@ def run_sweep(
     the greedy run takes its repetition penalty."""
     import jsonschema
 
-    from miniserve.engine.chat import render
     from miniserve.core.config import Constraint, SamplingParams
+    from miniserve.engine.chat import render
 
     sampled = sampled or SamplingParams(
         temperature=0.8, top_p=0.95, repetition_penalty=repetition_penalty
@@ -470,9 +470,12 @@ def run_sweep(
         ]
         results: list = [None] * len(settings)
 
-        def one(i):
-            chunks = list(engine.complete(prompt, settings[i], reuse_prefix=False))
-            results[i] = ("".join(c.text for c in chunks), chunks[-1].stats)
+        def one(i):  # noqa: B023 -- each thread is joined in this iteration
+            chunks = list(engine.complete(prompt, settings[i], reuse_prefix=False))  # noqa: B023
+            results[i] = (  # noqa: B023
+                "".join(c.text for c in chunks),
+                chunks[-1].stats,
+            )
 
         started = time.perf_counter()
         threads = [threading.Thread(target=one, args=(i,)) for i in range(len(settings))]
@@ -545,8 +548,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="write every reply and the totals here")
     p.add_argument("--model", default=None)
     args = p.parse_args(argv)
-    from miniserve.engine.engine import start_engine
     from miniserve.core.platform import cpu_model
+    from miniserve.engine.engine import start_engine
 
     engine = start_engine(args.model)
     sampled = None

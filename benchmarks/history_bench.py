@@ -356,7 +356,7 @@ def bench_store(n: int, messages: int, repeats: int, work: Path) -> tuple[dict, 
         ms, rows = timed(lambda: store.conversations(OWNER, limit=LIST_LIMIT), repeats)
         out["conversations(owner)"] = figures(ms, matches=len(rows))
         for label, query in SEARCHES.items():
-            ms, rows = timed(lambda: store.conversations(OWNER, query, limit=LIST_LIMIT), repeats)
+            ms, rows = timed(lambda: store.conversations(OWNER, query, limit=LIST_LIMIT), repeats)  # noqa: B023
             out[f"search: {label}"] = figures(ms, query=query, matches=len(rows))
         branched = next(c for c in store.conversations(OWNER, limit=-1) if c.messages > messages)
         ms, path = timed(lambda: store.path(OWNER, branched.id), repeats)

@@ -28,15 +28,11 @@ runs report the same numbers, so what the HTTP layer costs is the difference bet
 from __future__ import annotations
 
 import argparse
-import contextlib
 import http.client
 import json
-import socket
 import sys
-import threading
 import time
 
-from miniserve.serve.in_thread import serve_in_thread
 from miniserve.bench.bench import (
     StreamTimeline,
     at_once,
@@ -45,6 +41,7 @@ from miniserve.bench.bench import (
     run_streams,
     stream_prompt,
 )
+from miniserve.serve.in_thread import serve_in_thread
 
 ASK = "\n\nGo on writing this text, in detail."
 
@@ -167,8 +164,8 @@ def measure_http(
 ) -> dict:
     """`streams` concurrent greedy streaming requests over HTTP and the same ones in-process;
     returns {"http": numbers, "in_process": numbers, ...} (see the module docstring)."""
-    from miniserve.serve.protocol import API_DEFAULTS
     from miniserve.core.config import SamplingParams
+    from miniserve.serve.protocol import API_DEFAULTS
 
     if streams < 1 or prompt_tokens < 1 or new_tokens < 1:
         raise ValueError("streams, prompt_tokens and new_tokens must be at least 1")

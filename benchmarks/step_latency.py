@@ -135,7 +135,7 @@ def in_browser(engine, repeat: int) -> dict:
                 timed(page.mouse.up, "temperature", lambda: f"{float(number.input_value()):g}")
             )
         chart = tab.locator("#step-chart svg.ms-step-chart")
-        for i in range(repeat):
+        for _ in range(repeat):
             position = int(chart.get_attribute("data-position"))
             out["click"].append(timed(step.click, "position", str(position + 1)))
         browser.close()

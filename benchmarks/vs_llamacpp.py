@@ -22,7 +22,8 @@ the machine costs both alike):
     cannot);
   * B streams (--streams, 8) batched: aggregate tokens/s, every stream's new tokens over the
     wall time from the submit to the last token, prefill of all prompts included (llama.cpp:
-    its batch API through miniserve/bench/peer.py's LlamaCppBatch, one sequence id a stream; ours: the
+    its batch API through miniserve/bench/peer.py's LlamaCppBatch, one sequence id a stream; ours:
+    the
     --ours-batch-cmd, by default `bench --concurrency B --presets greedy`). A separate process
     from the one-stream one, so that the one-stream memory figures are one context's.
 
@@ -350,12 +351,13 @@ def child_llamacpp_batch(
 ) -> dict:
     sys.path.insert(0, str(ROOT))
     t0 = time.perf_counter()
-    import llama_cpp
-
-    # miniserve.bench.peer imports miniserve.runners.loader (for its GGUF copies), which imports torch:
+    # miniserve.bench.peer imports miniserve.runners.loader (for its GGUF copies), which imports
+    # torch:
     # ~150 MB and a second OpenMP runtime in a process that measures llama.cpp. The batch
     # class needs none of it, so the loader is stubbed for this process.
     import types
+
+    import llama_cpp
 
     if "miniserve.runners.loader" not in sys.modules:
         stub = types.ModuleType("miniserve.runners.loader")

@@ -50,7 +50,8 @@ def float64_twin(hf_model):
 def assert_greedy(
     reference, prompt_ids, tokens, bound, end_id=None, min_decided: int = 32
 ) -> GreedyCheck:
-    """Greedy `tokens` must follow the float64 reference (miniserve.runners.verify.check_tokens), and
+    """Greedy `tokens` must follow the float64 reference (miniserve.runners.verify.check_tokens),
+    and
     the first `min_decided` steps (or all of a shorter reply) must be decided ones, so that
     the comparison has teeth: a prompt with an early near-tie is a poor test prompt."""
     result = check_tokens(reference, prompt_ids, tokens, bound, () if end_id is None else (end_id,))

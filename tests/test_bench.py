@@ -13,10 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import expected_runner
 from miniserve.bench import bench, peer
-from benchmarks import http_bench
-from miniserve.runners import native
 from miniserve.bench.bench import (
     ConcurrencyConfig,
     StreamTimeline,
@@ -35,6 +32,10 @@ from miniserve.bench.bench import (
 )
 from miniserve.core.config import SamplingParams
 from miniserve.core.platform import cpu_model
+from miniserve.runners import native
+
+from benchmarks import http_bench
+from conftest import expected_runner
 
 ROOT = Path(__file__).resolve().parent.parent
 

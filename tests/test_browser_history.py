@@ -7,9 +7,9 @@ import json
 
 import pytest
 from playwright.sync_api import expect
+from test_browser import set_number
 
 from servers import Server
-from test_browser import set_number
 
 pytestmark = pytest.mark.browser
 REPLY_TIMEOUT_MS = 90_000

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 from playwright.sync_api import expect
+from test_browser import set_number
+from test_ui_models import STORY, B
 
 from servers import free_port
-from test_browser import set_number
-from test_ui_models import B, STORY
 
 pytestmark = pytest.mark.browser
 SHOTS = Path(__file__).resolve().parent.parent / "docs"

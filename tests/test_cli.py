@@ -8,8 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import chat_ids, expected_runner
 from miniserve.runners.verify import BOUND_FLOAT32, check_tokens
+
+from conftest import chat_ids, expected_runner
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -96,7 +97,7 @@ def test_bad_arguments_exit_nonzero_with_one_line():
     ):
         r = run("generate", "--prompt", "hi", *args)
         assert r.returncode != 0, args
-        lines = [l for l in r.stderr.splitlines() if l.strip()]
+        lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
         assert len(lines) == 1 and "error" in lines[0] and "Traceback" not in r.stderr, args
 
 
@@ -217,7 +218,7 @@ def test_chat_saves_lists_loads_exports_and_imports(tmp_path):
 
 def test_chat_history_flags(tmp_path):
     r = run("chat", "--history-max-conversations", "-1")
-    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.returncode == 2 and len(lines) == 1 and "--history-max-conversations" in lines[0]
     db, data = tmp_path / "h.sqlite3", tmp_path / "data"
     r = run(

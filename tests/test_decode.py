@@ -7,14 +7,6 @@ import threading
 import pytest
 import torch
 
-from conftest import (
-    chat_ids,
-    expected_runner,
-    native_expected,
-    needs_native,
-    pinned_runner,
-    same_on_every_cpu,
-)
 from miniserve.core.config import SamplingParams
 from miniserve.engine.decode import GenerationStats, generate
 from miniserve.runners.lean import LeanRunner
@@ -24,6 +16,15 @@ from miniserve.runners.verify import (
     BOUND_BFLOAT16,
     BOUND_FLOAT32,
     check_tokens,
+)
+
+from conftest import (
+    chat_ids,
+    expected_runner,
+    native_expected,
+    needs_native,
+    pinned_runner,
+    same_on_every_cpu,
 )
 from reference import (
     AGREE_BFLOAT16,
@@ -45,7 +46,7 @@ PROMPTS = {
         f"and the children count boats."
         for i in range(16)
     ),
-    "multilingual": "Traduis en français et en japonais : « Good morning, how are you? » 日本語でも。",
+    "multilingual": "Traduis en français et en japonais : « Good morning, how are you? » 日本語でも。",  # noqa: E501
 }
 
 
@@ -90,7 +91,6 @@ def run(model, ids, params=GREEDY, **kwargs):
 
 @pytest.fixture(scope="module")
 def lean_model(loaded):
-    from miniserve.runners.lean import LeanRunner
 
     return LeanRunner(loaded.model)
 
@@ -152,7 +152,6 @@ def test_bfloat16_arithmetic_follows_the_reference_within_its_bound(bf16, ref16)
     margin of most steps of a chat reply -- so no run of decided steps can be asked for here,
     only that every token is within the bound of the reference's best. What bounds bf16's
     quality is the teacher-forced agreement below."""
-    from miniserve.runners.lean import LeanRunner
 
     lean = LeanRunner(bf16.model)
     assert lean.act_dtype == torch.bfloat16
@@ -165,7 +164,6 @@ def test_bfloat16_arithmetic_follows_the_reference_within_its_bound(bf16, ref16)
 
 def paths(loaded, bf16, engine, lean_model):
     """(step_logits, reference, bound, agreement threshold) of each way we compute logits."""
-    from miniserve.runners.lean import LeanRunner
 
     return {
         "engine steps, float32": (
@@ -225,7 +223,6 @@ def test_teacher_forced_logits_on_held_out_text(loaded, bf16, engine, lean_model
 
 def broken(loaded, how: str):
     """The engine's runner (native, or lean where it is off), deliberately wrong in one way."""
-    from miniserve.runners.lean import LeanRunner
     from miniserve.runners.native import NativeForward, NativeRunner
 
     model = (NativeRunner if native_expected() else LeanRunner)(loaded.model)
@@ -279,7 +276,6 @@ def test_a_broken_runner_fails_these_checks(loaded, ref32, how):
 def test_int8_weights_keep_the_top_token(bf16, loaded):
     """Quality of int8 weights, teacher-forced: at each position of a real text, the int8
     model's most likely next token is the float32 model's most of the time."""
-    from miniserve.runners.lean import LeanRunner
 
     int8 = LeanRunner(bf16.model, quant="int8")
     ids = chat_ids(loaded.tokenizer, PROMPTS["long"])[:200]

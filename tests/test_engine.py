@@ -5,10 +5,11 @@ import time
 
 import pytest
 
-from conftest import same_on_every_cpu
-from miniserve.engine.chat import ChatError, render, trim_history
 from miniserve.core.config import SamplingParams
+from miniserve.engine.chat import ChatError, render, trim_history
 from miniserve.engine.engine import Engine, EngineBusy
+
+from conftest import same_on_every_cpu
 
 GREEDY = SamplingParams(temperature=0, top_k=0, top_p=1.0, max_new_tokens=24)
 

@@ -9,16 +9,17 @@ test prompt, and the test says so rather than pass or fail by chance on another 
 
 import pytest
 import torch
+from test_decode import GREEDY, hf_generate
+from test_native import tiny_gemma3
 
-from conftest import needs_native
-from miniserve.runners import lean
 from miniserve.engine.decode import generate
+from miniserve.runners import lean
 from miniserve.runners.lean import LeanRunner
 from miniserve.runners.native import NativeRunner
 from miniserve.runners.verify import BOUND_FLOAT32, last_logits
+
+from conftest import needs_native
 from reference import HELD_OUT, TINY_BOUND, float64_twin, one_token_at_a_time
-from test_decode import GREEDY, hf_generate
-from test_native import tiny_gemma3
 
 RUNNERS = ["lean", pytest.param("native", marks=needs_native)]
 

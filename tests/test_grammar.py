@@ -12,12 +12,13 @@ import threading
 import jsonschema
 import pytest
 
-from conftest import chat_ids
 from miniserve.core.config import Constraint, SamplingParams
 from miniserve.engine.decode import generate
 from miniserve.engine.grammar import GrammarError
 from miniserve.engine.inspector import Inspector
 from miniserve.engine.sampling import filter_logits
+
+from conftest import chat_ids
 
 PERSON = {
     "type": "object",

@@ -4,10 +4,11 @@ import math
 
 import torch
 
-from conftest import chat_ids
 from miniserve.core.config import SamplingParams
 from miniserve.engine.decode import generate
 from miniserve.engine.inspector import Inspector
+
+from conftest import chat_ids
 
 
 def inspect_run(loaded, engine, params, text="Name three animals."):
@@ -34,7 +35,7 @@ def test_greedy_probabilities(loaded, engine):
     params = SamplingParams(temperature=0, max_new_tokens=10)
     inspector, logits, tokens = inspect_run(loaded, engine, params)
     assert [s.token_id for s in inspector.steps][: len(tokens)] == tokens
-    for step, (raw, final), x in zip(inspector.steps, inspector.distributions, logits):
+    for step, (raw, _final), x in zip(inspector.steps, inspector.distributions, logits):
         assert abs(float(raw.sum()) - 1) < 1e-4  # a distribution over the full vocabulary
         x = x.double()
         expected = torch.exp(x - x.max()) / torch.exp(x - x.max()).sum()
@@ -52,7 +53,7 @@ def test_greedy_probabilities(loaded, engine):
 def test_filters_are_reported(loaded, engine):
     params = SamplingParams(temperature=0.8, top_k=3, top_p=1.0, max_new_tokens=8, seed=3)
     inspector, _, _ = inspect_run(loaded, engine, params)
-    for step, (raw, final) in zip(inspector.steps, inspector.distributions):
+    for step, (_raw, final) in zip(inspector.steps, inspector.distributions):
         assert int((final > 0).sum()) <= 3
         assert abs(float(final.sum()) - 1) < 1e-4
         assert step.prob_filtered > 0  # the chosen token survived the filters

@@ -1,4 +1,5 @@
-"""Several models in one process (miniserve/models/registry.py), completion mode from the command line,
+"""Several models in one process (miniserve/models/registry.py), completion mode from the command
+line,
 and the loader's answers to files it cannot use."""
 
 import copy
@@ -8,18 +9,18 @@ import time
 from pathlib import Path
 
 import pytest
+from test_cli import run
 
 from miniserve.core.config import SamplingParams
-from miniserve.runners.loader import ModelLoadError, check_gguf, load_model
 from miniserve.models.registry import (
-    ModelSpecError,
     Models,
+    ModelSpecError,
     UnknownModel,
     load_specs_file,
     open_models,
     parse_spec,
 )
-from test_cli import run
+from miniserve.runners.loader import ModelLoadError, check_gguf, load_model
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=12)
 

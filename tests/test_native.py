@@ -1,6 +1,8 @@
-"""The native forward pass (miniserve/runners/kernels/decode.cpp) against its definitions: the matrix
+"""The native forward pass (miniserve/runners/kernels/decode.cpp) against its definitions: the
+matrix
 product against float64, whole passes against the PyTorch lean model on tiny models of three
-families (Llama, Qwen2, Gemma 3), a sequence alone against the same sequence among others (bit for bit), and on the
+families (Llama, Qwen2, Gemma 3), a sequence alone against the same sequence among others (bit for
+bit), and on the
 real model against a float64 reference."""
 
 import copy
@@ -12,15 +14,16 @@ import threading
 
 import pytest
 import torch
+from test_decode import GREEDY, PROMPTS, run
 
-from conftest import chat_ids, needs_native, same_on_every_cpu
-from miniserve.runners import native
 from miniserve.engine.decode import generate
+from miniserve.runners import native
 from miniserve.runners.lean import LeanRunner
 from miniserve.runners.native import NativeRunner
 from miniserve.runners.verify import runner_bound
+
+from conftest import chat_ids, needs_native, same_on_every_cpu
 from reference import TINY_BOUND, assert_greedy, float64_twin, one_token_at_a_time
-from test_decode import GREEDY, PROMPTS, run
 
 
 @needs_native

@@ -20,8 +20,8 @@ import openai
 import pytest
 
 from miniserve.core.config import SamplingParams
-from miniserve.engine.engine import Engine
 from miniserve.core.platform import rss_mb
+from miniserve.engine.engine import Engine
 
 ROOT = Path(__file__).resolve().parent.parent
 SOAK = bool(os.environ.get("MINISERVE_SOAK"))
@@ -115,7 +115,7 @@ def test_app_start_errors_are_one_line(args, words):
     r = subprocess.run(
         [sys.executable, "app.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
-    lines = [l for l in r.stderr.splitlines() if l.strip() and not l.startswith("Loading")]
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip() and not ln.startswith("Loading")]
     assert r.returncode != 0 and len(lines) == 1 and all(w in lines[0] for w in words), r.stderr
 
 

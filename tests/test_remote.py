@@ -15,9 +15,10 @@ from miniserve.core.config import Constraint, SamplingParams
 from miniserve.engine.engine import EngineBusy
 from miniserve.engine.grammar import GrammarError
 from miniserve.engine.inspector import Inspector
-from miniserve.runners.loader import ModelLoadError
 from miniserve.models.registry import parse_spec
 from miniserve.models.remote import RemoteEngine, RemoteError, RemoteRefused
+from miniserve.runners.loader import ModelLoadError
+
 from servers import Server, free_port
 
 GREEDY = SamplingParams(
@@ -135,7 +136,7 @@ def test_stop_closes_the_remote_stream(remote):
     long = GREEDY.replace(max_new_tokens=2000, temperature=0.8, seed=1)
     story = [{"role": "user", "content": "Write a very long story about a dragon."}]
     a = remote.chat(story, long)
-    for _, chunk in zip(range(3), a):
+    for _, _chunk in zip(range(3), a):
         pass
     b = remote.chat(story, long)
     next(b)

@@ -8,10 +8,11 @@ import threading
 
 import pytest
 
-from conftest import chat_ids, needs_native, same_on_every_cpu
 from miniserve.core.config import SamplingParams
 from miniserve.engine.decode import generate
 from miniserve.engine.engine import Engine, EngineBusy, RequestTooLarge
+
+from conftest import chat_ids, needs_native, same_on_every_cpu
 from reference import HELD_OUT
 
 QUESTIONS = [

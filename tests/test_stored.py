@@ -1,4 +1,5 @@
-"""Weights as stored (miniserve/runners/stored.py, kernels/quants.h and kquants.h): each block type's
+"""Weights as stored (miniserve/runners/stored.py, kernels/quants.h and kquants.h): each block
+type's
 kernel against a float64 product over the weights dequantized by an independent decoder (the
 gguf package's), with the bound activation rounding explains; a row alone against the same row
 in a batch, bit for bit; the real models' teacher-forced logits against float64; bad files."""
@@ -7,16 +8,16 @@ from __future__ import annotations
 
 import os
 
-
 import gguf
 import numpy as np
 import pytest
 import torch
 
-from conftest import needs_native, same_on_every_cpu
 from miniserve.runners import native
 from miniserve.runners.native import StoredMatrix
 from miniserve.runners.verify import BOUND_STORED_RELATIVE
+
+from conftest import needs_native, same_on_every_cpu
 
 Q = gguf.GGMLQuantizationType
 LEGACY = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]
@@ -170,6 +171,7 @@ def test_the_real_model_as_stored_follows_the_float64_reference(stored, ref32, m
     per row whatever the row count)."""
     from miniserve.runners.stored import StoredRunner
     from miniserve.runners.verify import BOUND_STORED
+
     from reference import HELD_OUT, teacher_forced, whole_prompt
 
     if math == "bfloat16" and not native.bf16_dot():
@@ -216,9 +218,10 @@ def stored_runner(loaded):
 def test_greedy_tokens_as_stored_follow_the_float64_reference(stored_engine, ref32):
     """The engine's default for a GGUF: its greedy reply, checked step by step against float64
     over the dequantized weights (miniserve/runners/verify.py), with the stored weights' bound."""
-    from conftest import chat_ids
     from miniserve.core.config import SamplingParams
     from miniserve.runners.verify import BOUND_STORED, check_tokens
+
+    from conftest import chat_ids
 
     assert (
         stored_engine.runner_name == "native" and stored_engine.info()["dtype"] == "q4_1 as stored"
@@ -344,6 +347,7 @@ def test_a_float_model_quantized_at_load_runs_on_the_same_kernels(bf16, ref16, q
     chance only (a broken kernel agrees on next to nothing)."""
     from miniserve.engine.engine import make_runner
     from miniserve.runners.verify import BOUND_STORED
+
     from reference import HELD_OUT, teacher_forced, whole_prompt
 
     runner = make_runner(bf16, quant=quant)

@@ -1,10 +1,8 @@
 """The declared interfaces hold: every runner implements the runner protocol (and its caches the
 cache protocol), both engines the engine surface; one runner class per runner."""
 
-import pytest
 import torch
 
-from conftest import needs_native
 from miniserve.engine.engine import Engine
 from miniserve.engine.surface import LOCAL, REMOTE, EngineSurface
 from miniserve.models.remote import RemoteEngine
@@ -13,6 +11,8 @@ from miniserve.runners.hf import TransformersRunner
 from miniserve.runners.lean import LeanRunner
 from miniserve.runners.native import NativeRunner
 from miniserve.runners.stored import StoredRunner
+
+from conftest import needs_native
 
 
 def _check(runner, name):
@@ -53,8 +53,8 @@ def test_no_runner_is_two_classes():
         (NativeRunner, "native"),
         (StoredRunner, "native"),
     ):
-        assert cls.__dict__.get("name", getattr(cls, "name")) == name
-        assert not isinstance(getattr(cls, "name"), property)
+        assert cls.__dict__.get("name", cls.name) == name
+        assert not isinstance(cls.name, property)
 
 
 def test_both_engines_have_the_engine_surface():

@@ -460,7 +460,7 @@ def test_compare_loads_the_models_at_the_same_time_and_a_failing_one_waits_for_n
     assert not release.is_set() and "loading model slow" in status, status
     assert "**Error:** model &#x27;broken&#x27; could not be loaded" in status, status
     release.set()
-    for status, *columns in updates:
+    for status, *columns in updates:  # noqa: B007 -- the last is read below
         seen.append(status)
     assert any("loading model slow: reading the weights" in s for s in seen), seen
     assert status.endswith("1 of 2 models did not run (their columns say why)"), status

@@ -1,4 +1,5 @@
-"""The greedy check of miniserve/runners/verify.py on hand-built logits: what it accepts and rejects."""
+"""The greedy check of miniserve/runners/verify.py on hand-built logits: what it accepts and
+rejects."""
 
 import torch
 

@@ -18,8 +18,9 @@ import json
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 import torch
 
@@ -389,7 +390,7 @@ def run_bench(engine: Engine, config: BenchConfig, progress: Progress | None = N
     )
 
 
-# -- a remote model (miniserve/models/remote.py) ------------------------------------------------------
+# -- a remote model (miniserve/models/remote.py) ----------------------------------------------
 # Its weights are on its server: no-cache, generate(), the other runners and the token check
 # cannot run here. What can: our streaming loop through the server, timed at this client.
 

@@ -1,6 +1,7 @@
 """llama.cpp on the same weights, as a peer in the benchmark (optional: llama-cpp-python).
 
-The embedded GGUF is Q4_1 (Gemma 3 270M's Q4_K_M). For a like-for-like comparison the `gguf` package writes f32 and
+The embedded GGUF is Q4_1 (Gemma 3 270M's Q4_K_M). For a like-for-like comparison the `gguf`
+package writes f32 and
 bf16 copies of it (dequantized, metadata unchanged) into the cache folder once; llama.cpp then
 runs each, fed the same prompt token ids as our engine. For the concurrency benchmark,
 `LlamaCppBatch` decodes B sequences together through llama.cpp's own batch API (one sequence

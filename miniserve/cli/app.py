@@ -1,7 +1,8 @@
 """The web app's launcher: the browser chat, the benchmark tab and the OpenAI-compatible
 API, served on one port (http://127.0.0.1:7860 by default).
 
-    python app.py | miniserve app  [--model SRC ...] [--models-file models.yaml] [--max-loaded-models N]
+    python app.py | miniserve app  [--model SRC ...] [--models-file models.yaml]
+                  [--max-loaded-models N]
                   [--host 127.0.0.1] [--port 7860] [--share] [--api-key KEY]
                   [--math auto|float32|bfloat16] [--kv-budget N] [--max-batch N] [--max-queue N]
                   [--history-db PATH | --no-history] [--history-max-conversations N]

@@ -311,7 +311,7 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def replace(self, **changes) -> "SamplingParams":
+    def replace(self, **changes) -> SamplingParams:
         return dataclasses.replace(self, **changes)
 
     def as_dict(self) -> dict:

@@ -16,8 +16,8 @@ import sys
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 
@@ -150,7 +150,7 @@ class PrefixCache:
     max_entries: int = 4
     max_tokens: int = 32768
     min_match: int = 16
-    entries: "OrderedDict[int, _Entry]" = field(default_factory=OrderedDict)
+    entries: OrderedDict[int, _Entry] = field(default_factory=OrderedDict)
     _next: int = 0
 
     def take(self, prompt: list[int]):
@@ -217,7 +217,8 @@ def make_runner(
 ):
     """The module the decode loop drives. transformers: the library model. lean: our readable
     PyTorch forward pass (Llama family). native: lean, with every pass in compiled code
-    (miniserve/runners/native.py; CPU, float32 or bfloat16 weights). auto: the fastest that applies."""
+    (miniserve/runners/native.py; CPU, float32 or bfloat16 weights). auto: the fastest that
+    applies."""
     if runner not in RUNNERS:
         raise ValueError(f"unknown runner '{runner}': use {', '.join(RUNNERS)}")
     if loaded.stored:  # a GGUF's weights as stored: the native runner over the mapped file
@@ -234,10 +235,10 @@ def make_runner(
         return StoredRunner(loaded.model, math, loaded.generation_config)
     if quant in QUANTS:  # a float model's matrices quantized to blocks at load (native)
         if runner not in ("auto", "native") or loaded.device.type != "cpu":
-            raise ValueError(
-                f"--quant {quant} runs on the native runner on the CPU, not "
-                f"{'--runner ' + runner if runner not in ('auto', 'native') else loaded.device.type}"
+            instead = (
+                f"--runner {runner}" if runner not in ("auto", "native") else loaded.device.type
             )
+            raise ValueError(f"--quant {quant} runs on the native runner on the CPU, not {instead}")
         if not lean.supports(loaded.model):
             raise ValueError(
                 f"--quant {quant} needs an architecture the native runner runs "
@@ -783,7 +784,7 @@ def drain(out: queue.Queue, cancel: threading.Event, ends: int = 1) -> Iterator:
         cancel.set()
 
 
-def columns(out: queue.Queue, cancel: threading.Event, n: int) -> "Stream":
+def columns(out: queue.Queue, cancel: threading.Event, n: int) -> Stream:
     """Compare's stream over `n` columns' sinks, each item (column, chunk): (column, chunk,
     the column's seconds so far) -- for the local engine and the remote one alike."""
     return Stream(

@@ -5,7 +5,8 @@ records the chosen token, its probability, and the top alternatives with their
 probability before the stages (plain softmax of the logits) and after them, and
 which stage (logit bias / grammar / temperature / top-k / top-p / min-p) removed each — the
 sampler's own stages, in its order (sampling.stages). In the web app each token opens a small
-chart of these on hover (`chart`, `popup_html`): a bar before and a bar after the stages. When a grammar constrains the reply,
+chart of these on hover (`chart`, `popup_html`): a bar before and a bar after the stages. When a
+grammar constrains the reply,
 each step also records how much of the probability the grammar's mask took away. Nothing of
 this runs when no inspector is attached.
 

@@ -14,7 +14,7 @@ it and the logit bias leave no token at all, `NoTokenAllowed` is raised.
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -151,9 +151,10 @@ def filter_logits(
     allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """All of the stages, in order: the logits the draw (or the argmax) sees."""
-    for _, logits in stages(logits, params, previous_ids, allowed):
+    out = logits  # no stage applies: the logits as they are
+    for _, out in stages(logits, params, previous_ids, allowed):  # noqa: B007 -- the last
         pass
-    return logits
+    return out
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:

@@ -6,8 +6,9 @@ asking where it runs.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from miniserve.core.config import SamplingParams
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import secrets
 import threading
-from typing import Iterator
+from collections.abc import Iterator
 
 from miniserve.core.config import RANDOM_SEEDS, SamplingParams
 from miniserve.store.store import Message, Store
@@ -59,7 +59,7 @@ class ChatTurn:
         self.question: str | None = None  # the saved user message the reply answers
 
     def __iter__(self) -> Iterator:
-        for self.last in self.stream:
+        for self.last in self.stream:  # noqa: B020 -- keeps the last chunk
             self.text_so_far += self.last.text
             yield self.last
 

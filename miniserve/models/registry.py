@@ -2,7 +2,8 @@
 
     --model SRC            (repeatable; the first is the default, `model: "default"` in the API)
     --model NAME=SRC       the same, named NAME in the dropdown and the API
-    --model http://HOST:PORT/v1#served-name    a remote OpenAI-compatible server (miniserve/models/remote.py)
+    --model http://HOST:PORT/v1#served-name    a remote OpenAI-compatible server
+    (miniserve/models/remote.py)
     --models-file models.yaml                  the same list as a file (see README)
 
 A local model loads on first use (the first request that names it, or at start for the
@@ -22,9 +23,9 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 import yaml
 
@@ -201,14 +202,14 @@ class Models:
         self._loading: dict[str, threading.Lock] = {name: threading.Lock() for name in self.specs}
 
     @classmethod
-    def single(cls, engine) -> "Models":
+    def single(cls, engine) -> Models:
         """A registry of one engine already started (tests, embedding)."""
         models = cls([ModelSpec(engine.name, None)], factory=None)
         models._engines[engine.name] = engine
         return models
 
     @staticmethod
-    def of(engine_or_models) -> "Models":
+    def of(engine_or_models) -> Models:
         return (
             engine_or_models
             if isinstance(engine_or_models, Models)
@@ -365,7 +366,8 @@ class EngineOptions:
 
 
 def engine_factory(options: EngineOptions):
-    """factory(spec, progress) for Models: a local engine (miniserve.engine.engine.start_engine) or a
+    """factory(spec, progress) for Models: a local engine (miniserve.engine.engine.start_engine) or
+    a
     remote one (miniserve.models.remote.RemoteEngine)."""
 
     def make(spec: ModelSpec, progress=None):

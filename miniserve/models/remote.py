@@ -33,8 +33,8 @@ import math
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import httpx
 
@@ -424,7 +424,7 @@ class RemoteEngine(Admitting):
 
     def chat(
         self, messages: list[dict], params: SamplingParams, *, cancel=None, observer=None, **ignored
-    ) -> "RemoteStream":
+    ) -> RemoteStream:
         """Stream the reply to a conversation, its history trimmed to fit the context."""
         trimmed = self.trim(messages, params)
         inspector = _inspector(observer)
@@ -448,7 +448,7 @@ class RemoteEngine(Admitting):
         cancel=None,
         observer=None,
         **ignored,
-    ) -> "RemoteStream":
+    ) -> RemoteStream:
         """Completion mode: stream the continuation of a text (or of token ids)."""
         text = self._prompt_text(prompt, params, trim)
         inspector = _inspector(observer)
@@ -464,7 +464,7 @@ class RemoteEngine(Admitting):
 
     def _start(
         self, path: str, body: dict, cancel, inspector, dropped: int, prompt_tokens=None
-    ) -> "RemoteStream":
+    ) -> RemoteStream:
         """Send the request now (a refusal is raised here, before any chunk), and return the
         stream that reads its reply. prompt_tokens(): the prompt's tokens as the server counts
         them, asked for when it sends no usage (None: no exact count to ask for)."""

@@ -64,7 +64,7 @@ def as_runner(model):
     return model if isinstance(model, Runner) else TransformersRunner(model)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cache_class() -> type:
     """transformers' DynamicCache with the rest of the cache protocol: it grows on its own, so
     it reserves nothing and holds no capacity ahead."""
@@ -79,7 +79,7 @@ def _cache_class() -> type:
     return TransformersCache
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cache_kwarg(model_class: type) -> str:
     """transformers 5 renamed `past_key_values=` to `cache=`; use what this version takes."""
     names = inspect.signature(model_class.forward).parameters

@@ -8,7 +8,8 @@ Sources, in the order they are recognised:
   * anything else        a Hugging Face Hub id, e.g. "Qwen/Qwen2.5-0.5B-Instruct"
 
 A GGUF runs with its weights as stored (`--dtype stored`, the default where the native
-runner runs: miniserve/runners/stored.py), memory-mapped, nothing dequantized. With `--dtype float32`
+runner runs: miniserve/runners/stored.py), memory-mapped, nothing dequantized. With `--dtype
+float32`
 or `bfloat16` (and wherever the native runner cannot run) it is dequantized once by
 transformers and kept as safetensors in a cache folder keyed by the file's hash and the dtype,
 so a second start takes seconds instead of ~15 s.
@@ -23,9 +24,9 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -410,7 +411,7 @@ def load_model(
             name = hub_id
     except ModelLoadError:
         raise
-    except (OSError, ValueError, EnvironmentError) as e:
+    except (OSError, ValueError) as e:
         hint = (
             "check the id and your network, or pass a local folder or .gguf file"
             if kind == "hub"

@@ -1,4 +1,5 @@
-"""The native forward pass: miniserve/runners/kernels/decode.cpp, compiled at first use, called by ctypes.
+"""The native forward pass: miniserve/runners/kernels/decode.cpp, compiled at first use, called by
+ctypes.
 
 Why it exists: one decoded token reads every weight once (538 MB in float32), so a step can
 not be faster than memory allows; PyTorch gets its matrix-vector products close to that, but
@@ -545,8 +546,9 @@ def summary() -> str:
     """Two lines for people: the CPU, then the kernels in use."""
     k = kernels()
     caps = ", ".join(f"{n}={v}" for n, v in k["caps"].items())
+    features = " ".join(platform_info.cpu_features()) or "no vector extensions named"
     return (
-        f"CPU: {platform_info.cpu_model()} ({platform.machine()}; {' '.join(platform_info.cpu_features()) or 'no vector extensions named'})\n"
+        f"CPU: {platform_info.cpu_model()} ({platform.machine()}; {features})\n"
         f"kernels: PyTorch {torch.__version__} {k['aten']}"
         + (f" (capped: {caps})" if caps else "")
         + f"; native forward pass {k['native']}"

@@ -25,9 +25,9 @@ from __future__ import annotations
 import hashlib
 import sys
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch

@@ -183,11 +183,11 @@ def _tree(c, at: str) -> dict:
         role = m.get("role")
         _need(role in ROLES, where + ".role", f"must be one of {', '.join(ROLES)}, got {role!r}")
         expected = "user" if parent is None or out[parent]["role"] == "assistant" else "assistant"
+        after = "the start" if parent is None else f"a {out[parent]['role']} message"
         _need(
             role == expected,
             where + ".role",
-            f"is {role!r} but follows {'the start' if parent is None else 'a ' + out[parent]['role'] + ' message'}"
-            f"; roles must alternate, starting with the user",
+            f"is {role!r} but follows {after}; roles must alternate, starting with the user",
         )
         _need(isinstance(m.get("content"), str), where + ".content", "must be a string")
         _need(

@@ -98,7 +98,7 @@ def default_path() -> Path:
 
 def open_store(
     path: str | Path | None = None, *, enabled: bool = True, max_conversations: int = 0
-) -> "Store":
+) -> Store:
     """The app's store. `path` None: the default file in the data folder. `enabled` False
     (--no-history): in memory, gone when the app stops. A file that is not a readable
     database is moved aside (…corrupt-DATE) and a new one started; a file or folder that
@@ -148,7 +148,7 @@ def _unreadable(error: sqlite3.DatabaseError) -> bool:
     )
 
 
-def _in_memory(path, error, max_conversations) -> "Store":
+def _in_memory(path, error, max_conversations) -> Store:
     reason = getattr(error, "strerror", None) or str(error)
     return Store(
         ":memory:",

@@ -474,7 +474,7 @@ class ChatHandlers:
 
 def build_chat_tab(
     chat: ChatHandlers, default_preset: str, header: ModelHeader | None = None
-) -> "ChatTab":
+) -> ChatTab:
     """The Chat tab, its sidebar and their events; call inside the app's `gr.Blocks`.
     `header`: the line above the tabs, redrawn after this tab's runs. Returns what
     the page-load event needs (`ChatTab.on_load`)."""

@@ -7,8 +7,9 @@ from __future__ import annotations
 import html
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 from miniserve.core.config import FIELDS, ConfigError
 from miniserve.core.errors import Unavailable, UserError
@@ -29,7 +30,7 @@ class Reading:
 
     def __iter__(self) -> Iterator[str]:
         last_paint = time.perf_counter()
-        for self.last in self.stream:
+        for self.last in self.stream:  # noqa: B020 -- keeps the last chunk
             self.text += self.last.text
             if self.last.done:
                 return

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import gradio as gr
 
