@@ -945,11 +945,45 @@ def test_a_damaged_history_file_is_said_in_the_sidebar(engine, presets, tmp_path
     assert len(chat.store.path(saved.browser["owner"], saved.view["cid"])) == 2
 
 
-def test_an_idle_app_polls_its_queue_slowly(engine, presets):
-    """Gradio's queue checks for work every 1 ms when free by default (~6% of a core with no
-    client); the app sets its private poll intervals, which must exist and take."""
-    from miniserve.ui import IDLE_POLL_S, PROGRESS_POLL_S
+def test_an_idle_queue_waits_to_be_woken_and_new_work_wakes_it(engine, presets):
+    """Gradio's queue polls every 1 ms when free by default (~6% of a core with no client);
+    the app makes its idle sleeps wait for a wake-up instead (up to IDLE_WAIT_S), which a new
+    event (push) or the end of a job gives: the waiting loop runs again within a few turns of
+    the event loop, not after the timeout."""
+    import asyncio
+
+    import gradio.queueing as queueing
+
+    from miniserve.ui import IDLE_WAIT_S
 
     demo = build_ui(engine, presets)
-    assert demo._queue.sleep_when_free == IDLE_POLL_S
-    assert demo._queue.progress_update_sleep_when_free == PROGRESS_POLL_S
+    queue = demo._queue
+    assert queue.sleep_when_free == queue.progress_update_sleep_when_free == IDLE_WAIT_S
+    clock = queueing.asyncio
+    assert clock.Event is asyncio.Event  # every other name is asyncio's own
+
+    async def scenario(wake) -> bool:
+        idle = asyncio.create_task(clock.sleep(IDLE_WAIT_S))
+        await asyncio.sleep(0)  # the sleep is waiting now
+        await wake()
+        for _ in range(5):
+            await asyncio.sleep(0)
+        done = idle.done()
+        idle.cancel()
+        return done
+
+    async def nothing():
+        pass
+
+    async def a_job_ends():
+        with pytest.raises(Exception):  # noqa: B017 -- a bogus job fails; its end still wakes
+            await queue.process_events(None, False, 0.0, None)
+
+    async def an_event_comes(body=None):
+        from types import SimpleNamespace
+
+        await queue.push(SimpleNamespace(fn_index=None), None, None)  # refused, still a wake
+
+    assert not asyncio.run(scenario(nothing))  # no wake: it keeps waiting
+    assert asyncio.run(scenario(a_job_ends))
+    assert asyncio.run(scenario(an_event_comes))

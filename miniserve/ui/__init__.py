@@ -8,6 +8,8 @@ Every tab asks the app's `Models` registry for the engine of the model its dropd
 
 from __future__ import annotations
 
+import asyncio
+
 import gradio as gr
 
 from miniserve.core.config import MAX_QUEUE, SamplingParams
@@ -91,27 +93,91 @@ def build_ui(
     return demo
 
 
-# Gradio's queue looks for new events every 1 ms while it has none, and for progress to send
-# every 10 ms: with no client at all, ~6% of a core (a laptop's battery). Checking every 50 ms
-# and 100 ms costs an event at most 50 ms (25 on average) before it starts -- a reply's prompt
-# pass takes longer; the Step tab's redraws skip the queue -- and a progress bar a tenth of a
-# second; idle, the app then uses under 0.5% of a core (BENCHMARKS.md, "Start-up and idle").
-# Private settings of gradio.queueing.Queue: quiet_when_idle fails loudly if they go, and
-# tests/test_ui.py checks that they took.
-IDLE_POLL_S = 0.05
+# Gradio's queue (gradio.queueing.Queue, private) looks for new events every 1 ms while it has
+# none, and for progress to send every 10 ms: with no client at all, ~6% of a core (a laptop's
+# battery). Polling less often would make every click wait for the next poll. Instead the
+# queue's loop waits on a wake-up: `push` (a new event) and the end of each job set it, and the
+# wait gives up after IDLE_WAIT_S; while jobs run, progress is sent every PROGRESS_POLL_S as
+# before. Idle, the app then uses under 0.5% of a core (BENCHMARKS.md, "Start-up and idle").
+# quiet_when_idle fails loudly if the queue's settings or methods it relies on go, and
+# tests/test_ui.py checks that events still start at once.
+IDLE_WAIT_S = 1.0
 PROGRESS_POLL_S = 0.1
 
 
+class _WakeableClock:
+    """gradio.queueing's `asyncio`, with one change: its loops' idle sleeps (IDLE_WAIT_S, set
+    as each queue's sleep_when_free and progress_update_sleep_when_free) end early when
+    `wake()` is called. Every other name is asyncio's own."""
+
+    def __init__(self, real):
+        self._real = real
+        self._waiting: set = set()  # an asyncio.Event per idle sleep in progress
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def wake(self) -> None:
+        for event in list(self._waiting):
+            event.set()
+
+    async def sleep(self, delay, result=None):
+        if delay != IDLE_WAIT_S:
+            return await self._real.sleep(delay, result)
+        task = self._real.current_task()
+        coro = task.get_coro() if task is not None else None
+        frame = getattr(coro, "cr_frame", None)
+        queue = frame.f_locals.get("self") if frame is not None else None
+        if getattr(coro, "__qualname__", "").endswith("start_progress_updates") and any(
+            job is not None for job in getattr(queue, "active_jobs", ())
+        ):  # a job runs: send its progress at the usual rate
+            return await self._real.sleep(PROGRESS_POLL_S, result)
+        event = self._real.Event()  # registered before this task yields: no wake is missed
+        self._waiting.add(event)
+        try:
+            await self._real.wait_for(event.wait(), delay)
+        except TimeoutError:
+            pass
+        finally:
+            self._waiting.discard(event)
+        return result
+
+
 def quiet_when_idle(demo: gr.Blocks) -> None:
+    import gradio.queueing as queueing
+
     queue = demo._queue
-    if not hasattr(queue, "sleep_when_free") or not hasattr(
-        queue, "progress_update_sleep_when_free"
-    ):
-        raise RuntimeError(
-            "this Gradio's queue has no idle poll settings: check "
-            "miniserve/ui/__init__.py's quiet_when_idle against it"
-        )
-    queue.sleep_when_free = max(queue.sleep_when_free, IDLE_POLL_S)
-    queue.progress_update_sleep_when_free = max(
-        queue.progress_update_sleep_when_free, PROGRESS_POLL_S
+    needed = (
+        "sleep_when_free",
+        "progress_update_sleep_when_free",
+        "active_jobs",
+        "push",
+        "process_events",
+        "start_processing",
+        "start_progress_updates",
     )
+    if not all(hasattr(queue, name) for name in needed) or not hasattr(queueing, "asyncio"):
+        raise RuntimeError(
+            "this Gradio's queue is not the one quiet_when_idle knows: check "
+            "miniserve/ui/__init__.py against gradio/queueing.py"
+        )
+    if not isinstance(queueing.asyncio, _WakeableClock):  # one clock for every queue
+        queueing.asyncio = _WakeableClock(queueing.asyncio)
+    clock = queueing.asyncio
+    queue.sleep_when_free = queue.progress_update_sleep_when_free = IDLE_WAIT_S
+    push, process = queue.push, queue.process_events
+
+    async def push_and_wake(*args, **kwargs):
+        try:
+            return await push(*args, **kwargs)
+        finally:
+            clock.wake()
+
+    async def process_and_wake(*args, **kwargs):
+        clock.wake()  # a job starts: its progress is now worth sending
+        try:
+            return await process(*args, **kwargs)
+        finally:
+            clock.wake()  # a slot is free: the next event may start
+
+    queue.push, queue.process_events = push_and_wake, process_and_wake
