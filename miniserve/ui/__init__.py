@@ -8,8 +8,6 @@ Every tab asks the app's `Models` registry for the engine of the model its dropd
 
 from __future__ import annotations
 
-import asyncio
-
 import gradio as gr
 
 from miniserve.core.config import MAX_QUEUE, SamplingParams
