@@ -102,7 +102,7 @@ class Scheduler:
         self.passes = self.widest = self.tallest = self.peak_kv = 0
         # the last pass: its seconds and how many sequences it held (a Step session's cost)
         self.last_pass_s, self.last_width = 0.0, 0
-        # KV positions Step sessions (miniserve/step.py) hold between their passes, by session:
+        # KV positions Step sessions (engine/step.py) hold between their passes, by session:
         # counted against the budget like a running sequence's
         self.kept: dict[object, int] = {}
 
