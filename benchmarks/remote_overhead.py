@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 
-from miniserve.core.config import SamplingParams
+from miniserve.core.config import BUILTIN_PRESETS, GREEDY
 from miniserve.engine.engine import start_engine
 from miniserve.models.registry import parse_spec
 from miniserve.models.remote import RemoteEngine
@@ -29,14 +29,7 @@ def remote_overhead(
     """What the remote path adds per token: the same greedy chat turn on a local engine and
     through a server of the same model (`remote`), timed at this client. The replies must be
     identical (the same model and arithmetic on both sides), else ValueError."""
-    params = SamplingParams(
-        temperature=0,
-        top_k=0,
-        top_p=1.0,
-        min_p=0.0,
-        repetition_penalty=1.0,
-        max_new_tokens=new_tokens,
-    )
+    params = BUILTIN_PRESETS[GREEDY].replace(max_new_tokens=new_tokens)
     messages = [{"role": "user", "content": prompt}]
     runs = {"local": [], "remote": []}
     for _ in range(repeat + 1):  # the first round warms up (and fills the prefix caches);

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -76,31 +75,18 @@ DRAWN = """([name, value]) => {
 
 
 def in_browser(engine, repeat: int) -> dict:
-    import gradio as gr
-    import uvicorn
-    from fastapi import FastAPI
     from playwright.sync_api import sync_playwright
 
-    from miniserve.ui import CSS, build_ui
-
     from conftest import CHROMIUM
-    from servers import free_port
+    from servers import app_in_thread
 
-    demo = build_ui(engine, load_presets())
-    app = gr.mount_gradio_app(FastAPI(), demo, path="/", css=CSS, footer_links=[])
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning")
-    )
-    threading.Thread(target=server.run, daemon=True).start()
-    while not server.started:
-        time.sleep(0.05)
     out = {"release": [], "click": []}
-    with sync_playwright() as p:
+    with app_in_thread(engine) as url, sync_playwright() as p:
         browser = p.chromium.launch(
             executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"]
         )
         page = browser.new_page(viewport={"width": 1500, "height": 1200})
-        page.goto(f"http://127.0.0.1:{server.config.port}")
+        page.goto(url)
         page.get_by_role("tab", name="Step").click()
         tab = page.locator("#step-tab")
         tab.get_by_label("Prompt").fill(PROMPT)
@@ -147,7 +133,6 @@ def in_browser(engine, repeat: int) -> dict:
             position = int(chart.get_attribute("data-position"))
             out["click"].append(timed(click, "position", str(position + 1)))
         browser.close()
-    server.should_exit = True
     return out
 
 

@@ -1,10 +1,12 @@
 """Start the real app (or API server) as a subprocess on a free port, for end-to-end tests."""
 
+import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -94,3 +96,34 @@ class Server:
             self.proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+
+
+@contextlib.contextmanager
+def app_in_thread(models, presets=None):
+    """The web app over `models` (a registry or one engine: build_ui, mounted as the launcher
+    mounts it) on a free port, served from a thread of this process; yields its URL."""
+    import gradio as gr
+    import uvicorn
+    from fastapi import FastAPI
+
+    from miniserve.core.config import load_presets
+    from miniserve.ui import CSS, build_ui
+
+    demo = build_ui(models, presets or load_presets())
+    app = gr.mount_gradio_app(
+        FastAPI(), demo, path="/", css=CSS, footer_links=[], run_history=False
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 60
+    while not server.started and thread.is_alive() and time.time() < deadline:
+        time.sleep(0.05)
+    assert server.started, "the app did not start"
+    try:
+        yield f"http://127.0.0.1:{server.config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=20)

@@ -3,7 +3,6 @@ models (started in this process: build_ui over the registry, mounted as app.py m
 
 import os
 import re
-import threading
 import time
 from pathlib import Path
 
@@ -12,7 +11,7 @@ from playwright.sync_api import expect
 from test_browser import set_number
 from test_ui_models import STORY, B
 
-from servers import free_port
+from servers import app_in_thread
 
 pytestmark = pytest.mark.browser
 SHOTS = Path(__file__).resolve().parent.parent / "docs"
@@ -23,31 +22,10 @@ DEFAULT = "SmolLM2-135M-Instruct"  # the embedded model, the app's first
 @pytest.fixture(scope="module")
 def two_model_app(two_models):
     """The web app over the two models, on a free port, for these tests."""
-    import gradio as gr
-    import uvicorn
-    from fastapi import FastAPI
-
-    from miniserve.core.config import load_presets
-    from miniserve.ui import CSS, build_ui
-
     for name in two_models.names:  # loaded up front: the tests time replies, not loads
         two_models.get(name)
-    demo = build_ui(two_models, load_presets())
-    app = gr.mount_gradio_app(
-        FastAPI(), demo, path="/", css=CSS, footer_links=[], run_history=False
-    )
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 60
-    while not server.started and thread.is_alive() and time.time() < deadline:
-        time.sleep(0.05)
-    assert server.started, "the app did not start"
-    yield f"http://127.0.0.1:{server.config.port}"
-    server.should_exit = True
-    thread.join(timeout=20)
+    with app_in_thread(two_models) as url:
+        yield url
 
 
 @pytest.fixture

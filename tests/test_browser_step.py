@@ -4,14 +4,12 @@ the bars change, pick the third candidate, go back two tokens, run to the end.""
 
 import os
 import re
-import threading
-import time
 from pathlib import Path
 
 import pytest
 from playwright.sync_api import expect
 
-from servers import free_port
+from servers import app_in_thread
 
 pytestmark = pytest.mark.browser
 SHOTS = Path(__file__).resolve().parent.parent / "docs"
@@ -20,29 +18,8 @@ TIMEOUT_MS = 60_000
 
 @pytest.fixture(scope="module")
 def step_app(engine):
-    import gradio as gr
-    import uvicorn
-    from fastapi import FastAPI
-
-    from miniserve.core.config import load_presets
-    from miniserve.ui import CSS, build_ui
-
-    demo = build_ui(engine, load_presets())
-    app = gr.mount_gradio_app(
-        FastAPI(), demo, path="/", css=CSS, footer_links=[], run_history=False
-    )
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 60
-    while not server.started and thread.is_alive() and time.time() < deadline:
-        time.sleep(0.05)
-    assert server.started, "the app did not start"
-    yield f"http://127.0.0.1:{server.config.port}"
-    server.should_exit = True
-    thread.join(timeout=20)
+    with app_in_thread(engine) as url:
+        yield url
 
 
 @pytest.fixture

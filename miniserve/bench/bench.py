@@ -26,6 +26,7 @@ import torch
 
 from miniserve.bench import peer
 from miniserve.core.config import (
+    BUILTIN_PRESETS,
     GREEDY,
     MAX_NEW_TOKENS,
     MAX_QUEUE,
@@ -270,9 +271,7 @@ def run_bench(engine: Engine, config: BenchConfig, progress: Progress | None = N
     progress = progress or (lambda f, m: None)
     if not engine.capabilities.local_tokens:
         return run_remote_bench(engine, config, progress)
-    params = SamplingParams(
-        temperature=0, top_k=0, top_p=1.0, repetition_penalty=1.0, max_new_tokens=config.new_tokens
-    )
+    params = BUILTIN_PRESETS[GREEDY].replace(max_new_tokens=config.new_tokens)
     dtype = str(engine.loaded.dtype).removeprefix("torch.")  # the reference modes' weights
     ours = (
         f"{dtype}+int8"
@@ -462,14 +461,7 @@ def run_remote_bench(engine, config: BenchConfig, progress: Progress) -> BenchRe
         raise ValueError(
             "--peer needs a local .gguf model: a remote model's weights are on its server"
         )
-    params = SamplingParams(
-        temperature=0,
-        top_k=0,
-        top_p=1.0,
-        min_p=0.0,
-        repetition_penalty=1.0,
-        max_new_tokens=config.new_tokens,
-    )
+    params = BUILTIN_PRESETS[GREEDY].replace(max_new_tokens=config.new_tokens)
     progress(0.0, "warming up the remote, counting its tokens")
     count = _filler_counter(engine, params)  # also the warm-up
     rows, total, done = [], len(config.prompt_tokens) * config.repeat, 0

@@ -20,10 +20,10 @@ from miniserve.cli.args import (
     Parser,
     add_history_args,
     add_model_args,
+    checked_models,
     fail,
-    flag_error,
+    fail_with,
     open_history,
-    open_models,
 )
 from miniserve.core.config import ConfigError, load_presets
 from miniserve.core.errors import UserError
@@ -129,19 +129,17 @@ def main(argv=None, prog: str = "python app.py") -> int:
 def open_registry(args):
     """(the models the flags name, None) -- nothing loaded, but the default model's file must
     exist -- or (None, exit code) after a one-line error."""
-    if flag_error(args):
-        return None, fail(flag_error(args))
+    models, code = checked_models(args)
+    if models is None:
+        return None, code
+    spec = models.specs[models.default]
     try:
-        models = open_models(args)
-        spec = models.specs[models.default]
         if not spec.remote and spec.source not in KNOWN_MODELS:
             resolve_source(spec.source)  # a path that is not there, no embedded model: said
             # now, before anything is served (a known model may still have to be installed)
-        return models, None
     except ModelLoadError as e:
-        return None, fail(str(e), 1)
-    except (UserError, ValueError) as e:
-        return None, fail(str(e), 2)
+        return None, fail_with(e)
+    return models, None
 
 
 def load_in_background(models, started: float, on_failure) -> threading.Thread:
@@ -151,13 +149,11 @@ def load_in_background(models, started: float, on_failure) -> threading.Thread:
     def load():
         try:
             engine = models.get(None)
-        except ModelLoadError as e:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-            on_failure(1)
+        except UserError as e:  # ModelLoadError: 1
+            on_failure(fail_with(e))
             return
-        except (UserError, ValueError, RuntimeError, OSError) as e:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-            on_failure(2)
+        except (ValueError, RuntimeError, OSError) as e:
+            on_failure(fail(str(e)))
             return
         print(f"{engine.name} loaded in {time.perf_counter() - started:.1f} s", flush=True)
 

@@ -27,9 +27,8 @@ from miniserve.core.config import (
 )
 from miniserve.core.errors import Unavailable, UserError
 from miniserve.engine.grammar import GrammarError
-from miniserve.models.registry import EngineOptions, ModelSpecError
+from miniserve.models.registry import EngineOptions
 from miniserve.models.registry import open_models as open_registry
-from miniserve.runners.loader import ModelLoadError
 from miniserve.store import store
 
 if TYPE_CHECKING:
@@ -350,17 +349,29 @@ def open_models(args):
     )
 
 
-def load_engine(args):
-    """(engine of the default model, None), or (None, exit code) after a one-line error.
-    args.models is then the registry of every model the flags name."""
+def checked_models(args):
+    """(the models the flags name, None) -- nothing loaded yet -- or (None, exit code) after a
+    one-line error (a bad flag or model entry: 2)."""
     if flag_error(args):
         return None, fail(flag_error(args))
     try:
-        args.models = open_models(args)
-        return args.models.get(None), None
-    except ModelSpecError as e:
-        return None, fail(str(e), 2)
-    except ModelLoadError as e:
-        return None, fail(str(e), 1)
+        return open_models(args), None
+    except UserError as e:  # ModelSpecError
+        return None, fail_with(e)
     except ValueError as e:
-        return None, fail(str(e), 2)
+        return None, fail(str(e))
+
+
+def load_engine(args):
+    """(engine of the default model, None), or (None, exit code) after a one-line error (a
+    model that could not be loaded: 1). args.models is then the registry of every model the
+    flags name."""
+    args.models, code = checked_models(args)
+    if args.models is None:
+        return None, code
+    try:
+        return args.models.get(None), None
+    except UserError as e:  # ModelLoadError: 1
+        return None, fail_with(e)
+    except ValueError as e:
+        return None, fail(str(e))

@@ -365,30 +365,27 @@ class ChatSession:
             + "; ".join(f"{n}: {t}" for n, t in zip(numbers, titles))
         )
 
-    def _keep(self, role: str, content: str, **details) -> str | None:
-        """Add a message to the saved conversation (if any); its id. A store that fails says
-        so in one line and the session goes on unsaved."""
+    def _save(self, write) -> str | None:
+        """Add a message to the saved conversation (if any) with `write()`, which returns its
+        id; the id. A store that fails says so in one line and the session goes on unsaved."""
         if self.cid is None:
             return None
         try:
-            self.leaf = self.store.add(CLI_OWNER, self.cid, self.leaf, role, content, **details).id
+            self.leaf = write()
             return self.leaf
         except (StoreError, sqlite3.Error) as e:
             self.cid = self.leaf = None
             self.say(f"[not saved: {e}; /save saves this conversation again]")
             return None
 
+    def _keep(self, role: str, content: str, **details) -> str | None:
+        return self._save(
+            lambda: self.store.add(CLI_OWNER, self.cid, self.leaf, role, content, **details).id
+        )
+
     def _keep_question(self, turn: ChatTurn) -> str | None:
         """The user's message saved (if the conversation is), as ChatTurn saves it."""
-        if self.cid is None:
-            return None
-        try:
-            self.leaf = turn.save_question(self.store, CLI_OWNER, self.cid, self.leaf)
-            return self.leaf
-        except (StoreError, sqlite3.Error) as e:
-            self.cid = self.leaf = None
-            self.say(f"[not saved: {e}; /save saves this conversation again]")
-            return None
+        return self._save(lambda: turn.save_question(self.store, CLI_OWNER, self.cid, self.leaf))
 
     def _take_back(self, message_id: str | None, parent_id: str | None) -> None:
         """Remove a user message that got no reply (the engine was busy)."""

@@ -26,10 +26,6 @@ class Capabilities:
     # server's, HTTP 502).
     over_network: bool
 
-    @property
-    def where(self) -> str:
-        return "remote" if self.over_network else "local"
-
 
 LOCAL = Capabilities(local_tokens=True, over_network=False)
 REMOTE = Capabilities(local_tokens=False, over_network=True)

@@ -394,13 +394,7 @@ def load_model(
     try:
         if kind == "gguf":
             model, tokenizer = _load_gguf(path, dt, progress)
-            name = (
-                EMBEDDED_NAME
-                if path == embedded_gguf_or_none()
-                else source
-                if source in KNOWN_MODELS
-                else path.stem
-            )
+            name = gguf_name(path, source)
         elif kind == "folder":
             _say(progress, f"Loading {path} ...")
             model, tokenizer = _load_pretrained(str(path), dt)
@@ -461,13 +455,7 @@ def _load_stored(source: str | None, path: Path, progress: Progress | None) -> L
         eos_token_id=eos,
         pad_token_id=meta("tokenizer.ggml.padding_token_id", eos),
     )
-    name = (
-        EMBEDDED_NAME
-        if path == embedded_gguf_or_none()
-        else source
-        if source in KNOWN_MODELS
-        else path.stem
-    )
+    name = gguf_name(path, source)
     context = weights.config.max_position_embeddings
     _say(
         progress,
@@ -529,6 +517,14 @@ def _gguf_tokenizer(path: Path):
     architecture, vocabulary, config = get_gguf_tokenizer(str(path))
     backend, extra = convert_gguf_tokenizer(architecture, vocabulary)
     return PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra)
+
+
+def gguf_name(path: Path, source: str | None) -> str:
+    """What a GGUF model is called: the embedded model's name, a known model's, else the
+    file's stem."""
+    if path == embedded_gguf_or_none():
+        return EMBEDDED_NAME
+    return source if source in KNOWN_MODELS else path.stem
 
 
 def embedded_gguf_or_none() -> Path | None:

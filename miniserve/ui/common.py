@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import NamedTuple
 
-from miniserve.core.config import FIELDS, ConfigError
+from miniserve.core.config import ConfigError
 from miniserve.core.errors import Unavailable, UserError
 
 # Repaint a streaming reply at most this often: ~12 updates a second reads as smooth, and each
@@ -88,17 +88,6 @@ def message_text(content) -> str:
     if isinstance(content, list):
         return "".join(message_text(part) for part in content)
     return "" if content is None else str(content)
-
-
-# -- Presets and sampling controls -----------------------------------------------------------
-assert list(FIELDS) == [
-    "temperature",
-    "top_k",
-    "top_p",
-    "min_p",
-    "repetition_penalty",
-    "max_new_tokens",
-], "the handlers take the sliders in this order"
 
 
 def counts_from(text, what: str, example: str) -> list[int]:

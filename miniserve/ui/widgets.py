@@ -175,6 +175,17 @@ def build_output_format() -> OutputFormat:
     return OutputFormat(fmt, text)
 
 
+# -- Presets and sampling controls -----------------------------------------------------------
+assert list(FIELDS) == [
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "max_new_tokens",
+], "the handlers take the sliders in this order"
+
+
 SLIDER_MAX = {"top_k": 200}  # the slider's range; larger values are still valid via CLI/API
 SLIDER_STEP = {
     "temperature": 0.05,
