@@ -239,7 +239,7 @@ def run_child(
 
 def filler_text() -> str:
     """miniserve.bench.bench.FILLER, read from its source (importing it would import torch)."""
-    tree = ast.parse((ROOT / "miniserve" / "bench.py").read_text())
+    tree = ast.parse((ROOT / "miniserve" / "bench" / "bench.py").read_text())
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(
             getattr(t, "id", "") == "FILLER" for t in node.targets

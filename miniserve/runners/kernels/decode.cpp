@@ -639,24 +639,24 @@ static long act_row_bytes(Act act, long cols) {
 
 // One thread's share of a product over quantized weights: weight rows [r0, r1) (each `wrow`
 // bytes) against activation rows [0, B) (each `xs` bytes of xq), into y[b * ldy + r]. Weight
-// rows are taken in chunks that stay in the L2 cache while activation rows pass by in blocks
-// of 64; within those, each weight row against 8, 4, then single activation rows. How many
-// a call takes never changes a pair's result (see above).
+// rows are taken in chunks that stay in the L2 cache; within a chunk, activation rows are taken
+// 8 (then 4, then 1) at a time, and every weight row of the chunk meets them while they sit in
+// the L1 cache (the weight row, a fraction of their size, comes from L2). How many a call takes
+// never changes a pair's result (see above).
 static void qmatmul_part(const Kernels *k, const char *w, long wrow, const char *xq, long xs,
                          float *y, long B, long ldy, long C, long r0, long r1) {
-    const long RC = B < 8 ? r1 - r0 : std::max(1L, (256L << 10) / wrow), XB = 64;
+    const long RC = B < 8 ? r1 - r0 : std::max(1L, (256L << 10) / wrow);
     for (long c0 = r0; c0 < r1; c0 += RC) {
         const long c1 = std::min(r1, c0 + RC);
-        for (long b0 = 0; b0 < B; b0 += XB) {
-            const long b1 = std::min(B, b0 + XB);
-            for (long r = c0; r < c1; r++) {
-                const char *wr = w + r * wrow;
-                long b = b0;
-                for (; b + 8 <= b1; b += 8) k->dot8(C, wr, xq + b * xs, xs, y + b * ldy + r, ldy);
-                for (; b + 4 <= b1; b += 4) k->dot4(C, wr, xq + b * xs, xs, y + b * ldy + r, ldy);
-                for (; b < b1; b++) k->dot1(C, wr, xq + b * xs, xs, y + b * ldy + r, ldy);
-            }
-        }
+        long b = 0;
+        for (; b + 8 <= B; b += 8)
+            for (long r = c0; r < c1; r++)
+                k->dot8(C, w + r * wrow, xq + b * xs, xs, y + b * ldy + r, ldy);
+        for (; b + 4 <= B; b += 4)
+            for (long r = c0; r < c1; r++)
+                k->dot4(C, w + r * wrow, xq + b * xs, xs, y + b * ldy + r, ldy);
+        for (; b < B; b++)
+            for (long r = c0; r < c1; r++) k->dot1(C, w + r * wrow, xq + b * xs, xs, y + b * ldy + r, ldy);
     }
 }
 

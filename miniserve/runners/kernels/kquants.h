@@ -23,13 +23,16 @@
 //   Q6_K: A lane (g0, h) = sum over groups g in {g0, g0 + 8} of sc[g] * (q . xq over weights
 //     8h .. 8h + 8 of g), q unsigned (0..63); B lane t = sc[2t] bsums[2t] + sc[2t+1] bsums[2t+1],
 //     for the -32 offset.
-// (mskq_lane45 / mskq_lane6 give the lane numbers: the order vpdpwssd leaves them in.) Then
-// per lane, in float: fa[L] = fa[L] + (float)A[L] * (d * dx), fb[t] = fb[t] + (float)B[t] *
-// (dmin * dx) (Q6_K: d * dx), and at the end y = tree16(fa) - tree8(fb) (Q6_K: - 32 * tree8):
-// a fixed order, the same float operations whichever build, NB or slot j a row has -- so results
-// are bit-identical across NB and across the AVX-512, AVX2 and plain builds (with
-// -ffp-contract=off, as decode.cpp is built: no multiply and add may be fused). No horizontal
-// sums inside the loop: one 16-lane and one 8-lane float update per super-block and row.
+// (mskq_lane45 / mskq_lane6 give the lane numbers: the order vpdpwssd leaves them in.) Lanes L
+// and L + 8 are then added as integers (exact: every sum stays below 2^31), leaving 8 A lanes;
+// Q6_K also takes 32 B[t] from A lane t (its scale is the same d). Then per lane, in float:
+// fa[l] = fa[l] + (float)A8[l] * (d * dx), fb[t] = fb[t] + (float)B[t] * (dmin * dx) (Q4_K,
+// Q5_K), and at the end y = tree8(fa) - tree8(fb) (Q6_K: tree8(fa)): a fixed order, the same
+// float operations whichever build, NB or slot j a row has -- so results are bit-identical
+// across NB and across the AVX-512, AVX2 and plain builds (with -ffp-contract=off, as decode.cpp
+// is built: no multiply and add may be fused). No horizontal sums inside the loop: per
+// super-block and row, 8 float lanes updated (Q4_K, Q5_K: 16, A and B side by side; with two
+// rows a call or more, the AVX-512 loop updates the A lanes of two rows in one register).
 //
 // The three builds differ only in how the integer lanes are found:
 //   AVX-512 + VNNI: 64 weights a register; vpdpbusd (u8 weights x s8 activations, 4 products a
@@ -251,12 +254,6 @@ static inline float mskq_tree8(const float *a) {
     return (c[0] + c[2]) + (c[1] + c[3]);
 }
 
-static inline float mskq_tree16(const float *a) {
-    float b[8];
-    for (int k = 0; k < 8; k++) b[k] = a[k] + a[k + 8];
-    return mskq_tree8(b);
-}
-
 static inline float mskq_dx(const void *x, long xstride, int j, long i) {
     float d;
     std::memcpy(&d, mskq_xblock(x, xstride, j, i), 4);
@@ -303,11 +300,13 @@ static inline void mskq_dot_k45(long n, const void *w, const void *x, long xstri
                                 long ystride) {
     const long bytes = HI ? 176 : 144, nb = n / 256;
     const uint8_t *b = (const uint8_t *)w;
-    float fa[NB][16], fb[NB][8];  // per row: the A lanes' and B lanes' float sums
+    float fa[NB][8], fb[NB][8];  // per row: the A lanes' and B lanes' float sums
 #if defined(MSKQ_AVX512)
-    __m512 aa[NB];
-    __m256 ab[NB];
-    for (int j = 0; j < NB; j++) aa[j] = _mm512_setzero_ps(), ab[j] = _mm256_setzero_ps();
+    // one row: its 8 A lanes, then its 8 B lanes; NB even: rows in pairs, one register for the
+    // pair's A lanes (the first row's in 0-7) and one for their B lanes
+    constexpr int NA = NB == 1 ? 1 : NB / 2;
+    __m512 acc[NA], accb[NA];
+    for (int j = 0; j < NA; j++) acc[j] = accb[j] = _mm512_setzero_ps();
     const __m512i m4 = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16),
                   z = _mm512_setzero_si512(), nib = _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4);
     // vpdpbusd of w[k] (below) gives sub-block 2k in lanes 0-7, 2k+1 in 8-15; vpackssdw of two
@@ -346,27 +345,61 @@ static inline void mskq_dot_k45(long n, const void *w, const void *x, long xstri
         const __m512i s01 = _mm512_shuffle_epi8(scb, c01), s23 = _mm512_shuffle_epi8(scb, c23);
         const __m256i mins = _mm256_shuffle_epi8(
             _mm256_set1_epi64x((long long)(u[2] | (uint64_t)u[3] << 32)), cm);
-        for (int j = 0; j < NB; j++) {
-            const uint8_t *xb = mskq_xblock(x, xstride, j, i);
+        // the 16 A lanes of a row (per vpdpwssd's order); lane sums < 4 * 31 * 127 < 2^15: the
+        // int16 packing is exact
+        auto lanes = [&](const uint8_t *xb) {
             const __m512i p0 = _mm512_dpbusd_epi32(z, wk[0], _mm512_loadu_si512((const void *)(xb + 4)));
             const __m512i p1 = _mm512_dpbusd_epi32(z, wk[1], _mm512_loadu_si512((const void *)(xb + 68)));
             const __m512i p2 = _mm512_dpbusd_epi32(z, wk[2], _mm512_loadu_si512((const void *)(xb + 132)));
             const __m512i p3 = _mm512_dpbusd_epi32(z, wk[3], _mm512_loadu_si512((const void *)(xb + 196)));
-            // lane sums < 4 * 31 * 127 < 2^15: the int16 packing is exact
-            __m512i s = _mm512_dpwssd_epi32(z, _mm512_packs_epi32(p0, p1), s01);
-            s = _mm512_dpwssd_epi32(s, _mm512_packs_epi32(p2, p3), s23);
+            const __m512i s = _mm512_dpwssd_epi32(z, _mm512_packs_epi32(p0, p1), s01);
+            return _mm512_dpwssd_epi32(s, _mm512_packs_epi32(p2, p3), s23);
+        };
+        if (NB == 1) {  // A lanes L and L + 8 added (exact), the B lanes beside them
+            const uint8_t *xb = mskq_xblock(x, xstride, 0, i);
+            const __m512i s = lanes(xb);
             const __m256i m = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(xb + 260)), mins);
+            const __m256i a8 = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
+            const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(a8), m, 1);
             float dx;
             std::memcpy(&dx, xb, 4);
-            aa[j] = _mm512_add_ps(aa[j], _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(d * dx)));
-            ab[j] = _mm256_add_ps(ab[j], _mm256_mul_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(dmin * dx)));
+            const __m512 dd = _mm512_insertf32x8(_mm512_set1_ps(d), _mm256_set1_ps(dmin), 1);
+            acc[0] = _mm512_add_ps(acc[0], _mm512_mul_ps(_mm512_cvtepi32_ps(ab), _mm512_mul_ps(_mm512_set1_ps(dx), dd)));
+        } else {
+            const __m512 dv = _mm512_set1_ps(d), dmv = _mm512_set1_ps(dmin);
+            const __m512i mins2 = _mm512_broadcast_i64x4(mins);
+            for (int jp = 0; jp < NA; jp++) {
+                const uint8_t *x0 = mskq_xblock(x, xstride, 2 * jp, i), *x1 = mskq_xblock(x, xstride, 2 * jp + 1, i);
+                const __m512i s0 = lanes(x0), s1 = lanes(x1);
+                // per row, A lanes L and L + 8 added (exact): the first row's in 0-7
+                const __m512i a = _mm512_add_epi32(_mm512_shuffle_i64x2(s0, s1, 0x44), _mm512_shuffle_i64x2(s0, s1, 0xEE));
+                const __m512i m = _mm512_madd_epi16(
+                    _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(x0 + 260))),
+                                       _mm256_loadu_si256((const __m256i *)(x1 + 260)), 1),
+                    mins2);
+                float dx0, dx1;
+                std::memcpy(&dx0, x0, 4);
+                std::memcpy(&dx1, x1, 4);
+                const __m512 dx = _mm512_insertf32x8(_mm512_set1_ps(dx0), _mm256_set1_ps(dx1), 1);
+                acc[jp] = _mm512_add_ps(acc[jp], _mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(dx, dv)));
+                accb[jp] = _mm512_add_ps(accb[jp], _mm512_mul_ps(_mm512_cvtepi32_ps(m), _mm512_mul_ps(dx, dmv)));
+            }
         }
     }
-    for (int j = 0; j < NB; j++) _mm512_storeu_ps(fa[j], aa[j]), _mm256_storeu_ps(fb[j], ab[j]);
+    if (NB == 1) {
+        _mm256_storeu_ps(fa[0], _mm512_castps512_ps256(acc[0]));
+        _mm256_storeu_ps(fb[0], _mm512_extractf32x8_ps(acc[0], 1));
+    } else {
+        for (int jp = 0; jp < NA; jp++) {
+            float a[16], m[16];
+            _mm512_storeu_ps(a, acc[jp]), _mm512_storeu_ps(m, accb[jp]);
+            std::memcpy(fa[2 * jp], a, 32), std::memcpy(fa[2 * jp + 1], a + 8, 32);
+            std::memcpy(fb[2 * jp], m, 32), std::memcpy(fb[2 * jp + 1], m + 8, 32);
+        }
+    }
 #elif defined(MSKQ_AVX2)
-    __m256 aa[NB][2], ab[NB];
-    for (int j = 0; j < NB; j++)
-        aa[j][0] = aa[j][1] = ab[j] = _mm256_setzero_ps();
+    __m256 aa[NB], ab[NB];
+    for (int j = 0; j < NB; j++) aa[j] = ab[j] = _mm256_setzero_ps();
     const __m256i m4 = _mm256_set1_epi8(0x0F), sixteen = _mm256_set1_epi8(16);
     const __m256i cm = _mm256_setr_epi32(MSKQ_W(0), MSKQ_W(1), MSKQ_W(2), MSKQ_W(3), MSKQ_W(4),
                                          MSKQ_W(5), MSKQ_W(6), MSKQ_W(7));
@@ -408,22 +441,15 @@ static inline void mskq_dot_k45(long n, const void *w, const void *x, long xstri
             const __m256i m = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(xb + 260)), mins);
             float dx;
             std::memcpy(&dx, xb, 4);
-            const __m256 da = _mm256_set1_ps(d * dx);
-            aa[j][0] = _mm256_add_ps(aa[j][0], _mm256_mul_ps(_mm256_cvtepi32_ps(a0), da));
-            aa[j][1] = _mm256_add_ps(aa[j][1], _mm256_mul_ps(_mm256_cvtepi32_ps(a1), da));
+            const __m256i a8 = _mm256_add_epi32(a0, a1);  // A lanes L and L + 8
+            aa[j] = _mm256_add_ps(aa[j], _mm256_mul_ps(_mm256_cvtepi32_ps(a8), _mm256_set1_ps(d * dx)));
             ab[j] = _mm256_add_ps(ab[j], _mm256_mul_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(dmin * dx)));
         }
     }
-    for (int j = 0; j < NB; j++) {
-        _mm256_storeu_ps(fa[j], aa[j][0]);
-        _mm256_storeu_ps(fa[j] + 8, aa[j][1]);
-        _mm256_storeu_ps(fb[j], ab[j]);
-    }
+    for (int j = 0; j < NB; j++) _mm256_storeu_ps(fa[j], aa[j]), _mm256_storeu_ps(fb[j], ab[j]);
 #else
-    for (int j = 0; j < NB; j++) {
-        for (int l = 0; l < 16; l++) fa[j][l] = 0.f;
-        for (int l = 0; l < 8; l++) fb[j][l] = 0.f;
-    }
+    for (int j = 0; j < NB; j++)
+        for (int l = 0; l < 8; l++) fa[j][l] = fb[j][l] = 0.f;
     for (long i = 0; i < nb; i++, b += bytes) {
         uint32_t u[4];
         mskq_scales(b + 4, u);
@@ -452,12 +478,12 @@ static inline void mskq_dot_k45(long n, const void *w, const void *x, long xstri
                     a[mskq_lane45(s0, o)] = (int32_t)mskq_byte(u, s0) * dot[s0][o] +
                                             (int32_t)mskq_byte(u, s0 + 4) * dot[s0 + 4][o];
             for (int t = 0; t < 8; t++) m[t] = (int32_t)mskq_byte(u, 8 + t) * (bs[2 * t] + bs[2 * t + 1]);
-            for (int l = 0; l < 16; l++) fa[j][l] = fa[j][l] + (float)a[l] * da;
+            for (int l = 0; l < 8; l++) fa[j][l] = fa[j][l] + (float)(a[l] + a[l + 8]) * da;
             for (int l = 0; l < 8; l++) fb[j][l] = fb[j][l] + (float)m[l] * dm;
         }
     }
 #endif
-    for (int j = 0; j < NB; j++) y[j * ystride] = mskq_tree16(fa[j]) - mskq_tree8(fb[j]);
+    for (int j = 0; j < NB; j++) y[j * ystride] = mskq_tree8(fa[j]) - mskq_tree8(fb[j]);
 }
 
 template <int NB>
@@ -481,11 +507,11 @@ static void ms_dot_q6_K(long n, const void *w, const void *x, long xstride, floa
                         long ystride) {
     const long nb = n / 256;
     const uint8_t *b = (const uint8_t *)w;
-    float fa[NB][16], fb[NB][8];
+    float fa[NB][8];
 #if defined(MSKQ_AVX512)
-    __m512 aa[NB];
-    __m256 ab[NB];
-    for (int j = 0; j < NB; j++) aa[j] = _mm512_setzero_ps(), ab[j] = _mm256_setzero_ps();
+    constexpr int NA = NB == 1 ? 1 : NB / 2;  // NB even: rows in pairs, the first row's in 0-7
+    __m512 aa[NA];
+    for (int j = 0; j < NA; j++) aa[j] = _mm512_setzero_ps();
     const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30), z = _mm512_setzero_si512();
     const __m512i shl = _mm512_setr_epi64(4, 4, 4, 4, 2, 2, 2, 2), shr = _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2);
     // vpdpbusd of w[k] has group 4k + c in 16-byte lane c; vpackssdw of w[0]'s and w[1]'s: per
@@ -510,28 +536,58 @@ static void ms_dot_q6_K(long n, const void *w, const void *x, long xstride, floa
         const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
         const __m512i s01 = _mm512_permutexvar_epi16(i01, _mm512_castsi256_si512(sc16));
         const __m512i s23 = _mm512_permutexvar_epi16(i23, _mm512_castsi256_si512(sc16));
-        for (int j = 0; j < NB; j++) {
-            const uint8_t *xb = mskq_xblock(x, xstride, j, i);
+        // the 16 A lanes of a row; lane sums < 4 * 63 * 128 < 2^15: the int16 packing is exact
+        auto lanes = [&](const uint8_t *xb) {
             const __m512i p0 = _mm512_dpbusd_epi32(z, wk[0], _mm512_loadu_si512((const void *)(xb + 4)));
             const __m512i p1 = _mm512_dpbusd_epi32(z, wk[1], _mm512_loadu_si512((const void *)(xb + 68)));
             const __m512i p2 = _mm512_dpbusd_epi32(z, wk[2], _mm512_loadu_si512((const void *)(xb + 132)));
             const __m512i p3 = _mm512_dpbusd_epi32(z, wk[3], _mm512_loadu_si512((const void *)(xb + 196)));
-            // lane sums < 4 * 63 * 128 < 2^15: the int16 packing is exact
-            __m512i s = _mm512_dpwssd_epi32(z, _mm512_packs_epi32(p0, p1), s01);
-            s = _mm512_dpwssd_epi32(s, _mm512_packs_epi32(p2, p3), s23);
+            const __m512i s = _mm512_dpwssd_epi32(z, _mm512_packs_epi32(p0, p1), s01);
+            return _mm512_dpwssd_epi32(s, _mm512_packs_epi32(p2, p3), s23);
+        };
+        if (NB == 1) {  // A lanes L and L + 8, less 32 B lanes: exact integers, one float update
+            const uint8_t *xb = mskq_xblock(x, xstride, 0, i);
+            const __m512i s = lanes(xb);
             const __m256i m = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(xb + 260)), sc16);
+            const __m256i t = _mm256_sub_epi32(
+                _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1)),
+                _mm256_slli_epi32(m, 5));
             float dx;
             std::memcpy(&dx, xb, 4);
-            const float da = d * dx;
-            aa[j] = _mm512_add_ps(aa[j], _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(da)));
-            ab[j] = _mm256_add_ps(ab[j], _mm256_mul_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(da)));
+            const __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(d * dx));
+            aa[0] = _mm512_castps256_ps512(_mm256_add_ps(_mm512_castps512_ps256(aa[0]), u));
+        } else {
+            const __m512 dv = _mm512_set1_ps(d);
+            const __m512i sc2 = _mm512_broadcast_i64x4(sc16);
+            for (int jp = 0; jp < NA; jp++) {
+                const uint8_t *x0 = mskq_xblock(x, xstride, 2 * jp, i), *x1 = mskq_xblock(x, xstride, 2 * jp + 1, i);
+                const __m512i s0 = lanes(x0), s1 = lanes(x1);
+                const __m512i a = _mm512_add_epi32(_mm512_shuffle_i64x2(s0, s1, 0x44), _mm512_shuffle_i64x2(s0, s1, 0xEE));
+                const __m512i m = _mm512_madd_epi16(
+                    _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(x0 + 260))),
+                                       _mm256_loadu_si256((const __m256i *)(x1 + 260)), 1),
+                    sc2);
+                const __m512i t = _mm512_sub_epi32(a, _mm512_slli_epi32(m, 5));
+                float dx0, dx1;
+                std::memcpy(&dx0, x0, 4);
+                std::memcpy(&dx1, x1, 4);
+                const __m512 dx = _mm512_insertf32x8(_mm512_set1_ps(dx0), _mm256_set1_ps(dx1), 1);
+                aa[jp] = _mm512_add_ps(aa[jp], _mm512_mul_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(dx, dv)));
+            }
         }
     }
-    for (int j = 0; j < NB; j++) _mm512_storeu_ps(fa[j], aa[j]), _mm256_storeu_ps(fb[j], ab[j]);
+    if (NB == 1) {
+        _mm256_storeu_ps(fa[0], _mm512_castps512_ps256(aa[0]));
+    } else {
+        for (int jp = 0; jp < NA; jp++) {
+            float a[16];
+            _mm512_storeu_ps(a, aa[jp]);
+            std::memcpy(fa[2 * jp], a, 32), std::memcpy(fa[2 * jp + 1], a + 8, 32);
+        }
+    }
 #elif defined(MSKQ_AVX2)
-    __m256 aa[NB][2], ab[NB];
-    for (int j = 0; j < NB; j++)
-        aa[j][0] = aa[j][1] = ab[j] = _mm256_setzero_ps();
+    __m256 aa[NB];
+    for (int j = 0; j < NB; j++) aa[j] = _mm256_setzero_ps();
     const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
     for (long i = 0; i < nb; i++, b += 210) {
         mskq_prefetch(b, 256);
@@ -566,24 +622,16 @@ static void ms_dot_q6_K(long n, const void *w, const void *x, long xstride, floa
             const __m256i a0 = _mm256_hadd_epi32(r[0], r[2]);  // A lanes 0-7 (groups 0, 1, 4, 5)
             const __m256i a1 = _mm256_hadd_epi32(r[1], r[3]);  // 8-15 (2, 3, 6, 7)
             const __m256i m = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(xb + 260)), sc16);
+            const __m256i t = _mm256_sub_epi32(_mm256_add_epi32(a0, a1), _mm256_slli_epi32(m, 5));
             float dx;
             std::memcpy(&dx, xb, 4);
-            const __m256 da = _mm256_set1_ps(d * dx);
-            aa[j][0] = _mm256_add_ps(aa[j][0], _mm256_mul_ps(_mm256_cvtepi32_ps(a0), da));
-            aa[j][1] = _mm256_add_ps(aa[j][1], _mm256_mul_ps(_mm256_cvtepi32_ps(a1), da));
-            ab[j] = _mm256_add_ps(ab[j], _mm256_mul_ps(_mm256_cvtepi32_ps(m), da));
+            aa[j] = _mm256_add_ps(aa[j], _mm256_mul_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(d * dx)));
         }
     }
-    for (int j = 0; j < NB; j++) {
-        _mm256_storeu_ps(fa[j], aa[j][0]);
-        _mm256_storeu_ps(fa[j] + 8, aa[j][1]);
-        _mm256_storeu_ps(fb[j], ab[j]);
-    }
+    for (int j = 0; j < NB; j++) _mm256_storeu_ps(fa[j], aa[j]);
 #else
-    for (int j = 0; j < NB; j++) {
-        for (int l = 0; l < 16; l++) fa[j][l] = 0.f;
-        for (int l = 0; l < 8; l++) fb[j][l] = 0.f;
-    }
+    for (int j = 0; j < NB; j++)
+        for (int l = 0; l < 8; l++) fa[j][l] = 0.f;
     for (long i = 0; i < nb; i++, b += 210) {
         const float d = mskq_half(b + 208);
         const int8_t *sc = (const int8_t *)(b + 192);
@@ -602,12 +650,11 @@ static void ms_dot_q6_K(long n, const void *w, const void *x, long xstride, floa
                 for (int h = 0; h < 2; h++)
                     a[mskq_lane6(g0, h)] = (int32_t)sc[g0] * dot[g0][h] + (int32_t)sc[g0 + 8] * dot[g0 + 8][h];
             for (int t = 0; t < 8; t++) m[t] = (int32_t)sc[2 * t] * bs[2 * t] + (int32_t)sc[2 * t + 1] * bs[2 * t + 1];
-            for (int l = 0; l < 16; l++) fa[j][l] = fa[j][l] + (float)a[l] * da;
-            for (int l = 0; l < 8; l++) fb[j][l] = fb[j][l] + (float)m[l] * da;
+            for (int l = 0; l < 8; l++) fa[j][l] = fa[j][l] + (float)(a[l] + a[l + 8] - 32 * m[l]) * da;
         }
     }
 #endif
-    for (int j = 0; j < NB; j++) y[j * ystride] = mskq_tree16(fa[j]) - 32.f * mskq_tree8(fb[j]);
+    for (int j = 0; j < NB; j++) y[j * ystride] = mskq_tree8(fa[j]);
 }
 
 #endif  // MINISERVE_KQUANTS_H
