@@ -71,11 +71,12 @@ def test_each_kernel_against_float64_over_the_independently_dequantized_weights(
     qtype, cols, rows, batch
 ):
     """rows: not a multiple of 4 (the threads' shares); batch: 1, 5 (a tile of 4 and one) and
-    21 (tiles of 8, 4 and 1). Dequantizing (the embedding lookup) equals gguf's decoder bit for
-    bit; the product is within the bound of activation rounding of the float64 product over
-    those weights. A nibble order swapped or a scale unpacked wrong moves it by far more
-    (test_a_broken_unpacking_is_caught)."""
-    cols *= 4 if qtype in LEGACY else 2  # several blocks a row
+    21 (tiles of 8, 4 and 1; for the K-quants, rows of 17 blocks: on AVX-512 the weight rows
+    unpacked once and met in pieces of 8 blocks, the sums carried between pieces). Dequantizing
+    (the embedding lookup) equals gguf's decoder bit for bit; the product is within the bound of
+    activation rounding of the float64 product over those weights. A nibble order swapped or a
+    scale unpacked wrong moves it by far more (test_a_broken_unpacking_is_caught)."""
+    cols *= 4 if qtype in LEGACY else 17 if batch > 16 else 2  # several blocks a row
     if qtype == Q.F16:
         data = (
             (np.random.default_rng(rows).standard_normal((rows, cols)) * 0.1)
@@ -104,8 +105,9 @@ def test_each_kernel_against_float64_over_the_independently_dequantized_weights(
 @needs_native
 def test_each_row_of_a_stored_product_is_computed_as_if_alone(qtype):
     """Batch invariance: 29 activation rows (tiles of 8, 4 and 1) against each row alone, bit
-    for bit, over 37 weight rows (the threads' shares and the L2 chunks)."""
-    cols = 512
+    for bit, over 37 weight rows (the threads' shares and the L2 chunks); K-quant rows of 17
+    blocks (three pieces where the AVX-512 loop unpacks the rows for many activation rows)."""
+    cols = 256 * 17 if qtype in K_QUANTS else 512
     if qtype == Q.F16:
         data = (
             (np.random.default_rng(1).standard_normal((37, cols))).astype(np.float16).view(np.uint8)

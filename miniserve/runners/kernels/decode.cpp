@@ -59,6 +59,7 @@
 #include <thread>
 #include <type_traits>
 #include <vector>
+#include <vector>
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
@@ -583,16 +584,31 @@ enum Act { ACT_FLOAT = 0, ACT_A8 = 1, ACT_A8K = 2 };
 
 typedef void (*DotFn)(long n, const void *w, const void *x, long xstride, float *y, long ystride);
 typedef void (*DequantFn)(const void *w, float *y, long n);
+typedef void (*UnpackFn)(long n, const void *w, void *out);
+typedef void (*DotUFn)(long n, const void *w, const void *x, long xstride, float *y, long ystride,
+                       float *state, int phase);
 
 struct Kernels {
     long block, bytes;  // weights a block holds, its bytes
     Act act;
     DotFn dot1, dot4, dot8;  // against 1, 4 or 8 activation rows
     DequantFn dequant;       // one row to floats
+    // where a type has them: a row's blocks unpacked once (ubytes each) for many activation
+    // rows, and the products from such a row, whole or in pieces (the same bits as dot4 / dot8)
+    long ubytes;
+    UnpackFn unpack;
+    DotUFn dot4u, dot8u;
 };
 
 #define MS_KERNELS(block, bytes, act, t) \
-    {block, bytes, act, ms_dot_##t<1>, ms_dot_##t<4>, ms_dot_##t<8>, ms_dequant_##t}
+    {block, bytes, act, ms_dot_##t<1>, ms_dot_##t<4>, ms_dot_##t<8>, ms_dequant_##t, 0, nullptr, nullptr, nullptr}
+#if defined(MSKQ_AVX512)
+#define MS_KERNELS_U(block, bytes, act, t, u)                                                      \
+    {block, bytes, act, ms_dot_##t<1>, ms_dot_##t<4>, ms_dot_##t<8>, ms_dequant_##t,               \
+     (long)sizeof(u), ms_unpack_##t, ms_dotu_##t<4>, ms_dotu_##t<8>}
+#else
+#define MS_KERNELS_U(block, bytes, act, t, u) MS_KERNELS(block, bytes, act, t)
+#endif
 
 // The kernels of a quantized (or F16) type; null for F32, BF16 (the float loops above) and
 // the types we do not run in place.
@@ -602,9 +618,9 @@ static const Kernels *kernels_for(long type) {
                          q5_0 = MS_KERNELS(32, 22, ACT_A8, q5_0),
                          q5_1 = MS_KERNELS(32, 24, ACT_A8, q5_1),
                          q8_0 = MS_KERNELS(32, 34, ACT_A8, q8_0),
-                         q4_k = MS_KERNELS(256, 144, ACT_A8K, q4_K),
-                         q5_k = MS_KERNELS(256, 176, ACT_A8K, q5_K),
-                         q6_k = MS_KERNELS(256, 210, ACT_A8K, q6_K),
+                         q4_k = MS_KERNELS_U(256, 144, ACT_A8K, q4_K, mskq_u45),
+                         q5_k = MS_KERNELS_U(256, 176, ACT_A8K, q5_K, mskq_u45),
+                         q6_k = MS_KERNELS_U(256, 210, ACT_A8K, q6_K, mskq_u6),
                          f16 = MS_KERNELS(1, 2, ACT_FLOAT, f16);
     switch (type) {
         case T_Q4_0: return &q4_0;
@@ -637,6 +653,43 @@ static long act_row_bytes(Act act, long cols) {
     return cols * (long)sizeof(float);
 }
 
+// As qmatmul_part (below), for a type whose blocks unpack (the K-quants in the AVX-512 build)
+// and enough activation rows that unpacking each block once, not once per 8 rows, pays: a
+// chunk of weight rows is unpacked into this thread's buffer (it stays in L2), then each group
+// of 8 (then 4) activation rows meets the chunk's unpacked rows, a piece of columns at a time
+// (the group's piece of activations, 8 x 8 blocks, stays in L1 while the chunk's rows pass;
+// their running sums wait in `state` between pieces); single rows use dot1 on the rows as
+// stored. The same bits as qmatmul_part.
+static void qmatmul_unpacked(const Kernels *k, const char *w, long wrow, const char *xq, long xs,
+                             float *y, long B, long ldy, long C, long r0, long r1) {
+    static thread_local std::vector<char> buffer;
+    static thread_local std::vector<float> sums;
+    const long nb = C / k->block, urow = nb * k->ubytes, RC = std::max(1L, (512L << 10) / urow);
+    const long PB = 8;  // blocks a piece
+    if ((long)buffer.size() < RC * urow + 64) buffer.resize(RC * urow + 64);
+    if ((long)sums.size() < RC * 128) sums.resize(RC * 128);
+    char *u = buffer.data() + (64 - (uintptr_t)buffer.data() % 64) % 64;  // 64-byte aligned
+    const long ab = (long)sizeof(ms_a8k);
+    for (long c0 = r0; c0 < r1; c0 += RC) {
+        const long c1 = std::min(r1, c0 + RC);
+        for (long r = c0; r < c1; r++) k->unpack(C, w + r * wrow, u + (r - c0) * urow);
+        long b = 0;
+        auto group = [&](DotUFn dot) {
+            for (long p0 = 0; p0 < nb; p0 += PB) {
+                const long p1 = std::min(nb, p0 + PB);
+                const int phase = (p0 > 0 ? 1 : 0) | (p1 == nb ? 2 : 0);
+                for (long r = c0; r < c1; r++)
+                    dot((p1 - p0) * k->block, u + (r - c0) * urow + p0 * k->ubytes, xq + b * xs + p0 * ab,
+                        xs, y + b * ldy + r, ldy, sums.data() + (r - c0) * 128, phase);
+            }
+        };
+        for (; b + 8 <= B; b += 8) group(k->dot8u);
+        for (; b + 4 <= B; b += 4) group(k->dot4u);
+        for (; b < B; b++)
+            for (long r = c0; r < c1; r++) k->dot1(C, w + r * wrow, xq + b * xs, xs, y + b * ldy + r, ldy);
+    }
+}
+
 // One thread's share of a product over quantized weights: weight rows [r0, r1) (each `wrow`
 // bytes) against activation rows [0, B) (each `xs` bytes of xq), into y[b * ldy + r]. Weight
 // rows are taken in chunks that stay in the L2 cache; within a chunk, activation rows are taken
@@ -645,6 +698,7 @@ static long act_row_bytes(Act act, long cols) {
 // never changes a pair's result (see above).
 static void qmatmul_part(const Kernels *k, const char *w, long wrow, const char *xq, long xs,
                          float *y, long B, long ldy, long C, long r0, long r1) {
+    if (k->unpack != nullptr && B >= 16) return qmatmul_unpacked(k, w, wrow, xq, xs, y, B, ldy, C, r0, r1);
     const long RC = B < 8 ? r1 - r0 : std::max(1L, (256L << 10) / wrow);
     for (long c0 = r0; c0 < r1; c0 += RC) {
         const long c1 = std::min(r1, c0 + RC);

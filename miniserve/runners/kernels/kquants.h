@@ -295,20 +295,20 @@ static inline void mskq_prefetch(const uint8_t *p, int bytes) {
                          (unsigned)(2 * (e)) << 16 | (unsigned)(2 * (e) + 1) << 24))
 #endif
 
-template <int NB, bool HI>
-static inline void mskq_dot_k45(long n, const void *w, const void *x, long xstride, float *y,
-                                long ystride) {
-    const long bytes = HI ? 176 : 144, nb = n / 256;
-    const uint8_t *b = (const uint8_t *)w;
-    float fa[NB][8], fb[NB][8];  // per row: the A lanes' and B lanes' float sums
 #if defined(MSKQ_AVX512)
-    // one row: its 8 A lanes, then its 8 B lanes; NB even: rows in pairs, one register for the
-    // pair's A lanes (the first row's in 0-7) and one for their B lanes
-    constexpr int NA = NB == 1 ? 1 : NB / 2;
-    __m512 acc[NA], accb[NA];
-    for (int j = 0; j < NA; j++) acc[j] = accb[j] = _mm512_setzero_ps();
+// A Q4_K / Q5_K super-block unpacked for the AVX-512 loop (what it computes from the block
+// before meeting any activation row): kept for a chunk of weight rows when many activation rows
+// pass, so that each block is unpacked once per product, not once per 8 rows.
+struct mskq_u45 {
+    __m512i wk[4], s01, s23;
+    __m256i mins;
+    float d, dmin;
+};
+
+template <bool HI>
+static inline void mskq_unpack45(const uint8_t *b, mskq_u45 &o) {
     const __m512i m4 = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16),
-                  z = _mm512_setzero_si512(), nib = _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4);
+                  nib = _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4);
     // vpdpbusd of w[k] (below) gives sub-block 2k in lanes 0-7, 2k+1 in 8-15; vpackssdw of two
     // such puts, per 16-byte lane c, 4 words of one then 4 of the other: c < 2: sub-blocks 2k,
     // 2k + 2; c >= 2: 2k + 1, 2k + 3 -- the scales' words to match
@@ -320,31 +320,67 @@ static inline void mskq_dot_k45(long n, const void *w, const void *x, long xstri
     // the mins, each twice (the two bsums of its sub-block)
     const __m256i cm = _mm256_setr_epi32(MSKQ_W(0), MSKQ_W(1), MSKQ_W(2), MSKQ_W(3), MSKQ_W(4),
                                          MSKQ_W(5), MSKQ_W(6), MSKQ_W(7));
-    for (long i = 0; i < nb; i++, b += bytes) {
-        mskq_prefetch(b, (int)bytes);
-        uint32_t u[4];
-        mskq_scales(b + 4, u);
-        const float d = mskq_half(b), dmin = mskq_half(b + 2);
-        const uint8_t *qs = b + (HI ? 48 : 16);
-        // wk[k] = sub-blocks [2k | 2k + 1], the activations' order: qs[32k .. 32k + 32) in both
-        // halves (a broadcast load: no shuffle), low nibbles kept in one, high in the other
-        __m512i wk[4];
-        for (int k = 0; k < 4; k++)
-            wk[k] = _mm512_and_si512(
-                _mm512_srlv_epi64(_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * k))), nib),
-                m4);
-        if (HI) {  // bit s of qh[l] -> bit 4 of sub-block s's weight l
-            const __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 16)));
-            for (int k = 0; k < 4; k++) {
-                const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << 2 * k)),
-                                                       _mm256_set1_epi8((char)(1 << (2 * k + 1))), 1);
-                wk[k] = _mm512_mask_add_epi8(wk[k], _mm512_test_epi8_mask(hb, bit), wk[k], sixteen);
-            }
+    uint32_t u[4];
+    mskq_scales(b + 4, u);
+    o.d = mskq_half(b), o.dmin = mskq_half(b + 2);
+    const uint8_t *qs = b + (HI ? 48 : 16);
+    // wk[k] = sub-blocks [2k | 2k + 1], the activations' order: qs[32k .. 32k + 32) in both
+    // halves (a broadcast load: no shuffle), low nibbles kept in one, high in the other
+    for (int k = 0; k < 4; k++)
+        o.wk[k] = _mm512_and_si512(
+            _mm512_srlv_epi64(_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * k))), nib),
+            m4);
+    if (HI) {  // bit s of qh[l] -> bit 4 of sub-block s's weight l
+        const __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 16)));
+        for (int k = 0; k < 4; k++) {
+            const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << 2 * k)),
+                                                   _mm256_set1_epi8((char)(1 << (2 * k + 1))), 1);
+            o.wk[k] = _mm512_mask_add_epi8(o.wk[k], _mm512_test_epi8_mask(hb, bit), o.wk[k], sixteen);
         }
-        const __m512i scb = _mm512_set1_epi64((long long)(u[0] | (uint64_t)u[1] << 32));
-        const __m512i s01 = _mm512_shuffle_epi8(scb, c01), s23 = _mm512_shuffle_epi8(scb, c23);
-        const __m256i mins = _mm256_shuffle_epi8(
-            _mm256_set1_epi64x((long long)(u[2] | (uint64_t)u[3] << 32)), cm);
+    }
+    const __m512i scb = _mm512_set1_epi64((long long)(u[0] | (uint64_t)u[1] << 32));
+    o.s01 = _mm512_shuffle_epi8(scb, c01), o.s23 = _mm512_shuffle_epi8(scb, c23);
+    o.mins = _mm256_shuffle_epi8(_mm256_set1_epi64x((long long)(u[2] | (uint64_t)u[3] << 32)), cm);
+}
+
+// A row of n weights (n / 256 blocks) unpacked into `out`, an array of mskq_u45.
+template <bool HI>
+static void mskq_unpack45_row(long n, const void *w, void *out) {
+    const uint8_t *b = (const uint8_t *)w;
+    mskq_u45 *o = (mskq_u45 *)out;
+    for (long i = 0; i < n / 256; i++) mskq_unpack45<HI>(b + i * (HI ? 176 : 144), o[i]);
+}
+#endif
+
+// PRE: w is the row unpacked (mskq_u45 blocks, AVX-512 only), else the row as stored. With
+// PRE, a row may come in pieces of blocks: the running sums start from `state` (phase & 1,
+// else from zero) and, unless phase & 2 (the last piece: y written), are left there -- the
+// same float operations in the same order as one call over the whole row.
+template <int NB, bool HI, bool PRE = false>
+static inline void mskq_dot_k45(long n, const void *w, const void *x, long xstride, float *y,
+                                long ystride, float *state = nullptr, int phase = 2) {
+    const long bytes = HI ? 176 : 144, nb = n / 256;
+    const uint8_t *b = (const uint8_t *)w;
+    float fa[NB][8], fb[NB][8];  // per row: the A lanes' and B lanes' float sums
+#if defined(MSKQ_AVX512)
+    // one row: its 8 A lanes, then its 8 B lanes; NB even: rows in pairs, one register for the
+    // pair's A lanes (the first row's in 0-7) and one for their B lanes
+    constexpr int NA = NB == 1 ? 1 : NB / 2;
+    __m512 acc[NA], accb[NA];
+    for (int j = 0; j < NA; j++)
+        acc[j] = PRE && (phase & 1) ? _mm512_loadu_ps(state + 32 * j) : _mm512_setzero_ps(),
+        accb[j] = PRE && (phase & 1) ? _mm512_loadu_ps(state + 32 * j + 16) : _mm512_setzero_ps();
+    const __m512i z = _mm512_setzero_si512();
+    for (long i = 0; i < nb; i++, b += bytes) {
+        mskq_u45 ub;
+        if (!PRE) {
+            mskq_prefetch(b, (int)bytes);
+            mskq_unpack45<HI>(b, ub);
+        }
+        const mskq_u45 &u = PRE ? ((const mskq_u45 *)w)[i] : ub;
+        const __m512i *wk = u.wk, s01 = u.s01, s23 = u.s23;
+        const __m256i mins = u.mins;
+        const float d = u.d, dmin = u.dmin;
         // the 16 A lanes of a row (per vpdpwssd's order); lane sums < 4 * 31 * 127 < 2^15: the
         // int16 packing is exact
         auto lanes = [&](const uint8_t *xb) {
@@ -385,6 +421,10 @@ static inline void mskq_dot_k45(long n, const void *w, const void *x, long xstri
                 accb[jp] = _mm512_add_ps(accb[jp], _mm512_mul_ps(_mm512_cvtepi32_ps(m), _mm512_mul_ps(dx, dmv)));
             }
         }
+    }
+    if (PRE && !(phase & 2)) {
+        for (int j = 0; j < NA; j++) _mm512_storeu_ps(state + 32 * j, acc[j]), _mm512_storeu_ps(state + 32 * j + 16, accb[j]);
+        return;
     }
     if (NB == 1) {
         _mm256_storeu_ps(fa[0], _mm512_castps512_ps256(acc[0]));
@@ -498,21 +538,38 @@ static void ms_dot_q5_K(long n, const void *w, const void *x, long xstride, floa
     mskq_dot_k45<NB, true>(n, w, x, xstride, y, ystride);
 }
 
+#if defined(MSKQ_AVX512)
+// The same products from rows unpacked by ms_unpack_q4_K / ms_unpack_q5_K (the same bits).
+template <int NB>
+static void ms_dotu_q4_K(long n, const void *w, const void *x, long xstride, float *y,
+                         long ystride, float *state, int phase) {
+    mskq_dot_k45<NB, false, true>(n, w, x, xstride, y, ystride, state, phase);
+}
+
+template <int NB>
+static void ms_dotu_q5_K(long n, const void *w, const void *x, long xstride, float *y,
+                         long ystride, float *state, int phase) {
+    mskq_dot_k45<NB, true, true>(n, w, x, xstride, y, ystride, state, phase);
+}
+
+static void ms_unpack_q4_K(long n, const void *w, void *out) { mskq_unpack45_row<false>(n, w, out); }
+static void ms_unpack_q5_K(long n, const void *w, void *out) { mskq_unpack45_row<true>(n, w, out); }
+#endif
+
 // ---------------------------------------------------------------- Q6_K
 
 // A lanes: the unsigned quants (0..63) times the activations, per mskq_lane6; B lanes: t =
 // sc[2t] bsums[2t] + sc[2t+1] bsums[2t+1], for the -32 offset: result = A - 32 B.
-template <int NB>
-static void ms_dot_q6_K(long n, const void *w, const void *x, long xstride, float *y,
-                        long ystride) {
-    const long nb = n / 256;
-    const uint8_t *b = (const uint8_t *)w;
-    float fa[NB][8];
 #if defined(MSKQ_AVX512)
-    constexpr int NA = NB == 1 ? 1 : NB / 2;  // NB even: rows in pairs, the first row's in 0-7
-    __m512 aa[NA];
-    for (int j = 0; j < NA; j++) aa[j] = _mm512_setzero_ps();
-    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30), z = _mm512_setzero_si512();
+// A Q6_K super-block unpacked for the AVX-512 loop (as mskq_u45).
+struct mskq_u6 {
+    __m512i wk[4], s01, s23;
+    __m256i sc16;
+    float d;
+};
+
+static inline void mskq_unpack6(const uint8_t *b, mskq_u6 &o) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
     const __m512i shl = _mm512_setr_epi64(4, 4, 4, 4, 2, 2, 2, 2), shr = _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2);
     // vpdpbusd of w[k] has group 4k + c in 16-byte lane c; vpackssdw of w[0]'s and w[1]'s: per
     // lane c, 4 words of group c, then 4 of group 4 + c (w[2], w[3]: 8 + c, 12 + c)
@@ -521,21 +578,50 @@ static void ms_dot_q6_K(long n, const void *w, const void *x, long xstride, floa
                                           0x00020002, 0x00020002, 0x00060006, 0x00060006,
                                           0x00030003, 0x00030003, 0x00070007, 0x00070007);
     const __m512i i23 = _mm512_add_epi32(i01, _mm512_set1_epi32(0x00080008));
+    o.d = mskq_half(b + 208);
+    for (int h = 0; h < 2; h++) {  // wk[k]: weights 64k .. 64k + 64 (groups 4k .. 4k + 4)
+        const __m512i lo = _mm512_loadu_si512((const void *)(b + 64 * h));
+        const __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h)));
+        // bits 4-5 of each byte from qh bits 0-1 | 2-3 (weights l, l + 32), 4-5 | 6-7 (l + 64, + 96)
+        o.wk[2 * h] = _mm512_or_si512(_mm512_and_si512(lo, m4), _mm512_and_si512(_mm512_sllv_epi64(hb, shl), m30));
+        o.wk[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(lo, 4), m4),
+                                          _mm512_and_si512(_mm512_srlv_epi64(hb, shr), m30));
+    }
+    o.sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
+    o.s01 = _mm512_permutexvar_epi16(i01, _mm512_castsi256_si512(o.sc16));
+    o.s23 = _mm512_permutexvar_epi16(i23, _mm512_castsi256_si512(o.sc16));
+}
+
+static void ms_unpack_q6_K(long n, const void *w, void *out) {
+    const uint8_t *b = (const uint8_t *)w;
+    mskq_u6 *o = (mskq_u6 *)out;
+    for (long i = 0; i < n / 256; i++) mskq_unpack6(b + i * 210, o[i]);
+}
+#endif
+
+// PRE: w is the row unpacked (mskq_u6 blocks, AVX-512 only), else the row as stored; state and
+// phase as in mskq_dot_k45.
+template <int NB, bool PRE>
+static void mskq_dot_q6(long n, const void *w, const void *x, long xstride, float *y,
+                        long ystride, float *state = nullptr, int phase = 2) {
+    const long nb = n / 256;
+    const uint8_t *b = (const uint8_t *)w;
+    float fa[NB][8];
+#if defined(MSKQ_AVX512)
+    constexpr int NA = NB == 1 ? 1 : NB / 2;  // NB even: rows in pairs, the first row's in 0-7
+    __m512 aa[NA];
+    for (int j = 0; j < NA; j++) aa[j] = PRE && (phase & 1) ? _mm512_loadu_ps(state + 16 * j) : _mm512_setzero_ps();
+    const __m512i z = _mm512_setzero_si512();
     for (long i = 0; i < nb; i++, b += 210) {
-        mskq_prefetch(b, 256);
-        const float d = mskq_half(b + 208);
-        __m512i wk[4];  // wk[k]: weights 64k .. 64k + 64 (groups 4k .. 4k + 4)
-        for (int h = 0; h < 2; h++) {
-            const __m512i lo = _mm512_loadu_si512((const void *)(b + 64 * h));
-            const __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h)));
-            // bits 4-5 of each byte from qh bits 0-1 | 2-3 (weights l, l + 32), 4-5 | 6-7 (l + 64, + 96)
-            wk[2 * h] = _mm512_or_si512(_mm512_and_si512(lo, m4), _mm512_and_si512(_mm512_sllv_epi64(hb, shl), m30));
-            wk[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(lo, 4), m4),
-                                            _mm512_and_si512(_mm512_srlv_epi64(hb, shr), m30));
+        mskq_u6 ub;
+        if (!PRE) {
+            mskq_prefetch(b, 256);
+            mskq_unpack6(b, ub);
         }
-        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
-        const __m512i s01 = _mm512_permutexvar_epi16(i01, _mm512_castsi256_si512(sc16));
-        const __m512i s23 = _mm512_permutexvar_epi16(i23, _mm512_castsi256_si512(sc16));
+        const mskq_u6 &u = PRE ? ((const mskq_u6 *)w)[i] : ub;
+        const __m512i *wk = u.wk, s01 = u.s01, s23 = u.s23;
+        const __m256i sc16 = u.sc16;
+        const float d = u.d;
         // the 16 A lanes of a row; lane sums < 4 * 63 * 128 < 2^15: the int16 packing is exact
         auto lanes = [&](const uint8_t *xb) {
             const __m512i p0 = _mm512_dpbusd_epi32(z, wk[0], _mm512_loadu_si512((const void *)(xb + 4)));
@@ -575,6 +661,10 @@ static void ms_dot_q6_K(long n, const void *w, const void *x, long xstride, floa
                 aa[jp] = _mm512_add_ps(aa[jp], _mm512_mul_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(dx, dv)));
             }
         }
+    }
+    if (PRE && !(phase & 2)) {
+        for (int j = 0; j < NA; j++) _mm512_storeu_ps(state + 16 * j, aa[j]);
+        return;
     }
     if (NB == 1) {
         _mm256_storeu_ps(fa[0], _mm512_castps512_ps256(aa[0]));
@@ -656,5 +746,19 @@ static void ms_dot_q6_K(long n, const void *w, const void *x, long xstride, floa
 #endif
     for (int j = 0; j < NB; j++) y[j * ystride] = mskq_tree8(fa[j]);
 }
+
+template <int NB>
+static void ms_dot_q6_K(long n, const void *w, const void *x, long xstride, float *y,
+                        long ystride) {
+    mskq_dot_q6<NB, false>(n, w, x, xstride, y, ystride);
+}
+
+#if defined(MSKQ_AVX512)
+template <int NB>
+static void ms_dotu_q6_K(long n, const void *w, const void *x, long xstride, float *y,
+                         long ystride, float *state, int phase) {
+    mskq_dot_q6<NB, true>(n, w, x, xstride, y, ystride, state, phase);
+}
+#endif
 
 #endif  // MINISERVE_KQUANTS_H
