@@ -76,6 +76,7 @@ DRAWN = """([name, value]) => {
 
 
 def in_browser(engine, repeat: int, run_history: bool = False) -> dict:
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
     from playwright.sync_api import sync_playwright
 
     from conftest import CHROMIUM
@@ -95,6 +96,7 @@ def in_browser(engine, repeat: int, run_history: bool = False) -> dict:
         status = tab.locator("#step-status")
         step.click()
         status.filter(has_text="1 token taken").wait_for(timeout=60_000)
+        chart = tab.locator("#step-chart svg.ms-step-chart")
 
         def timed(release, name: str, value) -> float:
             """Seconds from `release()` (the pointer's release: a slider let go, a click) to
@@ -106,12 +108,17 @@ def in_browser(engine, repeat: int, run_history: bool = False) -> dict:
             want = value() if callable(value) else value
             started = time.perf_counter()
             release()
-            page.wait_for_function(
-                f"({DRAWN})([{name!r}, {want!r}])", timeout=60_000, polling="raf"
-            )
+            try:
+                page.wait_for_function(
+                    f"({DRAWN})([{name!r}, {want!r}])", timeout=60_000, polling="raf"
+                )
+            except PlaywrightTimeout:
+                raise SystemExit(
+                    f"the chart's data-{name} stayed {chart.get_attribute('data-' + name)!r}, "
+                    f"not {want!r}; the status line: {status.inner_text()!r}"
+                ) from None
             return time.perf_counter() - started
 
-        chart = tab.locator("#step-chart svg.ms-step-chart")
         button = step.element_handle()
 
         def clicks(into: list) -> None:
