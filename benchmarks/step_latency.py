@@ -3,14 +3,15 @@ machine.
 
     python benchmarks/step_latency.py                         # the embedded model, in Chromium
     python benchmarks/step_latency.py --model gemma-3-270m --no-browser   # server side only
+    python benchmarks/step_latency.py --run-history   # with Gradio's run history on (its cost)
 
 Server side (the engine, no browser): one Step (StepSession.step: a pass through the
 scheduler, the draw, the bookkeeping) against one streamed decode step of a normal reply (the
 gaps between its chunks), and re-running the stages for new settings (update + view: what a
 slider's release costs the server; no forward pass). In Chromium (the app in this process, the
-Step tab): slider released -> chart redrawn, and a click on Step -> chart redrawn, each timed in
-the page from the pointer's release to the chart drawn with the new value. Medians over
---repeat."""
+Step tab): a click on Step -> chart redrawn in the fresh tab, then slider released -> chart
+redrawn, then a click on Step again after those drags, each timed from the pointer's release to
+the chart drawn with the new value. Medians over --repeat."""
 
 from __future__ import annotations
 
@@ -74,14 +75,15 @@ DRAWN = """([name, value]) => {
 }"""
 
 
-def in_browser(engine, repeat: int) -> dict:
+def in_browser(engine, repeat: int, run_history: bool = False) -> dict:
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
     from playwright.sync_api import sync_playwright
 
     from conftest import CHROMIUM
     from servers import app_in_thread
 
-    out = {"release": [], "click": []}
-    with app_in_thread(engine) as url, sync_playwright() as p:
+    out = {"fresh": [], "release": [], "click": []}
+    with app_in_thread(engine, run_history=run_history) as url, sync_playwright() as p:
         browser = p.chromium.launch(
             executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"]
         )
@@ -94,6 +96,7 @@ def in_browser(engine, repeat: int) -> dict:
         status = tab.locator("#step-status")
         step.click()
         status.filter(has_text="1 token taken").wait_for(timeout=60_000)
+        chart = tab.locator("#step-chart svg.ms-step-chart")
 
         def timed(release, name: str, value) -> float:
             """Seconds from `release()` (the pointer's release: a slider let go, a click) to
@@ -105,11 +108,27 @@ def in_browser(engine, repeat: int) -> dict:
             want = value() if callable(value) else value
             started = time.perf_counter()
             release()
-            page.wait_for_function(
-                f"({DRAWN})([{name!r}, {want!r}])", timeout=60_000, polling="raf"
-            )
+            try:
+                page.wait_for_function(
+                    f"({DRAWN})([{name!r}, {want!r}])", timeout=60_000, polling="raf"
+                )
+            except PlaywrightTimeout:
+                raise SystemExit(
+                    f"the chart's data-{name} stayed {chart.get_attribute('data-' + name)!r}, "
+                    f"not {want!r}; the status line: {status.inner_text()!r}"
+                ) from None
             return time.perf_counter() - started
 
+        button = step.element_handle()
+
+        def clicks(into: list) -> None:
+            for _ in range(repeat):
+                position = int(chart.get_attribute("data-position"))
+                into.append(
+                    timed(lambda: button.evaluate("b => b.click()"), "position", str(position + 1))
+                )
+
+        clicks(out["fresh"])
         slider = tab.locator("input[type=range]").first
         number = tab.get_by_role("spinbutton", name="number input for Temperature")
         box = slider.bounding_box()
@@ -123,15 +142,7 @@ def in_browser(engine, repeat: int) -> dict:
             out["release"].append(
                 timed(page.mouse.up, "temperature", lambda: f"{float(number.input_value()):g}")
             )
-        chart = tab.locator("#step-chart svg.ms-step-chart")
-        button = step.element_handle()
-
-        def click():
-            button.evaluate("b => b.click()")
-
-        for _ in range(repeat):
-            position = int(chart.get_attribute("data-position"))
-            out["click"].append(timed(click, "position", str(position + 1)))
+        clicks(out["click"])
         browser.close()
     return out
 
@@ -141,6 +152,11 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--repeat", type=int, default=15)
     ap.add_argument("--no-browser", action="store_true")
+    ap.add_argument(
+        "--run-history",
+        action="store_true",
+        help="serve the page with Gradio's run history on (the app never does; its cost)",
+    )
     args = ap.parse_args()
     engine = start_engine(args.model, progress=lambda m: None)
     engine.warm_up()
@@ -156,9 +172,10 @@ def main() -> None:
     )
     print(f"stages re-run (update + view): {ms(r['restage'])}")
     if not args.no_browser:
-        b = in_browser(engine, args.repeat)
-        print(f"slider released -> chart redrawn (Chromium): {ms(b['release'])}")
-        print(f"Step clicked -> chart redrawn (Chromium):    {ms(b['click'])}")
+        b = in_browser(engine, args.repeat, args.run_history)
+        print(f"Step clicked -> chart redrawn, fresh tab (Chromium):  {ms(b['fresh'])}")
+        print(f"slider released -> chart redrawn (Chromium):          {ms(b['release'])}")
+        print(f"Step clicked -> chart redrawn, after drags (Chromium): {ms(b['click'])}")
     engine.close()
 
 

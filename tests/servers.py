@@ -99,20 +99,18 @@ class Server:
 
 
 @contextlib.contextmanager
-def app_in_thread(models, presets=None):
-    """The web app over `models` (a registry or one engine: build_ui, mounted as the launcher
-    mounts it) on a free port, served from a thread of this process; yields its URL."""
-    import gradio as gr
+def app_in_thread(models, presets=None, run_history: bool = False):
+    """The web app over `models` (a registry or one engine: build_ui, mounted by the launcher's
+    mount_ui) on a free port, served from a thread of this process; yields its URL.
+    `run_history`: Gradio's run history on, as mount_ui never has it (to measure its cost)."""
     import uvicorn
     from fastapi import FastAPI
 
     from miniserve.core.config import load_presets
-    from miniserve.ui import CSS, build_ui
+    from miniserve.ui import build_ui, mount_ui
 
     demo = build_ui(models, presets or load_presets())
-    app = gr.mount_gradio_app(
-        FastAPI(), demo, path="/", css=CSS, footer_links=[], run_history=False
-    )
+    app = mount_ui(FastAPI(), demo, run_history=run_history)
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning")
     )

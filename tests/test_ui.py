@@ -751,6 +751,25 @@ def test_gradio_hands_the_output_format_to_the_handlers(engine, presets):
     assert args[14:17] == ["JSON", "", "m"] and len(args) == 18, args
 
 
+def test_gradio_hands_the_request_to_every_handler_that_takes_one(engine, presets):
+    """Every event whose handler has a `request` parameter gets the browser's request: the
+    session a tab's state is kept under (Gradio fills only a parameter before *values; the
+    Step tab's handlers, with theirs after, all ran as one "default" session)."""
+    import inspect
+
+    from gradio.helpers import special_args
+
+    demo = build_ui(engine, presets)
+    request, wanting = object(), []
+    for fn in demo.fns.values():
+        if fn.fn is None or "request" not in inspect.signature(fn.fn).parameters:
+            continue
+        wanting.append(fn.name)
+        args, *_ = special_args(fn.fn, [None] * len(fn.inputs), request)
+        assert request in args, fn.name
+    assert {"step", "restage", "restage_live", "act", "run_to_end", "closed"} <= set(wanting)
+
+
 def test_output_format_values_become_a_constraint():
     assert constraint_from("Free text", "ignored") is None and constraint_from(None, "") is None
     assert constraint_from("JSON", "ignored") == Constraint("json_object")

@@ -73,12 +73,11 @@ def main(argv=None, prog: str = "python app.py") -> int:
     store = open_history(args)  # a damaged or unwritable file: said once, then kept aside
 
     # the web stack (Gradio, FastAPI, uvicorn: ~3 s to import) only once the flags are good
-    import gradio as gr
     import uvicorn
     from fastapi import FastAPI
 
     from miniserve.serve.routes import build_router, document
-    from miniserve.ui import CSS, build_ui
+    from miniserve.ui import CSS, build_ui, mount_ui
 
     demo = build_ui(models, presets, args.preset, store)
     url = f"http://{args.host}:{args.port}"
@@ -90,15 +89,11 @@ def main(argv=None, prog: str = "python app.py") -> int:
         )
         demo.launch(
             server_name=args.host, server_port=args.port, share=True, css=CSS, run_history=False
-        )
+        )  # the run history off, as mount_ui has it
         return 0
     app = document(FastAPI(title="MiniServeLM"))
     app.include_router(build_router(models, args.api_key))
-    # run_history off: Gradio would otherwise keep every event's inputs and outputs (whole
-    # conversations, the sidebar's list, the owner id) in the browser's local storage, in plain
-    # text, rewritten at each event: after ~80 searches of a 1,000-entry list every event took
-    # 0.7 s instead of 0.1-0.2 (BENCHMARKS.md, "Saved conversations")
-    app = gr.mount_gradio_app(app, demo, path="/", css=CSS, footer_links=[], run_history=False)
+    app = mount_ui(app, demo)  # Gradio's run history off (mount_ui says why)
     # Ctrl-C: open browser tabs hold connections; they get a few seconds, not forever
     server = uvicorn.Server(
         uvicorn.Config(

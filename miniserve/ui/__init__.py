@@ -31,6 +31,7 @@ __all__ = [
     "CompareHandlers",
     "NotebookHandlers",
     "build_ui",
+    "mount_ui",
     "build_benchmark_tab",
     "build_chat_tab",
     "build_compare_tab",
@@ -49,6 +50,22 @@ CSS = (
 """
     + STEP_CSS
 )
+
+
+def mount_ui(app, demo: gr.Blocks, run_history: bool = False):
+    """`demo` served at / of the FastAPI `app`, as the launcher serves it (the tests and the
+    benchmarks serve it through here too, so that they measure the page people get).
+
+    Gradio's run history stays off: it would keep every event's inputs and outputs (whole
+    conversations, the sidebar's list, the owner id, the Step tab's ~25 KB chart) in the
+    browser's local storage, in plain text, read and rewritten whole at each event's start and
+    end. After ~80 searches of a 1,000-entry list every event took 0.7 s instead of 0.1-0.2
+    (BENCHMARKS.md, "Saved conversations"); ten Step slider drags fill it with 1-2 MB, and a Step
+    click then takes 2-4x as long (BENCHMARKS.md, "The Step view").
+    `run_history=True` only to measure that."""
+    return gr.mount_gradio_app(
+        app, demo, path="/", css=CSS, footer_links=[], run_history=run_history
+    )
 
 
 def engine_queue(models: Models) -> int:

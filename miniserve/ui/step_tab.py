@@ -18,6 +18,7 @@ when the tab closes (`demo.unload`), or after step.IDLE_S without use."""
 from __future__ import annotations
 
 import html
+import inspect
 import threading
 import time
 
@@ -601,6 +602,25 @@ CSS = """
 """
 
 
+def with_request(fn):
+    """`fn(*values, request=...)` as Gradio can call it with the browser's request: Gradio
+    hands the request only to a parameter before *values (one after is left at its default:
+    every tab's Step session was then the one "default" session, and Stop could not find the
+    run it should end). The name stays, as the event's API name is made from it."""
+    if inspect.isgeneratorfunction(fn):
+
+        def wired(request: gr.Request, *values):
+            yield from fn(*values, request=request)
+
+    else:
+
+        def wired(request: gr.Request, *values):
+            return fn(*values, request=request)
+
+    wired.__name__ = wired.__qualname__ = fn.__name__
+    return wired
+
+
 def build_step_tab(handlers: StepHandlers, default_preset: str, demo: gr.Blocks | None = None):
     """The Step tab and its events; call inside the app's `gr.Blocks` (`demo`: to release a
     tab's session when it closes, and to wire the page's clicks at load)."""
@@ -666,30 +686,43 @@ def build_step_tab(handlers: StepHandlers, default_preset: str, demo: gr.Blocks 
     # one token is one pass (tens of milliseconds): sent straight rather than through Gradio's
     # queue, whose round trip cost more than the pass (the engine's own queue still admits it)
     one = dict(outputs=outs, queue=False, show_progress="hidden")
-    step_btn.click(handlers.step, settings, **one)
-    run_btn.click(handlers.run, [count, *settings], **engine)
-    end_btn.click(handlers.run_to_end, settings, **engine)
+    step, back, act, take_text, restage, restage_live, run, run_to_end = (
+        with_request(fn)
+        for fn in (
+            handlers.step,
+            handlers.back,
+            handlers.act,
+            handlers.take_text,
+            handlers.restage,
+            handlers.restage_live,
+            handlers.run,
+            handlers.run_to_end,
+        )
+    )
+    step_btn.click(step, settings, **one)
+    run_btn.click(run, [count, *settings], **engine)
+    end_btn.click(run_to_end, settings, **engine)
     stop_btn.click(handlers.stop, None, None, queue=False)
-    back_btn.click(handlers.back, settings, **one)
+    back_btn.click(back, settings, **one)
     reset_btn.click(handlers.reset, None, **one)
-    act_btn.click(handlers.act, [action, *settings], **one)
-    take_btn.click(handlers.take_text, [typed, *settings], **one)
-    typed.submit(handlers.take_text, [typed, *settings], **one)
+    act_btn.click(act, [action, *settings], **one)
+    take_btn.click(take_text, [typed, *settings], **one)
+    typed.submit(take_text, [typed, *settings], **one)
     # the stages alone take milliseconds and no forward pass: sent straight, not queued behind
     # the engine's events (Gradio's queue adds a round trip of its own)
     quiet = dict(outputs=outs, show_progress="hidden", queue=False)
     for slider in [*sampling.sliders[:5], top]:  # max new tokens changes no distribution
-        slider.release(handlers.restage, settings, **quiet)
-        slider.input(handlers.restage_live, settings, trigger_mode="always_last", **quiet)
+        slider.release(restage, settings, **quiet)
+        slider.input(restage_live, settings, trigger_mode="always_last", **quiet)
     # a preset moves the sliders (build_sampling), then the stages re-run on the new values
     sampling.preset.change(handlers.apply_preset, sampling.preset, sampling.sliders).then(
-        handlers.restage, settings, **quiet
+        restage, settings, **quiet
     )
-    output.format.change(handlers.restage, settings, **quiet)
-    sampling.sliders[5].release(handlers.restage, settings, **quiet)  # max new tokens
+    output.format.change(restage, settings, **quiet)
+    sampling.sliders[5].release(restage, settings, **quiet)  # max new tokens
     for box in (sampling.seed, output.text, bias):  # typed: once done, not at each key
-        box.submit(handlers.restage, settings, **quiet)
-        box.blur(handlers.restage, settings, **quiet)
+        box.submit(restage, settings, **quiet)
+        box.blur(restage, settings, **quiet)
     timer = gr.Timer(15)
     timer.tick(handlers.poll, None, status, show_progress="hidden", queue=False)
     if demo is not None:
