@@ -82,6 +82,8 @@ def in_browser(engine, repeat: int, run_history: bool = False) -> dict:
     from conftest import CHROMIUM
     from servers import app_in_thread
 
+    from miniserve.ui.step_tab import RAW
+
     out = {"fresh": [], "release": [], "click": []}
     with app_in_thread(engine, run_history=run_history) as url, sync_playwright() as p:
         browser = p.chromium.launch(
@@ -91,6 +93,8 @@ def in_browser(engine, repeat: int, run_history: bool = False) -> dict:
         page.goto(url)
         page.get_by_role("tab", name="Step").click()
         tab = page.locator("#step-tab")
+        if not engine.has_chat_template:  # a base model (Gemma 3 270M): completion mode
+            tab.get_by_label(RAW).check()
         tab.get_by_label("Prompt").fill(PROMPT)
         step = tab.get_by_role("button", name="Step", exact=True)
         status = tab.locator("#step-status")

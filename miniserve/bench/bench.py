@@ -641,7 +641,8 @@ def verdict(result: BenchResult) -> str:
             if r.mode in MODES and r.mode not in CONSTRAINED_MODES
         )
         alike = (
-            f"the modes part at a near-tie after {parted} tokens (other kernels, other rounding)"
+            f"the modes part at a near-tie after {parted} token{'s' if parted != 1 else ''} "
+            "(other kernels, other rounding)"
         )
     note = f"; {result.note}" if result.note else ""
     return f"{checked}; {alike}{note}"
