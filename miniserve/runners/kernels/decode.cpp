@@ -1209,11 +1209,23 @@ static void linear(const MsModel *m, const MsMat *parts, int nparts, const float
                 xq = buf;
             }
             const long wrow = row_bytes(p.type, C);
+            // many activation rows (compute-bound): weight rows taken in chunks, each thread
+            // the next free one, so that a thread the machine slows (another process, a busy
+            // host) takes fewer instead of holding the others at the end of the product; few
+            // (memory-bound): one contiguous share a thread, streamed. A row's result is the
+            // same whoever computes it.
+            std::atomic<long> next{0};
             parallel(m->threads, [&](int t, int n) {
-                long per = ((p.rows + n - 1) / n + 3) / 4 * 4;
-                long r0 = t * per, r1 = std::min(r0 + per, p.rows);
-                if (r0 >= r1) return;
-                qmatmul_part(k, (const char *)p.data, wrow, xq, xs, yp, B, R, C, r0, r1);
+                if (B < 16) {
+                    long per = ((p.rows + n - 1) / n + 3) / 4 * 4;
+                    long r0 = t * per, r1 = std::min(r0 + per, p.rows);
+                    if (r0 < r1) qmatmul_part(k, (const char *)p.data, wrow, xq, xs, yp, B, R, C, r0, r1);
+                    return;
+                }
+                const long chunk = std::max(16L, (p.rows / (8L * n) + 3) / 4 * 4);
+                for (long r0; (r0 = next.fetch_add(chunk)) < p.rows;)
+                    qmatmul_part(k, (const char *)p.data, wrow, xq, xs, yp, B, R, C, r0,
+                                 std::min(r0 + chunk, p.rows));
             });
         }
         col += p.rows;
