@@ -11,7 +11,7 @@ import torch
 
 from miniserve.core.config import Constraint, SamplingParams, load_presets
 from miniserve.engine.sampling import stages
-from miniserve.engine.step import StepError, StepSession
+from miniserve.engine.step import StepError, StepSession, entropy_bits
 
 PROMPT = [{"role": "user", "content": "Write one sentence about a cat."}]
 
@@ -535,3 +535,11 @@ def test_tab_run_to_the_end_stops_on_stop(engine, presets):
     assert status.startswith(f"{taken} tokens taken") and "stopped by you" in status
     assert 3 <= taken < 4096
     tab.reset()
+
+
+def test_entropy_is_in_bits_and_never_shown_below_zero():
+    """Four equal tokens: 2 bits; one token left (greedy, or top-p keeping one): 0, not the
+    -0.00 a plain -sum(p log p) prints."""
+    assert entropy_bits(torch.full((4,), 0.25)) == pytest.approx(2.0)
+    one = entropy_bits(torch.tensor([0.0, 1.0, 0.0]))
+    assert one == 0.0 and f"{one:.2f}" == "0.00"

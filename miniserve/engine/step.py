@@ -139,8 +139,9 @@ class StageView:
 
 
 def entropy_bits(probs: torch.Tensor) -> float:
+    """In bits; never below 0 (one token left: -0.0, or -1e-8 from rounding, shown as 0)."""
     p = probs[probs > 0]
-    return float(-(p * p.log2()).sum()) if p.numel() else 0.0
+    return max(0.0, float(-(p * p.log2()).sum())) if p.numel() else 0.0
 
 
 def stage_view(
