@@ -121,6 +121,27 @@ def test_each_row_of_a_stored_product_is_computed_as_if_alone(qtype):
         assert torch.equal(together[i], native.matmul(w, x[i : i + 1])[0]), i
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("rows,blocks", [(300, 65), (40, 8)])
+@needs_native
+def test_wide_k_quant_rows_against_many_activation_rows(qtype, rows, blocks):
+    """Prompt-sized products where the AVX-512 loop unpacks weight rows in chunks of an L2's
+    size and meets them a piece of 8 blocks at a time: 300 rows of 65 blocks (several chunks
+    in one thread's share, the last piece of one block), 40 rows of 8 (one piece). Within the
+    activation rounding's bound of float64, and each of 21 activation rows as if alone."""
+    cols = 256 * blocks
+    data = random_blocks(qtype, rows, cols, seed=rows + blocks)
+    want_w = gguf.quants.dequantize(data, qtype).astype(np.float64)
+    w = stored(np.ascontiguousarray(data), qtype, cols)
+    x = torch.randn(21, cols, generator=torch.Generator().manual_seed(blocks))
+    together = native.matmul(w, x)
+    exact = x.double().numpy() @ want_w.T
+    bound = activation_bound(want_w, x.double().numpy(), 256)
+    assert (np.abs(together.double().numpy() - exact) <= bound).all()
+    for i in (0, 7, 8, 16, 20):  # the first and last of the groups of 8, 4 and 1
+        assert torch.equal(together[i], native.matmul(w, x[i : i + 1])[0]), i
+
+
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
 @needs_native
 @same_on_every_cpu

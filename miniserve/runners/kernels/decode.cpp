@@ -59,7 +59,6 @@
 #include <thread>
 #include <type_traits>
 #include <vector>
-#include <vector>
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
@@ -667,7 +666,7 @@ static void qmatmul_unpacked(const Kernels *k, const char *w, long wrow, const c
     const long nb = C / k->block, urow = nb * k->ubytes, RC = std::max(1L, (512L << 10) / urow);
     const long PB = 8;  // blocks a piece
     if ((long)buffer.size() < RC * urow + 64) buffer.resize(RC * urow + 64);
-    if ((long)sums.size() < RC * 128) sums.resize(RC * 128);
+    if ((long)sums.size() < RC * MSKQ_STATE) sums.resize(RC * MSKQ_STATE);
     char *u = buffer.data() + (64 - (uintptr_t)buffer.data() % 64) % 64;  // 64-byte aligned
     const long ab = (long)sizeof(ms_a8k);
     for (long c0 = r0; c0 < r1; c0 += RC) {
@@ -680,7 +679,7 @@ static void qmatmul_unpacked(const Kernels *k, const char *w, long wrow, const c
                 const int phase = (p0 > 0 ? 1 : 0) | (p1 == nb ? 2 : 0);
                 for (long r = c0; r < c1; r++)
                     dot((p1 - p0) * k->block, u + (r - c0) * urow + p0 * k->ubytes, xq + b * xs + p0 * ab,
-                        xs, y + b * ldy + r, ldy, sums.data() + (r - c0) * 128, phase);
+                        xs, y + b * ldy + r, ldy, sums.data() + (r - c0) * MSKQ_STATE, phase);
             }
         };
         for (; b + 8 <= B; b += 8) group(k->dot8u);
@@ -698,7 +697,7 @@ static void qmatmul_unpacked(const Kernels *k, const char *w, long wrow, const c
 // never changes a pair's result (see above).
 static void qmatmul_part(const Kernels *k, const char *w, long wrow, const char *xq, long xs,
                          float *y, long B, long ldy, long C, long r0, long r1) {
-    if (k->unpack != nullptr && B >= 16) return qmatmul_unpacked(k, w, wrow, xq, xs, y, B, ldy, C, r0, r1);
+    if (k->unpack != nullptr && B >= 16 && C >= k->block) return qmatmul_unpacked(k, w, wrow, xq, xs, y, B, ldy, C, r0, r1);
     const long RC = B < 8 ? r1 - r0 : std::max(1L, (256L << 10) / wrow);
     for (long c0 = r0; c0 < r1; c0 += RC) {
         const long c1 = std::min(r1, c0 + RC);

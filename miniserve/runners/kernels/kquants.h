@@ -295,6 +295,10 @@ static inline void mskq_prefetch(const uint8_t *p, int bytes) {
                          (unsigned)(2 * (e)) << 16 | (unsigned)(2 * (e) + 1) << 24))
 #endif
 
+// The running sums a piece of a row leaves for the next (floats a weight row, for up to 8
+// activation rows: Q4_K / Q5_K's 4 pairs x 32 lanes, Q6_K's 4 x 16).
+#define MSKQ_STATE 128
+
 #if defined(MSKQ_AVX512)
 // A Q4_K / Q5_K super-block unpacked for the AVX-512 loop (what it computes from the block
 // before meeting any activation row): kept for a chunk of weight rows when many activation rows
@@ -304,6 +308,8 @@ struct mskq_u45 {
     __m256i mins;
     float d, dmin;
 };
+static_assert(sizeof(mskq_u45) % 64 == 0 && alignof(mskq_u45) == 64, "unpacked blocks back to back, aligned");
+
 
 template <bool HI>
 static inline void mskq_unpack45(const uint8_t *b, mskq_u45 &o) {
@@ -391,7 +397,7 @@ static inline void mskq_dot_k45(long n, const void *w, const void *x, long xstri
             const __m512i s = _mm512_dpwssd_epi32(z, _mm512_packs_epi32(p0, p1), s01);
             return _mm512_dpwssd_epi32(s, _mm512_packs_epi32(p2, p3), s23);
         };
-        if (NB == 1) {  // A lanes L and L + 8 added (exact), the B lanes beside them
+        if constexpr (NB == 1) {  // A lanes L and L + 8 added (exact), the B lanes beside them
             const uint8_t *xb = mskq_xblock(x, xstride, 0, i);
             const __m512i s = lanes(xb);
             const __m256i m = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(xb + 260)), mins);
@@ -426,7 +432,7 @@ static inline void mskq_dot_k45(long n, const void *w, const void *x, long xstri
         for (int j = 0; j < NA; j++) _mm512_storeu_ps(state + 32 * j, acc[j]), _mm512_storeu_ps(state + 32 * j + 16, accb[j]);
         return;
     }
-    if (NB == 1) {
+    if constexpr (NB == 1) {
         _mm256_storeu_ps(fa[0], _mm512_castps512_ps256(acc[0]));
         _mm256_storeu_ps(fb[0], _mm512_extractf32x8_ps(acc[0], 1));
     } else {
@@ -567,6 +573,7 @@ struct mskq_u6 {
     __m256i sc16;
     float d;
 };
+static_assert(sizeof(mskq_u6) % 64 == 0 && alignof(mskq_u6) == 64, "unpacked blocks back to back, aligned");
 
 static inline void mskq_unpack6(const uint8_t *b, mskq_u6 &o) {
     const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
@@ -631,7 +638,7 @@ static void mskq_dot_q6(long n, const void *w, const void *x, long xstride, floa
             const __m512i s = _mm512_dpwssd_epi32(z, _mm512_packs_epi32(p0, p1), s01);
             return _mm512_dpwssd_epi32(s, _mm512_packs_epi32(p2, p3), s23);
         };
-        if (NB == 1) {  // A lanes L and L + 8, less 32 B lanes: exact integers, one float update
+        if constexpr (NB == 1) {  // A lanes L and L + 8, less 32 B lanes: exact integers, one float update
             const uint8_t *xb = mskq_xblock(x, xstride, 0, i);
             const __m512i s = lanes(xb);
             const __m256i m = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(xb + 260)), sc16);
@@ -666,7 +673,7 @@ static void mskq_dot_q6(long n, const void *w, const void *x, long xstride, floa
         for (int j = 0; j < NA; j++) _mm512_storeu_ps(state + 16 * j, aa[j]);
         return;
     }
-    if (NB == 1) {
+    if constexpr (NB == 1) {
         _mm256_storeu_ps(fa[0], _mm512_castps512_ps256(aa[0]));
     } else {
         for (int jp = 0; jp < NA; jp++) {
