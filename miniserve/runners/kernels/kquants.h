@@ -349,6 +349,27 @@ static inline void mskq_unpack45(const uint8_t *b, mskq_u45 &o) {
     o.mins = _mm256_shuffle_epi8(_mm256_set1_epi64x((long long)(u[2] | (uint64_t)u[3] << 32)), cm);
 }
 
+// Two activation rows side by side (the first in lanes 0-7), for the loops that take rows in
+// pairs: their A lanes L and L + 8 added (exact), their block sums' products with w (madd),
+// and their scales dx.
+static inline __m512i mskq_fold2(__m512i s0, __m512i s1) {
+    return _mm512_add_epi32(_mm512_shuffle_i64x2(s0, s1, 0x44), _mm512_shuffle_i64x2(s0, s1, 0xEE));
+}
+
+static inline __m512i mskq_bsums2(const uint8_t *x0, const uint8_t *x1, __m512i w) {
+    return _mm512_madd_epi16(
+        _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(x0 + 260))),
+                           _mm256_loadu_si256((const __m256i *)(x1 + 260)), 1),
+        w);
+}
+
+static inline __m512 mskq_dx2(const uint8_t *x0, const uint8_t *x1) {
+    float dx0, dx1;
+    std::memcpy(&dx0, x0, 4);
+    std::memcpy(&dx1, x1, 4);
+    return _mm512_insertf32x8(_mm512_set1_ps(dx0), _mm256_set1_ps(dx1), 1);
+}
+
 // A row of n weights (n / 256 blocks) unpacked into `out`, an array of mskq_u45.
 template <bool HI>
 static void mskq_unpack45_row(long n, const void *w, void *out) {
@@ -412,17 +433,8 @@ static inline void mskq_dot_k45(long n, const void *w, const void *x, long xstri
             const __m512i mins2 = _mm512_broadcast_i64x4(mins);
             for (int jp = 0; jp < NA; jp++) {
                 const uint8_t *x0 = mskq_xblock(x, xstride, 2 * jp, i), *x1 = mskq_xblock(x, xstride, 2 * jp + 1, i);
-                const __m512i s0 = lanes(x0), s1 = lanes(x1);
-                // per row, A lanes L and L + 8 added (exact): the first row's in 0-7
-                const __m512i a = _mm512_add_epi32(_mm512_shuffle_i64x2(s0, s1, 0x44), _mm512_shuffle_i64x2(s0, s1, 0xEE));
-                const __m512i m = _mm512_madd_epi16(
-                    _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(x0 + 260))),
-                                       _mm256_loadu_si256((const __m256i *)(x1 + 260)), 1),
-                    mins2);
-                float dx0, dx1;
-                std::memcpy(&dx0, x0, 4);
-                std::memcpy(&dx1, x1, 4);
-                const __m512 dx = _mm512_insertf32x8(_mm512_set1_ps(dx0), _mm256_set1_ps(dx1), 1);
+                const __m512i a = mskq_fold2(lanes(x0), lanes(x1)), m = mskq_bsums2(x0, x1, mins2);
+                const __m512 dx = mskq_dx2(x0, x1);
                 acc[jp] = _mm512_add_ps(acc[jp], _mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(dx, dv)));
                 accb[jp] = _mm512_add_ps(accb[jp], _mm512_mul_ps(_mm512_cvtepi32_ps(m), _mm512_mul_ps(dx, dmv)));
             }
@@ -654,17 +666,9 @@ static void mskq_dot_q6(long n, const void *w, const void *x, long xstride, floa
             const __m512i sc2 = _mm512_broadcast_i64x4(sc16);
             for (int jp = 0; jp < NA; jp++) {
                 const uint8_t *x0 = mskq_xblock(x, xstride, 2 * jp, i), *x1 = mskq_xblock(x, xstride, 2 * jp + 1, i);
-                const __m512i s0 = lanes(x0), s1 = lanes(x1);
-                const __m512i a = _mm512_add_epi32(_mm512_shuffle_i64x2(s0, s1, 0x44), _mm512_shuffle_i64x2(s0, s1, 0xEE));
-                const __m512i m = _mm512_madd_epi16(
-                    _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(x0 + 260))),
-                                       _mm256_loadu_si256((const __m256i *)(x1 + 260)), 1),
-                    sc2);
-                const __m512i t = _mm512_sub_epi32(a, _mm512_slli_epi32(m, 5));
-                float dx0, dx1;
-                std::memcpy(&dx0, x0, 4);
-                std::memcpy(&dx1, x1, 4);
-                const __m512 dx = _mm512_insertf32x8(_mm512_set1_ps(dx0), _mm256_set1_ps(dx1), 1);
+                const __m512i t = _mm512_sub_epi32(mskq_fold2(lanes(x0), lanes(x1)),
+                                                   _mm512_slli_epi32(mskq_bsums2(x0, x1, sc2), 5));
+                const __m512 dx = mskq_dx2(x0, x1);
                 aa[jp] = _mm512_add_ps(aa[jp], _mm512_mul_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(dx, dv)));
             }
         }
