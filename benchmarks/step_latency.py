@@ -79,10 +79,10 @@ def in_browser(engine, repeat: int, run_history: bool = False) -> dict:
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
     from playwright.sync_api import sync_playwright
 
+    from miniserve.ui.step_tab import RAW
+
     from conftest import CHROMIUM
     from servers import app_in_thread
-
-    from miniserve.ui.step_tab import RAW
 
     out = {"fresh": [], "release": [], "click": []}
     with app_in_thread(engine, run_history=run_history) as url, sync_playwright() as p:
