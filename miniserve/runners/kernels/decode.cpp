@@ -652,6 +652,10 @@ static long act_row_bytes(Act act, long cols) {
     return cols * (long)sizeof(float);
 }
 
+// From this many activation rows a product is compute-bound: K-quant rows are unpacked once
+// (qmatmul_unpacked) and weight rows are dealt to the threads as they are taken (linear).
+static const long MANY_ROWS = 16;
+
 // As qmatmul_part (below), for a type whose blocks unpack (the K-quants in the AVX-512 build)
 // and enough activation rows that unpacking each block once, not once per 8 rows, pays: a
 // chunk of weight rows is unpacked into this thread's buffer (it stays in L2), then each group
@@ -697,7 +701,8 @@ static void qmatmul_unpacked(const Kernels *k, const char *w, long wrow, const c
 // never changes a pair's result (see above).
 static void qmatmul_part(const Kernels *k, const char *w, long wrow, const char *xq, long xs,
                          float *y, long B, long ldy, long C, long r0, long r1) {
-    if (k->unpack != nullptr && B >= 16 && C >= k->block) return qmatmul_unpacked(k, w, wrow, xq, xs, y, B, ldy, C, r0, r1);
+    if (k->unpack != nullptr && B >= MANY_ROWS && C >= k->block)
+        return qmatmul_unpacked(k, w, wrow, xq, xs, y, B, ldy, C, r0, r1);
     const long RC = B < 8 ? r1 - r0 : std::max(1L, (256L << 10) / wrow);
     for (long c0 = r0; c0 < r1; c0 += RC) {
         const long c1 = std::min(r1, c0 + RC);
@@ -1215,7 +1220,7 @@ static void linear(const MsModel *m, const MsMat *parts, int nparts, const float
             // same whoever computes it.
             std::atomic<long> next{0};
             parallel(m->threads, [&](int t, int n) {
-                if (B < 16) {
+                if (B < MANY_ROWS) {
                     long per = ((p.rows + n - 1) / n + 3) / 4 * 4;
                     long r0 = t * per, r1 = std::min(r0 + per, p.rows);
                     if (r0 < r1) qmatmul_part(k, (const char *)p.data, wrow, xq, xs, yp, B, R, C, r0, r1);

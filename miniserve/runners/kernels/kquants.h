@@ -349,6 +349,19 @@ static inline void mskq_unpack45(const uint8_t *b, mskq_u45 &o) {
     o.mins = _mm256_shuffle_epi8(_mm256_set1_epi64x((long long)(u[2] | (uint64_t)u[3] << 32)), cm);
 }
 
+// The 16 A lanes of one activation row (its ms_a8k block at xb) against a super-block's
+// unpacked weights wk (64 a register) and the scales' words s01, s23 (per vpdpwssd's order):
+// vpdpbusd, pairs packed to int16 (the lane sums stay below 2^15: exact), then the scales.
+static inline __m512i mskq_lanes(const __m512i *wk, __m512i s01, __m512i s23, const uint8_t *xb) {
+    const __m512i z = _mm512_setzero_si512();
+    const __m512i p0 = _mm512_dpbusd_epi32(z, wk[0], _mm512_loadu_si512((const void *)(xb + 4)));
+    const __m512i p1 = _mm512_dpbusd_epi32(z, wk[1], _mm512_loadu_si512((const void *)(xb + 68)));
+    const __m512i p2 = _mm512_dpbusd_epi32(z, wk[2], _mm512_loadu_si512((const void *)(xb + 132)));
+    const __m512i p3 = _mm512_dpbusd_epi32(z, wk[3], _mm512_loadu_si512((const void *)(xb + 196)));
+    const __m512i s = _mm512_dpwssd_epi32(z, _mm512_packs_epi32(p0, p1), s01);
+    return _mm512_dpwssd_epi32(s, _mm512_packs_epi32(p2, p3), s23);
+}
+
 // Two activation rows side by side (the first in lanes 0-7), for the loops that take rows in
 // pairs: their A lanes L and L + 8 added (exact), their block sums' products with w (madd),
 // and their scales dx.
@@ -397,7 +410,6 @@ static inline void mskq_dot_k45(long n, const void *w, const void *x, long xstri
     for (int j = 0; j < NA; j++)
         acc[j] = PRE && (phase & 1) ? _mm512_loadu_ps(state + 32 * j) : _mm512_setzero_ps(),
         accb[j] = PRE && (phase & 1) ? _mm512_loadu_ps(state + 32 * j + 16) : _mm512_setzero_ps();
-    const __m512i z = _mm512_setzero_si512();
     for (long i = 0; i < nb; i++, b += bytes) {
         mskq_u45 ub;
         if (!PRE) {
@@ -410,14 +422,7 @@ static inline void mskq_dot_k45(long n, const void *w, const void *x, long xstri
         const float d = u.d, dmin = u.dmin;
         // the 16 A lanes of a row (per vpdpwssd's order); lane sums < 4 * 31 * 127 < 2^15: the
         // int16 packing is exact
-        auto lanes = [&](const uint8_t *xb) {
-            const __m512i p0 = _mm512_dpbusd_epi32(z, wk[0], _mm512_loadu_si512((const void *)(xb + 4)));
-            const __m512i p1 = _mm512_dpbusd_epi32(z, wk[1], _mm512_loadu_si512((const void *)(xb + 68)));
-            const __m512i p2 = _mm512_dpbusd_epi32(z, wk[2], _mm512_loadu_si512((const void *)(xb + 132)));
-            const __m512i p3 = _mm512_dpbusd_epi32(z, wk[3], _mm512_loadu_si512((const void *)(xb + 196)));
-            const __m512i s = _mm512_dpwssd_epi32(z, _mm512_packs_epi32(p0, p1), s01);
-            return _mm512_dpwssd_epi32(s, _mm512_packs_epi32(p2, p3), s23);
-        };
+        auto lanes = [&](const uint8_t *xb) { return mskq_lanes(wk, s01, s23, xb); };
         if constexpr (NB == 1) {  // A lanes L and L + 8 added (exact), the B lanes beside them
             const uint8_t *xb = mskq_xblock(x, xstride, 0, i);
             const __m512i s = lanes(xb);
@@ -630,7 +635,6 @@ static void mskq_dot_q6(long n, const void *w, const void *x, long xstride, floa
     constexpr int NA = NB == 1 ? 1 : NB / 2;  // NB even: rows in pairs, the first row's in 0-7
     __m512 aa[NA];
     for (int j = 0; j < NA; j++) aa[j] = PRE && (phase & 1) ? _mm512_loadu_ps(state + 16 * j) : _mm512_setzero_ps();
-    const __m512i z = _mm512_setzero_si512();
     for (long i = 0; i < nb; i++, b += 210) {
         mskq_u6 ub;
         if (!PRE) {
@@ -642,14 +646,7 @@ static void mskq_dot_q6(long n, const void *w, const void *x, long xstride, floa
         const __m256i sc16 = u.sc16;
         const float d = u.d;
         // the 16 A lanes of a row; lane sums < 4 * 63 * 128 < 2^15: the int16 packing is exact
-        auto lanes = [&](const uint8_t *xb) {
-            const __m512i p0 = _mm512_dpbusd_epi32(z, wk[0], _mm512_loadu_si512((const void *)(xb + 4)));
-            const __m512i p1 = _mm512_dpbusd_epi32(z, wk[1], _mm512_loadu_si512((const void *)(xb + 68)));
-            const __m512i p2 = _mm512_dpbusd_epi32(z, wk[2], _mm512_loadu_si512((const void *)(xb + 132)));
-            const __m512i p3 = _mm512_dpbusd_epi32(z, wk[3], _mm512_loadu_si512((const void *)(xb + 196)));
-            const __m512i s = _mm512_dpwssd_epi32(z, _mm512_packs_epi32(p0, p1), s01);
-            return _mm512_dpwssd_epi32(s, _mm512_packs_epi32(p2, p3), s23);
-        };
+        auto lanes = [&](const uint8_t *xb) { return mskq_lanes(wk, s01, s23, xb); };
         if constexpr (NB == 1) {  // A lanes L and L + 8, less 32 B lanes: exact integers, one float update
             const uint8_t *xb = mskq_xblock(x, xstride, 0, i);
             const __m512i s = lanes(xb);
