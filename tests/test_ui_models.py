@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from miniserve.core.config import load_presets
+from miniserve.core.config import FIELDS, load_presets
 from miniserve.engine.engine import Engine
 from miniserve.models.registry import EngineOptions, Models, ModelSpec, engine_factory, open_models
 from miniserve.ui import (
@@ -255,16 +255,7 @@ def test_notebook_bad_values_leave_the_text(models, presets, text, settings, mes
     notebook = NotebookHandlers(models, presets)
     sliders = values(presets)
     for name, value in settings.items():
-        sliders[
-            [
-                "temperature",
-                "top_k",
-                "top_p",
-                "min_p",
-                "repetition_penalty",
-                "max_new_tokens",
-            ].index(name)
-        ] = value
+        sliders[list(FIELDS).index(name)] = value  # the sliders' order (widgets.py)
     updates = list(notebook.generate(text, ["before"], *sliders, 1, False))
     assert len(updates) == 1
     box, history, status, _ = updates[0]
