@@ -964,6 +964,37 @@ def test_a_damaged_history_file_is_said_in_the_sidebar(engine, presets, tmp_path
     assert len(chat.store.path(saved.browser["owner"], saved.view["cid"])) == 2
 
 
+def test_gradio_is_imported_without_rewriting_its_stubs():
+    """Gradio's metaclass rewrites each component's .pyi stub at every import (~1.3 s of a
+    start); importing the UI first puts a no-op in its place before any component is defined.
+    Fails if Gradio stops calling the writer by that name (the saving would be lost silently)
+    or if the hook comes too late."""
+    import subprocess
+    import sys
+
+    code = (
+        "import miniserve.ui, gradio, gradio.component_meta as meta\n"
+        "from miniserve.ui import gradio_import as g\n"
+        "assert meta.create_or_modify_pyi is g.no_stub_writing\n"
+        "print(g.no_stub_writing.calls, len(gradio.components.Component.__subclasses__()))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.split()
+    calls, direct_subclasses = int(out[0]), int(out[1])
+    assert calls >= direct_subclasses > 20  # every component class went through the no-op
+
+    from miniserve.ui import gradio_import
+
+    before = gradio_import.no_stub_writing.calls
+
+    class Probe(gr.Textbox):  # defined in this file: the real writer would write test_ui.pyi
+        pass
+
+    assert gradio_import.no_stub_writing.calls == before + 1
+    assert not Path(__file__).with_suffix(".pyi").exists()
+
+
 def test_an_idle_queue_waits_to_be_woken_and_new_work_wakes_it(engine, presets):
     """Gradio's queue polls every 1 ms when free by default (~6% of a core with no client);
     the app makes its idle sleeps wait for a wake-up instead (up to IDLE_WAIT_S), which a new

@@ -79,6 +79,8 @@ def main(argv=None, prog: str = "python app.py") -> int:
     from miniserve.serve.routes import build_router, document
     from miniserve.ui import CSS, build_ui, mount_ui
 
+    Server = serving_server()
+
     demo = build_ui(models, presets, args.preset, store)
     url = f"http://{args.host}:{args.port}"
     if args.share:
@@ -94,31 +96,53 @@ def main(argv=None, prog: str = "python app.py") -> int:
     app = document(FastAPI(title="MiniServeLM"))
     app.include_router(build_router(models, args.api_key))
     app = mount_ui(app, demo)  # Gradio's run history off (mount_ui says why)
-    # Ctrl-C: open browser tabs hold connections; they get a few seconds, not forever
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=3
-        )
-    )
     failed = {}
-
-    def stop(code: int) -> None:
-        failed["code"] = code
-        server.should_exit = True
-
-    load_in_background(models, started, on_failure=stop)
     served = (
         ""
         if len(models.names) == 1
         else f" ({len(models.names)} models: " + ", ".join(models.names) + ")"
     )
-    print(
-        f"MiniServeLM page ready in {time.perf_counter() - started:.1f} s: chat at {url} , "
-        f"API at {url}/v1{served}",
-        flush=True,
+
+    def stop(code: int) -> None:
+        failed["code"] = code
+        server.should_exit = True
+
+    def on_serving() -> None:
+        print(
+            f"MiniServeLM page ready in {time.perf_counter() - started:.1f} s: chat at {url} , "
+            f"API at {url}/v1{served}",
+            flush=True,
+        )
+        load_in_background(models, started, on_failure=stop)
+
+    # Ctrl-C: open browser tabs hold connections; they get a few seconds, not forever
+    server = Server(
+        uvicorn.Config(
+            app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=3
+        ),
+        on_serving,
     )
     server.run()
     return failed.get("code", 0)
+
+
+def serving_server():
+    """uvicorn's Server that calls `on_serving()` once it listens: the model starts loading
+    then, not while the page is still being set up (on 2 cores the two would share them and
+    the page would come later; a request sent meanwhile waits for the model)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def __init__(self, config, on_serving):
+            super().__init__(config)
+            self.on_serving = on_serving
+
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if not self.should_exit:  # the port was free
+                self.on_serving()
+
+    return Server
 
 
 def open_registry(args):

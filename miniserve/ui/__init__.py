@@ -8,6 +8,9 @@ Every tab asks the app's `Models` registry for the engine of the model its dropd
 
 from __future__ import annotations
 
+import miniserve.ui.gradio_import  # noqa: F401 -- first: Gradio's import without its stub writing
+
+# isort: split
 import gradio as gr
 
 from miniserve.core.config import MAX_QUEUE, SamplingParams
