@@ -1,2 +1,10 @@
 """`python -m miniserve ...` and the `miniserve` command: arguments, generate, chat, bench,
-serve, and starting the web app."""
+serve, and starting the web app.
+
+torch is imported at its first use, not by the `import torch` lines of the modules these
+commands import (core/deferred.py): the web app serves its page before the model, which
+needs torch, has loaded."""
+
+from miniserve.core.deferred import defer
+
+defer("torch")

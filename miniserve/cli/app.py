@@ -72,16 +72,13 @@ def main(argv=None, prog: str = "python app.py") -> int:
         return code
     store = open_history(args)  # a damaged or unwritable file: said once, then kept aside
 
-    # the web stack (Gradio, FastAPI, uvicorn: ~3 s to import) only once the flags are good
+    # the web stack (Gradio, FastAPI, uvicorn: ~2 s to import) only once the flags are good
     import uvicorn
-    from fastapi import FastAPI
 
-    from miniserve.serve.routes import build_router, document
-    from miniserve.ui import CSS, build_ui, mount_ui
+    from miniserve.ui import CSS
 
     Server = serving_server()
-
-    demo = build_ui(models, presets, args.preset, store)
+    app, demo = web_app(args, models, presets, store)
     url = f"http://{args.host}:{args.port}"
     if args.share:
         load_in_background(models, started, on_failure=lambda code: os._exit(code))
@@ -93,9 +90,6 @@ def main(argv=None, prog: str = "python app.py") -> int:
             server_name=args.host, server_port=args.port, share=True, css=CSS, run_history=False
         )  # the run history off, as mount_ui has it
         return 0
-    app = document(FastAPI(title="MiniServeLM"))
-    app.include_router(build_router(models, args.api_key))
-    app = mount_ui(app, demo)  # Gradio's run history off (mount_ui says why)
     failed = {}
     served = (
         ""
@@ -124,6 +118,20 @@ def main(argv=None, prog: str = "python app.py") -> int:
     )
     server.run()
     return failed.get("code", 0)
+
+
+def web_app(args, models, presets, store):
+    """(the ASGI app: the API's routes and the page at /, the page's Gradio Blocks). Nothing in
+    it reads torch: the page is served before the model (and torch) has loaded."""
+    from fastapi import FastAPI
+
+    from miniserve.serve.routes import build_router, document
+    from miniserve.ui import build_ui, mount_ui
+
+    demo = build_ui(models, presets, args.preset, store)
+    app = document(FastAPI(title="MiniServeLM"))
+    app.include_router(build_router(models, args.api_key))
+    return mount_ui(app, demo), demo  # Gradio's run history off (mount_ui says why)
 
 
 def serving_server():

@@ -24,7 +24,7 @@ from miniserve.runners.hf import as_runner
 
 # A hook that sees each step's raw logits, the ids so far, the chosen id and the grammar's
 # mask of allowed tokens (None when the reply is not constrained): the token inspector.
-LogitsObserver = Callable[[torch.Tensor, torch.Tensor, int, "torch.Tensor | None"], None]
+LogitsObserver = Callable[["torch.Tensor", "torch.Tensor", int, "torch.Tensor | None"], None]
 
 
 class Matcher(Protocol):

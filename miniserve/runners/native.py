@@ -41,9 +41,11 @@ from miniserve.runners.lean import LeanRunner
 SOURCE = Path(__file__).parent / "kernels" / "decode.cpp"
 KERNEL_FILES = sorted(SOURCE.parent.glob("*.h")) + [SOURCE]  # the headers decode.cpp includes
 ABI_VERSION = 8
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+# tables keyed by a dtype's name (dtype_name): read when the web app starts, before torch is
+# imported (core/deferred.py)
+DTYPE_CODES = {"float32": 0, "bfloat16": 1}
 # ggml's type ids (a GGUF tensor's type) of the float weights; quantized ones come from the file
-TYPE_IDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
+TYPE_IDS = {"float32": 0, "float16": 1, "bfloat16": 30}
 FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-ffp-contract=off"]
 MATH_CODES = {"float32": 0, "bfloat16": 1}
 X86_64 = platform.machine().lower() in ("x86_64", "amd64")
@@ -227,8 +229,8 @@ def ms_mat(w) -> MsMat:
         return MsMat(None, 0, 0)
     if isinstance(w, StoredMatrix):
         return MsMat(w.address, w.type, w.rows)
-    assert w.is_contiguous() and w.dtype in TYPE_IDS, (w.dtype, w.shape)
-    return MsMat(w.data_ptr(), TYPE_IDS[w.dtype], w.shape[0])
+    assert w.is_contiguous() and dtype_name(w.dtype) in TYPE_IDS, (w.dtype, w.shape)
+    return MsMat(w.data_ptr(), TYPE_IDS[dtype_name(w.dtype)], w.shape[0])
 
 
 class MsRows(ctypes.Structure):
@@ -259,10 +261,20 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_isa.restype = ctypes.c_char_p
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.float32 -> "float32" (the key of the tables above)."""
+    return str(dtype).removeprefix("torch.")
+
+
 def supports(device: torch.device, dtype: torch.dtype, quant: str | None = None) -> bool:
     """The native runner runs a lean model on the CPU with float32 or bfloat16 weights, no
     quantization, where the library could be built."""
-    return device.type == "cpu" and dtype in DTYPE_CODES and quant is None and load() is not None
+    return (
+        device.type == "cpu"
+        and dtype_name(dtype) in DTYPE_CODES
+        and quant is None
+        and load() is not None
+    )
 
 
 def bf16_dot() -> bool:
@@ -355,8 +367,9 @@ class NativeCache(KVCache):
         kv_heads: int,
         head_dim: int,
         capacity: int = 256,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | None = None,  # float32
     ):
+        dtype = dtype or torch.float32
         capacity = -(-max(capacity, 16) // 16) * 16
         self.k = torch.zeros(layers, kv_heads, capacity // 16, head_dim, 16, dtype=dtype)
         self.v = torch.zeros(layers, kv_heads, capacity, head_dim, dtype=dtype)

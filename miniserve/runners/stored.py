@@ -39,7 +39,7 @@ ARCHITECTURES = ("llama", "qwen2", "gemma3")
 # positions the RoPE tables cover at most (cos and sin: positions x head_dim float32 each)
 MAX_POSITIONS = 32768
 F32, F16, BF16 = 0, 1, 30
-FLOAT_TYPES = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}
+FLOAT_TYPES = {F32: "float32", F16: "float16", BF16: "bfloat16"}  # torch's dtype names
 # the matrix types the kernels run in place (a file of others -- Q2_K, Q3_K, IQ* -- loads
 # dequantized by default: as stored they would become float32 copies at every start)
 IN_PLACE = {F32, F16, BF16, 2, 3, 6, 7, 8, 12, 13, 14}
@@ -260,7 +260,8 @@ class GGUFWeights:
             )
         rows, cols = shape
         if info.type in FLOAT_TYPES and info.type != F16:
-            t = _tensor_view(self.file.data(name), FLOAT_TYPES[info.type]).view(shape)
+            dtype = getattr(torch, FLOAT_TYPES[info.type])
+            t = _tensor_view(self.file.data(name), dtype).view(shape)
             self._kept.append(t)  # bfloat16 / float32 where they lie
             return t
         if native.row_bytes(info.type, cols) * rows == info.nbytes:
@@ -284,7 +285,7 @@ class GGUFWeights:
                 return None
             raise StoredModelError(f"{self.path.name}: tensor '{name}' is missing")
         if info.type in FLOAT_TYPES:
-            t = _tensor_view(self.file.data(name), FLOAT_TYPES[info.type]).float()
+            t = _tensor_view(self.file.data(name), getattr(torch, FLOAT_TYPES[info.type])).float()
         else:
             t = self._dequantized(name, info, (-1,))
         if t.numel() != n:
@@ -390,11 +391,9 @@ def rope_tables(
 class StoredRunner(native.CompiledPass):
     """The native runner over a GGUF file's weights as stored (runners/base.py's interface)."""
 
-    device = torch.device("cpu")
-    dtype = torch.float32  # activations (the weights keep their own types)
-    act_dtype = torch.float32
-
     def __init__(self, weights: GGUFWeights, math: str = "auto", generation_config=None):
+        self.device = torch.device("cpu")
+        self.dtype = self.act_dtype = torch.float32  # activations (weights keep their types)
         if native.load() is None:
             raise ValueError(
                 "weights as stored need the native runner: "
