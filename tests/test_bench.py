@@ -356,3 +356,22 @@ def test_the_peer_row_names_the_files_own_weight_type(tmp_path):
         garbage.write_bytes(head + rest)
         assert peer.file_type(garbage) is None, n
     assert peer.file_type(cut) is peer.file_type(tmp_path / "text.gguf") is None
+
+
+def test_the_weights_column_names_what_the_matrices_are():
+    """A float model quantized at load is labelled with its blocks, not as the float weights it
+    came from (the q8_0 rows once read "bfloat16")."""
+    from types import SimpleNamespace
+
+    def engine(quant, stored=False, dtype=torch.bfloat16):
+        return SimpleNamespace(
+            quant=quant,
+            loaded=SimpleNamespace(dtype=dtype, stored=stored),
+            info=lambda: {"dtype": "q4_k_m as stored"},
+        )
+
+    assert bench.weights_label(engine("q8_0")) == "q8_0 from bfloat16"
+    assert bench.weights_label(engine("q4_0")) == "q4_0 from bfloat16"
+    assert bench.weights_label(engine("int8")) == "bfloat16+int8"
+    assert bench.weights_label(engine(None, stored=True)) == "q4_k_m as stored"
+    assert bench.weights_label(engine(None, dtype=torch.float32)) == "float32"

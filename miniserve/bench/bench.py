@@ -267,20 +267,25 @@ def _measure(
     return measured
 
 
+def weights_label(engine: Engine) -> str:
+    """What the engine's matrices are: a GGUF's types as stored ("q4_k_m as stored"), the blocks
+    a float model was quantized to at load ("q8_0 from bfloat16"), "bfloat16+int8" (activations
+    + weights, the lean runner), or the float dtype."""
+    dtype = str(engine.loaded.dtype).removeprefix("torch.")
+    if engine.quant == "int8":
+        return f"{dtype}+int8"
+    if engine.loaded.stored:
+        return engine.info()["dtype"]
+    return f"{engine.quant} from {dtype}" if engine.quant else dtype
+
+
 def run_bench(engine: Engine, config: BenchConfig, progress: Progress | None = None) -> BenchResult:
     progress = progress or (lambda f, m: None)
     if not engine.capabilities.local_tokens:
         return run_remote_bench(engine, config, progress)
     params = BUILTIN_PRESETS[GREEDY].replace(max_new_tokens=config.new_tokens)
     dtype = str(engine.loaded.dtype).removeprefix("torch.")  # the reference modes' weights
-    ours = (
-        f"{dtype}+int8"
-        if engine.quant == "int8"
-        # activations+weights
-        else engine.info()["dtype"]
-        if engine.loaded.stored
-        else dtype
-    )
+    ours = weights_label(engine)
     dtypes = {
         "no_cache": ours,
         "cache": ours,
@@ -981,13 +986,8 @@ def run_concurrency(
     isa = (native.isa() or "") if engine.runner_name == "native" else ""
     info = engine.info()
     math = info.get("compute_dtype", "")
-    weights = (
-        engine.info()["dtype"]
-        if engine.loaded.stored
-        else str(engine.loaded.dtype).removeprefix("torch.")
-    )
-    dtype = f"{weights}+int8" if engine.quant == "int8" else weights
-    shown = dtype if math in ("", weights) else f"{dtype} ({math} math)"
+    weights = weights_label(engine)
+    shown = weights if math in ("", weights) else f"{weights} ({math} math)"
     prompts = [
         stream_prompt(engine.tokenizer, config.prompt_tokens, i) for i in range(max(config.levels))
     ]
@@ -1077,7 +1077,7 @@ def run_concurrency(
         rows,
         engine.name,
         engine.loaded.device.type,
-        dtype,
+        weights,
         engine.runner_name,
         math,
         cpu,
