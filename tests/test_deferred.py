@@ -34,12 +34,16 @@ def test_the_page_is_built_and_served_before_torch_is_imported():
         from miniserve.cli import app as launcher
         from miniserve.core.config import load_presets
         from miniserve.core.deferred import is_deferred
+        from miniserve.ui import build_ui
 
         args = launcher.parse_args(["--no-history"])
         models, _ = launcher.open_registry(args)
-        web, _ = launcher.web_app(args, models, load_presets(None), None)
-        page = TestClient(web).get("/")
+        demo = build_ui(models, load_presets(None), args.preset, None)
+        client = TestClient(launcher.web_app(args, models, demo))
+        page = client.get("/")
         assert page.status_code == 200 and "<html" in page.text.lower(), page.status_code
+        for path in ("/config", "/v1/models", "/openapi.json"):  # what comes next
+            assert client.get(path).status_code == 200, path
         print("deferred after the page:", is_deferred("torch"))
         engine = models.get(None)  # loads the model: torch now
         print("deferred after the model:", is_deferred("torch"))
@@ -51,6 +55,7 @@ def test_the_page_is_built_and_served_before_torch_is_imported():
     )
     assert "deferred after the page: True" in out
     assert "deferred after the model: False" in out
+    assert out.split("reply:", 1)[1].strip(), out  # the model answered
 
 
 def _write_module(tmp_path, name: str, body: str) -> None:
@@ -110,5 +115,28 @@ def test_a_deferred_module_that_fails_raises_at_first_use_and_again_after(tmp_pa
     with pytest.raises(RuntimeError, match="broken on purpose"):
         broken_mod.anything  # noqa: B018
     assert "broken_mod" not in sys.modules
+    with pytest.raises(ImportError, match="broken on purpose"):  # the same object read again
+        broken_mod.anything  # noqa: B018
     with pytest.raises(RuntimeError, match="broken on purpose"):
         import broken_mod  # noqa: F401, F811
+
+
+def test_a_submodule_import_as_the_first_use_imports_each_module_once(tmp_path, monkeypatch):
+    """`import pkg.sub` first: reading pkg.__path__ runs pkg's import, which imports pkg.sub;
+    Python, already importing pkg.sub, must get that module, not run it a second time."""
+    pkg = tmp_path / "deferred_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from deferred_pkg import sub\n")
+    (pkg / "sub.py").write_text(
+        "import counter_mod2\ncounter_mod2.runs += 1\nvalue = counter_mod2.runs\n"
+    )
+    _write_module(tmp_path, "counter_mod2", "runs = 0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    defer("deferred_pkg")
+    import counter_mod2
+    import deferred_pkg.sub
+
+    assert counter_mod2.runs == 1
+    assert deferred_pkg.sub is sys.modules["deferred_pkg.sub"] and deferred_pkg.sub.value == 1
+    for name in ("deferred_pkg", "deferred_pkg.sub"):
+        monkeypatch.delitem(sys.modules, name)

@@ -26,6 +26,7 @@ from miniserve.cli.args import (
     open_history,
 )
 from miniserve.core.config import ConfigError, load_presets
+from miniserve.core.deferred import import_now
 from miniserve.core.errors import UserError
 from miniserve.runners.loader import KNOWN_MODELS, ModelLoadError, resolve_source
 
@@ -75,10 +76,10 @@ def main(argv=None, prog: str = "python app.py") -> int:
     # the web stack (Gradio, FastAPI, uvicorn: ~2 s to import) only once the flags are good
     import uvicorn
 
-    from miniserve.ui import CSS
+    from miniserve.ui import CSS, build_ui
 
     Server = serving_server()
-    app, demo = web_app(args, models, presets, store)
+    demo = build_ui(models, presets, args.preset, store)
     url = f"http://{args.host}:{args.port}"
     if args.share:
         load_in_background(models, started, on_failure=lambda code: os._exit(code))
@@ -90,6 +91,7 @@ def main(argv=None, prog: str = "python app.py") -> int:
             server_name=args.host, server_port=args.port, share=True, css=CSS, run_history=False
         )  # the run history off, as mount_ui has it
         return 0
+    app = web_app(args, models, demo)
     failed = {}
     served = (
         ""
@@ -120,18 +122,17 @@ def main(argv=None, prog: str = "python app.py") -> int:
     return failed.get("code", 0)
 
 
-def web_app(args, models, presets, store):
-    """(the ASGI app: the API's routes and the page at /, the page's Gradio Blocks). Nothing in
+def web_app(args, models, demo):
+    """The ASGI app: the API's routes, and the page (`demo`, from ui.build_ui) at /. Nothing in
     it reads torch: the page is served before the model (and torch) has loaded."""
     from fastapi import FastAPI
 
     from miniserve.serve.routes import build_router, document
-    from miniserve.ui import build_ui, mount_ui
+    from miniserve.ui import mount_ui
 
-    demo = build_ui(models, presets, args.preset, store)
     app = document(FastAPI(title="MiniServeLM"))
     app.include_router(build_router(models, args.api_key))
-    return mount_ui(app, demo), demo  # Gradio's run history off (mount_ui says why)
+    return mount_ui(app, demo)  # Gradio's run history off (mount_ui says why)
 
 
 def serving_server():
@@ -175,11 +176,12 @@ def load_in_background(models, started: float, on_failure) -> threading.Thread:
 
     def load():
         try:
+            import_now("torch")  # this thread's, before anything of it is imported here
             engine = models.get(None)
         except UserError as e:  # ModelLoadError: 1
             on_failure(fail_with(e))
             return
-        except (ValueError, RuntimeError, OSError) as e:
+        except (ValueError, RuntimeError, OSError, ImportError) as e:
             on_failure(fail(str(e)))
             return
         print(f"{engine.name} loaded in {time.perf_counter() - started:.1f} s", flush=True)
