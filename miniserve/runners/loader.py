@@ -477,13 +477,15 @@ def _load_stored(source: str | None, path: Path, progress: Progress | None) -> L
 
 def _stored_tokenizer(path: Path, weights, progress: Progress | None):
     """The file's tokenizer, built by transformers from its header once (seconds for a large
-    vocabulary) and kept in the cache folder under the header's hash."""
-    from transformers import AutoTokenizer
+    vocabulary) and kept in the cache folder under the header's hash. Read back by the class
+    that wrote it (_gguf_tokenizer's), not AutoTokenizer, whose import of transformers' model
+    registry is ~0.3 s of every start."""
+    from transformers import PreTrainedTokenizerFast
 
     folder = cache_root() / "tokenizers" / f"{path.stem}-{weights.header_key()}"
     if (folder / "tokenizer_config.json").is_file():
         try:
-            return AutoTokenizer.from_pretrained(str(folder))
+            return PreTrainedTokenizerFast.from_pretrained(str(folder))
         except Exception:  # noqa: BLE001 -- a damaged cache entry is rebuilt
             shutil.rmtree(folder, ignore_errors=True)
     _say(progress, f"Reading the tokenizer of {path.name} (first start only) ...")
