@@ -142,6 +142,29 @@ def test_wide_k_quant_rows_against_many_activation_rows(qtype, rows, blocks):
         assert torch.equal(together[i], native.matmul(w, x[i : i + 1])[0]), i
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("rows,blocks,batch", [(37, 17, 29), (16, 1, 8), (53, 8, 64)])
+@needs_native
+def test_amx_tiles_give_the_bits_of_the_avx512_loops(qtype, rows, blocks, batch):
+    """Where the CPU has AMX (kernels/amx.h), Q4_K / Q5_K products of 8 or more activation rows
+    run on its tiles: the same bits as the AVX-512 loops (switched in one process), with
+    groups of activation rows and chunks of weight rows short of 16 (37 x 29), one super-block,
+    and the prompt's shape. Without AMX the loops are what runs, and this compares nothing."""
+    if not native.amx():
+        pytest.skip("no AMX tiles on this CPU (or not granted by the kernel): nothing to compare")
+    cols = 256 * blocks
+    data = random_blocks(qtype, rows, cols, seed=rows * blocks)
+    w = stored(np.ascontiguousarray(data), qtype, cols)
+    x = torch.randn(batch, cols, generator=torch.Generator().manual_seed(rows))
+    try:
+        tiles = native.matmul(w, x)
+        native.amx(False)
+        loops = native.matmul(w, x)
+    finally:
+        native.amx(True)
+    assert torch.equal(tiles, loops)
+
+
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
 @needs_native
 @same_on_every_cpu

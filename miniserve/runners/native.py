@@ -40,7 +40,7 @@ from miniserve.runners.lean import LeanRunner
 
 SOURCE = Path(__file__).parent / "kernels" / "decode.cpp"
 KERNEL_FILES = sorted(SOURCE.parent.glob("*.h")) + [SOURCE]  # the headers decode.cpp includes
-ABI_VERSION = 8
+ABI_VERSION = 9
 # tables keyed by a dtype's name (dtype_name): read when the web app starts, before torch is
 # imported (core/deferred.py)
 DTYPE_CODES = {"float32": 0, "bfloat16": 1}
@@ -259,6 +259,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_bf16_dot.restype = I
     lib.ms_isa.argtypes = []
     lib.ms_isa.restype = ctypes.c_char_p
+    lib.ms_amx.argtypes = [I]
+    lib.ms_amx.restype = I
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -275,6 +277,14 @@ def supports(device: torch.device, dtype: torch.dtype, quant: str | None = None)
         and quant is None
         and load() is not None
     )
+
+
+def amx(on: bool | None = None) -> bool:
+    """Whether Q4_K / Q5_K products of many rows run on AMX tiles (kernels/amx.h): where the
+    library was built with them and the CPU and kernel grant them. on=False / True switches
+    them (the same bits either way: tests compare), None asks."""
+    lib = load()
+    return bool(lib is not None and lib.ms_amx(-1 if on is None else int(on)))
 
 
 def bf16_dot() -> bool:

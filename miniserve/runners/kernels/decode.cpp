@@ -572,6 +572,7 @@ static inline void round_bf16(const float *x, float *xr, bf16 *xb, long n) {
 // result does not depend on what shares its pass (batch invariance, as above).
 #include "quants.h"
 #include "kquants.h"
+#include "amx.h"
 
 enum MsTypeId {
     T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
@@ -1161,6 +1162,33 @@ static long carve(const MsModel *m, long n, long max_len, float *base, Scratch *
     return total;
 }
 
+#if defined(MS_AMX)
+// From this many activation rows a Q4_K / Q5_K product runs on the AMX tiles (amx.h).
+static const long AMX_ROWS = 8;
+
+// One Q4_K / Q5_K part of linear() on the tiles: the activation rows laid out once (in groups
+// of 16, on the threads), then chunks of 16 weight rows dealt to the threads as they are taken.
+static void amx_linear(const MsModel *m, const MsMat &p, const char *xq, long xs, long wrow, long B,
+                       long C, float *yp, long R) {
+    static thread_local std::vector<char> buffer;  // an engine thread each
+    const long nb = C / 256, groups = (B + 15) / 16, bytes = groups * nb * AMX_BLOCK;
+    if ((long)buffer.size() < bytes + 64) buffer.resize(bytes + 64);
+    char *acts = buffer.data() + (64 - (uintptr_t)buffer.data() % 64) % 64;
+    for_rows(m->threads, groups, [&](long g) { amx_k45_group(xq, xs, B, nb, g, acts); });
+    std::atomic<long> next{0};
+    parallel(m->threads, [&](int, int n) {
+        const long chunk = std::max(16L, (p.rows / (8L * n) + 15) / 16 * 16);
+        for (long r0; (r0 = next.fetch_add(chunk)) < p.rows;) {
+            const long r1 = std::min(r0 + chunk, p.rows);
+            if (p.type == T_Q5_K)
+                amx_k45_rows<true>((const char *)p.data, wrow, acts, B, nb, yp, R, r0, r1);
+            else
+                amx_k45_rows<false>((const char *)p.data, wrow, acts, B, nb, yp, R, r0, r1);
+        }
+    });
+}
+#endif
+
 // y (B x R) = x (B x C) [w_0 | w_1 | ...]^T (+ bias): the parts' output rows side by side
 // (R = their rows together), each in its own type. Float32 and bfloat16 parts in the model's
 // arithmetic (bfloat16 products: the activations rounded once); quantized parts on the
@@ -1213,6 +1241,13 @@ static void linear(const MsModel *m, const MsMat *parts, int nparts, const float
                 xq = buf;
             }
             const long wrow = row_bytes(p.type, C);
+#if defined(MS_AMX)
+            if ((p.type == T_Q4_K || p.type == T_Q5_K) && B >= AMX_ROWS && amx_on()) {
+                amx_linear(m, p, xq, xs, wrow, B, C, yp, R);
+                col += p.rows;
+                continue;
+            }
+#endif
             // many activation rows (compute-bound): weight rows taken in chunks, each thread
             // the next free one, so that a thread the machine slows (another process, a busy
             // host) takes fewer instead of holding the others at the end of the product; few
@@ -1406,7 +1441,7 @@ static void forward(const MsModel *m, const MsRows *r, float *scratch) {
 
 extern "C" {
 
-int ms_abi_version(void) { return 8; }
+int ms_abi_version(void) { return 9; }
 
 // Which inner loops were compiled: "avx512", "avx2" (with FMA) or "generic" (plain loops;
 // "generic+neon" where the compiler could use NEON for them).
@@ -1456,6 +1491,18 @@ void ms_matmul(const MsMat *w, const float *x, float *y, long B, long C, int mat
     sc.xq8 = q8.data();
     sc.xq8k = q8k.data();
     linear(&m, w, 1, nullptr, x, B, C, y, &sc);
+}
+
+// Whether Q4_K / Q5_K products of many rows run on AMX tiles: on < 0 asks, 0 or 1 sets (where
+// the build and the CPU have them; MINISERVE_AMX=0 sets 0 at start). Returns the state.
+int ms_amx(int on) {
+#if defined(MS_AMX)
+    if (on >= 0) amx_switch.store(on ? 1 : 0);
+    return amx_on() ? 1 : 0;
+#else
+    (void)on;
+    return 0;
+#endif
 }
 
 // y (w.rows x C) = the matrix's rows as float32 (what the kernels read the blocks as).

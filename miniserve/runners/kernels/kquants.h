@@ -16,23 +16,22 @@
 //       (ql, qh, scales offset by 64h, 32h, 8h).
 //
 // How a dot product is computed, in every build. Per super-block i and activation row, exact
-// integer sums in 16 "A" lanes and 8 "B" lanes, each lane a fixed set of products:
-//   Q4_K, Q5_K: A lane (s0, o) = sum over sub-blocks s in {s0, s0 + 4} of sc[s] * (q . xq over
-//     weights 8o .. 8o + 8 of s); B lane t = m[t] * (bsums[2t] + bsums[2t + 1]) -- the mins
-//     applied once per super-block through the activation block sums, never per element.
-//   Q6_K: A lane (g0, h) = sum over groups g in {g0, g0 + 8} of sc[g] * (q . xq over weights
-//     8h .. 8h + 8 of g), q unsigned (0..63); B lane t = sc[2t] bsums[2t] + sc[2t+1] bsums[2t+1],
-//     for the -32 offset.
-// (mskq_lane45 / mskq_lane6 give the lane numbers: the order vpdpwssd leaves them in.) Lanes L
-// and L + 8 are then added as integers (exact: every sum stays below 2^31), leaving 8 A lanes;
-// Q6_K also takes 32 B[t] from A lane t (its scale is the same d). Then per lane, in float:
-// fa[l] = fa[l] + (float)A8[l] * (d * dx), fb[t] = fb[t] + (float)B[t] * (dmin * dx) (Q4_K,
-// Q5_K), and at the end y = tree8(fa) - tree8(fb) (Q6_K: tree8(fa)): a fixed order, the same
-// float operations whichever build, NB or slot j a row has -- so results are bit-identical
-// across NB and across the AVX-512, AVX2 and plain builds (with -ffp-contract=off, as decode.cpp
-// is built: no multiply and add may be fused). No horizontal sums inside the loop: per
-// super-block and row, 8 float lanes updated (Q4_K, Q5_K: 16, A and B side by side; with two
-// rows a call or more, the AVX-512 loop updates the A lanes of two rows in one register).
+// integer sums:
+//   Q4_K, Q5_K: two totals, A = sum over sub-blocks s of sc[s] * (q . xq over s) and B = sum
+//     over s of m[s] * (bsums[2s] + bsums[2s + 1]) -- the mins applied once per super-block
+//     through the activation block sums, never per element. Then in float (mskq_k45_float):
+//     fa = fa + (float)A * (d * dx), fb = fb + (float)B * (dmin * dx), and y = fa - fb. One
+//     total a super-block (not lanes) so that AMX tiles (amx.h), which give whole sub-blocks'
+//     dot products, find the same integers.
+//   Q6_K: 16 "A" lanes, A lane (g0, h) = sum over groups g in {g0, g0 + 8} of sc[g] * (q . xq
+//     over weights 8h .. 8h + 8 of g), q unsigned (0..63); B lane t = sc[2t] bsums[2t] +
+//     sc[2t+1] bsums[2t+1], for the -32 offset. (mskq_lane6 gives the lane numbers: the order
+//     vpdpwssd leaves them in.) Lanes L and L + 8 are added as integers (exact: every sum stays
+//     below 2^31), leaving 8; 32 B[t] is taken from A lane t (its scale is the same d). Then
+//     per lane, in float: fa[l] = fa[l] + (float)A8[l] * (d * dx), and y = tree8(fa).
+// A fixed order, the same float operations whichever build, NB or slot j a row has -- so
+// results are bit-identical across NB and across the AVX-512 (+ AMX), AVX2 and plain builds
+// (with -ffp-contract=off, as decode.cpp is built: no multiply and add may be fused).
 //
 // The three builds differ only in how the integer lanes are found:
 //   AVX-512 + VNNI: 64 weights a register; vpdpbusd (u8 weights x s8 activations, 4 products a
@@ -260,11 +259,9 @@ static inline float mskq_dx(const void *x, long xstride, int j, long i) {
     return d;
 }
 
-// Lane L = 4c + t of the 16 "A" lanes, as vpdpwssd leaves them in the AVX-512 loops (c: 16-byte
-// lane, t: int32 within it): Q4_K / Q5_K: sub-blocks s0 and s0 + 4, weights 8o .. 8o + 8 of each,
-// with s0 = (c >> 1) + 2 (t >> 1), o = 2 (c & 1) + (t & 1).
-static inline int mskq_lane45(int s0, int o) { return 4 * (2 * (s0 & 1) + (o >> 1)) + 2 * (s0 >> 1) + (o & 1); }
-// Q6_K: groups g0 and g0 + 8, weights 8h .. 8h + 8 of each, with g0 = c + 4 (t >> 1), h = t & 1.
+// Lane L = 4c + t of Q6_K's 16 "A" lanes, as vpdpwssd leaves them in the AVX-512 loop (c:
+// 16-byte lane, t: int32 within it): groups g0 and g0 + 8, weights 8h .. 8h + 8 of each, with
+// g0 = c + 4 (t >> 1), h = t & 1.
 static inline int mskq_lane6(int g0, int h) { return 4 * (g0 & 3) + 2 * (g0 >> 2) + h; }
 
 #if !defined(MSKQ_SIMD)
@@ -296,7 +293,7 @@ static inline void mskq_prefetch(const uint8_t *p, int bytes) {
 #endif
 
 // The running sums a piece of a row leaves for the next (floats a weight row, for up to 8
-// activation rows: Q4_K / Q5_K's 4 pairs x 32 lanes, Q6_K's 4 x 16).
+// activation rows: Q4_K / Q5_K's 4 pairs x 16, Q6_K's 4 x 16).
 #define MSKQ_STATE 128
 
 #if defined(MSKQ_AVX512)
@@ -392,6 +389,39 @@ static void mskq_unpack45_row(long n, const void *w, void *out) {
 }
 #endif
 
+// The float part of a Q4_K / Q5_K super-block, the same in every build and path (the AMX loop
+// in decode.cpp too): A and B are the block's exact integer totals for one activation row,
+// A = sum over sub-blocks s of sc[s] * (q . xq over s), B = sum over s of m[s] * (xq's sum over s).
+static inline void mskq_k45_float(float &fa, float &fb, int32_t A, int32_t B, float d, float dmin, float dx) {
+    fa = fa + (float)A * (d * dx);
+    fb = fb + (float)B * (dmin * dx);
+}
+
+#if defined(MSKQ_AVX512)
+// Two rows' A lanes (a: the first row's 16 in one register, a1 the second's) and B lanes (m:
+// both rows' 8, the first in lanes 0-7) -> each 128-bit lane holds one total in all four of
+// its ints: [A row 0 | A row 1 | B row 0 | B row 1]. Exact (integer sums).
+static inline __m512i mskq_totals2(__m512i a0, __m512i a1, __m512i m) {
+    const __m512i a = mskq_fold2(a0, a1);  // A lanes L and L + 8 added: row 0 in 0-7, row 1 in 8-15
+    const __m512i u = _mm512_add_epi32(_mm512_shuffle_i32x4(a, m, 0x88), _mm512_shuffle_i32x4(a, m, 0xDD));
+    const __m512i v = _mm512_add_epi32(u, _mm512_shuffle_epi32(u, (_MM_PERM_ENUM)0x4E));
+    return _mm512_add_epi32(v, _mm512_shuffle_epi32(v, (_MM_PERM_ENUM)0xB1));
+}
+
+// [d | d | dmin | dmin] x [dx0 | dx1 | dx0 | dx1], per 128-bit lane: the multipliers of
+// mskq_totals2's lanes (each product as mskq_k45_float computes it).
+static inline __m512 mskq_scales2(float d, float dmin, const uint8_t *x0, const uint8_t *x1) {
+    float dx0, dx1;
+    std::memcpy(&dx0, x0, 4);
+    std::memcpy(&dx1, x1, 4);
+    const __m512 dd = _mm512_insertf32x8(_mm512_set1_ps(d), _mm256_set1_ps(dmin), 1);
+    const __m512 xx = _mm512_insertf32x8(
+        _mm512_insertf32x4(_mm512_set1_ps(dx0), _mm_set1_ps(dx1), 1),
+        _mm256_insertf128_ps(_mm256_set1_ps(dx0), _mm_set1_ps(dx1), 1), 1);
+    return _mm512_mul_ps(dd, xx);
+}
+#endif
+
 // PRE: w is the row unpacked (mskq_u45 blocks, AVX-512 only), else the row as stored. With
 // PRE, a row may come in pieces of blocks: the running sums start from `state` (phase & 1,
 // else from zero) and, unless phase & 2 (the last piece: y written), are left there -- the
@@ -401,15 +431,15 @@ static inline void mskq_dot_k45(long n, const void *w, const void *x, long xstri
                                 long ystride, float *state = nullptr, int phase = 2) {
     const long bytes = HI ? 176 : 144, nb = n / 256;
     const uint8_t *b = (const uint8_t *)w;
-    float fa[NB][8], fb[NB][8];  // per row: the A lanes' and B lanes' float sums
+    float fa[NB], fb[NB];  // per row: the A and B float sums
 #if defined(MSKQ_AVX512)
-    // one row: its 8 A lanes, then its 8 B lanes; NB even: rows in pairs, one register for the
-    // pair's A lanes (the first row's in 0-7) and one for their B lanes
+    // NB == 1: the two sums as scalars; NB even: rows in pairs, one register a pair holding
+    // [fa row 0 | fa row 1 | fb row 0 | fb row 1] (each four times)
     constexpr int NA = NB == 1 ? 1 : NB / 2;
-    __m512 acc[NA], accb[NA];
-    for (int j = 0; j < NA; j++)
-        acc[j] = PRE && (phase & 1) ? _mm512_loadu_ps(state + 32 * j) : _mm512_setzero_ps(),
-        accb[j] = PRE && (phase & 1) ? _mm512_loadu_ps(state + 32 * j + 16) : _mm512_setzero_ps();
+    __m512 acc[NA];
+    float fa1 = 0.f, fb1 = 0.f;
+    for (int j = 0; j < NA; j++) acc[j] = PRE && (phase & 1) ? _mm512_loadu_ps(state + 16 * j) : _mm512_setzero_ps();
+    if (NB == 1 && PRE && (phase & 1)) fa1 = state[0], fb1 = state[1];
     for (long i = 0; i < nb; i++, b += bytes) {
         mskq_u45 ub;
         if (!PRE) {
@@ -423,46 +453,48 @@ static inline void mskq_dot_k45(long n, const void *w, const void *x, long xstri
         // the 16 A lanes of a row (per vpdpwssd's order); lane sums < 4 * 31 * 127 < 2^15: the
         // int16 packing is exact
         auto lanes = [&](const uint8_t *xb) { return mskq_lanes(wk, s01, s23, xb); };
-        if constexpr (NB == 1) {  // A lanes L and L + 8 added (exact), the B lanes beside them
+        if constexpr (NB == 1) {
             const uint8_t *xb = mskq_xblock(x, xstride, 0, i);
             const __m512i s = lanes(xb);
             const __m256i m = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(xb + 260)), mins);
             const __m256i a8 = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
-            const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(a8), m, 1);
+            // [A lanes 0-7 | B lanes 0-7] summed per half: lane 0 A, lane 8 B
+            __m512i t = _mm512_inserti64x4(_mm512_castsi256_si512(a8), m, 1);
+            t = _mm512_add_epi32(t, _mm512_shuffle_i32x4(t, t, 0xB1));
+            t = _mm512_add_epi32(t, _mm512_shuffle_epi32(t, (_MM_PERM_ENUM)0x4E));
+            t = _mm512_add_epi32(t, _mm512_shuffle_epi32(t, (_MM_PERM_ENUM)0xB1));
+            int32_t tv[16];
+            _mm512_storeu_si512((void *)tv, t);
             float dx;
             std::memcpy(&dx, xb, 4);
-            const __m512 dd = _mm512_insertf32x8(_mm512_set1_ps(d), _mm256_set1_ps(dmin), 1);
-            acc[0] = _mm512_add_ps(acc[0], _mm512_mul_ps(_mm512_cvtepi32_ps(ab), _mm512_mul_ps(_mm512_set1_ps(dx), dd)));
+            mskq_k45_float(fa1, fb1, tv[0], tv[8], d, dmin, dx);
         } else {
-            const __m512 dv = _mm512_set1_ps(d), dmv = _mm512_set1_ps(dmin);
             const __m512i mins2 = _mm512_broadcast_i64x4(mins);
             for (int jp = 0; jp < NA; jp++) {
                 const uint8_t *x0 = mskq_xblock(x, xstride, 2 * jp, i), *x1 = mskq_xblock(x, xstride, 2 * jp + 1, i);
-                const __m512i a = mskq_fold2(lanes(x0), lanes(x1)), m = mskq_bsums2(x0, x1, mins2);
-                const __m512 dx = mskq_dx2(x0, x1);
-                acc[jp] = _mm512_add_ps(acc[jp], _mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(dx, dv)));
-                accb[jp] = _mm512_add_ps(accb[jp], _mm512_mul_ps(_mm512_cvtepi32_ps(m), _mm512_mul_ps(dx, dmv)));
+                const __m512i t = mskq_totals2(lanes(x0), lanes(x1), mskq_bsums2(x0, x1, mins2));
+                acc[jp] = _mm512_add_ps(acc[jp], _mm512_mul_ps(_mm512_cvtepi32_ps(t), mskq_scales2(d, dmin, x0, x1)));
             }
         }
     }
     if (PRE && !(phase & 2)) {
-        for (int j = 0; j < NA; j++) _mm512_storeu_ps(state + 32 * j, acc[j]), _mm512_storeu_ps(state + 32 * j + 16, accb[j]);
+        if (NB == 1)
+            state[0] = fa1, state[1] = fb1;
+        else
+            for (int j = 0; j < NA; j++) _mm512_storeu_ps(state + 16 * j, acc[j]);
         return;
     }
     if constexpr (NB == 1) {
-        _mm256_storeu_ps(fa[0], _mm512_castps512_ps256(acc[0]));
-        _mm256_storeu_ps(fb[0], _mm512_extractf32x8_ps(acc[0], 1));
+        fa[0] = fa1, fb[0] = fb1;
     } else {
         for (int jp = 0; jp < NA; jp++) {
-            float a[16], m[16];
-            _mm512_storeu_ps(a, acc[jp]), _mm512_storeu_ps(m, accb[jp]);
-            std::memcpy(fa[2 * jp], a, 32), std::memcpy(fa[2 * jp + 1], a + 8, 32);
-            std::memcpy(fb[2 * jp], m, 32), std::memcpy(fb[2 * jp + 1], m + 8, 32);
+            float a[16];
+            _mm512_storeu_ps(a, acc[jp]);
+            fa[2 * jp] = a[0], fa[2 * jp + 1] = a[4], fb[2 * jp] = a[8], fb[2 * jp + 1] = a[12];
         }
     }
 #elif defined(MSKQ_AVX2)
-    __m256 aa[NB], ab[NB];
-    for (int j = 0; j < NB; j++) aa[j] = ab[j] = _mm256_setzero_ps();
+    for (int j = 0; j < NB; j++) fa[j] = fb[j] = 0.f;
     const __m256i m4 = _mm256_set1_epi8(0x0F), sixteen = _mm256_set1_epi8(16);
     const __m256i cm = _mm256_setr_epi32(MSKQ_W(0), MSKQ_W(1), MSKQ_W(2), MSKQ_W(3), MSKQ_W(4),
                                          MSKQ_W(5), MSKQ_W(6), MSKQ_W(7));
@@ -492,27 +524,22 @@ static inline void mskq_dot_k45(long n, const void *w, const void *x, long xstri
             _mm256_set1_epi64x((long long)(u[2] | (uint64_t)u[3] << 32)), cm);
         for (int j = 0; j < NB; j++) {
             const uint8_t *xb = mskq_xblock(x, xstride, j, i);
-            __m256i r[4];  // r[s0]: sub-blocks s0 and s0 + 4, per 4 weights
-            for (int s = 0; s < 8; s++) {
-                const __m256i t = _mm256_madd_epi16(
-                    _mm256_maddubs_epi16(wq[s], _mm256_loadu_si256((const __m256i *)(xb + 4 + 32 * s))), sv[s]);
-                r[s & 3] = s < 4 ? t : _mm256_add_epi32(r[s & 3], t);
-            }
-            // pairs of 4-weight sums -> the A lanes 0-7 (sub-blocks 0, 2 (+4)) and 8-15 (1, 3)
-            const __m256i a0 = _mm256_hadd_epi32(r[0], r[2]);
-            const __m256i a1 = _mm256_hadd_epi32(r[1], r[3]);
+            __m256i r = _mm256_setzero_si256();
+            for (int s = 0; s < 8; s++)
+                r = _mm256_add_epi32(r, _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(wq[s], _mm256_loadu_si256((const __m256i *)(xb + 4 + 32 * s))), sv[s]));
             const __m256i m = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(xb + 260)), mins);
+            // [A lanes | B lanes] summed per 128-bit half pair: A total in lane 0, B in lane 4
+            __m256i t = _mm256_hadd_epi32(r, m);        // [r01 r23 m01 m23 | r45 r67 m45 m67]
+            t = _mm256_hadd_epi32(t, t);                // [r0-3 m0-3 . . | r4-7 m4-7 . .]
+            t = _mm256_add_epi32(t, _mm256_permute2x128_si256(t, t, 1));
             float dx;
             std::memcpy(&dx, xb, 4);
-            const __m256i a8 = _mm256_add_epi32(a0, a1);  // A lanes L and L + 8
-            aa[j] = _mm256_add_ps(aa[j], _mm256_mul_ps(_mm256_cvtepi32_ps(a8), _mm256_set1_ps(d * dx)));
-            ab[j] = _mm256_add_ps(ab[j], _mm256_mul_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(dmin * dx)));
+            mskq_k45_float(fa[j], fb[j], _mm256_extract_epi32(t, 0), _mm256_extract_epi32(t, 1), d, dmin, dx);
         }
     }
-    for (int j = 0; j < NB; j++) _mm256_storeu_ps(fa[j], aa[j]), _mm256_storeu_ps(fb[j], ab[j]);
 #else
-    for (int j = 0; j < NB; j++)
-        for (int l = 0; l < 8; l++) fa[j][l] = fb[j][l] = 0.f;
+    for (int j = 0; j < NB; j++) fa[j] = fb[j] = 0.f;
     for (long i = 0; i < nb; i++, b += bytes) {
         uint32_t u[4];
         mskq_scales(b + 4, u);
@@ -534,19 +561,15 @@ static inline void mskq_dot_k45(long n, const void *w, const void *x, long xstri
             std::memcpy(bs, xb + 260, 32);
             int32_t dot[8][4];  // sub-block, 8 weights
             mskq_dot8(q, xq, &dot[0][0]);
-            const float dx = mskq_dx(x, xstride, j, i), da = d * dx, dm = dmin * dx;
-            int32_t a[16], m[8];
-            for (int s0 = 0; s0 < 4; s0++)
-                for (int o = 0; o < 4; o++)
-                    a[mskq_lane45(s0, o)] = (int32_t)mskq_byte(u, s0) * dot[s0][o] +
-                                            (int32_t)mskq_byte(u, s0 + 4) * dot[s0 + 4][o];
-            for (int t = 0; t < 8; t++) m[t] = (int32_t)mskq_byte(u, 8 + t) * (bs[2 * t] + bs[2 * t + 1]);
-            for (int l = 0; l < 8; l++) fa[j][l] = fa[j][l] + (float)(a[l] + a[l + 8]) * da;
-            for (int l = 0; l < 8; l++) fb[j][l] = fb[j][l] + (float)m[l] * dm;
+            int32_t A = 0, B = 0;
+            for (int s = 0; s < 8; s++)
+                A += (int32_t)mskq_byte(u, s) * ((dot[s][0] + dot[s][1]) + (dot[s][2] + dot[s][3]));
+            for (int t = 0; t < 8; t++) B += (int32_t)mskq_byte(u, 8 + t) * (bs[2 * t] + bs[2 * t + 1]);
+            mskq_k45_float(fa[j], fb[j], A, B, d, dmin, mskq_dx(x, xstride, j, i));
         }
     }
 #endif
-    for (int j = 0; j < NB; j++) y[j * ystride] = mskq_tree8(fa[j]) - mskq_tree8(fb[j]);
+    for (int j = 0; j < NB; j++) y[j * ystride] = fa[j] - fb[j];
 }
 
 template <int NB>
