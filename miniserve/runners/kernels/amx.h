@@ -33,7 +33,7 @@
 #include <cstdlib>
 #include <vector>
 
-static const long AMX_BLOCK = 8 * 512 + 4 * 64 + 64;  // a group's bytes per super-block
+static const long AMX_BLOCK = 4 * 1024 + 4 * 64 + 64;  // a group's bytes per super-block
 
 // 0: off (MINISERVE_AMX=0 or ms_amx(0)); 1: on where the kernel grants the tiles
 static std::atomic<int> amx_switch{-1};
@@ -65,15 +65,14 @@ struct alignas(64) AmxConfig {
 static void amx_configure() {
     AmxConfig c = {};
     c.palette = 1;
-    for (int t = 0; t < 4; t++) c.rows[t] = 16, c.colsb[t] = 64;  // C: 16 x 16 int32
-    for (int t = 4; t < 6; t++) c.rows[t] = 16, c.colsb[t] = 32;  // A: 16 weight rows x 32 u8
-    for (int t = 6; t < 8; t++) c.rows[t] = 8, c.colsb[t] = 64;   // B: 8 x (16 rows x 4 s8)
-    _tile_loadconfig(&c);
+    for (int t = 0; t < 8; t++) c.rows[t] = 16, c.colsb[t] = 64;  // C: 16 x 16 int32; A: 16 x 64
+    _tile_loadconfig(&c);                                          // u8; B: 16 x (16 rows x 4 s8)
 }
 
 // Group g (activation rows 16g .. 16g + 16 of B; ms_a8k blocks, xs bytes a row) laid out for
-// the tiles: per super-block, the 8 sub-blocks' B tiles, the sub-block sums as int16 pairs
-// (sub-blocks 2p, 2p + 1: 16 int32 lanes for p = 0..3), the 16 rows' scales.
+// the tiles: per super-block, its 4 B tiles (64 activations each: row kk, activation row n,
+// byte t holds element 4kk + t), the sub-block sums as int16 pairs (sub-blocks 2p, 2p + 1:
+// 16 int32 lanes for p = 0..3), then the 16 rows' scales.
 static void amx_k45_group(const char *xq, long xs, long B, long nb, long g, char *out) {
     for (long i = 0; i < nb; i++) {
         char *o = out + (g * nb + i) * AMX_BLOCK;
@@ -82,19 +81,16 @@ static void amx_k45_group(const char *xq, long xs, long B, long nb, long g, char
         for (long n = 0; n < 16; n++) {
             const long b = g * 16 + n;
             if (b >= B) {
-                for (int s = 0; s < 8; s++)
-                    for (int kk = 0; kk < 8; kk++) std::memset(o + s * 512 + kk * 64 + n * 4, 0, 4);
+                for (int kk = 0; kk < 64; kk++) std::memset(o + kk * 64 + n * 4, 0, 4);
                 for (int p = 0; p < 4; p++) bsp[p * 16 + n] = 0;
                 dxv[n] = 0.f;
                 continue;
             }
             const uint8_t *xb = (const uint8_t *)(xq + b * xs + i * (long)sizeof(ms_a8k));
-            const uint8_t *qs = xb + 4;
-            for (int s = 0; s < 8; s++)
-                for (int kk = 0; kk < 8; kk++) std::memcpy(o + s * 512 + kk * 64 + n * 4, qs + 32 * s + 4 * kk, 4);
+            for (int kk = 0; kk < 64; kk++) std::memcpy(o + kk * 64 + n * 4, xb + 4 + 4 * kk, 4);
             int16_t bs[16];
             std::memcpy(bs, xb + 260, 32);
-            for (int p = 0; p < 4; p++) {
+            for (int p = 0; p < 4; p++) {  // each sum < 2^15 (32 x 128)
                 const int16_t lo = (int16_t)(bs[4 * p] + bs[4 * p + 1]), hi = (int16_t)(bs[4 * p + 2] + bs[4 * p + 3]);
                 bsp[p * 16 + n] = (int32_t)((uint32_t)(uint16_t)lo | (uint32_t)(uint16_t)hi << 16);
             }
@@ -103,87 +99,112 @@ static void amx_k45_group(const char *xq, long xs, long B, long nb, long g, char
     }
 }
 
+// A weight row's super-block for the tiles (512 bytes): the 256 quants times the low part of
+// their sub-block's 6-bit scale (sc & 15 for Q4_K, whose quants are < 16; sc & 7 for Q5_K's
+// < 32: each product < 256), then times the high part (sc >> 4, sc >> 3) -- so that one tile
+// product over the whole super-block gives each part's sum, A = lo + (hi << 4 or 3), exactly
+// kquants.h's integer; the mins as int16 pairs (4 int32: sub-blocks 2p, 2p + 1), d and dmin.
+template <bool HI>
+static inline void amx_unpack_k45(const uint8_t *b, uint8_t *o, int32_t *mins, float *dd) {
+    mskq_u45 u;
+    mskq_unpack45<HI>(b, u);
+    uint32_t uu[4];
+    mskq_scales(b + 4, uu);
+    const int shift = HI ? 3 : 4, low = (1 << shift) - 1;
+    for (int k = 0; k < 4; k++) {  // wk[k]: sub-blocks 2k (bytes 0-31) and 2k + 1 (32-63)
+        const int s0 = mskq_byte(uu, 2 * k), s1 = mskq_byte(uu, 2 * k + 1);
+        const __m512i q = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(u.wk[k]));
+        const __m512i q1 = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(u.wk[k], 1));
+        const __m512i lo = _mm512_set1_epi16((short)(s0 & low)), lo1 = _mm512_set1_epi16((short)(s1 & low));
+        const __m512i hi = _mm512_set1_epi16((short)(s0 >> shift)), hi1 = _mm512_set1_epi16((short)(s1 >> shift));
+        _mm256_storeu_si256((__m256i *)(o + 64 * k), _mm512_cvtepi16_epi8(_mm512_mullo_epi16(q, lo)));
+        _mm256_storeu_si256((__m256i *)(o + 64 * k + 32), _mm512_cvtepi16_epi8(_mm512_mullo_epi16(q1, lo1)));
+        _mm256_storeu_si256((__m256i *)(o + 256 + 64 * k), _mm512_cvtepi16_epi8(_mm512_mullo_epi16(q, hi)));
+        _mm256_storeu_si256((__m256i *)(o + 256 + 64 * k + 32), _mm512_cvtepi16_epi8(_mm512_mullo_epi16(q1, hi1)));
+    }
+    for (int p = 0; p < 4; p++) mins[p] = (int32_t)(mskq_byte(uu, 8 + 2 * p) | (uint32_t)mskq_byte(uu, 9 + 2 * p) << 16);
+    dd[0] = u.d, dd[1] = u.dmin;
+}
+
 // Weight rows [r0, r1) of a Q4_K (HI false) or Q5_K matrix against the laid-out activations
 // (`acts`, B rows), into y[b * ldy + r].
 template <bool HI>
 static void amx_k45_rows(const char *w, long wrow, const char *acts, long B, long nb, float *y,
                          long ldy, long r0, long r1) {
     static thread_local std::vector<uint8_t> abuf;
-    static thread_local std::vector<uint8_t> scales;  // per row and block: sc[8], m[8]
-    static thread_local std::vector<float> dd;         // per row and block: d, dmin
-    const long arow = nb * 256;
-    if ((long)abuf.size() < 16 * arow) abuf.resize(16 * arow);
-    if ((long)scales.size() < 16 * nb * 16) scales.resize(16 * nb * 16);
+    static thread_local std::vector<float> dd;  // per row and block: d, dmin
+    static thread_local std::vector<int32_t> mins;  // per row and block: 4 pairs
+    const long arow = nb * 512, shift = HI ? 3 : 4;
+    if ((long)abuf.size() < 16 * arow + 64) abuf.resize(16 * arow + 64);
     if ((long)dd.size() < 16 * nb * 2) dd.resize(16 * nb * 2);
+    if ((long)mins.size() < 16 * nb * 4) mins.resize(16 * nb * 4);
+    uint8_t *ab = abuf.data() + (64 - (uintptr_t)abuf.data() % 64) % 64;
     const long groups = (B + 15) / 16;
     amx_configure();
-    alignas(64) int32_t cbuf[8][16][16];
+    alignas(64) int32_t cbuf[2][16][16];
     for (long c0 = r0; c0 < r1; c0 += 16) {
         const long rows = std::min(16L, r1 - c0);
-        for (long m = 0; m < 16; m++) {  // unpack: bytes 0..31 by sub-block, the scales apart
-            uint8_t *a = abuf.data() + m * arow;
+        for (long m = 0; m < 16; m++) {
+            uint8_t *a = ab + m * arow;
             if (m >= rows) {
                 std::memset(a, 0, arow);
-                std::memset(scales.data() + m * nb * 16, 0, nb * 16);
-                for (long i = 0; i < nb; i++) dd[(m * nb + i) * 2] = dd[(m * nb + i) * 2 + 1] = 0.f;
+                for (long i = 0; i < 2 * nb; i++) dd[m * nb * 2 + i] = 0.f;
+                for (long i = 0; i < 4 * nb; i++) mins[m * nb * 4 + i] = 0;
                 continue;
             }
             const uint8_t *b = (const uint8_t *)(w + (c0 + m) * wrow);
-            for (long i = 0; i < nb; i++, b += HI ? 176 : 144) {
-                mskq_u45 u;
-                mskq_unpack45<HI>(b, u);
-                for (int k = 0; k < 4; k++) _mm512_storeu_si512((void *)(a + i * 256 + 64 * k), u.wk[k]);
-                uint32_t uu[4];
-                mskq_scales(b + 4, uu);
-                uint8_t *sc = scales.data() + (m * nb + i) * 16;
-                for (int t = 0; t < 16; t++) sc[t] = mskq_byte(uu, t);
-                dd[(m * nb + i) * 2] = u.d, dd[(m * nb + i) * 2 + 1] = u.dmin;
-            }
+#ifdef AMX_SKIP_UNPACK
+            if (c0 > r0) continue;
+#endif
+            for (long i = 0; i < nb; i++) amx_unpack_k45<HI>(b + i * (HI ? 176 : 144), a + i * 512, &mins[(m * nb + i) * 4], &dd[(m * nb + i) * 2]);
         }
         for (long g = 0; g < groups; g++) {
-            __m512 fa[16], fb[16];
-            for (int m = 0; m < 16; m++) fa[m] = fb[m] = _mm512_setzero_ps();
+            alignas(64) float fa[16][16], fb[16][16];
+            std::memset(fa, 0, sizeof(fa));
+            std::memset(fb, 0, sizeof(fb));
             for (long i = 0; i < nb; i++) {
                 const char *o = acts + (g * nb + i) * AMX_BLOCK;
-                const uint8_t *a = abuf.data() + i * 256;
-#define MS_AMX_SUB(s, c, ta, tb)                                   \
-    _tile_zero(c);                                                 \
-    _tile_loadd(ta, a + 32 * (s), arow);                           \
-    _tile_loadd(tb, o + 512 * (s), 64);                            \
-    _tile_dpbusd(c, ta, tb);
-                MS_AMX_SUB(0, 0, 4, 6) MS_AMX_SUB(1, 1, 5, 7) MS_AMX_SUB(2, 2, 4, 6) MS_AMX_SUB(3, 3, 5, 7)
+                const uint8_t *a = ab + i * 512;
+#ifdef AMX_SKIP_TILES
+                if (i >= 0) goto post;
+#endif
+                _tile_zero(0);
+                _tile_zero(1);
+#define MS_AMX_K(c, tb)                              \
+    _tile_loadd(tb, o + 1024 * (c), 64);             \
+    _tile_loadd(3, a + 64 * (c), arow);              \
+    _tile_dpbusd(0, 3, tb);                          \
+    _tile_loadd(4, a + 256 + 64 * (c), arow);        \
+    _tile_dpbusd(1, 4, tb);
+                MS_AMX_K(0, 6) MS_AMX_K(1, 7) MS_AMX_K(2, 6) MS_AMX_K(3, 7)
+#undef MS_AMX_K
                 _tile_stored(0, cbuf[0], 64);
                 _tile_stored(1, cbuf[1], 64);
-                _tile_stored(2, cbuf[2], 64);
-                _tile_stored(3, cbuf[3], 64);
-                MS_AMX_SUB(4, 0, 4, 6) MS_AMX_SUB(5, 1, 5, 7) MS_AMX_SUB(6, 2, 4, 6) MS_AMX_SUB(7, 3, 5, 7)
-                _tile_stored(0, cbuf[4], 64);
-                _tile_stored(1, cbuf[5], 64);
-                _tile_stored(2, cbuf[6], 64);
-                _tile_stored(3, cbuf[7], 64);
-#undef MS_AMX_SUB
+#ifdef AMX_SKIP_TILES
+            post:
+#endif
+                ;
                 const __m512i *bsp = (const __m512i *)(o + 4096);
                 const __m512 dxv = _mm512_loadu_ps((const float *)(o + 4096 + 256));
+                const float *di = &dd[i * 2];
+#ifdef AMX_SKIP_POST
+                continue;
+#endif
                 for (int m = 0; m < 16; m++) {
-                    const uint8_t *sc = scales.data() + (m * nb + i) * 16;
-                    __m512i A = _mm512_setzero_si512(), Bm = _mm512_setzero_si512();
-                    for (int s = 0; s < 8; s++)
-                        A = _mm512_add_epi32(A, _mm512_mullo_epi32(_mm512_load_si512((const void *)cbuf[s][m]),
-                                                                   _mm512_set1_epi32(sc[s])));
+                    const __m512i A = _mm512_add_epi32(_mm512_load_si512((const void *)cbuf[0][m]),
+                                                       _mm512_slli_epi32(_mm512_load_si512((const void *)cbuf[1][m]), (unsigned)shift));
+                    const int32_t *mn = &mins[(m * nb + i) * 4];
+                    __m512i Bm = _mm512_setzero_si512();
                     for (int p = 0; p < 4; p++)
-                        Bm = _mm512_dpwssd_epi32(Bm, _mm512_load_si512((const void *)(bsp + p)),
-                                                 _mm512_set1_epi32((int)(sc[8 + 2 * p] | (uint32_t)sc[9 + 2 * p] << 16)));
-                    const float d = dd[(m * nb + i) * 2], dmin = dd[(m * nb + i) * 2 + 1];
+                        Bm = _mm512_dpwssd_epi32(Bm, _mm512_load_si512((const void *)(bsp + p)), _mm512_set1_epi32(mn[p]));
+                    const float d = di[m * nb * 2], dmin = di[m * nb * 2 + 1];
                     // mskq_k45_float, 16 activation rows at once
-                    fa[m] = _mm512_add_ps(fa[m], _mm512_mul_ps(_mm512_cvtepi32_ps(A), _mm512_mul_ps(_mm512_set1_ps(d), dxv)));
-                    fb[m] = _mm512_add_ps(fb[m], _mm512_mul_ps(_mm512_cvtepi32_ps(Bm), _mm512_mul_ps(_mm512_set1_ps(dmin), dxv)));
+                    _mm512_store_ps(fa[m], _mm512_add_ps(_mm512_load_ps(fa[m]), _mm512_mul_ps(_mm512_cvtepi32_ps(A), _mm512_mul_ps(_mm512_set1_ps(d), dxv))));
+                    _mm512_store_ps(fb[m], _mm512_add_ps(_mm512_load_ps(fb[m]), _mm512_mul_ps(_mm512_cvtepi32_ps(Bm), _mm512_mul_ps(_mm512_set1_ps(dmin), dxv))));
                 }
             }
-            for (int m = 0; m < rows; m++) {
-                float out[16];
-                _mm512_storeu_ps(out, _mm512_sub_ps(fa[m], fb[m]));
-                for (long n = 0; n < 16 && g * 16 + n < B; n++) y[(g * 16 + n) * ldy + c0 + m] = out[n];
-            }
+            for (int m = 0; m < rows; m++)
+                for (long n = 0; n < 16 && g * 16 + n < B; n++) y[(g * 16 + n) * ldy + c0 + m] = fa[m][n] - fb[m][n];
         }
     }
     _tile_release();
