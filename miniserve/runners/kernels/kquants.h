@@ -398,27 +398,25 @@ static inline void mskq_k45_float(float &fa, float &fb, int32_t A, int32_t B, fl
 }
 
 #if defined(MSKQ_AVX512)
-// Two rows' A lanes (a: the first row's 16 in one register, a1 the second's) and B lanes (m:
-// both rows' 8, the first in lanes 0-7) -> each 128-bit lane holds one total in all four of
-// its ints: [A row 0 | A row 1 | B row 0 | B row 1]. Exact (integer sums).
+// Two rows' A lanes (a0: the first row's 16, a1 the second's) and B lanes (m: both rows' 8,
+// the first in lanes 0-7) -> each 128-bit lane holds one total in all four of its ints:
+// [A row 0 | B row 0 | A row 1 | B row 1]. Exact (integer sums).
 static inline __m512i mskq_totals2(__m512i a0, __m512i a1, __m512i m) {
     const __m512i a = mskq_fold2(a0, a1);  // A lanes L and L + 8 added: row 0 in 0-7, row 1 in 8-15
-    const __m512i u = _mm512_add_epi32(_mm512_shuffle_i32x4(a, m, 0x88), _mm512_shuffle_i32x4(a, m, 0xDD));
+    const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+    const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(4));
+    const __m512i u = _mm512_add_epi32(_mm512_permutex2var_epi32(a, lo, m), _mm512_permutex2var_epi32(a, hi, m));
     const __m512i v = _mm512_add_epi32(u, _mm512_shuffle_epi32(u, (_MM_PERM_ENUM)0x4E));
     return _mm512_add_epi32(v, _mm512_shuffle_epi32(v, (_MM_PERM_ENUM)0xB1));
 }
 
-// [d | d | dmin | dmin] x [dx0 | dx1 | dx0 | dx1], per 128-bit lane: the multipliers of
+// [d | dmin | d | dmin] (dd, per 128-bit lane) x [dx0 | dx0 | dx1 | dx1]: the multipliers of
 // mskq_totals2's lanes (each product as mskq_k45_float computes it).
-static inline __m512 mskq_scales2(float d, float dmin, const uint8_t *x0, const uint8_t *x1) {
+static inline __m512 mskq_scales2(__m512 dd, const uint8_t *x0, const uint8_t *x1) {
     float dx0, dx1;
     std::memcpy(&dx0, x0, 4);
     std::memcpy(&dx1, x1, 4);
-    const __m512 dd = _mm512_insertf32x8(_mm512_set1_ps(d), _mm256_set1_ps(dmin), 1);
-    const __m512 xx = _mm512_insertf32x8(
-        _mm512_insertf32x4(_mm512_set1_ps(dx0), _mm_set1_ps(dx1), 1),
-        _mm256_insertf128_ps(_mm256_set1_ps(dx0), _mm_set1_ps(dx1), 1), 1);
-    return _mm512_mul_ps(dd, xx);
+    return _mm512_mul_ps(dd, _mm512_insertf32x8(_mm512_set1_ps(dx0), _mm256_set1_ps(dx1), 1));
 }
 #endif
 
@@ -434,7 +432,7 @@ static inline void mskq_dot_k45(long n, const void *w, const void *x, long xstri
     float fa[NB], fb[NB];  // per row: the A and B float sums
 #if defined(MSKQ_AVX512)
     // NB == 1: the two sums as scalars; NB even: rows in pairs, one register a pair holding
-    // [fa row 0 | fa row 1 | fb row 0 | fb row 1] (each four times)
+    // [fa row 0 | fb row 0 | fa row 1 | fb row 1] (each four times)
     constexpr int NA = NB == 1 ? 1 : NB / 2;
     __m512 acc[NA];
     float fa1 = 0.f, fb1 = 0.f;
@@ -470,10 +468,11 @@ static inline void mskq_dot_k45(long n, const void *w, const void *x, long xstri
             mskq_k45_float(fa1, fb1, tv[0], tv[8], d, dmin, dx);
         } else {
             const __m512i mins2 = _mm512_broadcast_i64x4(mins);
+            const __m512 dd = _mm512_mask_blend_ps(0xF0F0, _mm512_set1_ps(d), _mm512_set1_ps(dmin));
             for (int jp = 0; jp < NA; jp++) {
                 const uint8_t *x0 = mskq_xblock(x, xstride, 2 * jp, i), *x1 = mskq_xblock(x, xstride, 2 * jp + 1, i);
                 const __m512i t = mskq_totals2(lanes(x0), lanes(x1), mskq_bsums2(x0, x1, mins2));
-                acc[jp] = _mm512_add_ps(acc[jp], _mm512_mul_ps(_mm512_cvtepi32_ps(t), mskq_scales2(d, dmin, x0, x1)));
+                acc[jp] = _mm512_add_ps(acc[jp], _mm512_mul_ps(_mm512_cvtepi32_ps(t), mskq_scales2(dd, x0, x1)));
             }
         }
     }
@@ -490,7 +489,7 @@ static inline void mskq_dot_k45(long n, const void *w, const void *x, long xstri
         for (int jp = 0; jp < NA; jp++) {
             float a[16];
             _mm512_storeu_ps(a, acc[jp]);
-            fa[2 * jp] = a[0], fa[2 * jp + 1] = a[4], fb[2 * jp] = a[8], fb[2 * jp + 1] = a[12];
+            fa[2 * jp] = a[0], fb[2 * jp] = a[4], fa[2 * jp + 1] = a[8], fb[2 * jp + 1] = a[12];
         }
     }
 #elif defined(MSKQ_AVX2)
