@@ -389,7 +389,7 @@ def run_bench(engine: Engine, config: BenchConfig, progress: Progress | None = N
         ours,
         note=note,
         runner=engine.runner_name,
-        native_isa=(native.isa() or "") if engine.runner_name == "native" else "",
+        native_isa=(native.kernels_label() or "") if engine.runner_name == "native" else "",
         cpu=cpu_model(),
     )
 
@@ -983,7 +983,7 @@ def run_concurrency(
             f"{config.new_tokens}) exceed the context ({engine.context_length})"
         )
     cpu = cpu_model()
-    isa = (native.isa() or "") if engine.runner_name == "native" else ""
+    isa = (native.kernels_label() or "") if engine.runner_name == "native" else ""
     info = engine.info()
     math = info.get("compute_dtype", "")
     weights = weights_label(engine)

@@ -396,7 +396,7 @@ class Engine(Admitting):
             "runner": self.runner_name,
             "quant": self.quant or "none",
             "compute_dtype": self.runner.math,
-            "kernels": native.isa() if self.runner_name == "native" else None,
+            "kernels": native.kernels_label() if self.runner_name == "native" else None,
             "max_batch": s.max_batch,
             "step_tokens": s.step_tokens,
             "kv_budget": s.kv_budget,

@@ -161,6 +161,12 @@ def unavailable_reason() -> str | None:
     return _reason
 
 
+def kernels_label() -> str | None:
+    """isa(), with "+amx" where Q4_K / Q5_K products of many rows run on AMX tiles."""
+    name = isa()
+    return name + "+amx" if name is not None and amx() else name
+
+
 def isa() -> str | None:
     """Which inner loops the library was compiled with: "avx512", "avx2" (with FMA) or
     "generic" (plain loops; "generic+neon" on ARM); None where there is no library."""
@@ -560,7 +566,7 @@ def kernels() -> dict:
     return {
         "aten": torch.backends.cpu.get_cpu_capability(),
         "caps": caps,
-        "native": isa() or f"off ({unavailable_reason()})",
+        "native": kernels_label() or f"off ({unavailable_reason()})",
         "native_target": build_target(),
     }
 
