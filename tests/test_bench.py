@@ -130,7 +130,9 @@ def test_concurrency_rows_are_consistent(engine, tmp_path):
         ("miniserve", p, b) for p in ("greedy", "balanced") for b in (1, 2)
     ]
     assert result.cpu == cpu_model() and result.runner == expected_runner()
-    assert result.native_isa == ((native.isa() or "") if result.runner == "native" else "")
+    assert result.native_isa == (
+        (native.kernels_label() or "") if result.runner == "native" else ""
+    )
     c = result.ceiling
     assert c["bandwidth_gb_s"] > 0 and c["gflops"] > 0 and c["method"]
     assert c["weight_bytes"] == engine.runner.weight_bytes()
