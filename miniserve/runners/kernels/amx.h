@@ -4,19 +4,21 @@
 // kquants.h computes, per super-block and activation row, two exact integers -- A = sum over
 // sub-blocks s of sc[s] * (q . xq over s), B = sum over s of m[s] * (xq's sum over s) -- and
 // then, in float, fa += (float)A * (d * dx), fb += (float)B * (dmin * dx), y = fa - fb
-// (mskq_k45_float). Here the same integers come from the tiles: for 16 weight rows x 16
-// activation rows, one tdpbusd a sub-block (u8 weights x s8 activations, 32 of each: the
-// sub-block's dot products for all 256 pairs), each pair's sum times its row's 6-bit scale
-// and added (vpmulld); B by vpdpwssd of the mins against the activations' sub-block sums. The
-// float steps are mskq_k45_float's, 16 activation rows a vector. Integer sums are exact
-// whichever way they are grouped, so a row's result is the one the AVX-512, AVX2 and plain
-// loops give (tests/test_stored.py compares them in one process: ms_amx switches this off).
+// (mskq_k45_float). Here the same integers come from the tiles, for 16 weight rows x 16
+// activation rows at a time: each weight row's super-block is unpacked to bytes with its
+// sub-block's 6-bit scale folded in, in two parts that keep every byte below 256 (Q4_K:
+// q * (sc & 15) and q * (sc >> 4); Q5_K: & 7 and >> 3), so that 4 tdpbusd of 64 (u8 weights x
+// s8 activations) a part give A = low + (high << 4 or 3); B by vpdpwssd of the mins against
+// the activations' sub-block sums. The float steps are mskq_k45_float's, 16 activation rows a
+// vector. Integer sums are exact whichever way they are grouped, so a row's result is the one
+// the AVX-512, AVX2 and plain loops give (tests/test_stored.py compares them in one process:
+// ms_amx switches this off).
 //
-// Activation rows are laid out once per product (amx_k45_acts: per 16 rows and super-block,
-// 8 tiles of 8 x 64 bytes in the order tdpbusd reads them, the sub-block sums as int16 pairs,
-// the 16 scales); a thread's weight rows, 16 at a time, are unpacked to bytes 0..31 and meet
-// every group of 16 activation rows. A group short of 16 rows is padded with zeros, a chunk
-// short of 16 weight rows likewise; their results are not written.
+// Activation rows are laid out once per product (amx_k45_group: per 16 rows and super-block,
+// 4 B tiles of 16 x 64 bytes in the order tdpbusd reads them, the sub-block sums as int16
+// pairs, the 16 scales); a thread's weight rows, 16 at a time, are unpacked (amx_unpack_k45)
+// and meet every group of 16 activation rows. A group short of 16 rows is padded with zeros, a
+// chunk short of 16 weight rows likewise; their results are not written.
 //
 // Linux only: the process asks the kernel for the tiles' state once (arch_prctl
 // ARCH_REQ_XCOMP_PERM); where that fails, or MINISERVE_AMX=0, the AVX-512 loops run.
@@ -153,9 +155,6 @@ static void amx_k45_rows(const char *w, long wrow, const char *acts, long B, lon
                 continue;
             }
             const uint8_t *b = (const uint8_t *)(w + (c0 + m) * wrow);
-#ifdef AMX_SKIP_UNPACK
-            if (c0 > r0) continue;
-#endif
             for (long i = 0; i < nb; i++) amx_unpack_k45<HI>(b + i * (HI ? 176 : 144), a + i * 512, &mins[(m * nb + i) * 4], &dd[(m * nb + i) * 2]);
         }
         for (long g = 0; g < groups; g++) {
@@ -165,9 +164,6 @@ static void amx_k45_rows(const char *w, long wrow, const char *acts, long B, lon
             for (long i = 0; i < nb; i++) {
                 const char *o = acts + (g * nb + i) * AMX_BLOCK;
                 const uint8_t *a = ab + i * 512;
-#ifdef AMX_SKIP_TILES
-                if (i >= 0) goto post;
-#endif
                 _tile_zero(0);
                 _tile_zero(1);
 #define MS_AMX_K(c, tb)                              \
@@ -180,16 +176,9 @@ static void amx_k45_rows(const char *w, long wrow, const char *acts, long B, lon
 #undef MS_AMX_K
                 _tile_stored(0, cbuf[0], 64);
                 _tile_stored(1, cbuf[1], 64);
-#ifdef AMX_SKIP_TILES
-            post:
-#endif
-                ;
                 const __m512i *bsp = (const __m512i *)(o + 4096);
                 const __m512 dxv = _mm512_loadu_ps((const float *)(o + 4096 + 256));
                 const float *di = &dd[i * 2];
-#ifdef AMX_SKIP_POST
-                continue;
-#endif
                 for (int m = 0; m < 16; m++) {
                     const __m512i A = _mm512_add_epi32(_mm512_load_si512((const void *)cbuf[0][m]),
                                                        _mm512_slli_epi32(_mm512_load_si512((const void *)cbuf[1][m]), (unsigned)shift));
