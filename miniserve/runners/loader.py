@@ -475,14 +475,26 @@ def _load_stored(source: str | None, path: Path, progress: Progress | None) -> L
     )
 
 
+# What a cached tokenizer was built by (_gguf_tokenizer): part of its cache folder's name, raised
+# whenever the build changes, so an entry built before is never read back. 2: NFC for the
+# pre-tokenizers in NFC_PRE_TOKENIZERS (before it, a qwen2 file's cached tokenizer had none).
+TOKENIZER_BUILD = 2
+# The GGUF pre-tokenizers (tokenizer.ggml.pre) whose family's own tokenizer composes the text to
+# NFC first: Qwen's tokenizer.json, and transformers' Qwen2Tokenizer and Qwen3_5Tokenizer.
+# transformers' GGUF converter builds these files a GPT-2 tokenizer, which has no normalizer:
+# a decomposed accent ("e" + U+0301) then gets other ids than Qwen's tokenizer gives it
+# (tests/test_tokenizer_qwen3.py).
+NFC_PRE_TOKENIZERS = frozenset({"qwen2", "qwen35"})
+
+
 def _stored_tokenizer(path: Path, weights, progress: Progress | None):
     """The file's tokenizer, built by transformers from its header once (seconds for a large
-    vocabulary) and kept in the cache folder under the header's hash. Read back by the class
-    that wrote it (_gguf_tokenizer's), not AutoTokenizer, whose import of transformers' model
-    registry is ~0.3 s of every start."""
+    vocabulary) and kept in the cache folder under the header's hash and TOKENIZER_BUILD. Read
+    back by the class that wrote it (_gguf_tokenizer's), not AutoTokenizer, whose import of
+    transformers' model registry is ~0.3 s of every start."""
     from transformers import PreTrainedTokenizerFast
 
-    folder = cache_root() / "tokenizers" / f"{path.stem}-{weights.header_key()}"
+    folder = cache_root() / "tokenizers" / f"{path.stem}-{weights.header_key()}-b{TOKENIZER_BUILD}"
     if (folder / "tokenizer_config.json").is_file():
         try:
             return PreTrainedTokenizerFast.from_pretrained(str(folder))
@@ -509,7 +521,11 @@ def _gguf_tokenizer(path: Path):
     """The tokenizer transformers builds from a GGUF, without what AutoTokenizer does first:
     it reads the whole file's metadata with the gguf package's reader to make a model config
     (~10x the time of the tokenizer itself: 33 s against 3 s for a 49k vocabulary, measured on
-    a busy 2-core machine). The same class, ids and chat template (tests/test_stored.py)."""
+    a busy 2-core machine). The same class, ids and chat template as transformers' own GGUF
+    load (tests/test_stored.py), but for the pre-tokenizers in NFC_PRE_TOKENIZERS with the
+    family's NFC normalizer, which that load lacks: a Qwen file gives the ids Qwen's
+    tokenizer.json gives (tests/test_tokenizer_qwen3.py)."""
+    from tokenizers import normalizers
     from transformers import PreTrainedTokenizerFast
     from transformers.integrations.gguf.gguf_tokenizer_mapping import (
         convert_gguf_tokenizer,
@@ -518,6 +534,8 @@ def _gguf_tokenizer(path: Path):
 
     architecture, vocabulary, config = get_gguf_tokenizer(str(path))
     backend, extra = convert_gguf_tokenizer(architecture, vocabulary)
+    if vocabulary.get("pre_tokenizer_type") in NFC_PRE_TOKENIZERS and backend.normalizer is None:
+        backend.normalizer = normalizers.NFC()
     return PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra)
 
 
