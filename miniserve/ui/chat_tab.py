@@ -24,7 +24,6 @@ from miniserve.ui.common import (
     Reading,
     Sessions,
     error,
-    is_error,
     message_text,
     user_message,
 )
@@ -83,13 +82,13 @@ class ChatHandlers:
 
     def _show(self, browser, view, status, query="") -> Shown:
         """The view as it is, or a new chat when its conversation is gone (deleted in another
-        tab): never an exception out of a handler."""
-        try:
-            return self.conversations.show(browser, view, status, query)
-        except StoreError as e:
-            return self.conversations.show(
-                browser, new_view(), status if is_error(status) else error(str(e)), query
-            )
+        tab), or the status alone: never an exception out of a handler (show_safely)."""
+        return self.conversations.show_safely(browser, view, status, query)
+
+    def _start(self, browser, request) -> dict:
+        """The browser's state with its owner id, given here on a first visit whose page has
+        not run its load handler yet (a message sent at once): Conversations.start."""
+        return self.conversations.start(browser, request)
 
     def _respond(
         self,
@@ -119,6 +118,7 @@ class ChatHandlers:
         Yields SHOWN values + (message box, inspector HTML); on an error the conversation as
         it was, the typed message kept in the box, and the error as the status."""
         box = text if text is not None else gr.update()
+        browser = self._start(browser, request)
         try:
             owner = owner_of(browser)
             params = params_from(settings, seed, *output)
@@ -200,7 +200,7 @@ class ChatHandlers:
                 format_note(params.constraint, stats.finish_reason),
             )
             note = " · ".join(n for n in notes if n)
-            final = self.conversations.show(
+            final = self._show(
                 browser,
                 new_view(cid, reply.id, reply.id if focus_new and text is None else view["focus"]),
                 chat_status(stats, last.dropped_messages, note),
@@ -268,6 +268,7 @@ class ChatHandlers:
     ):
         """Send: the message goes under the leaf this tab shows."""
         settings = [temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens]
+        browser = self._start(browser, request)
         if not (message or "").strip():
             yield (
                 *self._show(
@@ -317,6 +318,7 @@ class ChatHandlers:
         """An edited user message: a new version of it (a branch; the old one is kept) and a
         reply to it."""
         settings = [temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens]
+        browser = self._start(browser, request)
         try:
             path = self.conversations.path(owner_of(browser), view)
         except StoreError as e:
@@ -377,6 +379,7 @@ class ChatHandlers:
     ):
         """A new version of the last reply (a branch; the old reply is kept)."""
         settings = [temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens]
+        browser = self._start(browser, request)
         try:
             path = self.conversations.path(owner_of(browser), view)
         except StoreError as e:
@@ -410,8 +413,9 @@ class ChatHandlers:
     def stop(self, request: gr.Request | None = None) -> None:
         self.sessions.stop(request)
 
-    def undo(self, browser, view, query=""):
+    def undo(self, browser, view, query="", request: gr.Request | None = None):
         """Take back the last turn of this branch: SHOWN values + its message back in the box."""
+        browser = self._start(browser, request)
         try:
             if not view.get("leaf"):
                 return (*self._show(browser, view, "nothing to undo", query), "")
@@ -428,12 +432,16 @@ class ChatHandlers:
             text,
         )
 
-    def clear(self, browser, query=""):
+    def clear(self, browser, query="", request: gr.Request | None = None):
         """A new chat (the old one stays in the list): SHOWN values, message box, inspector."""
-        return (*self.conversations.show(browser, new_view(), "new chat", query), "", "")
+        browser = self._start(browser, request)
+        return (*self._show(browser, new_view(), "new chat", query), "", "")
 
-    def choose(self, browser, view, query, chosen: gr.SelectData):
+    def choose(
+        self, browser, view, query, chosen: gr.SelectData, request: gr.Request | None = None
+    ):
         """A click on a message: ‹ › will step through its versions (when it has some)."""
+        browser = self._start(browser, request)
         try:
             path = self.conversations.path(owner_of(browser), view)
         except StoreError as e:
@@ -442,8 +450,9 @@ class ChatHandlers:
         focus = path[index].id if isinstance(index, int) and 0 <= index < len(path) else None
         return self._show(browser, {**view, "focus": focus}, "", query)
 
-    def step(self, browser, view, query, step: int):
+    def step(self, browser, view, query, step: int, request: gr.Request | None = None):
         """Show the previous (-1) or next (+1) version of the focused message."""
+        browser = self._start(browser, request)
         try:
             owner = owner_of(browser)
             shown = self.conversations.show(browser, view, "", query)
@@ -461,11 +470,11 @@ class ChatHandlers:
         except StoreError as e:
             return self._show(browser, view, error(str(e)), query)
 
-    def previous_version(self, browser, view, query=""):
-        return self.step(browser, view, query, -1)
+    def previous_version(self, browser, view, query="", request: gr.Request | None = None):
+        return self.step(browser, view, query, -1, request)
 
-    def next_version(self, browser, view, query=""):
-        return self.step(browser, view, query, +1)
+    def next_version(self, browser, view, query="", request: gr.Request | None = None):
+        return self.step(browser, view, query, +1, request)
 
     def apply_preset(self, name) -> list:
         """The sliders' values (FIELDS order) of a preset."""
@@ -595,7 +604,9 @@ class ChatTab(NamedTuple):
 
     def on_load(self, demo: gr.Blocks) -> None:
         """On page load: the browser's owner id (new on a first visit), the list, and the
-        conversation it had open before a reload or a restart, on its model."""
-        loaded = demo.load(self.sidebar.load, [self.browser, self.query], self.shown)
+        conversation it had open before a reload or a restart, on its model. The tab's view
+        goes in too: a message sent before the load ran has opened a conversation already."""
+        view = self.shown[SHOWN.index("view")]
+        loaded = demo.load(self.sidebar.load, [self.browser, self.query, view], self.shown)
         loaded.then(self.sidebar.info, None, self.info)
         loaded.then(**self.follow_saved)

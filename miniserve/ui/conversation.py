@@ -10,24 +10,36 @@ Two values say where a browser is:
   under *its* leaf: when another tab has moved on meanwhile, the turn becomes a branch where
   the two views diverged, and nothing is overwritten.
 
+A first visit has no owner id until one of its page's events gives it one (`start`): the
+page's load handler normally, but a message sent while the page is still loading reaches the
+server first. Every handler that takes `browser` starts with `start`; the id it gives is kept
+for the page's session, so whichever event runs first creates it and the others get the same.
+
 Every handler that shows a conversation returns `Shown`, the same eight values in the order
-of `SHOWN` (the components they go to, named in build_chat_tab).
+of `SHOWN` (the components they go to, named in build_chat_tab). `show_safely` is what an
+error path shows: it never raises.
 """
 
 from __future__ import annotations
 
 import re
+import threading
 import time
 import uuid
+from collections import OrderedDict
 from typing import NamedTuple
 
 import gradio as gr
 
-from miniserve.store.store import Message, NotFound, Store
+from miniserve.store.store import Message, NotFound, Store, StoreError
+from miniserve.ui.common import error, is_error
 
 SHOWN = ("browser", "view", "chatbot", "conversations", "title", "system", "branches", "status")
 BRANCH_MARK = re.compile(r"\s*‹ \d+/\d+ ›\s*$")
 LIST_LIMIT = 1000  # the sidebar lists the newest this many; Search finds any
+# The owner ids given to first visits, by Gradio session (one page), kept for the newest this
+# many: only needed until the page has stored its id, a moment after its first event ends.
+FIRST_VISITS = 4096
 
 
 class Shown(NamedTuple):
@@ -46,8 +58,8 @@ def new_view(cid: str | None = None, leaf: str | None = None, focus: str | None 
 
 
 def owner_of(browser) -> str:
-    """The browser's owner id; a browser without one (its first visit) is given one by
-    `Conversations.start`, before any handler that reads it runs."""
+    """The browser's owner id. Raises NotFound for a browser without one (its first visit):
+    handlers give it one first (`Conversations.start`)."""
     owner = (browser or {}).get("owner")
     if not isinstance(owner, str) or not re.fullmatch(r"[0-9a-f]{32}", owner):
         raise NotFound("this browser has no history id yet; reload the page")
@@ -71,15 +83,31 @@ class Conversations:
 
     def __init__(self, store: Store):
         self.store = store
+        self._lock = threading.Lock()  # handlers of many sessions run on Gradio's threads
+        self._first_visits: OrderedDict[str, str] = OrderedDict()  # session -> owner id
 
-    def start(self, browser) -> dict:
-        """The browser's state with an owner id (a new random one on its first visit)."""
+    def start(self, browser, request=None) -> dict:
+        """The browser's state with an owner id: its own, or on its first visit a new random
+        one. `request` (Gradio's) names the page: every event of one page that comes without
+        an id gets the same new one, whichever runs first (the load handler, or a message
+        sent before it ran), so what the first event saves is the browser's. Without a
+        request (a handler called directly), a new one each time."""
         browser = dict(browser or {})
         try:
             owner_of(browser)
+            return browser
         except NotFound:
-            browser = {"owner": uuid.uuid4().hex, "open": None}
-        return browser
+            pass
+        session = getattr(request, "session_hash", None)
+        with self._lock:
+            owner = self._first_visits.get(session) if session else None
+            if owner is None:
+                owner = uuid.uuid4().hex
+                if session:
+                    self._first_visits[session] = owner
+                    while len(self._first_visits) > FIRST_VISITS:
+                        self._first_visits.popitem(last=False)
+        return {"owner": owner, "open": None}
 
     def choices(self, owner: str, query: str = "") -> list[tuple[str, str]]:
         return [
@@ -136,6 +164,22 @@ class Conversations:
             self.branch_line(path, branches, focus),
             status,
         )
+
+    def show_safely(self, browser, view, status: str = "", query: str = "") -> Shown:
+        """What an error path shows: `show`, or a new chat when the view's conversation is
+        gone (deleted in another tab), or, when even that cannot be read, the status alone
+        (the rest of the page as it is). Never raises: a handler's error stays a message."""
+        try:
+            return self.show(browser, view, status, query)
+        except StoreError as e:
+            status = status if is_error(status) else error(str(e))
+        except Exception as e:  # noqa: BLE001 -- the database failing: said, not raised
+            status = status if is_error(status) else error(f"{type(e).__name__}: {e}")
+        try:
+            return self.show(browser, new_view(), status, query)
+        except Exception:  # noqa: BLE001 -- as above; the status says the first failure
+            keep = gr.update()
+            return Shown(keep, keep, keep, keep, keep, keep, keep, status)
 
     @staticmethod
     def focus(path, branches, wanted: str | None) -> str | None:

@@ -1,7 +1,9 @@
 """The Conversations sidebar of the Chat tab: New chat, the saved conversations (newest first),
 Search, Rename, Delete (with Undo), Export (JSON, Markdown, OpenAI messages) and Import.
 `SidebarHandlers` holds what its controls call; each returns `Shown` (conversation.py), plus
-a file for the exports."""
+a file for the exports. Each takes the browser's owner id from `Conversations.start` (so a
+first visit's event that comes before the page's load handler has run works as well) and
+says what went wrong in the status line, never as an exception."""
 
 from __future__ import annotations
 
@@ -34,52 +36,72 @@ class SidebarHandlers:
         self.conversations = conversations
         self.store = conversations.store
 
-    def load(self, browser, query=""):
-        """Page load: the browser's owner id (new on a first visit) and what it had open."""
-        browser = self.conversations.start(browser)
+    def load(self, browser, query="", view=None, request: gr.Request | None = None):
+        """Page load: the browser's owner id (new on a first visit) and what it had open.
+        When an event of this page ran first (a message sent while the page was loading: its
+        `view` has a conversation), that conversation stays on screen as it is: only the list
+        and the browser's state are filled in."""
+        browser = self.conversations.start(browser, request)
+        if (view or {}).get("cid"):
+            cid = view["cid"]
+            try:
+                listing = self.conversations.listing(owner_of(browser), cid, query)
+            except StoreError as e:
+                return self.conversations.show_safely(browser, view, error(str(e)), query)
+            keep = gr.update()
+            return Shown({**browser, "open": cid}, keep, keep, listing, keep, keep, keep, keep)
         cid = browser.get("open")
         if cid:
             try:
                 return self.conversations.open(browser, cid, self.info(), query)
             except StoreError:
                 pass  # deleted meanwhile, or another browser's: start empty
-        return self.conversations.show(browser, new_view(), self.info(), query)
+        return self.conversations.show_safely(browser, new_view(), self.info(), query)
 
     def info(self) -> str:
         return (f"{self.store.notice} · " if self.store.notice else "") + self.store.describe()
 
-    def _guard(self, browser, view, query, action) -> Shown:
+    def _guard(self, browser, query, action) -> Shown:
+        """`action()`, or on a StoreError a new chat with the error as its status."""
         try:
             return action()
         except StoreError as e:
-            return self.conversations.show(browser, new_view(), error(str(e)), query)
+            return self.conversations.show_safely(browser, new_view(), error(str(e)), query)
 
-    def new_chat(self, browser, query=""):
-        return self.conversations.show(browser, new_view(), "new chat", query)
+    def new_chat(self, browser, query="", request: gr.Request | None = None):
+        browser = self.conversations.start(browser, request)
+        return self.conversations.show_safely(browser, new_view(), "new chat", query)
 
-    def open(self, browser, cid, query=""):
+    def open(self, browser, cid, query="", request: gr.Request | None = None):
+        browser = self.conversations.start(browser, request)
         if not cid:
-            return self.conversations.show(browser, new_view(), "", query)
-        return self._guard(
-            browser, None, query, lambda: self.conversations.open(browser, cid, "", query)
-        )
+            return self.conversations.show_safely(browser, new_view(), "", query)
+        return self._guard(browser, query, lambda: self.conversations.open(browser, cid, "", query))
 
-    def search(self, browser, view, query):
-        owner = owner_of(browser)
-        found = self.conversations.listing(owner, view.get("cid"), query)
+    def search(self, browser, view, query, request: gr.Request | None = None):
+        """(the list's update, the line under Search)."""
+        browser = self.conversations.start(browser, request)
+        try:
+            found = self.conversations.listing(owner_of(browser), view.get("cid"), query)
+        except StoreError as e:
+            return gr.update(), error(str(e))
         n = len(found["choices"])
         return found, (f"{n} conversation{'s' * (n != 1)} match" if (query or "").strip() else "")
 
-    def rename(self, browser, view, title, query=""):
+    def rename(self, browser, view, title, query="", request: gr.Request | None = None):
+        browser = self.conversations.start(browser, request)
+
         def action():
             if not view.get("cid"):
                 raise StoreError("nothing to rename yet: send a message first")
             self.store.rename(owner_of(browser), view["cid"], title)
             return self.conversations.show(browser, view, "renamed", query)
 
-        return self._guard(browser, view, query, action)
+        return self._guard(browser, query, action)
 
-    def delete(self, browser, view, query=""):
+    def delete(self, browser, view, query="", request: gr.Request | None = None):
+        browser = self.conversations.start(browser, request)
+
         def action():
             if not view.get("cid"):
                 raise StoreError("no conversation is open")
@@ -89,16 +111,22 @@ class SidebarHandlers:
                 browser, new_view(), f"deleted “{title}” · Undo delete brings it back", query
             )
 
-        return self._guard(browser, view, query, action)
+        return self._guard(browser, query, action)
 
-    def undo_delete(self, browser, view, query=""):
-        cid = self.store.restore(owner_of(browser))
-        if cid is None:
-            return self.conversations.show(browser, view, "nothing to restore", query)
-        return self.conversations.open(browser, cid, "restored", query)
+    def undo_delete(self, browser, view, query="", request: gr.Request | None = None):
+        browser = self.conversations.start(browser, request)
 
-    def export(self, browser, view, kind):
+        def action():
+            cid = self.store.restore(owner_of(browser))
+            if cid is None:
+                return self.conversations.show(browser, view, "nothing to restore", query)
+            return self.conversations.open(browser, cid, "restored", query)
+
+        return self._guard(browser, query, action)
+
+    def export(self, browser, view, kind, request: gr.Request | None = None):
         """(a file to download or None, status)."""
+        browser = self.conversations.start(browser, request)
         try:
             if not view.get("cid"):
                 raise StoreError("nothing to export yet: open or start a conversation")
@@ -112,20 +140,25 @@ class SidebarHandlers:
         path.write_text(text, encoding="utf-8")
         return str(path), f"exported “{title}” ({path.name})"
 
-    def import_file(self, browser, view, upload, query=""):
+    def import_file(self, browser, view, upload, query="", request: gr.Request | None = None):
         """Import an uploaded file; opens the (first) imported conversation."""
+        browser = self.conversations.start(browser, request)
         try:
             if not upload:
                 raise StoreError("no file was uploaded")
             path = upload if isinstance(upload, str) else getattr(upload, "name", upload)
             ids = self.store.import_file(owner_of(browser), path)
         except (StoreError, OSError) as e:
-            return self.conversations.show(
+            return self.conversations.show_safely(
                 browser, view, error(f"import failed, nothing was imported: {e}"), query
             )
         n = len(ids)
-        return self.conversations.open(
-            browser, ids[0], f"imported {n} conversation{'s' * (n != 1)}", query
+        return self._guard(
+            browser,
+            query,
+            lambda: self.conversations.open(
+                browser, ids[0], f"imported {n} conversation{'s' * (n != 1)}", query
+            ),
         )
 
 

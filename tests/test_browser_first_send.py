@@ -1,0 +1,73 @@
+"""A first visit in a real headless Chromium: a message sent before the page's load handler has
+given the browser its history id gets its reply, and the page shows no error.
+
+The race is made certain: the load event's request is held back in the browser (Playwright
+routes Gradio's queue requests) until the message's has been answered, so the send always
+reaches the server first, on a browser without an id; the load then runs last."""
+
+import pytest
+from playwright.sync_api import expect
+
+pytestmark = pytest.mark.browser
+REPLY_TIMEOUT_MS = 120_000
+MARK = "First message before the page loaded"
+
+
+def no_error_shown(page):
+    """Neither a component's red "Error" badge nor an error toast, nor an error status."""
+    expect(page.locator("span.error, .toast-body.error")).to_have_count(0)
+    expect(page.locator("#status")).not_to_contain_text("Error")
+
+
+def test_a_message_sent_before_the_load_handler_ran_gets_its_reply(browser, app_server):
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})  # a first visit
+    try:
+        page = context.new_page()
+        held, sent = [], []
+
+        def queue_join(route):
+            """Hold every event sent before the message (the page's load event); let the
+            message and everything after it through."""
+            if not sent and MARK not in (route.request.post_data or ""):
+                held.append(route)
+                return
+            sent.append(route.request)
+            route.continue_()
+
+        page.route("**/gradio_api/queue/join*", queue_join)
+        page.goto(app_server.url)
+        box = page.get_by_label("Message", exact=True)
+        box.fill(MARK)
+        box.press("Enter")
+
+        users, bots = page.locator("[data-testid='user']"), page.locator("[data-testid='bot']")
+        listed = page.locator("#conversations").get_by_text(MARK)
+        # the message on screen, or an error: whichever comes first
+        errors = page.locator("span.error, .toast-body.error")
+        expect(users.filter(has_text=MARK).or_(errors).first).to_be_visible(
+            timeout=REPLY_TIMEOUT_MS
+        )
+        no_error_shown(page)
+        expect(page.locator("#status")).to_contain_text("tokens/s", timeout=REPLY_TIMEOUT_MS)
+        expect(bots).to_have_count(1)
+        assert bots.first.inner_text().strip(), "a reply arrived"
+        assert held, "the page's load event was held back: the message went first"
+        no_error_shown(page)
+
+        for route in held:  # now the load handler runs, last
+            route.continue_()
+        expect(page.locator("#history-info")).to_contain_text("history")
+        expect(users).to_have_count(1)  # the load kept the conversation on screen
+        expect(bots).to_have_count(1)
+        expect(listed).to_have_count(1)
+        no_error_shown(page)
+
+        # the id the message was saved under is the browser's: a reload lists and reopens it
+        page.unroute("**/gradio_api/queue/join*")
+        page.reload()
+        expect(listed).to_have_count(1)
+        expect(users.filter(has_text=MARK)).to_have_count(1)
+        expect(bots).to_have_count(1)
+        no_error_shown(page)
+    finally:
+        context.close()
