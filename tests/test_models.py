@@ -327,7 +327,7 @@ def test_model_flags_and_files_fail_in_one_line(tmp_path):
     for args, says in (
         ([str(not_gguf)], "is not a GGUF file"),
         ([str(cut)], "truncated"),
-        ([str(odd)], "architecture 'mamba9' is not supported"),
+        ([str(odd)], "architecture 'mamba9' runs neither natively"),
         (["a=default", "a=default"], "two models are named 'a'"),
         (["http://127.0.0.1:9/v1"], "127.0.0.1:9"),
     ):
@@ -360,7 +360,7 @@ def test_loader_checks_the_file_before_transformers_does(tmp_path):
     assert check_gguf(embedded_gguf()) == "llama"
     odd = tmp_path / "odd.gguf"
     write_gguf(odd, "mamba9")
-    with pytest.raises(ModelLoadError, match="architecture 'mamba9' is not supported"):
+    with pytest.raises(ModelLoadError, match="architecture 'mamba9' runs neither natively"):
         load_model(str(odd))
 
 

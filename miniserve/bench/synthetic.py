@@ -39,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
+from miniserve.core import architectures
 from miniserve.runners.loader import cache_root, embedded_gguf
 
 STD = 0.02  # the weights' standard deviation (the usual initializer range)
@@ -48,7 +49,7 @@ FILLER_TOKEN = "<|synthetic_filler_{}|>"
 
 @dataclass(frozen=True)
 class Shape:
-    arch: str  # llama.cpp's architecture name: llama or qwen2
+    arch: str  # llama.cpp's architecture name: a key of core/architectures.py's table
     hidden: int
     ffn: int
     layers: int
@@ -60,6 +61,21 @@ class Shape:
     tied: bool = True
     qkv_bias: bool = False
     real_vocab: int = 0  # the real model's vocabulary size (for --vocab real)
+    rotary: int = 0  # rope.dimension_count where fewer than head_dim turn (partial rotary)
+    window: int = 0  # attention.sliding_window (0: none written)
+    rope_linear: float = 0.0  # rope.scaling linear with this factor (0: no scaling)
+    longrope: int = 0  # LongRoPE: rope.scaling.original_context_length (0: none)
+
+    def numbers(self, vocab: int) -> architectures.Shape:
+        return architectures.Shape(
+            D=self.hidden,
+            I=self.ffn,
+            H=self.heads,
+            KV=self.kv_heads,
+            hd=self.head_dim,
+            V=vocab,
+            rot=self.rotary,
+        )
 
 
 # The real configs (config.json of meta-llama/Llama-3.2-1B / -3B and Qwen/Qwen2.5-1.5B).
@@ -68,6 +84,26 @@ SHAPES = {
     "llama-3.2-3b": Shape("llama", 3072, 8192, 28, 24, 8, 128, 500000.0, 1e-5, real_vocab=128256),
     "qwen2.5-1.5b": Shape(
         "qwen2", 1536, 8960, 28, 12, 2, 128, 1000000.0, 1e-6, qkv_bias=True, real_vocab=151936
+    ),
+    # Qwen/Qwen3-1.7B, microsoft/Phi-4-mini-instruct (partial rotary 0.75, LongRoPE from 4096),
+    # google/gemma-3-1b-it (local layers of 512 positions, every 6th global)
+    "qwen3-1.7b": Shape("qwen3", 2048, 6144, 28, 16, 8, 128, 1000000.0, 1e-6, real_vocab=151936),
+    "phi-4-mini": Shape(
+        "phi3",
+        3072,
+        8192,
+        32,
+        24,
+        8,
+        128,
+        10000.0,
+        1e-5,
+        real_vocab=200064,
+        rotary=96,
+        longrope=4096,
+    ),
+    "gemma-3-1b": Shape(
+        "gemma3", 1152, 6912, 26, 4, 1, 256, 1000000.0, 1e-6, real_vocab=262144, window=512
     ),
 }
 
@@ -89,34 +125,24 @@ NUMPY_QUANTS = ("q8_0", "q4_0")  # what the fallback (gguf's numpy quantizers) m
 
 
 def tensor_shapes(shape: Shape, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, numpy shape: rows = outputs, columns = inputs) of every tensor, in the order
-    llama.cpp's converter writes them."""
-    h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    out = [("token_embd.weight", (vocab, h))]
+    """(name, numpy shape: rows = outputs, columns = inputs) of every tensor, as the
+    architecture's declaration names them (core/architectures.py): each layer's, biases only
+    where the shape has them; the output layer only where it is not tied; LongRoPE's factors."""
+    spec, numbers = architectures.ARCHITECTURES[shape.arch], shape.numbers(vocab)
+    model = {t.role: (t.suffix, numbers.dims(t)) for t in architectures.MODEL_TENSORS}
+    out = [model["embed"]]
+    if shape.longrope:
+        half = numbers.numbers()["R"]
+        out += [("rope_factors_long.weight", (half,)), ("rope_factors_short.weight", (half,))]
     for i in range(shape.layers):
-        b = f"blk.{i}."
         out += [
-            (b + "attn_norm.weight", (h,)),
-            (b + "attn_q.weight", (q, h)),
-            (b + "attn_k.weight", (kv, h)),
-            (b + "attn_v.weight", (kv, h)),
+            (f"blk.{i}.{t.suffix}", numbers.dims(t))
+            for t in spec.layer
+            if t.kind != "bias" or shape.qkv_bias
         ]
-        if shape.qkv_bias:
-            out += [
-                (b + "attn_q.bias", (q,)),
-                (b + "attn_k.bias", (kv,)),
-                (b + "attn_v.bias", (kv,)),
-            ]
-        out += [
-            (b + "attn_output.weight", (h, q)),
-            (b + "ffn_norm.weight", (h,)),
-            (b + "ffn_gate.weight", (shape.ffn, h)),
-            (b + "ffn_up.weight", (shape.ffn, h)),
-            (b + "ffn_down.weight", (h, shape.ffn)),
-        ]
-    out.append(("output_norm.weight", (h,)))
+    out.append(model["final_norm"])
     if not shape.tied:
-        out.append(("output.weight", (vocab, h)))
+        out.append(model["lm_head"])
     return out
 
 
@@ -128,6 +154,8 @@ def random_tensor(name: str, dims: tuple[int, ...], seed: int) -> np.ndarray:
     """The tensor's values (float32), the same for a name and seed whatever the order: norms
     are 1 (with 1% noise), biases and matrices normal with std STD."""
     rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+    if name.startswith("rope_factors"):  # frequency divisors from 1 to 4
+        return (1.0 + 3.0 * rng.random(dims)).astype(np.float32)
     if name.endswith("_norm.weight"):
         return (1.0 + 0.01 * rng.standard_normal(dims, dtype=np.float32)).astype(np.float32)
     values = rng.standard_normal(dims, dtype=np.float32)
@@ -221,8 +249,17 @@ def write_gguf(
     writer.add_layer_norm_rms_eps(shape.rms_eps)
     writer.add_file_type(FTYPES[quant])
     writer.add_vocab_size(vocab)
-    if a == "llama":
-        writer.add_rope_dimension_count(shape.head_dim)
+    if a == "llama" or shape.rotary:
+        writer.add_rope_dimension_count(shape.rotary or shape.head_dim)
+    if shape.window:
+        writer.add_sliding_window(shape.window)
+    if shape.rope_linear:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(shape.rope_linear)
+    if shape.longrope:
+        writer.add_rope_scaling_orig_ctx_len(shape.longrope)
+        scale = CONTEXT_LENGTH / shape.longrope  # Phi-3's converter's attention factor
+        writer.add_rope_scaling_attn_factors((1 + np.log(scale) / np.log(shape.longrope)) ** 0.5)
     if shape.head_dim != shape.hidden // shape.heads:
         writer.add_key_length(shape.head_dim)
         writer.add_value_length(shape.head_dim)

@@ -28,7 +28,7 @@ from miniserve.core.paths import cache_root
 
 QWEN3_FILES = ("tokenizer.json", "tokenizer_config.json")
 QWEN3_VOCAB = 151936  # the rows of Qwen3's embedding table (the tokenizer has 151,669 tokens)
-ARCHITECTURES = ("qwen2", "qwen3", "llama")
+ARCHITECTURES = ("qwen2", "qwen3", "llama")  # of core/architectures.py's: the shapes written here
 # what llama.cpp's converter (convert_hf_to_gguf.py, does_token_look_special) also calls CONTROL
 _LOOKS_SPECIAL = re.compile(r"^<\|.*\|>$")
 
@@ -78,23 +78,6 @@ def _vocabulary(folder: Path, vocab: int) -> tuple[list[str], list[int], list[st
         types.append(int(kind))
     merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
     return tokens, types, merges, config
-
-
-def _tensors(shape: Shape, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
-    """synthetic.tensor_shapes, with Qwen3's per-head q/k norms (no biases) for qwen3."""
-    out = tensor_shapes(shape, vocab)
-    if shape.arch != "qwen3":
-        return out
-    with_norms = []
-    for name, dims in out:
-        with_norms.append((name, dims))
-        if name.endswith("attn_v.weight"):
-            block = name.removesuffix("attn_v.weight")
-            with_norms += [
-                (block + "attn_q_norm.weight", (shape.head_dim,)),
-                (block + "attn_k_norm.weight", (shape.head_dim,)),
-            ]
-    return with_norms
 
 
 def write_qwen3_tokenizer_gguf(
@@ -177,7 +160,7 @@ def write_qwen3_tokenizer_gguf(
     writer.add_add_bos_token(False)
     writer.add_chat_template(config["chat_template"])
 
-    tensors = _tensors(shape, vocab)
+    tensors = tensor_shapes(shape, vocab)
     for name, dims in tensors:
         values = random_tensor(name, dims, seed)
         writer.add_tensor(name, values if len(dims) == 1 else values.astype(np.float16))

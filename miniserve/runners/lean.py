@@ -5,8 +5,10 @@
                       -> SiLU(gate) * up -> down proj -> + residual ] x layers
         -> RMSNorm -> lm_head -> logits of the last position
 
-Built from a loaded transformers model (Llama, SmolLM, Qwen2, Mistral-style configs without
-sliding windows; and Gemma 3, below); the fused weights are made once, in one block of memory
+Built from a loaded transformers model of an architecture in miniserve/core/architectures.py
+(Llama, SmolLM, Qwen2, Mistral-style configs without sliding windows; Qwen3: q and k RMS-normed
+per head before RoPE; Phi-3 / Phi-4-mini without LongRoPE: q|k|v and gate|up fused in its own
+weights, RoPE on the first rotary dimensions of each head; and Gemma 3, below); the fused weights are made once, in one block of memory
 with the other matrices (WeightArena), and the transformers modules are pointed at them, so no
 weight is stored twice. The transformers model stays the reference (equality tests) and the
 fallback for every other architecture.
@@ -27,18 +29,29 @@ import mmap
 
 import torch
 
+from miniserve.core.architectures import ARCHITECTURES, Architecture, by_model_type
 from miniserve.runners.base import KVCache
 
-SUPPORTED = {"llama", "qwen2", "mistral", "gemma3_text"}
 LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def architecture(cfg) -> Architecture | None:
+    """The table's declaration of a transformers config (Mistral's is Llama's), None where the
+    table has none the lean runner runs."""
+    spec = ARCHITECTURES["llama"] if cfg.model_type == "mistral" else by_model_type(cfg.model_type)
+    return spec if spec is not None and spec.lean else None
 
 
 def supports(model) -> bool:
     cfg = model.config
-    if cfg.model_type == "gemma3_text":
+    spec = architecture(cfg)
+    if spec is None:
+        return False
+    if spec.window is not None and spec.window.global_every:  # Gemma 3's local layers
         return _supports_gemma3(cfg)
     full_attention = cfg.model_type == "llama" or (
-        cfg.model_type in SUPPORTED and getattr(cfg, "sliding_window", None) in (None, 0)
+        getattr(cfg, "sliding_window", None) in (None, 0)
+        or (getattr(cfg, "sliding_window", None) or 0) >= cfg.max_position_embeddings
     )
     plain_rope = getattr(cfg, "rope_parameters", {}).get("rope_type", "default") == "default"
     return (
@@ -185,6 +198,14 @@ def _rope_tables(theta, head_dim, positions, dtype, device):
     return emb.cos().to(dtype).to(device), emb.sin().to(dtype).to(device)
 
 
+def _rope(x, cos, sin, rot):
+    """RoPE on the first `rot` dimensions of each head (all of them but for partial rotary)."""
+    if rot == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    turned, kept = x[..., :rot], x[..., rot:]
+    return torch.cat((turned * cos + _rotate_half(turned) * sin, kept), dim=-1)
+
+
 def _rotate_half(x):
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -215,12 +236,17 @@ class LeanRunner:
         # The arithmetic of the matrix products.
         self.act_dtype = getattr(torch, self.math)
         table_dtype = self._table_dtype()
-        self.gemma = cfg.model_type == "gemma3_text"
+        self.arch = spec = architecture(cfg)
+        if spec is None:
+            raise ValueError(f"the lean runner does not run model_type '{cfg.model_type}'")
+        self.gemma = spec.norm_plus_one  # Gemma 3's norms and layer (below)
+        self.rope_pairs = False  # transformers' q and k rows: RoPE on halves
+        self.rot = int(self.head_dim * getattr(cfg, "partial_rotary_factor", 1.0))
         self.embed = base.embed_tokens.weight
         # Gemma's embeddings are multiplied by sqrt(hidden), a factor transformers first rounds
         # to the weights' dtype (25.25 for 25.30 in bfloat16): the same factor here
         self.embed_scale = (
-            base.embed_tokens.embed_scale.to(self.embed.dtype) if self.gemma else None
+            base.embed_tokens.embed_scale.to(self.embed.dtype) if spec.embed_scale else None
         )
         self.norm = _gemma_norm if self.gemma else _rms_norm
         self.final_norm = _plus_one(base.norm) if self.gemma else base.norm.weight
@@ -268,8 +294,8 @@ class LeanRunner:
                 else getattr(cfg, "rope_theta", 10000.0)
             )
             self.cos, self.sin = _rope_tables(
-                theta, self.head_dim, positions, table_dtype, self.device_
-            )  # (max_pos, head_dim) each
+                theta, self.rot, positions, table_dtype, self.device_
+            )  # (max_pos, rotary dims) each
             self.windows = [None] * len(self.layers)
             self.attn_scale = None  # SDPA's default, head_dim^-0.5
         self.generation_config = hf_model.generation_config
@@ -389,11 +415,10 @@ class LeanRunner:
         q = q.view(B, T, H, hd).transpose(1, 2)  # (B, H, T, hd)
         k = k.view(B, T, KV, hd).transpose(1, 2)  # (B, KV, T, hd)
         v = v.view(B, T, KV, hd).transpose(1, 2)
-        if self.gemma:  # each head's query and key RMS-normed, before RoPE
-            q = _gemma_norm(q, w["q_norm"], self.eps)
-            k = _gemma_norm(k, w["k_norm"], self.eps)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        if self.arch.qk_norm:  # each head's query and key RMS-normed, before RoPE
+            q = self.norm(q, w["q_norm"], self.eps)
+            k = self.norm(k, w["k_norm"], self.eps)
+        q, k = _rope(q, cos, sin, self.rot), _rope(k, cos, sin, self.rot)
         if cache is not None:
             cache.k[layer, :, start : start + T] = k[0]
             cache.v[layer, :, start : start + T] = v[0]
@@ -431,16 +456,24 @@ def _window_mask(T, start, lo, window, device):
 
 
 def _llama_weights(layer, arena: WeightArena) -> dict:
+    """Llama's, Qwen2's and Qwen3's (its per-head q and k norms) weights; Phi-3's, whose q|k|v
+    and gate|up are fused in its own modules already."""
     a, m = layer.self_attn, layer.mlp
-    return {
+    fused = hasattr(a, "qkv_proj")
+    w = {
         "attn_norm": layer.input_layernorm.weight,
-        "wqkv": _fuse(arena, a.q_proj, a.k_proj, a.v_proj),
-        "bqkv": _fuse_bias(a.q_proj, a.k_proj, a.v_proj),
+        "wqkv": arena.move(a.qkv_proj.weight)
+        if fused
+        else _fuse(arena, a.q_proj, a.k_proj, a.v_proj),
+        "bqkv": None if fused else _fuse_bias(a.q_proj, a.k_proj, a.v_proj),
         "wo": arena.move(a.o_proj.weight),
         "mlp_norm": layer.post_attention_layernorm.weight,
-        "w13": _fuse(arena, m.gate_proj, m.up_proj),
+        "w13": arena.move(m.gate_up_proj.weight) if fused else _fuse(arena, m.gate_proj, m.up_proj),
         "w2": arena.move(m.down_proj.weight),
     }
+    if hasattr(a, "q_norm"):
+        w["q_norm"], w["k_norm"] = a.q_norm.weight, a.k_norm.weight
+    return w
 
 
 def _gemma_weights(layer, arena: WeightArena) -> dict:

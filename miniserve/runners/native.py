@@ -40,7 +40,6 @@ from miniserve.runners.lean import LeanRunner
 
 SOURCE = Path(__file__).parent / "kernels" / "decode.cpp"
 KERNEL_FILES = sorted(SOURCE.parent.glob("*.h")) + [SOURCE]  # the headers decode.cpp includes
-ABI_VERSION = 9
 # tables keyed by a dtype's name (dtype_name): read when the web app starts, before torch is
 # imported (core/deferred.py)
 DTYPE_CODES = {"float32": 0, "bfloat16": 1}
@@ -146,8 +145,7 @@ def load() -> ctypes.CDLL | None:
                 )
                 _build(compiler, path, _target)
             lib = ctypes.CDLL(str(path))
-            if lib.ms_abi_version() != ABI_VERSION:
-                raise RuntimeError("stale library (ABI version differs)")
+            check_layout(lib)
         except Exception as e:  # noqa: BLE001 -- an optimisation: fall back, say why
             _reason = f"could not build or load {SOURCE.name}: {e}"
             return None
@@ -218,7 +216,7 @@ class MsLayer(ctypes.Structure):
 
 class MsModel(ctypes.Structure):
     _fields_ = [
-        *((name, ctypes.c_long) for name in ("layers", "D", "H", "KV", "hd", "I", "V")),
+        *((name, ctypes.c_long) for name in ("layers", "D", "H", "KV", "hd", "I", "V", "rot")),
         ("embed", MsMat),
         ("lm_head", MsMat),
         ("final_norm", ctypes.c_void_p),
@@ -245,6 +243,31 @@ class MsRows(ctypes.Structure):
         ("n_out", ctypes.c_long),
         *((name, ctypes.c_void_p) for name in ("token", "pos", "cap", "out", "k", "v", "logits")),
     ]
+
+
+def layout() -> dict[str, int]:
+    """The mirrored structs' sizes and field offsets as ctypes lays them out, in decode.cpp's
+    ms_layout() names ("MsModel" = its size, "MsModel.rot" = a field's offset)."""
+    out = {}
+    for struct in (MsMat, MsLayer, MsModel, MsRows):
+        out[struct.__name__] = ctypes.sizeof(struct)
+        for name, *_ in struct._fields_:
+            out[f"{struct.__name__}.{name}"] = getattr(struct, name).offset
+    return out
+
+
+def check_layout(lib: ctypes.CDLL) -> None:
+    """RuntimeError naming the first field where the library's structs and their ctypes mirrors
+    disagree (a field added on one side only): the one definition is decode.cpp's."""
+    lib.ms_layout.restype = ctypes.c_char_p
+    theirs = dict(item.split("=") for item in lib.ms_layout().decode().split())
+    ours = layout()
+    for name in sorted(set(theirs) | set(ours)):
+        if str(ours.get(name)) != theirs.get(name):
+            raise RuntimeError(
+                f"the library's {name} is {theirs.get(name, 'absent')}, its mirror's "
+                f"{ours.get(name, 'absent')} (miniserve/runners/native.py)"
+            )
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -438,8 +461,9 @@ class NativeForward:
             eps=float(model.eps),
             embed_scale=_embed_scale(model),
             attn_scale=_attn_scale(model),
-            gelu=int(model.gemma),
-            rope_pairs=int(getattr(model, "rope_pairs", False)),
+            rot=model.rot,
+            gelu=int(model.arch.activation == "gelu_tanh"),
+            rope_pairs=int(model.rope_pairs),
             math=MATH_CODES[math],
             threads=torch.get_num_threads(),
         )
@@ -461,6 +485,7 @@ class NativeForward:
         qkv = [w["wqkv"]] if "wqkv" in w else [w["wq"], w["wk"], w["wv"]]
         gate_up = [w["w13"]] if "w13" in w else [w["w1"], w["w3"]]
         assert cos.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
+        assert cos.shape[1] == self.model.rot, (cos.shape, self.model.rot)
         return MsLayer(
             attn_norm=self._float32(w["attn_norm"]),
             qkv=(MsMat * 3)(*(ms_mat(m) for m in qkv + [None] * (3 - len(qkv)))),

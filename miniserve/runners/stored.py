@@ -13,11 +13,12 @@ then kept in the cache folder keyed by the header's hash), and small float32 ten
 biases) copied out. A tensor of a type the kernels do not run in place (Q2_K, Q3_K, IQ*, ...)
 is dequantized to float32 at load by the gguf package, and the load says so.
 
-Architectures: llama (and SmolLM, Mistral-style files), qwen2 (q/k/v biases), gemma3 (the
-norms as llama.cpp stores them, 1 + w already; local sliding-window layers every 6th layer
-global). llama files hold q and k rows permuted for RoPE on adjacent pairs (llama.cpp's
-converter does that); decode.cpp rotates pairs for them (rope_pairs). Llama 3's RoPE scaling
-comes as a `rope_freqs` tensor of frequency divisors, linear scaling as a factor.
+Architectures: those of miniserve/core/architectures.py, each one declaration (its tensors,
+norms, RoPE, windows, activation, ...) that this file reads. llama files hold q and k rows
+permuted for RoPE on adjacent pairs (llama.cpp's converter does that); decode.cpp rotates pairs
+for them (rope_pairs). Llama 3's RoPE scaling comes as a `rope_freqs` tensor of frequency
+divisors, linear scaling as a factor, Phi-3's LongRoPE as two tensors of divisors and a factor
+of cos and sin.
 """
 
 from __future__ import annotations
@@ -32,10 +33,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from miniserve.core.architectures import (
+    ARCHITECTURES,
+    MODEL_TENSORS,
+    Architecture,
+    Shape,
+    native_names,
+)
 from miniserve.runners import native
 from miniserve.runners.gguf_file import GGUFFile, GGUFFileError
 
-ARCHITECTURES = ("llama", "qwen2", "gemma3")
 # positions the RoPE tables cover at most (cos and sin: positions x head_dim float32 each)
 MAX_POSITIONS = 32768
 F32, F16, BF16 = 0, 1, 30
@@ -52,14 +59,10 @@ def runs_as_stored(path: Path) -> bool:
     read). A damaged file says yes: loading it as stored names what is wrong."""
     try:
         with GGUFFile(path) as f:
-            arch = f.architecture
-            scaling = str(f.get(f"{arch}.rope.scaling.type", "none") or "none")
-            matrices = {t.type for t in f.tensors.values() if len(t.shape) == 2}
-            return (
-                arch in ARCHITECTURES
-                and scaling in ("none", "linear", "llama3")
-                and matrices <= IN_PLACE
-            )
+            arch = ARCHITECTURES.get(f.architecture)
+            scaling = str(f.get(f"{f.architecture}.rope.scaling.type", "none") or "none")
+            matrices = {t.type for t in f.tensors.values() if len(t.shape) >= 2}
+            return arch is not None and scaling in arch.rope_scalings and matrices <= IN_PLACE
     except (GGUFFileError, OSError):
         return True
 
@@ -84,6 +87,7 @@ class StoredConfig:
     rms_norm_eps: float
     rope_theta: float
     context_length: int  # what the file says it was trained for (before MAX_POSITIONS)
+    rotary_dim: int = 0  # the dimensions of a head RoPE turns (partial rotary: < head_dim)
     sliding_window: int | None = None
     extra: dict = field(default_factory=dict)
 
@@ -103,13 +107,13 @@ class GGUFWeights:
         except GGUFFileError as e:
             raise StoredModelError(str(e)) from None
         f = self.file
-        arch = f.architecture
-        if arch not in ARCHITECTURES:
+        if f.architecture not in ARCHITECTURES:
             raise StoredModelError(
-                f"{self.path.name}: architecture '{arch}' does not run with its "
-                f"weights as stored (these do: {', '.join(ARCHITECTURES)})"
+                f"{self.path.name}: architecture '{f.architecture}' does not run with its "
+                f"weights as stored (these do: {native_names()})"
             )
-        self.arch = arch
+        self.arch = f.architecture
+        self.spec: Architecture = ARCHITECTURES[self.arch]
         if native.load() is None:  # before anything is read: nothing runs the blocks here
             raise StoredModelError(
                 "weights as stored need the native runner: "
@@ -124,13 +128,9 @@ class GGUFWeights:
         except GGUFFileError as e:
             raise StoredModelError(str(e)) from None
         cfg = self.config
-        self.embed = self.matrix("token_embd.weight", (cfg.vocab_size, cfg.hidden_size))
-        self.lm_head = (
-            self.matrix("output.weight", (cfg.vocab_size, cfg.hidden_size))
-            if "output.weight" in f.tensors
-            else self.embed
-        )
-        self.final_norm = self.vector("output_norm.weight", cfg.hidden_size)
+        model = self._tensors("")
+        self.embed, self.final_norm = model["embed"], model["final_norm"]
+        self.lm_head = model.get("lm_head", self.embed)  # absent: tied to the embedding
         self.layers = [self._layer(i) for i in range(cfg.num_hidden_layers)]
         if self.converted:
             _say(
@@ -176,6 +176,7 @@ class GGUFWeights:
         return number
 
     def _config(self) -> StoredConfig:
+        spec = self.spec
         D = self._count("embedding_length")
         heads = self._count("attention.head_count", high=4096)
         kv = self._count("attention.head_count_kv", heads, high=heads)
@@ -188,19 +189,32 @@ class GGUFWeights:
             raise StoredModelError(
                 f"{self.path.name}: head size {head_dim} is odd (RoPE turns pairs)"
             )
+        rotary = self._count("rope.dimension_count", head_dim, low=2, high=head_dim)
+        if rotary % 2 or (rotary != head_dim and not spec.partial_rotary):
+            raise StoredModelError(
+                f"{self.path.name}: '{self.arch}.rope.dimension_count' is {rotary}; "
+                + (
+                    f"an even number up to the head size {head_dim} was expected"
+                    if spec.partial_rotary
+                    else f"{self.arch} turns the whole head ({head_dim})"
+                )
+            )
         layers = self._count("block_count", high=4096)
-        if f"blk.{layers - 1}.attn_q.weight" not in self.file.tensors:
+        first = next(t for t in spec.layer if len(t.dims) >= 2)
+        if f"blk.{layers - 1}.{first.suffix}" not in self.file.tensors:
             raise StoredModelError(
                 f"{self.path.name}: the header says {layers} layers, but "
-                f"tensor 'blk.{layers - 1}.attn_q.weight' is missing"
+                f"tensor 'blk.{layers - 1}.{first.suffix}' is missing"
             )
         vocab = self.file.tensors.get("token_embd.weight")
         if vocab is None or len(vocab.shape) != 2:
             raise StoredModelError(f"{self.path.name}: no 2-D tensor 'token_embd.weight'")
         context = self._count("context_length", 2048, high=1 << 24)
-        gemma = self.arch == "gemma3"
+        window = None
+        if spec.window is not None:
+            window = int(self._meta("attention.sliding_window", spec.window.default, False) or 0)
         return StoredConfig(
-            model_type={"gemma3": "gemma3_text"}.get(self.arch, self.arch),
+            model_type=spec.model_type,
             hidden_size=D,
             intermediate_size=self._count("feed_forward_length"),
             num_hidden_layers=layers,
@@ -209,39 +223,49 @@ class GGUFWeights:
             head_dim=head_dim,
             vocab_size=int(vocab.shape[0]),
             max_position_embeddings=min(context, MAX_POSITIONS),
-            rms_norm_eps=float(
-                self._meta("attention.layer_norm_rms_epsilon", 1e-6 if gemma else 1e-5)
-            ),
-            rope_theta=float(self._meta("rope.freq_base", 1e6 if gemma else 10000.0)),
+            rms_norm_eps=float(self._meta("attention.layer_norm_rms_epsilon", spec.eps)),
+            rope_theta=float(self._meta("rope.freq_base", spec.theta)),
             context_length=context,
-            sliding_window=int(self._meta("attention.sliding_window", 512)) if gemma else None,
+            rotary_dim=rotary,
+            sliding_window=window or None,
+        )
+
+    def shape(self) -> Shape:
+        """The numbers the table's tensor symbols name (core/architectures.py)."""
+        c = self.config
+        return Shape(
+            D=c.hidden_size,
+            I=c.intermediate_size,
+            H=c.num_attention_heads,
+            KV=c.num_key_value_heads,
+            hd=c.head_dim,
+            V=c.vocab_size,
+            rot=c.rotary_dim,
         )
 
     # -- tensors ---------------------------------------------------------------------------
     def _names(self) -> dict:
-        names = {
-            "embed": "token_embd.weight",
-            "lm_head": "output.weight",
-            "final_norm": "output_norm.weight",
-        }
+        """Every tensor the architecture names, present or not: role -> file name."""
+        names = {t.role: t.suffix for t in MODEL_TENSORS}
         for i in range(self.config.num_hidden_layers):
-            for part in (
-                "attn_q",
-                "attn_k",
-                "attn_v",
-                "attn_output",
-                "ffn_gate",
-                "ffn_up",
-                "ffn_down",
-                "attn_norm",
-                "ffn_norm",
-                "attn_q_norm",
-                "attn_k_norm",
-                "post_attention_norm",
-                "post_ffw_norm",
-            ):
-                names[f"{i}.{part}"] = f"blk.{i}.{part}.weight"
+            names.update({f"{i}.{t.role}": f"blk.{i}.{t.suffix}" for t in self.spec.layer})
         return names
+
+    def _tensors(self, prefix: str) -> dict:
+        """The tensors of a layer (prefix "blk.N.") or of the model (""), by role, as the
+        table declares them: matrices where they lie, vectors as float32 copies; an optional
+        one that is absent is left out; a required one that is absent, or any of another
+        shape than the header's numbers make it, is StoredModelError naming it."""
+        shape, out = self.shape(), {}
+        for t in self.spec.layer if prefix else MODEL_TENSORS:
+            name, dims = prefix + t.suffix, shape.dims(t)
+            if not t.required and name not in self.file.tensors:
+                continue
+            if len(dims) == 1:
+                out[t.role] = self.vector(name, dims[0])
+            else:
+                out[t.role] = self.matrix(name, dims)
+        return out
 
     def _tensor(self, name: str):
         info = self.file.tensors.get(name)
@@ -249,7 +273,7 @@ class GGUFWeights:
             raise StoredModelError(f"{self.path.name}: tensor '{name}' is missing")
         return info
 
-    def matrix(self, name: str, shape: tuple[int, int]):
+    def matrix(self, name: str, shape: tuple[int, ...]):
         """A matrix where it lies (a StoredMatrix), or a float32 copy for a type the kernels do
         not run in place."""
         info = self._tensor(name)
@@ -296,37 +320,17 @@ class GGUFWeights:
         return t.contiguous()
 
     def _layer(self, i: int) -> dict:
-        cfg = self.config
-        D, I, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-        q_rows, kv_rows = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
-        b = f"blk.{i}."
-        w = {
-            "attn_norm": self.vector(b + "attn_norm.weight", D),
-            "wq": self.matrix(b + "attn_q.weight", (q_rows, D)),
-            "wk": self.matrix(b + "attn_k.weight", (kv_rows, D)),
-            "wv": self.matrix(b + "attn_v.weight", (kv_rows, D)),
-            "wo": self.matrix(b + "attn_output.weight", (D, q_rows)),
-            "mlp_norm": self.vector(b + "ffn_norm.weight", D),
-            "w1": self.matrix(b + "ffn_gate.weight", (I, D)),
-            "w3": self.matrix(b + "ffn_up.weight", (I, D)),
-            "w2": self.matrix(b + "ffn_down.weight", (D, I)),
-        }
-        biases = [
-            self.vector(b + f"attn_{x}.bias", n, optional=True)
-            for x, n in (("q", q_rows), ("k", kv_rows), ("v", kv_rows))
-        ]
+        """A layer's tensors by role; q/k/v biases as one vector (zeros for an absent one)."""
+        w = self._tensors(f"blk.{i}.")
+        biases = [w.pop(b, None) for b in ("bq", "bk", "bv")]
         if any(t is not None for t in biases):
+            n = self.shape().numbers()
             w["bqkv"] = torch.cat(
                 [
-                    t if t is not None else torch.zeros(n)
-                    for t, n in zip(biases, (q_rows, kv_rows, kv_rows))
+                    t if t is not None else torch.zeros(n[size])
+                    for t, size in zip(biases, ("q", "kv", "kv"))
                 ]
             )
-        if self.arch == "gemma3":  # its norms as llama.cpp stores them: 1 + w already
-            w["q_norm"] = self.vector(b + "attn_q_norm.weight", hd)
-            w["k_norm"] = self.vector(b + "attn_k_norm.weight", hd)
-            w["attn_out_norm"] = self.vector(b + "post_attention_norm.weight", D)
-            w["mlp_out_norm"] = self.vector(b + "post_ffw_norm.weight", D)
         return w
 
     # -- what the rest of the app asks -------------------------------------------------------
@@ -368,24 +372,29 @@ def _tensor_view(data: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
 
 
 def rope_tables(
-    weights: GGUFWeights,
+    rotary: int,
     theta: float,
     pairs: bool,
     positions: int,
     scale: float = 1.0,
     divisors: torch.Tensor | None = None,
+    factor: float = 1.0,
 ):
-    """cos and sin (positions, head_dim) float32 for RoPE with base `theta`: frequencies
-    theta^(-2i/hd) divided by `scale` (linear scaling) or by Llama 3's per-frequency divisors;
-    laid out as halves (each angle at i and i + hd/2) or as pairs (at 2i and 2i + 1)."""
-    hd = weights.config.head_dim
-    inv_freq = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    """cos and sin (positions, rotary) float32 for RoPE with base `theta` over `rotary`
+    dimensions: frequencies theta^(-2i/rotary) divided by `scale` (linear scaling) or by
+    per-frequency divisors (Llama 3's rope_freqs, Phi-3's LongRoPE factors); laid out as halves
+    (each angle at i and i + rotary/2) or as pairs (at 2i and 2i + 1); both times `factor`
+    (LongRoPE's attention factor, as llama.cpp folds it into cos and sin)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary, 2, dtype=torch.int64).float() / rotary))
     inv_freq = inv_freq / scale
     if divisors is not None:
         inv_freq = inv_freq / divisors
     freqs = torch.outer(torch.arange(positions, dtype=torch.float32), inv_freq)
     emb = freqs.repeat_interleave(2, dim=-1) if pairs else torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().contiguous(), emb.sin().contiguous()
+    cos, sin = emb.cos(), emb.sin()
+    if factor != 1.0:
+        cos, sin = cos * factor, sin * factor
+    return cos.contiguous(), sin.contiguous()
 
 
 class StoredRunner(native.CompiledPass):
@@ -403,6 +412,7 @@ class StoredRunner(native.CompiledPass):
         self.config = weights.config
         self.generation_config = generation_config
         cfg = weights.config
+        spec = self.arch = weights.spec
         # the arithmetic of attention and of float matrices: bfloat16 where the CPU has
         # bfloat16 dot products (a bfloat16 KV cache, half the bytes), else float32
         self.math = native.resolve_math(math, torch.bfloat16)
@@ -411,46 +421,74 @@ class StoredRunner(native.CompiledPass):
             cfg.num_key_value_heads,
             cfg.head_dim,
         )
+        self.rot = cfg.rotary_dim
         self.eps = cfg.rms_norm_eps
-        self.gemma = weights.arch == "gemma3"
-        self.rope_pairs = weights.arch == "llama"
         self.embed, self.lm_head = weights.embed, weights.lm_head
         self.final_norm = weights.final_norm
         self.layers = weights.layers
         positions = cfg.max_position_embeddings
         meta = weights._meta
         scaling = str(meta("rope.scaling.type", "", required=False) or "none")
-        if scaling not in ("none", "linear", "llama3"):
+        if scaling not in spec.rope_scalings:
             raise ValueError(
                 f"{weights.path.name}: RoPE scaling '{scaling}' does not run with "
-                "the weights as stored (none, linear and llama3 do)"
+                f"the weights as stored ({', '.join(spec.rope_scalings)} do for {spec.name})"
             )
-        # linear: the positions divided by the factor; llama3: per-frequency divisors (below)
+        # linear: the positions divided by the factor; per-frequency divisors (below)
         scale = (
             float(meta("rope.scaling.factor", 1.0, required=False) or 1.0)
             if scaling == "linear"
             else 1.0
         )
-        divisors = (
-            weights.vector("rope_freqs.weight", cfg.head_dim // 2)
-            if "rope_freqs.weight" in weights.file.tensors
+        divisors, factor = self._rope_factors(positions)
+        pairs = self.rope_pairs = spec.rope == "pairs"
+        self.cos, self.sin = rope_tables(
+            self.rot, cfg.rope_theta, pairs, positions, scale, divisors, factor
+        )
+        window = spec.window
+        self.windows = [None] * len(self.layers)
+        self.local_cos, self.local_sin = self.cos, self.sin
+        if window is not None and cfg.sliding_window:
+            every = window.global_every
+            self.windows = [
+                None if every and (i + 1) % every == 0 else cfg.sliding_window
+                for i in range(len(self.layers))
+            ]
+            if window.local_theta is not None:  # local layers: their own base, unscaled
+                self.local_cos, self.local_sin = rope_tables(
+                    self.rot, window.local_theta, pairs, positions
+                )
+        self.embed_scale = torch.tensor(float(cfg.hidden_size) ** 0.5) if spec.embed_scale else None
+        self.attn_scale = (
+            spec.attn_scale(
+                {
+                    "D": cfg.hidden_size,
+                    "H": self.n_heads,
+                    "hd": self.head_dim,
+                    "layers": len(self.layers),
+                }
+            )
+            if spec.attn_scale
             else None
         )
-        self.cos, self.sin = rope_tables(
-            weights, cfg.rope_theta, self.rope_pairs, positions, scale, divisors
-        )
-        if self.gemma:  # local layers: base 10000, unscaled; every 6th layer global
-            self.local_cos, self.local_sin = rope_tables(weights, 10000.0, False, positions)
-            self.windows = [
-                None if (i + 1) % 6 == 0 else cfg.sliding_window for i in range(len(self.layers))
-            ]
-            self.embed_scale = torch.tensor(float(cfg.hidden_size) ** 0.5)
-            self.attn_scale = cfg.head_dim**-0.5
-        else:
-            self.windows = [None] * len(self.layers)
-            self.embed_scale = None
-            self.attn_scale = None
         self.native = native.NativeForward(self, self.math)
+
+    def _rope_factors(self, positions: int) -> tuple[torch.Tensor | None, float]:
+        """Per-frequency divisors of the RoPE frequencies and the factor of cos and sin:
+        Llama 3's rope_freqs tensor; Phi-3's LongRoPE: the long factors where the context this
+        runner serves (`positions`) passes rope.scaling.original_context_length, as llama.cpp
+        chooses them, else the short ones, and rope.scaling.attn_factor."""
+        w, kind, n = self.weights, self.arch.rope_factors, self.rot // 2
+        tensors = w.file.tensors
+        if kind == "freqs" and "rope_freqs.weight" in tensors:
+            return w.vector("rope_freqs.weight", n), 1.0
+        if kind == "longrope" and "rope_factors_long.weight" in tensors:
+            original = int(w._meta("rope.scaling.original_context_length", 0, required=False))
+            long = original and positions > original
+            name = "rope_factors_long.weight" if long else "rope_factors_short.weight"
+            factor = float(w._meta("rope.scaling.attn_factor", 1.0, required=False) or 1.0)
+            return w.vector(name, n), factor
+        return None, 1.0
 
     def layer_tables(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.windows[layer] is not None:

@@ -49,12 +49,14 @@
 // could do differently where the same function is inlined twice.
 
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <string>
 #include <mutex>
 #include <thread>
 #include <type_traits>
@@ -740,18 +742,20 @@ static void rms_norm(const float *x, const float *weight, float eps, float *out,
     for (long i = 0; i < n; i++) out[i] = weight[i] * (x[i] * inv);
 }
 
-// In place: v = v * cos + rotate_half(v) * sin, for `heads` vectors of head_dim numbers; with
-// `pairs`, each adjacent pair (2i, 2i + 1) rotated by its angle (cos and sin then hold each
-// angle twice, side by side): the layout of a GGUF llama file's q and k rows, whose
-// converter permuted them from halves to pairs.
-static void rope(float *v, long heads, long hd, const float *cos, const float *sin,
+// In place: v = v * cos + rotate_half(v) * sin, for `heads` vectors of head_dim numbers, of
+// which the first `rot` turn (partial rotary, Phi-3's: the rest pass as they are); cos and sin
+// hold `rot` numbers a position. With `pairs`, each adjacent pair (2i, 2i + 1) rotated by its
+// angle (cos and sin then hold each angle twice, side by side): the layout of a GGUF llama
+// file's q and k rows, whose converter permuted them from halves to pairs; else NeoX's halves,
+// i with i + rot / 2.
+static void rope(float *v, long heads, long hd, long rot, const float *cos, const float *sin,
                  bool pairs = false) {
-    long half = hd / 2;
+    long half = rot / 2;
     float tmp[1024];
     if (pairs) {
         for (long h = 0; h < heads; h++) {
             float *p = v + h * hd;
-            for (long i = 0; i < hd; i += 2) {
+            for (long i = 0; i < rot; i += 2) {
                 float a = p[i], b = p[i + 1];
                 p[i] = a * cos[i] - b * sin[i];
                 p[i + 1] = b * cos[i + 1] + a * sin[i + 1];
@@ -761,8 +765,8 @@ static void rope(float *v, long heads, long hd, const float *cos, const float *s
     }
     for (long h = 0; h < heads; h++) {
         float *p = v + h * hd;
-        std::memcpy(tmp, p, hd * sizeof(float));
-        for (long i = 0; i < hd; i++) {
+        std::memcpy(tmp, p, rot * sizeof(float));
+        for (long i = 0; i < rot; i++) {
             float rotated = i < half ? -tmp[i + half] : tmp[i - half];
             p[i] = tmp[i] * cos[i] + rotated * sin[i];
         }
@@ -1099,12 +1103,13 @@ struct MsLayer {
     MsMat w2;
     const float *q_norm, *k_norm;              // Gemma: per head, before RoPE; else null
     const float *attn_out_norm, *mlp_out_norm;  // Gemma: on each branch's output; else null
-    const float *cos, *sin;  // this layer's RoPE tables, (max positions, hd)
+    const float *cos, *sin;  // this layer's RoPE tables, (max positions, rot)
     long window;             // a local layer's window (q - k < window); 0 = every position
 };
 
 struct MsModel {
     long layers, D, H, KV, hd, I, V;
+    long rot;  // the dimensions of a head RoPE turns (partial rotary: fewer than hd)
     MsMat embed, lm_head;  // V rows each (the embedding's rows are looked up, not multiplied)
     const float *final_norm;
     const MsLayer *layer;
@@ -1331,13 +1336,13 @@ static void attention(const MsModel *m, const MsRows *r, long layer, Scratch *sc
     for_rows(m->threads, r->n, [&](long b) {
         const long cap = r->cap[b], p = r->pos[b], at = layer * KV * cap * hd;
         float *q = sc->qkv + b * QKV, *k = q + H * hd, *v = k + KV * hd;
-        const float *cos = w.cos + p * hd, *sin = w.sin + p * hd;
+        const float *cos = w.cos + p * m->rot, *sin = w.sin + p * m->rot;
         if (w.q_norm != nullptr) {  // Gemma: each head's query and key, before RoPE
             for (long h = 0; h < H; h++) rms_norm(q + h * hd, w.q_norm, m->eps, q + h * hd, hd);
             for (long g = 0; g < KV; g++) rms_norm(k + g * hd, w.k_norm, m->eps, k + g * hd, hd);
         }
-        rope(q, H, hd, cos, sin, m->rope_pairs);
-        rope(k, KV, hd, cos, sin, m->rope_pairs);
+        rope(q, H, hd, m->rot, cos, sin, m->rope_pairs);
+        rope(k, KV, hd, m->rot, cos, sin, m->rope_pairs);
         for (long g = 0; g < KV; g++) {
             const long tile = (g * (cap / 16) + p / 16) * hd * 16;
 #if MS_BF16_DOT
@@ -1442,7 +1447,41 @@ static void forward(const MsModel *m, const MsRows *r, float *scratch) {
 
 extern "C" {
 
-int ms_abi_version(void) { return 9; }
+// Every struct ctypes mirrors (miniserve/runners/native.py), as "Struct=size Struct.field=offset
+// ...": the library is refused where its mirror disagrees on any of them.
+const char *ms_layout(void) {
+    static const std::string layout = [] {
+        std::string out;
+        auto add = [&](const char *name, size_t value) {
+            out += name;
+            out += '=' + std::to_string(value) + ' ';
+        };
+#define MS_FIELD(S, f) add(#S "." #f, offsetof(S, f))
+        add("MsMat", sizeof(MsMat));
+        MS_FIELD(MsMat, data), MS_FIELD(MsMat, type), MS_FIELD(MsMat, rows);
+        add("MsLayer", sizeof(MsLayer));
+        MS_FIELD(MsLayer, attn_norm), MS_FIELD(MsLayer, qkv), MS_FIELD(MsLayer, bqkv);
+        MS_FIELD(MsLayer, wo), MS_FIELD(MsLayer, mlp_norm), MS_FIELD(MsLayer, gate_up);
+        MS_FIELD(MsLayer, w2), MS_FIELD(MsLayer, q_norm), MS_FIELD(MsLayer, k_norm);
+        MS_FIELD(MsLayer, attn_out_norm), MS_FIELD(MsLayer, mlp_out_norm);
+        MS_FIELD(MsLayer, cos), MS_FIELD(MsLayer, sin), MS_FIELD(MsLayer, window);
+        add("MsModel", sizeof(MsModel));
+        MS_FIELD(MsModel, layers), MS_FIELD(MsModel, D), MS_FIELD(MsModel, H);
+        MS_FIELD(MsModel, KV), MS_FIELD(MsModel, hd), MS_FIELD(MsModel, I);
+        MS_FIELD(MsModel, V), MS_FIELD(MsModel, rot), MS_FIELD(MsModel, embed);
+        MS_FIELD(MsModel, lm_head), MS_FIELD(MsModel, final_norm), MS_FIELD(MsModel, layer);
+        MS_FIELD(MsModel, eps), MS_FIELD(MsModel, embed_scale), MS_FIELD(MsModel, attn_scale);
+        MS_FIELD(MsModel, gelu), MS_FIELD(MsModel, rope_pairs), MS_FIELD(MsModel, math);
+        MS_FIELD(MsModel, threads);
+        add("MsRows", sizeof(MsRows));
+        MS_FIELD(MsRows, n), MS_FIELD(MsRows, n_out), MS_FIELD(MsRows, token);
+        MS_FIELD(MsRows, pos), MS_FIELD(MsRows, cap), MS_FIELD(MsRows, out);
+        MS_FIELD(MsRows, k), MS_FIELD(MsRows, v), MS_FIELD(MsRows, logits);
+#undef MS_FIELD
+        return out;
+    }();
+    return layout.c_str();
+}
 
 // Which inner loops were compiled: "avx512", "avx2" (with FMA) or "generic" (plain loops;
 // "generic+neon" where the compiler could use NEON for them).

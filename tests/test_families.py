@@ -1,0 +1,208 @@
+"""The model families of the architecture table (miniserve/core/architectures.py) as stored: tiny
+synthetic GGUFs of each (written from the table by miniserve/bench/synthetic.py) through the
+native runner, teacher-forced against a float64 pass over the same weights dequantized by the
+gguf package (miniserve/runners/float64.py); a sequence alone against the same sequence in a
+batch; and the mistakes each new operation invites, which must fail that comparison."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from miniserve.bench import synthetic
+from miniserve.runners.float64 import Float64Reference
+from miniserve.runners.verify import BOUND_STORED_F16_RELATIVE
+
+from conftest import needs_native
+
+S = synthetic.Shape
+# head_dim 32 where hidden / heads is 16: the key_length path; every size tiny
+SHAPES = {
+    "qwen3": S("qwen3", 64, 96, 2, 4, 2, 32, 1e6, 1e-6),
+    # Phi-4-mini's kind: q|k|v and gate|up fused, 24 of 32 dimensions turned, LongRoPE; the
+    # file's context (8192) past the original 2048: the long factors
+    "phi3": S("phi3", 64, 96, 2, 4, 2, 32, 1e4, 1e-5, tied=False, rotary=24, longrope=2048),
+    # ... and within it: the short ones; and partial rotary alone
+    "phi3-short": S("phi3", 64, 96, 2, 4, 2, 32, 1e4, 1e-5, rotary=24, longrope=16384),
+    "phi3-plain": S("phi3", 64, 96, 2, 4, 2, 32, 1e4, 1e-5, rotary=24),
+    # Gemma 3 1B's attention (4 heads, 1 kv head, local layers of 512 positions, every 6th
+    # global), narrow: a prompt of 600 positions goes past the window
+    "gemma3-1b": S("gemma3", 64, 96, 6, 4, 1, 32, 1e6, 1e-6, window=512),
+    # Gemma 3 4B's global RoPE, linear-scaled by 8
+    "gemma3-4b": S("gemma3", 64, 96, 6, 4, 2, 32, 1e6, 1e-6, window=8, rope_linear=8.0),
+    "llama": S("llama", 64, 96, 2, 4, 2, 16, 1e4, 1e-5, tied=False),
+    "qwen2": S("qwen2", 64, 96, 2, 4, 2, 16, 1e6, 1e-6, qkv_bias=True),
+}
+LENGTH = {"gemma3-1b": 600}
+
+
+def write(tmp_path_factory, name: str, shape: synthetic.Shape):
+    path = tmp_path_factory.mktemp("families") / f"{name}.gguf"
+    synthetic.SHAPES[name] = shape
+    try:
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(synthetic, "STD", 0.25)  # logits of a useful size
+            synthetic.write_gguf(path, name, vocab=None, quant="f16")
+    finally:
+        del synthetic.SHAPES[name]
+    return path
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    return {name: write(tmp_path_factory, name, shape) for name, shape in SHAPES.items()}
+
+
+def stored_runner(path):
+    from miniserve.runners.loader import load_model
+    from miniserve.runners.stored import StoredRunner
+
+    loaded = load_model(str(path), dtype="stored", progress=lambda m: None)
+    return StoredRunner(loaded.model, "float32")
+
+
+def ids_for(name: str) -> list[int]:
+    return [(37 * i + 11) % 4000 for i in range(LENGTH.get(name, 40))]
+
+
+def compare(runner, ids) -> tuple[float, float]:
+    """(largest |error| over the largest |logit|, that largest |logit|) of the runner's
+    teacher-forced logits against the float64 reference over the same file."""
+    want = Float64Reference(runner.weights).logits(ids)
+    got = runner.forward(torch.tensor([ids]), None, all_logits=True).double().numpy()
+    scale = float(np.abs(want).max())
+    return float(np.abs(got - want).max()) / scale, scale
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+@needs_native
+def test_each_family_as_stored_follows_the_float64_reference(files, name):
+    """Float16 weights (the activations stay float32: no rounding to blocks), float32
+    arithmetic: the float32 bound, relative to the logits' size."""
+    runner = stored_runner(files[name])
+    assert runner.arch.name == SHAPES[name].arch
+    error, scale = compare(runner, ids_for(name))
+    assert scale > 0.5
+    assert error <= BOUND_STORED_F16_RELATIVE, error
+
+
+@needs_native
+def test_the_table_decides_what_each_family_runs(files):
+    """What the comparison above rests on, read off the runners: partial rotary, the LongRoPE
+    factors chosen by the context, windows and global layers, the attention scale."""
+    phi, short = stored_runner(files["phi3"]), stored_runner(files["phi3-short"])
+    assert phi.rot == 24 and phi.head_dim == 32 and phi.cos.shape[1] == 24
+    assert phi.native.struct.rot == 24 and phi.native.struct.gelu == 0
+    assert not torch.equal(phi.cos, short.cos)  # long factors against short ones
+    gemma = stored_runner(files["gemma3-1b"])
+    assert gemma.windows == [512] * 5 + [None] and gemma.native.struct.gelu == 1
+    assert stored_runner(files["qwen3"]).windows == [None, None]
+
+
+@pytest.mark.parametrize(
+    "name,mistake",
+    [
+        ("phi3-plain", "full rotary"),
+        ("qwen3", "no q/k norms"),
+        ("phi3-short", "long factors"),
+        ("gemma3-1b", "no window"),
+        ("gemma3-4b", "unscaled global RoPE"),
+    ],
+)
+@needs_native
+def test_each_mistake_a_family_invites_fails_the_comparison(files, name, mistake, monkeypatch):
+    """The runner built with one thing wrong (as a bug would build it) moves the logits far past
+    the bound: the comparison can see each of these. (q/k norms after RoPE instead of before,
+    tried by moving them in decode.cpp, fails the test above the same way.)"""
+    from miniserve.runners import stored
+
+    path = files[name]
+    reference = Float64Reference(stored_runner(path).weights)
+    if mistake == "full rotary":
+        config = stored.GGUFWeights._config
+        monkeypatch.setattr(
+            stored.GGUFWeights,
+            "_config",
+            lambda self: dataclasses.replace(
+                config(self), rotary_dim=self.file.get("phi3.attention.key_length")
+            ),
+        )
+    runner = stored_runner(path)
+    if mistake == "no q/k norms":
+        for layer in runner.layers:
+            layer.pop("q_norm"), layer.pop("k_norm")
+    elif mistake == "long factors":
+        divisors = runner.weights.vector("rope_factors_long.weight", runner.rot // 2)
+        runner.cos, runner.sin = stored.rope_tables(
+            runner.rot,
+            runner.config.rope_theta,
+            False,
+            runner.cos.shape[0],
+            1.0,
+            divisors,
+            float(runner.weights._meta("rope.scaling.attn_factor")),
+        )
+        runner.local_cos, runner.local_sin = runner.cos, runner.sin
+    elif mistake == "no window":
+        runner.windows = [None] * len(runner.layers)
+    elif mistake == "unscaled global RoPE":
+        runner.cos, runner.sin = stored.rope_tables(
+            runner.rot, runner.config.rope_theta, False, runner.cos.shape[0]
+        )
+    runner.native = type(runner.native)(runner, runner.math)
+    ids = ids_for(name)
+    want = reference.logits(ids)
+    got = runner.forward(torch.tensor([ids]), None, all_logits=True).double().numpy()
+    error = float(np.abs(got - want).max()) / float(np.abs(want).max())
+    assert error > 100 * BOUND_STORED_F16_RELATIVE, (mistake, error)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "phi3", "gemma3-4b"])
+@needs_native
+def test_a_sequence_of_each_family_gets_the_same_logits_in_a_batch(files, name):
+    """Batch invariance: a prompt alone, then its rows beside two other sequences' (decode rows
+    and another prompt's chunk), bit for bit."""
+    runner = stored_runner(files[name])
+    ids = ids_for(name)[:30]
+    alone = runner.step([(ids, runner.new_cache())], all_logits=True)
+    others = [([5, 6, 7], runner.new_cache()), ([9] * 20, runner.new_cache())]
+    together = runner.step([others[0], (ids, runner.new_cache()), others[1]], all_logits=True)
+    assert torch.equal(together[3 : 3 + len(ids)], alone)
+
+
+def test_an_architecture_outside_the_table_is_one_sentence_naming_what_runs(tmp_path):
+    """A file of another architecture: the error (transformers cannot load it either) or the
+    notice before the transformers fallback dequantizes it names the architecture, every one
+    that runs natively, and (the notice) roughly what the fallback costs."""
+    import gguf
+
+    from miniserve.core.architectures import ARCHITECTURES
+    from miniserve.runners.loader import ModelLoadError, fallback_notice, load_model
+
+    path = tmp_path / "other.gguf"
+    w = gguf.GGUFWriter(str(path), "stablelm")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((1000, 2000), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    notice = fallback_notice(path, "stablelm", torch.bfloat16)
+    assert "architecture 'stablelm' does not run natively" in notice
+    assert all(name in notice for name in ARCHITECTURES)
+    assert "0.00 B weights to bfloat16" in notice and "5 s and 0.0 GB" in notice
+    odd = tmp_path / "odd.gguf"
+    gguf_writer = gguf.GGUFWriter(str(odd), "mamba9")
+    gguf_writer.add_block_count(1)
+    gguf_writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    gguf_writer.write_header_to_file()
+    gguf_writer.write_kv_data_to_file()
+    gguf_writer.write_tensors_to_file()
+    gguf_writer.close()
+    with pytest.raises(ModelLoadError) as e:
+        load_model(str(odd))
+    assert "'mamba9' runs neither natively" in str(e.value)
+    assert all(name in str(e.value) for name in ARCHITECTURES)
