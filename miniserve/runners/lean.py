@@ -8,10 +8,10 @@
 Built from a loaded transformers model of an architecture in miniserve/core/architectures.py
 (Llama, SmolLM, Qwen2, Mistral-style configs without sliding windows; Qwen3: q and k RMS-normed
 per head before RoPE; Phi-3 / Phi-4-mini without LongRoPE: q|k|v and gate|up fused in its own
-weights, RoPE on the first rotary dimensions of each head; and Gemma 3, below); the fused weights are made once, in one block of memory
-with the other matrices (WeightArena), and the transformers modules are pointed at them, so no
-weight is stored twice. The transformers model stays the reference (equality tests) and the
-fallback for every other architecture.
+weights, RoPE on the first rotary dimensions of each head; and Gemma 3, below); the fused
+weights are made once, in one block of memory with the other matrices (WeightArena), and the
+transformers modules are pointed at them, so no weight is stored twice. The transformers model
+stays the reference (equality tests) and the fallback for every other architecture.
 
 Gemma 3 (transformers' Gemma3ForCausalLM, model_type gemma3_text) is the same loop with:
 
