@@ -206,3 +206,46 @@ def test_an_architecture_outside_the_table_is_one_sentence_naming_what_runs(tmp_
         load_model(str(odd))
     assert "'mamba9' runs neither natively" in str(e.value)
     assert all(name in str(e.value) for name in ARCHITECTURES)
+
+
+def tiny_transformers(family: str):
+    """A tiny transformers model of the family, random norm weights (they start at 1)."""
+    from transformers import Phi3Config, Phi3ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(2)
+    common = dict(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
+    if family == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=32))
+    else:  # Phi-4-mini's partial rotary: 12 of 16 dimensions turn
+        model = Phi3ForCausalLM(Phi3Config(**common, partial_rotary_factor=0.75, pad_token_id=0))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(1.0, 0.3)
+    return model.eval()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "phi3"])
+@needs_native
+def test_the_lean_and_native_runners_compute_what_transformers_computes(family):
+    """The same table read over transformers' weights: Qwen3's q/k norms, Phi-3's fused
+    matrices and partial rotary, in the lean PyTorch pass and the native one."""
+    from miniserve.runners.lean import LeanRunner, supports
+    from miniserve.runners.native import NativeRunner
+
+    model = tiny_transformers(family)
+    ids = [(7 * i + 3) % 300 for i in range(40)]
+    with torch.inference_mode():
+        want = model(torch.tensor([ids])).logits[0]
+    assert supports(model)
+    for runner in (LeanRunner(model), NativeRunner(model, math="float32")):
+        got = runner.forward(torch.tensor([ids]), None, all_logits=True)
+        assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (runner.name, family)
