@@ -87,6 +87,7 @@ SHAPES = {
     ),
     # Qwen/Qwen3-1.7B, microsoft/Phi-4-mini-instruct (partial rotary 0.75, LongRoPE from 4096),
     # google/gemma-3-1b-it (local layers of 512 positions, every 6th global)
+    "qwen3-0.6b": Shape("qwen3", 1024, 3072, 28, 16, 8, 128, 1000000.0, 1e-6, real_vocab=151936),
     "qwen3-1.7b": Shape("qwen3", 2048, 6144, 28, 16, 8, 128, 1000000.0, 1e-6, real_vocab=151936),
     "phi-4-mini": Shape(
         "phi3",
