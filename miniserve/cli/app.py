@@ -124,13 +124,14 @@ def main(argv=None, prog: str = "python app.py") -> int:
 
 def web_app(args, models, demo):
     """The ASGI app: the API's routes, and the page (`demo`, from ui.build_ui) at /. Nothing in
-    it reads torch: the page is served before the model (and torch) has loaded."""
+    it reads torch: the page is served before the model (and torch) has loaded. A /v1 path the
+    API does not have is the API's 404, in its error shape, as in the API's own app."""
     from fastapi import FastAPI
 
-    from miniserve.serve.routes import build_router, document
+    from miniserve.serve.routes import api_errors, build_router, document
     from miniserve.ui import mount_ui
 
-    app = document(FastAPI(title="MiniServeLM"))
+    app = api_errors(document(FastAPI(title="MiniServeLM")))
     app.include_router(build_router(models, args.api_key))
     return mount_ui(app, demo)  # Gradio's run history off (mount_ui says why)
 

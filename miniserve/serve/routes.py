@@ -12,7 +12,9 @@ it, on a worker thread (the event loop keeps serving the others), and is not unl
 one of its replies is being written. The reply's `model` is the served name.
 
 Every error is OpenAI's error object with the status it means (errors.py): a bad field is a
-400 naming it and what is allowed, never FastAPI's 422; a method a path does not take is a 405.
+400 naming it and what is allowed, never FastAPI's 422; a method a path does not take is a 405
+with Allow; a /v1 path the API does not have is a 404, also in the web app, whose page (Gradio,
+mounted at /) would answer everything else (`api_errors`).
 A client that goes away (mid-stream or while waiting for a whole reply) cancels its generations
 within one decoding step.
 
@@ -166,6 +168,39 @@ def _not_allowed(router: APIRouter, path: str, allowed: tuple[str, ...]) -> None
     )
 
 
+def _no_such_path(router: APIRouter, prefix: str) -> None:
+    """`prefix` and every other path under it, any method: a 404 raised for the app's handler
+    (`api_error`), so that the web app's Gradio, mounted at /, never answers it. Routes of
+    FastAPI's own class: no key asked, as for any path no route has."""
+
+    async def no_such_path():
+        raise StarletteHTTPException(status_code=404)
+
+    for path in (prefix, f"{prefix}/{{rest:path}}"):
+        router.add_api_route(
+            path,
+            no_such_path,
+            methods=list(METHODS),
+            include_in_schema=False,
+            route_class_override=APIRoute,
+        )
+
+
+async def api_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """An HTTP error no route answered itself (an unknown path) as OpenAI's error object, with
+    the exception's headers."""
+    response = error_response(APIError(str(exc.detail), status=exc.status_code))
+    response.headers.update(exc.headers or {})
+    return response
+
+
+def api_errors(app: FastAPI) -> FastAPI:
+    """`app`'s HTTP errors (a path no route has) answered by `api_error`: the API's own app and
+    the web app, which includes the router beside its page, answer them alike."""
+    app.add_exception_handler(StarletteHTTPException, api_error)
+    return app
+
+
 def build_router(models, api_key: str | None = None) -> APIRouter:
     """The /v1 routes (and /tokenize) over `models` (a Models registry, or one Engine)."""
     api = OpenAIServing(models, api_key)
@@ -241,6 +276,7 @@ def build_router(models, api_key: str | None = None) -> APIRouter:
         ("/tokenize", ("POST",)),
     ):
         _not_allowed(router, path, allowed)
+    _no_such_path(router, "/v1")  # last: the routes above answer their own paths first
     return router
 
 
@@ -269,14 +305,7 @@ def create_app(models, api_key: str | None = None) -> FastAPI:
     answers (an unknown path) is OpenAI's error object too."""
     app = document(FastAPI(title="MiniServeLM API"))
     app.include_router(build_router(models, api_key))
-
-    async def no_route(request: Request, exc: StarletteHTTPException):
-        response = error_response(APIError(str(exc.detail), status=exc.status_code))
-        response.headers.update(exc.headers or {})
-        return response
-
-    app.add_exception_handler(StarletteHTTPException, no_route)
-    return app
+    return api_errors(app)
 
 
 def serve(models, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None) -> None:
