@@ -55,6 +55,7 @@ def test_the_page_is_built_and_served_before_torch_is_imported():
 
         chunks = engine.complete_text("Hi", SamplingParams(max_new_tokens=2, temperature=0))
         print("reply:", "".join(c.text for c in chunks))
+        models.close()  # as the launcher does: the engine thread ends before the process
         """
     )
     assert "deferred after the page: True" in out

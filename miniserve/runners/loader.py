@@ -254,7 +254,8 @@ def unsupported_architecture(path: Path, arch: str) -> ModelLoadError:
 # what dequantizing a GGUF through transformers costs, measured on a 2-core Xeon: a 0.6B Qwen3
 # file took 51 s to its first token and peaked at 2.9 GB (bfloat16)
 DEQUANTIZE_SECONDS_PER_BILLION = 85
-DEQUANTIZE_PEAK_BYTES_PER_WEIGHT = {torch.float32: 8, torch.bfloat16: 5, torch.float16: 5}
+# (keyed by the dtype's name: read before torch is imported, core/deferred.py)
+DEQUANTIZE_PEAK_BYTES_PER_WEIGHT = {"float32": 8, "bfloat16": 5, "float16": 5}
 
 
 def fallback_notice(path: Path, arch: str, dtype: torch.dtype) -> str:
@@ -266,11 +267,12 @@ def fallback_notice(path: Path, arch: str, dtype: torch.dtype) -> str:
     except (GGUFFileError, OSError):
         weights = 0
     billions = weights / 1e9
-    peak = weights * DEQUANTIZE_PEAK_BYTES_PER_WEIGHT.get(dtype, 8) / 1e9
+    name = str(dtype).removeprefix("torch.")
+    peak = weights * DEQUANTIZE_PEAK_BYTES_PER_WEIGHT.get(name, 8) / 1e9
     return (
         f"{path.name}: architecture '{arch}' does not run natively (these do: "
         f"{native_names()}); transformers will dequantize its {billions:.2f} B weights to "
-        f"{str(dtype).removeprefix('torch.')} (first start roughly "
+        f"{name} (first start roughly "
         f"{max(5, billions * DEQUANTIZE_SECONDS_PER_BILLION):.0f} s and {peak:.1f} GB of memory; "
         "later starts read the cached copy)"
     )
