@@ -33,6 +33,22 @@ SHAPES = {
     "gemma3-1b": S("gemma3", 64, 96, 6, 4, 1, 32, 1e6, 1e-6, window=512),
     # Gemma 3 4B's global RoPE, linear-scaled by 8
     "gemma3-4b": S("gemma3", 64, 96, 6, 4, 2, 32, 1e6, 1e-6, window=8, rope_linear=8.0),
+    # Qwen3 MoE in small: 16 experts, 4 a token, each 32 wide
+    "qwen3moe": S(
+        "qwen3moe",
+        64,
+        96,
+        2,
+        4,
+        2,
+        32,
+        1e6,
+        1e-6,
+        tied=False,
+        experts=16,
+        experts_used=4,
+        expert_ffn=32,
+    ),
     "llama": S("llama", 64, 96, 2, 4, 2, 16, 1e4, 1e-5, tied=False),
     "qwen2": S("qwen2", 64, 96, 2, 4, 2, 16, 1e6, 1e-6, qkv_bias=True),
 }
@@ -70,8 +86,13 @@ def ids_for(name: str) -> list[int]:
 
 def compare(runner, ids) -> tuple[float, float]:
     """(largest |error| over the largest |logit|, that largest |logit|) of the runner's
-    teacher-forced logits against the float64 reference over the same file."""
-    want = Float64Reference(runner.weights).logits(ids)
+    teacher-forced logits against the float64 reference over the same file. With experts:
+    no row's K-th expert nearly tied with the next (where it is, float32 may choose the other,
+    as check_greedy allows near-tied tokens; these files have none, so every choice counts)."""
+    reference = Float64Reference(runner.weights)
+    want = reference.logits(ids)
+    if runner.arch.moe:
+        assert min(reference.margins) > 1e-4, min(reference.margins)
     got = runner.forward(torch.tensor([ids]), None, all_logits=True).double().numpy()
     scale = float(np.abs(want).max())
     return float(np.abs(got - want).max()) / scale, scale
@@ -160,7 +181,7 @@ def test_each_mistake_a_family_invites_fails_the_comparison(files, name, mistake
     assert error > 100 * BOUND_STORED_F16_RELATIVE, (mistake, error)
 
 
-@pytest.mark.parametrize("name", ["qwen3", "phi3", "gemma3-4b"])
+@pytest.mark.parametrize("name", ["qwen3", "phi3", "gemma3-4b", "qwen3moe"])
 @needs_native
 def test_a_sequence_of_each_family_gets_the_same_logits_in_a_batch(files, name):
     """Batch invariance: a prompt alone, then its rows beside two other sequences' (decode rows
@@ -249,3 +270,31 @@ def test_the_lean_and_native_runners_compute_what_transformers_computes(family):
     for runner in (LeanRunner(model), NativeRunner(model, math="float32")):
         got = runner.forward(torch.tensor([ids]), None, all_logits=True)
         assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (runner.name, family)
+
+
+@needs_native
+def test_expert_tensors_that_disagree_with_the_header_are_one_error(tmp_path):
+    """A file whose header makes each expert 16 wide while its expert tensors hold 32 rows an
+    expert: refused before any kernel reads the tensors, naming the tensor and both sizes."""
+    import gguf
+
+    from miniserve.runners.loader import ModelLoadError, load_model
+
+    width = gguf.GGUFWriter.add_expert_feed_forward_length
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(gguf.GGUFWriter, "add_expert_feed_forward_length", lambda w, n: width(w, n // 2))
+        path = write(tmp_path_factory_for(tmp_path), "qwen3moe", SHAPES["qwen3moe"])
+    with pytest.raises(ModelLoadError) as e:
+        load_model(str(path), dtype="stored", progress=lambda m: None)
+    assert "'blk.0.ffn_gate_exps.weight' is (16, 32, 64)" in str(e.value)
+    assert "make it (16, 16, 64)" in str(e.value)
+
+
+def tmp_path_factory_for(path):
+    class Factory:
+        def mktemp(self, name):
+            folder = path / name
+            folder.mkdir()
+            return folder
+
+    return Factory()

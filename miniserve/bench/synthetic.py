@@ -45,6 +45,8 @@ from miniserve.runners.loader import cache_root, embedded_gguf
 STD = 0.02  # the weights' standard deviation (the usual initializer range)
 CONTEXT_LENGTH = 8192
 FILLER_TOKEN = "<|synthetic_filler_{}|>"
+# matrices llama.cpp's converter and quantizer keep in float32: the MoE router
+F32_MATRICES = ("ffn_gate_inp.weight",)
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,9 @@ class Shape:
     window: int = 0  # attention.sliding_window (0: none written)
     rope_linear: float = 0.0  # rope.scaling linear with this factor (0: no scaling)
     longrope: int = 0  # LongRoPE: rope.scaling.original_context_length (0: none)
+    experts: int = 0  # MoE: expert_count, of which experts_used a token, each expert_ffn wide
+    experts_used: int = 0
+    expert_ffn: int = 0
 
     def numbers(self, vocab: int) -> architectures.Shape:
         return architectures.Shape(
@@ -75,6 +80,8 @@ class Shape:
             hd=self.head_dim,
             V=vocab,
             rot=self.rotary,
+            E=self.experts,
+            F=self.expert_ffn,
         )
 
 
@@ -102,6 +109,23 @@ SHAPES = {
         real_vocab=200064,
         rotary=96,
         longrope=4096,
+    ),
+    # Qwen/Qwen3-30B-A3B with 12 of its 48 layers (128 experts, 8 a token, 768 wide each)
+    "qwen3-30b-a3b-12l": Shape(
+        "qwen3moe",
+        2048,
+        6144,
+        12,
+        32,
+        4,
+        128,
+        1000000.0,
+        1e-6,
+        tied=False,
+        real_vocab=151936,
+        experts=128,
+        experts_used=8,
+        expert_ffn=768,
     ),
     "gemma-3-1b": Shape(
         "gemma3", 1152, 6912, 26, 4, 1, 256, 1000000.0, 1e-6, real_vocab=262144, window=512
@@ -254,6 +278,10 @@ def write_gguf(
         writer.add_rope_dimension_count(shape.rotary or shape.head_dim)
     if shape.window:
         writer.add_sliding_window(shape.window)
+    if shape.experts:
+        writer.add_expert_count(shape.experts)
+        writer.add_expert_used_count(shape.experts_used)
+        writer.add_expert_feed_forward_length(shape.expert_ffn)
     if shape.rope_linear:
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(shape.rope_linear)
@@ -269,8 +297,8 @@ def write_gguf(
 
     tensors = tensor_shapes(shape, vocab)
     for name, dims in tensors:
-        if len(dims) == 1:  # norms and biases stay float32, as the converters keep them
-            writer.add_tensor_info(name, dims, np.dtype(np.float32), 4 * dims[0])
+        if len(dims) == 1 or name.endswith(F32_MATRICES):  # as the converters keep them
+            writer.add_tensor_info(name, dims, np.dtype(np.float32), 4 * int(np.prod(dims)))
         elif qtype is None:
             writer.add_tensor_info(name, dims, np.dtype(np.float16), 2 * int(np.prod(dims)))
         else:
@@ -284,7 +312,7 @@ def write_gguf(
     total = len(tensors)
     for i, (name, dims) in enumerate(tensors):
         values = random_tensor(name, dims, seed)
-        if len(dims) == 1:
+        if len(dims) == 1 or name.endswith(F32_MATRICES):
             data = values
         elif qtype is None:
             data = values.astype(np.float16)

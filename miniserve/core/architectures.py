@@ -21,7 +21,7 @@ No torch here: the page is built before torch is imported (core/deferred.py).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -131,12 +131,11 @@ class Architecture:
     attn_scale: Callable[[dict], float] | None = None
     eps: float = 1e-5  # the norms' epsilon where the header has none
     theta: float = 10000.0  # the RoPE base where the header has none
-    moe: bool = False  # experts (ffn_*_exps): E experts, K used a token, weights renormalised
+    # experts (ffn_*_exps, the header's expert_count E, expert_used_count K,
+    # expert_feed_forward_length F): a softmax router, the top K, their weights renormalised
+    moe: bool = False
     lean: bool = True  # the PyTorch lean runner runs it (from a transformers model)
     notes: str = ""
-
-    def tensors(self) -> tuple[Tensor, ...]:
-        return self.layer
 
     def has(self, role: str) -> bool:
         return any(t.role == role for t in self.layer)
@@ -183,6 +182,16 @@ ARCHITECTURES: dict[str, Architecture] = {
             ATTENTION + QK_NORMS + MLP,
             eps=1e-6,
             theta=1e6,
+        ),
+        Architecture(
+            "qwen3moe",
+            "qwen3_moe",
+            "Qwen3 MoE (30B-A3B)",
+            ATTENTION + QK_NORMS + MOE,
+            eps=1e-6,
+            theta=1e6,
+            moe=True,
+            lean=False,
         ),
         Architecture(
             "phi3",
@@ -234,7 +243,6 @@ class Shape:
     E: int = 0
     F: int = 0
     rot: int = 0  # rotated dimensions (0: all of head_dim)
-    extra: dict = field(default_factory=dict)
 
     def numbers(self) -> dict[str, int]:
         q, kv = self.H * self.hd, self.KV * self.hd

@@ -33,6 +33,7 @@ class Float64Reference:
         self.spec = weights.spec
         self.cfg = weights.config
         self.positions = positions or self.cfg.max_position_embeddings
+        self.margins: list[float] = []  # MoE: each row's routing margin (_experts)
 
     def tensor(self, name: str) -> np.ndarray:
         import gguf
@@ -153,12 +154,36 @@ class Float64Reference:
         return _rms(x, self.tensor("output_norm.weight"), eps) @ (embed if head is None else head).T
 
     def _mlp(self, h: np.ndarray, get) -> np.ndarray:
+        if self.spec.moe:
+            return self._experts(h, get)
         gate_up = get("ffn_gate.weight")
         if gate_up is not None:
             gate, up = h @ gate_up.T, h @ get("ffn_up.weight").T
         else:  # phi3: gate | up in ffn_up
             gate, up = np.split(h @ get("ffn_up.weight").T, 2, axis=-1)
         return (_act(gate, self.spec.activation) * up) @ get("ffn_down.weight").T
+
+    def _experts(self, h: np.ndarray, get) -> np.ndarray:
+        """Qwen3 MoE as llama.cpp computes it: softmax over the router's logits, the top K
+        (the lower id among equals), their weights renormalised, each expert's SwiGLU.
+        `self.margins` collects, per row, the gap between the K-th and the next probability:
+        where it is tiny, another computation may choose the other expert."""
+        K = self.cfg.num_experts_per_tok
+        logits = h @ get("ffn_gate_inp.weight").T
+        p = np.exp(logits - logits.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        order = np.argsort(-p, axis=-1, kind="stable")  # stable: the lower id first
+        ranked = np.take_along_axis(p, order, -1)
+        self.margins.extend((ranked[:, K - 1] - ranked[:, K]).tolist())
+        gate, up, down = (get(f"ffn_{n}_exps.weight") for n in ("gate", "up", "down"))
+        out = np.zeros_like(h)
+        for row in range(h.shape[0]):
+            chosen = np.sort(order[row, :K])
+            weights = p[row, chosen] / p[row, chosen].sum()
+            for e, w in zip(chosen, weights):
+                x = h[row]
+                out[row] += w * ((_act(gate[e] @ x, "silu") * (up[e] @ x)) @ down[e].T)
+        return out
 
 
 def _act(g: np.ndarray, kind: str) -> np.ndarray:

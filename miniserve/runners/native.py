@@ -211,12 +211,17 @@ class MsLayer(ctypes.Structure):
             for name in ("q_norm", "k_norm", "attn_out_norm", "mlp_out_norm", "cos", "sin")
         ),
         ("window", ctypes.c_long),
+        ("router", MsMat),
+        ("experts", MsMat * 3),
     ]
 
 
 class MsModel(ctypes.Structure):
     _fields_ = [
-        *((name, ctypes.c_long) for name in ("layers", "D", "H", "KV", "hd", "I", "V", "rot")),
+        *(
+            (name, ctypes.c_long)
+            for name in ("layers", "D", "H", "KV", "hd", "I", "V", "rot", "E", "K", "F")
+        ),
         ("embed", MsMat),
         ("lm_head", MsMat),
         ("final_norm", ctypes.c_void_p),
@@ -462,6 +467,9 @@ class NativeForward:
             embed_scale=_embed_scale(model),
             attn_scale=_attn_scale(model),
             rot=model.rot,
+            E=getattr(cfg, "num_experts", 0),
+            K=getattr(cfg, "num_experts_per_tok", 0),
+            F=getattr(cfg, "moe_intermediate_size", 0),
             gelu=int(model.arch.activation == "gelu_tanh"),
             rope_pairs=int(model.rope_pairs),
             math=MATH_CODES[math],
@@ -483,7 +491,7 @@ class NativeForward:
 
     def _layer(self, w: dict, cos: torch.Tensor, sin: torch.Tensor, window: int | None) -> MsLayer:
         qkv = [w["wqkv"]] if "wqkv" in w else [w["wq"], w["wk"], w["wv"]]
-        gate_up = [w["w13"]] if "w13" in w else [w["w1"], w["w3"]]
+        gate_up = [w["w13"]] if "w13" in w else [w.get("w1"), w.get("w3")]
         assert cos.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
         assert cos.shape[1] == self.model.rot, (cos.shape, self.model.rot)
         return MsLayer(
@@ -493,11 +501,13 @@ class NativeForward:
             wo=ms_mat(w["wo"]),
             mlp_norm=self._float32(w["mlp_norm"]),
             gate_up=(MsMat * 2)(*(ms_mat(m) for m in gate_up + [None] * (2 - len(gate_up)))),
-            w2=ms_mat(w["w2"]),
+            w2=ms_mat(w.get("w2")),
             **{name: self._float32(w.get(name)) for name in NORMS[2:]},
             cos=cos.data_ptr(),
             sin=sin.data_ptr(),
             window=window or 0,
+            router=ms_mat(w.get("router")),
+            experts=(MsMat * 3)(*(ms_mat(w.get(n)) for n in ("w1_exps", "w3_exps", "w2_exps"))),
         )
 
     def new_cache(self, capacity: int = 256) -> NativeCache:

@@ -24,6 +24,7 @@ of cos and sin.
 from __future__ import annotations
 
 import hashlib
+import math
 import sys
 import warnings
 from collections.abc import Callable
@@ -88,6 +89,9 @@ class StoredConfig:
     rope_theta: float
     context_length: int  # what the file says it was trained for (before MAX_POSITIONS)
     rotary_dim: int = 0  # the dimensions of a head RoPE turns (partial rotary: < head_dim)
+    num_experts: int = 0  # experts (0: a dense feed-forward), of which a token uses
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # an expert's feed-forward width
     sliding_window: int | None = None
     extra: dict = field(default_factory=dict)
 
@@ -210,13 +214,22 @@ class GGUFWeights:
         if vocab is None or len(vocab.shape) != 2:
             raise StoredModelError(f"{self.path.name}: no 2-D tensor 'token_embd.weight'")
         context = self._count("context_length", 2048, high=1 << 24)
+        moe = {}
+        if spec.moe:  # experts: the feed-forward width is an expert's
+            experts = self._count("expert_count", high=4096)
+            moe = dict(
+                num_experts=experts,
+                num_experts_per_tok=self._count("expert_used_count", high=experts),
+                moe_intermediate_size=self._count("expert_feed_forward_length"),
+            )
         window = None
         if spec.window is not None:
             window = int(self._meta("attention.sliding_window", spec.window.default, False) or 0)
         return StoredConfig(
             model_type=spec.model_type,
             hidden_size=D,
-            intermediate_size=self._count("feed_forward_length"),
+            intermediate_size=moe.get("moe_intermediate_size")
+            or self._count("feed_forward_length"),
             num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=kv,
@@ -228,6 +241,7 @@ class GGUFWeights:
             context_length=context,
             rotary_dim=rotary,
             sliding_window=window or None,
+            **moe,
         )
 
     def shape(self) -> Shape:
@@ -241,6 +255,8 @@ class GGUFWeights:
             hd=c.head_dim,
             V=c.vocab_size,
             rot=c.rotary_dim,
+            E=c.num_experts,
+            F=c.moe_intermediate_size,
         )
 
     # -- tensors ---------------------------------------------------------------------------
@@ -282,7 +298,8 @@ class GGUFWeights:
                 f"{self.path.name}: tensor '{name}' is {info.shape}, the "
                 f"header's sizes make it {shape}"
             )
-        rows, cols = shape
+        rows, cols = math.prod(shape[:-1]), shape[-1]  # experts: E x F rows one after another
+        shape = (rows, cols)
         if info.type in FLOAT_TYPES and info.type != F16:
             dtype = getattr(torch, FLOAT_TYPES[info.type])
             t = _tensor_view(self.file.data(name), dtype).view(shape)
@@ -339,9 +356,18 @@ class GGUFWeights:
 
     def weight_bytes(self) -> int:
         """Bytes of weights read per decoded token (the embedding is looked up, not read,
-        unless it is also the output layer)."""
+        unless it is also the output layer; of the experts' matrices, the K a token uses)."""
         skip = {"token_embd.weight"} if "output.weight" in self.file.tensors else set()
-        return sum(t.nbytes for name, t in self.file.tensors.items() if name not in skip)
+        cfg = self.config
+        total = 0
+        for name, t in self.file.tensors.items():
+            if name in skip:
+                continue
+            if "_exps." in name and cfg.num_experts:
+                total += t.nbytes * cfg.num_experts_per_tok // cfg.num_experts
+            else:
+                total += t.nbytes
+        return total
 
     def file_type(self) -> str:
         """What the file's weights are, as llama.cpp names the mix (q4_k_m, q8_0, ...), else

@@ -1105,11 +1105,16 @@ struct MsLayer {
     const float *attn_out_norm, *mlp_out_norm;  // Gemma: on each branch's output; else null
     const float *cos, *sin;  // this layer's RoPE tables, (max positions, rot)
     long window;             // a local layer's window (q - k < window); 0 = every position
+    // experts (Qwen3 MoE) instead of gate_up / w2: the router (E rows), and the gate, up and
+    // down matrices of all E experts one after another (E x F rows of D, E x D rows of F)
+    MsMat router;
+    MsMat experts[3];
 };
 
 struct MsModel {
     long layers, D, H, KV, hd, I, V;
     long rot;  // the dimensions of a head RoPE turns (partial rotary: fewer than hd)
+    long E, K, F;  // experts, experts a token uses, an expert's feed-forward width (0: dense)
     MsMat embed, lm_head;  // V rows each (the embedding's rows are looked up, not multiplied)
     const float *final_norm;
     const MsLayer *layer;
@@ -1400,6 +1405,82 @@ static void attention(const MsModel *m, const MsRows *r, long layer, Scratch *sc
     });
 }
 
+// Expert e's rows of a matrix that holds every expert's `rows` rows one after another.
+static MsMat expert(const MsMat &all, long e, long rows, long cols) {
+    return {(const char *)all.data + e * rows * row_bytes(all.type, cols), all.type, rows};
+}
+
+// The experts' feed-forward of n rows (sc->h, normed) into sc->y. Each row: the router's
+// softmax over E experts, the top K (ties to the lower id), their weights renormalised to sum
+// to 1 (as llama.cpp does for Qwen3 MoE); each expert's SwiGLU; the outputs summed in
+// ascending expert id, in float32. The rows are grouped by expert, so that each chosen
+// expert's matrices are read once a pass, and a row's products are the same whatever else is
+// in its group (linear() computes each row alone): a row's result does not depend on its
+// batch.
+static void moe(const MsModel *m, const MsLayer &w, long n, Scratch *sc) {
+    const long D = m->D, E = m->E, K = m->K, F = m->F;
+    // an engine thread each (the lambdas below use these pointers: a thread_local named in
+    // them would be the pool thread's own)
+    static thread_local std::vector<float> probs_, weight_, gathered_, outs_;
+    static thread_local std::vector<long> chosen_;
+    probs_.resize(n * E);
+    weight_.resize(n * K);
+    chosen_.resize(n * K);
+    gathered_.resize(n * D);
+    outs_.resize(n * K * D);
+    float *probs = probs_.data(), *weight = weight_.data(), *gathered = gathered_.data();
+    float *outs = outs_.data();
+    long *chosen = chosen_.data();
+    linear(m, &w.router, 1, nullptr, sc->h, n, D, probs, sc);
+    for_rows(m->threads, n, [&](long b) {
+        float *p = probs + b * E, top = p[0], sum = 0.f;
+        for (long e = 1; e < E; e++) top = std::max(top, p[e]);
+        for (long e = 0; e < E; e++) sum += p[e] = std::exp(p[e] - top);
+        for (long e = 0; e < E; e++) p[e] /= sum;
+        long *c = chosen + b * K;
+        for (long k = 0; k < K; k++) {  // the k-th largest, the lower id among equals
+            long best = -1;
+            for (long e = 0; e < E; e++) {
+                bool taken = false;
+                for (long j = 0; j < k; j++) taken |= c[j] == e;
+                if (!taken && (best < 0 || p[e] > p[best])) best = e;
+            }
+            c[k] = best;
+        }
+        std::sort(c, c + K);
+        float total = 0.f;
+        for (long k = 0; k < K; k++) total += p[c[k]];
+        for (long k = 0; k < K; k++) weight[b * K + k] = p[c[k]] / total;
+    });
+    std::vector<long> slots;  // (row, k) of the rows that chose expert e
+    for (long e = 0; e < E; e++) {
+        slots.clear();
+        for (long i = 0; i < n * K; i++)
+            if (chosen[i] == e) slots.push_back(i);
+        const long cnt = (long)slots.size();
+        if (cnt == 0) continue;
+        for (long i = 0; i < cnt; i++)
+            std::memcpy(gathered + i * D, sc->h + slots[i] / K * D, D * sizeof(float));
+        const MsMat gate_up[2] = {expert(w.experts[0], e, F, D), expert(w.experts[1], e, F, D)};
+        linear(m, gate_up, 2, nullptr, gathered, cnt, D, sc->gu, sc);
+        for_rows(m->threads, cnt, [&](long i) {
+            silu_mul(sc->gu + i * 2 * F, sc->gu + i * 2 * F + F, sc->act + i * F, F);
+        });
+        const MsMat down = expert(w.experts[2], e, D, F);
+        linear(m, &down, 1, nullptr, sc->act, cnt, F, sc->y, sc);
+        for (long i = 0; i < cnt; i++)
+            std::memcpy(outs + slots[i] * D, sc->y + i * D, D * sizeof(float));
+    }
+    for_rows(m->threads, n, [&](long b) {
+        float *y = sc->y + b * D;
+        for (long i = 0; i < D; i++) y[i] = 0.f;
+        for (long k = 0; k < K; k++) {  // ascending expert id
+            const float a = weight[b * K + k], *o = outs + (b * K + k) * D;
+            for (long i = 0; i < D; i++) y[i] += a * o[i];
+        }
+    });
+}
+
 static void forward(const MsModel *m, const MsRows *r, float *scratch) {
     const long n = r->n, D = m->D, I = m->I;
     long max_len = 0;
@@ -1427,13 +1508,17 @@ static void forward(const MsModel *m, const MsRows *r, float *scratch) {
         if (w.attn_out_norm != nullptr) norm(m, sc.y, w.attn_out_norm, sc.y, n);
         for (long i = 0; i < n * D; i++) sc.x[i] += sc.y[i];
         norm(m, sc.x, w.mlp_norm, sc.h, n);
-        linear(m, w.gate_up, 2, nullptr, sc.h, n, D, sc.gu, &sc);
-        for_rows(m->threads, n, [&](long b) {
-            const float *gate = sc.gu + b * 2 * I, *up = gate + I;
-            if (m->gelu) gelu_mul(gate, up, sc.act + b * I, I);
-            else silu_mul(gate, up, sc.act + b * I, I);
-        });
-        linear(m, &w.w2, 1, nullptr, sc.act, n, I, sc.y, &sc);
+        if (w.router.data != nullptr) {
+            moe(m, w, n, &sc);
+        } else {
+            linear(m, w.gate_up, 2, nullptr, sc.h, n, D, sc.gu, &sc);
+            for_rows(m->threads, n, [&](long b) {
+                const float *gate = sc.gu + b * 2 * I, *up = gate + I;
+                if (m->gelu) gelu_mul(gate, up, sc.act + b * I, I);
+                else silu_mul(gate, up, sc.act + b * I, I);
+            });
+            linear(m, &w.w2, 1, nullptr, sc.act, n, I, sc.y, &sc);
+        }
         if (w.mlp_out_norm != nullptr) norm(m, sc.y, w.mlp_out_norm, sc.y, n);
         for (long i = 0; i < n * D; i++) sc.x[i] += sc.y[i];
     }
@@ -1465,10 +1550,12 @@ const char *ms_layout(void) {
         MS_FIELD(MsLayer, w2), MS_FIELD(MsLayer, q_norm), MS_FIELD(MsLayer, k_norm);
         MS_FIELD(MsLayer, attn_out_norm), MS_FIELD(MsLayer, mlp_out_norm);
         MS_FIELD(MsLayer, cos), MS_FIELD(MsLayer, sin), MS_FIELD(MsLayer, window);
+        MS_FIELD(MsLayer, router), MS_FIELD(MsLayer, experts);
         add("MsModel", sizeof(MsModel));
         MS_FIELD(MsModel, layers), MS_FIELD(MsModel, D), MS_FIELD(MsModel, H);
         MS_FIELD(MsModel, KV), MS_FIELD(MsModel, hd), MS_FIELD(MsModel, I);
-        MS_FIELD(MsModel, V), MS_FIELD(MsModel, rot), MS_FIELD(MsModel, embed);
+        MS_FIELD(MsModel, V), MS_FIELD(MsModel, rot), MS_FIELD(MsModel, E);
+        MS_FIELD(MsModel, K), MS_FIELD(MsModel, F), MS_FIELD(MsModel, embed);
         MS_FIELD(MsModel, lm_head), MS_FIELD(MsModel, final_norm), MS_FIELD(MsModel, layer);
         MS_FIELD(MsModel, eps), MS_FIELD(MsModel, embed_scale), MS_FIELD(MsModel, attn_scale);
         MS_FIELD(MsModel, gelu), MS_FIELD(MsModel, rope_pairs), MS_FIELD(MsModel, math);
