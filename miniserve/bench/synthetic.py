@@ -223,11 +223,33 @@ def _copy_tokenizer(writer, fields, vocab: int) -> int:
     return vocab
 
 
+def _qwen3_size() -> int:
+    from miniserve.bench.tokenizer_files import qwen3_vocab_size
+
+    return qwen3_vocab_size()
+
+
+def _qwen3_tokenizer(writer, vocab: int) -> None:
+    from miniserve.bench.tokenizer_files import add_qwen3_tokenizer
+
+    add_qwen3_tokenizer(writer, vocab)
+
+
 def embedded_vocab_size() -> int:
     for field in _embedded_vocab():
         if field.name == "tokenizer.ggml.tokens":
             return len(field.data)
     raise ValueError("the embedded GGUF has no tokenizer.ggml.tokens")
+
+
+# name -> (its vocabulary size, a function writing its keys into a GGUFWriter for a vocab)
+TOKENIZERS = {
+    "embedded": (
+        lambda: embedded_vocab_size(),
+        lambda w, n: _copy_tokenizer(w, _embedded_vocab(), n),
+    ),
+    "qwen3": (lambda: _qwen3_size(), lambda w, n: _qwen3_tokenizer(w, n)),
+}
 
 
 def write_gguf(
@@ -237,34 +259,56 @@ def write_gguf(
     quant: str = "f16",
     seed: int = 0,
     progress=None,
+    tokenizer: str = "embedded",
 ) -> Path:
-    """Write the synthetic model as `quant` (f16, or q8_0 / q4_0 by the numpy quantizers),
-    tensor by tensor (never the whole model in memory). Returns `path`."""
+    """Write the synthetic model of SHAPES[shape_name] (write_shape). Returns `path`."""
+    return write_shape(
+        path, SHAPES[shape_name], shape_name, vocab, quant, seed, progress, tokenizer
+    )
+
+
+def write_shape(
+    path: Path,
+    shape: Shape,
+    label: str,
+    vocab: int | None = None,
+    quant: str = "f16",
+    seed: int = 0,
+    progress=None,
+    tokenizer: str = "embedded",
+    context_length: int = CONTEXT_LENGTH,
+) -> Path:
+    """Write a model of `shape` as `quant` (f16, or q8_0 / q4_0 by the numpy quantizers),
+    tensor by tensor (never the whole model in memory), whole or not at all (a .partial beside
+    it, renamed), with a tokenizer from TOKENIZERS: the embedded model's (padded with filler
+    tokens to `vocab`) or Qwen3's (tokenizer.json and chat template; `make tokenizer-qwen3`).
+    Returns `path`."""
     import gguf
     from gguf.quants import quant_shape_to_byte_shape, quantize
 
+    if tokenizer not in TOKENIZERS:
+        raise ValueError(f"unknown tokenizer {tokenizer!r}; choose from {', '.join(TOKENIZERS)}")
     say = progress or (lambda m: None)
-    shape = SHAPES[shape_name]
+    spec = architectures.ARCHITECTURES[shape.arch]
     qtype = {
         "f16": None,
         "q8_0": gguf.GGMLQuantizationType.Q8_0,
         "q4_0": gguf.GGMLQuantizationType.Q4_0,
     }[quant]
-    fields = _embedded_vocab()
-    vocab = vocab or next(len(f.data) for f in fields if f.name == "tokenizer.ggml.tokens")
+    vocab = vocab or TOKENIZERS[tokenizer][0]()
+    path = Path(path)
     partial = path.with_name(path.name + ".partial")
     partial.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(str(partial), shape.arch)
-    a = shape.arch
-    writer.add_name(f"synthetic {shape_name} (random weights)")
+    writer.add_name(f"synthetic {label} (random weights)")
     writer.add_type("model")
-    base_vocab = next(len(f.data) for f in fields if f.name == "tokenizer.ggml.tokens")
+    base_vocab = TOKENIZERS[tokenizer][0]()
     writer.add_description(
-        f"random weights (seed {seed}, std {STD}) in the shape of "
-        f"{shape_name}; the embedded model's tokenizer"
+        f"random weights (seed {seed}, std {STD}) in the shape of {label}; "
+        f"{'the embedded model' if tokenizer == 'embedded' else tokenizer}'s tokenizer"
         + (f", padded from {base_vocab} to {vocab} tokens" if vocab > base_vocab else "")
     )
-    writer.add_context_length(CONTEXT_LENGTH)
+    writer.add_context_length(context_length)
     writer.add_embedding_length(shape.hidden)
     writer.add_block_count(shape.layers)
     writer.add_feed_forward_length(shape.ffn)
@@ -274,7 +318,7 @@ def write_gguf(
     writer.add_layer_norm_rms_eps(shape.rms_eps)
     writer.add_file_type(FTYPES[quant])
     writer.add_vocab_size(vocab)
-    if a == "llama" or shape.rotary:
+    if shape.arch == "llama" or shape.rotary:
         writer.add_rope_dimension_count(shape.rotary or shape.head_dim)
     if shape.window:
         writer.add_sliding_window(shape.window)
@@ -287,13 +331,15 @@ def write_gguf(
         writer.add_rope_scaling_factor(shape.rope_linear)
     if shape.longrope:
         writer.add_rope_scaling_orig_ctx_len(shape.longrope)
-        scale = CONTEXT_LENGTH / shape.longrope  # Phi-3's converter's attention factor
+        scale = context_length / shape.longrope  # Phi-3's converter's attention factor
         writer.add_rope_scaling_attn_factors((1 + np.log(scale) / np.log(shape.longrope)) ** 0.5)
-    if shape.head_dim != shape.hidden // shape.heads:
+    # where the head is not hidden / heads, and always where the q/k norms are per head, as
+    # llama.cpp's converter writes qwen3
+    if shape.head_dim != shape.hidden // shape.heads or spec.qk_norm:
         writer.add_key_length(shape.head_dim)
         writer.add_value_length(shape.head_dim)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    _copy_tokenizer(writer, fields, vocab)
+    TOKENIZERS[tokenizer][1](writer, vocab)
 
     tensors = tensor_shapes(shape, vocab)
     for name, dims in tensors:
@@ -352,14 +398,23 @@ def default_dir() -> Path:
     return cache_root() / "synthetic"
 
 
-def file_name(shape_name: str, vocab: int, quant: str, numpy_quant: bool = False) -> str:
+def file_name(
+    shape_name: str, vocab: int, quant: str, numpy_quant: bool = False, tokenizer: str = "embedded"
+) -> str:
     """<shape>-<vocab>-<quant>.gguf; `-numpy` before .gguf for the numpy quantizer's files
-    (every matrix in the one type: not what llama.cpp's quantizer makes of the same type)."""
-    return f"{shape_name}-{vocab}-{quant}{'-numpy' if numpy_quant else ''}.gguf"
+    (every matrix in the one type: not what llama.cpp's quantizer makes of the same type), and
+    the tokenizer's name where it is not the embedded model's."""
+    own = "" if tokenizer == "embedded" else f"-{tokenizer}"
+    return f"{shape_name}-{vocab}{own}-{quant}{'-numpy' if numpy_quant else ''}.gguf"
 
 
 def target(
-    shape_name: str, quant: str, vocab: int, out_dir: Path, numpy_only: bool = False
+    shape_name: str,
+    quant: str,
+    vocab: int,
+    out_dir: Path,
+    numpy_only: bool = False,
+    tokenizer: str = "embedded",
 ) -> Path:
     """Where make() puts (or finds) the file."""
     use_numpy = quant != "f16" and (numpy_only or not llama_cpp_available())
@@ -368,7 +423,7 @@ def target(
             f"{quant} needs llama-cpp-python (llama.cpp's quantizer); without "
             f"it only {', '.join(NUMPY_QUANTS)} can be made"
         )
-    return Path(out_dir) / file_name(shape_name, vocab, quant, use_numpy)
+    return Path(out_dir) / file_name(shape_name, vocab, quant, use_numpy, tokenizer)
 
 
 def make(
@@ -379,6 +434,7 @@ def make(
     seed: int = 0,
     numpy_only: bool = False,
     progress=None,
+    tokenizer: str = "embedded",
 ) -> Path:
     """The synthetic model's file, made once (reused when present)."""
     say = progress or (lambda m: print(m, file=sys.stderr, flush=True))
@@ -386,9 +442,11 @@ def make(
         raise ValueError(f"unknown shape {shape_name!r}; choose from {', '.join(SHAPES)}")
     if quant not in FTYPES:
         raise ValueError(f"unknown quant {quant!r}; choose from {', '.join(FTYPES)}")
-    vocab = vocab or embedded_vocab_size()
+    if tokenizer not in TOKENIZERS:
+        raise ValueError(f"unknown tokenizer {tokenizer!r}; choose from {', '.join(TOKENIZERS)}")
+    vocab = vocab or TOKENIZERS[tokenizer][0]()
     out_dir = Path(out_dir) if out_dir else default_dir()
-    out = target(shape_name, quant, vocab, out_dir, numpy_only)
+    out = target(shape_name, quant, vocab, out_dir, numpy_only, tokenizer)
     use_numpy = out.name.endswith("-numpy.gguf")
     if out.is_file():
         return out
@@ -397,8 +455,8 @@ def make(
             f"writing {out.name} ({parameter_count(SHAPES[shape_name], vocab) / 1e9:.2f} B "
             "parameters" + (", gguf's numpy quantizer" if use_numpy else "") + ") ..."
         )
-        return write_gguf(out, shape_name, vocab, quant, seed, say)
-    f16 = make(shape_name, "f16", vocab, out_dir, seed, progress=say)
+        return write_gguf(out, shape_name, vocab, quant, seed, say, tokenizer)
+    f16 = make(shape_name, "f16", vocab, out_dir, seed, progress=say, tokenizer=tokenizer)
     say(f"quantizing {f16.name} -> {out.name} with llama.cpp ...")
     return llama_quantize(f16, out, quant)
 
@@ -496,6 +554,12 @@ def main(argv: list[str] | None = None) -> int:
         "('real': the real model's size, e.g. 128256 for Llama 3)",
     )
     parser.add_argument("--out", default=None, help="folder (default: the cache's synthetic/)")
+    parser.add_argument(
+        "--tokenizer",
+        default="embedded",
+        choices=sorted(TOKENIZERS),
+        help="the embedded model's vocabulary (default), or Qwen3's (make tokenizer-qwen3)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--numpy",
@@ -513,13 +577,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.vocab:
         vocab = SHAPES[args.shape].real_vocab if args.vocab == "real" else int(args.vocab)
     try:
-        vocab = vocab or embedded_vocab_size()
+        vocab = vocab or TOKENIZERS[args.tokenizer][0]()
         existed = target(
-            args.shape, args.quant, vocab, Path(args.out or default_dir()), args.numpy
+            args.shape,
+            args.quant,
+            vocab,
+            Path(args.out or default_dir()),
+            args.numpy,
+            args.tokenizer,
         ).is_file()
         start = time.perf_counter()
-        path = make(args.shape, args.quant, vocab, args.out, args.seed, args.numpy)
-    except (ValueError, RuntimeError) as e:
+        path = make(
+            args.shape,
+            args.quant,
+            vocab,
+            args.out,
+            args.seed,
+            args.numpy,
+            tokenizer=args.tokenizer,
+        )
+    except (ValueError, RuntimeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     took = time.perf_counter() - start

@@ -21,9 +21,7 @@ import json
 import re
 from pathlib import Path
 
-import numpy as np
-
-from miniserve.bench.synthetic import Shape, random_tensor, tensor_shapes
+from miniserve.bench.synthetic import Shape, write_shape
 from miniserve.core.paths import cache_root
 
 QWEN3_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -101,14 +99,9 @@ def write_qwen3_tokenizer_gguf(
     head size is hidden // heads, but 128 for qwen3: Qwen3's own, the one transformers' GGUF
     loader assumes for qwen3 (it reads no key_length there). Writes `path` whole or not at all
     (a .partial beside it, renamed); returns `path`."""
-    import gguf
-
     if arch not in ARCHITECTURES:
         raise ValueError(f"arch {arch!r}: choose from {', '.join(ARCHITECTURES)}")
     head_dim = head_dim or (128 if arch == "qwen3" else hidden // heads)
-    tokens, types, merges, config = _vocabulary(qwen3_tokenizer_dir(), vocab)
-    ids = {token: i for i, token in enumerate(tokens)}
-    real = sum(t != gguf.TokenType.UNUSED for t in types)
     shape = Shape(
         arch,
         hidden,
@@ -122,33 +115,28 @@ def write_qwen3_tokenizer_gguf(
         tied=tied,
         qkv_bias=arch == "qwen2",
     )
-    path = Path(path)
-    partial = path.with_name(path.name + ".partial")
-    partial.parent.mkdir(parents=True, exist_ok=True)
-    writer = gguf.GGUFWriter(str(partial), arch)
-    writer.add_name(f"tiny {arch} with Qwen3's tokenizer (random weights)")
-    writer.add_type("model")
-    writer.add_description(
-        f"random weights (seed {seed}); Qwen3's tokenizer.json and chat template, "
-        f"padded from {real} to {vocab} tokens"
+    return write_shape(
+        path,
+        shape,
+        f"tiny {arch} with Qwen3's tokenizer",
+        vocab,
+        "f16",
+        seed,
+        tokenizer="qwen3",
+        context_length=context_length,
     )
-    writer.add_context_length(context_length)
-    writer.add_embedding_length(hidden)
-    writer.add_block_count(layers)
-    writer.add_feed_forward_length(ffn)
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_rope_freq_base(rope_theta)
-    writer.add_layer_norm_rms_eps(rms_eps)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    writer.add_vocab_size(vocab)
-    if arch == "llama":
-        writer.add_rope_dimension_count(head_dim)
-    if head_dim != hidden // heads or arch == "qwen3":  # as llama.cpp's converter writes qwen3
-        writer.add_key_length(head_dim)
-        writer.add_value_length(head_dim)
-    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
+
+def qwen3_vocab_size() -> int:
+    """Qwen3's embedding rows: its tokenizer's tokens padded, as the released models pad them."""
+    return QWEN3_VOCAB
+
+
+def add_qwen3_tokenizer(writer, vocab: int) -> None:
+    """Qwen3's tokenizer keys and chat template into a GGUFWriter, its tokens padded to `vocab`
+    as llama.cpp's converter pads them."""
+    tokens, types, merges, config = _vocabulary(qwen3_tokenizer_dir(), vocab)
+    ids = {token: i for i, token in enumerate(tokens)}
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2")
     writer.add_token_list(tokens)
@@ -159,14 +147,3 @@ def write_qwen3_tokenizer_gguf(
     writer.add_pad_token_id(ids[config["pad_token"]])
     writer.add_add_bos_token(False)
     writer.add_chat_template(config["chat_template"])
-
-    tensors = tensor_shapes(shape, vocab)
-    for name, dims in tensors:
-        values = random_tensor(name, dims, seed)
-        writer.add_tensor(name, values if len(dims) == 1 else values.astype(np.float16))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    partial.rename(path)
-    return path
