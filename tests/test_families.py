@@ -298,3 +298,30 @@ def tmp_path_factory_for(path):
             return folder
 
     return Factory()
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3moe"])
+@needs_native
+def test_transformers_reading_the_same_file_computes_what_the_stored_runner_does(
+    tmp_path_factory, name
+):
+    """A second reference, where transformers' GGUF mapping reads the shape right: its qwen3
+    assumes head_dim 128 (it ignores key_length) and its qwen3moe an expert width of 768
+    (it ignores expert_feed_forward_length), so those sizes here."""
+    from transformers import AutoModelForCausalLM
+
+    shape = dataclasses.replace(
+        SHAPES[name], head_dim=128, **({"expert_ffn": 768} if name == "qwen3moe" else {})
+    )
+    path = write(tmp_path_factory, f"{name}-hf", shape)
+    runner = stored_runner(path)
+    reference = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    ids = ids_for(name)
+    with torch.inference_mode():
+        want = reference(torch.tensor([ids])).logits[0].double()
+    got = runner.forward(torch.tensor([ids]), None, all_logits=True).double()
+    scale = float(want.abs().max())
+    assert scale > 0.5
+    assert float((got - want).abs().max()) / scale <= BOUND_STORED_F16_RELATIVE
