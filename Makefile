@@ -13,7 +13,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # The engine tests: every claim that two computations agree, on the real model (the
 # scheduler's: a sequence in a batch gets the tokens it gets alone).
 ENGINE_TESTS := tests/test_decode.py tests/test_native.py tests/test_engine.py \
-	tests/test_scheduler.py tests/test_stored.py
+	tests/test_scheduler.py tests/test_stored.py tests/test_families.py
 # The AVX2 and generic legs imitate x86-64 CPUs; elsewhere (ARM) only the last leg runs.
 LEGS := $(if $(filter x86_64 amd64,$(shell uname -m)),test-avx2 test-generic) test-no-native
 # A CPU without AVX-512 (AMD Zen 2/3, most Intel desktops and laptops): ATen's kernels
@@ -115,7 +115,7 @@ test-avx2: install compiler
 
 test-generic: install compiler
 	$(GENERIC_LEG) $(PY) -m pytest -q -m "not same_on_every_cpu" tests/test_native.py \
-		tests/test_stored.py
+		tests/test_stored.py tests/test_families.py
 
 # Only the engine's default runner changes here (lean instead of native): the tests on a runner
 # they name (marked pinned_runner) compute the same as in the full suite, which has them.

@@ -16,7 +16,9 @@ from miniserve.bench import synthetic
 from miniserve.runners.float64 import Float64Reference
 from miniserve.runners.verify import BOUND_STORED_F16_RELATIVE
 
-from conftest import needs_native
+from conftest import needs_native, pinned_runner, same_on_every_cpu
+
+pytestmark = pinned_runner  # the stored and native runners, named: the no-native leg leaves them
 
 S = synthetic.Shape
 # head_dim 32 where hidden / heads is 16: the key_length path; every size tiny
@@ -110,6 +112,7 @@ def test_each_family_as_stored_follows_the_float64_reference(files, name):
     assert error <= BOUND_STORED_F16_RELATIVE, error
 
 
+@same_on_every_cpu
 @needs_native
 def test_the_table_decides_what_each_family_runs(files):
     """What the comparison above rests on, read off the runners: partial rotary, the LongRoPE
@@ -194,6 +197,7 @@ def test_a_sequence_of_each_family_gets_the_same_logits_in_a_batch(files, name):
     assert torch.equal(together[3 : 3 + len(ids)], alone)
 
 
+@same_on_every_cpu
 def test_an_architecture_outside_the_table_is_one_sentence_naming_what_runs(tmp_path):
     """A file of another architecture: the error (transformers cannot load it either) or the
     notice before the transformers fallback dequantizes it names the architecture, every one
@@ -272,6 +276,7 @@ def test_the_lean_and_native_runners_compute_what_transformers_computes(family):
         assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (runner.name, family)
 
 
+@same_on_every_cpu
 @needs_native
 def test_expert_tensors_that_disagree_with_the_header_are_one_error(tmp_path):
     """A file whose header makes each expert 16 wide while its expert tensors hold 32 rows an
