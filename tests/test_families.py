@@ -202,31 +202,18 @@ def test_an_architecture_outside_the_table_is_one_sentence_naming_what_runs(tmp_
     """A file of another architecture: the error (transformers cannot load it either) or the
     notice before the transformers fallback dequantizes it names the architecture, every one
     that runs natively, and (the notice) roughly what the fallback costs."""
-    import gguf
+    from test_models import write_gguf
 
     from miniserve.core.architectures import ARCHITECTURES
     from miniserve.runners.loader import ModelLoadError, fallback_notice, load_model
 
-    path = tmp_path / "other.gguf"
-    w = gguf.GGUFWriter(str(path), "stablelm")
-    w.add_block_count(1)
-    w.add_tensor("token_embd.weight", np.zeros((1000, 2000), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    path, odd = tmp_path / "other.gguf", tmp_path / "odd.gguf"
+    write_gguf(path, "stablelm")  # an architecture transformers loads
     notice = fallback_notice(path, "stablelm", torch.bfloat16)
     assert "architecture 'stablelm' does not run natively" in notice
     assert all(name in notice for name in ARCHITECTURES)
     assert "0.00 B weights to bfloat16" in notice and "5 s and 0.0 GB" in notice
-    odd = tmp_path / "odd.gguf"
-    gguf_writer = gguf.GGUFWriter(str(odd), "mamba9")
-    gguf_writer.add_block_count(1)
-    gguf_writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
-    gguf_writer.write_header_to_file()
-    gguf_writer.write_kv_data_to_file()
-    gguf_writer.write_tensors_to_file()
-    gguf_writer.close()
+    write_gguf(odd, "mamba9")  # one it does not
     with pytest.raises(ModelLoadError) as e:
         load_model(str(odd))
     assert "'mamba9' runs neither natively" in str(e.value)
