@@ -88,14 +88,6 @@ class Float64Reference:
             local = self._angles(spec.window.local_theta, 1.0, None, count)
         return angles, local, factor
 
-    def _window(self, layer: int) -> int | None:
-        window, every = self.spec.window, self.cfg.sliding_window
-        if window is None or not every:
-            return None
-        if window.global_every and (layer + 1) % window.global_every == 0:
-            return None
-        return self.cfg.sliding_window
-
     def logits(self, ids: list[int]) -> np.ndarray:
         """(len(ids), vocab) float64 logits of every position of one sequence from position 0."""
         cfg, spec, eps = self.cfg, self.spec, self.cfg.rms_norm_eps
@@ -105,13 +97,8 @@ class Float64Reference:
         if spec.embed_scale:
             x = x * np.sqrt(np.float64(cfg.hidden_size))
         angles, local, factor = self._rope_setup(T)
-        scale = (
-            spec.attn_scale(
-                {"D": cfg.hidden_size, "H": H, "hd": hd, "layers": cfg.num_hidden_layers}
-            )
-            if spec.attn_scale
-            else hd**-0.5
-        )
+        scale = self.w.scores_scale() or hd**-0.5
+        windows = self.w.layer_windows()
         pos = np.arange(T)
         for i in range(cfg.num_hidden_layers):
             get = lambda part, i=i: self._optional(f"blk.{i}.{part}")  # noqa: E731
@@ -128,7 +115,7 @@ class Float64Reference:
             if spec.qk_norm:
                 q = _rms(q, get("attn_q_norm.weight"), eps)
                 k = _rms(k, get("attn_k_norm.weight"), eps)
-            window = self._window(i)
+            window = windows[i]
             a = local if window is not None else angles
             q, k = self._rope(q, a, factor), self._rope(k, a, factor)
             group = H // KV

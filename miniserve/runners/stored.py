@@ -259,6 +259,30 @@ class GGUFWeights:
             F=c.moe_intermediate_size,
         )
 
+    def layer_windows(self) -> list[int | None]:
+        """Each layer's sliding window (None: it sees every position), by the table's pattern:
+        every `global_every`-th layer global, the others local where the file has a window."""
+        window, size = self.spec.window, self.config.sliding_window
+        every = window.global_every if window is not None else 0
+        return [
+            None if window is None or not size or (every and (i + 1) % every == 0) else size
+            for i in range(self.config.num_hidden_layers)
+        ]
+
+    def scores_scale(self) -> float | None:
+        """The attention scores' factor where the table gives one (else None: head_dim^-0.5)."""
+        c, spec = self.config, self.spec
+        if spec.attn_scale is None:
+            return None
+        return spec.attn_scale(
+            {
+                "D": c.hidden_size,
+                "H": c.num_attention_heads,
+                "hd": c.head_dim,
+                "layers": c.num_hidden_layers,
+            }
+        )
+
     # -- tensors ---------------------------------------------------------------------------
     def _names(self) -> dict:
         """Every tensor the architecture names, present or not: role -> file name."""
@@ -471,32 +495,13 @@ class StoredRunner(native.CompiledPass):
         self.cos, self.sin = rope_tables(
             self.rot, cfg.rope_theta, pairs, positions, scale, divisors, factor
         )
-        window = spec.window
-        self.windows = [None] * len(self.layers)
+        self.windows = weights.layer_windows()
         self.local_cos, self.local_sin = self.cos, self.sin
-        if window is not None and cfg.sliding_window:
-            every = window.global_every
-            self.windows = [
-                None if every and (i + 1) % every == 0 else cfg.sliding_window
-                for i in range(len(self.layers))
-            ]
-            if window.local_theta is not None:  # local layers: their own base, unscaled
-                self.local_cos, self.local_sin = rope_tables(
-                    self.rot, window.local_theta, pairs, positions
-                )
+        local_theta = spec.window.local_theta if spec.window is not None else None
+        if any(self.windows) and local_theta is not None:  # local layers: their own base
+            self.local_cos, self.local_sin = rope_tables(self.rot, local_theta, pairs, positions)
         self.embed_scale = torch.tensor(float(cfg.hidden_size) ** 0.5) if spec.embed_scale else None
-        self.attn_scale = (
-            spec.attn_scale(
-                {
-                    "D": cfg.hidden_size,
-                    "H": self.n_heads,
-                    "hd": self.head_dim,
-                    "layers": len(self.layers),
-                }
-            )
-            if spec.attn_scale
-            else None
-        )
+        self.attn_scale = weights.scores_scale()
         self.native = native.NativeForward(self, self.math)
 
     def _rope_factors(self, positions: int) -> tuple[torch.Tensor | None, float]:
