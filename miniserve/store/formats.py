@@ -1,11 +1,19 @@
 """The formats conversations leave and enter the store in: miniserve's own export (the whole
-tree, settings and stats; `miniserve.conversation(s)`, version EXPORT_VERSION, documented in
-README.md), Markdown and an OpenAI `messages` list of the open branch; imports of the first
-and the last, checked completely before anything is written (BadImport names where)."""
+tree, settings and stats, replies' reasoning and tool calls; `miniserve.conversation(s)`,
+version EXPORT_VERSION, documented in README.md), Markdown, plain text and an OpenAI
+`messages` list of the open branch; imports of the first and the last, checked completely
+before anything is written (BadImport names where).
+
+A reply's reasoning and tool calls: in the export, "reasoning" and "tool_calls" on every
+message ("" and [] for none; an export without them, as older versions wrote, imports with
+none); in the OpenAI list, "reasoning_content" and "tool_calls" in OpenAI's shape (content
+null when a reply with tool calls has no text); in Markdown, a folded "Thinking" block above
+the reply and a fenced json block per tool call; in plain text, a "Thinking:" section."""
 
 from __future__ import annotations
 
 import json
+import re
 import time
 
 from miniserve.core.config import MAX_IMPORT_BYTES
@@ -17,6 +25,7 @@ from miniserve.store.records import (
     StoreError,
     Summary,
     clean,
+    reply_extras,
     title_from,
 )
 
@@ -49,6 +58,8 @@ def export_tree(conv: Summary, rows) -> dict:
                 "status": r["status"],
                 "settings": json.loads(r["settings"]),
                 "stats": json.loads(r["stats"]),
+                "reasoning": r["reasoning"],
+                "tool_calls": json.loads(r["tool_calls"]),
             }
             for i, r in enumerate(rows)
         ],
@@ -60,13 +71,48 @@ def export_all(trees: list[dict]) -> dict:
 
 
 def openai_messages(conv: Summary, path: list[Message]) -> list[dict]:
-    """The open branch as an OpenAI `messages` list (the system prompt first)."""
+    """The open branch as an OpenAI `messages` list (the system prompt first). A reply's
+    reasoning is its "reasoning_content"; its tool calls are "tool_calls" in OpenAI's shape,
+    with content null when it has no text."""
     return ([{"role": "system", "content": conv.system}] if conv.system else []) + [
-        {"role": m.role, "content": m.content} for m in path
+        _openai_message(m) for m in path
     ]
 
 
+def _openai_message(m: Message) -> dict:
+    out: dict = {"role": m.role, "content": m.content}
+    if m.reasoning:
+        out["reasoning_content"] = m.reasoning
+    if m.tool_calls:
+        out["content"] = m.content or None
+        out["tool_calls"] = [
+            {
+                "id": c["id"],
+                "type": "function",
+                "function": {"name": c["name"], "arguments": c["arguments"]},
+            }
+            for c in m.tool_calls
+        ]
+    return out
+
+
+def _fence(text: str) -> str:
+    """A code fence longer than any run of backticks in `text`."""
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    return "`" * max(3, longest + 1)
+
+
+def _code(text: str) -> str:
+    """`text` as inline code, whatever backticks it holds."""
+    ticks = "`" * (max((len(run) for run in re.findall(r"`+", text)), default=0) + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{ticks}{pad}{text}{pad}{ticks}"
+
+
 def markdown(conv: Summary, path: list[Message]) -> str:
+    """The open branch as Markdown. A reply's reasoning is a folded <details> block
+    ("Thinking") above its text; each tool call a fenced json block of its arguments under
+    its name."""
     parts = [f"# {conv.title or 'Conversation'}", ""]
     if conv.system:
         parts += ["**System:**", "", conv.system, ""]
@@ -74,24 +120,59 @@ def markdown(conv: Summary, path: list[Message]) -> str:
         parts += [
             f"**{m.role.capitalize()}:**" + (" *(stopped)*" if m.status == "stopped" else ""),
             "",
-            m.content,
-            "",
         ]
+        if m.reasoning:
+            # a line of the reasoning that closed the block would end it early
+            folded = m.reasoning.replace("</details>", "&lt;/details&gt;")
+            parts += ["<details><summary>Thinking</summary>", "", folded, "", "</details>", ""]
+        if m.content or not m.tool_calls:
+            parts += [m.content, ""]
+        for c in m.tool_calls:
+            fence = _fence(c["arguments"])
+            parts += [
+                f"**Tool call:** {_code(c['name'])}",
+                "",
+                f"{fence}json",
+                c["arguments"],
+                fence,
+                "",
+            ]
+    return "\n".join(parts)
+
+
+def plain_text(conv: Summary, path: list[Message]) -> str:
+    """The open branch as plain text. A reply's reasoning is a "Thinking:" section, indented,
+    above its text; each tool call a line with its name and arguments."""
+    parts = [conv.title or "Conversation", ""]
+    if conv.system:
+        parts += ["System:", conv.system, ""]
+    for m in path:
+        parts.append(f"{m.role.capitalize()}:" + (" (stopped)" if m.status == "stopped" else ""))
+        if m.reasoning:
+            parts += ["Thinking:", *("    " + ln if ln else "" for ln in m.reasoning.split("\n"))]
+            parts.append("")
+        if m.content or not m.tool_calls:
+            parts += [m.content, ""]
+        for c in m.tool_calls:
+            parts += [f"Tool call {c['name']}: {c['arguments']}", ""]
     return "\n".join(parts)
 
 
 def as_text(kind: str, tree, conv: Summary, path: list[Message]) -> tuple[str, str]:
     """An export as a file's text and suffix: "json" (the whole tree, `tree()`), "md" (the
-    open branch as Markdown) or "openai" (the open branch as a `messages` list)."""
+    open branch as Markdown), "txt" (the open branch as plain text) or "openai" (the open
+    branch as a `messages` list)."""
     if kind == "json":
         return json.dumps(tree(), indent=2, ensure_ascii=False), ".json"
     if kind == "md":
         return markdown(conv, path), ".md"
+    if kind == "txt":
+        return plain_text(conv, path), ".txt"
     if kind == "openai":
         return json.dumps(
             openai_messages(conv, path), indent=2, ensure_ascii=False
         ), ".messages.json"
-    raise StoreError(f"unknown export {kind!r} (json, md or openai)")
+    raise StoreError(f"unknown export {kind!r} (json, md, txt or openai)")
 
 
 # -- reading ----------------------------------------------------------------------------------
@@ -198,6 +279,10 @@ def _tree(c, at: str) -> dict:
         _need(_is_number(m.get("created")), where + ".created", "must be a time in seconds")
         for key in ("settings", "stats"):
             _need(isinstance(m.get(key, {}), dict), f"{where}.{key}", "must be an object")
+        # absent from exports made before replies kept them: none
+        reasoning, calls = reply_extras(
+            role, m.get("reasoning", ""), m.get("tool_calls", []), where + ".", BadImport
+        )
         out.append(
             {
                 "parent": parent,
@@ -207,6 +292,8 @@ def _tree(c, at: str) -> dict:
                 "created": m["created"],
                 "settings": m.get("settings", {}),
                 "stats": m.get("stats", {}),
+                "reasoning": reasoning,
+                "tool_calls": calls,
             }
         )
     current = c.get("current")
@@ -248,6 +335,9 @@ def _from_openai(messages, at: str) -> dict:
                 "has a text part whose 'text' is not a string",
             )
             content = "".join(texts)
+        calls = _openai_tool_calls(m.get("tool_calls"), where + ".tool_calls")
+        if content is None and calls:  # a reply that only calls tools
+            content = ""
         _need(isinstance(content, str), where + ".content", "must be a string")
         if role == "system":
             _need(i == 0, where + ".role", "'system' may only be the first message")
@@ -259,6 +349,9 @@ def _from_openai(messages, at: str) -> dict:
             where + ".role",
             f"must be {expected!r} (roles take turns, starting with the user), got {role!r}",
         )
+        reasoning, calls = reply_extras(
+            role, m.get("reasoning_content", ""), calls, where + ".", BadImport, "reasoning_content"
+        )
         out.append(
             {
                 "parent": len(out) - 1 if out else None,
@@ -268,6 +361,8 @@ def _from_openai(messages, at: str) -> dict:
                 "created": time.time(),
                 "settings": {},
                 "stats": {},
+                "reasoning": reasoning,
+                "tool_calls": calls,
             }
         )
     _need(bool(out), at, "has no user or assistant message")
@@ -280,3 +375,27 @@ def _from_openai(messages, at: str) -> dict:
         "current": len(out) - 1,
         "messages": out,
     }
+
+
+def _openai_tool_calls(calls, at: str) -> list:
+    """OpenAI's tool calls ([{"id", "type": "function", "function": {"name", "arguments"}}])
+    in the store's shape, checked (records.tool_calls checks the rest)."""
+    if calls is None:
+        return []
+    _need(isinstance(calls, list), at, "must be a list of tool calls")
+    out = []
+    for i, c in enumerate(calls):
+        where = f"{at}[{i}]"
+        _need(isinstance(c, dict), where, "must be an object with 'id', 'type' and 'function'")
+        _need(c.get("type", "function") == "function", where + ".type", "must be 'function'")
+        fn = c.get("function")
+        _need(isinstance(fn, dict), where + ".function", "must be an object")
+        for key, value in (("id", c.get("id")), ("function.name", fn.get("name"))):
+            _need(isinstance(value, str), f"{where}.{key}", "must be a string")
+        _need(
+            isinstance(fn.get("arguments"), str),
+            where + ".function.arguments",
+            "must be a string (the arguments' JSON text)",
+        )
+        out.append({"id": c["id"], "name": fn["name"], "arguments": fn["arguments"]})
+    return out

@@ -4,7 +4,8 @@ A conversation is a tree of messages. Every message has a parent (None for the f
 message); a user message's children are replies, a reply's children are the next user
 messages. Editing a user message or regenerating a reply adds a sibling, so the old branch
 stays; the conversation remembers which leaf is open (`leaf`). The system prompt belongs to
-the conversation; the settings and stats a reply was made with belong to the reply.
+the conversation; the settings and stats a reply was made with belong to the reply, and so do
+its reasoning (a thinking model's <think> part, kept apart from the text) and its tool calls.
 
 Every call names an `owner` (a browser's random id, or "cli"); the store only ever reads or
 changes that owner's conversations. Asking for another owner's conversation reads exactly as
@@ -40,10 +41,11 @@ from miniserve.store.records import (
     StoreError,
     Summary,
     clean,
+    reply_extras,
     title_from,
 )
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 # Each entry takes the database from version i to i + 1 (PRAGMA user_version). A new file runs
 # them all, so the first version's path is the one every database has taken.
@@ -76,6 +78,12 @@ MIGRATIONS = [
         SELECT title, id, NULL FROM conversations;
     INSERT INTO search (text, conversation_id, message_id)
         SELECT content, conversation_id, id FROM messages;
+    """,
+    # 3: a reply's reasoning, apart from its text, and its tool calls (a JSON list of
+    # {"id", "name", "arguments"}); the messages before it have neither
+    """
+    ALTER TABLE messages ADD COLUMN reasoning TEXT NOT NULL DEFAULT '';
+    ALTER TABLE messages ADD COLUMN tool_calls TEXT NOT NULL DEFAULT '[]';
     """,
 ]
 assert len(MIGRATIONS) == SCHEMA_VERSION
@@ -361,17 +369,32 @@ class Store:
         settings: dict | None = None,
         stats: dict | None = None,
         created: float | None = None,
+        reasoning: str = "",
+        tool_calls: list | None = None,
     ) -> Message:
         """Add a message under `parent_id` (None: a first message) and open it as the leaf.
-        A parent that already has children gets a sibling: a new branch, the old one kept."""
+        A parent that already has children gets a sibling: a new branch, the old one kept.
+        A reply may carry its `reasoning` (text, cleaned like `content`) and `tool_calls`
+        (records.tool_calls: a list of {"id", "name", "arguments"}, each a string, the
+        arguments the JSON text the model wrote); a user message has neither. A fault in
+        either raises StoreError naming it, and nothing is written."""
         conv = self.get(owner, cid)
         if role not in ROLES:
             raise StoreError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
         if status not in STATUSES:
             raise StoreError(f"status must be one of {', '.join(STATUSES)}, got {status!r}")
+        extras = reply_extras(role, reasoning, tool_calls, "", StoreError)
         with self._tx() as db:
             message = db.add(
-                cid, parent_id, role, clean(content), status, settings or {}, stats or {}, created
+                cid,
+                parent_id,
+                role,
+                clean(content),
+                status,
+                settings or {},
+                stats or {},
+                created,
+                *extras,
             )
             if not conv.title and role == "user":
                 title = title_from(content)
@@ -586,6 +609,8 @@ class Store:
                             m["settings"],
                             m["stats"],
                             m["created"],
+                            m["reasoning"],
+                            m["tool_calls"],
                         ).id
                     )
                 leaf = new_ids[tree["current"]] if tree["current"] is not None else None
@@ -624,6 +649,8 @@ def _message(row) -> Message:
         row["status"],
         json.loads(row["settings"]),
         json.loads(row["stats"]),
+        reasoning=row["reasoning"],
+        tool_calls=json.loads(row["tool_calls"]),
     )
 
 
@@ -648,7 +675,21 @@ class _Tx:
             (text, cid, message_id),
         )
 
-    def add(self, cid, parent_id, role, content, status, settings, stats, created) -> Message:
+    def add(
+        self,
+        cid,
+        parent_id,
+        role,
+        content,
+        status,
+        settings,
+        stats,
+        created,
+        reasoning="",
+        tool_calls=(),
+    ) -> Message:
+        """Insert a checked message (content and reasoning cleaned, tool calls as
+        records.tool_calls gives them)."""
         if parent_id is None:
             parent_role = None
         else:
@@ -667,9 +708,11 @@ class _Tx:
             )
         mid = uuid.uuid4().hex
         created = time.time() if created is None else created
+        tool_calls = list(tool_calls)
         self.db.execute(
-            "INSERT INTO messages (id, conversation_id, parent_id, role, content, "
-            "created, status, settings, stats) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT INTO messages (id, conversation_id, parent_id, role, content, created, "
+            "status, settings, stats, reasoning, tool_calls) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 mid,
                 cid,
@@ -680,10 +723,26 @@ class _Tx:
                 status,
                 json.dumps(settings),
                 json.dumps(stats),
+                reasoning,
+                json.dumps(tool_calls),
             ),
         )
-        self.index(cid, mid, content)
-        return Message(mid, cid, parent_id, role, content, created, status, settings, stats)
+        # Search finds a reply by its reasoning too: one row per message, the text and then
+        # the reasoning. Tool calls (names and JSON arguments) are not searched.
+        self.index(cid, mid, f"{content}\n\n{reasoning}" if reasoning else content)
+        return Message(
+            mid,
+            cid,
+            parent_id,
+            role,
+            content,
+            created,
+            status,
+            settings,
+            stats,
+            reasoning=reasoning,
+            tool_calls=tool_calls,
+        )
 
     def purge(self, cid: str) -> None:
         self.db.execute("DELETE FROM search WHERE conversation_id = ?", (cid,))
