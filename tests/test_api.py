@@ -624,9 +624,9 @@ def schema_format(schema) -> dict:
         (
             {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
             "tools",
-            ["'tools'", "not supported"],
+            ["does not take tools", "chat template"],
         ),
-        ({"tool_choice": "auto"}, "tool_choice", ["'tool_choice'", "not supported"]),
+        ({"tool_choice": "required"}, "tool_choice", ["'tool_choice'", "needs 'tools'"]),
         ({"logit_bias": {"5": 101}}, "logit_bias[5]", ["[-100, 100]", "101"]),
         ({"logit_bias": {"abc": -100}}, "logit_bias", ["token ids", "'abc'"]),
         ({"logit_bias": {"²": -100}}, "logit_bias", ["token ids"]),

@@ -129,7 +129,7 @@ def test_too_long_message_is_a_clear_error(tokenizer):
         ([{"role": "user", "content": "   "}], "messages[0].content"),
         ([{"role": "wizard", "content": "hi"}], "messages[0].role"),
         ([{"role": "user", "content": 5}], "messages[0].content"),
-        ([{"role": "assistant", "content": "hi"}], "messages"),
+        ([{"role": "system", "content": "hi"}], "messages"),
     ],
 )
 def test_bad_messages_name_the_field(engine, messages, field):

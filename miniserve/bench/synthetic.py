@@ -198,9 +198,10 @@ def _embedded_vocab():
     return [f for name, f in reader.fields.items() if name.startswith("tokenizer.")]
 
 
-def _copy_tokenizer(writer, fields, vocab: int) -> int:
-    """Copy the embedded model's tokenizer keys (and chat template); pad its token list to
-    `vocab` with filler tokens (normal tokens no merge ever produces). Returns the vocab size."""
+def _copy_tokenizer(writer, fields, vocab: int, chat_template: str | None = None) -> int:
+    """Copy the embedded model's tokenizer keys (and chat template, or `chat_template`); pad its
+    token list to `vocab` with filler tokens (normal tokens no merge ever produces). Returns the
+    vocab size."""
     import gguf
 
     base = None
@@ -217,6 +218,8 @@ def _copy_tokenizer(writer, fields, vocab: int) -> int:
             value = value + [FILLER_TOKEN.format(i) for i in range(base, vocab)]
         elif field.name == "tokenizer.ggml.token_type":
             value = list(value) + [int(gguf.TokenType.NORMAL)] * (vocab - len(value))
+        elif field.name == "tokenizer.chat_template" and chat_template is not None:
+            value = chat_template
         writer.add_key_value(field.name, value, value_type, sub_type=sub_type)
     if base is None:
         raise ValueError("the embedded GGUF has no tokenizer.ggml.tokens")
@@ -229,10 +232,10 @@ def _qwen3_size() -> int:
     return qwen3_vocab_size()
 
 
-def _qwen3_tokenizer(writer, vocab: int) -> None:
+def _qwen3_tokenizer(writer, vocab: int, chat_template: str | None = None) -> None:
     from miniserve.bench.tokenizer_files import add_qwen3_tokenizer
 
-    add_qwen3_tokenizer(writer, vocab)
+    add_qwen3_tokenizer(writer, vocab, chat_template)
 
 
 def embedded_vocab_size() -> int:
@@ -246,9 +249,9 @@ def embedded_vocab_size() -> int:
 TOKENIZERS = {
     "embedded": (
         lambda: embedded_vocab_size(),
-        lambda w, n: _copy_tokenizer(w, _embedded_vocab(), n),
+        lambda w, n, template=None: _copy_tokenizer(w, _embedded_vocab(), n, template),
     ),
-    "qwen3": (lambda: _qwen3_size(), lambda w, n: _qwen3_tokenizer(w, n)),
+    "qwen3": (lambda: _qwen3_size(), lambda w, n, template=None: _qwen3_tokenizer(w, n, template)),
 }
 
 
@@ -277,6 +280,7 @@ def write_shape(
     progress=None,
     tokenizer: str = "embedded",
     context_length: int = CONTEXT_LENGTH,
+    chat_template: str | None = None,
 ) -> Path:
     """Write a model of `shape` as `quant` (f16, or q8_0 / q4_0 by the numpy quantizers),
     tensor by tensor (never the whole model in memory), whole or not at all (a .partial beside
@@ -339,7 +343,7 @@ def write_shape(
         writer.add_key_length(shape.head_dim)
         writer.add_value_length(shape.head_dim)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    TOKENIZERS[tokenizer][1](writer, vocab)
+    TOKENIZERS[tokenizer][1](writer, vocab, chat_template)  # the tokenizer's own template if None
 
     tensors = tensor_shapes(shape, vocab)
     for name, dims in tensors:

@@ -93,6 +93,7 @@ def write_qwen3_tokenizer_gguf(
     rms_eps: float = 1e-6,
     tied: bool = True,
     seed: int = 0,
+    chat_template: str | None = None,
 ) -> Path:
     """Write a GGUF with Qwen3's tokenizer (from qwen3_tokenizer_dir()) and random weights of
     `arch` (qwen2: q/k/v biases; qwen3: q/k norms; llama: neither) in this small shape. The
@@ -124,6 +125,7 @@ def write_qwen3_tokenizer_gguf(
         seed,
         tokenizer="qwen3",
         context_length=context_length,
+        chat_template=chat_template,
     )
 
 
@@ -132,9 +134,9 @@ def qwen3_vocab_size() -> int:
     return QWEN3_VOCAB
 
 
-def add_qwen3_tokenizer(writer, vocab: int) -> None:
-    """Qwen3's tokenizer keys and chat template into a GGUFWriter, its tokens padded to `vocab`
-    as llama.cpp's converter pads them."""
+def add_qwen3_tokenizer(writer, vocab: int, chat_template: str | None = None) -> None:
+    """Qwen3's tokenizer keys and chat template (or `chat_template`) into a GGUFWriter, its
+    tokens padded to `vocab` as llama.cpp's converter pads them."""
     tokens, types, merges, config = _vocabulary(qwen3_tokenizer_dir(), vocab)
     ids = {token: i for i, token in enumerate(tokens)}
     writer.add_tokenizer_model("gpt2")
@@ -146,4 +148,4 @@ def add_qwen3_tokenizer(writer, vocab: int) -> None:
     writer.add_bos_token_id(ids["<|endoftext|>"])
     writer.add_pad_token_id(ids[config["pad_token"]])
     writer.add_add_bos_token(False)
-    writer.add_chat_template(config["chat_template"])
+    writer.add_chat_template(chat_template or config["chat_template"])

@@ -117,6 +117,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "--device", default="auto", help="auto (CUDA, then MPS, then CPU), cpu, cuda, mps"
     )
     p.add_argument(
+        "--reasoning-budget",
+        type=int,
+        default=-1,
+        metavar="N",
+        help="a thinking model's reasoning tokens at most, where a request sets none; then "
+        "the reasoning is closed and the answer follows (0: no reasoning; default -1: no "
+        "limit)",
+    )
+    p.add_argument(
         "--dtype",
         default="auto",
         help="weights: auto, stored, float32, bfloat16, float16. stored: a GGUF's "
@@ -337,6 +346,9 @@ def open_models(args):
         quant=args.quant,
         math=args.math,
         kv_budget=args.kv_budget,
+        reasoning_budget=None
+        if getattr(args, "reasoning_budget", -1) < 0
+        else args.reasoning_budget,
         max_queue=args.max_queue,
         max_batch=args.max_batch,
     )

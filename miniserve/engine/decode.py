@@ -46,9 +46,11 @@ class GenerationStats:
     prompt_tokens: int = 0
     reused_tokens: int = 0  # prompt tokens whose KV came from an earlier request
     new_tokens: int = 0
+    reasoning_tokens: int = 0  # of new_tokens, those a thinking model chose inside its reasoning
     ttft_s: float = 0.0  # prompt in -> first token chosen (prefill + one sample)
     total_s: float = 0.0
     # "eos" | "length" | "stop" (a stop string, or the grammar complete) | "cancelled" |
+    # "tool_calls" (the reply ended with tool calls) |
     # "no_token_allowed" (the grammar and the logit bias left no token to choose)
     finish_reason: str = ""
     started: float = field(default_factory=time.perf_counter, repr=False)
@@ -80,6 +82,7 @@ class GenerationStats:
             "prompt_tokens": self.prompt_tokens,
             "reused_tokens": self.reused_tokens,
             "new_tokens": self.new_tokens,
+            "reasoning_tokens": self.reasoning_tokens,
             "ttft_s": round(self.ttft_s, 4),
             "total_s": round(self.total_s, 4),
             "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),

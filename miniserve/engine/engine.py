@@ -11,6 +11,7 @@ request, Regenerate) needs no prefill at all.
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import sys
 import threading
@@ -30,15 +31,36 @@ from miniserve.core.config import (
     SamplingParams,
 )
 from miniserve.core.errors import Busy
+from miniserve.core.toolcalls import detect_format
 from miniserve.engine.chat import (
+    NO_OPTIONS,
+    ChatError,
+    ChatOptions,
     NoChatTemplate,
     check_messages,
     completion_ids,
     has_chat_template,
+    takes_tools,
+    template_text,
     trim_history,
 )
 from miniserve.engine.decode import GenerationStats, LogitsObserver, crop_cache, generate
-from miniserve.engine.grammar import Grammars
+from miniserve.engine.grammar import Grammars, Lark
+from miniserve.engine.reply import (
+    ANSWER,
+    CALL,
+    CLOSE,
+    END_THINK,
+    OPEN,
+    REASONING,
+    THINK,
+    CallParts,
+    Markers,
+    ReplyParts,
+    ReplyPlan,
+    ToolPlan,
+    call_grammars,
+)
 from miniserve.engine.scheduler import RequestTooLarge, Scheduler, Sequence  # noqa: F401
 from miniserve.engine.stream import Detokenizer, StopStrings
 from miniserve.engine.surface import LOCAL
@@ -126,6 +148,9 @@ class Chunk:
     stats: GenerationStats
     done: bool = False
     dropped_messages: int = 0
+    reasoning: str = ""  # this piece's reasoning text (a thinking model's, before its answer)
+    tool_calls: list = field(default_factory=list)  # OpenAI's delta.tool_calls of this piece
+    calls: list = field(default_factory=list)  # the last chunk: the reply's tool calls, whole
 
 
 @dataclass
@@ -290,9 +315,30 @@ class Stream:
         self.cancel.set()
 
 
+class _Edges:
+    """A stream of text without its leading newlines, and with its trailing ones held back
+    until more text follows (a reasoning block's text, as templates strip it)."""
+
+    def __init__(self, hold_tail: bool = True):
+        self.started, self.tail, self.hold_tail = False, "", hold_tail
+
+    def feed(self, piece: str) -> str:
+        if not self.started:
+            piece = piece.lstrip("\n")
+            self.started = bool(piece)
+        if not self.hold_tail or not piece:
+            return piece
+        piece = self.tail + piece
+        body = piece.rstrip("\n")
+        self.tail = piece[len(body) :]
+        return body
+
+
 class _Reply:
     """Turns a sequence's token ids into Chunks for its caller: UTF-8-safe text, stop strings,
-    a last chunk with the stats."""
+    a last chunk with the stats. With `parts` (a chat reply's ReplyParts), each token goes to
+    its part: reasoning, answer, or a tool call; the tags themselves to none. Stop strings
+    apply to the answer only."""
 
     def __init__(
         self,
@@ -301,19 +347,52 @@ class _Reply:
         stats: GenerationStats,
         sink,
         dropped_messages: int = 0,
+        parts: ReplyParts | None = None,
+        tool_format=None,
     ):
+        self.tokenizer = tokenizer
         self.detok = Detokenizer(tokenizer)
         self.stops = StopStrings(params.stop)
         self.stats, self.sink, self.dropped = stats, sink, dropped_messages
         self.pending: list[int] = []
+        self.parts = parts if parts is not None and parts.plan.split else None
+        self.thought = Detokenizer(tokenizer)
+        self.thought_edges, self.answer_edges = _Edges(), _Edges(hold_tail=False)
+        self.reasoned = False
+        self.calls = CallParts(tokenizer, tool_format) if tool_format is not None else None
+
+    def _send(self, text: str = "", reasoning: str = "", tool_calls=()) -> None:
+        if text or reasoning or tool_calls:
+            self.sink(
+                Chunk(
+                    text, self.pending, self.stats, reasoning=reasoning, tool_calls=list(tool_calls)
+                )
+            )
+            self.pending = []
 
     def token(self, token_id: int) -> bool:
         """Take one token; False when a stop string ended the reply."""
         self.pending.append(token_id)
-        text = self.stops.feed(self.detok.push(token_id))
+        kind = self.parts.kinds[-1] if self.parts is not None and self.parts.kinds else ANSWER
+        if kind == REASONING:
+            self.reasoned = True
+            self._send(reasoning=self.thought_edges.feed(self.thought.push(token_id)))
+            return True
+        if kind in (OPEN, CLOSE):
+            self.reasoned = True
+            if kind == CLOSE:
+                self._send(reasoning=self.thought_edges.feed(self.thought.flush()))
+            return True
+        if kind == CALL and self.calls is not None:
+            self._send(tool_calls=self.calls.push(token_id))
+            return True
+        piece = self.detok.push(token_id)
+        if self.reasoned:
+            piece = self.answer_edges.feed(piece)
+        text = self.stops.feed(piece)
         if text or self.stops.stopped:
             if text:
-                self.sink(Chunk(text, self.pending, self.stats))
+                self._send(text)
             self.pending = []
         return not self.stops.stopped
 
@@ -321,8 +400,16 @@ class _Reply:
         if error is not None:
             self.sink(error)
             return
+        if self.parts is not None:
+            self.stats.reasoning_tokens = self.parts.reasoning_tokens
+        reasoning = self.thought_edges.feed(self.thought.flush())
+        deltas, calls, leftover = self.calls.finish() if self.calls is not None else ([], [], "")
         stopped = self.stops.stopped
-        tail = "" if stopped else self.stops.feed(self.detok.flush()) + self.stops.flush()
+        tail = (
+            "" if stopped else self.stops.feed(self.detok.flush() + leftover) + self.stops.flush()
+        )
+        if calls and self.stats.finish_reason in ("eos", "stop"):
+            self.stats.finish_reason = "tool_calls"
         self.sink(
             Chunk(
                 tail,
@@ -330,6 +417,9 @@ class _Reply:
                 self.stats,
                 done=True,
                 dropped_messages=self.dropped,
+                reasoning=reasoning,
+                tool_calls=deltas,
+                calls=calls,
             )
         )
 
@@ -347,6 +437,7 @@ class Engine(Admitting):
         max_batch: int | None = None,
         step_tokens: int | None = None,
         name: str | None = None,
+        reasoning_budget: int | None = None,
     ):
         self.loaded = loaded
         self._name = name or loaded.name
@@ -368,6 +459,9 @@ class Engine(Admitting):
             lambda n: f"the server is busy ({n} requests running or waiting); try again in a moment"
         )
         self._grammars = None
+        self._markers: Markers | None = None
+        self._takes_tools: bool | None = None
+        self.reasoning_budget = reasoning_budget  # the server's default (--reasoning-budget)
         self._start_worker()
 
     capabilities = LOCAL
@@ -511,6 +605,7 @@ class Engine(Admitting):
         reuse_prefix: bool = True,
         observer: LogitsObserver | None = None,
         dropped_messages: int = 0,
+        plan: ReplyPlan | None = None,
     ) -> Iterator[Chunk]:
         """Stream a reply to raw prompt ids: text pieces, then a final chunk with stats.
 
@@ -526,7 +621,7 @@ class Engine(Admitting):
             def job():
                 try:
                     self._solo_reply(
-                        prompt_ids, params, cancel, observer, out.put, dropped_messages
+                        prompt_ids, params, cancel, observer, out.put, dropped_messages, plan
                     )
                 finally:
                     self._release()
@@ -534,7 +629,12 @@ class Engine(Admitting):
             self._jobs.put(job)
         else:
             self._start(
-                [(prompt_ids, params, out.put)], cancel, reuse_prefix, observer, dropped_messages
+                [(prompt_ids, params, out.put)],
+                cancel,
+                reuse_prefix,
+                observer,
+                dropped_messages,
+                plan,
             )
         return Stream(drain(out, cancel), cancel)
 
@@ -547,12 +647,13 @@ class Engine(Admitting):
         cancel: threading.Event | None = None,
         reuse_prefix: bool = True,
         observer: LogitsObserver | None = None,
+        plan: ReplyPlan | None = None,
     ) -> threading.Event:
         """Start a request without a thread to read it: `sink(item)` is called on the engine
         thread with each Chunk, an exception if it failed, then None. It must return at once
         (e.g. hand the item to an event loop). Returns the event that cancels it."""
         cancel = cancel or threading.Event()
-        self._start([(prompt_ids, params, sink)], cancel, reuse_prefix, observer, 0)
+        self._start([(prompt_ids, params, sink)], cancel, reuse_prefix, observer, 0, plan)
         return cancel
 
     def compare(
@@ -594,7 +695,13 @@ class Engine(Admitting):
         return self.compare(ids, settings, cancel=cancel)
 
     def _start(
-        self, requests, cancel: threading.Event, reuse_prefix: bool, observer, dropped_messages: int
+        self,
+        requests,
+        cancel: threading.Event,
+        reuse_prefix: bool,
+        observer,
+        dropped_messages: int,
+        plan: ReplyPlan | None = None,
     ) -> None:
         """Queue sequences for the scheduler: (prompt ids, params, sink) each. Admission
         happens now: a full queue raises EngineBusy, a request too large for the KV budget
@@ -611,9 +718,9 @@ class Engine(Admitting):
                     f"token id {bad} is out of range: the vocabulary has ids 0..{vocab - 1}"
                 )
             self.check(params)
-            matcher = self.matcher(params)
+            matcher = self.reply_matcher(params, plan)
             stats = GenerationStats(prompt_tokens=len(prompt_ids))
-            reply = _Reply(self.tokenizer, params, stats, sink, dropped_messages)
+            reply = self._reply(params, stats, sink, dropped_messages, matcher, plan)
 
             def finish(error, reply=reply, sink=sink):
                 try:
@@ -640,10 +747,11 @@ class Engine(Admitting):
         self._admit(len(seqs))
         self._jobs.put(lambda: [self.scheduler.add(s) for s in seqs])
 
-    def _solo_reply(self, prompt_ids, params, cancel, observer, sink, dropped_messages):
+    def _solo_reply(self, prompt_ids, params, cancel, observer, sink, dropped_messages, plan):
         """The textbook loop without a KV cache, alone on the engine thread."""
         stats = GenerationStats(prompt_tokens=len(prompt_ids))
-        reply = _Reply(self.tokenizer, params, stats, sink, dropped_messages)
+        matcher = self.reply_matcher(params, plan)
+        reply = self._reply(params, stats, sink, dropped_messages, matcher, plan)
         try:
             if not cancel.is_set():  # a caller that left while queued costs nothing
                 for token_id in generate(
@@ -656,7 +764,7 @@ class Engine(Admitting):
                     stats=stats,
                     max_length=self.context_length,
                     observer=observer,
-                    matcher=self.matcher(params),
+                    matcher=matcher,
                 ):
                     if not reply.token(token_id):
                         stats.finish_reason = "stop"
@@ -725,23 +833,181 @@ class Engine(Admitting):
         finally:
             self._release()
 
-    def chat(self, messages: list[dict], params: SamplingParams, **kwargs) -> Iterator[Chunk]:
+    def chat(
+        self,
+        messages: list[dict],
+        params: SamplingParams,
+        options: ChatOptions | None = None,
+        **kwargs,
+    ) -> Iterator[Chunk]:
         """Stream the assistant's reply to a conversation, trimmed to fit the context."""
-        trimmed = self.trim(messages, params)
-        return self.complete(trimmed.prompt_ids, params, dropped_messages=trimmed.dropped, **kwargs)
-
-    def trim(self, messages: list[dict], params: SamplingParams):
-        """Check the messages and drop the oldest turns until the reply fits the context.
-        A model without a chat template: NoChatTemplate (a ChatError)."""
-        if not self.has_chat_template:
-            raise NoChatTemplate(self.name)
-        return trim_history(
-            self.tokenizer, check_messages(messages), self.context_length, params.max_new_tokens
+        trimmed = self.trim(messages, params, options)
+        return self.complete(
+            trimmed.prompt_ids,
+            params,
+            dropped_messages=trimmed.dropped,
+            plan=trimmed.plan,
+            **kwargs,
         )
 
-    def chat_prompt(self, messages: list[dict], params: SamplingParams) -> list[int]:
+    def trim(
+        self, messages: list[dict], params: SamplingParams, options: ChatOptions | None = None
+    ):
+        """Check the messages and drop the oldest turns until the reply fits the context; and
+        plan the reply (Trimmed.plan: where it starts, what steers it). A model without a
+        chat template: NoChatTemplate (a ChatError)."""
+        if not self.has_chat_template:
+            raise NoChatTemplate(self.name)
+        options = self.chat_options(options)
+        tools = self.tool_plan(options)
+        trimmed = trim_history(
+            self.tokenizer,
+            check_messages(messages),
+            self.context_length,
+            params.max_new_tokens,
+            options,
+        )
+        trimmed.plan = self.reply_plan(trimmed.messages, options, tools)
+        return trimmed
+
+    def chat_prompt(
+        self, messages: list[dict], params: SamplingParams, options: ChatOptions | None = None
+    ) -> list[int]:
         """The prompt ids `chat` would send (checked and trimmed)."""
-        return self.trim(messages, params).prompt_ids
+        return self.trim(messages, params, options).prompt_ids
+
+    # -- thinking and tools ------------------------------------------------------------------
+    @property
+    def markers(self) -> Markers:
+        if self._markers is None:
+            self._markers = Markers.of(self.tokenizer)
+        return self._markers
+
+    @property
+    def thinks(self) -> bool:
+        """Whether the model's template writes reasoning (its tokenizer has the tags)."""
+        template = getattr(self.tokenizer, "chat_template", None) or ""
+        return self.markers.thinking and THINK in template
+
+    @property
+    def thinking_switch(self) -> bool:
+        """Whether the template turns thinking off itself (`enable_thinking`); else off is a
+        reasoning budget of 0."""
+        return self.thinks and "enable_thinking" in (self.tokenizer.chat_template or "")
+
+    @property
+    def takes_tools(self) -> bool:
+        if self._takes_tools is None:
+            self._takes_tools = self.has_chat_template and takes_tools(self.tokenizer)
+        return self._takes_tools
+
+    @property
+    def tool_format(self):
+        """The family's call format its template asks for (core/toolcalls.py), or None."""
+        return detect_format(self.tokenizer.chat_template or "") if self.takes_tools else None
+
+    def chat_options(self, options: ChatOptions | None) -> ChatOptions:
+        """The options with the server's reasoning budget where the request set none, and
+        thinking off as a budget of 0 where the template has no switch of its own."""
+        options = options or NO_OPTIONS
+        budget = options.reasoning_budget
+        if budget is None:
+            budget = self.reasoning_budget
+        if options.thinking is False and self.thinks and not self.thinking_switch:
+            budget = 0
+        if budget == options.reasoning_budget:
+            return options
+        return dataclasses.replace(options, reasoning_budget=budget)
+
+    def tool_plan(self, options: ChatOptions) -> ToolPlan | None:
+        """The calls a reply may make; ChatError naming the field for tools this model's
+        template cannot show, or a tool_choice that cannot be met."""
+        choice = options.tool_choice
+        if not options.tools:
+            if choice not in ("auto", "none"):
+                raise ChatError(f"'tool_choice': {choice!r} needs 'tools'", "tool_choice")
+            return None
+        if not self.takes_tools:
+            raise ChatError(
+                f"model '{self.name}' does not take tools: its chat template does not show "
+                "them to the model",
+                "tools",
+            )
+        names = [t["function"]["name"] for t in options.tools]
+        if choice not in ("auto", "none", "required") and choice not in names:
+            raise ChatError(
+                f"'tool_choice' names the function {choice!r}, which is not among 'tools' "
+                f"({', '.join(names)})",
+                "tool_choice",
+            )
+        fmt = self.tool_format
+        vocab = self.tokenizer.get_vocab()
+        opener = vocab.get(fmt.opener) if fmt is not None else None
+        closer = vocab.get(fmt.closer) if fmt is not None and fmt.closer else None
+        if opener is None and choice not in ("auto", "none"):
+            raise ChatError(
+                f"'tool_choice': {choice!r} needs a call format this server knows; model "
+                f"'{self.name}' writes its calls in another",
+                "tool_choice",
+            )
+        one = calls = ""
+        if opener is not None:
+            only = None if choice in ("auto", "none", "required") else choice
+            one, calls = call_grammars(
+                fmt.name, options.tools, opener, closer, only, options.parallel_tool_calls
+            )
+            try:  # compiled once here, so a bad parameters schema is the request's error
+                self.grammars.check(Lark(calls))
+                self.grammars.check(Lark(one))
+            except ValueError as e:
+                raise ChatError(
+                    f"'tools': a function's parameters cannot be used: {e}", "tools"
+                ) from None
+        return ToolPlan(
+            fmt.name if fmt else "", opener, closer, choice, options.parallel_tool_calls, one, calls
+        )
+
+    def reply_plan(
+        self, messages: list[dict], options: ChatOptions, tools: ToolPlan | None
+    ) -> ReplyPlan:
+        """Where the reply starts (inside reasoning when the generation prompt opened it) and
+        what steers it."""
+        in_reasoning = think_first = think_off = False
+        if self.thinks and messages and messages[-1]["role"] != "assistant":
+            whole = template_text(self.tokenizer, messages, options)
+            before = template_text(self.tokenizer, messages, options, generation=False)
+            opened = whole[len(before) :] if whole.startswith(before) else ""
+            in_reasoning = THINK in opened and opened.rfind(THINK) > opened.rfind(END_THINK)
+            think_off = options.thinking is False or (not in_reasoning and END_THINK in opened)
+            think_first = not in_reasoning and not think_off
+        return ReplyPlan(
+            self.markers if self.thinks else Markers(),
+            in_reasoning,
+            think_first,
+            think_off,
+            options.reasoning_budget if self.thinks else None,
+            tools,
+        )
+
+    def reply_matcher(self, params: SamplingParams, plan: ReplyPlan | None):
+        """What steers a reply: its ReplyParts where it has parts (a thinking model, tools),
+        else its output format's matcher (or None)."""
+        if plan is None or not plan.split:
+            return self.matcher(params)
+        tools = plan.tools
+        grammar = self.grammars
+        answer = (lambda: grammar.matcher(params.constraint)) if params.constraint else None
+        call = calls = None
+        if tools is not None and tools.opener is not None:
+            call = lambda: grammar.matcher(Lark(tools.one_call))  # noqa: E731
+            calls = lambda: grammar.matcher(Lark(tools.calls))  # noqa: E731
+        return ReplyParts(plan, self.eos_ids, answer, call, calls)
+
+    def _reply(self, params, stats, sink, dropped, matcher, plan) -> _Reply:
+        parts = matcher if isinstance(matcher, ReplyParts) else None
+        tools = plan.tools if plan is not None else None
+        fmt = self.tool_format if tools is not None and tools.opener is not None else None
+        return _Reply(self.tokenizer, params, stats, sink, dropped, parts, fmt)
 
     def chat_text(
         self, messages: list[dict], params: SamplingParams, **kwargs
@@ -849,6 +1115,7 @@ def start_engine(
     max_queue: int = MAX_QUEUE.default,
     max_batch: int | None = None,
     name: str | None = None,
+    reasoning_budget: int | None = None,
 ) -> Engine:
     """Load a model and start its engine, as the app, the CLI and `serve` do. Raises
     ModelLoadError (the model) or ValueError (the runner / quantization)."""
@@ -875,4 +1142,5 @@ def start_engine(
         max_queue=max_queue,
         max_batch=max_batch,
         name=name,
+        reasoning_budget=reasoning_budget,
     )

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import llguidance
 import torch
@@ -50,8 +51,18 @@ class GrammarError(UserError, ValueError):
         return f"the output format cannot be used: {self}"
 
 
-def grammar_text(constraint: Constraint) -> str:
+@dataclass(frozen=True)
+class Lark:
+    """A grammar written here in llguidance's Lark format (a tool call's), compiled and cached
+    as a Constraint is."""
+
+    text: str
+
+
+def grammar_text(constraint: Constraint | Lark) -> str:
     """The constraint in llguidance's grammar format (checked only for shape here)."""
+    if isinstance(constraint, Lark):
+        return llguidance.grammar_from("lark", constraint.text)
     kind, value = constraint.kind, constraint.value
     if kind == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema(

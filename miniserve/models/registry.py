@@ -363,6 +363,7 @@ class EngineOptions:
     kv_budget: int | None = None
     max_queue: int | None = None
     max_batch: int | None = None
+    reasoning_budget: int | None = None  # None: no limit
 
 
 def engine_factory(options: EngineOptions):
@@ -386,6 +387,7 @@ def engine_factory(options: EngineOptions):
             max_queue=max_queue,
             max_batch=options.max_batch,
             name=spec.name,
+            reasoning_budget=options.reasoning_budget,
         )
         try:
             engine.warm_up()

@@ -39,8 +39,11 @@ from dataclasses import dataclass
 import httpx
 
 from miniserve.core.config import CONTEXT, ConfigError, SamplingParams
+from miniserve.core.toolcalls import ToolCall, new_call_id
 from miniserve.engine.chat import (
+    TOOL_CHOICES,
     ChatError,
+    ChatOptions,
     NoChatTemplate,
     Trimmed,
     check_messages,
@@ -324,7 +327,7 @@ class RemoteEngine(Admitting):
         if kind == "llama.cpp":
             prompt = self._post_json("/apply-template", {"messages": messages})["prompt"]
             return len(self._post_json("/tokenize", {"content": prompt})["tokens"])
-        text = "\n".join(f"{m['role']}\n{m['content']}" for m in messages)
+        text = "\n".join(f"{m['role']}\n{m.get('content') or ''}" for m in messages)
         return self.count_text(text) + TEMPLATE_TOKENS + MESSAGE_TOKENS * len(messages)
 
     def _most_tokens(self, text: str) -> int:
@@ -332,7 +335,9 @@ class RemoteEngine(Admitting):
         template's tokens, for a chat)."""
         return len(text.encode("utf-8")) + 2
 
-    def trim(self, messages: list[dict], params: SamplingParams) -> Trimmed:
+    def trim(
+        self, messages: list[dict], params: SamplingParams, options: ChatOptions | None = None
+    ) -> Trimmed:
         """Check the messages and drop the oldest turns until the reply fits the context
         (chat.trim_history, over the server's counts). Trimmed.prompt_ids is empty: the
         server tokenizes."""
@@ -340,7 +345,10 @@ class RemoteEngine(Admitting):
             raise NoChatTemplate(self.name)
         messages = check_messages(messages)
         limit = self.context_length - params.max_new_tokens
-        bound = sum(self._most_tokens(m["content"]) + 4 * MESSAGE_TOKENS for m in messages)
+        bound = sum(
+            self._most_tokens(json.dumps(m, ensure_ascii=False)) + 4 * MESSAGE_TOKENS
+            for m in messages
+        )
         if bound + 8 * TEMPLATE_TOKENS <= limit:  # surely fits: no request to count it
             return Trimmed(messages, [], 0)
         trimmed = trim_history(
@@ -423,12 +431,21 @@ class RemoteEngine(Admitting):
         return body
 
     def chat(
-        self, messages: list[dict], params: SamplingParams, *, cancel=None, observer=None, **ignored
+        self,
+        messages: list[dict],
+        params: SamplingParams,
+        options: ChatOptions | None = None,
+        *,
+        cancel=None,
+        observer=None,
+        **ignored,
     ) -> RemoteStream:
-        """Stream the reply to a conversation, its history trimmed to fit the context."""
+        """Stream the reply to a conversation, its history trimmed to fit the context. Tools,
+        tool_choice and the template's switches are forwarded as they came."""
         trimmed = self.trim(messages, params)
         inspector = _inspector(observer)
         body = {**self._body(params, inspector, True), "messages": trimmed.messages}
+        body.update(_chat_fields(options))
         exact = self.facts.tokenize in ("vllm", "llama.cpp")  # the template counted too
         return self._start(
             "/chat/completions",
@@ -600,7 +617,7 @@ class _ServerCounts:
     def __init__(self, engine: RemoteEngine):
         self.engine = engine
 
-    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, **kwargs):
         return messages
 
     def __call__(self, messages, add_special_tokens=False):
@@ -673,6 +690,7 @@ class RemoteStream:
 
     def _chunks(self) -> Iterator[Chunk]:
         stats, finish, done, usage = self.stats, None, False, None
+        calls = _Calls()
         try:
             for event in self._events():
                 if event is None:  # [DONE]
@@ -681,10 +699,11 @@ class RemoteStream:
                 if self._stopping():
                     break
                 usage = event.get("usage") or usage
-                for text, finish_now in self._take(event):
+                for text, finish_now, reasoning, deltas in self._take(event):
                     finish = finish_now or finish
-                    if text:
-                        yield Chunk(text, [], stats)
+                    calls.add(deltas)
+                    if text or reasoning or deltas:
+                        yield Chunk(text, [], stats, reasoning=reasoning, tool_calls=deltas)
                 if self._stopping():
                     break
             if self._stopping() and not done:
@@ -703,7 +722,9 @@ class RemoteStream:
             ):  # the server sent no usage
                 stats.prompt_tokens = self._count_prompt()
             stats.total_s = time.perf_counter() - stats.started
-            yield Chunk("", [], stats, done=True, dropped_messages=self.dropped)
+            yield Chunk(
+                "", [], stats, done=True, dropped_messages=self.dropped, calls=calls.whole()
+            )
         finally:
             self._end()
 
@@ -754,17 +775,24 @@ class RemoteStream:
         for choice in event.get("choices", [])[:1]:
             if not isinstance(choice, dict):
                 continue
-            delta = choice.get("delta") if self.chat else choice
-            text = (delta or {}).get("content" if self.chat else "text") or ""
+            delta = (choice.get("delta") if self.chat else choice) or {}
+            text = delta.get("content" if self.chat else "text") or ""
+            reasoning = delta.get("reasoning_content") or delta.get("reasoning") or ""
+            deltas = delta.get("tool_calls") or []
             steps = _logprob_steps(choice.get("logprobs"))
-            if text or steps:
+            if text or steps or reasoning or deltas:
                 now = time.perf_counter()
                 if not self.stats.ttft_s:
                     self.stats.ttft_s = now - self.stats.started
                 self.stats.total_s = now - self.stats.started
                 self.stats.new_tokens += len(steps) or 1
                 self._inspect(text, steps)
-            yield text if isinstance(text, str) else str(text), choice.get("finish_reason")
+            yield (
+                text if isinstance(text, str) else str(text),
+                choice.get("finish_reason"),
+                reasoning if isinstance(reasoning, str) else "",
+                [d for d in deltas if isinstance(d, dict)] if isinstance(deltas, list) else [],
+            )
 
     def _inspect(self, text: str, steps: list) -> None:
         if self.inspector is None:
@@ -773,6 +801,50 @@ class RemoteStream:
             self.inspector.add_remote_step(text, None, [])
         for token, logprob, top in steps:
             self.inspector.add_remote_step(token, logprob, top)
+
+
+def _chat_fields(options: ChatOptions | None) -> dict:
+    """A chat request's tools and switches as the OpenAI API names them (only those set)."""
+    if options is None:
+        return {}
+    out = {}
+    if options.tools:
+        out["tools"] = options.tools
+        choice = options.tool_choice
+        out["tool_choice"] = (
+            choice if choice in TOOL_CHOICES else {"type": "function", "function": {"name": choice}}
+        )
+        if not options.parallel_tool_calls:
+            out["parallel_tool_calls"] = False
+    kwargs = options.kwargs()
+    if kwargs:
+        out["chat_template_kwargs"] = kwargs
+    if options.reasoning_budget is not None:
+        out["reasoning_budget"] = options.reasoning_budget
+    return out
+
+
+class _Calls:
+    """Tool calls streamed as OpenAI's deltas, joined as the SDK joins them (by index)."""
+
+    def __init__(self):
+        self.by_index: dict[int, dict] = {}
+
+    def add(self, deltas: list[dict]) -> None:
+        for d in deltas:
+            call = self.by_index.setdefault(
+                int(d.get("index", 0)), {"id": "", "name": "", "arguments": ""}
+            )
+            fn = d.get("function") or {}
+            call["id"] = d.get("id") or call["id"]
+            call["name"] += fn.get("name") or ""
+            call["arguments"] += fn.get("arguments") or ""
+
+    def whole(self) -> list[ToolCall]:
+        return [
+            ToolCall(c["id"] or new_call_id(), c["name"], c["arguments"])
+            for _, c in sorted(self.by_index.items())
+        ]
 
 
 def _inspector(observer):

@@ -49,6 +49,8 @@ class APIRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     echo: list | None = None  # text: per prompt, (its text, its tokens' logprob entries)
+    options: object = None  # chat: the ChatOptions (tools, template switches, thinking)
+    plan: object = None  # chat, a model here: how the reply starts and what steers it
 
     @property
     def choices(self) -> int:
@@ -109,13 +111,14 @@ async def chat_request(body: ChatCompletionRequest, model: str, engine) -> APIRe
     checked = settings(body, engine, DEFAULT_MAX_TOKENS, ("max_completion_tokens", "max_tokens"))
     params = checked.params
     messages = body.messages  # checked: [{"role", "content": text}, ...]
+    options = body.options()
     if engine.capabilities.over_network:  # counted by its server (a request): off the loop
         try:
-            trimmed = await asyncio.to_thread(engine.trim, messages, params)
+            trimmed = await asyncio.to_thread(engine.trim, messages, params, options)
         except Exception as e:  # noqa: BLE001 -- a refusal as it is; a failure: the server's
             raise as_user_error(e, model, over_network=True) from None
     else:
-        trimmed = engine.trim(messages, params)
+        trimmed = engine.trim(messages, params, options)
     if trimmed.dropped:  # sent on purpose: never cut it
         raise APIError(
             f"the conversation is longer than the context window of "
@@ -133,6 +136,8 @@ async def chat_request(body: ChatCompletionRequest, model: str, engine) -> APIRe
         checked,
         bool(body.logprobs),
         (body.top_logprobs or 0) if body.logprobs else 0,
+        options=options,
+        plan=trimmed.plan,
     )
 
 

@@ -31,7 +31,7 @@ from miniserve.core.config import (
     check_value,
 )
 from miniserve.core.config import Field as Limit
-from miniserve.engine.chat import ROLES, check_messages
+from miniserve.engine.chat import ROLES, ChatOptions, check_messages
 from miniserve.serve.errors import APIError
 
 DEFAULT_MAX_TOKENS = 1024  # chat
@@ -346,11 +346,32 @@ class ContentPart(BaseModel):
 VISIBLE = r"[^\s\x00-\x08\x0b\x0c\x0e-\x1f\x7f]"
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: Annotated[str, Field(min_length=1)]
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallItem(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
-    role: Literal[ROLES]  # type: ignore[valid-type]
+    role: Literal[(*ROLES, "developer")]  # type: ignore[valid-type]
+    tool_calls: list[ToolCallItem] | None = Field(
+        None, description="an assistant message's calls (its content may then be null)"
+    )
+    tool_call_id: str | None = Field(None, description="a tool message: the call it answers")
+    reasoning_content: str | None = Field(
+        None, description="an assistant message's reasoning; the template keeps or drops it"
+    )
     content: (
-        Annotated[str, Field(pattern=VISIBLE)]
+        None
+        | Annotated[str, Field(pattern=VISIBLE)]
         | Annotated[
             list[ContentPart],
             Field(
@@ -375,9 +396,9 @@ Messages = Annotated[
     SkipValidation[Annotated[list[ChatMessage], Field(min_length=1)]],
     BeforeValidator(check_messages),
     Field(
-        description="the conversation, oldest first; the last message is "
-        "the user's (too long for the context with max_tokens: 400, never "
-        "cut)"
+        description="the conversation, oldest first; it ends with the user's message, tool "
+        "results, or an assistant message the reply continues (prefill); too long for the "
+        "context with max_tokens: 400, never cut"
     ),
 ]
 TokenId = Annotated[
@@ -396,6 +417,33 @@ Prompt = (
     | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)]
     | Annotated[list[Ids], Field(min_length=1, max_length=MAX_PROMPTS)]
 )
+
+
+MAX_TOOLS = 128
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(
+        None, description="a JSON Schema of the arguments object"
+    )
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    name: Annotated[str, Field(min_length=1)]
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class StreamOptions(BaseModel):
@@ -594,11 +642,56 @@ class ChatCompletionRequest(SamplingRequest):
     )
     logprobs: flag("logprobs")
     top_logprobs: limited("top_logprobs", TOP_LOGPROBS, 0)
-    tools: unsupported("tools", "refused: no tool calling")
-    tool_choice: unsupported("tool_choice", "refused: no tool calling")
-    functions: unsupported("functions", "refused: no function calling")
-    function_call: unsupported("function_call", "refused: no function calling")
-    parallel_tool_calls: unsupported("parallel_tool_calls", "refused: no tool calling")
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = Field(
+        None,
+        description="functions the model may call, shown to it through its chat template (a "
+        "template that does not show them: 400 naming the model); calls come back as "
+        "message.tool_calls, finish_reason tool_calls",
+    )
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = Field(
+        None,
+        description="auto (default): the model chooses; none: the tools are shown, no call is "
+        "made; required or a named function: a call that parses, arguments valid against the "
+        "function's parameters (enforced by the grammar)",
+    )
+    parallel_tool_calls: bool | None = Field(
+        None, description="more than one call in a reply (default true)"
+    )
+    functions: unsupported("functions", "refused: the legacy function calling; use tools")
+    function_call: unsupported("function_call", "refused: the legacy function calling; use tools")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None,
+        description='passed to the chat template, e.g. {"enable_thinking": false} for Qwen3',
+    )
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = Field(
+        None,
+        description="none: thinking off (enable_thinking false, or a reasoning budget of 0); "
+        "the others leave it on",
+    )
+    reasoning_budget: Annotated[int, Field(ge=0, le=MAX_NEW_TOKENS)] | None = Field(
+        None,
+        description="reasoning tokens at most; then the reasoning is closed and the answer "
+        "follows (default: the server's --reasoning-budget, else no limit). max_tokens "
+        "counts reasoning and answer",
+    )
+
+    def options(self) -> ChatOptions:
+        """The chat options this request asks for (tools, template switches, thinking)."""
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            choice = choice.function.name
+        kwargs = dict(self.chat_template_kwargs or {})
+        thinking = False if self.reasoning_effort == "none" else None
+        if isinstance(kwargs.get("enable_thinking"), bool):
+            thinking = kwargs["enable_thinking"]
+        return ChatOptions(
+            tools=[t.model_dump(exclude_none=True) for t in self.tools or []],
+            tool_choice=choice or "auto",
+            parallel_tool_calls=self.parallel_tool_calls is not False,
+            template_kwargs=kwargs,
+            thinking=thinking,
+            reasoning_budget=self.reasoning_budget,
+        )
 
 
 def _best_of_is_n() -> list[dict]:

@@ -166,6 +166,7 @@ class OpenAIServing:
             choices.sink(index),
             cancel=choices.cancel,
             observer=recorder.observe if recorder else None,
+            plan=req.plan,
         )
         choices.started(recorder)  # after submit: a choice that did not start is not waited for
 
@@ -175,11 +176,16 @@ class OpenAIServing:
         local engine thread does. Its own cancel event: a finished stream may set the event it
         was given, which must not end the other choices; the request's Stop closes it."""
         prompt, params, recorder = self._choice(req, index)
-        reply = req.engine.chat if req.kind == "chat" else req.engine.complete_text
         own = threading.Event()
-        stream = await asyncio.to_thread(
-            reply, prompt, params, cancel=own, observer=recorder.observe if recorder else None
-        )
+        observer = recorder.observe if recorder else None
+        if req.kind == "chat":
+            stream = await asyncio.to_thread(
+                req.engine.chat, prompt, params, req.options, cancel=own, observer=observer
+            )
+        else:
+            stream = await asyncio.to_thread(
+                req.engine.complete_text, prompt, params, cancel=own, observer=observer
+            )
         choices.on_stop(lambda: (own.set(), stream.close()))
         read_remote(stream, choices.sink(index))
         choices.started(recorder)
@@ -189,22 +195,27 @@ class OpenAIServing:
         # each prompt counted once, whatever its number of choices
         prompt = sum(last[p * req.settings.n].stats.prompt_tokens for p in range(len(req.prompts)))
         completion = sum(c.stats.new_tokens for c in last)
-        return {
+        usage = {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
         }
+        if req.kind == "chat":
+            reasoning = sum(c.stats.reasoning_tokens for c in last)
+            usage["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+        return usage
 
     @staticmethod
     def _finish(stats) -> str:
         """OpenAI's finish reasons, and one of ours: "no_token_allowed" when the output
         format (its grammar) and logit_bias left no token that could come next."""
-        if stats.finish_reason in ("length", "no_token_allowed"):
+        if stats.finish_reason in ("length", "no_token_allowed", "tool_calls"):
             return stats.finish_reason
         return "stop"
 
     async def complete(self, req: APIRequest, choices: Choices) -> dict:
         parts: list[list[str]] = [[] for _ in range(req.choices)]
+        thought: list[list[str]] = [[] for _ in range(req.choices)]
         last: list = [None] * req.choices
         try:
             while choices.running:
@@ -215,6 +226,7 @@ class OpenAIServing:
                         ) from None
                     if chunk is not None:
                         parts[i].append(chunk.text)
+                        thought[i].append(chunk.reasoning)
                         if chunk.done:
                             last[i] = chunk
                     elif last[i] is None:
@@ -228,7 +240,13 @@ class OpenAIServing:
             "created": int(time.time()),
             "model": req.model,
             "choices": [
-                shape.whole(i, "".join(parts[i]), self._finish(last[i].stats))
+                shape.whole(
+                    i,
+                    "".join(parts[i]),
+                    self._finish(last[i].stats),
+                    reasoning="".join(thought[i]),
+                    calls=last[i].calls,
+                )
                 for i in range(req.choices)
             ],
             "usage": self._usage(req, last),
@@ -288,8 +306,12 @@ class OpenAIServing:
                         return
                     if chunk is None:
                         continue
-                    if chunk.text:
-                        out.append(event(shape.piece(i, chunk.text)))
+                    if chunk.text or chunk.reasoning or chunk.tool_calls:
+                        out.append(
+                            event(
+                                shape.piece(i, chunk.text, None, chunk.reasoning, chunk.tool_calls)
+                            )
+                        )
                     if chunk.done:
                         last[i] = chunk
                         out.append(event(shape.piece(i, "", self._finish(chunk.stats))))

@@ -58,11 +58,16 @@ class ChatShape:
     def _recorder(self, i: int):
         return self.choices.choices[i].recorder
 
-    def whole(self, i: int, text: str, finish: str) -> dict:
+    def whole(self, i: int, text: str, finish: str, reasoning: str = "", calls: list = ()) -> dict:
         recorder = self._recorder(i)
+        message = {"role": "assistant", "content": text or (None if calls else text)}
+        if reasoning:
+            message["reasoning_content"] = reasoning
+        if calls:
+            message["tool_calls"] = [c.to_openai() for c in calls]
         return {
             "index": i,
-            "message": {"role": "assistant", "content": text},
+            "message": message,
             "finish_reason": finish,
             "logprobs": {"content": recorder.entries} if recorder else None,
         }
@@ -75,10 +80,17 @@ class ChatShape:
             "logprobs": None,
         }
 
-    def piece(self, i: int, text: str, finish: str | None = None) -> dict:
+    def piece(
+        self, i: int, text: str, finish: str | None = None, reasoning: str = "", tool_calls=()
+    ) -> dict:
+        delta = {"content": text} if text else {}
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        if tool_calls:
+            delta["tool_calls"] = list(tool_calls)
         choice = {
             "index": i,
-            "delta": {"content": text} if text else {},
+            "delta": delta,
             "finish_reason": finish,
             "logprobs": None,
         }
@@ -124,7 +136,7 @@ class TextShape:
             self.offset[i] += len(token)
         return out
 
-    def whole(self, i: int, text: str, finish: str) -> dict:
+    def whole(self, i: int, text: str, finish: str, **_chat_parts) -> dict:
         echo, entries = self._echo(i)
         return {
             "index": i,
@@ -154,7 +166,7 @@ class TextShape:
             "finish_reason": None,
         }
 
-    def piece(self, i: int, text: str, finish: str | None = None) -> dict:
+    def piece(self, i: int, text: str, finish: str | None = None, *_chat_parts) -> dict:
         logprobs = self._logprobs(i, [])
         return {
             "index": i,
