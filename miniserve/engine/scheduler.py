@@ -105,6 +105,11 @@ class Scheduler:
         # KV positions Step sessions (engine/step.py) hold between their passes, by session:
         # counted against the budget like a running sequence's
         self.kept: dict[object, int] = {}
+        # draft tokens speculation proposed and accepted, all sequences together (/metrics)
+        self.spec_drafted = self.spec_accepted = 0
+        # called on the engine thread after each sequence's finish, with (sequence, error): each
+        # must return at once and never raise (/metrics counts tokens and times there)
+        self.on_finish: list[Callable[[Sequence, BaseException | None], None]] = []
 
     # -- bookkeeping --------------------------------------------------------------------
     @property
@@ -276,4 +281,8 @@ class Scheduler:
                     (seq.prompt + seq.tokens)[:held], seq.cache, len(seq.prompt), seq.first_logits
                 )
         seq.stats.total_s = time.perf_counter() - seq.stats.started
-        seq.finish(error)
+        try:
+            seq.finish(error)
+        finally:
+            for hook in self.on_finish:
+                hook(seq, error)
