@@ -5,6 +5,11 @@ error type and code, and the request field at fault; `error_response` writes any
 What pydantic finds wrong with a request body is turned into the same 400 (`from_validation`),
 never FastAPI's 422. Anything else that escapes a route is a bug here (500), or, for a model
 served over the network, its server's failure (502): `as_user_error`.
+
+A refusal for want of room carries `Retry-After` (seconds), as RFC 9110 has it for 429 and 503:
+429 when the queue is full (--max-queue requests running or waiting; a place frees whenever
+any of them finishes, well under a second on the embedded model, so a constant second, not an
+estimate) and 503 when the engine is shutting down (a restart takes seconds).
 """
 
 from __future__ import annotations
@@ -16,6 +21,10 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from miniserve.core.errors import UserError
+from miniserve.engine.engine import EngineClosed
+
+# seconds a refused client should wait before it asks again, by status (see above)
+RETRY_AFTER_S = {429: 1, 503: 5}
 
 
 class APIError(UserError, ValueError):
@@ -64,8 +73,10 @@ def error_body(error: UserError) -> dict:
 
 
 def error_response(error: UserError) -> JSONResponse:
-    """The one place a UserError becomes an HTTP response."""
-    return JSONResponse(status_code=error.status, content=error_body(error))
+    """The one place a UserError becomes an HTTP response (with Retry-After for 429 and 503)."""
+    wait = RETRY_AFTER_S.get(error.status)
+    headers = {"Retry-After": str(wait)} if wait is not None else None
+    return JSONResponse(status_code=error.status, content=error_body(error), headers=headers)
 
 
 def error_event(error: BaseException | None) -> str:
@@ -78,10 +89,18 @@ def error_event(error: BaseException | None) -> str:
 
 
 def as_user_error(error: BaseException, model: str, over_network: bool) -> UserError:
-    """What a failure while serving `model` means to the client: a UserError as it is; for a
-    model served over the network, its server failed (502); here, a bug (500)."""
+    """What a failure while serving `model` means to the client: a UserError as it is; an
+    engine shutting down, 503; for a model served over the network, its server failed (502);
+    here, a bug (500)."""
     if isinstance(error, UserError):
         return error
+    if isinstance(error, EngineClosed):
+        return APIError(
+            f"model '{model}' is shutting down; try again in a moment",
+            status=503,
+            kind="server_error",
+            code="model_unavailable",
+        )
     if over_network:
         return APIError(
             f"model '{model}' failed: {error}",

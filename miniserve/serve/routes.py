@@ -16,7 +16,11 @@ Every error is OpenAI's error object with the status it means (errors.py): a bad
 with Allow; a /v1 path the API does not have is a 404, also in the web app, whose page (Gradio,
 mounted at /) would answer everything else (`api_errors`).
 A client that goes away (mid-stream or while waiting for a whole reply) cancels its generations
-within one decoding step.
+within one decoding step. A full queue is a 429 and an engine shutting down a 503, each with
+`Retry-After` (errors.py says how many seconds and why).
+
+GET /metrics: the server's state in Prometheus' text format (metrics.py), open without the API
+key as vLLM's is.
 
 `n` (1..MAX_CHOICES) asks for several choices: each is its own engine request, started
 together so the engine advances them together, and each takes one place in the queue (a
@@ -72,7 +76,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from miniserve.core.errors import UserError
 from miniserve.models.registry import Models
-from miniserve.serve.errors import APIError, ErrorResponse, error_response, from_validation
+from miniserve.serve.errors import (
+    RETRY_AFTER_S,
+    APIError,
+    ErrorResponse,
+    error_response,
+    from_validation,
+)
+from miniserve.serve.metrics import add_metrics_route
 from miniserve.serve.parse import chat_request, text_request
 from miniserve.serve.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
 from miniserve.serve.serving import OpenAIServing, end, whole_reply
@@ -93,8 +104,17 @@ def _errors(*statuses: int) -> dict:
         429: "the server is busy: too many requests running or waiting",
         500: "a failure of this server",
         502: "the model could not be loaded, or its (remote) server failed",
+        503: "the model is shutting down",
     }
-    return {s: {"model": ErrorResponse, "description": said[s]} for s in statuses}
+    out = {s: {"model": ErrorResponse, "description": said[s]} for s in statuses}
+    for s in set(statuses) & set(RETRY_AFTER_S):
+        out[s]["headers"] = {
+            "Retry-After": {
+                "description": "seconds to wait before asking again",
+                "schema": {"type": "integer"},
+            }
+        }
+    return out
 
 
 def _as_json(request: Request) -> Request:
@@ -247,7 +267,7 @@ def build_router(models, api_key: str | None = None) -> APIRouter:
             "description": "the reply; with stream: true, server-sent events",
             "content": EVENT_STREAM,
         },
-        **_errors(400, *auth, 404, 429, 500, 502),
+        **_errors(400, *auth, 404, 429, 500, 502, 503),
     }
 
     @router.post("/v1/chat/completions", responses=replies)
@@ -274,8 +294,10 @@ def build_router(models, api_key: str | None = None) -> APIRouter:
         ("/v1/chat/completions", ("POST",)),
         ("/v1/completions", ("POST",)),
         ("/tokenize", ("POST",)),
+        ("/metrics", ("GET",)),
     ):
         _not_allowed(router, path, allowed)
+    add_metrics_route(router, api.models)
     _no_such_path(router, "/v1")  # last: the routes above answer their own paths first
     return router
 
