@@ -1,6 +1,8 @@
 """The Chat tab: a streaming conversation with sliders, an output format, Stop, Regenerate, Undo,
 edits that branch, the token inspector, and the Conversations sidebar (sidebar.py) over the saved
-history.
+history. A thinking model's reasoning streams open above its reply and folds when the answer
+starts; its Think switch and reasoning budget show for such a model only. A reply's tool calls
+show as cards (the chat runs none).
 `ChatHandlers` holds what its buttons call; each handler is a plain method (the streaming ones
 generators) that runs without a browser."""
 
@@ -15,7 +17,7 @@ import gradio as gr
 from miniserve.core.config import SamplingParams
 from miniserve.engine.engine import Engine
 from miniserve.engine.inspector import Inspector
-from miniserve.engine.turn import ChatTurn
+from miniserve.engine.turn import ChatTurn, history_of
 from miniserve.models.registry import Models
 from miniserve.store.store import Store, StoreError, open_store
 from miniserve.ui.common import (
@@ -35,15 +37,18 @@ from miniserve.ui.model_picker import (
     load_messages,
     using,
 )
-from miniserve.ui.render import inspector_html
+from miniserve.ui.render import inspector_html, reply_rows
 from miniserve.ui.sidebar import SidebarHandlers, build_sidebar, wire_sidebar
 from miniserve.ui.widgets import (
     FREE_TEXT,
+    NO_LIMIT,
     build_output_format,
     build_sampling,
+    build_thinking,
     format_note,
     params_from,
     preset_values,
+    thinking_options,
 )
 
 BROWSER_KEY = "miniserve"  # the browser's local-storage key for its owner id and open chat
@@ -63,8 +68,9 @@ class ChatHandlers:
     """The Chat tab's handlers over the app's models, its presets and the conversation store.
     Handlers that show a conversation take the browser's state and the tab's view
     (conversation.py) and return `Shown` values; the ones that generate add the message box
-    and the inspector's HTML. The sliders arrive in FIELDS order, the Model dropdown last (None:
-    the default model); `request` (injected by Gradio) names the browser session that Stop
+    and the inspector's HTML. The sliders arrive in FIELDS order, then the Model dropdown (None:
+    the default model), the Think switch and the reasoning budget (used for a model that
+    thinks only); `request` (injected by Gradio) names the browser session that Stop
     cancels."""
 
     def __init__(
@@ -104,6 +110,7 @@ class ChatHandlers:
         *,
         output=(FREE_TEXT, ""),
         model=None,
+        thinking=(True, NO_LIMIT),
         text: str | None = None,
         under: str | None = None,
         reply_to: str | None = None,
@@ -112,9 +119,11 @@ class ChatHandlers:
         """Add the user's `text` under the message `under` (None: as a first message) and
         stream the reply to it from `model`; with `text` None, stream a new reply to the user
         message `reply_to` (Regenerate); `output` is the Output format control's (format,
-        text). A model not loaded yet loads first, its progress on the status line. The user's
-        message is saved when the engine takes the request, the reply when it ends (finished
-        or stopped), with its settings (the model and the output format among them) and stats.
+        text), `thinking` the Think switch's and the budget's (for a model that thinks). A
+        model not loaded yet loads first, its progress on the status line. The user's message
+        is saved when the engine takes the request, the reply when it ends (finished or
+        stopped), with its settings (the model, the output format and the thinking among them),
+        stats, reasoning and tool calls.
         Yields SHOWN values + (message box, inspector HTML); on an error the conversation as
         it was, the typed message kept in the box, and the error as the status."""
         box = text if text is not None else gr.update()
@@ -122,10 +131,11 @@ class ChatHandlers:
         try:
             owner = owner_of(browser)
             params = params_from(settings, seed, *output)
+            options = thinking_options(*thinking)
             name = self.models.resolve(model)
             cid = view.get("cid")
             before = self.conversations.path(owner, new_view(cid, reply_to or under))
-            history = [{"role": m.role, "content": m.content} for m in before]
+            history = history_of(before)
             for note in load_messages(self.models, name):
                 yield (*self._show(browser, view, note, query), box, "")
         except (*USER_ERRORS, StoreError) as e:
@@ -144,6 +154,7 @@ class ChatHandlers:
                     preset=preset,
                     cancel=cancel,
                     observer=inspector.observe if inspector else None,
+                    options=options if getattr(engine, "thinks", False) else None,
                 )
                 reply_to = turn.save_question(
                     self.store, owner, cid, under if text is not None else reply_to
@@ -168,13 +179,13 @@ class ChatHandlers:
             yield (*base._replace(chatbot=shown), "", "")
             reading = Reading(turn)
             try:
-                for text_so_far in reading:
-                    shown[-1] = {"role": "assistant", "content": text_so_far}
+                for _ in reading:
+                    shown = [*base.chatbot, *self.streamed(turn)]
                     yield (*streaming._replace(chatbot=shown), "", "")
             except Exception as e:  # noqa: BLE001 -- show it; the user's message is saved
                 yield (*self._show(browser, view, error(f"{type(e).__name__}: {e}"), query), "", "")
                 return
-            text_so_far, last = reading.text, reading.last
+            last = reading.last
             if last is None or not last.done:
                 yield (
                     *self._show(browser, view, error("the reply ended without its stats"), query),
@@ -207,6 +218,32 @@ class ChatHandlers:
                 query,
             )
             yield (*final, "", inspector_html(inspector))
+
+    @staticmethod
+    def streamed(turn: ChatTurn) -> list[dict]:
+        """The reply's rows while it streams: its reasoning open with a spinner until the
+        answer (or a call) starts, then folded under its summary; its text; its calls."""
+        return reply_rows(
+            turn.text_so_far,
+            turn.reasoning_so_far,
+            turn.calls_so_far,
+            pending=turn.thinking,
+            tokens=turn.reasoning_tokens,
+            seconds=turn.reasoning_s,
+        )
+
+    def thinks(self, model) -> bool:
+        """Whether the model chosen thinks, as far as is known without loading it: a model
+        not loaded yet says so once a reply has loaded it."""
+        try:
+            engine = self.models.loaded_engine(self.models.resolve(model))
+        except USER_ERRORS:
+            return False
+        return bool(getattr(engine, "thinks", False))
+
+    def thinking_controls(self, model):
+        """The Think switch and the budget: shown for a model that thinks."""
+        return gr.update(visible=self.thinks(model))
 
     def saved_model(self, browser, view, model, status=""):
         """After a saved conversation opens (the sidebar, a reload, Undo delete, an import):
@@ -264,6 +301,8 @@ class ChatHandlers:
         output_format=FREE_TEXT,
         format_text="",
         model=None,
+        think=True,
+        budget=NO_LIMIT,
         request: gr.Request | None = None,
     ):
         """Send: the message goes under the leaf this tab shows."""
@@ -290,6 +329,7 @@ class ChatHandlers:
             request,
             output=(output_format, format_text),
             model=model,
+            thinking=(think, budget),
             text=message,
             under=view.get("leaf"),
         )
@@ -313,20 +353,22 @@ class ChatHandlers:
         output_format=FREE_TEXT,
         format_text="",
         model=None,
+        think=True,
+        budget=NO_LIMIT,
         request: gr.Request | None = None,
     ):
         """An edited user message: a new version of it (a branch; the old one is kept) and a
         reply to it."""
         settings = [temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens]
         browser = self._start(browser, request)
+        row = edited.index[0] if isinstance(edited.index, (list, tuple)) else edited.index
         try:
-            path = self.conversations.path(owner_of(browser), view)
+            path, index = self.conversations.message_at(owner_of(browser), view, row)
         except StoreError as e:
             yield (*self._show(browser, view, error(str(e)), query), gr.update(), "")
             return
-        index = edited.index[0] if isinstance(edited.index, (list, tuple)) else edited.index
         text = strip_marks(message_text(edited.value))
-        if not isinstance(index, int) or not 0 <= index < len(path) or path[index].role != "user":
+        if index is None or path[index].role != "user":
             yield (
                 *self._show(browser, view, error("only your own messages can be edited"), query),
                 gr.update(),
@@ -352,6 +394,7 @@ class ChatHandlers:
             request,
             output=(output_format, format_text),
             model=model,
+            thinking=(think, budget),
             text=text,
             under=path[index].parent_id,
             focus_new=True,
@@ -375,6 +418,8 @@ class ChatHandlers:
         output_format=FREE_TEXT,
         format_text="",
         model=None,
+        think=True,
+        budget=NO_LIMIT,
         request: gr.Request | None = None,
     ):
         """A new version of the last reply (a branch; the old reply is kept)."""
@@ -406,6 +451,7 @@ class ChatHandlers:
             request,
             output=(output_format, format_text),
             model=model,
+            thinking=(think, budget),
             reply_to=path[-1].id,
             focus_new=True,
         )
@@ -442,12 +488,12 @@ class ChatHandlers:
     ):
         """A click on a message: ‹ › will step through its versions (when it has some)."""
         browser = self._start(browser, request)
+        row = chosen.index[0] if isinstance(chosen.index, (list, tuple)) else chosen.index
         try:
-            path = self.conversations.path(owner_of(browser), view)
+            path, index = self.conversations.message_at(owner_of(browser), view, row)
         except StoreError as e:
             return self._show(browser, view, error(str(e)), query)
-        index = chosen.index[0] if isinstance(chosen.index, (list, tuple)) else chosen.index
-        focus = path[index].id if isinstance(index, int) and 0 <= index < len(path) else None
+        focus = path[index].id if index is not None else None
         return self._show(browser, {**view, "focus": focus}, "", query)
 
     def step(self, browser, view, query, step: int, request: gr.Request | None = None):
@@ -536,6 +582,7 @@ def build_chat_tab(
                 inspector_view = gr.HTML(elem_id="inspector")
             with gr.Column(scale=1):
                 model = build_model_picker(chat.models)
+                thinking = build_thinking(chat.thinks(None))
                 sampling = build_sampling(
                     chat.presets,
                     default_preset,
@@ -561,7 +608,7 @@ def build_chat_tab(
     shown = [parts[name] for name in SHOWN]
     q = bar["search"]
     # the handlers' parameters in order; Gradio puts an edit's EditData before the format's
-    settings = [system, *sampling.inputs, inspect_on, *output.inputs, model]
+    settings = [system, *sampling.inputs, inspect_on, *output.inputs, model, *thinking.inputs]
     generating = dict(outputs=[*shown, message, inspector_view], concurrency_id=ENGINE_EVENTS)
     runs = [
         send_btn.click(chat.send, [message, browser, view, q, *settings], **generating),
@@ -570,6 +617,17 @@ def build_chat_tab(
         chatbot.edit(chat.edit, [browser, view, q, *settings], **generating),
     ]
     follow_picker(chat.models, model, runs)
+    # the Think controls follow the model: its choice, a reply that loaded it, the page's load
+    show_thinking = dict(
+        fn=chat.thinking_controls,
+        inputs=model,
+        outputs=thinking.group,
+        queue=False,
+        show_progress="hidden",
+    )
+    model.change(**show_thinking)
+    for run in runs:
+        run.then(**show_thinking)
     if header is not None:
         header.refresh_after(runs)
     stop_btn.click(chat.stop, None, None, queue=False)
@@ -589,7 +647,7 @@ def build_chat_tab(
     )
     for opened in wire_sidebar(side, bar, shown, browser, view):
         opened.then(**follow_saved)
-    return ChatTab(side, browser, shown, q, bar["info"], follow_saved)
+    return ChatTab(side, browser, shown, q, bar["info"], follow_saved, show_thinking)
 
 
 class ChatTab(NamedTuple):
@@ -601,6 +659,7 @@ class ChatTab(NamedTuple):
     query: gr.Textbox
     info: gr.Markdown
     follow_saved: dict  # the event that moves the Model dropdown to an opened conversation's
+    show_thinking: dict  # the event that shows the Think controls for a model that thinks
 
     def on_load(self, demo: gr.Blocks) -> None:
         """On page load: the browser's owner id (new on a first visit), the list, and the
@@ -610,3 +669,4 @@ class ChatTab(NamedTuple):
         loaded = demo.load(self.sidebar.load, [self.browser, self.query, view], self.shown)
         loaded.then(self.sidebar.info, None, self.info)
         loaded.then(**self.follow_saved)
+        loaded.then(**self.show_thinking)

@@ -22,8 +22,9 @@ ERROR_PREFIX = "**Error:**"
 
 class Reading:
     """A reply's stream as a tab paints it: iterating gives the text so far, at most every
-    PAINT_INTERVAL_S while it streams (not for the last chunk); afterwards `text` is all of
-    it and `last` the last chunk (done=True when the reply completed)."""
+    PAINT_INTERVAL_S while it streams (not for the last chunk), when a piece of text, of
+    reasoning or of a tool call came; afterwards `text` is all of it and `last` the last
+    chunk (done=True when the reply completed)."""
 
     def __init__(self, stream):
         self.stream, self.text, self.last = stream, "", None
@@ -34,7 +35,12 @@ class Reading:
             self.text += self.last.text
             if self.last.done:
                 return
-            if self.last.text and time.perf_counter() - last_paint >= PAINT_INTERVAL_S:
+            grew = (
+                self.last.text
+                or getattr(self.last, "reasoning", "")
+                or getattr(self.last, "tool_calls", None)
+            )
+            if grew and time.perf_counter() - last_paint >= PAINT_INTERVAL_S:
                 last_paint = time.perf_counter()
                 yield self.text
 

@@ -15,6 +15,10 @@ page's load handler normally, but a message sent while the page is still loading
 server first. Every handler that takes `browser` starts with `start`; the id it gives is kept
 for the page's session, so whichever event runs first creates it and the others get the same.
 
+A reply may be several rows of the Chatbot (its reasoning folded, its text, a card per tool
+call: render.reply_rows); `Conversations.rows` draws a branch and says which message each row
+shows, so a click or an edit on a row finds its message.
+
 Every handler that shows a conversation returns `Shown`, the same eight values in the order
 of `SHOWN` (the components they go to, named in build_chat_tab). `show_safely` is what an
 error path shows: it never raises.
@@ -33,6 +37,7 @@ import gradio as gr
 
 from miniserve.store.store import Message, NotFound, Store, StoreError
 from miniserve.ui.common import error, is_error
+from miniserve.ui.render import reply_rows
 
 SHOWN = ("browser", "view", "chatbot", "conversations", "title", "system", "branches", "status")
 BRANCH_MARK = re.compile(r"\s*‹ \d+/\d+ ›\s*$")
@@ -144,14 +149,7 @@ class Conversations:
         conv = self.store.get(owner, cid)
         path = self.path(owner, view)
         branches = self.store.branches(owner, path)
-        shown = []
-        for m, b in zip(path, branches):
-            text = m.content
-            if m.status == "stopped":
-                text += " *(stopped)*"
-            if b.count > 1:
-                text += f"\n\n‹ {b.index}/{b.count} ›"
-            shown.append({"role": m.role, "content": text})
+        shown = [row for _, row in self.rows(path, branches)]
         focus = self.focus(path, branches, view.get("focus"))
         view = new_view(cid, view.get("leaf"), focus)
         return Shown(
@@ -180,6 +178,41 @@ class Conversations:
         except Exception:  # noqa: BLE001 -- as above; the status says the first failure
             keep = gr.update()
             return Shown(keep, keep, keep, keep, keep, keep, keep, status)
+
+    @staticmethod
+    def rows(path: list[Message], branches) -> list[tuple[int, dict]]:
+        """The Chatbot's rows of a branch, each with the index in `path` of the message it
+        shows: a user message is one row; a reply its reasoning (folded), its text (marked
+        when stopped and with its ‹ i/n › when it has versions) and a card per tool call."""
+        out = []
+        for i, (m, b) in enumerate(zip(path, branches)):
+            text = m.content
+            if m.status == "stopped":
+                text += " *(stopped)*"
+            if b.count > 1:
+                text += f"\n\n‹ {b.index}/{b.count} ›"
+            if m.role != "assistant":
+                out.append((i, {"role": m.role, "content": text}))
+                continue
+            stats = m.stats or {}
+            rows = reply_rows(
+                text,
+                m.reasoning,
+                m.tool_calls,
+                tokens=stats.get("reasoning_tokens"),
+                seconds=stats.get("reasoning_s"),
+            )
+            out += [(i, row) for row in rows]
+        return out
+
+    def message_at(self, owner: str, view: dict, row) -> tuple[list[Message], int | None]:
+        """The branch `view` shows and the index in it of the message of the Chatbot's row
+        `row` (None when there is no such row)."""
+        path = self.path(owner, view)
+        if not isinstance(row, int) or row < 0:
+            return path, None
+        rows = self.rows(path, self.store.branches(owner, path))
+        return path, rows[row][0] if row < len(rows) else None
 
     @staticmethod
     def focus(path, branches, wanted: str | None) -> str | None:

@@ -1,5 +1,6 @@
 """The controls the tabs share: the number boxes' values and sampling settings from them, the
-Output format control, the preset and sampling sliders, and the keys (Enter, Ctrl+Enter)."""
+Output format control, the preset and sampling sliders, a thinking model's Think switch and
+reasoning budget, and the keys (Enter, Ctrl+Enter)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import NamedTuple
 import gradio as gr
 
 from miniserve.core.config import FIELDS, ConfigError, Constraint, SamplingParams, check_seed
+from miniserve.engine.chat import ChatOptions
 
 
 def whole(value):
@@ -237,6 +239,70 @@ def build_sampling(
     seed = gr.Number(label="Seed", value=-1, precision=0, info=seed_info)
     preset.change(apply, preset, sliders)
     return SamplingControls(preset, sliders, seed)
+
+
+# -- Thinking ---------------------------------------------------------------------------------
+# A thinking model's controls: Think on/off and the reasoning budget, as llama.cpp's
+# --reasoning-budget counts it (-1: no limit, 0: no reasoning, N: at most N reasoning tokens,
+# then the reasoning is closed and the answer follows). Shown only for a model that thinks.
+BUDGET_MAX = 4096  # the slider's range; the API takes more
+NO_LIMIT = -1
+
+
+def budget_from(value) -> int | None:
+    """The budget slider's value: None for no limit (negative or empty), else a whole number
+    of tokens."""
+    value = whole(value)
+    if value is None or value == "" or (isinstance(value, (int, float)) and value < 0):
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(
+            f"the reasoning budget must be a whole number of tokens (-1: no limit), got {value!r}",
+            "reasoning_budget",
+        )
+    return value
+
+
+def thinking_options(think, budget) -> ChatOptions:
+    """The Think switch and the budget slider as the chat's options."""
+    return ChatOptions(thinking=bool(think), reasoning_budget=budget_from(budget))
+
+
+class ThinkingControls(NamedTuple):
+    """The group (shown for a model that thinks), the Think switch and the budget slider."""
+
+    group: gr.Column
+    think: gr.Checkbox
+    budget: gr.Slider
+
+    @property
+    def inputs(self) -> list:
+        return [self.think, self.budget]
+
+
+def build_thinking(visible: bool) -> ThinkingControls:
+    """The Think switch and the reasoning budget (call inside a layout block); the budget is
+    greyed out while Think is off."""
+    with gr.Column(visible=visible, elem_id="thinking", variant="panel") as group:
+        think = gr.Checkbox(
+            label="Think",
+            value=True,
+            info="the model reasons before it answers (shown folded above the reply); "
+            "off: it answers at once",
+            elem_id="think",
+        )
+        budget = gr.Slider(
+            minimum=NO_LIMIT,
+            maximum=BUDGET_MAX,
+            value=NO_LIMIT,
+            step=1,
+            label="Reasoning budget",
+            info="reasoning tokens at most, then the answer starts: -1 = no limit (or the "
+            "app's --reasoning-budget), 0 = none",
+            elem_id="reasoning-budget",
+        )
+    think.change(lambda on: gr.update(interactive=bool(on)), think, budget, queue=False)
+    return ThinkingControls(group, think, budget)
 
 
 # -- Keyboard ---------------------------------------------------------------------------------
