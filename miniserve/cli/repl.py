@@ -10,6 +10,10 @@ from then on each message is added to it as it is sent or completes.
 Raw mode (`chat --raw`, /raw; what a base model without a chat template needs): no turns, one
 running text -- each line typed is added to it and the model continues it, as the web app's
 Notebook tab does. /model NAME switches between the models the app was started with.
+
+A thinking model's reasoning is printed first, after "Thinking:" (dimmed on a terminal), then
+its answer on a line of its own; /think on|off and /budget N set what it is sent. A reply's
+tool calls are printed as lines (the chat runs none).
 """
 
 from __future__ import annotations
@@ -21,14 +25,17 @@ from pathlib import Path
 
 from miniserve.core.config import FIELDS, ConfigError, SamplingParams, check_seed
 from miniserve.core.errors import Busy, UserError
+from miniserve.engine.chat import ChatOptions
 from miniserve.engine.engine import Engine
-from miniserve.engine.turn import ChatTurn, with_seed
+from miniserve.engine.turn import ChatTurn, history_of, with_seed
 from miniserve.models.registry import Models, UnknownModel
 from miniserve.models.remote import RemoteError
 from miniserve.runners.loader import ModelLoadError
 from miniserve.store.store import Store, StoreError
 
 CLI_OWNER = "cli"  # the store's owner of the terminal chat's conversations
+DIM, PLAIN = "\x1b[2m", "\x1b[0m"  # a terminal's faint text (the reasoning), and back
+THINKING = "Thinking: "
 
 HELP = """commands:
   /help                 this help
@@ -44,6 +51,8 @@ HELP = """commands:
   /import FILE          import a JSON export or an OpenAI messages list
   /model [NAME]         show the model and the others served, or switch to NAME
   /raw                  turn raw mode (continue one running text, no chat template) on or off
+  /think on|off         a thinking model reasons before it answers, or answers at once
+  /budget N             a thinking model's reasoning tokens at most (-1: no limit, 0: none)
   /exit                 leave (also Ctrl-D)"""
 
 
@@ -66,12 +75,16 @@ class ChatSession:
         self.presets = presets
         self.preset_name = preset_name
         self.system = system
-        self.history: list[dict] = []  # what the model is sent: {"role", "content"} each
+        # what the model is sent: {"role", "content"} each, and a reply's "reasoning" and
+        # "tool_calls" (as the store keeps them)
+        self.history: list[dict] = []
         self.details: list[dict] = []  # beside each: status, settings and stats, for /save
         self.store = store  # None: nothing can be saved
         self.cid: str | None = None  # the saved conversation this session adds to
         self.leaf: str | None = None  # its last message on this session's branch
         self.listing: list[str] | None = None  # the conversations /list numbered last
+        self.thinking: bool | None = None  # /think: None is the model's own default (on)
+        self.budget: int | None = None  # /budget: reasoning tokens at most (None: no limit)
         self.out = None
 
     @property
@@ -81,6 +94,21 @@ class ChatSession:
     def say(self, text: str = "", end: str = "\n") -> None:
         self.out.write(text + end)
         self.out.flush()
+
+    def dim(self, text: str) -> str:
+        """Text printed faint on a terminal (the reasoning); as it is in a pipe or a file."""
+        isatty = getattr(self.out, "isatty", None)
+        return f"{DIM}{text}{PLAIN}" if text and isatty is not None and isatty() else text
+
+    def thinks(self) -> bool:
+        return bool(getattr(self.engine, "thinks", False))
+
+    def options(self) -> ChatOptions | None:
+        """What a thinking model is sent: /think and /budget (None for a model that does
+        not think)."""
+        if not self.thinks():
+            return None
+        return ChatOptions(thinking=self.thinking, reasoning_budget=self.budget)
 
     # -- commands ---------------------------------------------------------------------------
     def command(self, line: str) -> bool:
@@ -103,6 +131,8 @@ class ChatSession:
             "export": self.cmd_export,
             "import": self.cmd_import,
             "raw": self.cmd_raw,
+            "think": self.cmd_think,
+            "budget": self.cmd_budget,
         }.get(name)
         if handler is None:
             self.say(f"unknown command /{name}; /help lists the commands")
@@ -133,6 +163,40 @@ class ChatSession:
 
     def cmd_settings(self, _):
         self.say(f"[{self.preset_name or 'custom'}] " + self.describe())
+        if self.thinks():
+            self.say(self.describe_thinking())
+
+    def describe_thinking(self) -> str:
+        budget = "no limit" if self.budget is None else f"{self.budget} tokens"
+        return f"think {'off' if self.thinking is False else 'on'}, reasoning budget {budget}"
+
+    def _thinking_note(self) -> str:
+        return (
+            ""
+            if self.thinks()
+            else f" ({self.model_name} does not think: this applies to a model that does)"
+        )
+
+    def cmd_think(self, value):
+        if value not in ("on", "off"):
+            self.say(
+                f"error: /think takes on or off, got '{value}'; now: {self.describe_thinking()}"
+            )
+            return
+        self.thinking = value == "on"
+        self.say(self.describe_thinking() + self._thinking_note())
+
+    def cmd_budget(self, value):
+        try:
+            budget = int(value)
+        except ValueError:
+            self.say(
+                f"error: /budget takes a whole number of tokens (-1: no limit, 0: none), "
+                f"got '{value}'"
+            )
+            return
+        self.budget = None if budget < 0 else budget
+        self.say(self.describe_thinking() + self._thinking_note())
 
     def cmd_set(self, rest):
         key, _, value = rest.partition(" ")
@@ -299,9 +363,15 @@ class ChatSession:
         unanswered = path.pop() if path and path[-1].role == "user" else None
         self.cid, self.leaf = conversation.id, path[-1].id if path else None
         self.system = conversation.system or None
-        self.history = [{"role": m.role, "content": m.content} for m in path]
+        self.history = history_of(path)
         self.details = [
-            {"status": m.status, "settings": m.settings, "stats": m.stats} for m in path
+            {"status": m.status, "settings": m.settings, "stats": m.stats}
+            | (
+                {"reasoning": m.reasoning, "tool_calls": m.tool_calls}
+                if m.role == "assistant"
+                else {}
+            )
+            for m in path
         ]
         self.say(
             f"loaded {n}: {conversation.title or '(untitled)'} "
@@ -310,11 +380,14 @@ class ChatSession:
         if self.system:
             self.say(f"system: {self.system}")
         for m in path:
+            if m.reasoning:  # as a reply prints it: the reasoning first, the answer under it
+                self.say("bot> " + self.dim(THINKING + m.reasoning))
             self.say(
-                ("you> " if m.role == "user" else "bot> ")
+                ("you> " if m.role == "user" else "" if m.reasoning else "bot> ")
                 + m.content
                 + (" [stopped]" if m.status == "stopped" else "")
             )
+            self.say_calls(m.tool_calls)
         if unanswered is not None:
             self.say(
                 "[its last message had no reply and is left out; what you send next "
@@ -419,6 +492,27 @@ class ChatSession:
         if last is not None and last.done:
             self.say(f"[{last.stats.summary()}, seed {params.seed}]")
 
+    def say_calls(self, calls) -> None:
+        """A reply's tool calls, a line each (nothing is run)."""
+        for c in calls:
+            self.say(f"[tool call {c['name']}: {c['arguments']} -- not run]")
+
+    def stream(self, turn: ChatTurn) -> None:
+        """Print the reply as it comes: its reasoning after "Thinking:" (dimmed on a
+        terminal), then its answer on a line of its own."""
+        thought = False
+        for chunk in turn:
+            if chunk.reasoning:
+                if not thought:
+                    self.say(self.dim(THINKING), end="")
+                    thought = True
+                self.say(self.dim(chunk.reasoning), end="")
+            if chunk.text:
+                if thought:
+                    self.say()
+                    thought = False
+                self.say(chunk.text, end="")
+
     def reply(self, text: str) -> None:
         if self.raw:
             self.continue_text(text)
@@ -431,6 +525,7 @@ class ChatSession:
                 history=self.history,
                 text=text,
                 preset=self.preset_name,
+                options=self.options(),
             )
         except UserError as e:
             self.say(f"error: {e.describe()}")
@@ -438,13 +533,12 @@ class ChatSession:
         except RemoteError as e:  # a remote server that does not answer
             self.say(f"error: {e}")
             return
-        params, last = turn.params, None
+        params = turn.params
         parent = self.leaf
         user_id = self._keep_question(turn)
         stopped = False
         try:
-            for last in turn:
-                self.say(last.text, end="")
+            self.stream(turn)
         except KeyboardInterrupt:
             turn.stop()  # the engine stops within one decoding step
             stopped = True
@@ -453,8 +547,9 @@ class ChatSession:
             self.say(f"busy: {e}" if isinstance(e, Busy) else f"\nerror: {e}")
             self._take_back(user_id, parent)
             return
-        reply = turn.text_so_far
+        reply, last = turn.text_so_far, turn.last
         self.say()
+        self.say_calls(turn.reply_fields()["tool_calls"])
         if last is not None and last.dropped_messages:
             self.say(
                 f"[history trimmed: {last.dropped_messages} older messages left out to fit "
@@ -465,10 +560,19 @@ class ChatSession:
             deadline = time.monotonic() + 5
             while stopped and s.finish_reason != "cancelled" and time.monotonic() < deadline:
                 time.sleep(0.01)
-            self.say(f"[{s.summary()}, seed {params.seed}]")
-        details = turn.details()
+            thought = f", {s.reasoning_tokens} reasoning tokens" if s.reasoning_tokens else ""
+            self.say(f"[{s.summary()}{thought}, seed {params.seed}]")
+        details = turn.reply_fields()
         self._keep("assistant", reply, **details)
-        self.history += [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]
+        self.history += [
+            {"role": "user", "content": text},
+            {
+                "role": "assistant",
+                "content": reply,
+                "reasoning": details["reasoning"],
+                "tool_calls": details["tool_calls"],
+            },
+        ]
         self.details += [{}, details]
 
     def run(self, stdin, stdout) -> int:
