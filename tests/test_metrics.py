@@ -174,7 +174,46 @@ def test_a_full_queue_is_429_with_retry_after(engine, api):
     finally:
         engine.max_queue = saved
     assert busy.status == 429 and error["code"] == "server_busy"
-    assert busy.getheader("Retry-After") == "1"
+    assert busy.getheader("Retry-After") == "1"  # nothing holds a place: no estimate, 1 s
+
+
+def test_retry_after_says_when_places_are_likely_free():
+    from miniserve.serve.metrics import MAX_RETRY_AFTER_S, wait_estimate
+
+    # 4 requests holding places for 10 s each: one leaves every 2.5 s
+    assert wait_estimate(10.0, 4) == 3
+    assert wait_estimate(10.0, 4, places=2) == 5
+    assert wait_estimate(0.2, 8) == 1  # never 0
+    assert wait_estimate(900.0, 1) == MAX_RETRY_AFTER_S
+    assert wait_estimate(None, 4) is None and wait_estimate(10.0, 0) is None
+
+
+def test_a_full_queue_answers_how_long_its_requests_hold_their_places(engine, api):
+    from miniserve.serve.metrics import tally_of
+
+    assert wait_for_idle(engine)
+    tally, saved = tally_of(engine), engine.max_queue
+    conn = post(
+        api,
+        {
+            "messages": [{"role": "user", "content": LONG}],
+            "max_tokens": 2000,
+            "temperature": 0,
+            "stream": True,
+        },
+    )
+    try:
+        assert conn.getresponse().readline().startswith(b"data: ")
+        engine.max_queue = 1  # the one place is taken
+        held, tally.held_s = tally.held_s, 7.2  # as if requests had held theirs 7.2 s lately
+        busy = post(api, {"messages": Q, "max_tokens": 4}).getresponse()
+        busy.read()
+    finally:
+        tally.held_s = held
+        engine.max_queue = saved
+        conn.close()
+    assert busy.status == 429 and busy.getheader("Retry-After") == "8"
+    assert wait_for_idle(engine)
 
 
 def test_a_request_refused_by_the_engines_own_admission_has_retry_after(engine, api):

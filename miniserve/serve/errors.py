@@ -7,9 +7,10 @@ never FastAPI's 422. Anything else that escapes a route is a bug here (500), or,
 served over the network, its server's failure (502): `as_user_error`.
 
 A refusal for want of room carries `Retry-After` (seconds), as RFC 9110 has it for 429 and 503:
-429 when the queue is full (--max-queue requests running or waiting; a place frees whenever
-any of them finishes, well under a second on the embedded model, so a constant second, not an
-estimate) and 503 when the engine is shutting down (a restart takes seconds).
+429 when the queue is full (--max-queue requests running or waiting), with the time until
+enough places are likely free, from how long requests have held theirs lately (Little's law:
+metrics.retry_after; 1 to 60 s), or 1 s where nothing is known yet (a remote model, a fresh
+engine); 503 when the engine is shutting down: 5 s (a restart takes seconds).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from pydantic import BaseModel
 from miniserve.core.errors import UserError
 from miniserve.engine.engine import EngineClosed
 
-# seconds a refused client should wait before it asks again, by status (see above)
+# seconds a refused client should wait before it asks again, by status, where the refusal
+# brings no estimate of its own (see above)
 RETRY_AFTER_S = {429: 1, 503: 5}
 
 
@@ -31,7 +33,8 @@ class APIError(UserError, ValueError):
     """A refusal only the API makes (authentication, a field OpenAI has and we do not, a
     remote model asked for what only a local one can do), with its status, type, code and
     field given where it is raised. A ValueError too, so that pydantic carries it out of a
-    field's check (protocol.py) as it does a ConfigError."""
+    field's check (protocol.py) as it does a ConfigError. `retry_after`: the seconds a refusal
+    for want of room says to wait (else RETRY_AFTER_S's)."""
 
     def __init__(
         self,
@@ -41,9 +44,23 @@ class APIError(UserError, ValueError):
         status: int = 400,
         kind: str = "invalid_request_error",
         code: str | None = None,
+        retry_after: int | None = None,
     ):
         super().__init__(message)
         self.field, self.status, self.kind, self.code = field, status, kind, code
+        self.retry_after = retry_after
+
+    @classmethod
+    def busy(cls, error: UserError, retry_after: int | None) -> APIError:
+        """`error` (a 429: Busy) as the API answers it, with the seconds to wait."""
+        return cls(
+            str(error),
+            error.field,
+            status=error.status,
+            kind=error.kind,
+            code=error.code,
+            retry_after=retry_after,
+        )
 
 
 class ErrorDetail(BaseModel):
@@ -74,7 +91,8 @@ def error_body(error: UserError) -> dict:
 
 def error_response(error: UserError) -> JSONResponse:
     """The one place a UserError becomes an HTTP response (with Retry-After for 429 and 503)."""
-    wait = RETRY_AFTER_S.get(error.status)
+    wait = error.retry_after if isinstance(error, APIError) else None
+    wait = wait or RETRY_AFTER_S.get(error.status)
     headers = {"Retry-After": str(wait)} if wait is not None else None
     return JSONResponse(status_code=error.status, content=error_body(error), headers=headers)
 

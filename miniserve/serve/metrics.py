@@ -39,6 +39,7 @@ what anyone asked. Bind to a public address with that in mind.
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from bisect import bisect_left
@@ -59,6 +60,8 @@ PREFIX = "miniserve:"
 # queued behind others on 2 cores)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+RECENT = 0.2  # the weight of the newest request in the recent average of seconds a place is held
+MAX_RETRY_AFTER_S = 60
 
 
 class Histogram:
@@ -91,6 +94,7 @@ class Tally:
         self.finished: Counter[str] = Counter()
         self.ttft = Histogram(TTFT_BUCKETS)
         self.e2e = Histogram(E2E_BUCKETS)
+        self.held_s: float | None = None  # seconds a request held its place, lately (Retry-After)
 
     def add(self, seq: Sequence, error: BaseException | None) -> None:  # the engine thread
         stats = seq.stats
@@ -102,6 +106,8 @@ class Tally:
             if stats.new_tokens:
                 self.ttft.observe(stats.ttft_s)
             self.e2e.observe(stats.total_s)
+            held = self.held_s
+            self.held_s = stats.total_s if held is None else held + RECENT * (stats.total_s - held)
 
 
 _tallies: weakref.WeakKeyDictionary[Scheduler, Tally] = weakref.WeakKeyDictionary()
@@ -137,6 +143,24 @@ def watch(models: Models) -> None:
         return engine
 
     models.factory = factory
+
+
+def wait_estimate(held_s: float | None, depth: int, places: int = 1) -> int | None:
+    """Seconds until `places` places in a queue are likely free, when `depth` requests hold
+    places for `held_s` seconds each on average: one leaves every held_s / depth seconds
+    (Little's law). At least 1, at most MAX_RETRY_AFTER_S; None when nothing is known yet."""
+    if held_s is None or depth <= 0:
+        return None
+    return min(MAX_RETRY_AFTER_S, max(1, math.ceil(places * held_s / depth)))
+
+
+def retry_after(engine, places: int = 1) -> int | None:
+    """wait_estimate for a local engine's queue, from its requests' recent times; None for a
+    remote one or an engine nothing has finished on."""
+    if not isinstance(engine, Engine):
+        return None
+    tally = _tallies.get(engine.scheduler)
+    return wait_estimate(tally.held_s if tally else None, engine.queue_depth, places)
 
 
 def _read(count) -> int | None:

@@ -22,6 +22,7 @@ from miniserve.engine.chat import render
 from miniserve.models.registry import Models, UnknownModel
 from miniserve.serve.bridge import Choices, read_remote, until_disconnect
 from miniserve.serve.errors import APIError, as_user_error, error_event
+from miniserve.serve.metrics import retry_after
 from miniserve.serve.parse import APIRequest, no_chat_template
 from miniserve.serve.protocol import TokenizeRequest
 from miniserve.serve.shapes import LogprobRecorder, TextShape, events, shape_of
@@ -128,12 +129,13 @@ class OpenAIServing:
         free = engine.max_queue - engine.queue_depth
         if total > free:
             need = f"n={n}" if len(req.prompts) == 1 else f"{len(req.prompts)} prompts x n={n}"
-            raise Busy(
+            busy = Busy(
                 "the server is busy; try again in a moment"
                 if total == 1
                 else f"the server is busy: {need} needs {total} places in the queue and "
                 f"{max(free, 0)} are free; try again in a moment"
             )
+            raise APIError.busy(busy, retry_after(engine, total - max(free, 0)))
         choices = Choices(asyncio.get_running_loop())
         try:
             for i in range(total):
@@ -144,7 +146,10 @@ class OpenAIServing:
         except BaseException as e:  # start none: cancel those already queued
             choices.stop()
             if isinstance(e, Exception):  # the engine's own admission checks, a remote refusal
-                raise as_user_error(e, req.model, over_network) from None
+                error = as_user_error(e, req.model, over_network)
+                if isinstance(error, Busy):  # another request took the last places first
+                    error = APIError.busy(error, retry_after(engine, total))
+                raise error from None
             raise
         return choices
 
