@@ -16,13 +16,36 @@ NDJSON) goes to $TMPDIR/miniserve-schemathesis/; the script's exit status is sch
 To keep a run to minutes on a small CPU, a hook (`map_case` below, loaded through
 SCHEMATHESIS_HOOKS) caps the tokens a request may generate at MAX_TOKENS: a generated
 max_tokens above it is lowered, and a request that sets none (or null) gets it (the defaults
-are 1024 for chat and 16 for completions). Both keep a schema-valid request valid and an
-invalid one invalid.
+are 1024 for chat and 16 for completions). And a conversation (chat, /tokenize) that ends with
+the system prompt gets a user message after it: the system message is the simplest a schema
+of messages allows, so it is what the coverage phase builds its requests on, and each would
+be refused for where the conversation ends (the first item below) before the part it is
+about were looked at. All three keep a schema-valid request valid and an invalid one invalid.
 
 What a schema cannot say, so schemathesis reports it as "schema-valid request rejected"
-(ST202) by design: the last message must be the user's; token ids (prompt, logit_bias) must
-be below the model's vocabulary size; a grammar, pattern or JSON Schema must compile; a prompt
-must fit the model's context.
+(ST202) by design:
+
+- the last message must not be the system prompt (system or developer): a conversation ends
+  with a user message, tool results or an assistant message to continue, and a schema cannot
+  single out the last item of a list (the hook above keeps generated requests off it);
+- token ids (prompt, logit_bias) must be below the model's vocabulary size, which is the
+  model's, not the document's;
+- a grammar, pattern or JSON Schema (structured_outputs, response_format, a tool's
+  parameters) must compile;
+- a prompt must fit the model's context;
+- `tools` only for a model whose chat template shows them to it: the embedded SmolLM2's
+  template has no tools, so any non-empty `tools` is a 400 naming the model (param "tools").
+  The document is the server's, for every model it serves (here or over the network), so it
+  cannot say which of them take tools; nor can it say that a named tool_choice must name one
+  of `tools` (a schema cannot compare the values of two fields);
+- a model's chat template may refuse a conversation itself (its raise_exception).
+
+And one that is schemathesis' own: a `seed` just past 2**63 - 1 (9223372036854775999). The
+document's bound is exact (maximum 9223372036854775807); schemathesis reads it as a double,
+2**63, and counts its near-boundary "valid" seeds down from that.
+
+Each phase stops an operation at its first failure, so one of these can hide another failure
+behind it: `-- --continue-on-failure` runs every case and lists them all.
 """
 
 from __future__ import annotations
@@ -42,13 +65,25 @@ ROOT = Path(__file__).resolve().parent.parent
 MAX_TOKENS = 4
 TOKEN_FIELDS = ("max_tokens", "max_completion_tokens")
 GENERATING = ("/v1/chat/completions", "/v1/completions")
+CONVERSATIONS = ("/v1/chat/completions", "/tokenize")
+SYSTEM = ("system", "developer")
 
 
 @schemathesis.hook
 def map_case(context, case):
-    """At most MAX_TOKENS generated tokens a request (see the module docstring). A case hook:
-    the coverage phase applies those, not `map_body`."""
+    """At most MAX_TOKENS generated tokens a request, and no conversation that ends with the
+    system prompt (see the module docstring). A case hook: the coverage phase applies those,
+    not `map_body`."""
     body = case.body
+    messages = body.get("messages") if isinstance(body, dict) else None
+    if (
+        case.operation.path in CONVERSATIONS
+        and isinstance(messages, list)
+        and messages
+        and isinstance(messages[-1], dict)
+        and messages[-1].get("role") in SYSTEM
+    ):
+        messages.append({"role": "user", "content": "hi"})
     if case.operation.path in GENERATING and isinstance(body, dict):
         for key in TOKEN_FIELDS:
             value = body.get(key)

@@ -6,15 +6,28 @@ Ranges come from the one table in miniserve.core.config (`FIELDS`, `MAX_CHOICES`
 for fields only the API has, the `Limit`s below. Each field's check runs before pydantic's own
 and is config's (`check_number`, `check_value`, `check_seed`) or the one written here, so a bad
 value gets the sentence it always got, naming the field and what is allowed; pydantic carries
-that error out (errors.from_validation) and the route answers 400. What needs the model -- its
-context window (the ceiling of max_tokens), its vocabulary, compiling a grammar, its chat
-template -- is checked after, in parse.py.
+that error out (errors.from_validation) and the route answers 400. A conversation's messages
+are documented as a model for each role; `_messages` checks what those state (the types of the
+fields the engine reads, text in every user message) before chat.check_messages, the engine's
+own check, makes them what it takes. What needs the model -- its context window (the ceiling
+of max_tokens), its vocabulary, compiling a grammar, its chat template -- is checked after,
+in parse.py.
 """
 
 import json
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SkipValidation, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SkipValidation,
+    StrictBool,
+    field_validator,
+    model_validator,
+)
 
 from miniserve.core.config import (
     FIELDS,
@@ -31,7 +44,7 @@ from miniserve.core.config import (
     check_value,
 )
 from miniserve.core.config import Field as Limit
-from miniserve.engine.chat import ROLES, ChatOptions, check_messages
+from miniserve.engine.chat import TOOL_CHOICES, ChatError, ChatOptions, check_messages
 from miniserve.serve.errors import APIError
 
 DEFAULT_MAX_TOKENS = 1024  # chat
@@ -71,6 +84,15 @@ TOP_LOGPROBS = Limit(
     0,
     "top_logprobs",
     "the most likely tokens listed at each position (with logprobs: true)",
+)
+REASONING_BUDGET = Limit(
+    int,
+    0,
+    MAX_NEW_TOKENS,
+    0,
+    "reasoning_budget",
+    "reasoning tokens at most; then the reasoning is closed and the answer follows (default: "
+    "the server's --reasoning-budget, else no limit). max_tokens counts reasoning and answer",
 )
 COMPLETION_LOGPROBS = Limit(
     int,
@@ -120,15 +142,15 @@ def sampling(name: str):
     return _ranged(FIELDS[name], lambda v: check_value(name, v), API_DEFAULTS[name])
 
 
-def flag(name: str):
-    """true or false (null: false)."""
+def flag(name: str, default: bool | None = False, description: str | None = None):
+    """true or false (null: the default)."""
 
     def check(value):
         if not isinstance(value, bool):
             raise ConfigError(f"'{name}' must be true or false", name)
         return value
 
-    return Annotated[bool | None, _checked(check), Field(False)]
+    return Annotated[bool | None, _checked(check), Field(default, description=description)]
 
 
 # what a refused field may hold: nothing asked (null, [], {}, "none")
@@ -148,8 +170,8 @@ def unsupported(name: str, description: str):
         if value in ([], {}, "none"):
             return None
         raise APIError(
-            f"'{name}' is not supported by this server (no tool or function "
-            "calling); for JSON output use 'response_format'",
+            f"'{name}' is not supported by this server (the legacy function calling): "
+            "use 'tools' and 'tool_choice'",
             name,
             code="unsupported_parameter",
         )
@@ -323,6 +345,64 @@ def _suffix(value):
     return value
 
 
+def _tool_choice(value):
+    if value in TOOL_CHOICES:
+        return value
+    fn = value.get("function") if isinstance(value, dict) else None
+    if (
+        not isinstance(value, dict)
+        or value.get("type") != "function"
+        or not isinstance(fn, dict)
+        or not isinstance(fn.get("name"), str)
+        or not fn["name"]
+    ):
+        raise ConfigError(
+            "'tool_choice' must be auto, none, required, or "
+            '{"type": "function", "function": {"name": ...}} naming one of \'tools\'',
+            "tool_choice",
+        )
+    return value
+
+
+# apply_chat_template's own arguments and what it hands every template itself: the call's,
+# not switches of the template (the conversation, the tools, another template, tokenizing)
+TEMPLATE_ARGUMENTS = (
+    "conversation",
+    "messages",
+    "tools",
+    "documents",
+    "chat_template",
+    "add_generation_prompt",
+    "continue_final_message",
+    "tokenize",
+    "sanitize_control_tokens",
+    "padding",
+    "truncation",
+    "max_length",
+    "return_tensors",
+    "return_dict",
+    "return_assistant_tokens_mask",
+    "tokenizer_kwargs",
+)
+
+
+def _template_kwargs(value):
+    if not isinstance(value, dict):
+        raise ConfigError(
+            "'chat_template_kwargs' must be an object of the chat template's switches",
+            "chat_template_kwargs",
+        )
+    for key in value:
+        if key in TEMPLATE_ARGUMENTS:
+            field = f"chat_template_kwargs.{key}"
+            raise ConfigError(
+                f"'{field}' is not a switch of the chat template: the server sets it "
+                "(the conversation, the tools, how the template is applied)",
+                field,
+            )
+    return value
+
+
 def _tokenize_prompt(value):
     if not isinstance(value, str):
         raise ConfigError("give 'prompt' (a string) or 'messages'", "prompt")
@@ -332,73 +412,174 @@ def _tokenize_prompt(value):
 # -- the parts of a request ------------------------------------------------------------------
 
 
+def _optional(schema: dict) -> None:
+    """JSON Schema: a property that may be left out, but not sent as null (pydantic writes
+    the model's None default, which a client would read as a value to send)."""
+    schema.pop("default", None)
+
+
 class ContentPart(BaseModel):
-    """OpenAI's content parts: the text ones are kept, others dropped."""
+    """OpenAI's content parts: the text ones are read, others (images, audio) dropped."""
 
     model_config = ConfigDict(extra="allow")
-    type: str | None = None
-    text: str | None = None
+    type: str = Field(description='"text", or a kind of part this server drops (image_url, ...)')
+    text: str = Field(None, description="a text part's text", json_schema_extra=_optional)
 
 
 # Text with something to read: a character that is neither a space nor a control character
-# (chat.clean_text drops those). Asked of every message, though only the last (the user's)
-# must have one: a schema cannot single out the last item of a list.
+# (chat.clean_text drops those). Asked of every user message, though the server only needs it
+# of the last: an empty turn in the middle says nothing either, and a schema cannot single out
+# the last item of a list.
 VISIBLE = r"[^\s\x00-\x08\x0b\x0c\x0e-\x1f\x7f]"
+
+Content = str | list[ContentPart]
+# a user message's content: text to read, or parts of which one is text to read
+UserContent = (
+    Annotated[str, Field(pattern=VISIBLE)]
+    | Annotated[
+        list[ContentPart],
+        Field(
+            json_schema_extra={
+                "contains": {
+                    "type": "object",
+                    "required": ["type", "text"],
+                    "properties": {
+                        "type": {"const": "text"},
+                        "text": {"type": "string", "pattern": VISIBLE},
+                    },
+                }
+            }
+        ),
+    ]
+)
+# what a message that is not the assistant's holds as tool_calls: nothing
+NoCalls = Annotated[
+    Annotated[list[Any], Field(max_length=0)] | None,
+    Field(None, description="only an assistant message makes calls"),
+]
 
 
 class FunctionCall(BaseModel):
     model_config = ConfigDict(extra="allow")
     name: Annotated[str, Field(min_length=1)]
-    arguments: str | dict[str, Any] = "{}"
+    arguments: str | dict[str, Any] = Field("{}", description="JSON text (or the object)")
 
 
 class ToolCallItem(BaseModel):
     model_config = ConfigDict(extra="allow")
-    id: str | None = None
+    id: str | None = Field(None, description="left out or null: call_<index>")
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(BaseModel):
+class SystemMessage(BaseModel):
+    """The system prompt (developer: OpenAI's newer name of it); never the last message."""
+
     model_config = ConfigDict(extra="allow")
-    role: Literal[(*ROLES, "developer")]  # type: ignore[valid-type]
-    tool_calls: list[ToolCallItem] | None = Field(
-        None, description="an assistant message's calls (its content may then be null)"
-    )
-    tool_call_id: str | None = Field(None, description="a tool message: the call it answers")
+    role: Literal["system", "developer"]
+    content: Content
+    tool_calls: NoCalls
+
+
+class UserMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["user"]
+    content: UserContent
+    tool_calls: NoCalls
+
+
+class AssistantMessage(BaseModel):
+    """A reply: its text (null or left out beside calls), its calls, its reasoning. The last
+    message may be the assistant's: the reply continues it (prefill)."""
+
+    model_config = ConfigDict(extra="allow")
+    role: Literal["assistant"]
+    content: Content | None = None
+    tool_calls: list[ToolCallItem] | None = Field(None, description="the calls it made")
     reasoning_content: str | None = Field(
-        None, description="an assistant message's reasoning; the template keeps or drops it"
-    )
-    content: (
-        None
-        | Annotated[str, Field(pattern=VISIBLE)]
-        | Annotated[
-            list[ContentPart],
-            Field(
-                json_schema_extra={
-                    "contains": {
-                        "type": "object",
-                        "required": ["type", "text"],
-                        "properties": {
-                            "type": {"const": "text"},
-                            "text": {"type": "string", "pattern": VISIBLE},
-                        },
-                    }
-                }
-            ),
-        ]
+        None, description="its reasoning; the template keeps or drops it"
     )
 
 
-# check_messages is the whole check (its sentences name the message and the part); the
-# models document what it takes, and it returns [{"role", "content": text}, ...]
+class ToolMessage(BaseModel):
+    """A call's result."""
+
+    model_config = ConfigDict(extra="allow")
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: str | None = Field(None, description="the call it answers")
+    tool_calls: NoCalls
+
+
+# the user's first: what a generator that takes the first kind makes is a conversation to send
+ChatMessage = Annotated[
+    UserMessage | AssistantMessage | ToolMessage | SystemMessage, Field(discriminator="role")
+]
+
+
+def _readable(content) -> bool:
+    """Whether a message's content (text or parts) has something to read (VISIBLE)."""
+    if isinstance(content, list):
+        content = "".join(p["text"] for p in content if p.get("type") == "text" and "text" in p)
+    return re.search(VISIBLE, content) is not None
+
+
+def _message(m: dict, where: str) -> None:
+    """What the message models state of one message that check_messages leaves alone: the
+    types of the fields it reads, and text in every user message."""
+    role, content = m.get("role"), m.get("content")
+    role = role if isinstance(role, str) else None  # any other: check_messages says so
+    if isinstance(content, list):
+        for j, part in enumerate(content):
+            at = f"{where}.content[{j}]"
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                raise ChatError(
+                    f"'{at}' must be a content part: an object with a 'type' "
+                    "(\"text\", with its 'text')",
+                    at,
+                )
+            if "text" in part and not isinstance(part["text"], str):
+                raise ChatError(f"'{at}.text' must be a string", f"{at}.text")
+    if role == "user" and isinstance(content, (str, list)) and not _readable(content):
+        raise ChatError(
+            f"'{where}.content' has no text: a user message needs something to read",
+            f"{where}.content",
+        )
+    calls = m.get("tool_calls")
+    if calls is not None and not isinstance(calls, list):
+        raise ChatError(f"'{where}.tool_calls' must be a list of calls", f"{where}.tool_calls")
+    for j, call in enumerate((calls or []) if role == "assistant" else []):
+        at = f"{where}.tool_calls[{j}]"
+        if not isinstance(call, dict):
+            continue  # check_messages: "function.name must be a non-empty string"
+        if call.get("id") is not None and not isinstance(call["id"], str):
+            raise ChatError(f"'{at}.id' must be a string", f"{at}.id")
+        if "type" in call and call["type"] != "function":
+            raise ChatError(f"'{at}.type' must be \"function\"", f"{at}.type")
+    key = {"assistant": "reasoning_content", "tool": "tool_call_id"}.get(role)
+    if key is not None and m.get(key) is not None and not isinstance(m[key], str):
+        raise ChatError(f"'{where}.{key}' must be a string", f"{where}.{key}")
+
+
+def _messages(value):
+    """The conversation checked: each message as its model states (`_message`), then as
+    the engine takes it (check_messages, whose sentences name the message and the part)."""
+    if isinstance(value, list):
+        for i, m in enumerate(value):
+            if isinstance(m, dict):
+                _message(m, f"messages[{i}]")
+    return check_messages(value)
+
+
+# _messages is the whole check; the models document what it takes, and it returns
+# [{"role", "content": text}, ...]
 Messages = Annotated[
     SkipValidation[Annotated[list[ChatMessage], Field(min_length=1)]],
-    BeforeValidator(check_messages),
+    BeforeValidator(_messages),
     Field(
         description="the conversation, oldest first; it ends with the user's message, tool "
-        "results, or an assistant message the reply continues (prefill); too long for the "
-        "context with max_tokens: 400, never cut"
+        "results, or an assistant message the reply continues (prefill), never the system "
+        "prompt; too long for the context with max_tokens: 400, never cut"
     ),
 ]
 TokenId = Annotated[
@@ -426,10 +607,19 @@ class FunctionDefinition(BaseModel):
     model_config = ConfigDict(extra="allow")
     name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
     description: str | None = None
-    parameters: dict[str, Any] | None = Field(
-        None, description="a JSON Schema of the arguments object"
+    # the arguments are always an object: a schema with another type could never be met
+    parameters: (
+        Annotated[
+            dict[str, Any],
+            Field(json_schema_extra={"properties": {"type": {"const": "object"}}}),
+        ]
+        | None
+    ) = Field(
+        None,
+        description='a JSON Schema of the arguments object (its type, if given, "object"); '
+        "left out: no arguments",
     )
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class Tool(BaseModel):
@@ -483,6 +673,21 @@ def _present(name: str) -> dict:
     return {"required": [name], "properties": {name: {"not": {"type": "null"}}}}
 
 
+def _rules(*never: dict) -> list[dict]:
+    """JSON Schema of what one field cannot say alone: stream_options only with stream: true;
+    never response_format and structured_outputs both, nor any of `never`. What is never sent
+    is one `not`: a generator that folds a document's rules into one schema (schemathesis'
+    coverage phase) takes one `if` and one `not` side by side, not two of either."""
+    both_formats = {"allOf": [_present("response_format"), _present("structured_outputs")]}
+    return [
+        {
+            "if": _present("stream_options"),
+            "then": {"required": ["stream"], "properties": {"stream": {"const": True}}},
+        },
+        {"not": {"anyOf": [both_formats, *never]}},
+    ]
+
+
 class StructuredOutputs(BaseModel):
     """vLLM's extension: exactly one of these."""
 
@@ -507,19 +712,7 @@ class StructuredOutputs(BaseModel):
 class SamplingRequest(BaseModel):
     """What /v1/chat/completions and /v1/completions take alike. Unknown fields are ignored."""
 
-    # _together's rules, for the document: stream_options only with stream: true; never
-    # response_format and structured_outputs both
-    model_config = ConfigDict(
-        json_schema_extra={
-            "allOf": [
-                {
-                    "if": _present("stream_options"),
-                    "then": {"required": ["stream"], "properties": {"stream": {"const": True}}},
-                },
-                {"not": {"allOf": [_present("response_format"), _present("structured_outputs")]}},
-            ]
-        }
-    )
+    model_config = ConfigDict(json_schema_extra={"allOf": _rules()})  # _together's
 
     model: Annotated[
         str | None,
@@ -628,7 +821,16 @@ class SamplingRequest(BaseModel):
 MaxTokens = SkipValidation[Annotated[int, Field(ge=1)] | None]  # checked in parse.py
 
 
+# JSON Schema: tool_choice required, or a named function, without tools (one or more)
+CHOICE_WITHOUT_TOOLS = {
+    "required": ["tool_choice"],
+    "properties": {"tool_choice": {"anyOf": [{"const": "required"}, {"type": "object"}]}},
+    "not": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}},
+}
+
+
 class ChatCompletionRequest(SamplingRequest):
+    model_config = ConfigDict(json_schema_extra={"allOf": _rules(CHOICE_WITHOUT_TOOLS)})
     messages: Messages
     max_tokens: MaxTokens = Field(
         None,
@@ -648,32 +850,64 @@ class ChatCompletionRequest(SamplingRequest):
         "template that does not show them: 400 naming the model); calls come back as "
         "message.tool_calls, finish_reason tool_calls",
     )
-    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = Field(
-        None,
-        description="auto (default): the model chooses; none: the tools are shown, no call is "
-        "made; required or a named function: a call that parses, arguments valid against the "
-        "function's parameters (enforced by the grammar)",
-    )
-    parallel_tool_calls: bool | None = Field(
-        None, description="more than one call in a reply (default true)"
+    tool_choice: Annotated[
+        Literal["auto", "none", "required"] | NamedToolChoice | None,
+        _checked(_tool_choice),
+        Field(
+            None,
+            description="auto (default): the model chooses; none: the tools are shown, no call is "
+            "made; required or a named function: a call that parses, arguments valid against the "
+            "function's parameters (enforced by the grammar); required or named: only with "
+            "tools",
+        ),
+    ]
+    parallel_tool_calls: flag(
+        "parallel_tool_calls", None, "more than one call in a reply (default true)"
     )
     functions: unsupported("functions", "refused: the legacy function calling; use tools")
     function_call: unsupported("function_call", "refused: the legacy function calling; use tools")
-    chat_template_kwargs: dict[str, Any] | None = Field(
-        None,
-        description='passed to the chat template, e.g. {"enable_thinking": false} for Qwen3',
-    )
+    chat_template_kwargs: Annotated[
+        Annotated[
+            dict[str, Any],
+            Field(json_schema_extra={"propertyNames": {"not": {"enum": list(TEMPLATE_ARGUMENTS)}}}),
+        ]
+        | None,
+        _checked(_template_kwargs),
+        Field(
+            None,
+            description='passed to the chat template, e.g. {"enable_thinking": false} for '
+            "Qwen3; never what the server sets itself (messages, tools, chat_template, "
+            "add_generation_prompt, tokenize, ...)",
+        ),
+    ]
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = Field(
         None,
         description="none: thinking off (enable_thinking false, or a reasoning budget of 0); "
         "the others leave it on",
     )
-    reasoning_budget: Annotated[int, Field(ge=0, le=MAX_NEW_TOKENS)] | None = Field(
-        None,
-        description="reasoning tokens at most; then the reasoning is closed and the answer "
-        "follows (default: the server's --reasoning-budget, else no limit). max_tokens "
-        "counts reasoning and answer",
-    )
+    reasoning_budget: limited("reasoning_budget", REASONING_BUDGET)
+
+    @field_validator("tools")
+    @classmethod
+    def _parameters_of_an_object(cls, tools):
+        for i, tool in enumerate(tools or []):
+            kind = (tool.function.parameters or {}).get("type", "object")
+            if kind != "object":
+                field = f"tools[{i}].function.parameters"
+                raise ConfigError(
+                    f"'{field}' must be the JSON Schema of an object (the arguments), "
+                    f"got type {kind!r}",
+                    field,
+                )
+        return tools
+
+    @model_validator(mode="after")
+    def _tool_choice_needs_tools(self):
+        choice = self.tool_choice
+        if (choice == "required" or isinstance(choice, NamedToolChoice)) and not self.tools:
+            name = "required" if choice == "required" else "a named function"
+            raise ConfigError(f"'tool_choice': {name} needs 'tools'", "tool_choice")
+        return self
 
     def options(self) -> ChatOptions:
         """The chat options this request asks for (tools, template switches, thinking)."""
@@ -694,26 +928,25 @@ class ChatCompletionRequest(SamplingRequest):
         )
 
 
-def _best_of_is_n() -> list[dict]:
-    """JSON Schema for "best_of equals n, or is left out" (a schema cannot compare two
-    fields, but it can list n's values)."""
-    rules = [
+def _best_of_not_n() -> list[dict]:
+    """JSON Schema of "best_of given and not n" (n left out or null: 1), one for each value
+    of best_of: a schema cannot compare two fields, but it can list their values."""
+    return [
         {
-            "if": {"required": ["n"], "properties": {"n": {"const": k}}},
-            "then": {"properties": {"best_of": {"enum": [k, None]}}},
+            "required": ["best_of"],
+            "properties": {"best_of": {"const": k}},
+            "not": (
+                {"properties": {"n": {"enum": [1, None]}}}
+                if k == 1
+                else {"required": ["n"], "properties": {"n": {"const": k}}}
+            ),
         }
         for k in range(1, MAX_CHOICES + 1)
     ]
-    n_default = {"anyOf": [{"not": {"required": ["n"]}}, {"properties": {"n": {"type": "null"}}}]}
-    return rules + [{"if": n_default, "then": {"properties": {"best_of": {"enum": [1, None]}}}}]
 
 
 class CompletionRequest(SamplingRequest):
-    model_config = ConfigDict(
-        json_schema_extra={
-            "allOf": SamplingRequest.model_config["json_schema_extra"]["allOf"] + _best_of_is_n()
-        }
-    )
+    model_config = ConfigDict(json_schema_extra={"allOf": _rules(*_best_of_not_n())})
     prompt: Annotated[
         SkipValidation[Prompt],
         BeforeValidator(_prompt),
@@ -767,6 +1000,6 @@ class TokenizeRequest(BaseModel):
     prompt: Annotated[SkipValidation[str], BeforeValidator(_tokenize_prompt), Field(None)]
     messages: Annotated[
         SkipValidation[Annotated[list[ChatMessage], Field(min_length=1)]],
-        BeforeValidator(check_messages),
+        BeforeValidator(_messages),
         Field(None),
     ]

@@ -1,0 +1,169 @@
+"""The chat request's JSON Schema (what /openapi.json documents and API fuzzers generate from)
+and its checks (protocol.py) agree: a body the schema takes is taken, a body it refuses is a
+400 naming the field, never a 500. No model is loaded: only the request is checked here; what
+needs the model (its template, its vocabulary) is parse.py's."""
+
+import pytest
+from fastapi.exceptions import RequestValidationError
+from jsonschema import Draft202012Validator
+from pydantic import ValidationError
+
+from miniserve.serve.errors import from_validation
+from miniserve.serve.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
+
+SCHEMA = Draft202012Validator(ChatCompletionRequest.model_json_schema())
+HI = {"role": "user", "content": "hi"}
+CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+def refusal(body: dict, model=ChatCompletionRequest):
+    """The 400 the API answers for `body` (its UserError), or None where it is taken."""
+    try:
+        model.model_validate(body)
+    except ValidationError as e:
+        return from_validation(RequestValidationError(e.errors()))
+    return None
+
+
+TAKEN = [
+    [HI],
+    [{"role": "developer", "content": "be brief"}, HI],
+    [HI, {"role": "assistant"}],  # prefill of nothing
+    [HI, {"role": "assistant", "content": None, "tool_calls": [CALL]}],
+    [HI, {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f"}}]}],
+    [HI, {"role": "assistant", "tool_calls": [CALL]}, {"role": "tool", "content": ""}],
+    [HI, {"role": "assistant", "content": " ", "reasoning_content": "hmm"}],
+    [{"role": "tool", "content": [], "tool_call_id": "c1"}],
+    [
+        {
+            "role": "user",
+            "content": [{"type": "image_url", "image_url": {}}, {"type": "text", "text": "x"}],
+        }
+    ],
+    [{"role": "user", "content": "hi", "tool_calls": [], "tool_call_id": 5}],  # ignored extra
+]
+
+
+@pytest.mark.parametrize("messages", TAKEN)
+def test_a_conversation_the_schema_takes_is_taken(messages):
+    body = {"messages": messages}
+    assert SCHEMA.is_valid(body)
+    assert refusal(body) is None
+
+
+REFUSED = [
+    (
+        [{"role": "user", "content": [{"type": "text", "text": None}]}],
+        "messages[0].content[0].text",
+    ),
+    ([{"role": "user", "content": [[None, None]]}], "messages[0].content[0]"),
+    ([{"role": "user", "content": [{"text": "hi"}]}], "messages[0].content[0]"),
+    ([{"role": "user", "content": None}], "messages[0].content"),
+    ([{"role": "tool", "content": None}], "messages[0].content"),
+    ([{"role": "user", "content": " \n"}, HI], "messages[0].content"),
+    ([{"role": "user", "content": "x", "tool_calls": [CALL]}], "messages[0]"),
+    ([{"role": "user", "content": "x", "tool_calls": {}}], "messages[0].tool_calls"),
+    ([HI, {"role": "assistant", "tool_calls": {}}], "messages[1].tool_calls"),
+    (
+        [HI, {"role": "assistant", "tool_calls": [{**CALL, "id": 5}]}],
+        "messages[1].tool_calls[0].id",
+    ),
+    (
+        [HI, {"role": "assistant", "tool_calls": [{**CALL, "type": "x"}]}],
+        "messages[1].tool_calls[0].type",
+    ),
+    (
+        [HI, {"role": "assistant", "content": "a", "reasoning_content": ["x"]}],
+        "messages[1].reasoning_content",
+    ),
+    ([{"role": "tool", "content": "42", "tool_call_id": 1}], "messages[0].tool_call_id"),
+    ([{"role": {}, "content": "x"}], "messages[0].role"),
+]
+
+
+@pytest.mark.parametrize("messages, field", REFUSED)
+def test_a_conversation_the_schema_refuses_is_a_400_naming_the_part(messages, field):
+    body = {"messages": messages}
+    assert not SCHEMA.is_valid(body)
+    error = refusal(body)
+    assert error is not None and error.status == 400 and error.field == field, error
+    assert refusal(body, TokenizeRequest).field == field  # /tokenize takes messages alike
+
+
+FIELDS_TAKEN = [
+    {"tools": []},
+    {"tools": [TOOL], "tool_choice": "required"},
+    {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "f"}}},
+    {"tool_choice": "none", "parallel_tool_calls": False},
+    {"reasoning_budget": 0, "reasoning_effort": "none"},
+    {"chat_template_kwargs": {"enable_thinking": False}},
+]
+
+
+@pytest.mark.parametrize("fields", FIELDS_TAKEN)
+def test_tool_and_template_fields_the_schema_takes_are_taken(fields):
+    body = {"messages": [HI], **fields}
+    assert SCHEMA.is_valid(body)
+    assert refusal(body) is None
+
+
+FIELDS_REFUSED = [
+    ({"parallel_tool_calls": 1}, "parallel_tool_calls"),
+    ({"reasoning_budget": False}, "reasoning_budget"),
+    ({"reasoning_budget": -1}, "reasoning_budget"),
+    ({"tool_choice": "bogus"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [], "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    (
+        {
+            "tools": [
+                {"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}
+            ]
+        },
+        "tools[0].function.parameters",
+    ),
+    (
+        {"tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]},
+        "tools[0].function.strict",
+    ),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
+    (
+        {"chat_template_kwargs": {"chat_template": "{{ 'x' }}"}},
+        "chat_template_kwargs.chat_template",
+    ),
+    ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs.tokenize"),
+    ({"chat_template_kwargs": [1]}, "chat_template_kwargs"),
+]
+
+
+@pytest.mark.parametrize("fields, field", FIELDS_REFUSED)
+def test_tool_and_template_fields_the_schema_refuses_are_a_400_naming_them(fields, field):
+    body = {"messages": [HI], **fields}
+    assert not SCHEMA.is_valid(body)
+    error = refusal(body)
+    assert error is not None and error.status == 400 and error.field == field, error
+
+
+COMPLETIONS = Draft202012Validator(CompletionRequest.model_json_schema())
+LEFT_OUT = object()
+
+
+@pytest.mark.parametrize("n", [LEFT_OUT, None, 1, 2, 3])
+@pytest.mark.parametrize("best_of", [LEFT_OUT, None, 1, 2, 3])
+def test_best_of_is_n_in_the_schema_as_in_the_check(n, best_of):
+    body = {"prompt": "hi"}
+    body.update({k: v for k, v in (("n", n), ("best_of", best_of)) if v is not LEFT_OUT})
+    error = refusal(body, CompletionRequest)
+    assert COMPLETIONS.is_valid(body) == (error is None), error
+    assert error is None or error.field == "best_of"
+
+
+@pytest.mark.parametrize("model", [ChatCompletionRequest, CompletionRequest])
+def test_a_request_schema_has_one_if_and_one_not(model):
+    """What no field says alone stays one if/then and one `not` side by side: schemathesis'
+    coverage phase folds the rules into one schema and gives up on two of either (it then
+    sends a single request for the route)."""
+    rules = model.model_json_schema()["allOf"]
+    assert sum("if" in rule for rule in rules) == 1
+    assert sum("not" in rule for rule in rules) == 1
