@@ -51,14 +51,14 @@ class SeenAsRemote:
     def check(self, params):
         self._engine.check(params)
 
-    def chat(self, messages, params, cancel=None, observer=None):
-        return self._engine.chat(messages, params, cancel=cancel)
+    def chat(self, messages, params, options=None, cancel=None, observer=None):
+        return self._engine.chat(messages, params, options, cancel=cancel)
 
     def complete_text(self, prompt, params, cancel=None, observer=None):
         return self._engine.complete_text(prompt, params, cancel=cancel)
 
-    def trim(self, messages, params):
-        return self._engine.trim(messages, params)
+    def trim(self, messages, params, options=None):
+        return self._engine.trim(messages, params, options)
 
 
 @pytest.fixture(scope="module")
@@ -380,7 +380,7 @@ def test_a_remote_model_answers_through_its_reply_iterators(port):
     }
     status, here = request(port, chat, "/v1/chat/completions")
     status_far, there = request(port, {**chat, "model": FAR}, "/v1/chat/completions")
-    assert status == status_far == 200
+    assert status == status_far == 200, there
     assert there["choices"][0]["message"] == here["choices"][0]["message"]
 
 

@@ -486,3 +486,29 @@ def test_tools_on_a_model_whose_template_has_none_is_a_400_naming_it(app_server)
         plain.chat.completions.create(model="default", messages=HI, tools=TOOLS, max_tokens=3)
     error = info.value.body
     assert "does not take tools" in error["message"] and error["param"] == "tools"
+
+
+def test_a_remote_model_gets_the_tools_and_switches_as_they_came(qwen3):
+    """A RemoteEngine in front of this server (a model served elsewhere): the tools, the
+    choice and the template's switches are forwarded; the calls and the reasoning come back
+    as they would from a model here."""
+    from miniserve.models.registry import parse_spec
+    from miniserve.models.remote import RemoteEngine
+    from miniserve.serve.in_thread import serve_in_thread
+
+    with serve_in_thread(qwen3) as port:
+        far = RemoteEngine(parse_spec(f"http://127.0.0.1:{port}/v1"))
+        options = ChatOptions(
+            tools=TOOLS, tool_choice="get_weather", parallel_tool_calls=False, thinking=False
+        )
+        there = collect(far.chat(HI, sampled(6, 120), options))
+        here = collect(qwen3.chat(HI, sampled(6, 120), options))
+        assert [(c.name, c.arguments) for c in there["last"].calls] == [
+            (c.name, c.arguments) for c in here["last"].calls
+        ]
+        assert there["last"].calls and there["last"].calls[0].name == "get_weather"
+        budget = ChatOptions(reasoning_budget=4)
+        bias = sampled(6, 12, constraint=Constraint("json_object"))
+        there = collect(far.chat(HI, bias, budget))
+        here = collect(qwen3.chat(HI, bias, budget))
+        assert there["reasoning"] == here["reasoning"] and there["reasoning"]

@@ -729,7 +729,8 @@ def test_regenerate_and_edit_follow_the_output_format(chat):
 
 
 def test_gradio_hands_the_output_format_to_the_handlers(engine, presets):
-    """The events pass the Output format's two values, then the Model dropdown, last (Compare:
+    """The events pass the Output format's two values, then the Model dropdown (Chat's: then
+    the Think switch and the reasoning budget), last (Compare:
     the format, "Also without", the Models); an edit's EditData goes where the handler's
     parameter is, before them (Gradio inserts it by its annotation)."""
     from gradio.helpers import special_args
@@ -738,17 +739,36 @@ def test_gradio_hands_the_output_format_to_the_handlers(engine, presets):
     for fn in demo.fns.values():
         if fn.name in ("send", "regenerate", "edit", "generate", "compare"):
             labels = [getattr(b, "label", None) for b in fn.inputs]
-            assert labels[-3:] == ["Output format", "Format", "Model"] or (
-                fn.name == "compare"
-                and labels[-4:]
-                == ["Output format", "Format", "Also without the output format", "Models"]
+            chat_ends = ["Output format", "Format", "Model", "Think", "Reasoning budget"]
+            assert (
+                labels[-3:] == ["Output format", "Format", "Model"]
+                or (fn.name in ("send", "regenerate", "edit") and labels[-5:] == chat_ends)
+                or (
+                    fn.name == "compare"
+                    and labels[-4:]
+                    == ["Output format", "Format", "Also without the output format", "Models"]
+                )
             ), labels
     chat = ChatHandlers(engine, presets)
-    values = [{}, new_view(), "", "", "factual", *sliders(chat), 1, False, "JSON", "", "m"]
+    values = [
+        {},
+        new_view(),
+        "",
+        "",
+        "factual",
+        *sliders(chat),
+        1,
+        False,
+        "JSON",
+        "",
+        "m",
+        True,
+        -1,
+    ]
     data = gr.EventData(None, {"index": 0, "value": "x", "previous_value": ""})
     args, *_ = special_args(chat.edit, values, None, data)
     assert isinstance(args[13], gr.EditData) and args[13].value == "x"
-    assert args[14:17] == ["JSON", "", "m"] and len(args) == 18, args
+    assert args[14:19] == ["JSON", "", "m", True, -1] and len(args) == 20, args
 
 
 def test_gradio_hands_the_request_to_every_handler_that_takes_one(engine, presets):

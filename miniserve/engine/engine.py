@@ -994,13 +994,12 @@ class Engine(Admitting):
         else its output format's matcher (or None)."""
         if plan is None or not plan.split:
             return self.matcher(params)
-        tools = plan.tools
-        grammar = self.grammars
-        answer = (lambda: grammar.matcher(params.constraint)) if params.constraint else None
+        tools = plan.tools  # the grammars are built at their first use, not for every reply
+        answer = (lambda: self.grammars.matcher(params.constraint)) if params.constraint else None
         call = calls = None
         if tools is not None and tools.opener is not None:
-            call = lambda: grammar.matcher(Lark(tools.one_call))  # noqa: E731
-            calls = lambda: grammar.matcher(Lark(tools.calls))  # noqa: E731
+            call = lambda: self.grammars.matcher(Lark(tools.one_call))  # noqa: E731
+            calls = lambda: self.grammars.matcher(Lark(tools.calls))  # noqa: E731
         return ReplyParts(plan, self.eos_ids, answer, call, calls)
 
     def _reply(self, params, stats, sink, dropped, matcher, plan) -> _Reply:
