@@ -15,7 +15,7 @@ request is written as one JSON line (kind, status, Retry-After, first token, tok
 
 Meanwhile the server's resident memory (VmRSS) is sampled every 10 s. After the run (users
 finish the request they are in), the script waits for the server to drain, reads /metrics,
-and reports (printed, and `OUT/report.json`):
+and reports (printed, and `OUT/report.json`; the last scrape in `OUT/metrics.txt`):
   - RSS at minute 1 and at the last minute, and the change (the target: within 5%);
   - every request answered or refused with a header: counts by kind and outcome, the 429s
     and 503s and whether each had Retry-After, and every other outcome as an error;
@@ -400,6 +400,7 @@ def main(argv=None) -> int:
             time.sleep(10)
         load_s = time.time() - started
         final = drain(url)
+        (args.out / "metrics.txt").write_bytes(get(url + "/metrics"))
         after_rss = rss_mb(server.pid)
     finally:
         server.terminate()
