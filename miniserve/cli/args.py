@@ -117,6 +117,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "--device", default="auto", help="auto (CUDA, then MPS, then CPU), cpu, cuda, mps"
     )
     p.add_argument(
+        "--speculate",
+        choices=("ngram", "off"),
+        default="ngram",
+        help="prompt-lookup speculation: drafts from the prompt and the reply so far, verified "
+        "in one pass, the reply unchanged (default ngram; the native runner only)",
+    )
+    p.add_argument(
         "--reasoning-budget",
         type=int,
         default=-1,
@@ -349,6 +356,7 @@ def open_models(args):
         reasoning_budget=None
         if getattr(args, "reasoning_budget", -1) < 0
         else args.reasoning_budget,
+        speculate=getattr(args, "speculate", "ngram"),
         max_queue=args.max_queue,
         max_batch=args.max_batch,
     )

@@ -47,6 +47,9 @@ class GenerationStats:
     reused_tokens: int = 0  # prompt tokens whose KV came from an earlier request
     new_tokens: int = 0
     reasoning_tokens: int = 0  # of new_tokens, those a thinking model chose inside its reasoning
+    drafted: int = 0  # prompt-lookup draft tokens verified (speculation)
+    accepted: int = 0  # of those, the ones the sampling drew (each a step saved)
+    draft_steps: int = 0  # steps that verified drafts
     ttft_s: float = 0.0  # prompt in -> first token chosen (prefill + one sample)
     total_s: float = 0.0
     # "eos" | "length" | "stop" (a stop string, or the grammar complete) | "cancelled" |
@@ -75,6 +78,14 @@ class GenerationStats:
                 f"{self.decode_tokens_per_s:.1f} tokens/s",
                 f"finish: {self.finish_reason}",
             ]
+            + (
+                [
+                    f"speculation: accepted {self.accepted / self.draft_steps:.1f} of "
+                    f"{self.drafted / self.draft_steps:.1f} a step"
+                ]
+                if self.draft_steps
+                else []
+            )
         )
 
     def as_dict(self) -> dict:
@@ -83,6 +94,9 @@ class GenerationStats:
             "reused_tokens": self.reused_tokens,
             "new_tokens": self.new_tokens,
             "reasoning_tokens": self.reasoning_tokens,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "draft_steps": self.draft_steps,
             "ttft_s": round(self.ttft_s, 4),
             "total_s": round(self.total_s, 4),
             "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),

@@ -234,6 +234,7 @@ def common_prefix(a, b) -> int:
 
 
 RUNNERS = ("auto", "native", "lean", "transformers")
+SPECULATE = ("off", "ngram")
 QUANTS = ("q8_0", "q4_0")  # at load, into the native runner's blocks (stored.quantize_at_load)
 
 
@@ -438,6 +439,7 @@ class Engine(Admitting):
         step_tokens: int | None = None,
         name: str | None = None,
         reasoning_budget: int | None = None,
+        speculate: str = "off",
     ):
         self.loaded = loaded
         self._name = name or loaded.name
@@ -462,6 +464,9 @@ class Engine(Admitting):
         self._markers: Markers | None = None
         self._takes_tools: bool | None = None
         self.reasoning_budget = reasoning_budget  # the server's default (--reasoning-budget)
+        if speculate not in SPECULATE:
+            raise ValueError(f"--speculate {speculate!r}: use {', '.join(SPECULATE)}")
+        self.speculate = speculate
         self._start_worker()
 
     capabilities = LOCAL
@@ -480,6 +485,25 @@ class Engine(Admitting):
         """False for a base model: it continues text (complete_text), chat raises."""
         return has_chat_template(self.tokenizer)
 
+    @property
+    def speculates(self) -> bool:
+        """Prompt-lookup speculation is on and applies: the compiled runners only, whose rows
+        do not depend on what shares their pass (so verifying k drafts in one pass gives the
+        numbers k steps would); elsewhere it is off, and `speculation` says why."""
+        return self.speculate == "ngram" and self.can_speculate
+
+    @property
+    def can_speculate(self) -> bool:
+        return self.runner_name == "native"
+
+    @property
+    def speculation(self) -> str:
+        if self.speculate == "off":
+            return "off"
+        if not self.speculates:
+            return f"off (the {self.runner_name} runner is not batch-invariant)"
+        return "ngram (prompt lookup)"
+
     def info(self) -> dict:
         s = self.scheduler
         return {
@@ -494,6 +518,7 @@ class Engine(Admitting):
             "max_batch": s.max_batch,
             "step_tokens": s.step_tokens,
             "kv_budget": s.kv_budget,
+            "speculation": self.speculation,
         }
 
     def _end_ids(self) -> set[int]:
@@ -606,6 +631,7 @@ class Engine(Admitting):
         observer: LogitsObserver | None = None,
         dropped_messages: int = 0,
         plan: ReplyPlan | None = None,
+        speculate: bool | None = None,
     ) -> Iterator[Chunk]:
         """Stream a reply to raw prompt ids: text pieces, then a final chunk with stats.
 
@@ -635,6 +661,7 @@ class Engine(Admitting):
                 observer,
                 dropped_messages,
                 plan,
+                speculate,
             )
         return Stream(drain(out, cancel), cancel)
 
@@ -648,12 +675,15 @@ class Engine(Admitting):
         reuse_prefix: bool = True,
         observer: LogitsObserver | None = None,
         plan: ReplyPlan | None = None,
+        speculate: bool | None = None,
     ) -> threading.Event:
         """Start a request without a thread to read it: `sink(item)` is called on the engine
         thread with each Chunk, an exception if it failed, then None. It must return at once
         (e.g. hand the item to an event loop). Returns the event that cancels it."""
         cancel = cancel or threading.Event()
-        self._start([(prompt_ids, params, sink)], cancel, reuse_prefix, observer, 0, plan)
+        self._start(
+            [(prompt_ids, params, sink)], cancel, reuse_prefix, observer, 0, plan, speculate
+        )
         return cancel
 
     def compare(
@@ -702,6 +732,7 @@ class Engine(Admitting):
         observer,
         dropped_messages: int,
         plan: ReplyPlan | None = None,
+        speculate: bool | None = None,
     ) -> None:
         """Queue sequences for the scheduler: (prompt ids, params, sink) each. Admission
         happens now: a full queue raises EngineBusy, a request too large for the KV budget
@@ -741,6 +772,10 @@ class Engine(Admitting):
                 matcher,
                 reuse_prefix,
                 stats,
+                # the request may switch speculation off, or on where the engine can do it
+                speculate=self.speculates
+                if speculate is None
+                else speculate and self.can_speculate,
             )
             self.scheduler.check(seq)
             seqs.append(seq)
@@ -1115,6 +1150,7 @@ def start_engine(
     max_batch: int | None = None,
     name: str | None = None,
     reasoning_budget: int | None = None,
+    speculate: str = "off",
 ) -> Engine:
     """Load a model and start its engine, as the app, the CLI and `serve` do. Raises
     ModelLoadError (the model) or ValueError (the runner / quantization)."""
@@ -1142,4 +1178,5 @@ def start_engine(
         max_batch=max_batch,
         name=name,
         reasoning_budget=reasoning_budget,
+        speculate=speculate,
     )

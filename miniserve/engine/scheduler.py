@@ -33,7 +33,7 @@ import torch
 
 from miniserve.core.config import KV_BUDGET, MAX_BATCH, STEP_TOKENS, SamplingParams
 from miniserve.core.errors import UserError
-from miniserve.engine.decode import GenerationStats, LogitsObserver, Matcher, choose
+from miniserve.engine.decode import GenerationStats, LogitsObserver, Matcher, choose, crop_cache
 from miniserve.engine.sampling import make_generator
 
 
@@ -69,6 +69,9 @@ class Sequence:
     ids: torch.Tensor | None = None  # prompt + tokens, for the repetition penalty
     held: int = 0  # KV positions held while running (>= reserve)
     generator: torch.Generator | None = None
+    speculate: bool = False  # prompt-lookup drafts (set by the engine where they apply)
+    drafter: Drafter | None = None
+    valid_kv: int | None = None  # while verifying drafts: the cache positions known good
 
     @property
     def reserve(self) -> int:
@@ -78,6 +81,56 @@ class Sequence:
     @property
     def prefilling(self) -> bool:
         return self.done_prompt < len(self.prompt) and self.pending_logits is None
+
+
+SPEC_MAX = 8  # draft tokens a step at most
+SPEC_NGRAMS = (3, 2, 1)  # the lengths of the tail matched, longest first
+SPEC_WINDOW = 4  # drafting steps an acceptance rate is measured over
+SPEC_MIN_RATE = 0.5  # accepted tokens a drafting step, on average, below which drafting pauses
+SPEC_PAUSE = 16  # steps a paused sequence decodes one token at a time
+
+
+class Drafter:
+    """Prompt-lookup drafts for one sequence: the tokens that followed the most recent earlier
+    occurrence of its last 3 tokens (else 2, else 1) in its prompt and reply so far, up to k.
+    An index of every 1..3-gram's most recent end keeps a lookup O(1) a step. Drafting pauses
+    for SPEC_PAUSE steps when the last SPEC_WINDOW drafting steps accepted fewer than
+    SPEC_MIN_RATE tokens each on average (a verify row costs a pass its share of compute)."""
+
+    def __init__(self, ids: list[int]):
+        self.ids = list(ids)
+        self.ends: dict[tuple, int] = {}
+        self.indexed = 0  # grams ending at positions <= indexed are in `ends`
+        self.recent: deque[int] = deque(maxlen=SPEC_WINDOW)
+        self.paused = 0
+        self.drafted = self.accepted = 0
+
+    def extend(self, ids) -> None:
+        self.ids.extend(ids)
+
+    def draft(self, k: int) -> list[int]:
+        if k <= 0:
+            return []
+        if self.paused:
+            self.paused -= 1
+            return []
+        ids, last = self.ids, len(self.ids)
+        for end in range(self.indexed + 1, last):  # all but the tail's own grams
+            for n in SPEC_NGRAMS:
+                if end >= n:
+                    self.ends[tuple(ids[end - n : end])] = end
+        self.indexed = max(self.indexed, last - 1)
+        for n in SPEC_NGRAMS:
+            if last >= n and (end := self.ends.get(tuple(ids[last - n :]))) is not None:
+                return ids[end : end + k]
+        return []
+
+    def verified(self, drafted: int, accepted: int) -> None:
+        self.drafted += drafted
+        self.accepted += accepted
+        self.recent.append(accepted)
+        if len(self.recent) == SPEC_WINDOW and sum(self.recent) < SPEC_MIN_RATE * SPEC_WINDOW:
+            self.paused, self.recent = SPEC_PAUSE, deque(maxlen=SPEC_WINDOW)
 
 
 class Scheduler:
@@ -164,10 +217,16 @@ class Scheduler:
             for seq in ready:
                 seq_logits, seq.pending_logits = seq.pending_logits, None
                 self._advance_or_fail(seq, seq_logits)
-            for i, (seq, chunk) in enumerate(rows):
+            at = 0  # the pass's logits: one row per entry, a row per token for a draft's
+            for seq, chunk in rows:
+                n = len(chunk) if self._drafting(seq, chunk) else 1
+                seq_logits, at = logits[at : at + n], at + n
+                if n > 1:
+                    self._verify(seq, chunk[1:], seq_logits)
+                    continue
                 seq.done_prompt = min(len(seq.prompt), seq.done_prompt + len(chunk))
                 if not seq.prefilling:  # its prompt is in, or it is decoding
-                    self._advance_or_fail(seq, logits[i : i + 1])
+                    self._advance_or_fail(seq, seq_logits)
 
     def _advance_or_fail(self, seq: Sequence, logits: torch.Tensor) -> None:
         try:
@@ -183,13 +242,57 @@ class Scheduler:
 
     def _forward(self, rows) -> torch.Tensor:
         entries = [(chunk, seq.cache) for seq, chunk in rows]
+        every = [self._drafting(seq, chunk) for seq, chunk in rows]
+        if any(every):  # a row of logits for each draft token, one per entry elsewhere
+            return self.runner.step(entries, all_logits=every)
         return self.runner.step(entries)
 
+    @staticmethod
+    def _drafting(seq: Sequence, chunk: list[int]) -> bool:
+        return seq.drafter is not None and not seq.prefilling and len(chunk) > 1
+
+    def _decode_row(self, s: Sequence) -> list[int]:
+        """A decoding sequence's row: its last token, and the drafts to verify (within what
+        its budget has left: the pass then never writes past its reserve)."""
+        if not s.speculate or not s.tokens:
+            return s.tokens[-1:]
+        if s.drafter is None:
+            s.drafter = Drafter(s.prompt + s.tokens)
+        else:
+            s.drafter.extend(s.tokens[len(s.drafter.ids) - len(s.prompt) :])
+        return s.tokens[-1:] + s.drafter.draft(min(SPEC_MAX, s.budget - len(s.tokens) - 1))
+
+    def _verify(self, seq: Sequence, draft: list[int], logits: torch.Tensor) -> None:
+        """Sample position by position from the pass's rows, as a step at a time would (the
+        sequence's own generator, grammar and observer), accepting while the token drawn is
+        the draft's; the cache keeps the positions up to the last accepted draft."""
+        start = seq.cache.get_seq_length() - len(draft) - 1  # where the row's last token went
+        accepted = 0
+        for j in range(len(draft) + 1):
+            seq.valid_kv = start + 1 + j  # the last token and the drafts accepted so far
+            before = len(seq.tokens)
+            self._advance_or_fail(seq, logits[j : j + 1])
+            if seq not in self.running or len(seq.tokens) == before:
+                break  # retired (its cache cut to valid_kv there)
+            if j == len(draft) or seq.tokens[-1] != draft[j]:
+                break
+            accepted += 1
+        if seq in self.running:
+            crop_cache(seq.cache, start + 1 + accepted)
+        seq.valid_kv = None
+        seq.drafter.verified(len(draft), accepted)
+        seq.stats.drafted += len(draft)
+        seq.stats.accepted += accepted
+        seq.stats.draft_steps += 1
+        self.spec_drafted += len(draft)
+        self.spec_accepted += accepted
+
     def _rows(self) -> list[tuple[Sequence, list[int]]]:
-        """Decode rows first (every running sequence advances each step), then prompt chunks
-        in admission order while the step has rows left."""
+        """Decode rows first (every running sequence advances each step: its last token, and
+        its drafts when it speculates), then prompt chunks in admission order while the step
+        has rows left."""
         rows = [
-            (s, s.tokens[-1:])
+            (s, self._decode_row(s))
             for s in self.running
             if not s.prefilling and s.pending_logits is None
         ]
@@ -276,6 +379,8 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
             if error is None and seq.reuse_prefix and self.prefix_cache is not None:
+                if seq.valid_kv is not None:  # mid-verification: the rejected drafts go
+                    crop_cache(seq.cache, seq.valid_kv)
                 held = seq.cache.get_seq_length()
                 self.prefix_cache.put(
                     (seq.prompt + seq.tokens)[:held], seq.cache, len(seq.prompt), seq.first_logits

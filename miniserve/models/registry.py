@@ -364,6 +364,7 @@ class EngineOptions:
     max_queue: int | None = None
     max_batch: int | None = None
     reasoning_budget: int | None = None  # None: no limit
+    speculate: str = "ngram"
 
 
 def engine_factory(options: EngineOptions):
@@ -388,6 +389,7 @@ def engine_factory(options: EngineOptions):
             max_batch=options.max_batch,
             name=spec.name,
             reasoning_budget=options.reasoning_budget,
+            speculate=options.speculate,
         )
         try:
             engine.warm_up()

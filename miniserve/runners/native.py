@@ -514,12 +514,15 @@ class NativeForward:
         m = self.model
         return NativeCache(len(m.layers), m.n_kv, m.head_dim, capacity, self.kv_dtype)
 
-    def __call__(self, entries, all_logits: bool = False) -> torch.Tensor:
+    def __call__(self, entries, all_logits: bool | list[bool] = False) -> torch.Tensor:
         """entries: (new token ids, NativeCache) per sequence. Appends each sequence's ids to
         its cache and returns float32 logits of each one's last new token (len(entries),
-        vocab), or of every new token (total rows, vocab) with `all_logits`."""
+        vocab), or of every new token (total rows, vocab) with `all_logits` -- or, with a list
+        of flags, one per entry, of every new token of the entries flagged (speculation's
+        verify rows) and the last of the others, in entry order."""
+        every = all_logits if isinstance(all_logits, list) else [all_logits] * len(entries)
         tokens, pos, caps, ks, vs, out = [], [], [], [], [], []
-        for ids, cache in entries:
+        for (ids, cache), all_rows in zip(entries, every):
             start, n = cache.length, len(ids)
             if n == 0:
                 raise ValueError("each sequence in a pass needs at least one new token")
@@ -528,7 +531,7 @@ class NativeForward:
                     f"position {start + n - 1} is past the model's {self.max_positions} positions"
                 )
             cache.reserve(start + n)
-            if all_logits:
+            if all_rows:
                 out.extend(range(len(tokens), len(tokens) + n))
             else:
                 out.append(len(tokens) + n - 1)

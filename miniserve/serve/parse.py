@@ -51,6 +51,7 @@ class APIRequest:
     echo: list | None = None  # text: per prompt, (its text, its tokens' logprob entries)
     options: object = None  # chat: the ChatOptions (tools, template switches, thinking)
     plan: object = None  # chat, a model here: how the reply starts and what steers it
+    speculate: bool | None = None  # the request's switch (None: the server's)
 
     @property
     def choices(self) -> int:
@@ -138,6 +139,7 @@ async def chat_request(body: ChatCompletionRequest, model: str, engine) -> APIRe
         (body.top_logprobs or 0) if body.logprobs else 0,
         options=options,
         plan=trimmed.plan,
+        speculate=None if body.speculate is None else body.speculate == "ngram",
     )
 
 
@@ -149,6 +151,7 @@ async def text_request(body: CompletionRequest, model: str, engine) -> APIReques
     prompts = body.prompts()
     fields = ["prompt"] if len(prompts) == 1 else [f"prompt[{i}]" for i in range(len(prompts))]
     req = APIRequest(model, engine, "text", prompts, checked, top is not None, top or 0)
+    req.speculate = None if body.speculate is None else body.speculate == "ngram"
     if not engine.capabilities.local_tokens:  # the prompt's tokens are its server's
         if checked.max_tokens == 0:
             raise APIError(

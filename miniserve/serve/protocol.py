@@ -765,6 +765,11 @@ class SamplingRequest(BaseModel):
     top_k: sampling("top_k")
     min_p: sampling("min_p")
     repetition_penalty: sampling("repetition_penalty")
+    speculate: Literal["ngram", "off"] | None = Field(
+        None,
+        description="extension: prompt-lookup speculation for this request (default: the "
+        "server's --speculate); the reply is the same either way, only its speed differs",
+    )
     logit_bias: Annotated[
         SkipValidation[
             Annotated[

@@ -172,6 +172,7 @@ class OpenAIServing:
             cancel=choices.cancel,
             observer=recorder.observe if recorder else None,
             plan=req.plan,
+            speculate=req.speculate,
         )
         choices.started(recorder)  # after submit: a choice that did not start is not waited for
 
