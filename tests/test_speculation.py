@@ -124,16 +124,25 @@ def test_the_drafting_rule():
     d = Drafter([5, 6, 7, 8, 1, 2, 5, 6, 7])
     assert d.draft(3) == [8, 1, 2]  # the last 3 tokens, seen before: what followed
     d.extend([9])
-    assert d.draft(4) == []  # 7 8 ... 9: no earlier 9, 7 9 or 6 7 9
-    d.extend([5])
-    assert d.draft(2) == [6, 7]  # only "5" matches: its most recent earlier occurrence
+    assert d.draft(4) == []  # 7 8 ... 9: no earlier 7 9 or 6 7 9
+    d.extend([5, 6])
+    assert d.draft(2) == [7, 9]  # "5 6" matches (not "9 5 6"): its most recent occurrence
     assert d.draft(0) == []
-    # acceptance counting: a window of poor steps pauses drafting
+    assert d.draft(8) == [7, 9, 5, 6]  # k starts at SPEC_START
+    d.verified(4, 4)
+    assert d.k == 8  # a draft taken whole: k doubles
+    d.verified(8, 2)
+    assert d.k == 3  # one more than was accepted
+    # acceptance counting: a window of poor steps pauses drafting, longer each time
     for _ in range(SPEC_WINDOW):
-        d.verified(4, 0)
-    assert d.drafted == 4 * SPEC_WINDOW and d.accepted == 0
+        d.verified(3, 0)
+    assert d.drafted == 4 + 8 + 3 * SPEC_WINDOW and d.accepted == 6
     assert all(d.draft(2) == [] for _ in range(SPEC_PAUSE))
-    assert d.draft(2) == [6, 7]
+    assert d.draft(2) == [7]  # k is 1 after the rejections
+    for _ in range(SPEC_WINDOW):
+        d.verified(1, 0)
+    assert all(d.draft(2) == [] for _ in range(2 * SPEC_PAUSE))
+    assert d.draft(2) == [7]
 
 
 def test_acceptance_is_counted_as_the_passes_it_saved(spec):

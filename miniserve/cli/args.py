@@ -119,9 +119,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--speculate",
         choices=("ngram", "off"),
-        default="ngram",
+        default="off",
         help="prompt-lookup speculation: drafts from the prompt and the reply so far, verified "
-        "in one pass, the reply unchanged (default ngram; the native runner only)",
+        "in one pass, the reply unchanged (native runner only; default off: faster on replies "
+        "that copy their input, slower elsewhere on CPUs without AMX, BENCHMARKS.md)",
     )
     p.add_argument(
         "--reasoning-budget",
@@ -356,7 +357,7 @@ def open_models(args):
         reasoning_budget=None
         if getattr(args, "reasoning_budget", -1) < 0
         else args.reasoning_budget,
-        speculate=getattr(args, "speculate", "ngram"),
+        speculate=getattr(args, "speculate", "off"),
         max_queue=args.max_queue,
         max_batch=args.max_batch,
     )

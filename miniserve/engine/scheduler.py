@@ -84,25 +84,32 @@ class Sequence:
 
 
 SPEC_MAX = 8  # draft tokens a step at most
-SPEC_NGRAMS = (3, 2, 1)  # the lengths of the tail matched, longest first
+SPEC_START = 4  # draft tokens of a sequence's first drafting step
+SPEC_NGRAMS = (3, 2)  # the lengths of the tail matched, longest first
 SPEC_WINDOW = 4  # drafting steps an acceptance rate is measured over
 SPEC_MIN_RATE = 0.5  # accepted tokens a drafting step, on average, below which drafting pauses
-SPEC_PAUSE = 16  # steps a paused sequence decodes one token at a time
+SPEC_PAUSE = 16  # steps a paused sequence decodes one token at a time (doubled each pause)
+SPEC_MAX_PAUSE = 256
 
 
 class Drafter:
     """Prompt-lookup drafts for one sequence: the tokens that followed the most recent earlier
-    occurrence of its last 3 tokens (else 2, else 1) in its prompt and reply so far, up to k.
-    An index of every 1..3-gram's most recent end keeps a lookup O(1) a step. Drafting pauses
-    for SPEC_PAUSE steps when the last SPEC_WINDOW drafting steps accepted fewer than
-    SPEC_MIN_RATE tokens each on average (a verify row costs a pass its share of compute)."""
+    occurrence of its last 3 tokens (else 2) in its prompt and reply so far, up to k. An index
+    of every 2- and 3-gram's most recent end keeps a lookup O(1) a step.
+
+    What a draft costs is its rows' share of the pass, so the drafts follow what pays: k starts
+    at SPEC_START, doubles (to SPEC_MAX) after a draft taken whole, and drops to one more than
+    what was accepted after one that was not; and drafting pauses (SPEC_PAUSE steps, doubled
+    at each pause up to SPEC_MAX_PAUSE) when the last SPEC_WINDOW drafting steps accepted fewer
+    than SPEC_MIN_RATE tokens each on average."""
 
     def __init__(self, ids: list[int]):
         self.ids = list(ids)
         self.ends: dict[tuple, int] = {}
         self.indexed = 0  # grams ending at positions <= indexed are in `ends`
         self.recent: deque[int] = deque(maxlen=SPEC_WINDOW)
-        self.paused = 0
+        self.paused, self.pause = 0, SPEC_PAUSE
+        self.k = SPEC_START
         self.drafted = self.accepted = 0
 
     def extend(self, ids) -> None:
@@ -122,15 +129,17 @@ class Drafter:
         self.indexed = max(self.indexed, last - 1)
         for n in SPEC_NGRAMS:
             if last >= n and (end := self.ends.get(tuple(ids[last - n :]))) is not None:
-                return ids[end : end + k]
+                return ids[end : end + min(k, self.k)]
         return []
 
     def verified(self, drafted: int, accepted: int) -> None:
         self.drafted += drafted
         self.accepted += accepted
         self.recent.append(accepted)
+        self.k = min(SPEC_MAX, 2 * self.k) if accepted == drafted else accepted + 1
         if len(self.recent) == SPEC_WINDOW and sum(self.recent) < SPEC_MIN_RATE * SPEC_WINDOW:
-            self.paused, self.recent = SPEC_PAUSE, deque(maxlen=SPEC_WINDOW)
+            self.paused, self.recent = self.pause, deque(maxlen=SPEC_WINDOW)
+            self.pause = min(2 * self.pause, SPEC_MAX_PAUSE)
 
 
 class Scheduler:

@@ -364,7 +364,7 @@ class EngineOptions:
     max_queue: int | None = None
     max_batch: int | None = None
     reasoning_budget: int | None = None  # None: no limit
-    speculate: str = "ngram"
+    speculate: str = "off"
 
 
 def engine_factory(options: EngineOptions):
