@@ -58,9 +58,14 @@ The sampling fields and extensions are the chat route's. Refused with a 400: `su
 (insertion), `best_of` other than n, and for a remote model `echo` with `logprobs` or of token
 ids (the prompt's log-probabilities and tokens are the remote server's, not known here).
 
-Refused with a 400 rather than ignored: `stream_options` without `stream: true`, and tool or
-function calling (`tools`, `tool_choice`, `functions`, `function_call`,
-`parallel_tool_calls`; code "unsupported_parameter").
+Chat takes tools (`tools`, `tool_choice`, `parallel_tool_calls`: calls come back as
+`message.tool_calls`, streamed as `delta.tool_calls`), a thinking model's switches
+(`chat_template_kwargs`, `reasoning_effort`, `reasoning_budget`; its reasoning comes back as
+`reasoning_content`) and `speculate` (README, "Thinking models and tool calls").
+
+Refused with a 400 rather than ignored: `stream_options` without `stream: true`, tools for a
+model whose template shows none, and the legacy `functions` / `function_call` (code
+"unsupported_parameter").
 """
 
 from __future__ import annotations

@@ -218,4 +218,8 @@ def model_entry(models: Models, described: dict) -> dict:
         "remote": described["remote"],
         "context_length": described["context_length"],
         "chat": engine.has_chat_template if engine is not None else None,
+        # what a chat may ask of it (None: not loaded, or a remote model's server decides)
+        "thinks": getattr(engine, "thinks", None) if engine is not None else None,
+        "tools": getattr(engine, "takes_tools", None) if engine is not None else None,
+        "speculation": getattr(engine, "speculation", None) if engine is not None else None,
     }
