@@ -4,10 +4,13 @@ machine's memory and arithmetic allow.
 
 Shared by `python -m miniserve bench` and the web app's Benchmark tab. Greedy decoding
 throughout: a benchmark of wrong answers is worthless, so the tokens of every mode that runs
-these weights are checked against a float32 transformers model holding them
-(miniserve/runners/verify.py: each token within the error bound of its arithmetic of the reference's
-best; llama.cpp and int8 weights are other weights, so not checked). The modes compute with
-different kernels, so their tokens may part at a near-tie; the result shows where.
+these weights are checked (`TokenCheck`) against a reference holding them, each token within
+the error bound of its arithmetic of the reference's best (miniserve/runners/verify.py). For a
+GGUF run as stored the reference is a float64 pass over the file's blocks, dequantized a tensor
+at a time (miniserve/runners/float64.py): no copy of the model is written or held; for a
+transformers model it is the float32 model itself. llama.cpp and int8 weights are other
+weights, so not checked. The modes compute with different kernels, so their tokens may part at
+a near-tie; the result shows where.
 """
 
 from __future__ import annotations
@@ -39,10 +42,18 @@ from miniserve.core.platform import cpu_model, rss_mb
 from miniserve.engine.decode import GenerationStats, generate
 from miniserve.engine.engine import Engine, common_prefix
 from miniserve.runners import native
+from miniserve.runners.float64 import Float64Reference
 from miniserve.runners.hf import TransformersRunner
 from miniserve.runners.lean import LeanRunner
 from miniserve.runners.loader import resolve_source
-from miniserve.runners.verify import bound_for, check_tokens, runner_bound
+from miniserve.runners.verify import (
+    BOUND_STORED,
+    GreedyCheck,
+    bound_for,
+    check_greedy,
+    last_logits,
+    runner_bound,
+)
 
 # The benchmarks' limits, checked by their configs and by the CLI (concurrency levels: the
 # engine's queue, config.MAX_QUEUE).
@@ -84,7 +95,7 @@ class BenchConfig:
     repeat: int = 3
     modes: tuple[str, ...] = DEFAULT_MODES
     peer: bool = False  # also llama.cpp (f32, bf16, the file's own type) on its weights
-    check: bool = True  # check our tokens against the float32 reference (loads it)
+    check: bool = True  # check our tokens against the reference (TokenCheck)
 
     def __post_init__(self):
         if not self.prompt_tokens or any(
@@ -116,15 +127,15 @@ class Row:
     effective_gb_s: float  # weight bytes read per second while decoding
     tokens_match: bool  # the same tokens as the first mode's
     agree_tokens: int  # how many leading tokens are the first mode's
-    verified: bool | None  # follows the float32 reference (None: other weights, not checked)
+    verified: bool | None  # follows the reference (None: other weights, or not checked)
 
 
 @dataclass
 class BenchResult:
     rows: list[Row]
     greedy_match: bool  # all our modes (not llama.cpp) gave the same tokens
-    tokens_verified: bool  # every checked row follows the float32 reference (llama.cpp
-    # and int8 weights are not checked: other weights)
+    tokens_verified: bool  # every checked row follows the reference (llama.cpp and int8
+    # weights are not checked: other weights)
     model: str
     device: str
     dtype: str
@@ -133,6 +144,8 @@ class BenchResult:
     runner: str = ""  # what ran our rows: native, lean or transformers
     native_isa: str = ""  # what the native kernels were compiled for, when they ran
     cpu: str = ""
+    check: str = ""  # what the tokens were checked against; or the line saying why they were not
+    check_rule: str = ""  # the check's rule, what it found and what it cost
 
 
 def prompt_of_length(tokenizer, n: int) -> list[int]:
@@ -335,9 +348,18 @@ def run_bench(engine: Engine, config: BenchConfig, progress: Progress | None = N
     finally:
         for p in peers:  # the llama.cpp processes end with the measurements
             p.close()
-    if config.check:
-        progress(1.0, "checking the tokens against the float32 reference")
-    check = _token_checker(engine, config.new_tokens) if config.check else None
+    checked = {  # the rows whose tokens are checked, with their bounds
+        mode: bounds[mode]
+        for mode in modes
+        if mode in bounds and not (engine.quant and mode in ("cache", "no_cache"))
+    }
+    check = TokenCheck(engine, config.new_tokens) if config.check else None
+    if check:
+        for prompt_ids, results in measured:
+            for mode in checked:
+                for r in results[mode]:
+                    check.add(prompt_ids, r[0])
+        check.run(progress)
     rows = []
     for prompt_ids, results in measured:
         first = results[modes[0]][0][0]
@@ -347,8 +369,8 @@ def run_bench(engine: Engine, config: BenchConfig, progress: Progress | None = N
             tokens = runs[0][0]
             agree = common_prefix(tokens, first)
             verified = None  # llama.cpp (its own weights) and int8 weights: not checked
-            if check and mode in bounds and not (engine.quant and mode in ("cache", "no_cache")):
-                verified = all(check(prompt_ids, r[0], bounds[mode]) for r in runs)
+            if check and mode in checked:
+                verified = check.verdict([(prompt_ids, r[0]) for r in runs], checked[mode])
             ttft = statistics.median(r[1] for r in runs)
             total = statistics.median(r[2] for r in runs)
             decode_tps = statistics.median(
@@ -391,6 +413,8 @@ def run_bench(engine: Engine, config: BenchConfig, progress: Progress | None = N
         runner=engine.runner_name,
         native_isa=(native.kernels_label() or "") if engine.runner_name == "native" else "",
         cpu=cpu_model(),
+        check=check.name if check else "greedy tokens not checked (--no-check)",
+        check_rule=check.rule() if check else "",
     )
 
 
@@ -508,24 +532,159 @@ def run_remote_bench(engine, config: BenchConfig, progress: Progress) -> BenchRe
     )
 
 
-def _token_checker(engine: Engine, new_tokens: int):
-    """check(prompt ids, greedy tokens, error bound) -> do they follow a float32 transformers
-    model holding the engine's weights (a float32 copy for bfloat16 weights), within the bound
-    of the arithmetic that chose them? Each distinct reply is checked once (the repeats of a
-    mode give the same tokens)."""
-    model = engine.loaded.reference()
-    if model.dtype != torch.float32:
-        model = copy.deepcopy(model).float()
-    seen = {}
+def available_memory() -> int | None:
+    """Bytes this machine can give a process now without swapping (MemAvailable; psutil's
+    estimate where /proc is missing); None where neither says."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        import psutil
+    except ImportError:
+        return None
+    return int(psutil.virtual_memory().available)
 
-    def check(prompt_ids, tokens, bound: float) -> bool:
-        key = (tuple(prompt_ids), tuple(tokens), bound)
-        if key not in seen:  # a shorter reply stopped on an end token (which is not recorded)
-            ends = () if len(tokens) >= new_tokens else engine.eos_ids
-            seen[key] = check_tokens(model, prompt_ids, tokens, bound, ends).ok
-        return seen[key]
 
-    return check
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.1f} GB"
+
+
+class TokenCheck:
+    """Do our greedy tokens follow a reference holding the engine's weights, within the error
+    bound of the arithmetic that chose them?
+
+    The rule (miniserve/runners/verify.py's check_greedy), teacher-forced: one reference pass
+    over prompt + a reply's own tokens gives the logits each step should have seen. A step is
+    decided where the reference's top two logits differ by more than 2 x the row's error bound
+    (bounds 3.0 for weights as stored, 1e-3 for float32 arithmetic); there the reply must have
+    chosen the reference's top token. Elsewhere (a near-tie) it may have chosen any token
+    within 2 x the bound of the top, and the later steps are checked on the path it took. A
+    reply that stopped early is checked for choosing an end token at its last step.
+
+    The reference: for a GGUF run as stored, a float64 pass over the file's blocks dequantized
+    a tensor at a time (Float64Reference), every reply of the run in one pass, so each layer is
+    dequantized once; nothing is written, and what it holds at once is estimated first: where
+    that is more than the memory available, the check is skipped and says so. For a
+    transformers model, the model itself in float32 (a float32 copy in memory for bfloat16
+    weights), one pass per reply.
+
+    add() each reply, run() once, then verdict() per row; each distinct reply is computed
+    once (the repeats of a mode, and the modes that agree, give the same tokens)."""
+
+    def __init__(self, engine: Engine, new_tokens: int):
+        self.engine, self.new_tokens = engine, new_tokens
+        self.stored = engine.loaded.stored
+        self.replies: dict[tuple, None] = {}  # (prompt ids, tokens), in order
+        self.rows: dict[tuple, torch.Tensor] = {}  # their reference logits
+        self.skipped = ""  # why the check did not run
+        self.results: dict[tuple, GreedyCheck] = {}
+        self.seconds = 0.0
+        self.peak_bytes = 0
+
+    def _ends(self, tokens) -> tuple:
+        """A shorter reply stopped on an end token (which is not recorded)."""
+        return () if len(tokens) >= self.new_tokens else tuple(self.engine.eos_ids)
+
+    def add(self, prompt_ids, tokens) -> None:
+        self.replies.setdefault((tuple(prompt_ids), tuple(tokens)), None)
+
+    def run(self, progress: Progress | None = None) -> None:
+        progress = progress or (lambda f, m: None)
+        todo = [key for key in self.replies if key not in self.rows]
+        todo = [key for key in todo if key[1] or self._ends(key[1])]  # nothing to check else
+        if not todo:
+            return
+        start = time.perf_counter()
+        if self.stored:
+            reference = Float64Reference(self.engine.loaded.model)
+            lengths = [len(p) + len(t) for p, t in todo]
+            last = [len(t) + 1 for _, t in todo]  # row i chose t[i]; the last, an end token
+            self.peak_bytes = reference.peak_bytes(lengths, last)
+            free = available_memory()
+            if free is not None and self.peak_bytes > free:
+                self.skipped = (
+                    "greedy tokens not checked: the float64 reference over the file's blocks "
+                    f"would hold about {_gb(self.peak_bytes)} at once and "
+                    f"{_gb(free)} is available"
+                )
+                progress(1.0, self.skipped)
+                return
+            progress(
+                1.0,
+                f"checking the tokens: a float64 pass over the file's blocks "
+                f"({sum(lengths)} positions)",
+            )
+            rows = reference.logits_many([list(p) + list(t) for p, t in todo], last)
+            for key, r in zip(todo, rows):
+                self.rows[key] = torch.from_numpy(r)
+        else:
+            progress(1.0, "checking the tokens against the float32 reference")
+            model = self.engine.loaded.reference()
+            if model.dtype != torch.float32:
+                model = copy.deepcopy(model).float()
+            for p, t in todo:
+                self.rows[(p, t)] = last_logits(model, list(p) + list(t), len(t) + 1)
+        self.seconds += time.perf_counter() - start
+
+    def result(self, prompt_ids, tokens, bound: float) -> GreedyCheck | None:
+        """The check of one reply at this bound; None where it was not computed."""
+        key = (tuple(prompt_ids), tuple(tokens))
+        ends = self._ends(tokens)
+        if not tokens and not ends:
+            return GreedyCheck()
+        if key not in self.rows:
+            return None
+        if (key, bound) not in self.results:
+            self.results[(key, bound)] = check_greedy(self.rows[key], list(tokens), bound, ends)
+        return self.results[(key, bound)]
+
+    def verdict(self, replies, bound: float) -> bool | None:
+        """Do all these replies follow the reference? None: not checked (skipped)."""
+        checks = [self.result(p, t, bound) for p, t in replies]
+        if any(c is None for c in checks):
+            return None
+        return all(c.ok for c in checks)
+
+    @property
+    def name(self) -> str:
+        """What the tokens are checked against; or, not checked, the line that says why."""
+        if self.skipped:
+            return self.skipped
+        return "float64 reference over the file's blocks" if self.stored else "float32 reference"
+
+    def rule(self) -> str:
+        """The rule, and what this run's check found and cost."""
+        if self.skipped:
+            return ""
+        counts: dict[float, list[int]] = {}  # bound -> [decided, steps] over the checks
+        for (_, bound), c in self.results.items():
+            n = counts.setdefault(bound, [0, 0])
+            n[0], n[1] = n[0] + c.decided, n[1] + c.steps
+        found = ", ".join(
+            f"{d} of {n} at bound {b:g}" + (" (as stored)" if b == BOUND_STORED else "")
+            for b, (d, n) in sorted(counts.items(), reverse=True)
+        )
+        top = [  # the distinct replies' tokens that are the reference's top token
+            (int((rows[: len(t)].argmax(-1) == torch.tensor(t)).sum()), len(t))
+            for (_, t), rows in self.rows.items()
+        ]
+        if top:
+            found += (
+                f"; the reference's top token at {sum(a for a, _ in top)} of "
+                f"{sum(n for _, n in top)} steps"
+            )
+        cost = f"{self.seconds:.1f} s" + (
+            f", about {_gb(self.peak_bytes)} held, nothing written" if self.stored else ""
+        )
+        return (
+            "teacher-forced; a step is decided where the reference's top two logits differ by "
+            "more than 2 x the row's error bound, and elsewhere any token that close to the "
+            f"top counts; steps decided: {found or 'none checked'}; {cost}"
+        )
 
 
 def mixed_precision(engine: Engine) -> bool:
@@ -623,11 +782,14 @@ def describe_run(result: BenchResult) -> str:
 
 def verdict(result: BenchResult) -> str:
     """One sentence on the tokens: checked against the reference, and alike across modes."""
-    checked = (
-        "the checked rows' greedy tokens follow the float32 reference: yes"
-        if result.tokens_verified
-        else "greedy tokens follow the float32 reference: NO -- a mode computes wrong logits"
-    )
+    reference = result.check or "float32 reference"
+    rule = f" ({result.check_rule})" if result.check_rule else ""
+    if reference.startswith("greedy tokens not checked"):
+        checked = reference
+    elif result.tokens_verified:
+        checked = f"the checked rows' greedy tokens follow the {reference}: yes{rule}"
+    else:
+        checked = f"greedy tokens follow the {reference}: NO -- a mode computes wrong logits{rule}"
     if "int8" in result.dtype:
         alike = (
             "the int8 rows run rounded weights, so their tokens differ from the float "
@@ -678,6 +840,8 @@ def to_dict(result: BenchResult | ConcurrencyResult) -> dict:
         "cpu": result.cpu,
         "greedy_match": result.greedy_match,
         "tokens_verified": result.tokens_verified,
+        "check": result.check,
+        "check_rule": result.check_rule,
         "note": result.note,
         "rows": [asdict(r) for r in result.rows],
         "prefix_reuse": result.prefix_reuse,

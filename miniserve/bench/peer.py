@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from miniserve.runners.gguf_file import GGUFFile, GGUFFileError
-from miniserve.runners.loader import cache_root, file_key
+from miniserve.runners.loader import cache_root, file_key, size_text
 
 # llama.cpp's rows: float32 and bfloat16 copies, and the file as stored ("file": its own
 # type, file_type() names it -- q4_1 for the embedded model, q4_k_m for Gemma 3 270M)
@@ -51,8 +51,9 @@ def available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
-def gguf_copy(source: Path, precision: str) -> Path:
-    """The source GGUF with every tensor stored as `precision` (F32 or BF16), made once."""
+def gguf_copy(source: Path, precision: str, say=None) -> Path:
+    """The source GGUF with every tensor stored as `precision` (F32 or BF16), made once in the
+    cache and said then, with its size (through `say`, else on stderr)."""
     import gguf
     from gguf.quants import dequantize, quantize
 
@@ -85,6 +86,10 @@ def gguf_copy(source: Path, precision: str) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     partial.rename(out)
+    (say or (lambda m: print(m, file=sys.stderr, flush=True)))(
+        f"Wrote a {precision} copy of {source.name} to the cache for llama.cpp: {out} "
+        f"({size_text(out.stat().st_size)}; later runs read it, deleting it frees the space)"
+    )
     return out
 
 

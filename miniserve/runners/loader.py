@@ -103,13 +103,18 @@ class LoadedModel:
         self._reference = None if self.stored else self.model
 
     def reference(self):
-        """A transformers model over these weights -- the reference the benchmark's other
-        modes and its token check use: the model itself, or for weights as stored the file
-        dequantized to float32 (loaded at the first call: seconds to a minute, and the
-        memory of a float32 copy)."""
-        if self._reference is None:
+        """A transformers model over these weights -- the model the benchmark's generate(),
+        transformers_loop and lean modes run (and its token check, for a transformers model):
+        the model itself, or for weights as stored the file dequantized to float32 (loaded at
+        the first call: seconds to a minute, the memory of a float32 copy, and a float32 copy
+        written to the cache the first time, which is said with its size)."""
+        if self._reference is None:  # its progress unsaid, but not a copy it writes
             self._reference = load_model(
-                self.source, device="cpu", dtype="float32", progress=lambda m: None
+                self.source,
+                device="cpu",
+                dtype="float32",
+                progress=lambda m: None,
+                notice=lambda m: _say(None, m),
             ).model
         return self._reference
 
@@ -291,8 +296,25 @@ def _load_pretrained(folder: str, dtype: torch.dtype, gguf_file: str | None = No
     return model, tokenizer
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, progress: Progress | None):
-    """Load a GGUF through the safetensors cache, filling the cache on first use. The file is
+def copy_notice(path: Path, dtype: torch.dtype, folder: Path) -> str:
+    """The one line said when a dequantized copy of a GGUF is written to the cache: where, and
+    how big."""
+    size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+    return (
+        f"Wrote a {str(dtype).removeprefix('torch.')} copy of {path.name} to the cache: "
+        f"{folder} ({size_text(size)}; later starts read it, deleting it frees the space)"
+    )
+
+
+def size_text(size: int) -> str:
+    return f"{size / 1e9:.2f} GB" if size >= 10**8 else f"{size / 1e6:.1f} MB"
+
+
+def _load_gguf(
+    path: Path, dtype: torch.dtype, progress: Progress | None, notice: Progress | None = None
+):
+    """Load a GGUF through the safetensors cache, filling the cache on first use (said once,
+    with its size, through `notice`, else `progress`). The file is
     checked (check_gguf: its reader parses the whole vocabulary, seconds for a large one) only
     when it is dequantized: a cache entry is keyed by the file's content, so that content
     loaded whole once."""
@@ -320,7 +342,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, progress: Progress | None):
     _unflag_dequantized(model)
     try:
         _write_cache(model, tokenizer, cached)
-        _say(progress, f"Cached the dequantized weights in {cached}")
+        _say(notice or progress, copy_notice(path, dtype, cached))
     except Exception as e:  # noqa: BLE001 -- the cache is an optimisation, never fatal
         _say(progress, f"Could not write the weight cache {cached} ({e}); next start will be slow.")
     return model, tokenizer
@@ -407,8 +429,10 @@ def load_model(
     device: str | None = None,
     dtype: str | None = None,
     progress: Progress | None = None,
+    notice: Progress | None = None,
 ) -> LoadedModel:
-    """Load a model and its tokenizer, ready for inference, or raise ModelLoadError."""
+    """Load a model and its tokenizer, ready for inference, or raise ModelLoadError.
+    `notice`: where the line about a copy written to the cache goes (default: progress)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     kind, path, hub_id = resolve_source(source, progress, install=True)
     if dtype == STORED:
@@ -429,7 +453,7 @@ def load_model(
     start = time.perf_counter()
     try:
         if kind == "gguf":
-            model, tokenizer = _load_gguf(path, dt, progress)
+            model, tokenizer = _load_gguf(path, dt, progress, notice)
             name = gguf_name(path, source)
         elif kind == "folder":
             _say(progress, f"Loading {path} ...")
