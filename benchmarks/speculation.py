@@ -24,7 +24,7 @@ TASKS = ROOT / "benchmarks" / "speculation_tasks"
 
 
 def tasks() -> dict[str, str]:
-    code = (TASKS / "detokenizer.py").read_text("utf-8")
+    code = (TASKS / "detokenizer.txt").read_text("utf-8")
     typos = (TASKS / "typos.txt").read_text("utf-8")
     return {
         "rename": "Rename `ids` to `token_ids` in this code and give all of it back, "

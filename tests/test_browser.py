@@ -231,7 +231,7 @@ def test_benchmark_tab_shows_rows_for_each_mode(page):
     from playwright.sync_api import expect
 
     expect(page.locator("body")).to_contain_text(
-        "follow the float32 reference: yes", timeout=180000
+        "follow the float64 reference over the file's blocks: yes", timeout=180000
     )
     expect(page.locator("body")).to_contain_text("hf_generate", timeout=30000)
     body = page.locator("body").inner_text()

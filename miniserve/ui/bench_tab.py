@@ -49,7 +49,7 @@ BENCH_COLUMNS = {
     "effective_gb_s": "Weights read (GB/s)",
     "tokens_match": "Same tokens as the first mode",
     "agree_tokens": "Leading tokens in agreement",
-    "verified": "Follows the float32 reference",
+    "verified": "Follows the reference",
 }
 CONCURRENCY_COLUMNS = {
     "preset": "Preset",
