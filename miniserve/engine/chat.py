@@ -32,7 +32,7 @@ class ChatOptions:
     thinking: bool | None = None
     reasoning_budget: int | None = None
 
-    def kwargs(self, tokenizer=None) -> dict:
+    def kwargs(self) -> dict:
         """The template's keyword arguments: thinking off is `enable_thinking: false`."""
         out = dict(self.template_kwargs)
         if self.thinking is not None:
