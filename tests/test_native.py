@@ -8,6 +8,7 @@ real model against a float64 reference."""
 import copy
 import mmap
 import os
+import platform
 import subprocess
 import sys
 import threading
@@ -25,25 +26,52 @@ from miniserve.runners.verify import runner_bound
 from conftest import chat_ids, needs_native, same_on_every_cpu
 from reference import TINY_BOUND, assert_greedy, float64_twin, one_token_at_a_time
 
+# what each ISA's loops need of the CPU (the compiler's -march=native turns them on from it)
+ISA_NEEDS = {
+    "avx512": {"avx512f"},
+    "avx2": {"avx2", "fma"},
+    "generic": set(),
+    "generic+neon": set(),
+}
+
+
+def expected_isa(target: str, features: set[str], machine: str) -> str:
+    """The loops decode.cpp's ms_isa() names for a build target on a CPU with these
+    /proc/cpuinfo flags, worked out independently of the library."""
+    plain = "generic+neon" if machine.lower() in ("arm64", "aarch64") else "generic"
+    if target == "x86-64-v3":
+        return "avx2"
+    if target == "generic":
+        return plain
+    assert target == "native", target
+    if "avx512f" in features:
+        return "avx512"
+    if {"avx2", "fma"} <= features:
+        return "avx2"
+    return plain
+
 
 @needs_native
 def test_this_leg_runs_the_kernels_it_names():
     """Each leg of `make test` imitates a CPU (Makefile): a leg that silently ran other
     kernels -- a cached -march=native library, a cap that did not take -- would test nothing
-    new. Without a named leg: the native target's best loops for this CPU."""
-    from miniserve.core.platform import cpu_features
+    new. In every case the library's loops are the ones the build target and the CPU's own
+    flags (/proc/cpuinfo) call for, and loops this CPU can run; a leg's named ISA must be
+    that one too."""
+    from miniserve.core.platform import cpu_flags
 
+    flags = set(cpu_flags().split())
+    machine = platform.machine()
+    if not flags and machine.lower() not in ("arm64", "aarch64"):
+        pytest.skip("no /proc/cpuinfo flags to say what this CPU runs")
+    target = os.environ.get("MINISERVE_NATIVE_ARCH", "").strip() or "native"
+    assert native.build_target() == target
+    got = native.isa()
+    assert got == expected_isa(target, flags, machine), (got, target, native.build_target())
+    assert ISA_NEEDS[got] <= flags, (got, sorted(flags))
     want = os.environ.get("MINISERVE_EXPECT_ISA")
-    if want is None:
-        features = cpu_features()
-        want = (
-            "avx512"
-            if "avx512f" in features
-            else "avx2"
-            if {"avx2", "fma"} <= set(features)
-            else native.isa()
-        )
-    assert native.isa() == want, native.build_target()
+    if want is not None:
+        assert got == want, native.build_target()
     aten = os.environ.get("ATEN_CPU_CAPABILITY")
     if aten:
         assert torch.backends.cpu.get_cpu_capability() == aten.upper()
