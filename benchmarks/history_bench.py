@@ -67,7 +67,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from miniserve.bench.bench import percentile
+from miniserve.bench.streams import percentile
 from miniserve.core.config import MAX_IMPORT_BYTES
 from miniserve.store.formats import EXPORT_ALL_FORMAT, EXPORT_FORMAT, EXPORT_VERSION
 from miniserve.store.store import open_store, title_from

@@ -33,14 +33,9 @@ import json
 import sys
 import time
 
-from miniserve.bench.bench import (
-    StreamTimeline,
-    at_once,
-    clear_prefix_cache,
-    percentile,
-    run_streams,
-    stream_prompt,
-)
+from miniserve.bench.prompts import stream_prompt
+from miniserve.bench.runs import clear_prefix_cache
+from miniserve.bench.streams import StreamTimeline, at_once, percentile, run_streams
 from miniserve.serve.in_thread import serve_in_thread
 
 ASK = "\n\nGo on writing this text, in detail."

@@ -238,14 +238,14 @@ def run_child(
 
 
 def filler_text() -> str:
-    """miniserve.bench.bench.FILLER, read from its source (importing it would import torch)."""
-    tree = ast.parse((ROOT / "miniserve" / "bench" / "bench.py").read_text())
+    """miniserve.bench.prompts.FILLER, read from its source (importing it would import torch)."""
+    tree = ast.parse((ROOT / "miniserve" / "bench" / "prompts.py").read_text())
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(
             getattr(t, "id", "") == "FILLER" for t in node.targets
         ):
             return ast.literal_eval(node.value)
-    raise RuntimeError("no FILLER in miniserve/bench/bench.py")
+    raise RuntimeError("no FILLER in miniserve/bench/prompts.py")
 
 
 def filler_ids(tokenize, n: int, lead: str = "") -> list[int]:

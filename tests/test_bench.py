@@ -13,23 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from miniserve.bench import bench, peer
-from miniserve.bench.bench import (
-    ConcurrencyConfig,
-    StreamTimeline,
-    at_once,
-    ceiling_tokens_per_s,
-    concurrency_params,
-    format_concurrency_table,
-    percentile,
-    product_kernel,
-    run_concurrency,
-    stream_prompt,
-    to_dict,
-    weight_elements,
-    write_csv,
-    write_json,
-)
+from miniserve.bench import peer, prompts, runs, streams
+from miniserve.bench.concurrency import run_concurrency
+from miniserve.bench.machine import ceiling_tokens_per_s, product_kernel, weight_elements
+from miniserve.bench.options import ConcurrencyConfig, concurrency_params
+from miniserve.bench.prompts import stream_prompt
+from miniserve.bench.report import format_concurrency_table, to_dict, write_csv, write_json
+from miniserve.bench.streams import StreamTimeline, at_once, percentile
 from miniserve.core.config import SamplingParams
 from miniserve.core.platform import cpu_model
 from miniserve.runners import native
@@ -74,9 +64,9 @@ def test_stream_metrics_count_every_token_of_a_chunk():
 def test_http_bench_reports_the_same_per_token_numbers():
     """One percentile, one stream timeline, one prompt maker: http_bench's inter-token p95 is
     bench's, per token."""
-    assert http_bench.percentile is bench.percentile
-    assert http_bench.StreamTimeline is bench.StreamTimeline
-    assert http_bench.stream_prompt is bench.stream_prompt
+    assert http_bench.percentile is streams.percentile
+    assert http_bench.StreamTimeline is streams.StreamTimeline
+    assert http_bench.stream_prompt is prompts.stream_prompt
     s = StreamTimeline(1.0, [(1.5, 2), (2.1, 3), (2.2, 1), (2.25, 0)], end=2.25, cpu_s=0.1)
     numbers = http_bench._summary([s], [6], cpu_s=0.5)
     assert numbers["itl_p95_s"] == pytest.approx(percentile(s.token_gaps(), 95))
@@ -372,8 +362,8 @@ def test_the_weights_column_names_what_the_matrices_are():
             info=lambda: {"dtype": "q4_k_m as stored"},
         )
 
-    assert bench.weights_label(engine("q8_0")) == "q8_0 from bfloat16"
-    assert bench.weights_label(engine("q4_0")) == "q4_0 from bfloat16"
-    assert bench.weights_label(engine("int8")) == "bfloat16+int8"
-    assert bench.weights_label(engine(None, stored=True)) == "q4_k_m as stored"
-    assert bench.weights_label(engine(None, dtype=torch.float32)) == "float32"
+    assert runs.weights_label(engine("q8_0")) == "q8_0 from bfloat16"
+    assert runs.weights_label(engine("q4_0")) == "q4_0 from bfloat16"
+    assert runs.weights_label(engine("int8")) == "bfloat16+int8"
+    assert runs.weights_label(engine(None, stored=True)) == "q4_k_m as stored"
+    assert runs.weights_label(engine(None, dtype=torch.float32)) == "float32"

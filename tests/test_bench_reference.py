@@ -9,8 +9,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from miniserve.bench import bench
-from miniserve.bench.bench import BenchConfig, TokenCheck, run_bench, verdict
+from miniserve.bench import check
+from miniserve.bench.check import TokenCheck
+from miniserve.bench.options import BenchConfig
+from miniserve.bench.report import verdict
+from miniserve.bench.runs import clear_prefix_cache, run_bench
 from miniserve.runners.float64 import Float64Reference
 
 from conftest import needs_native
@@ -76,7 +79,7 @@ def test_a_runner_that_chooses_one_wrong_token_fails_the_check(stored_engine, mo
     try:
         result = run_bench(stored_engine, config, progress)
     finally:
-        bench.clear_prefix_cache(stored_engine)
+        clear_prefix_cache(stored_engine)
     assert state["decodes"] >= 3
     assert not result.tokens_verified and result.rows[0].verified is False
     assert "follow the float64 reference over the file's blocks: NO" in verdict(result)
@@ -86,7 +89,7 @@ def test_a_runner_that_chooses_one_wrong_token_fails_the_check(stored_engine, mo
 def test_the_check_says_in_one_line_when_the_reference_would_not_fit(
     stored_engine, monkeypatch, empty_cache
 ):
-    monkeypatch.setattr(bench, "available_memory", lambda: 10**6)
+    monkeypatch.setattr(check, "available_memory", lambda: 10**6)
     config = BenchConfig(**{**CONFIG, "prompt_tokens": [10]})
     result = run_bench(stored_engine, config)
     assert all(r.verified is None for r in result.rows)  # not checked, not "checked"

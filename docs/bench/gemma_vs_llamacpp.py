@@ -12,7 +12,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from miniserve.bench import peer  # noqa: E402
-from miniserve.bench.bench import _run_ours, prompt_of_length  # noqa: E402
+from miniserve.bench.prompts import prompt_of_length  # noqa: E402
+from miniserve.bench.runs import _run_ours  # noqa: E402
 from miniserve.core.config import SamplingParams  # noqa: E402
 from miniserve.engine.engine import start_engine  # noqa: E402
 from miniserve.runners.loader import known_model_path  # noqa: E402
