@@ -1,5 +1,6 @@
 """The Engine: streaming chat, stop strings, prefix reuse, queue limit."""
 
+import re
 import threading
 import time
 
@@ -140,10 +141,18 @@ def test_bad_messages_name_the_field(engine, messages, field):
 
 @same_on_every_cpu
 def test_control_characters_and_surrogates_are_cleaned(engine):
-    text, last = engine.chat_text(
-        [{"role": "user", "content": "Hi\x00\x07 there \ud800!"}], GREEDY.replace(max_new_tokens=4)
-    )
+    """The prompt the engine builds drops the control characters and turns the lone surrogate
+    into '?' (core/text.py): the same ids as the cleaned message's, and a reply to it."""
+    params = GREEDY.replace(max_new_tokens=4)
+    dirty = [{"role": "user", "content": "Hi\x00\x07 there \ud800!"}]
+    ids = engine.chat_prompt(dirty, params)
+    shown = engine.tokenizer.decode(ids)
+    assert "Hi there ?!" in shown, shown
+    assert not any(c in shown for c in "\x00\x07") and not re.search("[\ud800-\udfff]", shown)
+    assert ids == engine.chat_prompt([{"role": "user", "content": "Hi there ?!"}], params)
+    _, last = engine.chat_text(dirty, params)
     assert last.done and last.stats.new_tokens > 0
+    assert last.stats.prompt_tokens == len(ids)
 
 
 def test_a_repeated_prompt_reuses_its_logits_and_answers_the_same(loaded):
