@@ -870,14 +870,12 @@ def test_benchmark_bad_values(engine, lengths, new_tokens, repeat, message):
     assert status.startswith("**Error:**") and message in status, status
 
 
-def test_build_ui_lays_out_the_four_tabs(engine, presets):
+def test_build_ui_lays_out_its_tabs(engine, presets):
     demo = build_ui(engine, presets, "no such preset")
+    tabs = [block.label for block in demo.blocks.values() if isinstance(block, gr.Tab)]
+    assert tabs == ["Chat", "Notebook", "Compare", "Step", "Benchmark"]  # all, in this order
     labels = {getattr(block, "label", None) for block in demo.blocks.values()}
     assert {
-        "Chat",
-        "Notebook",
-        "Compare",
-        "Benchmark",
         "Conversation",
         "Text",
         "Presets",
