@@ -355,15 +355,19 @@ def test_the_weights_column_names_what_the_matrices_are():
     came from (the q8_0 rows once read "bfloat16")."""
     from types import SimpleNamespace
 
-    def engine(quant, stored=False, dtype=torch.bfloat16):
-        return SimpleNamespace(
-            quant=quant,
-            loaded=SimpleNamespace(dtype=dtype, stored=stored),
-            info=lambda: {"dtype": "q4_k_m as stored"},
-        )
+    def engine(quant, dtype=torch.bfloat16):  # no info(): a float model's label is its own
+        return SimpleNamespace(quant=quant, loaded=SimpleNamespace(dtype=dtype, stored=False))
 
     assert runs.weights_label(engine("q8_0")) == "q8_0 from bfloat16"
     assert runs.weights_label(engine("q4_0")) == "q4_0 from bfloat16"
     assert runs.weights_label(engine("int8")) == "bfloat16+int8"
-    assert runs.weights_label(engine(None, stored=True)) == "q4_k_m as stored"
     assert runs.weights_label(engine(None, dtype=torch.float32)) == "float32"
+
+
+def test_the_weights_column_of_a_gguf_as_stored_names_its_type(stored_engine):
+    """The embedded GGUF run as stored (Q4_1 blocks): its label is the file's type, the one
+    llama.cpp's row reads from the header too, not a float dtype."""
+    from miniserve.runners.loader import embedded_gguf
+
+    label = runs.weights_label(stored_engine)
+    assert label == "q4_1 as stored" == f"{peer.file_type(embedded_gguf())} as stored"
