@@ -160,11 +160,11 @@ def measure_http(
     """`streams` concurrent greedy streaming requests over HTTP and the same ones in-process;
     returns {"http": numbers, "in_process": numbers, ...} (see the module docstring)."""
     from miniserve.core.config import SamplingParams
-    from miniserve.serve.protocol import API_DEFAULTS
+    from miniserve.serve.protocol import api_defaults
 
     if streams < 1 or prompt_tokens < 1 or new_tokens < 1:
         raise ValueError("streams, prompt_tokens and new_tokens must be at least 1")
-    params = SamplingParams(**{**API_DEFAULTS, "temperature": 0.0}, max_new_tokens=new_tokens)
+    params = SamplingParams(**{**api_defaults(), "temperature": 0.0}, max_new_tokens=new_tokens)
     conversations = make_prompts(engine, streams, prompt_tokens, params)
     prompt_ids = [engine.chat_prompt(c, params) for c in conversations]
     if max(map(len, prompt_ids)) + new_tokens > engine.context_length:

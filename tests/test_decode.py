@@ -81,7 +81,7 @@ def run(model, ids, params=GREEDY, **kwargs):
             ids,
             params,
             eos_ids=kwargs.pop("eos_ids", {2}),
-            observer=lambda logits, _, t, _allowed: steps.append((logits[0], t)),
+            observer=lambda logits, _, t, _allowed, _state: steps.append((logits[0], t)),
             **kwargs,
         )
     )

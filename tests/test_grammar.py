@@ -130,7 +130,7 @@ def test_greedy_keeps_the_top_token_wherever_the_grammar_allows_it(engine):
         engine,
         "Tell me about a cat named Tom.",
         json_schema(PERSON),
-        observer=lambda logits, ids, token, allowed: steps.append(
+        observer=lambda logits, ids, token, allowed, _state: steps.append(
             (
                 int(filter_logits(logits, SamplingParams(temperature=0), ids).argmax()),
                 allowed[0].clone(),

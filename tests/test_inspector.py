@@ -15,9 +15,9 @@ def inspect_run(loaded, engine, params, text="Name three animals."):
     inspector = Inspector(loaded.tokenizer, params, keep_distributions=True)
     seen_logits = []
 
-    def observe(logits, ids, token, allowed=None):
+    def observe(logits, ids, token, allowed=None, state=None):
         seen_logits.append(logits[0].float().clone())
-        inspector.observe(logits, ids, token, allowed)
+        inspector.observe(logits, ids, token, allowed, state)
 
     tokens = list(
         generate(
@@ -86,9 +86,9 @@ def test_chart_data_is_what_the_sampling_stages_give_on_the_same_logits(loaded, 
     inspector = Inspector(loaded.tokenizer, params)
     seen = []
 
-    def observe(logits, ids, token, allowed=None):
+    def observe(logits, ids, token, allowed=None, state=None):
         seen.append((logits[0].float().clone(), ids[0].clone(), token))
-        inspector.observe(logits, ids, token, allowed)
+        inspector.observe(logits, ids, token, allowed, state)
 
     list(
         generate(

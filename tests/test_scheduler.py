@@ -164,7 +164,7 @@ def test_a_failing_observer_ends_its_own_request_and_the_engine_goes_on(engine):
     params = SamplingParams(temperature=0, max_new_tokens=12)
     prompts = [chat_ids(engine.tokenizer, q) for q in QUESTIONS[:2]]
 
-    def broken(logits, ids, token_id, allowed):
+    def broken(logits, ids, token_id, allowed, state):
         raise RuntimeError("observer broke")
 
     failing = engine.complete(prompts[0], params, observer=broken, reuse_prefix=False)

@@ -356,12 +356,12 @@ def tab_settings(
     prompt="Write one sentence about a cat.",
     mode=None,
 ):
-    from miniserve.core.config import FIELDS
     from miniserve.ui.step_tab import CHAT
+    from miniserve.ui.widgets import preset_values, setting_names
 
-    values = [getattr(presets[preset], k) for k in FIELDS]
+    values = preset_values(presets, preset)
     if temperature is not None:
-        values[0] = temperature
+        values[setting_names().index("temperature")] = temperature
     return [mode or CHAT, prompt, *values, seed, bias, fmt, fmt_text, top, None]
 
 
@@ -518,7 +518,9 @@ def test_tab_run_to_the_end_stops_on_stop(engine, presets):
 
     tab = StepHandlers(engine, presets)
     settings = tab_settings(presets, preset="creative")
-    settings[7] = 4096  # max new tokens: it would run for minutes
+    from miniserve.ui.widgets import setting_names
+
+    settings[2 + setting_names().index("max_new_tokens")] = 4096  # it would run for minutes
     outputs = []
     runner = threading.Thread(target=lambda: outputs.extend(tab.run_to_end(*settings)))
     runner.start()

@@ -12,14 +12,23 @@ import gradio as gr
 import jsonschema
 import pytest
 
-from miniserve.core.config import FIELDS, ConfigError, Constraint, SamplingParams, load_presets
+from miniserve.core.config import ConfigError, Constraint, SamplingParams, load_presets
+from miniserve.core.samplers import default_order, describe
 from miniserve.store.store import open_store
 from miniserve.ui import BenchmarkHandlers, ChatHandlers, CompareHandlers, build_ui
 from miniserve.ui.bench_tab import BENCH_COLUMNS, CONCURRENCY_COLUMNS
 from miniserve.ui.common import Sessions
 from miniserve.ui.conversation import SHOWN, Shown, new_view
 from miniserve.ui.sidebar import SidebarHandlers, file_name
-from miniserve.ui.widgets import FORMATS, constraint_from, format_note, params_from, seed_from
+from miniserve.ui.widgets import (
+    FORMATS,
+    constraint_from,
+    format_note,
+    params_from,
+    preset_values,
+    seed_from,
+    setting_names,
+)
 
 PROMPT = "Write one sentence about a cat."
 
@@ -41,7 +50,7 @@ def compare(engine, presets):
 
 def sliders(chat, preset="factual", max_new_tokens=12):
     values = chat.apply_preset(preset)
-    values[-1] = max_new_tokens
+    values[setting_names().index("max_new_tokens")] = max_new_tokens
     return values
 
 
@@ -64,7 +73,7 @@ def test_compare_shows_one_column_per_chosen_preset(compare, presets):
     assert list(shown) == ["factual", "creative"]
     for name, col in shown.items():
         head, *body = col["value"].split("\n\n")
-        assert head.startswith(f"### {name}\n`T=")
+        assert head == f"### {name}\n`{describe(presets[name].replace(seed=42))}`", head
         text, footer = "\n\n".join(body[:-1]), body[-1]
         assert text.strip(), name
         assert footer.startswith("*") and "tokens/s" in footer, footer
@@ -339,7 +348,7 @@ def test_send_bad_values_keep_the_chat_and_the_message(chat, message, seed, sett
     before = Shown(*last(send(chat, browser, view, "Hello", max_new_tokens=3))[:8])
     values = sliders(chat)
     for name, value in settings.items():
-        values[list(FIELDS).index(name)] = value
+        values[setting_names().index(name)] = value
     updates = list(
         chat.send(message, before.browser, before.view, "", "", "factual", *values, seed, False)
     )
@@ -469,7 +478,11 @@ def test_undo_clear_and_presets(chat, presets):
     cleared = Shown(*cleared)
     assert cleared.chatbot == [] and cleared.view == new_view() and cleared.status == "new chat"
     assert two.view["cid"] in {cid for _, cid in cleared.conversations["choices"]}  # kept
-    assert chat.apply_preset("creative") == [1.0, 80, 0.98, 0.02, 1.15, 512]
+    creative = dict(zip(setting_names(), chat.apply_preset("creative")))
+    assert creative["temperature"] == 1.0 and creative["top_k"] == 80
+    assert creative["top_p"] == 0.98 and creative["min_p"] == 0.02
+    assert creative["repetition_penalty"] == 1.15 and creative["max_new_tokens"] == 512
+    assert creative["samplers"] == list(default_order())
 
 
 def test_a_reload_and_a_restart_bring_back_the_open_conversation(engine, presets, tmp_path):
@@ -767,8 +780,9 @@ def test_gradio_hands_the_output_format_to_the_handlers(engine, presets):
     ]
     data = gr.EventData(None, {"index": 0, "value": "x", "previous_value": ""})
     args, *_ = special_args(chat.edit, values, None, data)
-    assert isinstance(args[13], gr.EditData) and args[13].value == "x"
-    assert args[14:19] == ["JSON", "", "m", True, -1] and len(args) == 20, args
+    at = 5 + len(setting_names()) + 2  # after the settings panel, the seed and the inspector
+    assert isinstance(args[at], gr.EditData) and args[at].value == "x"
+    assert args[at + 1 : at + 6] == ["JSON", "", "m", True, -1] and len(args) == at + 7, args
 
 
 def test_gradio_hands_the_request_to_every_handler_that_takes_one(engine, presets):
@@ -815,7 +829,7 @@ def test_output_format_values_become_a_constraint():
 
 
 def sliders_values():
-    return [0.0, 0, 1.0, 0.0, 1.0, 8]
+    return preset_values({"greedy": SamplingParams(temperature=0.0, max_new_tokens=8)}, "greedy")
 
 
 def send_as(

@@ -14,6 +14,7 @@ from miniserve.ui import ChatHandlers
 from miniserve.ui.common import is_error
 from miniserve.ui.conversation import SHOWN, Shown, new_view
 from miniserve.ui.sidebar import SidebarHandlers
+from miniserve.ui.widgets import setting_names
 
 NO_ID = {"owner": None, "open": None}  # the BrowserState's value before the load handler ran
 
@@ -30,7 +31,7 @@ def page(name: str) -> SimpleNamespace:
 
 def send(chat, browser, view, message, request):
     values = chat.apply_preset("factual")
-    values[-1] = 6
+    values[setting_names().index("max_new_tokens")] = 6
     *shown, box, _ = list(
         chat.send(message, browser, view, "", "", "factual", *values, 1, False, request=request)
     )[-1]

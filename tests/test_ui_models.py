@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from miniserve.core.config import FIELDS, load_presets
+from miniserve.core.config import load_presets
+from miniserve.core.samplers import describe
 from miniserve.engine.engine import Engine
 from miniserve.models.registry import EngineOptions, Models, ModelSpec, engine_factory, open_models
 from miniserve.ui import (
@@ -26,6 +27,7 @@ from miniserve.ui import (
 )
 from miniserve.ui.conversation import SHOWN, Shown
 from miniserve.ui.sidebar import SidebarHandlers
+from miniserve.ui.widgets import preset_values, setting_names
 
 B = "second"
 STORY = "Once upon a time, in a small village by the sea,"
@@ -80,9 +82,8 @@ def last(generator):
 
 
 def values(presets, preset="factual", max_new_tokens=12):
-    """The sliders (FIELDS order) of a preset, with max new tokens."""
-    p = presets[preset]
-    return [p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty, max_new_tokens]
+    """The settings panel (widgets.setting_names order) of a preset, with max new tokens."""
+    return preset_values({preset: presets[preset].replace(max_new_tokens=max_new_tokens)}, preset)
 
 
 # -- Loading a model -------------------------------------------------------------------------
@@ -255,7 +256,7 @@ def test_notebook_bad_values_leave_the_text(models, presets, text, settings, mes
     notebook = NotebookHandlers(models, presets)
     sliders = values(presets)
     for name, value in settings.items():
-        sliders[list(FIELDS).index(name)] = value  # the sliders' order (widgets.py)
+        sliders[setting_names().index(name)] = value  # the panel's order (widgets.py)
     updates = list(notebook.generate(text, ["before"], *sliders, 1, False))
     assert len(updates) == 1
     box, history, status, _ = updates[0]
@@ -475,7 +476,8 @@ def test_compare_across_two_models_runs_them_at_the_same_time(models, presets):
     shown = {slot: col["value"] for slot, col in zip(compare.slots, columns) if col["visible"]}
     assert set(shown) == {(m, n, False) for m in (a, B) for n in ("factual", "creative")}
     for (model, name, _), value in shown.items():
-        assert value.startswith(f"### {model} · {name}\n`T="), value
+        head = f"### {model} · {name}\n`{describe(presets[name].replace(seed=42))}`"
+        assert value.startswith(head), value
         assert "tokens/s" in value.split("\n\n")[-1]
     # greedy on the same weights: the two models write the same reply, as chat_text does
     alone, _ = engines[0].chat_text(

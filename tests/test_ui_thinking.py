@@ -22,7 +22,7 @@ from miniserve.ui import common as ui_common
 from miniserve.ui.conversation import Shown
 from miniserve.ui.render import THINKING, call_card, reply_rows, thought_title
 from miniserve.ui.sidebar import SidebarHandlers
-from miniserve.ui.widgets import thinking_options
+from miniserve.ui.widgets import preset_values, thinking_options
 
 SAMPLED = SamplingParams(temperature=0.8, top_k=0, top_p=1.0, max_new_tokens=24, seed=3)
 BUDGET = 6
@@ -160,8 +160,7 @@ def knobs(model="r1", think=True, budget=BUDGET, max_new_tokens=24):
     """A handler's values after the search box, as Gradio passes them: (system prompt,
     preset, sliders, seed, inspector) and (output format, Model, Think, budget); an edit's
     EditData goes between the two."""
-    p = SAMPLED
-    sliders = [p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty, max_new_tokens]
+    sliders = preset_values({"p": SAMPLED.replace(max_new_tokens=max_new_tokens)}, "p")
     return ["", "balanced", *sliders, 3, False], ["Free text", "", model, think, budget]
 
 

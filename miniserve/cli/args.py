@@ -26,6 +26,7 @@ from miniserve.core.config import (
     load_presets,
 )
 from miniserve.core.errors import Unavailable, UserError
+from miniserve.core.samplers import default_order
 from miniserve.engine.grammar import GrammarError
 from miniserve.models.registry import EngineOptions
 from miniserve.models.registry import open_models as open_registry
@@ -229,13 +230,26 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--presets-file", default=None, help="another presets.yaml")
     for name, spec in FIELDS.items():
+        listed = spec.kind is tuple
         p.add_argument(
             "--" + name.replace("_", "-"),
-            type=spec.kind,
+            type=str if listed else spec.kind,
+            action="append" if listed else "store",
             default=None,
-            metavar="N",
-            help=f"{spec.help} {spec.describe()}",
+            metavar="TEXT" if listed else "N",
+            help=f"{spec.help} ("
+            + ("repeat the flag for each; --dry-sequence-breakers '' for none" if listed else "")
+            + (spec.describe() if not listed else "")
+            + ")",
         )
+    p.add_argument(
+        "--samplers",
+        default=None,
+        metavar="A;B;...",
+        help="the stages' order, separated by ; (default: "
+        + ";".join(default_order())
+        + "); a stage left out is off",
+    )
     p.add_argument("--seed", type=int, default=None, help="random seed for a reproducible run")
     p.add_argument(
         "--logit-bias",
@@ -323,6 +337,11 @@ def params_from_args(args) -> tuple[SamplingParams, dict[str, SamplingParams]]:
     if name not in presets:
         raise ConfigError(f"unknown preset '{name}' (available: {', '.join(presets)})", "preset")
     changes = {k: getattr(args, k) for k in FIELDS if getattr(args, k) is not None}
+    for k, v in list(changes.items()):
+        if FIELDS[k].kind is tuple:  # the flag repeated; '' alone: none
+            changes[k] = [t for t in v if t]
+    if getattr(args, "samplers", None) is not None:
+        changes["samplers"] = args.samplers
     return presets[name].replace(
         seed=args.seed,
         logit_bias=logit_bias_from(args.logit_bias),

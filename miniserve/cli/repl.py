@@ -18,6 +18,7 @@ tool calls are printed as lines (the chat runs none).
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import threading
 import time
@@ -25,6 +26,7 @@ from pathlib import Path
 
 from miniserve.core.config import FIELDS, ConfigError, SamplingParams, check_seed
 from miniserve.core.errors import Busy, UserError
+from miniserve.core.samplers import describe
 from miniserve.engine.chat import ChatOptions
 from miniserve.engine.engine import Engine
 from miniserve.engine.turn import ChatTurn, history_of, with_seed
@@ -41,7 +43,7 @@ HELP = """commands:
   /help                 this help
   /preset [NAME]        switch preset (lists them without NAME)
   /settings             show the current sampling values
-  /set KEY VALUE        change one value ({keys}, seed)
+  /set KEY VALUE        change one value: {keys}
   /system TEXT          set the system prompt (starts a new, unsaved conversation)
   /reset                start a new, unsaved conversation
   /save [TITLE]         save this conversation (or rename it); later turns are added as they come
@@ -141,7 +143,7 @@ class ChatSession:
         return True
 
     def cmd_help(self, _):
-        self.say(HELP.format(keys=", ".join(FIELDS)))
+        self.say(HELP.format(keys=set_keys()))
 
     def cmd_preset(self, name):
         if name not in self.presets:
@@ -154,12 +156,7 @@ class ChatSession:
         self.say(f"preset {name}: " + self.describe())
 
     def describe(self) -> str:
-        p = self.params
-        return (
-            f"T={p.temperature:g} top_k={p.top_k} top_p={p.top_p:g} min_p={p.min_p:g} "
-            f"repetition_penalty={p.repetition_penalty:g} max_new_tokens={p.max_new_tokens} "
-            f"seed={p.seed if p.seed is not None else 'random'}"
-        )
+        return settings_line(self.params)
 
     def cmd_settings(self, _):
         self.say(f"[{self.preset_name or 'custom'}] " + self.describe())
@@ -199,17 +196,8 @@ class ChatSession:
         self.say(self.describe_thinking() + self._thinking_note())
 
     def cmd_set(self, rest):
-        key, _, value = rest.partition(" ")
-        key = key.replace("-", "_")
-        value = value.strip()
         try:
-            if key == "seed":
-                seed = None if value in ("", "none", "random") else check_seed(_number(value, key))
-                self.params = self.params.replace(seed=seed)
-            elif key in FIELDS:
-                self.params = self.params.replace(**{key: _number(value, key)})
-            else:
-                raise ConfigError(f"unknown setting '{key}' (allowed: {', '.join(FIELDS)}, seed)")
+            self.params = set_setting(self.params, rest)
         except ConfigError as e:
             self.say(f"error: {e}")
             return
@@ -600,6 +588,45 @@ class ChatSession:
             if interactive:
                 self.say("bot> ", end="")
             self.reply(line)
+
+
+SET_KEYS = "every stage's setting ({keys}), samplers (stage names, e.g. top_k;min_p), seed"
+
+
+def set_keys() -> str:
+    return SET_KEYS.format(keys=", ".join(FIELDS))
+
+
+def set_setting(params: SamplingParams, rest: str) -> SamplingParams:
+    """`/set KEY VALUE` (the chat's and the Step view's): a stage's setting (a number, or a
+    JSON list of strings for a list), `samplers` (stage names separated by ; or ,), or `seed`
+    (none / random: a new one each reply)."""
+    key, _, value = rest.strip().partition(" ")
+    key, value = key.replace("-", "_"), value.strip()
+    if key == "seed":
+        seed = None if value in ("", "none", "random") else check_seed(_number(value, key))
+        return params.replace(seed=seed)
+    if key == "samplers":
+        return params.replace(samplers=value or None)
+    spec = FIELDS.get(key)
+    if spec is None:
+        raise ConfigError(f"unknown setting '{key}' (allowed: {set_keys()})", key)
+    if spec.kind is tuple:
+        try:
+            items = json.loads(value) if value else []
+        except json.JSONDecodeError:
+            raise ConfigError(
+                f"'{key}' takes a JSON list of strings, like {json.dumps(list(spec.default))}",
+                key,
+            ) from None
+        return params.replace(**{key: items})
+    return params.replace(**{key: _number(value, key)})
+
+
+def settings_line(p: SamplingParams) -> str:
+    """The settings in one line: the stages that run, with their settings, in their order."""
+    seed = p.seed if p.seed is not None else "random"
+    return f"{describe(p)} max_new_tokens={p.max_new_tokens} seed={seed}"
 
 
 def _number(value: str, key: str) -> float:

@@ -7,31 +7,27 @@ each action the text so far and the per-stage table of the top candidates are pr
 
 from __future__ import annotations
 
-from miniserve.cli.repl import _number
-from miniserve.core.config import FIELDS, ConfigError, check_seed
+from miniserve.cli.repl import set_keys, set_setting, settings_line
+from miniserve.core.config import ConfigError
+from miniserve.core.samplers import STAGES
 from miniserve.engine.step import StageView, StepError, StepSession
 
 HELP = """Enter: one token (the draw) · N: take candidate N · t TEXT: take the token TEXT is ·
-b: back one token · /set KEY VALUE ({keys}, seed) · /preset NAME · /settings · q: quit"""
-SHORT = {
-    "raw": "raw",
-    "logit bias": "bias",
-    "repetition penalty": "rep.pen",
-    "grammar": "grammar",
-    "temperature": "temp",
-    "top-k": "top-k",
-    "top-p": "top-p",
-    "min-p": "min-p",
-    "greedy": "greedy",
-    "final": "final",
-}
+b: back one token · /set KEY VALUE ({keys}) · /preset NAME · /settings · q: quit"""
+SHORT = {"raw": "raw", "greedy": "greedy", "final": "final"}
+
+
+def short(label: str) -> str:
+    """A stage's column title (its declared short name)."""
+    stage = next((s for s in STAGES.values() if s.label == label), None)
+    return SHORT.get(label) or (stage.short if stage is not None else label)[:7]
 
 
 def stage_table(view: StageView, top: int) -> str:
     """The candidates as rows, the stages as columns: each token's probability after each
     stage, ✕ where a stage removed it; `above` is the mass ranked above it at top-p (cut at
     p); ▶ marks the draw, ✋ a hand pick."""
-    cols = [SHORT.get(s, s[:7]) for s in view.stages]
+    cols = [short(s) for s in view.stages]
     topp = "top-p" in view.stages
     head = (
         f"{'':2}{'#':>3}  {'token':<16}"
@@ -54,7 +50,7 @@ def stage_table(view: StageView, top: int) -> str:
             if gone:
                 cells.append(f"{'':>9}")
             elif stage == row.removed_by:
-                cells.append(f"{'✕ ' + SHORT.get(stage, stage)[:6]:>9}")
+                cells.append(f"{'✕ ' + short(stage)[:6]:>9}")
                 gone = True
             else:
                 cells.append(f"{100 * p:8.2f}%")
@@ -127,33 +123,26 @@ class StepLoop:
         elif line.startswith("t "):
             s.step(s.token_for_text(line[2:]))
         elif line.startswith("/set "):
-            key, _, value = line[5:].strip().partition(" ")
-            key, value = key.replace("-", "_"), value.strip()
-            if key == "seed":
-                s.update(s.params.replace(seed=check_seed(_number(value, key))))
-            elif key in FIELDS:
-                s.update(s.params.replace(**{key: _number(value, key)}))
-            else:
-                raise ConfigError(f"unknown setting '{key}' (allowed: {', '.join(FIELDS)}, seed)")
+            s.update(set_setting(s.params, line[5:]))
         elif line.startswith("/preset"):
             name = line[7:].strip()
             if name not in self.presets:
                 raise ConfigError(f"unknown preset '{name}' (available: {', '.join(self.presets)})")
             s.update(self.presets[name].replace(seed=s.params.seed))
         elif line == "/settings":
-            self.say(", ".join(f"{k}={v}" for k, v in s.params.as_dict().items()))
+            self.say(settings_line(s.params))
             return True
         elif line in ("/help", "?", "h"):
-            self.say(HELP.format(keys=", ".join(FIELDS)))
+            self.say(HELP.format(keys=set_keys()))
             return True
         else:
-            self.say(f"unknown input {line!r}; " + HELP.format(keys=", ".join(FIELDS)))
+            self.say(f"unknown input {line!r}; " + HELP.format(keys=set_keys()))
             return True
         self.show()
         return True
 
     def run(self, stdin) -> int:
-        self.say(HELP.format(keys=", ".join(FIELDS)))
+        self.say(HELP.format(keys=set_keys()))
         interactive = stdin.isatty()
         while True:
             if interactive:

@@ -6,88 +6,25 @@ Every surface (web UI sliders, CLI flags, API fields) reads its ranges from
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-from miniserve.core.errors import UserError
+from miniserve.core.fields import ConfigError, Field, check_number
+from miniserve.core.samplers import (
+    FIELDS,
+    PARAMS,
+    STAGES,
+    check_order,
+    check_setting,
+    default_order,
+)
+
+__all__ = ["FIELDS", "STAGES", "ConfigError", "Field", "SamplingParams", "check_number"]
 
 PRESETS_FILE = Path(__file__).resolve().parent / "presets.yaml"
 
-
-class ConfigError(UserError, ValueError):
-    """A setting is wrong. `field` names it; the message says what is allowed."""
-
-    def __init__(self, message: str, field: str | None = None):
-        super().__init__(message)
-        self.field = field
-
-
-@dataclass(frozen=True)
-class Field:
-    kind: type  # int or float
-    low: float
-    high: float
-    default: float
-    label: str
-    help: str
-    low_open: bool = False  # True: `low` itself is not allowed
-
-    def describe(self) -> str:
-        left = "(" if self.low_open else "["
-        return f"{left}{self.low:g}, {self.high:g}]"
-
-
-# The one table of defaults and limits.
-FIELDS: dict[str, Field] = {
-    "temperature": Field(
-        float,
-        0.0,
-        2.0,
-        0.7,
-        "Temperature",
-        "divides the logits; 0 means greedy (always the most likely token)",
-    ),
-    "top_k": Field(
-        int,
-        0,
-        1_000_000,
-        50,
-        "Top-k",
-        "keep only the k most likely tokens; 0 = off (k above the vocabulary = off)",
-    ),
-    "top_p": Field(
-        float,
-        0.0,
-        1.0,
-        0.95,
-        "Top-p",
-        "keep the smallest set of tokens whose probability reaches p; 1 = off",
-        low_open=True,
-    ),
-    "min_p": Field(
-        float,
-        0.0,
-        1.0,
-        0.0,
-        "Min-p",
-        "drop tokens less likely than min_p x the top token's probability; 0 = off",
-    ),
-    "repetition_penalty": Field(
-        float,
-        0.5,
-        2.0,
-        1.0,
-        "Repetition penalty",
-        "divide the scores of tokens already seen; 1 = off",
-    ),
-    "max_new_tokens": Field(
-        int, 1, 4096, 256, "Max new tokens", "stop after this many generated tokens"
-    ),
-}
 
 SEED_MAX = 2**63 - 1
 RANDOM_SEEDS = 2**32  # a seed drawn for "random" (shown and saved with a reply) is below this
@@ -161,37 +98,9 @@ CONTEXT = Field(
 )
 
 
-def check_value(name: str, value, where: str = "") -> float | int:
-    """Validate one sampling field; return it converted to its kind."""
-    spec = FIELDS.get(name)
-    if spec is None:
-        prefix = f"{where}: " if where else ""
-        raise ConfigError(f"{prefix}unknown setting '{name}' (allowed: {', '.join(FIELDS)})", name)
-    return check_number(name, value, spec, where)
-
-
-def check_number(name: str, value, spec: Field, where: str = "") -> float | int:
-    """The one check of a number against its Field (kind and range), for sampling settings
-    and any other numeric field (the API's n, max_tokens, ...); return it as its kind.
-    Raises ConfigError naming the field and what is allowed."""
-    prefix = f"{where}: " if where else ""
-    whole = "a whole number" if spec.kind is int else "a number"
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(
-            f"{prefix}'{name}' must be {whole} {spec.describe()}, got {value!r}", name
-        )
-    if spec.kind is int and (isinstance(value, float) and not value.is_integer()):
-        raise ConfigError(
-            f"{prefix}'{name}' must be a whole number {spec.describe()}, got {value!r}", name
-        )
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(
-            f"{prefix}'{name}' must be a finite number {spec.describe()}, got {value!r}", name
-        )
-    too_low = value <= spec.low if spec.low_open else value < spec.low
-    if too_low or value > spec.high:
-        raise ConfigError(f"{prefix}'{name}' must be in {spec.describe()}, got {value!r}", name)
-    return spec.kind(value)
+def check_value(name: str, value, where: str = ""):
+    """Validate one sampling setting; return it converted to its kind."""
+    return check_setting(name, value, where)
 
 
 def check_seed(seed, where: str = "") -> int | None:
@@ -280,49 +189,113 @@ def check_logit_bias(bias, where: str = "logit_bias") -> tuple[tuple[int, float]
     return tuple(sorted(out.items()))
 
 
-@dataclass(frozen=True)
 class SamplingParams:
-    """How to choose each token. Validated on construction."""
+    """How to choose each token. Validated on construction; immutable.
 
-    temperature: float = FIELDS["temperature"].default
-    top_k: int = FIELDS["top_k"].default
-    top_p: float = FIELDS["top_p"].default
-    min_p: float = FIELDS["min_p"].default
-    repetition_penalty: float = FIELDS["repetition_penalty"].default
-    max_new_tokens: int = FIELDS["max_new_tokens"].default
-    seed: int | None = None
-    stop: tuple[str, ...] = field(default_factory=tuple)
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs; see check_logit_bias
-    constraint: Constraint | None = None  # what the reply must match; None: free text
+    Every declared stage's settings (miniserve/core/samplers.py) are attributes: those not
+    given take the stage's default (the UI's), so a stage declared later has its settings
+    here with no edit. The rest: max_new_tokens, seed, stop strings, the logit bias, the
+    output format, and the stage order (`samplers`; None: the default order)."""
 
-    def __post_init__(self):
-        for name in FIELDS:
-            object.__setattr__(self, name, check_value(name, getattr(self, name)))
-        object.__setattr__(self, "seed", check_seed(self.seed))
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+    _OWN = ("max_new_tokens", "seed", "stop", "logit_bias", "constraint", "samplers")
+    __slots__ = ("_values", *_OWN)
+
+    def __init__(
+        self,
+        *,
+        max_new_tokens: int = FIELDS["max_new_tokens"].default,
+        seed: int | None = None,
+        stop=(),
+        logit_bias=(),
+        constraint: Constraint | None = None,
+        samplers=None,
+        **settings,
+    ):
+        values = {}
+        for name, (_, param) in PARAMS.items():
+            value = settings.pop(name, param.field.default)
+            values[name] = check_value(name, value)
+        if settings:
+            name = next(iter(settings))
+            raise ConfigError(
+                f"unknown setting '{name}' (allowed: {', '.join(FIELDS)}, seed, stop, "
+                "logit_bias, samplers)",
+                name,
+            )
+        own = object.__setattr__
+        own(self, "_values", values)
+        own(self, "max_new_tokens", check_value("max_new_tokens", max_new_tokens))
+        own(self, "seed", check_seed(seed))
+        stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
         if any(not isinstance(s, str) or not s for s in stop):
             raise ConfigError("'stop' must be a list of non-empty strings", "stop")
-        object.__setattr__(self, "stop", stop)
-        object.__setattr__(self, "logit_bias", check_logit_bias(self.logit_bias))
-        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+        own(self, "stop", stop)
+        own(self, "logit_bias", check_logit_bias(logit_bias))
+        if constraint is not None and not isinstance(constraint, Constraint):
             raise ConfigError("'constraint' must be a Constraint", "constraint")
+        own(self, "constraint", constraint)
+        own(self, "samplers", check_order(samplers))
+
+    def __getattr__(self, name):
+        try:
+            return object.__getattribute__(self, "_values")[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __setattr__(self, name, value):
+        raise AttributeError("SamplingParams are immutable: use replace()")
+
+    def _key(self) -> tuple:
+        return (tuple(sorted(self._values.items())), *(getattr(self, n) for n in self._OWN))
+
+    def __eq__(self, other):
+        return isinstance(other, SamplingParams) and self._key() == other._key()
+
+    def __hash__(self):
+        return hash(self._key())
+
+    def __repr__(self):
+        fields = ", ".join(f"{k}={v!r}" for k, v in self.as_dict().items())
+        return f"SamplingParams({fields})"
+
+    def __reduce__(self):
+        return (_rebuild, (self.as_dict(),))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def order(self) -> tuple[str, ...]:
+        """The stages' order: the request's, else the default."""
+        return self.samplers or default_order()
+
     def replace(self, **changes) -> SamplingParams:
-        return dataclasses.replace(self, **changes)
+        kept = {**self._values, **{n: getattr(self, n) for n in self._OWN}}
+        kept = {k: v for k, v in kept.items() if k in PARAMS or k in self._OWN}
+        return SamplingParams(**{**kept, **changes})
 
     def as_dict(self) -> dict:
-        """The settings as plain values (saved with a reply, printed by the CLI); the logit
-        bias and the constraint only when they are set."""
-        out = {name: getattr(self, name) for name in (*FIELDS, "seed")}
+        """The settings as plain values (saved with a reply, printed by the CLI): every stage's
+        settings, max_new_tokens and seed; the logit bias, the constraint and the order only
+        when they are set."""
+        out = {name: list(v) if isinstance(v, tuple) else v for name, v in self._values.items()}
+        out["max_new_tokens"] = self.max_new_tokens
+        out["seed"] = self.seed
         if self.logit_bias:
             out["logit_bias"] = {str(i): b for i, b in self.logit_bias}
         if self.constraint is not None:
             out["constraint"] = self.constraint.as_dict()
+        if self.samplers:
+            out["samplers"] = list(self.samplers)
         return out
+
+
+def _rebuild(values: dict) -> SamplingParams:
+    constraint = values.pop("constraint", None)
+    if constraint is not None:
+        constraint = Constraint(**constraint)
+    return SamplingParams(constraint=constraint, **values)
 
 
 # The presets every surface has without a presets file naming them (CLI --preset, the web
@@ -368,10 +341,16 @@ def load_presets(path: str | Path | None = None) -> dict[str, SamplingParams]:
         if not isinstance(values, dict):
             raise ConfigError(f"{where}: expected a mapping of settings, got {values!r}")
         for key in values:
-            if key not in FIELDS:
+            if key not in FIELDS and key != "samplers":
                 raise ConfigError(
-                    f"{where}: unknown field '{key}' (allowed: {', '.join(FIELDS)})", key
+                    f"{where}: unknown field '{key}' (allowed: {', '.join(FIELDS)}, samplers)",
+                    key,
                 )
-        checked = {key: check_value(key, value, where) for key, value in values.items()}
+        checked = {
+            key: check_order(value, f"{where}: samplers")
+            if key == "samplers"
+            else check_value(key, value, where)
+            for key, value in values.items()
+        }
         out[str(name)] = SamplingParams(**checked)
     return with_builtins(out)

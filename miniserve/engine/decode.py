@@ -19,12 +19,15 @@ from typing import Protocol
 import torch
 
 from miniserve.core.config import SamplingParams
-from miniserve.engine.sampling import NoTokenAllowed, make_generator, sample
+from miniserve.engine.sampling import NoTokenAllowed, SamplerState, make_generator, sample
 from miniserve.runners.hf import as_runner
 
-# A hook that sees each step's raw logits, the ids so far, the chosen id and the grammar's
-# mask of allowed tokens (None when the reply is not constrained): the token inspector.
-LogitsObserver = Callable[["torch.Tensor", "torch.Tensor", int, "torch.Tensor | None"], None]
+# A hook that sees each step's raw logits, the ids so far, the chosen id, the grammar's mask
+# of allowed tokens (None when the reply is not constrained) and the reply's sampling state
+# (its draws at this step): the token inspector.
+LogitsObserver = Callable[
+    ["torch.Tensor", "torch.Tensor", int, "torch.Tensor | None", "SamplerState"], None
+]
 
 
 class Matcher(Protocol):
@@ -128,6 +131,7 @@ def generate(
     observer: LogitsObserver | None = None,
     prompt_logits: torch.Tensor | None = None,
     matcher: Matcher | None = None,
+    sampler: SamplerState | None = None,
 ) -> Iterator[int]:
     """Yield new token ids one at a time until EOS, the token budget, or `cancel`.
 
@@ -152,6 +156,7 @@ def generate(
         generator = make_generator(params.seed, device)
     if use_cache and cache is None:
         cache = model.new_cache()
+    sampler = sampler if sampler is not None else SamplerState()
     if ids.shape[1] == 0:
         raise ValueError("the prompt is empty: give at least one token")
     reused = cache.get_seq_length() if use_cache else 0
@@ -177,6 +182,7 @@ def generate(
             observer,
             prompt_logits,
             matcher,
+            sampler,
         )
     finally:
         stats.total_s = time.perf_counter() - stats.started
@@ -196,6 +202,7 @@ def _loop(
     observer,
     prompt_logits,
     matcher,
+    sampler,
 ) -> Iterator[int]:
     # Step 0: the prompt (or its uncached tail) goes through the model once.
     pending = ids[:, stats.reused_tokens :] if use_cache else ids
@@ -211,7 +218,7 @@ def _loop(
             else:
                 logits = model.forward(pending, cache if use_cache else None)
             token_id, ids = choose(
-                logits, params, ids, generator, eos_ids, stats, observer, matcher
+                logits, params, ids, generator, eos_ids, stats, observer, matcher, sampler
             )
             if ids is None:  # an end token, or no token allowed
                 break
@@ -232,6 +239,7 @@ def choose(
     stats: GenerationStats,
     observer: LogitsObserver | None = None,
     matcher: Matcher | None = None,
+    sampler: SamplerState | None = None,
 ) -> tuple[int | None, torch.Tensor | None]:
     """One step's choice, the same in this loop and in the scheduler: sample (the repetition
     penalty sees every id so far; the grammar's mask is a stage; greedy skips the softmax),
@@ -241,7 +249,7 @@ def choose(
     (stats.finish_reason = "no_token_allowed")."""
     allowed = matcher.allowed(logits.shape[-1]) if matcher is not None else None
     try:
-        token = sample(logits, params, ids, generator, allowed)
+        token = sample(logits, params, ids, generator, allowed, sampler)
     except NoTokenAllowed:
         stats.finish_reason = "no_token_allowed"
         return None, None
@@ -251,7 +259,7 @@ def choose(
         stats.ttft_s = now - stats.started
     stats.total_s = now - stats.started
     if observer is not None:
-        observer(logits, ids, token_id, allowed)
+        observer(logits, ids, token_id, allowed, sampler)
     if matcher is not None:
         matcher.accept(token_id)
     if token_id in eos_ids:

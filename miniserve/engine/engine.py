@@ -61,6 +61,7 @@ from miniserve.engine.reply import (
     ToolPlan,
     call_grammars,
 )
+from miniserve.engine.sampling import SamplerState
 from miniserve.engine.scheduler import RequestTooLarge, Scheduler, Sequence  # noqa: F401
 from miniserve.engine.stream import Detokenizer, StopStrings
 from miniserve.engine.surface import LOCAL
@@ -614,6 +615,14 @@ class Engine(Admitting):
         if params.constraint is not None:
             self.grammars.check(params.constraint)
 
+    def sampler_state(self) -> SamplerState:
+        """A new reply's sampling state: Mirostat's mu, its draws, and this model's token texts
+        (DRY's sequence breakers)."""
+        return SamplerState(self._token_text, self.runner.config.vocab_size)
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
     def matcher(self, params: SamplingParams):
         """A new grammar state for one reply under `params.constraint`, or None. Raises
         GrammarError (a ValueError naming the field and the library's reason) for a schema,
@@ -776,6 +785,7 @@ class Engine(Admitting):
                 speculate=self.speculates
                 if speculate is None
                 else speculate and self.can_speculate,
+                sampler=self.sampler_state(),
             )
             self.scheduler.check(seq)
             seqs.append(seq)
@@ -800,6 +810,7 @@ class Engine(Admitting):
                     max_length=self.context_length,
                     observer=observer,
                     matcher=matcher,
+                    sampler=self.sampler_state(),
                 ):
                     if not reply.token(token_id):
                         stats.finish_reason = "stop"

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from miniserve.core.config import SamplingParams
-from miniserve.engine.sampling import stages
+from miniserve.core.samplers import STAGES
+from miniserve.engine.sampling import SamplerState, stages
 
 
 @dataclass
@@ -82,15 +83,33 @@ def chart(step: Step) -> list[Bar]:
 
 
 def filter_stages(
-    logits: torch.Tensor, params: SamplingParams, previous_ids, allowed: torch.Tensor | None = None
+    logits: torch.Tensor,
+    params: SamplingParams,
+    previous_ids,
+    allowed: torch.Tensor | None = None,
+    state: SamplerState | None = None,
 ) -> list[tuple]:
-    """(stage name, logits after it) for each stage that is on, in the sampling order; greedy
-    ends with the argmax (every other token "removed by greedy")."""
-    out = list(stages(logits, params, previous_ids, allowed))
+    """(stage label, logits after it) for each stage that runs, in the sampling order; greedy
+    ends with the argmax (every other token "removed by greedy"). `state`: the reply's
+    sampling state, whose last draws the stages reuse (the chart shows what the draw saw)."""
+    out = list(stages(logits, params, previous_ids, allowed, state, replay=True))
     if params.greedy:
         x = out[-1][1] if out else logits
         out.append(("greedy", x.masked_fill(x < x.max(), float("-inf"))))
     return out
+
+
+GRAMMAR = STAGES["grammar"].label
+
+
+def logits_before(run: list[tuple], label: str, raw: torch.Tensor) -> torch.Tensor:
+    """The logits a stage received: the previous stage's output (the raw logits when first)."""
+    before = raw
+    for name, x in run:
+        if name == label:
+            return before
+        before = x
+    return before
 
 
 class Inspector:
@@ -114,15 +133,16 @@ class Inspector:
         previous_ids: torch.Tensor,
         token_id: int,
         allowed: torch.Tensor | None = None,
+        state: SamplerState | None = None,
     ) -> None:
         logits = logits[0].float()
         raw = logits.softmax(-1)
         mask = allowed[0] if allowed is not None else None
-        stages = filter_stages(logits, self.params, previous_ids[0], mask)
+        stages = filter_stages(logits, self.params, previous_ids[0], mask, state)
         final = stages[-1][1].softmax(-1)
         masked_mass, masked_tokens = None, 0
         if mask is not None:  # what the grammar took: the mass of the tokens it removed
-            before = dict(stages).get("repetition penalty", dict(stages).get("logit bias", logits))
+            before = logits_before(stages, GRAMMAR, logits)
             masked_mass = float(before.softmax(-1)[~mask].sum())
             masked_tokens = int((~mask).sum())
         if self.keep:

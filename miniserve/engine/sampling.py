@@ -1,25 +1,31 @@
-"""Choosing the next token: pure functions over a logits tensor.
+"""Choosing the next token: pure functions over a logits tensor, one per declared stage.
 
-Each stage takes logits of shape (..., vocab) and returns new logits in which removed tokens
-are -inf. They are applied in one order (`stages`, which the sampler and the token inspector
-both run):
+The stages are declared in miniserve/core/samplers.py (their settings, order, labels); each
+function here attaches to its declaration with `@applies(key)`. A stage takes logits of shape
+(..., vocab) and returns new logits in which removed tokens are -inf. They run in one order
+(`stages`, which the sampler, the token inspector and the Step view all run):
 
-    logit bias -> repetition penalty -> grammar mask -> temperature -> top-k -> top-p -> min-p
-    -> softmax -> draw
+    logit bias -> grammar mask -> [the order: repetition penalty -> DRY -> temperature ->
+    top-nσ -> top-k -> typical-p -> top-p -> min-p -> XTC] -> (Mirostat) -> softmax -> draw
 
-Temperature 0 means greedy: the argmax after the grammar mask, no softmax. The grammar mask
-(miniserve/engine/grammar.py) keeps only the tokens that can continue text the grammar accepts; when
-it and the logit bias leave no token at all, `NoTokenAllowed` is raised.
+Temperature 0 means greedy: the argmax after the stages that move logits (bias, mask,
+penalties), no softmax. The grammar mask (miniserve/engine/grammar.py) keeps only the tokens
+that can continue text the grammar accepts; when it and the logit bias leave no token at all,
+`NoTokenAllowed` is raised. XTC's draw comes from the reply's own generator; Mirostat's state
+(mu) lives in the reply's `SamplerState`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 
 from miniserve.core.config import SamplingParams
 from miniserve.core.errors import UserError
+from miniserve.core.samplers import running
 
 NEG_INF = float("-inf")
 BAN = -100.0  # a logit bias of -100 removes the token (as OpenAI documents it)
@@ -115,33 +121,309 @@ def min_p_filter(logits: torch.Tensor, min_p: float) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, NEG_INF)
 
 
+# -- the stages' functions, attached to their declarations (miniserve/core/samplers.py) --------
+
+
+@dataclass
+class SamplerState:
+    """One reply's sampling state: Mirostat's mu, the random draws the last step's stages made
+    (so that the inspector shows what the draw saw), and the text of tokens (DRY's sequence
+    breakers; None: no breakers). `snapshot`/`restore` make the Step view's Back exact."""
+
+    text_of: Callable[[int], str] | None = None
+    vocab: int = 0
+    mu: float | None = None
+    draws: dict = field(default_factory=dict)
+
+    def snapshot(self) -> float | None:
+        """What carries from one step to the next (the draws are the last step's own)."""
+        return self.mu
+
+    def restore(self, snap: float | None) -> None:
+        self.mu = snap
+
+
+@dataclass
+class Call:
+    """What a stage sees besides the logits."""
+
+    params: SamplingParams
+    previous_ids: torch.Tensor | None
+    generator: torch.Generator | None
+    state: SamplerState
+    replay: bool  # show what the last draw saw: reuse its random draws, draw nothing
+
+    def draw(self, key: str, make: Callable[[], float]) -> float:
+        if self.replay and key in self.state.draws:
+            return self.state.draws[key]
+        value = make()
+        self.state.draws[key] = value
+        return value
+
+
+APPLY: dict[str, Callable[[torch.Tensor, Call], torch.Tensor]] = {}
+AFTER_DRAW: dict[str, Callable[[Call, torch.Tensor, int], None]] = {}
+ID_FREE: set[str] = set()  # stages that never read which token a column is
+
+
+def applies(key: str, after_draw=None, id_free: bool = False):
+    """Attach a function over the logits to the declared stage `key` (and, for a stage with
+    state, what it does once the token is drawn: `after_draw(call, final probs, token)`).
+    `id_free`: it treats the columns alike whatever tokens they are (temperature, the
+    truncations), so it may run on the few tokens a truncation left (see `sample`)."""
+
+    def attach(fn):
+        APPLY[key] = fn
+        if after_draw is not None:
+            AFTER_DRAW[key] = after_draw
+        if id_free:
+            ID_FREE.add(key)
+        return fn
+
+    return attach
+
+
+@applies("logit_bias")
+def _bias(logits, call):
+    return apply_logit_bias(logits, call.params.logit_bias)
+
+
+@applies("penalties")
+def _penalties(logits, call):
+    return apply_repetition_penalty(logits, call.previous_ids, call.params.repetition_penalty)
+
+
+@applies("temperature", id_free=True)
+def _temperature(logits, call):
+    return apply_temperature(logits, call.params.temperature)
+
+
+@applies("top_k", id_free=True)
+def _top_k(logits, call):
+    return top_k_filter(logits, call.params.top_k)
+
+
+@applies("top_p", id_free=True)
+def _top_p(logits, call):
+    return top_p_filter(logits, call.params.top_p)
+
+
+@applies("min_p", id_free=True)
+def _min_p(logits, call):
+    return min_p_filter(logits, call.params.min_p)
+
+
+@applies("top_n_sigma", id_free=True)
+def _top_n_sigma(logits, call):
+    return top_n_sigma_filter(logits, call.params.top_n_sigma)
+
+
+@applies("typ_p", id_free=True)
+def _typical(logits, call):
+    return typical_filter(logits, call.params.typical_p)
+
+
+@applies("xtc", id_free=True)
+def _xtc(logits, call):
+    p = call.params
+    rows = logits.reshape(-1, logits.shape[-1])
+    out = []
+    for r, row in enumerate(rows):
+        if int(torch.isfinite(row).sum()) < 2:  # as llama.cpp: no draw below two tokens
+            out.append(row)
+            continue
+        chance = call.draw(f"xtc{r}", lambda: float(torch.rand((), generator=call.generator)))
+        out.append(row if chance > p.xtc_probability else xtc_cut(row, p.xtc_threshold))
+    return torch.stack(out).reshape(logits.shape)
+
+
+@applies("dry")
+def _dry(logits, call):
+    p = call.params
+    if call.previous_ids is None:
+        return logits
+    rows = logits.reshape(-1, logits.shape[-1])
+    ids = call.previous_ids.reshape(rows.shape[0], -1).tolist()
+    breakers = breaker_ids(call.state, p.dry_sequence_breakers)
+    out = rows.clone()
+    for r, row_ids in enumerate(ids):
+        penalties = dry_penalties(
+            row_ids,
+            breakers,
+            p.dry_multiplier,
+            p.dry_base,
+            p.dry_allowed_length,
+            p.dry_penalty_last_n,
+        )
+        if penalties:
+            tokens = torch.tensor(list(penalties), dtype=torch.long, device=rows.device)
+            values = torch.tensor(list(penalties.values()), dtype=rows.dtype, device=rows.device)
+            out[r] = out[r].index_add(0, tokens, -values)
+    return out.reshape(logits.shape)
+
+
+def _mirostat_after(call, probs, token):
+    state, p = call.state, call.params
+    mu = state.draws.get("mirostat", 2 * p.mirostat_tau)
+    surprise = -math.log2(max(float(probs.reshape(-1, probs.shape[-1])[0, token]), 1e-45))
+    state.mu = mu - p.mirostat_eta * (surprise - p.mirostat_tau)
+
+
+@applies("mirostat", after_draw=_mirostat_after, id_free=True)
+def _mirostat(logits, call):
+    state, p = call.state, call.params
+    mu = call.draw("mirostat", lambda: state.mu if state.mu is not None else 2 * p.mirostat_tau)
+    return mirostat_cut(logits, mu)
+
+
+def top_n_sigma_filter(logits: torch.Tensor, n: float) -> torch.Tensor:
+    """Keep the tokens whose logit is at least max - n x the standard deviation of the logits
+    (the finite ones, population deviation), as llama.cpp's top-nσ. n <= 0: off."""
+    if n <= 0:
+        return logits
+    finite = torch.isfinite(logits)
+    count = finite.sum(dim=-1, keepdim=True)
+    if int(count.min()) <= 1:
+        return logits
+    x = logits.masked_fill(~finite, 0.0)
+    mean = x.sum(dim=-1, keepdim=True) / count
+    var = ((x - mean) ** 2).masked_fill(~finite, 0.0).sum(dim=-1, keepdim=True) / count
+    top = logits.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(logits < top - n * var.sqrt(), NEG_INF)
+
+
+def typical_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Locally typical sampling (Meister et al.), as llama.cpp's: rank tokens by how far their
+    surprise is from the distribution's entropy, keep them in that order until their mass
+    exceeds p. p = 1: off."""
+    if p >= 1.0:
+        return logits
+    probs = logits.softmax(dim=-1)
+    logp = torch.log(probs)
+    entropy = -(probs * logp).nan_to_num(0.0).sum(dim=-1, keepdim=True)
+    shifted = (-logp - entropy).abs()  # inf for removed tokens: ranked last
+    order = shifted.argsort(dim=-1, stable=True)
+    cum = probs.gather(-1, order).cumsum(dim=-1)
+    # the first place where the mass exceeds p is the last kept (none: all kept)
+    over = cum > p
+    first = torch.where(over.any(-1), over.int().argmax(-1), over.shape[-1] - 1)
+    keep_sorted = torch.arange(order.shape[-1], device=logits.device) <= first.unsqueeze(-1)
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    return logits.masked_fill(~keep, NEG_INF)
+
+
+def xtc_cut(row: torch.Tensor, threshold: float) -> torch.Tensor:
+    """XTC's removal on one row: of the tokens at least `threshold` likely, all but the least
+    likely go (nothing when fewer than two reach it)."""
+    probs = row.softmax(-1)
+    above = int((probs >= threshold).sum())
+    if above < 2:
+        return row
+    top = torch.topk(probs, above).indices[: above - 1]
+    return row.index_fill(0, top, NEG_INF)
+
+
+def mirostat_cut(logits: torch.Tensor, mu: float) -> torch.Tensor:
+    """Mirostat v2's truncation: drop tokens whose surprise (-log2 p) exceeds mu, keeping the
+    most likely one at least."""
+    probs = logits.softmax(dim=-1)
+    drop = -torch.log2(probs) > mu
+    best = probs.argmax(dim=-1, keepdim=True)
+    drop = drop.scatter(-1, best, False)
+    return logits.masked_fill(drop, NEG_INF)
+
+
+FLOAT_MAX_LOG = 88.7228391  # log(FLT_MAX): llama.cpp caps DRY's exponent there
+
+
+def dry_penalties(
+    ids: list[int],
+    breakers: frozenset[int],
+    multiplier: float,
+    base: float,
+    allowed: int,
+    last_n: int,
+) -> dict[int, float]:
+    """DRY, as llama.cpp computes it: {token: penalty subtracted from its logit}.
+
+    Over the last `last_n` ids (-1: all): the tail may extend back only to the latest
+    sequence breaker. For every earlier place where the text so far ends the same way as the
+    tail for L >= `allowed` tokens, the token that followed there would repeat L + 1 tokens:
+    it loses multiplier x base^(L - allowed) (the longest L for each token)."""
+    if multiplier == 0.0 or base < 1.0 or last_n == 0:
+        return {}
+    window = ids if last_n < 0 else ids[-last_n:]
+    n = len(window)
+    if n <= allowed:
+        return {}
+    limit = n
+    for i in range(n):
+        if window[n - 1 - i] in breakers:
+            limit = i
+            break
+    if limit < allowed:
+        return {}
+    r = window[::-1]
+    z = [0] * n  # z[i]: how far r[i:] agrees with r (the Z-function)
+    left = right = 0
+    for i in range(1, n):
+        if i < right:
+            z[i] = min(right - i, z[i - left])
+        while i + z[i] < n and r[z[i]] == r[i + z[i]]:
+            z[i] += 1
+        if i + z[i] > right:
+            left, right = i, i + z[i]
+    longest: dict[int, int] = {}
+    for i in range(1, n):
+        length = min(z[i], limit)
+        if length >= allowed:
+            token = window[n - i]
+            if length > longest.get(token, -1):
+                longest[token] = length
+    cap = FLOAT_MAX_LOG / math.log(base) if base > 1.00001 else float("inf")
+    return {t: multiplier * base ** min(length - allowed, cap) for t, length in longest.items()}
+
+
+_BREAKERS: dict[tuple, frozenset[int]] = {}
+
+
+def breaker_ids(state: SamplerState, breakers: tuple[str, ...]) -> frozenset[int]:
+    """The tokens whose text holds one of DRY's sequence breakers (each token's own text; a
+    breaker spread over several tokens is not matched). No tokenizer: none."""
+    if not breakers or state.text_of is None or not state.vocab:
+        return frozenset()
+    key = (state.text_of, state.vocab, breakers)
+    if key not in _BREAKERS:
+        _BREAKERS[key] = frozenset(
+            i for i in range(state.vocab) if any(b in (state.text_of(i) or "") for b in breakers)
+        )
+    return _BREAKERS[key]
+
+
 def stages(
     logits: torch.Tensor,
     params: SamplingParams,
     previous_ids: torch.Tensor | None = None,
     allowed: torch.Tensor | None = None,
+    state: SamplerState | None = None,
+    generator: torch.Generator | None = None,
+    replay: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(stage name, logits after it) for each stage that is on, in the one sampling order.
-    Greedy (temperature 0) ends with the grammar mask: the argmax is taken there."""
-    if params.logit_bias:
-        logits = apply_logit_bias(logits, params.logit_bias)
-        yield "logit bias", logits
-    if params.repetition_penalty != 1.0:
-        logits = apply_repetition_penalty(logits, previous_ids, params.repetition_penalty)
-        yield "repetition penalty", logits
-    if allowed is not None:
-        logits = apply_mask(logits, allowed)
-        yield "grammar", logits
-    if params.greedy:
-        return
-    for name, stage, value in (
-        ("temperature", apply_temperature, params.temperature),
-        ("top-k", top_k_filter, params.top_k),
-        ("top-p", top_p_filter, params.top_p),
-        ("min-p", min_p_filter, params.min_p),
-    ):
-        logits = stage(logits, value)
-        yield name, logits
+    """(stage label, logits after it) for each stage that runs, in the order
+    (samplers.running): the logit bias and the grammar's mask first, then the request's order
+    (default: today's); greedy keeps the stages that move logits, and its argmax is taken
+    after them. `replay`: reuse the random draws the last real pass made (the inspector)."""
+    call = Call(params, previous_ids, generator, state or SamplerState(), replay)
+    if not replay:
+        call.state.draws.clear()
+    for stage in running(params):
+        if stage.key == "grammar":
+            if allowed is None:
+                continue
+            logits = apply_mask(logits, allowed)
+        else:
+            logits = APPLY[stage.key](logits, call)
+        yield stage.label, logits
 
 
 def filter_logits(
@@ -149,10 +431,12 @@ def filter_logits(
     params: SamplingParams,
     previous_ids: torch.Tensor | None = None,
     allowed: torch.Tensor | None = None,
+    state: SamplerState | None = None,
+    generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """All of the stages, in order: the logits the draw (or the argmax) sees."""
     out = logits  # no stage applies: the logits as they are
-    for _, out in stages(logits, params, previous_ids, allowed):  # noqa: B007 -- the last
+    for _, out in stages(logits, params, previous_ids, allowed, state, generator):  # noqa: B007
         pass
     return out
 
@@ -166,27 +450,102 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return gen
 
 
+def top_k_compact(row: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """top-k as the few tokens it keeps: (their ids ascending, their logits), shape (1, k); None
+    where the full-width filter must run (off, or ties with the k-th that it would keep too)."""
+    if k <= 0 or k >= row.shape[-1]:
+        return None
+    top = torch.topk(row, k, dim=-1)
+    kth = top.values[..., -1:]
+    if not bool(torch.isfinite(kth).all()) or int((row >= kth).sum()) != k:
+        return None
+    order = top.indices.argsort(dim=-1)
+    return top.indices.gather(-1, order), top.values.gather(-1, order)
+
+
+def _filtered_row(row, params, run, previous_ids, allowed, state, generator):
+    """The stages over one row, as `stages` runs them, but from the first top-k on over the
+    tokens it kept only (ids ascending, so the draw sees the same vector as over the whole
+    vocabulary); a stage that reads token ids widens the row back first. Returns (ids or
+    None for the whole row, logits)."""
+    call = Call(params, previous_ids, generator, state, False)
+    state.draws.clear()
+    ids, x = None, row
+    for stage in run:
+        if ids is not None and stage.key not in ID_FREE:
+            x = torch.full_like(row, NEG_INF).scatter(-1, ids, x)
+            ids = None
+        if stage.key == "grammar":
+            if allowed is not None:
+                x = apply_mask(x, allowed)
+            continue
+        if ids is None and stage.key == "top_k":
+            kept = top_k_compact(x, params.top_k)
+            if kept is not None:
+                ids, x = kept
+                continue
+        x = APPLY[stage.key](x, call)
+    return ids, x
+
+
 def sample(
     logits: torch.Tensor,
     params: SamplingParams,
     previous_ids: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
     allowed: torch.Tensor | None = None,
+    state: SamplerState | None = None,
 ) -> torch.Tensor:
     """Choose one token per row of `logits` (shape (B, vocab)); returns ids of shape (B,).
-    `allowed`: the grammar's mask (bool, same shape), or None."""
-    constrained = allowed is not None or bool(params.logit_bias)
+    `allowed`: the grammar's mask (bool, same shape), or None. `state`: the reply's sampling
+    state (Mirostat's mu, the last draws), kept by the caller across steps.
+
+    One row (every decode step) runs the stages on the tokens top-k keeps, once it has run:
+    the same values in the same order as over the whole vocabulary (the draw takes the same
+    token, a softmax's last bit aside), a few hundred microseconds less a token."""
+    state = state if state is not None else SamplerState()
+    run = running(params)
+    constrained = allowed is not None or any(s.removes_all and s.is_on(params) for s in run)
     if params.greedy:  # no softmax needed: the argmax of the logits is the argmax of the probs
-        logits = filter_logits(logits, params, previous_ids, allowed)
+        logits = filter_logits(logits, params, previous_ids, allowed, state, generator)
         if constrained and not torch.isfinite(logits).any(dim=-1).all():
             raise NoTokenAllowed("the grammar and the logit bias allow no token")
         return logits.argmax(dim=-1)
-    logits = filter_logits(logits.float(), params, previous_ids, allowed)
+    ids, width = None, logits.shape[-1]
+    if logits.shape[0] == 1:
+        ids, logits = _filtered_row(
+            logits.float(), params, run, previous_ids, allowed, state, generator
+        )
+    else:
+        logits = filter_logits(logits.float(), params, previous_ids, allowed, state, generator)
     if constrained and not torch.isfinite(logits).any(dim=-1).all():
         raise NoTokenAllowed("the grammar and the logit bias allow no token")
     probs = logits.softmax(dim=-1)
     if probs.shape[0] == 1:  # draw among the tokens left: the same distribution, ~10x cheaper
         left = probs[0].nonzero().squeeze(-1)  # than a draw over all ~50,000 (1 ms here)
         pick = torch.multinomial(probs[0, left], num_samples=1, generator=generator)
-        return left[pick]
-    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+        token = left[pick]
+    else:
+        token = torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+    if ids is not None:
+        token = ids[0, token]
+    if any(s.key in AFTER_DRAW for s in run):
+        if ids is not None:  # widened: the token's probability where the stage looks
+            probs = torch.zeros(1, width, device=probs.device).scatter(-1, ids, probs)
+        after_draw(params, state, probs, int(token.reshape(-1)[0]), previous_ids)
+    return token
+
+
+def after_draw(
+    params: SamplingParams,
+    state: SamplerState,
+    probs: torch.Tensor,
+    token: int,
+    previous_ids: torch.Tensor | None = None,
+) -> None:
+    """What the stages with state do once the token is known (Mirostat updates mu from the
+    token's surprise under `probs`, the distribution the draw used)."""
+    call = Call(params, previous_ids, None, state, True)
+    for stage in running(params):
+        if stage.key in AFTER_DRAW:
+            AFTER_DRAW[stage.key](call, probs, token)

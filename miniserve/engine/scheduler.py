@@ -34,7 +34,7 @@ import torch
 from miniserve.core.config import KV_BUDGET, MAX_BATCH, STEP_TOKENS, SamplingParams
 from miniserve.core.errors import UserError
 from miniserve.engine.decode import GenerationStats, LogitsObserver, Matcher, choose, crop_cache
-from miniserve.engine.sampling import make_generator
+from miniserve.engine.sampling import SamplerState, make_generator
 
 
 class RequestTooLarge(UserError, ValueError):
@@ -69,6 +69,7 @@ class Sequence:
     ids: torch.Tensor | None = None  # prompt + tokens, for the repetition penalty
     held: int = 0  # KV positions held while running (>= reserve)
     generator: torch.Generator | None = None
+    sampler: SamplerState = field(default_factory=SamplerState)  # Mirostat's mu, the draws
     speculate: bool = False  # prompt-lookup drafts (set by the engine where they apply)
     drafter: Drafter | None = None
     valid_kv: int | None = None  # while verifying drafts: the cache positions known good
@@ -366,6 +367,7 @@ class Scheduler:
             seq.stats,
             seq.observer,
             seq.matcher,
+            seq.sampler,
         )
         if ids is None:  # an end token, or no token allowed
             return self._retire(seq)

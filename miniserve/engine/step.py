@@ -35,7 +35,7 @@ from miniserve.core.config import RANDOM_SEEDS, SamplingParams
 from miniserve.engine.decode import GenerationStats
 from miniserve.engine.grammar import GrammarError
 from miniserve.engine.inspector import filter_stages
-from miniserve.engine.sampling import NoTokenAllowed, make_generator, sample
+from miniserve.engine.sampling import NoTokenAllowed, after_draw, make_generator, sample
 from miniserve.engine.scheduler import Sequence
 
 TOP = 20  # candidates shown by default
@@ -76,6 +76,7 @@ class Position:
     logits: torch.Tensor  # (1, vocab) float32: the raw logits, kept
     gen_state: torch.Tensor | None  # the generator's state before this position's draw
     cost: StepCost
+    sampler_before: float | None = None  # the sampling state (Mirostat's mu) before it
     token: int | None = None  # the token taken here (None: not yet)
     drawn: int | None = None  # what the draw gave when it was taken
     picked: bool = False  # taken by hand
@@ -153,6 +154,7 @@ def stage_view(
     top: int = TOP,
     drawn: int | None = None,
     position: int = 0,
+    state=None,
 ) -> StageView:
     """The stages on kept logits (1, vocab): the top `top` raw candidates (and the drawn token,
     and any token a stage lifted into the final top `top`) with their probability after each
@@ -160,7 +162,7 @@ def stage_view(
     argmax) -- renormalised as the draw sees it. No forward pass."""
     x = logits[0].float()
     mask = allowed[0] if allowed is not None else None
-    run = filter_stages(x, params, previous_ids[0], mask)
+    run = filter_stages(x, params, previous_ids[0], mask, state)
     names = ["raw"] + [name for name, _ in run] + ["final"]
     dists = [x.softmax(-1)] + [s.softmax(-1) for _, s in run]
     final = dists[-1]
@@ -254,6 +256,7 @@ class StepSession:
         self.matcher = engine.matcher(self.params)
         self.device = engine.runner.device
         self.generator = make_generator(self.params.seed, self.device)
+        self.sampler = engine.sampler_state()
         self.cache = None
         self.reserved = 0  # KV positions counted against the budget
         self.idle_s = idle_s
@@ -347,7 +350,7 @@ class StepSession:
         box: dict = {}
         started = time.perf_counter()
 
-        def observe(logits, ids, token_id, allowed):
+        def observe(logits, ids, token_id, allowed, state=None):
             box["logits"] = logits.detach().float().clone()
             box["forward_s"], box["shared"] = sched.last_pass_s, sched.last_width - 1
 
@@ -415,7 +418,7 @@ class StepSession:
             box["shared"],
         )
         state = self.generator.get_state() if self.generator is not None else None
-        return Position(box["logits"], state, cost)
+        return Position(box["logits"], state, cost, sampler_before=self.sampler.snapshot())
 
     # -- the current position -----------------------------------------------------------------
     def _allowed(self) -> torch.Tensor | None:
@@ -429,9 +432,11 @@ class StepSession:
         it: exactly decode.choose's `sample` call. None when nothing is allowed."""
         if self.generator is not None and pos.gen_state is not None:
             self.generator.set_state(pos.gen_state)
+        self.sampler.restore(pos.sampler_before)
+        previous = self._previous()
         try:
             return int(
-                sample(pos.logits, self.params, self._previous(), self.generator, allowed).item()
+                sample(pos.logits, self.params, previous, self.generator, allowed, self.sampler)
             )
         except NoTokenAllowed:
             return None
@@ -454,9 +459,18 @@ class StepSession:
                 self.matcher.accept(pos.token)
             else:
                 allowed = self._allowed()
-        drawn = pos.drawn if decided else self._draw(pos, allowed)
+        drawn = self._draw(pos, allowed)  # its random draws, for the chart
+        drawn = pos.drawn if decided else drawn
         view = stage_view(
-            pos.logits, self.params, previous, allowed, self.text_of, top, drawn, index
+            pos.logits,
+            self.params,
+            previous,
+            allowed,
+            self.text_of,
+            top,
+            drawn,
+            index,
+            self.sampler,
         )
         view.taken, view.picked = pos.token, pos.picked
         if drawn is None:
@@ -488,7 +502,11 @@ class StepSession:
                 "the output format and the logit bias allow no token here: Back, or change them"
             )
         pos.token, pos.drawn, pos.picked = token, drawn, pick is not None and pick != drawn
-        pos.entropy, pos.prob = self._measure(pos, token, allowed)
+        pos.entropy, pos.prob, probs = self._measure(pos, token, allowed)
+        if token != drawn:  # a hand pick: the stages with state follow the token taken
+            self.sampler.restore(pos.sampler_before)
+            after_draw(self.params, self.sampler, probs, token, self._previous())
+        mirostat_after = self.sampler.snapshot()
         self.ids = self.ids + [token]
         if self.matcher is not None:
             self.matcher.accept(token)
@@ -504,17 +522,23 @@ class StepSession:
             return pos.cost
         nxt = self._pass()
         nxt.gen_state = after  # the stream goes on from after this position's draw
+        nxt.sampler_before = mirostat_after
         self.positions.append(nxt)
         return nxt.cost
 
-    def _measure(self, pos: Position, token: int, allowed) -> tuple[float, float]:
-        """The raw entropy and the taken token's final probability, for the plot over tokens."""
+    def _measure(self, pos: Position, token: int, allowed) -> tuple[float, float, torch.Tensor]:
+        """The raw entropy and the taken token's final probability, for the plot over tokens,
+        and the final distribution (what the draw used: its random draws reused)."""
         x = pos.logits.float()
         final = filter_stages(
-            x[0], self.params, self._previous()[0], allowed[0] if allowed is not None else None
+            x[0],
+            self.params,
+            self._previous()[0],
+            allowed[0] if allowed is not None else None,
+            self.sampler,
         )
         probs = final[-1][1].softmax(-1) if final else x[0].softmax(-1)
-        return entropy_bits(x[0].softmax(-1)), float(probs[token])
+        return entropy_bits(x[0].softmax(-1)), float(probs[token]), probs
 
     def _check_pick(self, token: int, allowed) -> None:
         if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < self.vocab:

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import httpx
 
 from miniserve.core.config import CONTEXT, ConfigError, SamplingParams
+from miniserve.core.samplers import STAGES
 from miniserve.core.toolcalls import ToolCall, new_call_id
 from miniserve.engine.chat import (
     TOOL_CHOICES,
@@ -67,9 +68,9 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's limit (an API client may ask for more than the
 # and a chat template's own tokens.
 BYTES_PER_TOKEN = 3
 TEMPLATE_TOKENS, MESSAGE_TOKENS = 32, 8
-# llama.cpp's servers name the repetition penalty their own way
-PENALTY_FIELD = {"llama.cpp": "repeat_penalty", "llama-cpp-python": "repeat_penalty"}
-EXTRAS_OFF = {"top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "repeat_penalty": 1.0}
+# Which stages each kind of server has, and its names for their settings: the stages'
+# declarations (miniserve/core/samplers.py, Stage.remote and Stage.remote_names).
+ORDERS = ("llama.cpp", "miniserve")  # servers that take a `samplers` order
 
 
 class RemoteError(RuntimeError):
@@ -389,6 +390,7 @@ class RemoteEngine(Admitting):
     def check(self, params: SamplingParams) -> None:
         """What can be checked here without asking the server: that it can hold the reply to
         the output format at all (others the server checks, and its 400 says why)."""
+        stage_fields(params, self.facts.flavor, self.name)
         body = _format_fields(params, self.facts.flavor)
         if body is None:
             kind = params.constraint.kind.replace("_", " ")
@@ -405,17 +407,8 @@ class RemoteEngine(Admitting):
             "stream": True,
             "stream_options": {"include_usage": True},
             "max_tokens": params.max_new_tokens,
-            "temperature": params.temperature,
-            "top_p": params.top_p,
         }
-        extras = {
-            "top_k": params.top_k,
-            "min_p": params.min_p,
-            PENALTY_FIELD.get(self.facts.flavor, "repetition_penalty"): params.repetition_penalty,
-        }
-        if self.facts.flavor == "openai":  # OpenAI itself refuses fields it does not know
-            extras = {k: v for k, v in extras.items() if v != EXTRAS_OFF[k]}
-        body.update(extras)  # sent when off too: llama.cpp's own defaults are not off
+        body.update(stage_fields(params, self.facts.flavor, self.name))
         if params.seed is not None:
             body["seed"] = params.seed
         if params.stop:
@@ -889,6 +882,38 @@ def _logprob_steps(logprobs) -> list[tuple[str, float | None, list]]:
         )
         for t, v, top in zip(tokens, values, tops)
     ]
+
+
+def stage_fields(params: SamplingParams, flavor: str, model: str) -> dict:
+    """Every stage's settings as this kind of server names them. Sent when off too (llama.cpp's
+    own defaults are not off), except to a server without the stage (OpenAI refuses fields it
+    does not know); a stage that is on where the server lacks it is a ConfigError naming it,
+    never a silent drop. The same for a stage order."""
+    body = {}
+    for stage in STAGES.values():
+        if not stage.params:
+            continue  # the logit bias and the grammar: their own fields
+        if flavor not in stage.remote:
+            if stage.is_on(params):
+                raise ConfigError(
+                    f"the server of model '{model}' ({flavor}) has no {stage.label} stage: "
+                    f"switch it off ({', '.join(p.name for p in stage.params)}) for this model",
+                    stage.params[0].name,
+                )
+            continue
+        names = stage.remote_names.get(flavor, {})
+        for p in stage.params:
+            value = getattr(params, p.name)
+            body[names.get(p.name, p.name)] = list(value) if isinstance(value, tuple) else value
+    if params.samplers:
+        if flavor not in ORDERS:
+            raise ConfigError(
+                f"the server of model '{model}' ({flavor}) takes no sampler order: leave "
+                "'samplers' at the default for this model",
+                "samplers",
+            )
+        body["samplers"] = list(params.samplers)
+    return body
 
 
 def _format_fields(params: SamplingParams, flavor: str) -> dict | None:

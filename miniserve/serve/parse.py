@@ -16,12 +16,12 @@ from miniserve.engine.chat import NoChatTemplate
 from miniserve.engine.grammar import GrammarError
 from miniserve.serve.errors import APIError, as_user_error
 from miniserve.serve.protocol import (
-    API_DEFAULTS,
     DEFAULT_COMPLETION_TOKENS,
     DEFAULT_MAX_TOKENS,
     ChatCompletionRequest,
     CompletionRequest,
     SamplingRequest,
+    api_defaults,
 )
 
 
@@ -87,10 +87,11 @@ def settings(
     constraint, constraint_field = body.constraint()
     sampling = {
         name: default if getattr(body, name) is None else getattr(body, name)
-        for name, default in API_DEFAULTS.items()
+        for name, default in api_defaults().items()
     }
     params = SamplingParams(
         **sampling,
+        samplers=body.samplers,
         max_new_tokens=min(max(max_tokens, 1), MAX_NEW_TOKENS),
         seed=body.seed,
         stop=tuple(body.stop or ()),

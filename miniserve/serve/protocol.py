@@ -14,6 +14,7 @@ of max_tokens), its vocabulary, compiling a grammar, its chat template -- is che
 in parse.py.
 """
 
+import dataclasses
 import json
 import re
 from typing import Annotated, Any, Literal
@@ -25,12 +26,12 @@ from pydantic import (
     Field,
     SkipValidation,
     StrictBool,
+    create_model,
     field_validator,
     model_validator,
 )
 
 from miniserve.core.config import (
-    FIELDS,
     MAX_CHOICES,
     MAX_LOGIT_BIAS_TOKENS,
     MAX_NEW_TOKENS,
@@ -44,20 +45,22 @@ from miniserve.core.config import (
     check_value,
 )
 from miniserve.core.config import Field as Limit
+from miniserve.core.samplers import PARAMS, check_order, default_order
 from miniserve.engine.chat import TOOL_CHOICES, ChatError, ChatOptions, check_messages
 from miniserve.serve.errors import APIError
 
 DEFAULT_MAX_TOKENS = 1024  # chat
 DEFAULT_COMPLETION_TOKENS = 16  # /v1/completions, as OpenAI's
 MAX_COMPLETION_LOGPROBS = 5  # /v1/completions `logprobs`, as OpenAI's
-# OpenAI's defaults (sampling with temperature 1, no filters) where a request is silent
-API_DEFAULTS = {
-    "temperature": 1.0,
-    "top_p": 1.0,
-    "top_k": 0,
-    "min_p": 0.0,
-    "repetition_penalty": 1.0,
-}
+# A request that says nothing of a stage gets it off (OpenAI's defaults: temperature 1, no
+# filters); the values come from the stages' declarations (miniserve/core/samplers.py).
+
+
+def api_defaults() -> dict:
+    """Every stage setting's value where a request is silent: the stage's off value."""
+    return {name: param.off for name, (_, param) in PARAMS.items()}
+
+
 # The API's own numeric fields, checked as every number is (config.check_number)
 N = Limit(
     int,
@@ -124,8 +127,9 @@ def _ranged(spec: Limit, check, default):
     """A number (or null) documented with `spec`'s kind and range, checked by `check`."""
     kind = int if spec.kind is int else float
     bounds = {"gt" if spec.low_open else "ge": spec.low, "le": spec.high}
+    number = Literal[spec.choices] if spec.choices else Annotated[kind, Field(**bounds)]
     return Annotated[
-        Annotated[kind, Field(**bounds)] | None,
+        number | None,
         _checked(check),
         Field(default, description=spec.help),
     ]
@@ -137,9 +141,40 @@ def limited(name: str, spec: Limit, default=None):
 
 
 def sampling(name: str):
-    """A sampling setting: its range from config.FIELDS (checked as SamplingParams checks
-    it), OpenAI's default when left out."""
-    return _ranged(FIELDS[name], lambda v: check_value(name, v), API_DEFAULTS[name])
+    """A stage's setting, as its declaration states it: its range (checked as SamplingParams
+    checks it) and its off value when left out; a list of strings for a list."""
+    stage, param = PARAMS[name]
+    help = f"{param.field.help} ({stage.label}: {stage.help})"
+    if param.field.kind is tuple:
+        return Annotated[
+            SkipValidation[list[Annotated[str, Field(min_length=1)]] | None],
+            _checked(lambda v: check_value(name, v)),
+            Field(list(param.off), description=help, max_length=int(param.field.high)),
+        ]
+    spec = dataclasses.replace(param.field, help=help)
+    return _ranged(spec, lambda v: check_value(name, v), param.off)
+
+
+def _samplers(value):
+    order = check_order(value)
+    return list(order) if order is not None else None
+
+
+def stage_fields() -> dict:
+    """The request fields every declared stage brings (llama-server's names), and `samplers`."""
+    fields = {name: sampling(name) for name in PARAMS}
+    fields["samplers"] = Annotated[
+        SkipValidation[list[str] | str | None],
+        _checked(_samplers),
+        Field(
+            None,
+            description="the stages' order, as llama-server names them ("
+            + ", ".join(default_order())
+            + " by default); a stage left out is off; the logit bias and the output format "
+            "always come first; Mirostat (mirostat: 2) replaces the truncation stages",
+        ),
+    ]
+    return fields
 
 
 def flag(name: str, default: bool | None = False, description: str | None = None):
@@ -709,7 +744,7 @@ class StructuredOutputs(BaseModel):
 # -- the requests ----------------------------------------------------------------------------
 
 
-class SamplingRequest(BaseModel):
+class _Request(BaseModel):
     """What /v1/chat/completions and /v1/completions take alike. Unknown fields are ignored."""
 
     model_config = ConfigDict(json_schema_extra={"allOf": _rules()})  # _together's
@@ -760,11 +795,6 @@ class SamplingRequest(BaseModel):
     ]
     presence_penalty: limited("presence_penalty", PENALTY, 0.0)
     frequency_penalty: limited("frequency_penalty", PENALTY, 0.0)
-    temperature: sampling("temperature")
-    top_p: sampling("top_p")
-    top_k: sampling("top_k")
-    min_p: sampling("min_p")
-    repetition_penalty: sampling("repetition_penalty")
     speculate: Literal["ngram", "off"] | None = Field(
         None,
         description="extension: prompt-lookup speculation for this request (default: the "
@@ -821,6 +851,11 @@ class SamplingRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+
+SamplingRequest = create_model(
+    "SamplingRequest", __base__=_Request, __doc__=_Request.__doc__, **stage_fields()
+)
 
 
 MaxTokens = SkipValidation[Annotated[int, Field(ge=1)] | None]  # checked in parse.py

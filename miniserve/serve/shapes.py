@@ -23,7 +23,7 @@ class LogprobRecorder:
     def __init__(self, tokenizer, top: int):
         self.tokenizer, self.top, self.entries = tokenizer, top, []
 
-    def observe(self, logits, previous_ids, token_id, allowed=None):
+    def observe(self, logits, previous_ids, token_id, allowed=None, state=None):
         logp = torch.log_softmax(logits[0].float(), -1)
         entry = self._item(self.tokenizer.decode([token_id]), float(logp[token_id]))
         if self.top:

@@ -48,6 +48,7 @@ from miniserve.ui.widgets import (
     format_note,
     params_from,
     preset_values,
+    takes_settings,
     thinking_options,
 )
 
@@ -68,10 +69,10 @@ class ChatHandlers:
     """The Chat tab's handlers over the app's models, its presets and the conversation store.
     Handlers that show a conversation take the browser's state and the tab's view
     (conversation.py) and return `Shown` values; the ones that generate add the message box
-    and the inspector's HTML. The sliders arrive in FIELDS order, then the Model dropdown (None:
-    the default model), the Think switch and the reasoning budget (used for a model that
-    thinks only); `request` (injected by Gradio) names the browser session that Stop
-    cancels."""
+    and the inspector's HTML. The settings panel arrives in widgets.setting_names order,
+    then the Model dropdown (None: the default model), the Think switch and the reasoning
+    budget (used for a model that thinks only); `request` (injected by Gradio) names the
+    browser session that Stop cancels."""
 
     def __init__(
         self,
@@ -280,8 +281,9 @@ class ChatHandlers:
         """The status line names the model that answered when the app serves several."""
         return f"model {name}" if len(self.models.names) > 1 else ""
 
-    # explicit parameters: Gradio injects `request` and event data only into functions
-    # without *args
+    # takes_settings: the settings panel arrives control by control (Gradio injects `request`
+    # and event data only into functions without *args)
+    @takes_settings
     def send(
         self,
         message,
@@ -290,12 +292,7 @@ class ChatHandlers:
         query,
         system,
         preset,
-        temperature,
-        top_k,
-        top_p,
-        min_p,
-        repetition_penalty,
-        max_new_tokens,
+        settings,
         seed,
         inspect_on,
         output_format=FREE_TEXT,
@@ -306,7 +303,6 @@ class ChatHandlers:
         request: gr.Request | None = None,
     ):
         """Send: the message goes under the leaf this tab shows."""
-        settings = [temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens]
         browser = self._start(browser, request)
         if not (message or "").strip():
             yield (
@@ -334,6 +330,7 @@ class ChatHandlers:
             under=view.get("leaf"),
         )
 
+    @takes_settings
     def edit(
         self,
         browser,
@@ -341,12 +338,7 @@ class ChatHandlers:
         query,
         system,
         preset,
-        temperature,
-        top_k,
-        top_p,
-        min_p,
-        repetition_penalty,
-        max_new_tokens,
+        settings,
         seed,
         inspect_on,
         edited: gr.EditData,
@@ -359,7 +351,6 @@ class ChatHandlers:
     ):
         """An edited user message: a new version of it (a branch; the old one is kept) and a
         reply to it."""
-        settings = [temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens]
         browser = self._start(browser, request)
         row = edited.index[0] if isinstance(edited.index, (list, tuple)) else edited.index
         try:
@@ -400,6 +391,7 @@ class ChatHandlers:
             focus_new=True,
         )
 
+    @takes_settings
     def regenerate(
         self,
         browser,
@@ -407,12 +399,7 @@ class ChatHandlers:
         query,
         system,
         preset,
-        temperature,
-        top_k,
-        top_p,
-        min_p,
-        repetition_penalty,
-        max_new_tokens,
+        settings,
         seed,
         inspect_on,
         output_format=FREE_TEXT,
@@ -423,7 +410,6 @@ class ChatHandlers:
         request: gr.Request | None = None,
     ):
         """A new version of the last reply (a branch; the old reply is kept)."""
-        settings = [temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens]
         browser = self._start(browser, request)
         try:
             path = self.conversations.path(owner_of(browser), view)
@@ -523,7 +509,7 @@ class ChatHandlers:
         return self.step(browser, view, query, +1, request)
 
     def apply_preset(self, name) -> list:
-        """The sliders' values (FIELDS order) of a preset."""
+        """The settings panel's values of a preset."""
         return preset_values(self.presets, name)
 
 

@@ -16,6 +16,7 @@ from contextlib import ExitStack
 import gradio as gr
 
 from miniserve.core.config import SamplingParams
+from miniserve.core.samplers import describe
 from miniserve.engine.engine import Engine
 from miniserve.models.registry import Models
 from miniserve.ui.common import (
@@ -273,10 +274,7 @@ class CompareHandlers:
                 )
                 + (f" · {COMPLETION}" if raw.get(model) else "")
             )
-            head = (
-                f"### {title}\n`T={p.temperature:g} top_k={p.top_k} top_p={p.top_p:g} "
-                f"min_p={p.min_p:g} rep={p.repetition_penalty:g}`\n\n"
-            )
+            head = f"### {title}\n`{describe(p)}`\n\n"
             if model in failed:
                 body = error(failed[model])
             else:

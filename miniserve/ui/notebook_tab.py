@@ -38,6 +38,7 @@ from miniserve.ui.widgets import (
     format_note,
     params_from,
     preset_values,
+    takes_settings,
 )
 
 UNDO_DEPTH = 20  # generations Undo can take back, one after the other
@@ -55,10 +56,11 @@ def notebook_status(stats, note: str = "") -> str:
 
 class NotebookHandlers:
     """The Notebook tab's handlers over the app's models and presets. The generating ones take
-    the text, the undo history (texts before each generation, newest last), the sliders in
-    FIELDS order, the Seed box, the inspector checkbox, the Output format's two values and the
-    Model dropdown (None: the default model); they yield (text, history, status, inspector
-    HTML). `request` (injected by Gradio) names the browser session that Stop cancels."""
+    the text, the undo history (texts before each generation, newest last), the settings panel
+    (widgets.setting_names order), the Seed box, the inspector checkbox, the Output format's
+    two values and the Model dropdown (None: the default model); they yield (text, history,
+    status, inspector HTML). `request` (injected by Gradio) names the browser session that
+    Stop cancels."""
 
     def __init__(
         self,
@@ -70,16 +72,12 @@ class NotebookHandlers:
         self.presets = presets
         self.sessions = sessions or Sessions()
 
+    @takes_settings
     def generate(
         self,
         text,
         history,
-        temperature,
-        top_k,
-        top_p,
-        min_p,
-        repetition_penalty,
-        max_new_tokens,
+        settings,
         seed,
         inspect_on,
         output_format=FREE_TEXT,
@@ -88,23 +86,18 @@ class NotebookHandlers:
         request: gr.Request | None = None,
     ):
         """Continue the text as it is; Undo will bring this text back."""
-        settings = [temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens]
         start = text or ""
         history = [*(history or []), start][-UNDO_DEPTH:]
         yield from self._continue(
             start, history, settings, seed, inspect_on, (output_format, format_text), model, request
         )
 
+    @takes_settings
     def regenerate(
         self,
         text,
         history,
-        temperature,
-        top_k,
-        top_p,
-        min_p,
-        repetition_penalty,
-        max_new_tokens,
+        settings,
         seed,
         inspect_on,
         output_format=FREE_TEXT,
@@ -114,7 +107,6 @@ class NotebookHandlers:
     ):
         """The last generation again, from the text as it was before it (what is in the box
         now is replaced; Undo still brings back that earlier text)."""
-        settings = [temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens]
         self.sessions.take_over(request, NOTEBOOK, STOP_WAIT_S)
         if not history:
             yield gr.update(), history, error("nothing to regenerate yet: Generate first"), ""
@@ -151,7 +143,7 @@ class NotebookHandlers:
         self.sessions.stop(request)
 
     def apply_preset(self, name) -> list:
-        """The sliders' values (FIELDS order) of a preset."""
+        """The settings panel's values of a preset."""
         return preset_values(self.presets, name)
 
     def _continue(

@@ -36,7 +36,13 @@ from miniserve.ui.common import (
     user_message,
 )
 from miniserve.ui.model_picker import build_model_picker
-from miniserve.ui.widgets import build_output_format, build_sampling, params_from, preset_values
+from miniserve.ui.widgets import (
+    build_output_format,
+    build_sampling,
+    params_from,
+    preset_values,
+    setting_names,
+)
 
 CHAT, RAW = "Chat (template)", "Completion (no template)"
 STEP = "step"  # the kind of run (common.Sessions) Stop ends
@@ -369,7 +375,8 @@ class StepHandlers:
 
     def _params(self, settings):
         mode, prompt, *rest = settings
-        sliders, (seed, bias, fmt, fmt_text, top, model) = rest[:6], rest[6:]
+        n = len(setting_names())
+        sliders, (seed, bias, fmt, fmt_text, top, model) = rest[:n], rest[n:]
         params = params_from(sliders, seed, fmt, fmt_text).replace(
             logit_bias=logit_bias_from_text(bias)
         )
@@ -711,15 +718,21 @@ def build_step_tab(handlers: StepHandlers, default_preset: str, demo: gr.Blocks 
     # the stages alone take milliseconds and no forward pass: sent straight, not queued behind
     # the engine's events (Gradio's queue adds a round trip of its own)
     quiet = dict(outputs=outs, show_progress="hidden", queue=False)
-    for slider in [*sampling.sliders[:5], top]:  # max new tokens changes no distribution
-        slider.release(restage, settings, **quiet)
-        slider.input(restage_live, settings, trigger_mode="always_last", **quiet)
+    for slider in [*sampling.shaping, top]:  # max new tokens changes no distribution
+        if isinstance(slider, gr.Slider):
+            slider.release(restage, settings, **quiet)
+            slider.input(restage_live, settings, trigger_mode="always_last", **quiet)
+        elif isinstance(slider, gr.Textbox):  # typed: once done, not at each key
+            slider.submit(restage, settings, **quiet)
+            slider.blur(restage, settings, **quiet)
+        else:
+            slider.input(restage, settings, **quiet)
     # a preset moves the sliders (build_sampling), then the stages re-run on the new values
     sampling.preset.change(handlers.apply_preset, sampling.preset, sampling.sliders).then(
         restage, settings, **quiet
     )
     output.format.change(restage, settings, **quiet)
-    sampling.sliders[5].release(restage, settings, **quiet)  # max new tokens
+    sampling.named("max_new_tokens").release(restage, settings, **quiet)
     for box in (sampling.seed, output.text, bias):  # typed: once done, not at each key
         box.submit(restage, settings, **quiet)
         box.blur(restage, settings, **quiet)

@@ -4,12 +4,15 @@ reasoning budget, and the keys (Enter, Ctrl+Enter)."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 from typing import NamedTuple
 
 import gradio as gr
 
 from miniserve.core.config import FIELDS, ConfigError, Constraint, SamplingParams, check_seed
+from miniserve.core.samplers import PARAMS, check_setting, orderable
 from miniserve.engine.chat import ChatOptions
 
 
@@ -35,13 +38,88 @@ def seed_from(value) -> int | None:
     return check_seed(value)
 
 
+ORDER = "samplers"  # the Sampler order control: after the sliders, among the settings
+
+
+def setting_names() -> list[str]:
+    """The settings the panel passes, in the order the handlers take them: every declared
+    stage's (FIELDS order, max_new_tokens last), then the stage order."""
+    return [*FIELDS, ORDER]
+
+
+def text_list(value, name: str) -> tuple[str, ...]:
+    """A text box holding a list of strings, written as JSON (["\\n", ":"]); empty: none."""
+    if isinstance(value, (list, tuple)):
+        return tuple(value)
+    text = str(value or "").strip()
+    if not text:
+        return ()
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError:
+        raise ConfigError(
+            f"'{FIELDS[name].label}' must be a JSON list of strings, like "
+            f"{json.dumps(list(FIELDS[name].default))}",
+            name,
+        ) from None
+    return check_setting(name, items)
+
+
 def params_from(settings, seed, output_format=None, format_text="") -> SamplingParams:
-    """The sliders (in FIELDS order), the Seed box and the Output format control as checked
-    sampling settings."""
-    fields = {name: whole(value) for name, value in zip(FIELDS, settings)}
+    """The settings panel (setting_names order), the Seed box and the Output format control as
+    checked sampling settings."""
+    names = setting_names()
+    if len(settings) != len(names):
+        raise ValueError(
+            f"expected {len(names)} settings ({', '.join(names)}), got {len(settings)}"
+        )
+    fields = {}
+    for name, value in zip(names, settings):
+        if name == ORDER:
+            fields[name] = list(value) if value is not None else None
+        elif FIELDS[name].kind is tuple:
+            fields[name] = text_list(value, name)
+        else:
+            fields[name] = whole(value)
     return SamplingParams(
         seed=seed_from(seed), constraint=constraint_from(output_format, format_text), **fields
     )
+
+
+def takes_settings(fn):
+    """`fn` takes the panel's values as one parameter `settings`; the wrapper takes them one
+    by one in its place (setting_names order), so Gradio passes each control and still
+    injects the request and event data (it does so only for functions without *args)."""
+    sig = inspect.signature(fn)
+    params = list(sig.parameters.values())
+    at = [p.name for p in params].index("settings")
+    names = setting_names()
+    spread = [
+        inspect.Parameter(f"setting_{n}", inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names
+    ]
+    new = sig.replace(parameters=[*params[:at], *spread, *params[at + 1 :]])
+
+    def call(args, kwargs):
+        bound = new.bind(*args, **kwargs)
+        values = [bound.arguments.pop(f"setting_{n}") for n in names]
+        rest = dict(bound.arguments)
+        ordered = [rest.pop(p.name) for p in params[:at]]
+        return fn(*ordered, values, **rest)
+
+    if inspect.isgeneratorfunction(fn):
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            return (yield from call(args, kwargs))
+
+    else:
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            return call(args, kwargs)
+
+    wrapper.__signature__ = new
+    return wrapper
 
 
 # -- Output format ----------------------------------------------------------------------------
@@ -178,64 +256,97 @@ def build_output_format() -> OutputFormat:
 
 
 # -- Presets and sampling controls -----------------------------------------------------------
-assert list(FIELDS) == [
-    "temperature",
-    "top_k",
-    "top_p",
-    "min_p",
-    "repetition_penalty",
-    "max_new_tokens",
-], "the handlers take the sliders in this order"
-
-
-SLIDER_MAX = {"top_k": 200}  # the slider's range; larger values are still valid via CLI/API
-SLIDER_STEP = {
-    "temperature": 0.05,
-    "top_k": 1,
-    "top_p": 0.01,
-    "min_p": 0.01,
-    "repetition_penalty": 0.01,
-    "max_new_tokens": 1,
-}
 
 
 def preset_values(presets: dict[str, SamplingParams], name) -> list:
-    """The sliders' values (FIELDS order) of a preset."""
+    """The settings panel's values (setting_names order) of a preset."""
     preset = presets[name]
-    return [getattr(preset, k) for k in FIELDS]
+    out = []
+    for k in FIELDS:
+        value = getattr(preset, k)
+        out.append(json.dumps(list(value)) if FIELDS[k].kind is tuple else value)
+    return [*out, list(preset.order)]
 
 
 class SamplingControls(NamedTuple):
-    """The Preset dropdown, the sliders (FIELDS order) and the Seed box."""
+    """The Preset dropdown, the settings panel (a control per setting_names entry) and the
+    Seed box."""
 
     preset: gr.Dropdown
-    sliders: list
+    sliders: list  # setting_names order
     seed: gr.Number
 
     @property
     def inputs(self) -> list:
-        """In the order the handlers take them: preset, the sliders, seed."""
+        """In the order the handlers take them: preset, the settings, seed."""
         return [self.preset, *self.sliders, self.seed]
+
+    def named(self, name: str):
+        return self.sliders[setting_names().index(name)]
+
+    @property
+    def shaping(self) -> list:
+        """The controls that change the distribution (all but max new tokens)."""
+        return [c for n, c in zip(setting_names(), self.sliders) if n != "max_new_tokens"]
+
+
+def _control(name: str, value):
+    stage, param = PARAMS[name]
+    spec = param.field
+    if spec.kind is tuple:
+        return gr.Textbox(
+            value=json.dumps(list(value)),
+            label=spec.label,
+            info=spec.help + " (a JSON list)",
+            elem_id=f"setting-{name}",
+        )
+    return gr.Slider(
+        minimum=spec.low,
+        maximum=param.slider_max if param.slider_max is not None else spec.high,
+        value=value,
+        step=param.step,
+        label=spec.label,
+        info=spec.help,
+        elem_id=f"setting-{name}",
+    )
 
 
 def build_sampling(
     presets: dict[str, SamplingParams], default_preset: str, apply, seed_info: str
 ) -> SamplingControls:
-    """The Preset dropdown, a slider per sampling setting and the Seed box (call inside a
-    layout block); choosing a preset moves the sliders (`apply(name)` -> their values)."""
+    """The Preset dropdown, a control per sampling setting (the classic stages' sliders, then
+    "More samplers": the other stages' and the stage order) and the Seed box (call inside a
+    layout block); choosing a preset moves them all (`apply(name)` -> their values)."""
     start = presets[default_preset]
     preset = gr.Dropdown(choices=list(presets), value=default_preset, label="Preset")
-    sliders = [
-        gr.Slider(
-            minimum=spec.low,
-            maximum=SLIDER_MAX.get(k, spec.high),
-            value=getattr(start, k),
-            step=SLIDER_STEP[k],
-            label=spec.label,
-            info=spec.help,
+    made = {}
+    for name, (stage, _) in PARAMS.items():
+        if not stage.advanced:
+            made[name] = _control(name, getattr(start, name))
+    mnt = FIELDS["max_new_tokens"]
+    made["max_new_tokens"] = gr.Slider(
+        minimum=mnt.low,
+        maximum=mnt.high,
+        value=start.max_new_tokens,
+        step=1,
+        label=mnt.label,
+        info=mnt.help,
+        elem_id="setting-max_new_tokens",
+    )
+    with gr.Accordion("More samplers", open=False, elem_id="more-samplers"):
+        for name, (stage, _) in PARAMS.items():
+            if stage.advanced:
+                made[name] = _control(name, getattr(start, name))
+        made[ORDER] = gr.Dropdown(
+            choices=[(s.label, s.key) for s in orderable()],
+            value=list(start.order),
+            multiselect=True,
+            label="Sampler order",
+            info="the stages run in this order, after the logit bias and the output format; "
+            "one left out is off; remove one and add it again to move it to the end",
+            elem_id="sampler-order",
         )
-        for k, spec in FIELDS.items()
-    ]
+    sliders = [made[n] for n in setting_names()]
     seed = gr.Number(label="Seed", value=-1, precision=0, info=seed_info)
     preset.change(apply, preset, sliders)
     return SamplingControls(preset, sliders, seed)
