@@ -4,12 +4,8 @@ stage (miniserve/engine/step.py holds the session on the engine). Step, Run N, R
 earlier token goes back to just before it; sliders, preset, logit bias and output format re-run
 only the stages on the kept logits.
 
-The chart is a small inline SVG made here rather than one of Gradio's plots: it is one string
-of a few kilobytes that the browser draws at once (a redraw after a slider is released is the
-server's few milliseconds plus a DOM swap, where a Vega or Plotly plot would load and lay out a
-charting library each time), and it can draw what a bar chart component cannot: one panel per
-stage side by side, the stage that removed each token, the cumulative mass against the top-p
-cut, and rows that are buttons.
+The text, the chart (a small inline SVG) and the costs are drawn by miniserve/ui/render.py;
+this module holds the handlers and the tab's layout.
 
 `StepHandlers` holds what the buttons call (plain methods, Run's a generator), callable without
 a browser; each browser tab's session is kept by its Gradio session id and released on Reset,
@@ -17,7 +13,6 @@ when the tab closes (`demo.unload`), or after step.IDLE_S without use."""
 
 from __future__ import annotations
 
-import html
 import inspect
 import threading
 import time
@@ -25,7 +20,7 @@ import time
 import gradio as gr
 
 from miniserve.core.config import ConfigError, check_logit_bias
-from miniserve.engine.step import IDLE_S, TOP, StageView, StepError, StepSession, remote_note
+from miniserve.engine.step import IDLE_S, TOP, StepError, StepSession, remote_note
 from miniserve.models.registry import Models
 from miniserve.ui.common import (
     ENGINE_EVENTS,
@@ -36,6 +31,7 @@ from miniserve.ui.common import (
     user_message,
 )
 from miniserve.ui.model_picker import build_model_picker
+from miniserve.ui.render import chart_html, costs_html, text_html
 from miniserve.ui.widgets import (
     build_output_format,
     build_sampling,
@@ -49,14 +45,6 @@ STEP = "step"  # the kind of run (common.Sessions) Stop ends
 RESTAGE_EVERY_S = 0.1  # while a slider is dragged, the stages re-run at most this often
 RUN_PAINT_S = 0.25  # Run repaints at most this often
 REAP_EVERY_S = 30.0
-COLORS = {
-    "bar": "#8fb3ee",
-    "line": "#2f5fb3",
-    "cut": "#c0392b",
-    "drawn": "#fff1a8",
-    "picked": "#d5ecff",
-    "mass": "#9aa5b1",
-}
 
 
 # -- logit bias as typed ----------------------------------------------------------------------
@@ -79,233 +67,6 @@ def logit_bias_from_text(text) -> tuple:
                 "logit_bias",
             ) from None
     return check_logit_bias(pairs, "logit bias")
-
-
-# -- the chart ---------------------------------------------------------------------------------
-def _esc(text: str) -> str:
-    return html.escape(text, quote=True)
-
-
-def token_label(text: str, width: int = 14) -> str:
-    """A token's text as a label: spaces and line breaks made visible, long ones cut."""
-    shown = text.replace("\n", "↵").replace("\t", "⇥").replace(" ", "␣")
-    return shown if len(shown) <= width else shown[: width - 1] + "…"
-
-
-def stage_title(name: str, view: StageView) -> str:
-    if name == "top-p" and view.top_p is not None:
-        return f"top-p {view.top_p:g}"
-    return {
-        "final": "greedy: argmax" if view.greedy else "final (draw)",
-        "repetition penalty": "rep. penalty",
-    }.get(name, name)
-
-
-def chart_svg(view: StageView, width: int = 940) -> str:
-    """The distribution at one position as bars, one panel per stage, one row per candidate.
-    Each bar is its token's probability after that stage (scaled to the panel's largest, the
-    number beside it exact); ✕ marks the stage that removed a token; in the top-p panel a grey
-    line under each row is the mass ranked above it, against the dashed cut at p. The drawn
-    row is yellow, a hand-picked one blue; a row is a button that takes its token."""
-    label_w, row_h, head = 140, 18, 34
-    n = len(view.stages)
-    pw = (width - label_w) / n
-    bar_w = pw - 8  # the percentage is written over the bar's right end
-    rows = view.rows
-    height = head + row_h * len(rows) + 6
-    out = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" class="ms-step-chart" width="100%" '
-        f'style="max-width:{width}px" viewBox="0 0 {width} {height}" font-family="sans-serif" '
-        f'font-size="11" data-position="{view.position}" data-drawn="{view.drawn}" '
-        f'data-temperature="{view.temperature:g}">'
-        # classes instead of repeated attributes: the chart is redrawn at every change
-        f"<style>.b{{fill:{COLORS['bar']}}}.p{{font-size:10px;text-anchor:end}}</style>"
-    ]
-    for k, name in enumerate(view.stages):
-        x = label_w + k * pw
-        out.append(
-            f'<text x="{x + 2:.1f}" y="14" font-weight="bold">{_esc(stage_title(name, view))}'
-            f"</text>"
-        )
-        if name == "top-p" and view.top_p is not None:
-            cx = x + 2 + view.top_p * bar_w
-            out.append(
-                f'<line x1="{cx:.1f}" x2="{cx:.1f}" y1="{head - 6}" y2="{height - 4}" '
-                f'stroke="{COLORS["cut"]}" stroke-dasharray="3,2"/>'
-                f'<text x="{x + 2:.1f}" y="27" font-size="9" fill="#555">grey: mass above'
-                f"</text>"
-            )
-        if k:
-            out.append(
-                f'<line x1="{x - 2:.1f}" x2="{x - 2:.1f}" y1="4" y2="{height - 4}" stroke="#ddd"/>'
-            )
-    peaks = [max((r.probs[k] for r in rows), default=0) or 1.0 for k in range(n)]
-    for i, row in enumerate(rows):
-        y = head + i * row_h
-        out.append(f'<g data-token="{row.token_id}">')
-        taken = view.taken if view.taken is not None else view.drawn
-        if row.token_id == taken:
-            fill = COLORS["picked"] if view.picked else COLORS["drawn"]
-            out.append(f'<rect x="0" y="{y - 2}" width="{width}" height="{row_h}" fill="{fill}"/>')
-        mark = (
-            "✋"
-            if view.picked and row.token_id == view.taken
-            else ("▶" if row.token_id == taken else "")
-        )
-        out.append(
-            f'<text x="2" y="{y + 11}" fill="#666">{i + 1}</text>'
-            f'<text x="22" y="{y + 11}" font-family="monospace">{_esc(mark)}'
-            f"{_esc(token_label(row.text))}</text>"
-        )
-        gone = False
-        for k, name in enumerate(view.stages):
-            x = label_w + k * pw + 2
-            p = row.probs[k]
-            if gone:
-                continue
-            if name == row.removed_by:
-                out.append(
-                    f'<text x="{x:.1f}" y="{y + 11}" fill="{COLORS["cut"]}" '
-                    f'data-removed="{_esc(name)}">✕ cut</text>'
-                )
-                gone = True
-                continue
-            w = max(p / peaks[k] * bar_w, 0.5 if p > 0 else 0)
-            out.append(
-                f'<rect class="b" x="{x:.1f}" y="{y}" width="{w:.1f}" height="11" '
-                f'data-stage="{_esc(name)}" data-p="{p:.6f}"/>'
-                f'<text class="p" x="{x + bar_w:.1f}" y="{y + 10}">{100 * p:.1f}%</text>'
-            )
-            if name == "top-p" and row.mass_above is not None:
-                out.append(
-                    f'<rect x="{x:.1f}" y="{y + 12}" width="{row.mass_above * bar_w:.1f}" '
-                    f'height="2.5" fill="{COLORS["mass"]}"/>'
-                )
-        why = row.why_not
-        tip = (
-            f"cannot be taken: {why}"
-            if why
-            else f"take {row.text!r} (id {row.token_id}) instead of the draw"
-        )
-        attrs = (
-            f'class="ms-nopick" data-why="{_esc(why)}"'
-            if why
-            else f'class="ms-pick" data-pick="{row.token_id}" style="cursor:pointer"'
-        )
-        out.append(
-            f'<rect {attrs} x="0" y="{y - 2}" width="{width}" height="{row_h}" '
-            f'fill="transparent"><title>{_esc(tip)}</title></rect></g>'
-        )
-    out.append("</svg>")
-    return "".join(out)
-
-
-def summary_line(view: StageView) -> str:
-    """Beside the chart: entropy, the drawn token's rank and probability, the mass outside."""
-    if view.drawn is None:
-        return view.note
-    drawn = next((r.text for r in view.rows if r.token_id == view.drawn), "")
-    parts = [
-        f"entropy {view.entropy_raw:.2f} bits raw → {view.entropy_final:.2f} after the stages",
-        f"{'greedy takes' if view.greedy else 'the draw takes'} {drawn!r} (rank "
-        f"{view.rank}, p {view.drawn_raw:.1%} raw → {view.drawn_final:.1%})",
-        f"outside the {len(view.rows)} shown: {view.outside_raw:.1%} raw, "
-        f"{view.outside_final:.1%} after",
-    ]
-    if view.taken is not None and view.picked:
-        taken = next((r.text for r in view.rows if r.token_id == view.taken), "")
-        parts.append(f"taken by hand: {taken!r}")
-    return " · ".join(parts)
-
-
-def chart_html(session: StepSession | None, top: int = TOP) -> str:
-    if session is None or not session.positions:
-        return (
-            '<div class="ms-step-empty">Step reads the prompt and shows the distribution '
-            "of the next token through every sampling stage.</div>"
-        )
-    view = session.view(top)
-    title = (
-        f"token {view.position + 1}: the distribution through every stage "
-        "(click a row to take that token)"
-    )
-    return (
-        f'<div class="ms-step-view"><div><b>{_esc(title)}</b></div>'
-        f'<div class="ms-step-summary">{_esc(summary_line(view))}</div>'
-        f"{chart_svg(view)}</div>"
-    )
-
-
-def text_html(session: StepSession | None, prompt_shown: str = "") -> str:
-    """The text so far: the prompt, then each generated token a chip (a click goes back to just
-    before it); hand-picked tokens outlined."""
-    if session is None:
-        return '<div class="ms-step-text"></div>'
-    chips = []
-    for i, token in enumerate(session.tokens):
-        pos = session.positions[i]
-        tip = (
-            f"token {i + 1}: id {token}, p {pos.prob:.1%}"
-            + (" · taken by hand" if pos.picked else "")
-            + " · click: go back to just before it"
-        )
-        cls = "ms-chip ms-picked" if pos.picked else "ms-chip"
-        chips.append(
-            f'<span class="{cls}" data-back="{i}" title="{_esc(tip)}">'
-            f"{_esc(session.text_of(token).replace(chr(10), '↵' + chr(10)))}</span>"
-        )
-    return (
-        f'<div class="ms-step-text"><span class="ms-step-prompt">{_esc(prompt_shown)}</span>'
-        + "".join(chips)
-        + "</div>"
-    )
-
-
-def _spark(values: list[float], label: str, fmt: str, x0: float, w: float, h: float) -> str:
-    """One small line plot of `values` over the tokens, with its range written."""
-    if not values:
-        return ""
-    lo, hi = min(values), max(values)
-    span = (hi - lo) or 1.0
-    step = w / max(len(values) - 1, 1)
-    pts = " ".join(
-        f"{x0 + i * step:.1f},{18 + (h - 24) * (1 - (v - lo) / span):.1f}"
-        for i, v in enumerate(values)
-    )
-    return (
-        f'<text x="{x0}" y="11" font-weight="bold">{_esc(label)}</text>'
-        f'<text x="{x0 + w}" y="11" text-anchor="end" fill="#666">{format(lo, fmt)} – '
-        f"{format(hi, fmt)}</text>"
-        f'<rect x="{x0}" y="16" width="{w}" height="{h - 20}" fill="none" stroke="#ddd"/>'
-        f'<polyline points="{pts}" fill="none" stroke="{COLORS["line"]}" stroke-width="1.5"/>'
-    )
-
-
-def costs_html(session: StepSession | None) -> str:
-    """What the last pass cost, and a small plot over the tokens so far: step time, entropy
-    and the taken token's probability."""
-    if session is None or not session.positions:
-        return ""
-    c = session.positions[-1].cost
-    line = (
-        f"last pass: forward {c.forward_s * 1000:.1f} ms (asked → logits "
-        f"{c.wall_s * 1000:.1f} ms) · fed {c.new_rows} position{'s' * (c.new_rows != 1)} · "
-        f"KV {c.kv_positions} positions, {c.kv_bytes / 1e6:.2f} MB · {c.reused} reused "
-        f"from the prefix cache · shared the pass with {c.shared} other "
-        f"sequence{'s' * (c.shared != 1)}"
-    )
-    taken = session.positions[: len(session.tokens)]
-    times = [p.cost.forward_s * 1000 for p in session.positions[1:]]  # after the prompt's
-    svg = (
-        '<svg xmlns="http://www.w3.org/2000/svg" class="ms-step-costs" width="100%" '
-        'style="max-width:940px" viewBox="0 0 940 90" font-family="sans-serif" '
-        'font-size="11">'
-        + _spark(times, "step forward (ms)", ".1f", 4, 290, 90)
-        + _spark([p.entropy for p in taken], "entropy (bits)", ".2f", 322, 290, 90)
-        + _spark([p.prob for p in taken], "taken token's p", ".2f", 640, 290, 90)
-        + "</svg>"
-    )
-    return f'<div class="ms-step-cost">{_esc(line)}</div>{svg}'
 
 
 def _quiet(_) -> None:
