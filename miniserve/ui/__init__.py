@@ -3,10 +3,16 @@ here: widget values become `SamplingParams`, and what the engines yield is rende
 
 Each tab has a module: a class holding its handlers (plain methods, the streaming ones
 generators, callable without a browser) and a builder that lays the tab out and wires them.
-Every tab asks the app's `Models` registry for the engine of the model its dropdown names.
+Every builder takes the same arguments, `(app: TabContext, label: str)`: it makes its handlers
+from the app's context, lays its tab out under `label` and wires its events. `TABS` lists the
+tabs in their order, as (label, builder): adding a tab is one entry there. Every tab asks the
+app's `Models` registry for the engine of the model its dropdown names.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import miniserve.ui.gradio_import  # noqa: F401 -- first: Gradio's import without its stub writing
 
@@ -24,7 +30,7 @@ from miniserve.ui.compare_tab import CompareHandlers, build_compare_tab
 from miniserve.ui.model_picker import ModelHeader, app_header, header, model_header
 from miniserve.ui.notebook_tab import NotebookHandlers, build_notebook_tab
 from miniserve.ui.step_tab import CSS as STEP_CSS
-from miniserve.ui.step_tab import StepHandlers, build_step_tab
+from miniserve.ui.step_tab import build_step_tab
 from miniserve.ui.widgets import install_keys
 
 __all__ = [
@@ -33,12 +39,16 @@ __all__ = [
     "ChatHandlers",
     "CompareHandlers",
     "NotebookHandlers",
+    "TABS",
+    "TabContext",
+    "TabBuilder",
     "build_ui",
     "mount_ui",
     "build_benchmark_tab",
     "build_chat_tab",
     "build_compare_tab",
     "build_notebook_tab",
+    "build_step_tab",
     "app_header",
     "header",
     "model_header",
@@ -78,6 +88,33 @@ def engine_queue(models: Models) -> int:
     return engine.max_queue if engine is not None else models.max_queue or int(MAX_QUEUE.default)
 
 
+@dataclass
+class TabContext:
+    """What every tab's builder is given: one per app, made by `build_ui` inside its
+    `gr.Blocks`. A builder makes its handlers from it (`models`, `presets`, `sessions`,
+    `store`), lays its tab out and wires its events."""
+
+    models: Models
+    presets: dict[str, SamplingParams]
+    default_preset: str  # one of `presets`: the settings panels' first choice
+    sessions: Sessions  # shared: Stop in the Chat tab also ends the session's comparison
+    header: ModelHeader  # the line above the tabs, redrawn after each tab's runs
+    demo: gr.Blocks  # the page: its load and unload events
+    store: Store | None = None  # the saved conversations (None: kept in memory only)
+    # what a tab wires once every tab is laid out (the Chat tab's page-load events), in order
+    after_tabs: list[Callable[[], None]] = field(default_factory=list)
+
+
+TabBuilder = Callable[[TabContext, str], object]  # (the app's context, the tab's label)
+TABS: list[tuple[str, TabBuilder]] = [  # the app's tabs, in this order
+    ("Chat", build_chat_tab),
+    ("Notebook", build_notebook_tab),
+    ("Compare", build_compare_tab),
+    ("Step", build_step_tab),
+    ("Benchmark", build_benchmark_tab),
+]
+
+
 def build_ui(
     models: Models | Engine,
     presets: dict[str, SamplingParams],
@@ -90,15 +127,13 @@ def build_ui(
     default_preset = default_preset if default_preset in presets else next(iter(presets))
     sessions = Sessions()  # Stop in the Chat tab also ends the session's comparison
     with gr.Blocks(title="MiniServeLM") as demo:
-        top = ModelHeader(models)
-        chat_tab = build_chat_tab(
-            ChatHandlers(models, presets, sessions, store), default_preset, top
+        app = TabContext(
+            models, presets, default_preset, sessions, ModelHeader(models), demo, store
         )
-        build_notebook_tab(NotebookHandlers(models, presets, sessions), default_preset, top)
-        build_compare_tab(CompareHandlers(models, presets, sessions), top)
-        build_step_tab(StepHandlers(models, presets, sessions), default_preset, demo)
-        build_benchmark_tab(BenchmarkHandlers(models, presets), top)
-        chat_tab.on_load(demo)
+        for label, build in TABS:
+            build(app, label)
+        for wire in app.after_tabs:
+            wire()
         install_keys(demo)  # Enter sends in Chat, Ctrl+Enter generates in the Notebook
     # Gradio runs one event of a listener at a time unless told otherwise: the replies of many
     # browsers would then take turns instead of sharing the engine's forward passes. As many

@@ -6,6 +6,7 @@ KV cache and scheduler), so a model served by a remote server is not measured he
 from __future__ import annotations
 
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import gradio as gr
 import pandas as pd
@@ -31,8 +32,11 @@ from miniserve.ui.common import (
     error,
     user_message,
 )
-from miniserve.ui.model_picker import ModelHeader, build_model_picker, follow_picker, using
+from miniserve.ui.model_picker import build_model_picker, follow_picker, using
 from miniserve.ui.widgets import whole
+
+if TYPE_CHECKING:
+    from miniserve.ui import TabContext
 
 # The tables' columns: the result rows' fields (what the plots read, and what `bench --json`
 # and `--csv` write) and the header a person reads, units included. The tables show their
@@ -168,10 +172,11 @@ class BenchmarkHandlers:
         return f"*{remote_note(name)}.*" if self.models.specs[name].remote else ""
 
 
-def build_benchmark_tab(bench: BenchmarkHandlers, header: ModelHeader | None = None) -> None:
-    """The Benchmark tab and its events; call inside the app's `gr.Blocks`. `header`: the line
-    above the tabs, redrawn after this tab's runs."""
-    with gr.Tab("Benchmark"):
+def build_benchmark_tab(app: TabContext, label: str) -> None:
+    """The Benchmark tab and its events, under `label`; call inside the app's `gr.Blocks`. The
+    app's header (the line above the tabs) is redrawn after this tab's runs."""
+    bench = BenchmarkHandlers(app.models, app.presets)
+    with gr.Tab(label):
         remote = bench.model_note(None)
         # the dropdown shows with several models; the note with a remote model
         with gr.Row(visible=len(bench.models.names) > 1 or bool(remote)):
@@ -254,5 +259,4 @@ def build_benchmark_tab(bench: BenchmarkHandlers, header: ModelHeader | None = N
     ]
     model.change(bench.model_note, model, note, queue=False, show_progress="hidden")
     follow_picker(bench.models, model, runs)
-    if header is not None:
-        header.refresh_after(runs)
+    app.header.refresh_after(runs)

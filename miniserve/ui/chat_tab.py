@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import html
 from contextlib import ExitStack
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import gradio as gr
 
@@ -31,7 +31,6 @@ from miniserve.ui.common import (
 )
 from miniserve.ui.conversation import SHOWN, Conversations, Shown, new_view, owner_of, strip_marks
 from miniserve.ui.model_picker import (
-    ModelHeader,
     build_model_picker,
     follow_picker,
     load_messages,
@@ -51,6 +50,9 @@ from miniserve.ui.widgets import (
     takes_settings,
     thinking_options,
 )
+
+if TYPE_CHECKING:
+    from miniserve.ui import TabContext
 
 BROWSER_KEY = "miniserve"  # the browser's local-storage key for its owner id and open chat
 
@@ -513,12 +515,11 @@ class ChatHandlers:
         return preset_values(self.presets, name)
 
 
-def build_chat_tab(
-    chat: ChatHandlers, default_preset: str, header: ModelHeader | None = None
-) -> ChatTab:
-    """The Chat tab, its sidebar and their events; call inside the app's `gr.Blocks`.
-    `header`: the line above the tabs, redrawn after this tab's runs. Returns what
-    the page-load event needs (`ChatTab.on_load`)."""
+def build_chat_tab(app: TabContext, label: str) -> ChatTab:
+    """The Chat tab, its sidebar and their events, under `label`; call inside the app's
+    `gr.Blocks`. The app's header (the line above the tabs) is redrawn after this tab's runs;
+    the page-load events (`ChatTab.on_load`) are wired once every tab is laid out."""
+    chat = ChatHandlers(app.models, app.presets, app.sessions, app.store)
     side = SidebarHandlers(chat.conversations)
     # what the browser keeps: its owner id and open conversation, encrypted with a key kept in
     # the history database, so it still reads after a restart
@@ -526,7 +527,7 @@ def build_chat_tab(
         {"owner": None, "open": None}, storage_key=BROWSER_KEY, secret=chat.store.secret()
     )
     view = gr.State(new_view())
-    with gr.Tab("Chat"):
+    with gr.Tab(label):
         with gr.Row():
             with gr.Column(scale=1, min_width=220):
                 bar = build_sidebar(side)
@@ -571,7 +572,7 @@ def build_chat_tab(
                 thinking = build_thinking(chat.thinks(None))
                 sampling = build_sampling(
                     chat.presets,
-                    default_preset,
+                    app.default_preset,
                     chat.apply_preset,
                     "-1 = random (the seed drawn is shown and saved with "
                     "the reply); a fixed seed repeats a sampled reply",
@@ -614,8 +615,7 @@ def build_chat_tab(
     model.change(**show_thinking)
     for run in runs:
         run.then(**show_thinking)
-    if header is not None:
-        header.refresh_after(runs)
+    app.header.refresh_after(runs)
     stop_btn.click(chat.stop, None, None, queue=False)
     undo_btn.click(chat.undo, [browser, view, q], [*shown, message])
     clear_btn.click(chat.clear, [browser, q], [*shown, message, inspector_view])
@@ -633,7 +633,9 @@ def build_chat_tab(
     )
     for opened in wire_sidebar(side, bar, shown, browser, view):
         opened.then(**follow_saved)
-    return ChatTab(side, browser, shown, q, bar["info"], follow_saved, show_thinking)
+    tab = ChatTab(side, browser, shown, q, bar["info"], follow_saved, show_thinking)
+    app.after_tabs.append(lambda: tab.on_load(app.demo))
+    return tab
 
 
 class ChatTab(NamedTuple):

@@ -12,6 +12,7 @@ import queue
 import threading
 import time
 from contextlib import ExitStack
+from typing import TYPE_CHECKING
 
 import gradio as gr
 
@@ -27,7 +28,7 @@ from miniserve.ui.common import (
     error,
     user_message,
 )
-from miniserve.ui.model_picker import ModelHeader, load_together, loading_line, using
+from miniserve.ui.model_picker import load_together, loading_line, using
 from miniserve.ui.widgets import (
     FREE_TEXT,
     build_output_format,
@@ -37,6 +38,9 @@ from miniserve.ui.widgets import (
     seed_from,
     whole,
 )
+
+if TYPE_CHECKING:
+    from miniserve.ui import TabContext
 
 ABOUT = (
     "One prompt, several presets, the same seed: see what greedy, top-k and top-p change. "
@@ -283,12 +287,14 @@ class CompareHandlers:
         return out
 
 
-def build_compare_tab(compare: CompareHandlers, header: ModelHeader | None = None) -> None:
-    """The Compare tab and its event; call inside the app's `gr.Blocks`. `header`: the line
-    above the tabs, redrawn after a comparison (it may have loaded the default model)."""
+def build_compare_tab(app: TabContext, label: str) -> None:
+    """The Compare tab and its event, under `label`; call inside the app's `gr.Blocks`. The
+    app's header (the line above the tabs) is redrawn after a comparison (it may have loaded
+    the default model)."""
+    compare = CompareHandlers(app.models, app.presets, app.sessions)
     presets, models = compare.presets, compare.models
     several = len(models.names) > 1
-    with gr.Tab("Compare"):
+    with gr.Tab(label):
         gr.Markdown(ABOUT + (ABOUT_MODELS if several else ""))
         with gr.Row():
             prompt = gr.Textbox(label="Prompt", scale=3, value="Write one sentence about a cat.")
@@ -335,5 +341,4 @@ def build_compare_tab(compare: CompareHandlers, header: ModelHeader | None = Non
         [status, *(slots[slot] for slot in compare.slots)],
         concurrency_id=ENGINE_EVENTS,
     )
-    if header is not None:
-        header.refresh_after([run])
+    app.header.refresh_after([run])

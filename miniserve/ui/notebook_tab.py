@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import secrets
 from contextlib import ExitStack
+from typing import TYPE_CHECKING
 
 import gradio as gr
 
@@ -22,7 +23,6 @@ from miniserve.engine.inspector import Inspector
 from miniserve.models.registry import Models
 from miniserve.ui.common import ENGINE_EVENTS, USER_ERRORS, Reading, Sessions, error, user_message
 from miniserve.ui.model_picker import (
-    ModelHeader,
     build_model_picker,
     follow_picker,
     load_messages,
@@ -40,6 +40,9 @@ from miniserve.ui.widgets import (
     preset_values,
     takes_settings,
 )
+
+if TYPE_CHECKING:
+    from miniserve.ui import TabContext
 
 UNDO_DEPTH = 20  # generations Undo can take back, one after the other
 NOTEBOOK = "notebook"  # the kind of run (common.Sessions) that Undo and Regenerate stop
@@ -230,13 +233,12 @@ class NotebookHandlers:
         )
 
 
-def build_notebook_tab(
-    notebook: NotebookHandlers, default_preset: str, header: ModelHeader | None = None
-) -> None:
-    """The Notebook tab and its events; call inside the app's `gr.Blocks`. `header`: the line
-    above the tabs, redrawn after this tab's runs."""
+def build_notebook_tab(app: TabContext, label: str) -> None:
+    """The Notebook tab and its events, under `label`; call inside the app's `gr.Blocks`. The
+    app's header (the line above the tabs) is redrawn after this tab's runs."""
+    notebook = NotebookHandlers(app.models, app.presets, app.sessions)
     history = gr.State([])
-    with gr.Tab("Notebook"):
+    with gr.Tab(label):
         with gr.Row():
             with gr.Column(scale=3):
                 text = gr.Textbox(
@@ -272,7 +274,7 @@ def build_notebook_tab(
                 model = build_model_picker(notebook.models)
                 sampling = build_sampling(
                     notebook.presets,
-                    default_preset,
+                    app.default_preset,
                     notebook.apply_preset,
                     "-1 = random (the seed drawn is shown); a fixed "
                     "seed repeats a sampled continuation",
@@ -290,5 +292,4 @@ def build_notebook_tab(
     # completion message, which Gradio may send after Undo's, leaves the box alone)
     undo_btn.click(notebook.undo, [text, history], [text, history, status])
     follow_picker(notebook.models, model, runs)
-    if header is not None:
-        header.refresh_after(runs)
+    app.header.refresh_after(runs)

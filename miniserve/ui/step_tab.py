@@ -16,6 +16,7 @@ from __future__ import annotations
 import inspect
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import gradio as gr
 
@@ -39,6 +40,9 @@ from miniserve.ui.widgets import (
     preset_values,
     setting_names,
 )
+
+if TYPE_CHECKING:
+    from miniserve.ui import TabContext
 
 CHAT, RAW = "Chat (template)", "Completion (no template)"
 STEP = "step"  # the kind of run (common.Sessions) Stop ends
@@ -389,10 +393,11 @@ def with_request(fn):
     return wired
 
 
-def build_step_tab(handlers: StepHandlers, default_preset: str, demo: gr.Blocks | None = None):
-    """The Step tab and its events; call inside the app's `gr.Blocks` (`demo`: to release a
-    tab's session when it closes, and to wire the page's clicks at load)."""
-    with gr.Tab("Step", elem_id="step-tab"):
+def build_step_tab(app: TabContext, label: str) -> None:
+    """The Step tab and its events, under `label`; call inside the app's `gr.Blocks` (its
+    `demo`: to release a tab's session when it closes, and to wire the page's clicks at load)."""
+    handlers = StepHandlers(app.models, app.presets, app.sessions)
+    with gr.Tab(label, elem_id="step-tab"):
         with gr.Row():
             with gr.Column(scale=4):
                 with gr.Row():
@@ -436,7 +441,7 @@ def build_step_tab(handlers: StepHandlers, default_preset: str, demo: gr.Blocks 
                 model = build_model_picker(handlers.models)
                 sampling = build_sampling(
                     handlers.presets,
-                    default_preset,
+                    app.default_preset,
                     handlers.apply_preset,
                     "-1 = random (the seed drawn is shown); kept per "
                     "position, so Back then Step draws the same token",
@@ -499,6 +504,5 @@ def build_step_tab(handlers: StepHandlers, default_preset: str, demo: gr.Blocks 
         box.blur(restage, settings, **quiet)
     timer = gr.Timer(15)
     timer.tick(handlers.poll, None, status, show_progress="hidden", queue=False)
-    if demo is not None:
-        demo.load(None, None, None, js=ON_LOAD)
-        demo.unload(handlers.closed)
+    app.demo.load(None, None, None, js=ON_LOAD)
+    app.demo.unload(handlers.closed)
