@@ -347,3 +347,80 @@ def test_one_row_draws_on_the_tokens_top_k_kept_as_over_the_whole_vocabulary():
         assert got == whole(x, params, ids, make_generator(n)), (n, params)
         compact += top_k_compact(x, params.top_k) is not None
     assert compact > 150  # the path under test ran
+
+
+# -- on the real model ------------------------------------------------------------------------
+
+STATEFUL = [
+    dict(temperature=0.9, top_k=0, top_p=1.0, mirostat=2, mirostat_tau=3.0, mirostat_eta=0.2),
+    dict(temperature=0.8, top_k=40, top_p=1.0, xtc_probability=0.6, xtc_threshold=0.05),
+    dict(temperature=0.7, dry_multiplier=0.8, dry_allowed_length=2, repetition_penalty=1.0),
+    dict(temperature=0.9, top_k=0, top_p=1.0, top_n_sigma=1.0, typical_p=0.9),
+]
+
+
+def test_the_new_stages_in_a_batch_give_what_each_gives_alone(engine):
+    """Four replies at once, each with its own stage (Mirostat's mu and XTC's draws per
+    reply), get the tokens each gets through the one-sequence loop."""
+    import threading
+
+    from miniserve.engine.decode import generate
+
+    prompts = [
+        engine.chat_prompt([{"role": "user", "content": q}], SamplingParams())
+        for q in ("Name a fruit.", "Count to five.", "Say hello twice.", "What is 2+2?")
+    ]
+    params = [SamplingParams(**s, seed=7 + i, max_new_tokens=24) for i, s in enumerate(STATEFUL)]
+    out = [None] * len(prompts)
+    start = threading.Barrier(len(prompts))
+
+    def one(i):
+        start.wait()
+        chunks = list(engine.complete(prompts[i], params[i], reuse_prefix=False))
+        out[i] = [t for c in chunks for t in c.token_ids]
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for ids, p, got in zip(prompts, params, out):
+        want = engine.run_on_worker(
+            lambda ids=ids, p=p: list(
+                generate(
+                    engine.runner, ids, p, eos_ids=engine.eos_ids, sampler=engine.sampler_state()
+                )
+            )
+        )
+        assert got == want, p
+
+
+def test_back_in_the_step_view_restores_mirostats_state(engine):
+    """Mirostat's mu is kept per position: Back then Step takes the same tokens with the same
+    mu, and a hand pick moves mu by the picked token's surprise."""
+    from miniserve.engine.step import StepSession
+
+    params = SamplingParams(**STATEFUL[0], seed=3, max_new_tokens=12)
+    s = StepSession(
+        engine,
+        engine.chat_prompt([{"role": "user", "content": "Tell me a story."}], params),
+        params,
+    )
+    try:
+        mus = []
+        for _ in range(6):
+            s.step()
+            mus.append(s.sampler.mu)
+        first = list(s.tokens)
+        assert len(set(mus)) > 1  # mu moved with the surprises
+        s.back(3)
+        for _ in range(3):
+            s.step()
+        assert s.tokens == first and s.sampler.mu == mus[-1]
+        s.back(1)
+        view = s.view()
+        other = next(r.token_id for r in view.rows if r.token_id != view.drawn and r.probs[-1] > 0)
+        s.step(other)
+        assert s.tokens[-1] == other and s.sampler.mu != mus[-1]
+    finally:
+        s.release()

@@ -85,6 +85,10 @@ def run_concurrency(
             "--concurrency times our streaming loop through it)"
         )
     params = concurrency_params(config, presets)
+    if config.ignore_eos:
+        banned = tuple((t, -100.0) for t in sorted(engine.eos_ids))
+        params = {n: p.replace(logit_bias=p.logit_bias + banned) for n, p in params.items()}
+    peer_eos = () if config.ignore_eos else engine.eos_ids
     too_many = [b for b in config.levels if b > engine.max_queue]
     if too_many:
         raise ValueError(
@@ -119,7 +123,7 @@ def run_concurrency(
         for level in sorted(set(config.levels)):
             run_streams(engine, prompts[:level], [warm] * level)
         if peer_model is not None:
-            peer_model.run_batch(prompts[:1], 4, engine.eos_ids)
+            peer_model.run_batch(prompts[:1], 4, peer_eos)
         rows = []
         jobs = [(p, b) for p in config.presets for b in config.levels]
         total = len(jobs) * config.repeat + (
@@ -158,7 +162,7 @@ def run_concurrency(
                     )
                     runs.append(
                         peer_streams(
-                            peer_model.run_batch(prompts[:level], config.new_tokens, engine.eos_ids)
+                            peer_model.run_batch(prompts[:level], config.new_tokens, peer_eos)
                         )
                     )
                     done += 1

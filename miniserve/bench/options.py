@@ -75,6 +75,10 @@ class ConcurrencyConfig:
     repeat: int = 1
     peer: bool = False  # also llama.cpp decoding the same B greedy streams batched
     presets_file: str | None = None  # where `presets` are defined, when no table is given
+    # every stream writes all its new tokens (end tokens banned by a -100 logit bias, as
+    # llama-bench ignores them): a sampled preset's streams would otherwise end at different
+    # steps and its aggregate would measure a shrinking batch, not its sampling
+    ignore_eos: bool = True
 
     def __post_init__(self):
         low, high = int(MAX_QUEUE.low), int(MAX_QUEUE.high)

@@ -24,6 +24,7 @@ from miniserve.core.config import (
     Field,
     SamplingParams,
     load_presets,
+    parse_logit_bias,
 )
 from miniserve.core.errors import Unavailable, UserError
 from miniserve.core.samplers import default_order
@@ -313,22 +314,9 @@ def constraint_from_args(args):
     return None
 
 
-def logit_bias_from(text: str | None) -> dict:
-    """ "13:-100,42:2.5" as {13: -100.0, 42: 2.5}; ConfigError naming --logit-bias."""
-    if not text:
-        return {}
-    out = {}
-    for part in text.split(","):
-        key, _, value = part.partition(":")
-        try:
-            out[int(key)] = float(value)
-        except ValueError:
-            raise ConfigError(
-                f"--logit-bias: write ID:BIAS pairs separated by commas, like "
-                f"13:-100,42:2.5 (got {part!r})",
-                "logit_bias",
-            ) from None
-    return out
+def logit_bias_from(text: str | None) -> tuple:
+    """ "13:-100,42:2.5" as checked (id, bias) pairs; ConfigError naming --logit-bias."""
+    return parse_logit_bias(text, "--logit-bias")
 
 
 def params_from_args(args) -> tuple[SamplingParams, dict[str, SamplingParams]]:

@@ -248,6 +248,7 @@ def cmd_bench_concurrency(args) -> int:
             repeat=_given(args.repeat, 1),
             peer=args.peer,
             presets_file=args.presets_file,
+            ignore_eos=not args.stop_at_eos,
         )
         concurrency_params(config)  # an unknown preset is reported before the model loads
     except (ValueError, ConfigError) as e:
@@ -454,6 +455,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated: no_cache, cache, hf_generate, transformers_loop "
         "(our cached loop on the transformers model), lean (our cached loop on "
         "the PyTorch lean pass, to set beside the native runner)",
+    )
+    b.add_argument(
+        "--stop-at-eos",
+        action="store_true",
+        help="with --concurrency: a stream ends on its end token (default: end tokens are "
+        "banned, so every stream writes its new tokens and presets compare at the same batch)",
     )
     b.add_argument(
         "--peer",

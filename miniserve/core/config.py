@@ -189,6 +189,25 @@ def check_logit_bias(bias, where: str = "logit_bias") -> tuple[tuple[int, float]
     return tuple(sorted(out.items()))
 
 
+def parse_logit_bias(text, where: str = "logit bias") -> tuple[tuple[int, float], ...]:
+    """ "13:-100, 42:2.5" (commas or lines between pairs) as checked (id, bias) pairs: the text
+    form of the CLI's --logit-bias and the Step view's box. ConfigError says how to write it."""
+    pairs = []
+    for part in str(text or "").replace("\n", ",").split(","):
+        if not part.strip():
+            continue
+        key, _, value = part.partition(":")
+        try:
+            pairs.append((int(key), float(value)))
+        except ValueError:
+            raise ConfigError(
+                f"{where}: write token ID:BIAS pairs separated by commas, like "
+                f"13:-100, 42:2.5 (got {part.strip()!r})",
+                "logit_bias",
+            ) from None
+    return check_logit_bias(pairs, where)
+
+
 class SamplingParams:
     """How to choose each token. Validated on construction; immutable.
 

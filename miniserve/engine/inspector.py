@@ -102,6 +102,20 @@ def filter_stages(
 GRAMMAR = STAGES["grammar"].label
 
 
+def removed_by(run: list[tuple], ids: list[int]) -> list[str | None]:
+    """For each token of `ids`, the first stage of `run` ((label, logits after it), as
+    filter_stages gives them) that removed it, or None: the one place this is worked out (the
+    inspector's marks, the Step view's crosses)."""
+    out: list[str | None] = [None] * len(ids)
+    if not ids:
+        return out
+    at = torch.tensor(ids)
+    for name, x in run:
+        gone = (x.reshape(-1)[at] == float("-inf")).tolist()
+        out = [o if o is not None or not g else name for o, g in zip(out, gone)]
+    return out
+
+
 def logits_before(run: list[tuple], label: str, raw: torch.Tensor) -> torch.Tensor:
     """The logits a stage received: the previous stage's output (the raw logits when first)."""
     before = raw
@@ -148,10 +162,11 @@ class Inspector:
         if self.keep:
             self.distributions.append((raw, final))
         top = torch.topk(raw, self.top)
-        candidates = []
-        for p, i in zip(top.values.tolist(), top.indices.tolist()):
-            removed = next((name for name, x in stages if x[i] == float("-inf")), None)
-            candidates.append(Candidate(i, self._text(i), p, float(final[i]), removed))
+        ids = top.indices.tolist()
+        candidates = [
+            Candidate(i, self._text(i), p, float(final[i]), removed)
+            for p, i, removed in zip(top.values.tolist(), ids, removed_by(stages, ids))
+        ]
         self.steps.append(
             Step(
                 token_id,

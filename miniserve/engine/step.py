@@ -34,7 +34,7 @@ import torch
 from miniserve.core.config import RANDOM_SEEDS, SamplingParams
 from miniserve.engine.decode import GenerationStats
 from miniserve.engine.grammar import GrammarError
-from miniserve.engine.inspector import filter_stages
+from miniserve.engine.inspector import filter_stages, removed_by
 from miniserve.engine.sampling import NoTokenAllowed, after_draw, make_generator, sample
 from miniserve.engine.scheduler import Sequence
 
@@ -189,8 +189,7 @@ def stage_view(
         mass_above = above[ids].tolist()
     bias = dict(params.logit_bias)
     rows = []
-    for n, i in enumerate(ids):
-        removed = next((name for name, s in run if s[i] == float("-inf")), None)
+    for n, (i, removed) in enumerate(zip(ids, removed_by(run, ids))):
         why = None
         if mask is not None and not bool(mask[i]):
             why = "the output format does not allow it here"
