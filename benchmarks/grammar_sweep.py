@@ -13,81 +13,70 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import threading
 import time
+
+from benchmarks.common import on_threads
+
+
+def _object(properties: dict, **more) -> dict:
+    """An object schema with every property required, in their order; `more`: its other keys."""
+    return {"type": "object", "properties": properties, "required": list(properties), **more}
+
 
 # 24 schemas, from flat to hard: nested objects, arrays with minItems/maxItems, enums, numbers
 # with bounds, optional fields, $ref/$defs, patterns, formats, anyOf, const.
 SCHEMAS: dict[str, tuple[str, dict]] = {
     "person": (
         "Describe a person.",
-        {
-            "type": "object",
-            "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-            "required": ["name", "age"],
-        },
+        _object({"name": {"type": "string"}, "age": {"type": "integer"}}),
     ),
     "bounded-number": (
         "Rate this movie from 1 to 10 and say why.",
-        {
-            "type": "object",
-            "properties": {
+        _object(
+            {
                 "score": {"type": "number", "minimum": 1, "maximum": 10},
                 "reason": {"type": "string", "maxLength": 80},
             },
-            "required": ["score", "reason"],
-            "additionalProperties": False,
-        },
+            additionalProperties=False,
+        ),
     ),
     "enum": (
         "What is the weather like today?",
-        {
-            "type": "object",
-            "properties": {
+        _object(
+            {
                 "sky": {"enum": ["sunny", "cloudy", "rainy", "snowy"]},
                 "temperature_c": {"type": "integer", "minimum": -50, "maximum": 60},
-            },
-            "required": ["sky", "temperature_c"],
-        },
+            }
+        ),
     ),
     "array-bounds": (
         "List some fruits with their colours.",
-        {
-            "type": "object",
-            "properties": {
+        _object(
+            {
                 "fruits": {
                     "type": "array",
                     "minItems": 2,
                     "maxItems": 4,
-                    "items": {
-                        "type": "object",
-                        "properties": {"name": {"type": "string"}, "colour": {"type": "string"}},
-                        "required": ["name", "colour"],
-                    },
+                    "items": _object({"name": {"type": "string"}, "colour": {"type": "string"}}),
                 }
-            },
-            "required": ["fruits"],
-        },
+            }
+        ),
     ),
     "nested": (
         "Describe a company and its address.",
-        {
-            "type": "object",
-            "properties": {
+        _object(
+            {
                 "company": {"type": "string"},
-                "address": {
-                    "type": "object",
-                    "properties": {
+                "address": _object(
+                    {
                         "street": {"type": "string"},
                         "city": {"type": "string"},
                         "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
-                    },
-                    "required": ["street", "city", "zip"],
-                },
+                    }
+                ),
                 "employees": {"type": "integer", "minimum": 1},
-            },
-            "required": ["company", "address", "employees"],
-        },
+            }
+        ),
     ),
     "optional-fields": (
         "Tell me about a book.",
@@ -106,27 +95,25 @@ SCHEMAS: dict[str, tuple[str, dict]] = {
         "Write an order with a few items.",
         {
             "$defs": {
-                "item": {
-                    "type": "object",
-                    "properties": {
+                "item": _object(
+                    {
                         "sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{3}$"},
                         "qty": {"type": "integer", "minimum": 1, "maximum": 99},
                         "price": {"type": "number", "minimum": 0},
+                    }
+                )
+            },
+            **_object(
+                {
+                    "order_id": {"type": "integer"},
+                    "items": {
+                        "type": "array",
+                        "items": {"$ref": "#/$defs/item"},
+                        "minItems": 1,
+                        "maxItems": 3,
                     },
-                    "required": ["sku", "qty", "price"],
                 }
-            },
-            "type": "object",
-            "properties": {
-                "order_id": {"type": "integer"},
-                "items": {
-                    "type": "array",
-                    "items": {"$ref": "#/$defs/item"},
-                    "minItems": 1,
-                    "maxItems": 3,
-                },
-            },
-            "required": ["order_id", "items"],
+            ),
         },
     ),
     "recursive-ref": (
@@ -151,17 +138,12 @@ SCHEMAS: dict[str, tuple[str, dict]] = {
     ),
     "booleans": (
         "Is water wet? Is fire cold? Answer both.",
-        {
-            "type": "object",
-            "properties": {"water_wet": {"type": "boolean"}, "fire_cold": {"type": "boolean"}},
-            "required": ["water_wet", "fire_cold"],
-        },
+        _object({"water_wet": {"type": "boolean"}, "fire_cold": {"type": "boolean"}}),
     ),
     "string-lengths": (
         "Give a username and a short bio.",
-        {
-            "type": "object",
-            "properties": {
+        _object(
+            {
                 "username": {
                     "type": "string",
                     "minLength": 3,
@@ -169,51 +151,42 @@ SCHEMAS: dict[str, tuple[str, dict]] = {
                     "pattern": "^[a-z0-9_]+$",
                 },
                 "bio": {"type": "string", "maxLength": 60},
-            },
-            "required": ["username", "bio"],
-        },
+            }
+        ),
     ),
     "const-and-anyof": (
         "Describe a shape.",
-        {
-            "type": "object",
-            "properties": {
+        _object(
+            {
                 "version": {"const": 1},
                 "shape": {
                     "anyOf": [
-                        {
-                            "type": "object",
-                            "properties": {
+                        _object(
+                            {
                                 "kind": {"const": "circle"},
                                 "radius": {"type": "number", "minimum": 0},
-                            },
-                            "required": ["kind", "radius"],
-                        },
-                        {
-                            "type": "object",
-                            "properties": {
+                            }
+                        ),
+                        _object(
+                            {
                                 "kind": {"const": "square"},
                                 "side": {"type": "number", "minimum": 0},
-                            },
-                            "required": ["kind", "side"],
-                        },
+                            }
+                        ),
                     ]
                 },
-            },
-            "required": ["version", "shape"],
-        },
+            }
+        ),
     ),
     "formats": (
         "Give a contact: email, a date and a website.",
-        {
-            "type": "object",
-            "properties": {
+        _object(
+            {
                 "email": {"type": "string", "format": "email"},
                 "date": {"type": "string", "format": "date"},
                 "site": {"type": "string", "format": "uri"},
-            },
-            "required": ["email", "date", "site"],
-        },
+            }
+        ),
     ),
     "list-of-strings": (
         "Name three planets.",
@@ -240,9 +213,8 @@ SCHEMAS: dict[str, tuple[str, dict]] = {
     ),
     "event": (
         "Plan a meeting.",
-        {
-            "type": "object",
-            "properties": {
+        _object(
+            {
                 "title": {"type": "string", "maxLength": 40},
                 "start": {"type": "string", "pattern": "^[0-2][0-9]:[0-5][0-9]$"},
                 "minutes": {"type": "integer", "enum": [15, 30, 45, 60]},
@@ -253,64 +225,54 @@ SCHEMAS: dict[str, tuple[str, dict]] = {
                     "maxItems": 4,
                 },
             },
-            "required": ["title", "start", "minutes", "attendees"],
-            "additionalProperties": False,
-        },
+            additionalProperties=False,
+        ),
     ),
     "recipe": (
         "Give me a simple recipe.",
-        {
-            "type": "object",
-            "properties": {
+        _object(
+            {
                 "name": {"type": "string", "maxLength": 40},
                 "servings": {"type": "integer", "minimum": 1, "maximum": 12},
                 "ingredients": {
                     "type": "array",
                     "minItems": 2,
                     "maxItems": 5,
-                    "items": {
-                        "type": "object",
-                        "properties": {
+                    "items": _object(
+                        {
                             "item": {"type": "string", "maxLength": 20},
                             "grams": {"type": "integer", "minimum": 1, "maximum": 2000},
-                        },
-                        "required": ["item", "grams"],
-                    },
+                        }
+                    ),
                 },
                 "vegetarian": {"type": "boolean"},
-            },
-            "required": ["name", "servings", "ingredients", "vegetarian"],
-        },
+            }
+        ),
     ),
     "sentiment": (
         "Classify: 'I loved this film, the acting was superb.'",
-        {
-            "type": "object",
-            "properties": {
+        _object(
+            {
                 "label": {"enum": ["positive", "negative", "neutral"]},
                 "confidence": {"type": "number", "minimum": 0, "maximum": 1},
-            },
-            "required": ["label", "confidence"],
-        },
+            }
+        ),
     ),
     "extraction": (
         "Extract: 'Alice (34) lives in Paris and works as a nurse.'",
-        {
-            "type": "object",
-            "properties": {
+        _object(
+            {
                 "name": {"type": "string"},
                 "age": {"type": "integer", "minimum": 0, "maximum": 130},
                 "city": {"type": "string"},
                 "job": {"type": ["string", "null"]},
-            },
-            "required": ["name", "age", "city", "job"],
-        },
+            }
+        ),
     ),
     "nullable-union": (
         "Describe a pet, if any.",
-        {
-            "type": "object",
-            "properties": {
+        _object(
+            {
                 "has_pet": {"type": "boolean"},
                 "pet": {
                     "anyOf": [
@@ -325,71 +287,54 @@ SCHEMAS: dict[str, tuple[str, dict]] = {
                         },
                     ]
                 },
-            },
-            "required": ["has_pet", "pet"],
-        },
+            }
+        ),
     ),
     "deep-nesting": (
         "Describe a school.",
-        {
-            "type": "object",
-            "properties": {
-                "school": {
-                    "type": "object",
-                    "properties": {
+        _object(
+            {
+                "school": _object(
+                    {
                         "name": {"type": "string", "maxLength": 30},
                         "classes": {
                             "type": "array",
                             "maxItems": 2,
-                            "items": {
-                                "type": "object",
-                                "properties": {
-                                    "teacher": {
-                                        "type": "object",
-                                        "properties": {
+                            "items": _object(
+                                {
+                                    "teacher": _object(
+                                        {
                                             "name": {"type": "string", "maxLength": 20},
                                             "subject": {
                                                 "enum": ["math", "art", "science", "music"]
                                             },
-                                        },
-                                        "required": ["name", "subject"],
-                                    },
+                                        }
+                                    ),
                                     "students": {"type": "integer", "minimum": 1, "maximum": 40},
-                                },
-                                "required": ["teacher", "students"],
-                            },
+                                }
+                            ),
                         },
-                    },
-                    "required": ["name", "classes"],
-                }
-            },
-            "required": ["school"],
-        },
+                    }
+                )
+            }
+        ),
     ),
     "integer-multiple": (
         "Pick a price in cents, a multiple of 5.",
-        {
-            "type": "object",
-            "properties": {
-                "cents": {"type": "integer", "multipleOf": 5, "minimum": 0, "maximum": 10000}
-            },
-            "required": ["cents"],
-        },
+        _object({"cents": {"type": "integer", "multipleOf": 5, "minimum": 0, "maximum": 10000}}),
     ),
     "tags": (
         "Tag this article: 'New battery doubles electric car range.'",
-        {
-            "type": "object",
-            "properties": {
+        _object(
+            {
                 "tags": {
                     "type": "array",
                     "minItems": 1,
                     "maxItems": 5,
                     "items": {"enum": ["science", "cars", "energy", "politics", "sports", "tech"]},
                 }
-            },
-            "required": ["tags"],
-        },
+            }
+        ),
     ),
     "key-value-map": (
         "Give the population of three cities (in millions).",
@@ -468,21 +413,13 @@ def run_sweep(
         ] + [
             sampled.replace(seed=s, max_new_tokens=max_tokens, constraint=constraint) for s in SEEDS
         ]
-        results: list = [None] * len(settings)
 
         def one(i):  # noqa: B023 -- each thread is joined in this iteration
             chunks = list(engine.complete(prompt, settings[i], reuse_prefix=False))  # noqa: B023
-            results[i] = (  # noqa: B023
-                "".join(c.text for c in chunks),
-                chunks[-1].stats,
-            )
+            return "".join(c.text for c in chunks), chunks[-1].stats
 
         started = time.perf_counter()
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(settings))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        results = on_threads(len(settings), one)
         for label, (text, stats) in zip(["greedy", *[f"seed {s}" for s in SEEDS]], results):
             valid, error = None, ""
             if stats.finish_reason in ("stop", "eos"):

@@ -15,7 +15,6 @@ import argparse
 import platform
 import statistics
 import sys
-import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,6 +45,8 @@ def main() -> int:
     from miniserve.engine.engine import Engine
     from miniserve.runners.loader import load_model
 
+    from benchmarks.common import on_threads
+
     loaded = load_model(args.model, dtype="stored")
     engines = {name: Engine(loaded, speculate=name, max_batch=8) for name in ("off", "ngram")}
     params = SamplingParams(temperature=0, max_new_tokens=args.tokens)
@@ -58,19 +59,10 @@ def main() -> int:
         return ids, stats
 
     def many(engine, prompts):
-        out = [None] * len(prompts)
-
-        def one(i):
-            out[i] = run(engine, prompts[i])
-
         import time
 
         start = time.perf_counter()
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        out = on_threads(len(prompts), lambda i: run(engine, prompts[i]))
         seconds = time.perf_counter() - start
         return [o[0] for o in out], sum(o[1].new_tokens for o in out) / seconds, out
 
