@@ -526,6 +526,14 @@ def load_child(original: Original, scratch_dir: Path, seeds: list, conn) -> None
     conn.send(("exit", None))
 
 
+def died_before_first(todo: list, exitcode) -> list:
+    """[(seed, "crash", detail)] for the seeds a child left when it died before its first case:
+    nothing more will run."""
+    return [
+        (s, "crash", f"the child died before its first case (exit code {exitcode})") for s in todo
+    ]
+
+
 def run_load_batch(original: Original, scratch_dir: Path, seeds: list, timeout: float):
     """[(seed, outcome, detail)] for the seeds, a child process at a time: a child that dies
     (or takes longer than `timeout` on a case) is recorded against its case and replaced by a
@@ -542,14 +550,7 @@ def run_load_batch(original: Original, scratch_dir: Path, seeds: list, timeout: 
             if not parent.poll(1):
                 if not p.is_alive() and not parent.poll(0):
                     if current is None:  # before its first case: nothing more will run
-                        return results + [
-                            (
-                                s,
-                                "crash",
-                                f"the child died before its first case (exit code {p.exitcode})",
-                            )
-                            for s in todo
-                        ]
+                        return results + died_before_first(todo, p.exitcode)
                     results.append((current, "crash", f"the child died (exit code {p.exitcode})"))
                     break
                 if current is not None and time.monotonic() - since > timeout:
@@ -562,14 +563,7 @@ def run_load_batch(original: Original, scratch_dir: Path, seeds: list, timeout: 
             except EOFError:
                 p.join(5)
                 if current is None:
-                    return results + [
-                        (
-                            s,
-                            "crash",
-                            f"the child died before its first case (exit code {p.exitcode})",
-                        )
-                        for s in todo
-                    ]
+                    return results + died_before_first(todo, p.exitcode)
                 results.append((current, "crash", f"the child died (exit code {p.exitcode})"))
                 break
             if message[0] == "start":

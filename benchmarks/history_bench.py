@@ -685,6 +685,11 @@ def bench_browser(
 
 
 # -- the report -----------------------------------------------------------------------------
+def _ms_row(label: str, count: str, f: dict) -> tuple[str, str, str, str]:
+    """A browser figure's row: its median and its max, whole milliseconds."""
+    return (label, count, f"{f['median_ms']:.0f}", f"{f['max_ms']:.0f} (max)")
+
+
 def table(result: dict) -> str:
     rows = [("operation", "matches", "median ms", "p95 ms")]
     for name, f in result["store"].items():
@@ -715,14 +720,7 @@ def table(result: dict) -> str:
         )
         for kind in ("reload", "goto"):
             f = b[kind]
-            rows.append(
-                (
-                    f"{kind}: until {b['listed']} listed",
-                    str(b["listed"]),
-                    f"{f['median_ms']:.0f}",
-                    f"{f['max_ms']:.0f} (max)",
-                )
-            )
+            rows.append(_ms_row(f"{kind}: until {b['listed']} listed", str(b["listed"]), f))
             rows.append(
                 (
                     f"{kind}: until the page load is done (#history-info)",
@@ -732,57 +730,21 @@ def table(result: dict) -> str:
                 )
             )
             e = b["empty"][kind]
-            rows.append(
-                (
-                    f"{kind}: the same, no conversations saved",
-                    "0",
-                    f"{e['median_ms']:.0f}",
-                    f"{e['max_ms']:.0f} (max)",
-                )
-            )
+            rows.append(_ms_row(f"{kind}: the same, no conversations saved", "0", e))
         full = b["run_history_full"]
         for label, f in b["search"].items():
             g = full["search"][label]
+            rows.append(_ms_row(f'search box: {label} "{f["query"]}"', str(f["matches"]), f))
+            rows.append(_ms_row("  the same, run history full", str(f["matches"]), g))
             rows.append(
-                (
-                    f'search box: {label} "{f["query"]}"',
-                    str(f["matches"]),
-                    f"{f['median_ms']:.0f}",
-                    f"{f['max_ms']:.0f} (max)",
-                )
+                _ms_row("  cleared again, until all listed", str(b["listed"]), f["cleared"])
             )
-            rows.append(
-                (
-                    "  the same, run history full",
-                    str(f["matches"]),
-                    f"{g['median_ms']:.0f}",
-                    f"{g['max_ms']:.0f} (max)",
-                )
-            )
-            rows.append(
-                (
-                    "  cleared again, until all listed",
-                    str(b["listed"]),
-                    f"{f['cleared']['median_ms']:.0f}",
-                    f"{f['cleared']['max_ms']:.0f} (max)",
-                )
-            )
-            rows.append(
-                (
-                    "  the same, run history full",
-                    str(b["listed"]),
-                    f"{g['cleared']['median_ms']:.0f}",
-                    f"{g['cleared']['max_ms']:.0f} (max)",
-                )
-            )
+            rows.append(_ms_row("  the same, run history full", str(b["listed"]), g["cleared"]))
         for kind in ("reload", "goto"):
             g = full[kind]
             rows.append(
-                (
-                    f"{kind}: until {b['listed']} listed, run history full",
-                    str(b["listed"]),
-                    f"{g['median_ms']:.0f}",
-                    f"{g['max_ms']:.0f} (max)",
+                _ms_row(
+                    f"{kind}: until {b['listed']} listed, run history full", str(b["listed"]), g
                 )
             )
         rows.append(

@@ -556,14 +556,6 @@ def measure(engine: str, kind: str, path: Path, args, round_no: int) -> dict:
                     + " | ".join(crashed["err"].strip().splitlines()[-2:])[:300]
                     + "); this run used the plain CPU buffers"
                 )
-        record = {
-            "engine": engine,
-            "kind": kind,
-            "round": round_no,
-            "cmd": cmd,
-            **done,
-            "result": result,
-        }
     else:
         with tempfile.TemporaryDirectory() as tmp:
             out_json = Path(tmp) / "ours.json"
@@ -588,14 +580,14 @@ def measure(engine: str, kind: str, path: Path, args, round_no: int) -> dict:
         result = parse_ours(data, args.ours_mode, args.prompt_list) if data else None
         if result and result.get("ready_s") is not None:
             done["ready_s"] = result["ready_s"]
-        record = {
-            "engine": engine,
-            "kind": kind,
-            "round": round_no,
-            "cmd": cmd,
-            **done,
-            "result": result,
-        }
+    record = {
+        "engine": engine,
+        "kind": kind,
+        "round": round_no,
+        "cmd": cmd,
+        **done,
+        "result": result,
+    }
     if result is None or done["rc"] not in (0, 3):  # bench exits 3 on unverified tokens
         record["error"] = (
             f"exit {done['rc']}: " + " | ".join(done["err"].strip().splitlines()[-3:])
