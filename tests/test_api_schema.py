@@ -167,3 +167,93 @@ def test_a_request_schema_has_one_if_and_one_not(model):
     rules = model.model_json_schema()["allOf"]
     assert sum("if" in rule for rule in rules) == 1
     assert sum("not" in rule for rule in rules) == 1
+
+
+# What pydantic refuses, worded once from the declaration (errors.explain): the sentences the
+# hand-written checks used to say, the field as `param`.
+TOOL_CHOICE = (
+    "'tool_choice' must be auto, none, required, or "
+    '{"type": "function", "function": {"name": ...}} naming one of \'tools\''
+)
+WORDED = [
+    ({"temperature": 3}, "temperature", "'temperature' must be in [0, 2], got 3"),
+    ({"temperature": True}, "temperature", "'temperature' must be a number [0, 2], got True"),
+    (
+        {"temperature": float("inf")},
+        "temperature",
+        "'temperature' must be a finite number [0, 2], got inf",
+    ),
+    ({"top_p": "all"}, "top_p", "'top_p' must be a number (0, 1], got 'all'"),
+    ({"top_p": 0}, "top_p", "'top_p' must be in (0, 1], got 0"),
+    ({"n": 1.5}, "n", "'n' must be a whole number [1, 8], got 1.5"),
+    ({"n": "2"}, "n", "'n' must be a whole number [1, 8], got '2'"),
+    ({"mirostat": 1}, "mirostat", "'mirostat' must be one of 0, 2, got 1"),
+    ({"mirostat": False}, "mirostat", "'mirostat' must be a whole number one of 0, 2, got False"),
+    ({"seed": -1}, "seed", "'seed' must be in [0, 9223372036854775807], got -1"),
+    ({"stream": 1}, "stream", "'stream' must be true or false"),
+    (
+        {"stream": True, "stream_options": {"include_usage": "yes"}},
+        "stream_options.include_usage",
+        "'stream_options.include_usage' must be true or false",
+    ),
+    (
+        {"stream": True, "stream_options": "x"},
+        "stream_options",
+        "'stream_options' must be an object",
+    ),
+    ({"model": 5}, "model", "'model' must be a string"),
+    ({"stop": ["a", ""]}, "stop", "'stop' must be a non-empty string or a list of up to 4 of them"),
+    ({"stop": ["a"] * 5}, "stop", "'stop' must be a non-empty string or a list of up to 4 of them"),
+    (
+        {"logit_bias": {"5": 101}},
+        "logit_bias[5]",
+        "'logit_bias[5]' must be in [-100, 100], got 101",
+    ),
+    (
+        {"logit_bias": {"abc": 101}},
+        "logit_bias",
+        "'logit_bias': keys must be token ids (whole numbers >= 0), got 'abc'",
+    ),
+    (
+        {"logit_bias": [5]},
+        "logit_bias",
+        "'logit_bias' must be an object mapping token ids to a bias in [-100, 100]",
+    ),
+    (
+        {"dry_sequence_breakers": ["a" * 65]},
+        "dry_sequence_breakers",
+        "'dry_sequence_breakers' must be a list of strings of 1 to 64 characters",
+    ),
+    (
+        {"dry_sequence_breakers": ["a"] * 33},
+        "dry_sequence_breakers",
+        "'dry_sequence_breakers' may hold at most 32 strings, got 33",
+    ),
+    ({"tool_choice": {"type": "function"}}, "tool_choice", TOOL_CHOICE),
+    ({"tool_choice": "bogus"}, "tool_choice", TOOL_CHOICE),
+    (
+        {"chat_template_kwargs": [1]},
+        "chat_template_kwargs",
+        "'chat_template_kwargs' must be an object of the chat template's switches",
+    ),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"schema": {}, "strict": 1}}},
+        "response_format.json_schema.strict",
+        "'response_format.json_schema.strict' must be true or false",
+    ),
+]
+
+
+@pytest.mark.parametrize("fields, field, message", WORDED)
+def test_what_pydantic_refuses_is_worded_from_the_declaration(fields, field, message):
+    error = refusal({"messages": [HI], **fields})
+    assert error is not None and (error.status, error.field, str(error)) == (400, field, message)
+
+
+def test_json_numbers_and_strings_are_taken_as_the_api_always_took_them():
+    body = ChatCompletionRequest.model_validate(
+        {"messages": [HI], "n": 2.0, "seed": 4.0, "stop": "x", "dry_sequence_breakers": "\n"}
+    )
+    assert (body.n, body.seed, body.stop, body.dry_sequence_breakers) == (2, 4, ["x"], ["\n"])
+    # null is the default (it used to be a 500: a length limit applied to None)
+    assert refusal({"messages": [HI], "dry_sequence_breakers": None}) is None

@@ -2,9 +2,10 @@
 
 Every refusal is a `UserError` (miniserve/core/errors.py) carrying its HTTP status, OpenAI's
 error type and code, and the request field at fault; `error_response` writes any of them.
-What pydantic finds wrong with a request body is turned into the same 400 (`from_validation`),
-never FastAPI's 422. Anything else that escapes a route is a bug here (500), or, for a model
-served over the network, its server's failure (502): `as_user_error`.
+What pydantic finds wrong with a request body is worded once (`explain`: the field, as
+`param`, and what its declaration allows) and answered as the same 400, never FastAPI's 422.
+Anything else that escapes a route is a bug here (500), or, for a model served over the
+network, its server's failure (502): `as_user_error`.
 
 A refusal for want of room carries `Retry-After` (seconds), as RFC 9110 has it for 429 and 503:
 429 when the queue is full (--max-queue requests running or waiting), with the time until
@@ -16,6 +17,8 @@ engine); 503 when the engine is shutting down: 5 s (a restart takes seconds).
 from __future__ import annotations
 
 import json
+import math
+from dataclasses import dataclass
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -129,37 +132,138 @@ def as_user_error(error: BaseException, model: str, over_network: bool) -> UserE
     return APIError(f"generation failed: {error}", status=500, kind="server_error")
 
 
-def _field(loc: tuple) -> str | None:
-    """pydantic's location of an error as the request field, as OpenAI's `param` writes it:
-    ("body", "messages", 0, "role") -> "messages[0].role"."""
-    out = ""
-    for part in loc[1:] if loc[:1] == ("body",) else loc:
-        if isinstance(part, int):
+@dataclass(frozen=True)
+class Allowed:
+    """What a field takes, in words, where no one type says it (a string or a list of them, a
+    name or an object): put in the field's Annotated declaration, it is the sentence a refusal
+    of the field reads, "'stop' must be <text>". `within`: also for what is wrong inside its
+    value (False: only for the value as a whole, and an entry's own range still named)."""
+
+    text: str
+    within: bool = True
+
+
+def _number(x) -> str:
+    return str(x) if isinstance(x, int) else f"{x:g}"
+
+
+def _describe(node: dict) -> str:
+    """A number's declared range as the messages write it: [0, 2], (0, 1], one of 0, 2."""
+    if "enum" in node:
+        return "one of " + ", ".join(_number(c) for c in node["enum"])
+    low = node.get("exclusiveMinimum", node.get("minimum"))
+    high = node.get("exclusiveMaximum", node.get("maximum"))
+    left = "(-inf" if low is None else ("(" if "exclusiveMinimum" in node else "[") + _number(low)
+    right = "inf)" if high is None else _number(high) + (")" if "exclusiveMaximum" in node else "]")
+    return f"{left}, {right}"
+
+
+def _resolve(node: dict | None, defs: dict) -> dict | None:
+    """A JSON Schema node with its $ref followed and its null alternative dropped; a node of
+    several alternatives is returned as it is (what is inside it is not one place)."""
+    while node is not None:
+        if "$ref" in node:
+            node = defs.get(node["$ref"].rsplit("/", 1)[-1])
+            continue
+        alternatives = [n for n in node.get("anyOf", ()) if n != {"type": "null"}]
+        if len(alternatives) != 1:
+            return node
+        node = alternatives[0]
+    return None
+
+
+def _place(loc: tuple, schema: dict | None) -> tuple[str, dict | None]:
+    """Where an error is, as OpenAI's `param` writes it ("messages[0].role", a dict's key in
+    brackets: "logit_bias[5]"), and the declared schema of the value there, read from the
+    request's JSON Schema (None where the path leaves it: a union's alternatives)."""
+    defs = (schema or {}).get("$defs", {})
+    node, out = schema, ""
+    for part in loc:
+        node = _resolve(node, defs)
+        tags = ((node or {}).get("discriminator") or {}).get("mapping", {})
+        if isinstance(part, str) and part in tags:  # a tagged union's tag: not a field
+            node = {"$ref": tags[part]}
+            continue
+        if node is not None and isinstance(part, int) and isinstance(node.get("items"), dict):
+            node = node["items"]
+        elif node is not None and part in node.get("properties", {}):
+            node = node["properties"][part]
+        elif node is not None and isinstance(node.get("additionalProperties"), dict):
+            node = node["additionalProperties"]
             out += f"[{part}]"
+            continue
         else:
-            out += f".{part}" if out else str(part)
-    return out or None
+            node = None
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out, _resolve(node, defs)
 
 
-def from_validation(error: RequestValidationError) -> UserError:
-    """The first problem pydantic found in a request body, as today's 400. Our field checks
-    (protocol.py) raise UserErrors whose sentences name the field and the allowed range:
-    pydantic carries them in `ctx`; its own findings (a missing field, a body that is not a
-    JSON object) are said here in the same words as before."""
-    errors = error.errors()
-    first = next((e for e in errors if e["type"] == "missing"), errors[0]) if errors else None
-    if first is None:
+def _refused_number(field: str, value, node: dict) -> str:
+    """A number outside its declaration, in the sentence every numeric setting has (the kind
+    first, then the range): "'top_p' must be a number (0, 1], got 'all'"."""
+    whole = node.get("type") == "integer"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        kind = "a whole number" if whole else "a number"
+    elif whole and isinstance(value, float) and not value.is_integer():
+        kind = "a whole number"
+    elif isinstance(value, float) and not math.isfinite(value):
+        kind = "a finite number"
+    else:
+        kind = "" if "enum" in node else "in"
+    return f"'{field}' must be {kind + ' ' if kind else ''}{_describe(node)}, got {value!r}"
+
+
+def explain(
+    errors: list[dict], schema: dict | None = None, allowed: dict[str, Allowed] | None = None
+) -> UserError:
+    """The first problem pydantic found in a request body, as the API's 400: the one place its
+    findings become sentences naming the field (`param`) and what it allows. A UserError a
+    check raised (a rule across fields, what no type can say) is carried as it is. Else the
+    sentence comes from pydantic's error type, the value sent and the field's declaration:
+    `schema` is the request's JSON Schema (the ranges it documents are the ones stated),
+    `allowed` the Allowed of the request's fields, by name."""
+    if not errors:
         return APIError("the request body is not valid")
+    first = next((e for e in errors if e["type"] == "missing"), errors[0])
     own = (first.get("ctx") or {}).get("error")
     if isinstance(own, UserError):
         return own
+    kind, ctx, value = first["type"], first.get("ctx") or {}, first.get("input")
     loc = tuple(first.get("loc", ()))
-    if first["type"] == "json_invalid":
+    loc = loc[1:] if loc[:1] == ("body",) else loc
+    if kind == "json_invalid":
         return APIError("the request body is not valid JSON")
-    if loc in ((), ("body",)):
+    if not loc:
         return APIError("the request body must be a JSON object")
-    field = _field(loc)
-    if first["type"] == "missing":
+    field, node = _place(loc, schema)
+    said = (allowed or {}).get(loc[0]) if isinstance(loc[0], str) else None
+    if kind == "too_long" and node is not None and "max_length" in ctx:
+        items = "entries" if node.get("type") == "object" else "items"
+        items = "strings" if node.get("items", {}).get("type") == "string" else items
+        return APIError(
+            f"'{field}' may hold at most {ctx['max_length']} {items}, got {len(value)}", field
+        )
+    if said is not None and (len(loc) == 1 or said.within or node is None):
+        return APIError(f"'{loc[0]}' must be {said.text}", loc[0])
+    if kind == "missing":
         return APIError(f"'{field}' is required", field)
+    if node is not None and ("enum" in node or node.get("type") in ("integer", "number")):
+        if all(isinstance(c, (int, float)) for c in node.get("enum", ())):
+            return APIError(_refused_number(field, value, node), field)
+    if kind == "bool_type" or (node or {}).get("type") == "boolean":
+        return APIError(f"'{field}' must be true or false", field)
+    if kind == "string_type":
+        return APIError(f"'{field}' must be a string", field)
+    if kind in ("model_type", "model_attributes_type", "dict_type"):
+        return APIError(f"'{field}' must be an object", field)
+    if kind == "string_too_short" and ctx.get("min_length") == 1:
+        return APIError(f"'{field}' must be a non-empty string", field)
     message = str(own) if own is not None else first.get("msg", "is not valid")
     return APIError(f"'{field}': {message}", field)
+
+
+def from_validation(error: RequestValidationError) -> UserError:
+    """What FastAPI found wrong with a request (a body that is not JSON, or not an object), or
+    what the request's model refused (protocol.py: already the sentence `explain` made), as
+    the API's 400."""
+    return explain(error.errors())

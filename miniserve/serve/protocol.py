@@ -3,10 +3,14 @@
 route runs.
 
 Ranges come from the one table in miniserve.core.config (`FIELDS`, `MAX_CHOICES`, ...), or,
-for fields only the API has, the `Limit`s below. Each field's check runs before pydantic's own
-and is config's (`check_number`, `check_value`, `check_seed`) or the one written here, so a bad
-value gets the sentence it always got, naming the field and what is allowed; pydantic carries
-that error out (errors.from_validation) and the route answers 400. A conversation's messages
+for fields only the API has, the `Limit`s below. Each field is declared once, as its pydantic
+type with its limits (`number`, `flag`, ...), and pydantic alone checks it; what it refuses is
+worded in one place, errors.explain, from the error and the request's own declaration (its
+JSON Schema; `Allowed` for a field of several shapes), naming the field and what is allowed:
+"'top_p' must be a number (0, 1], got 'all'" (`_Explained`); the route answers 400. What no
+type says is a validator here, once: a rule across fields, token ids as logit_bias's keys,
+the stages `samplers` names, the template switches the server keeps, an OpenAI field refused
+with its own code, a prompt's or output format's shapes. A conversation's messages
 are documented as a model for each role; `_messages` checks what those state (the types of the
 fields the engine reads, text in every user message) before chat.check_messages, the engine's
 own check, makes them what it takes. What needs the model -- its context window (the ceiling
@@ -15,21 +19,25 @@ in parse.py.
 """
 
 import dataclasses
+import functools
 import json
 import re
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
     Field,
     SkipValidation,
     StrictBool,
+    ValidationError,
     create_model,
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from miniserve.core.config import (
     MAX_CHOICES,
@@ -39,15 +47,11 @@ from miniserve.core.config import (
     SEED_MAX,
     ConfigError,
     Constraint,
-    check_logit_bias,
-    check_number,
-    check_seed,
-    check_value,
 )
 from miniserve.core.config import Field as Limit
-from miniserve.core.samplers import PARAMS, check_order, default_order
-from miniserve.engine.chat import TOOL_CHOICES, ChatError, ChatOptions, check_messages
-from miniserve.serve.errors import APIError
+from miniserve.core.samplers import MAX_BREAKER_CHARS, PARAMS, check_order, default_order
+from miniserve.engine.chat import ChatError, ChatOptions, check_messages
+from miniserve.serve.errors import Allowed, APIError, explain
 
 DEFAULT_MAX_TOKENS = 1024  # chat
 DEFAULT_COMPLETION_TOKENS = 16  # /v1/completions, as OpenAI's
@@ -97,6 +101,7 @@ REASONING_BUDGET = Limit(
     "reasoning tokens at most; then the reasoning is closed and the answer follows (default: "
     "the server's --reasoning-budget, else no limit). max_tokens counts reasoning and answer",
 )
+SEED = Limit(int, 0, SEED_MAX, 0, "seed", "choice i samples with seed + i")
 COMPLETION_LOGPROBS = Limit(
     int,
     0,
@@ -115,7 +120,8 @@ STRUCTURED_KINDS = {
 
 
 def _checked(check):
-    """A field's own check, run before pydantic's (None: the field left out)."""
+    """A check pydantic cannot make (a cross-reference, a refusal with its own code), run on
+    the value as sent (None: the field left out)."""
 
     def run(value):
         return None if value is None else check(value)
@@ -123,36 +129,50 @@ def _checked(check):
     return BeforeValidator(run)
 
 
-def _ranged(spec: Limit, check, default):
-    """A number (or null) documented with `spec`'s kind and range, checked by `check`."""
-    kind = int if spec.kind is int else float
+def _json_number(value):
+    """A JSON number as pydantic's strict int takes it: 5.0 is 5 (JSON Schema's integer says
+    so); true and false are no numbers (a Literal of ints would take false for 0)."""
+    if isinstance(value, bool):
+        raise PydanticCustomError("int_type", "Input should be a valid integer")
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def number(spec: Limit):
+    """A number as `spec` declares it, checked by pydantic alone: its kind (strict: no
+    strings, no booleans; a float finite), its range or its choices. The sentence a refusal
+    reads is errors.explain's, from this declaration."""
+    if spec.choices:
+        return Annotated[Literal[spec.choices], BeforeValidator(_json_number)]
     bounds = {"gt" if spec.low_open else "ge": spec.low, "le": spec.high}
-    number = Literal[spec.choices] if spec.choices else Annotated[kind, Field(**bounds)]
-    return Annotated[
-        number | None,
-        _checked(check),
-        Field(default, description=spec.help),
-    ]
+    if spec.kind is int:
+        return Annotated[int, Field(strict=True, **bounds), BeforeValidator(_json_number)]
+    return Annotated[float, Field(strict=True, allow_inf_nan=False, **bounds)]
 
 
-def limited(name: str, spec: Limit, default=None):
-    """One of the API's own numbers, checked against its Limit."""
-    return _ranged(spec, lambda v: check_number(name, v, spec), default)
+def limited(spec: Limit, default=None):
+    """A number (or null: `default`) documented and checked with `spec`'s kind and range."""
+    return Annotated[number(spec) | None, Field(default, description=spec.help)]
+
+
+def _listed(value):
+    """A string as the list of it (llama-server takes either)."""
+    return [value] if isinstance(value, str) else value
 
 
 def sampling(name: str):
-    """A stage's setting, as its declaration states it: its range (checked as SamplingParams
-    checks it) and its off value when left out; a list of strings for a list."""
+    """A stage's setting, as its declaration states it: its range and its off value when left
+    out; a list of strings for a list (its length the declaration's high)."""
     stage, param = PARAMS[name]
     help = f"{param.field.help} ({stage.label}: {stage.help})"
     if param.field.kind is tuple:
+        text = Annotated[str, Field(min_length=1, max_length=MAX_BREAKER_CHARS)]
         return Annotated[
-            SkipValidation[list[Annotated[str, Field(min_length=1)]] | None],
-            _checked(lambda v: check_value(name, v)),
-            Field(list(param.off), description=help, max_length=int(param.field.high)),
+            Annotated[list[text], Field(max_length=int(param.field.high))] | None,
+            BeforeValidator(_listed),
+            Allowed(f"a list of strings of 1 to {MAX_BREAKER_CHARS} characters"),
+            Field(list(param.off), description=help),
         ]
-    spec = dataclasses.replace(param.field, help=help)
-    return _ranged(spec, lambda v: check_value(name, v), param.off)
+    return limited(dataclasses.replace(param.field, help=help), param.off)
 
 
 def _samplers(value):
@@ -177,15 +197,9 @@ def stage_fields() -> dict:
     return fields
 
 
-def flag(name: str, default: bool | None = False, description: str | None = None):
+def flag(default: bool | None = False, description: str | None = None):
     """true or false (null: the default)."""
-
-    def check(value):
-        if not isinstance(value, bool):
-            raise ConfigError(f"'{name}' must be true or false", name)
-        return value
-
-    return Annotated[bool | None, _checked(check), Field(default, description=description)]
+    return Annotated[StrictBool | None, Field(default, description=description)]
 
 
 # what a refused field may hold: nothing asked (null, [], {}, "none")
@@ -212,88 +226,6 @@ def unsupported(name: str, description: str):
         )
 
     return Annotated[NOTHING | None, _checked(check), Field(None, description=description)]
-
-
-def _model(value):
-    if not isinstance(value, str):
-        raise ConfigError("'model' must be a string", "model")
-    return value
-
-
-def _stream_options(value):
-    if not isinstance(value, dict):
-        raise ConfigError("'stream_options' must be an object", "stream_options")
-    usage = value.get("include_usage")
-    if usage is not None and not isinstance(usage, bool):
-        raise ConfigError(
-            "'stream_options.include_usage' must be true or false", "stream_options.include_usage"
-        )
-    return value
-
-
-def _stop(value):
-    stop = [value] if isinstance(value, str) else value
-    if (
-        not isinstance(stop, list)
-        or len(stop) > 4
-        or any(not isinstance(s, str) or not s for s in stop)
-    ):
-        raise ConfigError("'stop' must be a non-empty string or a list of up to 4 of them", "stop")
-    return stop
-
-
-def _logit_bias(value):
-    if not isinstance(value, dict):
-        raise ConfigError(
-            "'logit_bias' must be an object mapping token ids to a bias in [-100, 100]",
-            "logit_bias",
-        )
-    check_logit_bias(value)  # ids as whole numbers, each bias in range (the vocabulary: later)
-    return value
-
-
-def _response_format(fmt):
-    field = "response_format"
-    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
-        raise ConfigError(
-            '\'response_format\' must be {"type": "text"}, '
-            '{"type": "json_object"} or {"type": "json_schema", '
-            '"json_schema": {"name": ..., "schema": {...}}}',
-            field,
-        )
-    if fmt["type"] != "json_schema":
-        return {"type": fmt["type"]}  # nothing else is read
-    spec = fmt.get("json_schema")
-    if not isinstance(spec, dict):
-        raise ConfigError(
-            "'response_format.json_schema' must be an object with 'name' and 'schema'",
-            "response_format.json_schema",
-        )
-    name = spec.get("name")
-    if name is not None and (not isinstance(name, str) or not name):
-        raise ConfigError(
-            "'response_format.json_schema.name' must be a non-empty string",
-            "response_format.json_schema.name",
-        )
-    if not isinstance(spec.get("strict", False), bool):
-        raise ConfigError(
-            "'response_format.json_schema.strict' must be true or false",
-            "response_format.json_schema.strict",
-        )
-    if not isinstance(spec.get("schema"), dict):
-        raise ConfigError(
-            "'response_format.json_schema.schema' is required: the JSON Schema "
-            "the reply must follow (an object)",
-            "response_format.json_schema.schema",
-        )
-    return {
-        "type": "json_schema",
-        "json_schema": {
-            "name": name,
-            "schema": spec["schema"],
-            "strict": spec.get("strict", False),
-        },
-    }
 
 
 def _structured_outputs(extra):
@@ -323,6 +255,20 @@ def _structured_outputs(extra):
     elif not isinstance(value, str) or not value.strip():
         raise ConfigError(f"'{field}' must be a non-empty string", field)
     return {key: value}
+
+
+# a logit_bias key: a token id as JSON writes an object's keys, digits (the vocabulary: later)
+TOKEN_ID = r"^\s*[0-9]+\s*$"
+
+
+def _token_id(key: str) -> str:
+    """A logit_bias key is a token id (checked with its entry, before its bias)."""
+    if not re.fullmatch(TOKEN_ID, key):
+        raise ConfigError(
+            f"'logit_bias': keys must be token ids (whole numbers >= 0), got {key!r}",
+            "logit_bias",
+        )
+    return key
 
 
 def _is_id(value) -> bool:
@@ -380,25 +326,6 @@ def _suffix(value):
     return value
 
 
-def _tool_choice(value):
-    if value in TOOL_CHOICES:
-        return value
-    fn = value.get("function") if isinstance(value, dict) else None
-    if (
-        not isinstance(value, dict)
-        or value.get("type") != "function"
-        or not isinstance(fn, dict)
-        or not isinstance(fn.get("name"), str)
-        or not fn["name"]
-    ):
-        raise ConfigError(
-            "'tool_choice' must be auto, none, required, or "
-            '{"type": "function", "function": {"name": ...}} naming one of \'tools\'',
-            "tool_choice",
-        )
-    return value
-
-
 # apply_chat_template's own arguments and what it hands every template itself: the call's,
 # not switches of the template (the conversation, the tools, another template, tokenizing)
 TEMPLATE_ARGUMENTS = (
@@ -421,12 +348,8 @@ TEMPLATE_ARGUMENTS = (
 )
 
 
-def _template_kwargs(value):
-    if not isinstance(value, dict):
-        raise ConfigError(
-            "'chat_template_kwargs' must be an object of the chat template's switches",
-            "chat_template_kwargs",
-        )
+def _template_kwargs(value: dict) -> dict:
+    """No key the server sets itself (a name check pydantic's propertyNames cannot word)."""
     for key in value:
         if key in TEMPLATE_ARGUMENTS:
             field = f"chat_template_kwargs.{key}"
@@ -672,7 +595,7 @@ class NamedToolChoice(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool | None = Field(None, description="a last chunk with the usage")
+    include_usage: StrictBool | None = Field(None, description="a last chunk with the usage")
 
 
 class JSONSchemaFormat(BaseModel):
@@ -682,7 +605,7 @@ class JSONSchemaFormat(BaseModel):
         description="the JSON Schema the reply "
         "follows; a keyword the library cannot enforce is a 400",
     )
-    strict: bool = False
+    strict: StrictBool = False
 
 
 class TextFormat(BaseModel):
@@ -744,30 +667,52 @@ class StructuredOutputs(BaseModel):
 # -- the requests ----------------------------------------------------------------------------
 
 
-class _Request(BaseModel):
+class _Explained(BaseModel):
+    """A request whose refusal names the field and what it allows: what pydantic finds wrong,
+    worded once (errors.explain) from the request's own declaration (its JSON Schema, its
+    fields' Allowed)."""
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _explained(cls, data, handler):
+        try:
+            return handler(data)
+        except ValidationError as e:
+            raise explain(e.errors(), *_declared(cls)) from None
+
+
+@functools.cache
+def _declared(model: type[BaseModel]) -> tuple[dict, dict[str, Allowed]]:
+    """A request model's JSON Schema and its fields' Allowed (errors.explain reads both)."""
+    allowed = {
+        name: m
+        for name, info in model.model_fields.items()
+        for m in info.metadata
+        if isinstance(m, Allowed)
+    }
+    return model.model_json_schema(), allowed
+
+
+class _Request(_Explained):
     """What /v1/chat/completions and /v1/completions take alike. Unknown fields are ignored."""
 
     model_config = ConfigDict(json_schema_extra={"allOf": _rules()})  # _together's
 
-    model: Annotated[
-        str | None,
-        _checked(_model),
-        Field(
-            None,
-            description="a served model (GET /v1/models); left out or a placeholder "
-            '("default", "gpt-4o", ...): the default',
-        ),
-    ]
-    n: limited("n", N, 1)
-    stream: flag("stream")
-    stream_options: Annotated[
-        StreamOptions | None,
-        _checked(_stream_options),
-        Field(None, description="only with stream: true"),
-    ]
+    model: str | None = Field(
+        None,
+        description="a served model (GET /v1/models); left out or a placeholder "
+        '("default", "gpt-4o", ...): the default',
+    )
+    n: limited(N, 1)
+    stream: flag()
+    stream_options: StreamOptions | None = Field(None, description="only with stream: true")
     response_format: Annotated[
         ResponseFormat | None,
-        _checked(_response_format),
+        Allowed(
+            '{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
+            '"json_schema": {"name": ..., "schema": {...}}}',
+            within=False,
+        ),
         Field(None, description="text, any JSON object, or JSON following a schema"),
     ]
     structured_outputs: Annotated[
@@ -780,38 +725,34 @@ class _Request(BaseModel):
         ),
     ]
     stop: Annotated[
-        SkipValidation[
-            Annotated[str, Field(min_length=1)]
-            | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=4)]
-            | None
-        ],
-        _checked(_stop),
+        Annotated[str, Field(min_length=1)]
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=4)]
+        | None,
+        AfterValidator(_listed),
+        Allowed("a non-empty string or a list of up to 4 of them"),
         Field(None, description="up to 4 stop strings"),
     ]
-    seed: Annotated[
-        Annotated[int, Field(ge=0, le=SEED_MAX)] | None,
-        _checked(check_seed),
-        Field(None, description="choice i samples with seed + i"),
-    ]
-    presence_penalty: limited("presence_penalty", PENALTY, 0.0)
-    frequency_penalty: limited("frequency_penalty", PENALTY, 0.0)
+    seed: limited(SEED)
+    presence_penalty: limited(PENALTY, 0.0)
+    frequency_penalty: limited(PENALTY, 0.0)
     speculate: Literal["ngram", "off"] | None = Field(
         None,
         description="extension: prompt-lookup speculation for this request (default: the "
         "server's --speculate); the reply is the same either way, only its speed differs",
     )
     logit_bias: Annotated[
-        SkipValidation[
-            Annotated[
-                dict[str, Annotated[float, Field(ge=-100, le=100)]],
-                Field(
-                    max_length=MAX_LOGIT_BIAS_TOKENS,
-                    json_schema_extra={"propertyNames": {"pattern": r"^\s*[0-9]+\s*$"}},
-                ),
-            ]
-            | None
-        ],
-        _checked(_logit_bias),
+        Annotated[
+            dict[
+                Annotated[str, AfterValidator(_token_id)],
+                Annotated[float, Field(ge=-100, le=100, strict=True, allow_inf_nan=False)],
+            ],
+            Field(
+                max_length=MAX_LOGIT_BIAS_TOKENS,
+                json_schema_extra={"propertyNames": {"pattern": TOKEN_ID}},
+            ),
+        ]
+        | None,
+        Allowed("an object mapping token ids to a bias in [-100, 100]", within=False),
         Field(None, description="token id -> bias added to its logit; -100 bans the token"),
     ]
 
@@ -882,8 +823,8 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: MaxTokens = Field(
         None, description="OpenAI's newer name of max_tokens (wins over it)"
     )
-    logprobs: flag("logprobs")
-    top_logprobs: limited("top_logprobs", TOP_LOGPROBS, 0)
+    logprobs: flag()
+    top_logprobs: limited(TOP_LOGPROBS, 0)
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = Field(
         None,
         description="functions the model may call, shown to it through its chat template (a "
@@ -892,7 +833,10 @@ class ChatCompletionRequest(SamplingRequest):
     )
     tool_choice: Annotated[
         Literal["auto", "none", "required"] | NamedToolChoice | None,
-        _checked(_tool_choice),
+        Allowed(
+            "auto, none, required, or "
+            '{"type": "function", "function": {"name": ...}} naming one of \'tools\''
+        ),
         Field(
             None,
             description="auto (default): the model chooses; none: the tools are shown, no call is "
@@ -901,18 +845,17 @@ class ChatCompletionRequest(SamplingRequest):
             "tools",
         ),
     ]
-    parallel_tool_calls: flag(
-        "parallel_tool_calls", None, "more than one call in a reply (default true)"
-    )
+    parallel_tool_calls: flag(None, "more than one call in a reply (default true)")
     functions: unsupported("functions", "refused: the legacy function calling; use tools")
     function_call: unsupported("function_call", "refused: the legacy function calling; use tools")
     chat_template_kwargs: Annotated[
         Annotated[
             dict[str, Any],
             Field(json_schema_extra={"propertyNames": {"not": {"enum": list(TEMPLATE_ARGUMENTS)}}}),
+            AfterValidator(_template_kwargs),
         ]
         | None,
-        _checked(_template_kwargs),
+        Allowed("an object of the chat template's switches", within=False),
         Field(
             None,
             description='passed to the chat template, e.g. {"enable_thinking": false} for '
@@ -925,7 +868,7 @@ class ChatCompletionRequest(SamplingRequest):
         description="none: thinking off (enable_thinking false, or a reasoning budget of 0); "
         "the others leave it on",
     )
-    reasoning_budget: limited("reasoning_budget", REASONING_BUDGET)
+    reasoning_budget: limited(REASONING_BUDGET)
 
     @field_validator("tools")
     @classmethod
@@ -1004,9 +947,9 @@ class CompletionRequest(SamplingRequest):
             "context window; 0 generates nothing and scores the prompt (echo, logprobs)"
         ),
     )
-    echo: flag("echo")
-    logprobs: limited("logprobs", COMPLETION_LOGPROBS)
-    best_of: limited("best_of", BEST_OF)
+    echo: flag()
+    logprobs: limited(COMPLETION_LOGPROBS)
+    best_of: limited(BEST_OF)
     suffix: Annotated[
         Literal[""] | None, _checked(_suffix), Field(None, description="refused: no insertion")
     ]
@@ -1028,7 +971,7 @@ class CompletionRequest(SamplingRequest):
         return [p] if isinstance(p, str) or (p and _is_id(p[0])) else list(p)
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Explained):
     """vLLM's /tokenize: `prompt` (tokenized as completions does) or `messages` (with the chat
     template, the assistant's turn opened)."""
 
@@ -1036,7 +979,7 @@ class TokenizeRequest(BaseModel):
     model_config = ConfigDict(
         json_schema_extra={"anyOf": [{"required": ["prompt"]}, {"required": ["messages"]}]}
     )
-    model: Annotated[str | None, _checked(_model), Field(None)]
+    model: str | None = None
     prompt: Annotated[SkipValidation[str], BeforeValidator(_tokenize_prompt), Field(None)]
     messages: Annotated[
         SkipValidation[Annotated[list[ChatMessage], Field(min_length=1)]],
