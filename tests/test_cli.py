@@ -27,21 +27,17 @@ def run(*args, stdin=None, timeout=240, env=None):
     )
 
 
-def test_generate_json_matches_the_engine(engine, ref32):
-    r = run(
-        "generate",
-        "--prompt",
-        "What is the capital of France?",
-        "--preset",
-        "factual",
-        "--max-new-tokens",
-        "12",
-        "--json",
-        "--dtype",
-        "float32",
-    )
+def generate_json(*args, **kwargs) -> dict:
+    """`generate --json` with `args`: the reply as the command wrote it, having succeeded."""
+    r = run("generate", *args, "--json", **kwargs)
     assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout)
+    return json.loads(r.stdout)
+
+
+def test_generate_json_matches_the_engine(engine, ref32):
+    question = "What is the capital of France?"
+    args = ("--prompt", question, "--preset", "factual", "--max-new-tokens", "12")
+    out = generate_json(*args, "--dtype", "float32")
     assert {"text", "token_ids", "prompt_tokens", "ttft_s", "tokens_per_s", "cache"} <= set(out)
     assert out["cache"] is True and 0 < len(out["token_ids"]) <= 12
     assert out["text"] == engine.tokenizer.decode(out["token_ids"], skip_special_tokens=True)
@@ -50,29 +46,15 @@ def test_generate_json_matches_the_engine(engine, ref32):
     from miniserve.core.config import SamplingParams
 
     text, _ = engine.chat_text(
-        [{"role": "user", "content": "What is the capital of France?"}],
+        [{"role": "user", "content": question}],
         SamplingParams(temperature=0, max_new_tokens=12),
         reuse_prefix=False,
     )
     assert out["text"] == text
-    nocache = json.loads(
-        run(
-            "generate",
-            "--prompt",
-            "What is the capital of France?",
-            "--preset",
-            "factual",
-            "--max-new-tokens",
-            "12",
-            "--json",
-            "--dtype",
-            "float32",
-            "--no-cache",
-        ).stdout
-    )
+    nocache = generate_json(*args, "--dtype", "float32", "--no-cache")
     assert nocache["cache"] is False
     # Without the cache the sums are others (many rows through MKL): held to the reference.
-    prompt = chat_ids(engine.tokenizer, "What is the capital of France?")
+    prompt = chat_ids(engine.tokenizer, question)
     for reply in (out, nocache):  # a shorter reply ended on one of the end tokens
         ends = () if len(reply["token_ids"]) == 12 else engine.eos_ids
         assert check_tokens(ref32, prompt, reply["token_ids"], BOUND_FLOAT32, ends).ok
@@ -288,22 +270,11 @@ def test_output_format_flags(tmp_path):
     """--regex holds the reply to the pattern; a schema the grammar library cannot enforce, a
     bad pattern, an unreadable file, a logit-bias id beyond the vocabulary: one line each
     naming the flag, exit 2, no traceback."""
-    r = run(
-        "generate",
-        "--prompt",
-        "What is today's date?",
-        "--regex",
-        r"\d{4}-\d{2}-\d{2}",
-        "--temperature",
-        "0",
-        "--max-new-tokens",
-        "20",
-        "--json",
-    )
-    assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout)
-    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", out["text"]) and out["finish_reason"] == "stop"
-    assert out["params"]["constraint"] == {"kind": "regex", "value": r"\d{4}-\d{2}-\d{2}"}
+    date = r"\d{4}-\d{2}-\d{2}"
+    greedy = ("--temperature", "0", "--max-new-tokens", "20")
+    out = generate_json("--prompt", "What is today's date?", "--regex", date, *greedy)
+    assert re.fullmatch(date, out["text"]) and out["finish_reason"] == "stop"
+    assert out["params"]["constraint"] == {"kind": "regex", "value": date}
     unique = tmp_path / "unique.json"
     unique.write_text('{"type": "array", "uniqueItems": true}')
     for args, words in [
@@ -325,21 +296,8 @@ def test_preset_greedy_is_built_in_and_gives_the_argmax(engine):
     from miniserve.core.config import SamplingParams
 
     question = "Name a large animal."
-    r = run(
-        "generate",
-        "--prompt",
-        question,
-        "--preset",
-        "greedy",
-        "--max-new-tokens",
-        "10",
-        "--json",
-        "--show-probs",
-        "--dtype",
-        "float32",
-    )
-    assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout)
+    flags = ("--preset", "greedy", "--max-new-tokens", "10", "--show-probs", "--dtype", "float32")
+    out = generate_json("--prompt", question, *flags)
     assert out["params"]["temperature"] == 0 and out["params"]["top_k"] == 0
     assert out["params"]["repetition_penalty"] == 1.0 and out["token_ids"]
     # each token the command chose was the top of the raw softmax at its step
@@ -356,20 +314,9 @@ def test_preset_greedy_is_built_in_and_gives_the_argmax(engine):
 def test_presets_file_defining_greedy_overrides_the_built_in(tmp_path):
     f = tmp_path / "presets.yaml"
     f.write_text("presets:\n  greedy:\n    temperature: 0.9\n    top_k: 5\n    max_new_tokens: 3\n")
-    r = run(
-        "generate",
-        "--prompt",
-        "Hi",
-        "--preset",
-        "greedy",
-        "--presets-file",
-        str(f),
-        "--seed",
-        "1",
-        "--json",
+    out = generate_json(
+        "--prompt", "Hi", "--preset", "greedy", "--presets-file", str(f), "--seed", "1"
     )
-    assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout)
     assert (
         out["params"]["temperature"],
         out["params"]["top_k"],

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_cli import run
+from test_cli import generate_json, run
 
 from miniserve.core.config import SamplingParams
 from miniserve.models.registry import (
@@ -224,31 +224,15 @@ def test_prompt_logprobs_match_one_forward_pass(engine):
 
 # -- the command line ------------------------------------------------------------------------
 def test_generate_raw_continues_the_prompt(engine):
-    r = run(
-        "generate",
-        "--raw",
-        "--prompt",
-        "The capital of France is",
-        "--temperature",
-        "0",
-        "--repetition-penalty",
-        "1",
-        "--max-new-tokens",
-        "10",
-        "--json",
-        "--dtype",
-        "float32",
-    )
-    assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout)
+    prompt = "The capital of France is"
+    flags = ("--temperature", "0", "--repetition-penalty", "1", "--max-new-tokens", "10")
+    out = generate_json("--raw", "--prompt", prompt, *flags, "--dtype", "float32")
     text = "".join(
         c.text
-        for c in engine.complete_text(
-            "The capital of France is", GREEDY.replace(max_new_tokens=10), reuse_prefix=False
-        )
+        for c in engine.complete_text(prompt, GREEDY.replace(max_new_tokens=10), reuse_prefix=False)
     )
     assert out["raw"] is True and out["text"] == text
-    assert out["prompt_tokens"] == len(engine.tokenizer("The capital of France is")["input_ids"])
+    assert out["prompt_tokens"] == len(engine.tokenizer(prompt)["input_ids"])
     r = run("generate", "--raw", "--system", "x", "--prompt", "hi")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--system" in r.stderr
 
