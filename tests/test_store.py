@@ -153,15 +153,21 @@ def test_migration_from_the_first_version_keeps_and_indexes_old_conversations(tm
     s.close()
 
 
-def test_a_newer_schema_is_not_opened_but_kept_aside(tmp_path):
-    path = tmp_path / "h.sqlite3"
-    Store(path).close()
+def refused_as_newer(path):
+    """The history file at `path` marked as a newer store's (schema version one past this
+    store's): Store refuses to open it."""
     db = sqlite3.connect(path)
     db.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
     db.commit()
     db.close()
     with pytest.raises(sqlite3.DatabaseError, match="newer"):
         Store(path)
+
+
+def test_a_newer_schema_is_not_opened_but_kept_aside(tmp_path):
+    path = tmp_path / "h.sqlite3"
+    Store(path).close()
+    refused_as_newer(path)
     s = open_store(path)
     assert s.version == SCHEMA_VERSION and not s.in_memory
     assert "kept aside" in s.notice
@@ -599,8 +605,9 @@ def test_openai_messages_import(store):
     assert set(ids(store.conversations(A, "treasure"))) == {cid, cid2}
 
 
-def _bad_cases():
-    good = {
+def good_tree(**reply):
+    """A conversation export of one question and its reply (with `reply`'s fields too)."""
+    return {
         "format": "miniserve.conversation",
         "version": 1,
         "title": "T",
@@ -610,9 +617,13 @@ def _bad_cases():
         "current": 1,
         "messages": [
             {"id": 0, "parent": None, "role": "user", "content": "q", "created": 1.0},
-            {"id": 1, "parent": 0, "role": "assistant", "content": "a", "created": 1.5},
+            {"id": 1, "parent": 0, "role": "assistant", "content": "a", "created": 1.5, **reply},
         ],
     }
+
+
+def _bad_cases():
+    good = good_tree()
 
     def changed(edit):
         data = json.loads(json.dumps(good))

@@ -10,6 +10,7 @@ from dataclasses import FrozenInstanceError, asdict
 from pathlib import Path
 
 import pytest
+from test_store import good_tree, refused_as_newer
 
 from miniserve.store.records import as_dict
 from miniserve.store.store import (
@@ -193,12 +194,7 @@ def test_a_migrated_file_takes_replies_with_reasoning_and_tool_calls(v2):
 
 def test_a_file_newer_than_this_store_is_refused_and_kept_aside(v2):
     path, _ = v2
-    db = sqlite3.connect(path)
-    db.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
-    db.commit()
-    db.close()
-    with pytest.raises(sqlite3.DatabaseError, match="newer"):
-        Store(path)
+    refused_as_newer(path)
     assert user_version(path) == SCHEMA_VERSION + 1  # refused, not changed
     s = open_store(path)
     assert s.version == SCHEMA_VERSION and not s.in_memory and "kept aside" in s.notice
@@ -322,22 +318,6 @@ def test_an_export_without_the_new_keys_still_imports(store):
     assert old_shape(store.export_all(A)) == old
     for cid in ids:
         assert all(m.reasoning == "" and m.tool_calls == [] for m in store.path(A, cid))
-
-
-def good_tree(**reply):
-    return {
-        "format": "miniserve.conversation",
-        "version": 1,
-        "title": "T",
-        "system": "",
-        "created": 1.0,
-        "updated": 2.0,
-        "current": 1,
-        "messages": [
-            {"id": 0, "parent": None, "role": "user", "content": "q", "created": 1.0},
-            {"id": 1, "parent": 0, "role": "assistant", "content": "a", "created": 1.5, **reply},
-        ],
-    }
 
 
 @pytest.mark.parametrize(
