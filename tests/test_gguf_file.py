@@ -279,33 +279,18 @@ def test_bad_magic_and_versions(tmp_path, original):
 
 def test_garbage_lengths_and_counts(tmp_path, reader, original):
     name = parts_at(reader.fields["general.name"])
-    refused(
-        patched(tmp_path, (name[0], struct.pack("<Q", 1 << 62))), "metadata key #", "past the end"
-    )
-    refused(
-        patched(tmp_path, (name[3], struct.pack("<Q", 1 << 40))),
-        "'general.name'",
-        "1,099,511,627,776 bytes long",
-    )
     tokens = parts_at(reader.fields["tokenizer.ggml.tokens"])
-    refused(
-        patched(tmp_path, (tokens[4], struct.pack("<Q", 1 << 61))),
-        "'tokenizer.ggml.tokens'",
-        "2,305,843,009,213,693,952 strings",
-    )
-    refused(
-        patched(tmp_path, (tokens[5 + 2 * 1000], struct.pack("<Q", 1 << 50))),
-        "'tokenizer.ggml.tokens'",
-        "string #1,001 of 49,152",
-    )
     types = parts_at(reader.fields["tokenizer.ggml.token_type"])
-    refused(
-        patched(tmp_path, (types[4], struct.pack("<Q", 1 << 60))),
-        "'tokenizer.ggml.token_type'",
-        "values of 4 bytes",
-    )
-    refused(patched(tmp_path, (8, struct.pack("<Q", 1 << 62))), "tensors", "damaged")
-    refused(patched(tmp_path, (16, struct.pack("<Q", 1 << 62))), "metadata keys")
+    for at, count, *words in [  # a length or a count at `at` made `count`
+        (name[0], 1 << 62, "metadata key #", "past the end"),
+        (name[3], 1 << 40, "'general.name'", "1,099,511,627,776 bytes long"),
+        (tokens[4], 1 << 61, "'tokenizer.ggml.tokens'", "2,305,843,009,213,693,952 strings"),
+        (tokens[5 + 2 * 1000], 1 << 50, "'tokenizer.ggml.tokens'", "string #1,001 of 49,152"),
+        (types[4], 1 << 60, "'tokenizer.ggml.token_type'", "values of 4 bytes"),
+        (8, 1 << 62, "tensors", "damaged"),
+        (16, 1 << 62, "metadata keys"),
+    ]:
+        refused(patched(tmp_path, (at, struct.pack("<Q", count))), *words)
     for seed in range(20):  # random bytes behind a good header: a clean refusal each time
         rng = np.random.default_rng(seed)
         junk = original[:24] + rng.integers(0, 256, 20000, dtype=np.uint8).tobytes()
