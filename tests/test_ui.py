@@ -305,7 +305,9 @@ def test_regenerate_and_edit_make_branches_and_the_arrows_switch(chat):
     edited = SimpleNamespace(index=0, value="Name a vegetable.\n\n‹ 1/1 ›", previous_value="")
     after = Shown(
         *last(
-            chat.edit(back.browser, back.view, "", "", "factual", *sliders(chat), 1, False, edited)
+            chat.edit(
+                back.browser, back.view, "", "", "factual", *sliders(chat), 1, False, edited=edited
+            )
         )[:8]
     )
     assert after.chatbot[0]["content"] == "Name a vegetable.\n\n‹ 2/2 ›"
@@ -732,9 +734,9 @@ def test_regenerate_and_edit_follow_the_output_format(chat):
                 *sliders(chat),
                 1,
                 False,
-                edited,
                 "Choice",
                 "plum, fig",
+                edited=edited,
             )
         )[:8]
     )
@@ -745,7 +747,7 @@ def test_gradio_hands_the_output_format_to_the_handlers(engine, presets):
     """The events pass the Output format's two values, then the Model dropdown (Chat's: then
     the Think switch and the reasoning budget), last (Compare:
     the format, "Also without", the Models); an edit's EditData goes where the handler's
-    parameter is, before them (Gradio inserts it by its annotation)."""
+    parameter is, after them (Gradio inserts it by its annotation)."""
     from gradio.helpers import special_args
 
     demo = build_ui(engine, presets)
@@ -781,8 +783,9 @@ def test_gradio_hands_the_output_format_to_the_handlers(engine, presets):
     data = gr.EventData(None, {"index": 0, "value": "x", "previous_value": ""})
     args, *_ = special_args(chat.edit, values, None, data)
     at = 5 + len(setting_names()) + 2  # after the settings panel, the seed and the inspector
-    assert isinstance(args[at], gr.EditData) and args[at].value == "x"
-    assert args[at + 1 : at + 6] == ["JSON", "", "m", True, -1] and len(args) == at + 7, args
+    assert args[at : at + 5] == ["JSON", "", "m", True, -1], args
+    assert isinstance(args[at + 5], gr.EditData) and args[at + 5].value == "x"
+    assert len(args) == at + 7, args
 
 
 def test_gradio_hands_the_request_to_every_handler_that_takes_one(engine, presets):

@@ -159,7 +159,7 @@ def test_a_saved_tool_call_goes_back_to_the_template_as_openai_sends_it(models):
 def knobs(model="r1", think=True, budget=BUDGET, max_new_tokens=24):
     """A handler's values after the search box, as Gradio passes them: (system prompt,
     preset, sliders, seed, inspector) and (output format, Model, Think, budget); an edit's
-    EditData goes between the two."""
+    EditData goes after them."""
     sliders = preset_values({"p": SAMPLED.replace(max_new_tokens=max_new_tokens)}, "p")
     return ["", "balanced", *sliders, 3, False], ["Free text", "", model, think, budget]
 
@@ -294,7 +294,7 @@ def test_an_edit_after_a_reply_with_reasoning_edits_the_message_clicked(chat):
     assert row == 3  # First., its reasoning, its answer, Second.
     edited = SimpleNamespace(index=row, value="Second, edited.", previous_value="")
     before, after = knobs(max_new_tokens=12)
-    after = Shown(*list(chat.edit(two.browser, two.view, "", *before, edited, *after))[-1][:8])
+    after = Shown(*list(chat.edit(two.browser, two.view, "", *before, *after, edited))[-1][:8])
     assert "tokens/s" in after.status, after.status
     assert after.chatbot[row]["content"] == "Second, edited.\n\n‹ 2/2 ›"
     assert after.chatbot[0]["content"] == "First."

@@ -167,43 +167,30 @@ def generate(
     stats.reused_tokens = reused
     stats.finish_reason = "length"
 
+    reply = Reply(params, eos_ids, stats, generator, observer, matcher, sampler)
     try:
-        yield from _loop(
-            model,
-            ids,
-            params,
-            budget,
-            eos_ids,
-            use_cache,
-            cache,
-            cancel,
-            generator,
-            stats,
-            observer,
-            prompt_logits,
-            matcher,
-            sampler,
-        )
+        yield from _loop(model, ids, budget, use_cache, cache, cancel, prompt_logits, reply)
     finally:
         stats.total_s = time.perf_counter() - stats.started
 
 
-def _loop(
-    model,
-    ids,
-    params,
-    budget,
-    eos_ids,
-    use_cache,
-    cache,
-    cancel,
-    generator,
-    stats,
-    observer,
-    prompt_logits,
-    matcher,
-    sampler,
-) -> Iterator[int]:
+@dataclass
+class Reply:
+    """What choosing a reply's tokens reads and updates, step after step: its settings, end
+    tokens, stats, random generator, observer (the inspector), grammar and sampling state.
+    The scheduler's Sequence has the same attributes."""
+
+    params: SamplingParams
+    eos_ids: frozenset
+    stats: GenerationStats
+    generator: torch.Generator | None = None
+    observer: LogitsObserver | None = None
+    matcher: Matcher | None = None
+    sampler: SamplerState | None = None
+
+
+def _loop(model, ids, budget, use_cache, cache, cancel, prompt_logits, reply) -> Iterator[int]:
+    stats, matcher = reply.stats, reply.matcher
     # Step 0: the prompt (or its uncached tail) goes through the model once.
     pending = ids[:, stats.reused_tokens :] if use_cache else ids
     for index in range(max(budget, 0)):
@@ -217,9 +204,7 @@ def _loop(
                 logits = prompt_logits  # the whole prompt is cached, and what it produced
             else:
                 logits = model.forward(pending, cache if use_cache else None)
-            token_id, ids = choose(
-                logits, params, ids, generator, eos_ids, stats, observer, matcher, sampler
-            )
+            token_id, ids = choose(logits, ids, reply)
             if ids is None:  # an end token, or no token allowed
                 break
             # Next step's input: only the new token with a cache, everything without.
@@ -231,15 +216,7 @@ def _loop(
 
 
 def choose(
-    logits: torch.Tensor,
-    params: SamplingParams,
-    ids: torch.Tensor,
-    generator: torch.Generator | None,
-    eos_ids,
-    stats: GenerationStats,
-    observer: LogitsObserver | None = None,
-    matcher: Matcher | None = None,
-    sampler: SamplerState | None = None,
+    logits: torch.Tensor, ids: torch.Tensor, reply: Reply
 ) -> tuple[int | None, torch.Tensor | None]:
     """One step's choice, the same in this loop and in the scheduler: sample (the repetition
     penalty sees every id so far; the grammar's mask is a stage; greedy skips the softmax),
@@ -247,9 +224,10 @@ def choose(
     appended), or (token id, None) for an end token (stats.finish_reason = "eos"), or
     (None, None) when the grammar and the logit bias allow no token
     (stats.finish_reason = "no_token_allowed")."""
+    stats, matcher, sampler = reply.stats, reply.matcher, reply.sampler
     allowed = matcher.allowed(logits.shape[-1]) if matcher is not None else None
     try:
-        token = sample(logits, params, ids, generator, allowed, sampler)
+        token = sample(logits, reply.params, ids, reply.generator, allowed, sampler)
     except NoTokenAllowed:
         stats.finish_reason = "no_token_allowed"
         return None, None
@@ -258,11 +236,11 @@ def choose(
     if not stats.ttft_s:
         stats.ttft_s = now - stats.started
     stats.total_s = now - stats.started
-    if observer is not None:
-        observer(logits, ids, token_id, allowed, sampler)
+    if reply.observer is not None:
+        reply.observer(logits, ids, token_id, allowed, sampler)
     if matcher is not None:
         matcher.accept(token_id)
-    if token_id in eos_ids:
+    if token_id in reply.eos_ids:
         stats.finish_reason = "eos"
         return token_id, None
     stats.new_tokens += 1

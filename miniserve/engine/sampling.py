@@ -193,36 +193,6 @@ def _penalties(logits, call):
     return apply_repetition_penalty(logits, call.previous_ids, call.params.repetition_penalty)
 
 
-@applies("temperature", id_free=True)
-def _temperature(logits, call):
-    return apply_temperature(logits, call.params.temperature)
-
-
-@applies("top_k", id_free=True)
-def _top_k(logits, call):
-    return top_k_filter(logits, call.params.top_k)
-
-
-@applies("top_p", id_free=True)
-def _top_p(logits, call):
-    return top_p_filter(logits, call.params.top_p)
-
-
-@applies("min_p", id_free=True)
-def _min_p(logits, call):
-    return min_p_filter(logits, call.params.min_p)
-
-
-@applies("top_n_sigma", id_free=True)
-def _top_n_sigma(logits, call):
-    return top_n_sigma_filter(logits, call.params.top_n_sigma)
-
-
-@applies("typ_p", id_free=True)
-def _typical(logits, call):
-    return typical_filter(logits, call.params.typical_p)
-
-
 @applies("xtc", id_free=True)
 def _xtc(logits, call):
     p = call.params
@@ -331,6 +301,20 @@ def mirostat_cut(logits: torch.Tensor, mu: float) -> torch.Tensor:
     best = probs.argmax(dim=-1, keepdim=True)
     drop = drop.scatter(-1, best, False)
     return logits.masked_fill(drop, NEG_INF)
+
+
+# The stages whose function takes the logits and one of their settings (columns alike).
+for _key, _fn, _setting in (
+    ("temperature", apply_temperature, "temperature"),
+    ("top_k", top_k_filter, "top_k"),
+    ("top_p", top_p_filter, "top_p"),
+    ("min_p", min_p_filter, "min_p"),
+    ("top_n_sigma", top_n_sigma_filter, "top_n_sigma"),
+    ("typ_p", typical_filter, "typical_p"),
+):
+    applies(_key, id_free=True)(
+        lambda logits, call, fn=_fn, setting=_setting: fn(logits, getattr(call.params, setting))
+    )
 
 
 FLOAT_MAX_LOG = 88.7228391  # log(FLT_MAX): llama.cpp caps DRY's exponent there

@@ -73,6 +73,7 @@ class Sequence:
     speculate: bool = False  # prompt-lookup drafts (set by the engine where they apply)
     drafter: Drafter | None = None
     valid_kv: int | None = None  # while verifying drafts: the cache positions known good
+    expect: int | None = None  # while verifying drafts: the draft token at this position
 
     @property
     def reserve(self) -> int:
@@ -278,8 +279,14 @@ class Scheduler:
         the draft's; the cache keeps the positions up to the last accepted draft."""
         start = seq.cache.get_seq_length() - len(draft) - 1  # where the row's last token went
         accepted = 0
+        # counted before any token goes out: the reply's last chunk carries its stats, and a
+        # caller woken by it reads them (and these counters) at once
+        seq.stats.drafted += len(draft)
+        seq.stats.draft_steps += 1
+        self.spec_drafted += len(draft)
         for j in range(len(draft) + 1):
             seq.valid_kv = start + 1 + j  # the last token and the drafts accepted so far
+            seq.expect = draft[j] if j < len(draft) else None
             before = len(seq.tokens)
             self._advance_or_fail(seq, logits[j : j + 1])
             if seq not in self.running or len(seq.tokens) == before:
@@ -289,13 +296,8 @@ class Scheduler:
             accepted += 1
         if seq in self.running:
             crop_cache(seq.cache, start + 1 + accepted)
-        seq.valid_kv = None
+        seq.valid_kv = seq.expect = None
         seq.drafter.verified(len(draft), accepted)
-        seq.stats.drafted += len(draft)
-        seq.stats.accepted += accepted
-        seq.stats.draft_steps += 1
-        self.spec_drafted += len(draft)
-        self.spec_accepted += accepted
 
     def _rows(self) -> list[tuple[Sequence, list[int]]]:
         """Decode rows first (every running sequence advances each step: its last token, and
@@ -358,17 +360,10 @@ class Scheduler:
         """Choose the sequence's next token from its logits, as decode.generate does."""
         if seq.first_logits is None:  # kept with its cache: not a view of the pass's logits
             seq.first_logits = logits.clone()
-        token_id, ids = choose(
-            logits,
-            seq.params,
-            seq.ids,
-            seq.generator,
-            seq.eos_ids,
-            seq.stats,
-            seq.observer,
-            seq.matcher,
-            seq.sampler,
-        )
+        token_id, ids = choose(logits, seq.ids, seq)
+        if token_id is not None and token_id == seq.expect:  # a draft accepted (see _verify)
+            seq.stats.accepted += 1
+            self.spec_accepted += 1
         if ids is None:  # an end token, or no token allowed
             return self._retire(seq)
         seq.ids = ids

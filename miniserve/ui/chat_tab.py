@@ -41,19 +41,35 @@ from miniserve.ui.sidebar import SidebarHandlers, build_sidebar, wire_sidebar
 from miniserve.ui.widgets import (
     FREE_TEXT,
     NO_LIMIT,
+    SETTINGS,
     build_output_format,
     build_sampling,
     build_thinking,
     format_note,
     params_from,
     preset_values,
-    takes_settings,
+    takes_panel,
     thinking_options,
 )
 
 if TYPE_CHECKING:
     from miniserve.ui import TabContext
 
+# the controls the generating handlers take after the search box (widgets.takes_panel): the
+# system prompt, the preset, the settings panel, the seed, the inspector, the output format,
+# the model, the Think switch and the reasoning budget; an edit's EditData after them
+PANEL = (
+    "system",
+    "preset",
+    SETTINGS,
+    "seed",
+    "inspect_on",
+    ("output_format", FREE_TEXT),
+    ("format_text", ""),
+    ("model", None),
+    ("think", True),
+    ("budget", NO_LIMIT),
+)
 BROWSER_KEY = "miniserve"  # the browser's local-storage key for its owner id and open chat
 
 
@@ -104,16 +120,9 @@ class ChatHandlers:
         browser,
         view,
         query,
-        system,
-        preset,
-        settings,
-        seed,
-        inspect_on,
+        panel,
         request,
         *,
-        output=(FREE_TEXT, ""),
-        model=None,
-        thinking=(True, NO_LIMIT),
         text: str | None = None,
         under: str | None = None,
         reply_to: str | None = None,
@@ -133,9 +142,9 @@ class ChatHandlers:
         browser = self._start(browser, request)
         try:
             owner = owner_of(browser)
-            params = params_from(settings, seed, *output)
-            options = thinking_options(*thinking)
-            name = self.models.resolve(model)
+            params = params_from(panel.settings, panel.seed, panel.output_format, panel.format_text)
+            options = thinking_options(panel.think, panel.budget)
+            name = self.models.resolve(panel.model)
             cid = view.get("cid")
             before = self.conversations.path(owner, new_view(cid, reply_to or under))
             history = history_of(before)
@@ -147,14 +156,14 @@ class ChatHandlers:
         with self.sessions.running(request) as cancel, ExitStack() as held:
             try:
                 engine = held.enter_context(using(self.models, name))
-                inspector = Inspector(engine.tokenizer, params) if inspect_on else None
+                inspector = Inspector(engine.tokenizer, params) if panel.inspect_on else None
                 turn = ChatTurn(
                     engine,
                     params,
-                    system=system,
+                    system=panel.system,
                     history=history,
                     text=text,
-                    preset=preset,
+                    preset=panel.preset,
                     cancel=cancel,
                     observer=inspector.observe if inspector else None,
                     options=options if getattr(engine, "thinks", False) else None,
@@ -283,25 +292,14 @@ class ChatHandlers:
         """The status line names the model that answered when the app serves several."""
         return f"model {name}" if len(self.models.names) > 1 else ""
 
-    # takes_settings: the settings panel arrives control by control (Gradio injects `request`
-    # and event data only into functions without *args)
-    @takes_settings
+    @takes_panel(*PANEL)
     def send(
         self,
         message,
         browser,
         view,
         query,
-        system,
-        preset,
-        settings,
-        seed,
-        inspect_on,
-        output_format=FREE_TEXT,
-        format_text="",
-        model=None,
-        think=True,
-        budget=NO_LIMIT,
+        panel,
         request: gr.Request | None = None,
     ):
         """Send: the message goes under the leaf this tab shows."""
@@ -319,36 +317,20 @@ class ChatHandlers:
             browser,
             view,
             query,
-            system,
-            preset,
-            settings,
-            seed,
-            inspect_on,
+            panel,
             request,
-            output=(output_format, format_text),
-            model=model,
-            thinking=(think, budget),
             text=message,
             under=view.get("leaf"),
         )
 
-    @takes_settings
+    @takes_panel(*PANEL)
     def edit(
         self,
         browser,
         view,
         query,
-        system,
-        preset,
-        settings,
-        seed,
-        inspect_on,
-        edited: gr.EditData,
-        output_format=FREE_TEXT,
-        format_text="",
-        model=None,
-        think=True,
-        budget=NO_LIMIT,
+        panel,
+        edited: gr.EditData = None,
         request: gr.Request | None = None,
     ):
         """An edited user message: a new version of it (a branch; the old one is kept) and a
@@ -379,36 +361,20 @@ class ChatHandlers:
             browser,
             view,
             query,
-            system,
-            preset,
-            settings,
-            seed,
-            inspect_on,
+            panel,
             request,
-            output=(output_format, format_text),
-            model=model,
-            thinking=(think, budget),
             text=text,
             under=path[index].parent_id,
             focus_new=True,
         )
 
-    @takes_settings
+    @takes_panel(*PANEL)
     def regenerate(
         self,
         browser,
         view,
         query,
-        system,
-        preset,
-        settings,
-        seed,
-        inspect_on,
-        output_format=FREE_TEXT,
-        format_text="",
-        model=None,
-        think=True,
-        budget=NO_LIMIT,
+        panel,
         request: gr.Request | None = None,
     ):
         """A new version of the last reply (a branch; the old reply is kept)."""
@@ -431,15 +397,8 @@ class ChatHandlers:
             browser,
             view,
             query,
-            system,
-            preset,
-            settings,
-            seed,
-            inspect_on,
+            panel,
             request,
-            output=(output_format, format_text),
-            model=model,
-            thinking=(think, budget),
             reply_to=path[-1].id,
             focus_new=True,
         )

@@ -33,17 +33,28 @@ from miniserve.ui.widgets import (
     CTRL_ENTER,
     CTRL_ENTER_TARGET,
     FREE_TEXT,
+    SETTINGS,
     build_output_format,
     build_sampling,
     format_note,
     params_from,
     preset_values,
-    takes_settings,
+    takes_panel,
 )
 
 if TYPE_CHECKING:
     from miniserve.ui import TabContext
 
+# the controls the generating handlers take after the text and its undo history
+# (widgets.takes_panel): the settings panel, the seed, the inspector, the output format, the model
+PANEL = (
+    SETTINGS,
+    "seed",
+    "inspect_on",
+    ("output_format", FREE_TEXT),
+    ("format_text", ""),
+    ("model", None),
+)
 UNDO_DEPTH = 20  # generations Undo can take back, one after the other
 NOTEBOOK = "notebook"  # the kind of run (common.Sessions) that Undo and Regenerate stop
 # How long Undo and Regenerate wait for a stopped generation to end: it ends within one engine
@@ -75,37 +86,25 @@ class NotebookHandlers:
         self.presets = presets
         self.sessions = sessions or Sessions()
 
-    @takes_settings
+    @takes_panel(*PANEL)
     def generate(
         self,
         text,
         history,
-        settings,
-        seed,
-        inspect_on,
-        output_format=FREE_TEXT,
-        format_text="",
-        model=None,
+        panel,
         request: gr.Request | None = None,
     ):
         """Continue the text as it is; Undo will bring this text back."""
         start = text or ""
         history = [*(history or []), start][-UNDO_DEPTH:]
-        yield from self._continue(
-            start, history, settings, seed, inspect_on, (output_format, format_text), model, request
-        )
+        yield from self._continue(start, history, panel, request)
 
-    @takes_settings
+    @takes_panel(*PANEL)
     def regenerate(
         self,
         text,
         history,
-        settings,
-        seed,
-        inspect_on,
-        output_format=FREE_TEXT,
-        format_text="",
-        model=None,
+        panel,
         request: gr.Request | None = None,
     ):
         """The last generation again, from the text as it was before it (what is in the box
@@ -114,16 +113,7 @@ class NotebookHandlers:
         if not history:
             yield gr.update(), history, error("nothing to regenerate yet: Generate first"), ""
             return
-        yield from self._continue(
-            history[-1],
-            history,
-            settings,
-            seed,
-            inspect_on,
-            (output_format, format_text),
-            model,
-            request,
-        )
+        yield from self._continue(history[-1], history, panel, request)
 
     def undo(self, text, history, request: gr.Request | None = None):
         """The text as it was before the last generation: (text, history, status). A
@@ -149,9 +139,7 @@ class NotebookHandlers:
         """The settings panel's values of a preset."""
         return preset_values(self.presets, name)
 
-    def _continue(
-        self, start: str, history: list, settings, seed, inspect_on, output, model, request
-    ):
+    def _continue(self, start: str, history: list, panel, request):
         """Stream the continuation of `start` into the box, after it. On an error the box is
         left as it is (nothing was written) and the history as it was."""
         unchanged = gr.update()
@@ -159,10 +147,12 @@ class NotebookHandlers:
         # during the load stops the generation before it writes anything
         with self.sessions.running(request, NOTEBOOK) as cancel, ExitStack() as held:
             try:
-                params = params_from(settings, seed, *output)
+                params = params_from(
+                    panel.settings, panel.seed, panel.output_format, panel.format_text
+                )
                 if params.seed is None:  # a random seed is drawn, used and shown
                     params = params.replace(seed=secrets.randbelow(RANDOM_SEEDS))
-                name = self.models.resolve(model)
+                name = self.models.resolve(panel.model)
                 for note in load_messages(self.models, name, cancel):
                     yield unchanged, unchanged, note, ""
                 if cancel.is_set():  # (taken over: Undo or Regenerate writes the status)
@@ -174,7 +164,7 @@ class NotebookHandlers:
                     )
                     return
                 engine = held.enter_context(using(self.models, name))
-                inspector = Inspector(engine.tokenizer, params) if inspect_on else None
+                inspector = Inspector(engine.tokenizer, params) if panel.inspect_on else None
                 stream = engine.complete_text(
                     start,
                     params,

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import gradio as gr
 
-from miniserve.core.config import ConfigError, check_logit_bias
+from miniserve.core.config import parse_logit_bias
 from miniserve.engine.step import IDLE_S, TOP, StepError, StepSession, remote_note
 from miniserve.models.registry import Models
 from miniserve.ui.common import (
@@ -54,23 +54,7 @@ REAP_EVERY_S = 30.0
 # -- logit bias as typed ----------------------------------------------------------------------
 def logit_bias_from_text(text) -> tuple:
     """ "13:-100, 42:2.5" as checked (id, bias) pairs; ConfigError saying how to write it."""
-    text = str(text or "").strip()
-    if not text:
-        return ()
-    pairs = []
-    for part in text.replace("\n", ",").split(","):
-        if not part.strip():
-            continue
-        key, sep, value = part.partition(":")
-        try:
-            pairs.append((int(key), float(value)))
-        except ValueError:
-            raise ConfigError(
-                f"Logit bias: write token ID:BIAS pairs separated by commas, like "
-                f"13:-100, 42:2.5 (got {part.strip()!r})",
-                "logit_bias",
-            ) from None
-    return check_logit_bias(pairs, "logit bias")
+    return parse_logit_bias(text, "Logit bias")
 
 
 def _quiet(_) -> None:

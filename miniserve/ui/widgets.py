@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import gradio as gr
@@ -86,40 +87,58 @@ def params_from(settings, seed, output_format=None, format_text="") -> SamplingP
     )
 
 
-def takes_settings(fn):
-    """`fn` takes the panel's values as one parameter `settings`; the wrapper takes them one
-    by one in its place (setting_names order), so Gradio passes each control and still
-    injects the request and event data (it does so only for functions without *args)."""
-    sig = inspect.signature(fn)
-    params = list(sig.parameters.values())
-    at = [p.name for p in params].index("settings")
+SETTINGS = "settings"  # in a panel's fields (takes_panel): the settings panel, control by control
+
+
+def takes_panel(*fields):
+    """A handler taking its controls' values as one parameter `panel` (a SimpleNamespace, the
+    settings panel's values as `panel.settings`, setting_names order), declared once per tab:
+    `fields` are names, or (name, default) pairs, with SETTINGS where the settings panel
+    goes. The wrapper takes them one by one in `panel`'s place, so that Gradio passes each
+    control and still injects the request and event data (it does so only for functions
+    without *args, at their parameters' places)."""
     names = setting_names()
-    spread = [
-        inspect.Parameter(f"setting_{n}", inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names
-    ]
-    new = sig.replace(parameters=[*params[:at], *spread, *params[at + 1 :]])
 
-    def call(args, kwargs):
-        bound = new.bind(*args, **kwargs)
-        values = [bound.arguments.pop(f"setting_{n}") for n in names]
-        rest = dict(bound.arguments)
-        ordered = [rest.pop(p.name) for p in params[:at]]
-        return fn(*ordered, values, **rest)
+    def wrap(fn):
+        sig = inspect.signature(fn)
+        params = list(sig.parameters.values())
+        at = [p.name for p in params].index("panel")
+        kind, empty = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.empty
+        spread = []
+        for f in fields:
+            name, default = (f, empty) if isinstance(f, str) else f
+            if name == SETTINGS:
+                spread += [inspect.Parameter(f"setting_{n}", kind) for n in names]
+            else:
+                spread.append(inspect.Parameter(name, kind, default=default))
+        new = sig.replace(parameters=[*params[:at], *spread, *params[at + 1 :]])
+        own = {p.name for p in spread}
 
-    if inspect.isgeneratorfunction(fn):
+        def call(args, kwargs):
+            bound = new.bind(*args, **kwargs)
+            bound.apply_defaults()
+            values = dict(bound.arguments)
+            panel = SimpleNamespace(**{k: values.pop(k) for k in list(values) if k in own})
+            panel.settings = [getattr(panel, f"setting_{n}") for n in names]
+            before = [values.pop(p.name) for p in params[:at]]
+            return fn(*before, panel, **values)
 
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            return (yield from call(args, kwargs))
+        if inspect.isgeneratorfunction(fn):
 
-    else:
+            @functools.wraps(fn)
+            def wrapper(*args, **kwargs):
+                return (yield from call(args, kwargs))
 
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            return call(args, kwargs)
+        else:
 
-    wrapper.__signature__ = new
-    return wrapper
+            @functools.wraps(fn)
+            def wrapper(*args, **kwargs):
+                return call(args, kwargs)
+
+        wrapper.__signature__ = new
+        return wrapper
+
+    return wrap
 
 
 # -- Output format ----------------------------------------------------------------------------
