@@ -323,15 +323,20 @@ def test_seeded_sampling_reproducible_on_the_model(loaded, engine):
     assert first != run(12)
 
 
+def greedy_chat(loaded, engine, text, max_new_tokens, **kwargs):
+    """generate()'s greedy reply to `text` as a user message, not yet run, and the stats it
+    fills: (prompt ids, the token generator, stats)."""
+    ids = chat_ids(loaded.tokenizer, text)
+    stats = GenerationStats()
+    params = GREEDY.replace(max_new_tokens=max_new_tokens)
+    tokens = generate(loaded.model, ids, params, eos_ids=engine.eos_ids, stats=stats, **kwargs)
+    return ids, tokens, stats
+
+
 @pinned_runner
 def test_stops_at_max_new_tokens_and_reports_stats(loaded, engine):
-    ids = chat_ids(loaded.tokenizer, "Count from one to one hundred.")
-    stats = GenerationStats()
-    out = list(
-        generate(
-            loaded.model, ids, GREEDY.replace(max_new_tokens=5), eos_ids=engine.eos_ids, stats=stats
-        )
-    )
+    ids, tokens, stats = greedy_chat(loaded, engine, "Count from one to one hundred.", 5)
+    out = list(tokens)
     assert len(out) == 5 and stats.new_tokens == 5
     assert stats.finish_reason == "length"
     assert stats.prompt_tokens == len(ids)
@@ -340,35 +345,19 @@ def test_stops_at_max_new_tokens_and_reports_stats(loaded, engine):
 
 @pinned_runner
 def test_stops_at_eos_without_yielding_it(loaded, engine):
-    ids = chat_ids(loaded.tokenizer, "Say only the word yes.")
-    stats = GenerationStats()
-    out = list(
-        generate(
-            loaded.model,
-            ids,
-            GREEDY.replace(max_new_tokens=64),
-            eos_ids=engine.eos_ids,
-            stats=stats,
-        )
-    )
+    _, tokens, stats = greedy_chat(loaded, engine, "Say only the word yes.", 64)
+    out = list(tokens)
     assert stats.finish_reason == "eos"
     assert not engine.eos_ids & set(out)
 
 
 @pinned_runner
 def test_cancel_stops_within_one_step(loaded, engine):
-    ids = chat_ids(loaded.tokenizer, "Tell me a long story about dragons.")
     cancel = threading.Event()
-    stats = GenerationStats()
+    text = "Tell me a long story about dragons."
+    _, tokens, stats = greedy_chat(loaded, engine, text, 200, cancel=cancel)
     out = []
-    for token in generate(
-        loaded.model,
-        ids,
-        GREEDY.replace(max_new_tokens=200),
-        eos_ids=engine.eos_ids,
-        cancel=cancel,
-        stats=stats,
-    ):
+    for token in tokens:
         out.append(token)
         if len(out) == 3:
             cancel.set()

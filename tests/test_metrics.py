@@ -47,6 +47,22 @@ def post(port: int, body: dict, headers: dict | None = None) -> http.client.HTTP
     return conn
 
 
+def stream_long(port: int) -> http.client.HTTPConnection:
+    """A streamed greedy reply that would run on and on, its first event read (the role: it
+    may not be queued yet); closing the connection cancels it."""
+    conn = post(
+        port,
+        {
+            "messages": [{"role": "user", "content": LONG}],
+            "max_tokens": 2000,
+            "temperature": 0,
+            "stream": True,
+        },
+    )
+    assert conn.getresponse().readline().startswith(b"data: ")
+    return conn
+
+
 def wait_for_idle(engine, seconds: float = 60) -> bool:
     deadline = time.monotonic() + seconds
     while engine.queue_depth and time.monotonic() < deadline:
@@ -131,16 +147,7 @@ def test_a_running_request_is_seen_then_counted_as_cancelled(engine, api):
     assert wait_for_idle(engine)
     name = engine.name
     before = scrape(api)
-    conn = post(
-        api,
-        {
-            "messages": [{"role": "user", "content": LONG}],
-            "max_tokens": 2000,
-            "temperature": 0,
-            "stream": True,
-        },
-    )
-    assert conn.getresponse().readline().startswith(b"data: ")  # the role: maybe not queued yet
+    conn = stream_long(api)
     deadline = time.monotonic() + 30
     while not value(during := scrape(api), "num_requests_running", model_name=name):
         assert time.monotonic() < deadline, "the request never ran"
@@ -193,17 +200,8 @@ def test_a_full_queue_answers_how_long_its_requests_hold_their_places(engine, ap
 
     assert wait_for_idle(engine)
     tally, saved = tally_of(engine), engine.max_queue
-    conn = post(
-        api,
-        {
-            "messages": [{"role": "user", "content": LONG}],
-            "max_tokens": 2000,
-            "temperature": 0,
-            "stream": True,
-        },
-    )
+    conn = stream_long(api)
     try:
-        assert conn.getresponse().readline().startswith(b"data: ")
         engine.max_queue = 1  # the one place is taken
         held, tally.held_s = tally.held_s, 7.2  # as if requests had held theirs 7.2 s lately
         busy = post(api, {"messages": Q, "max_tokens": 4}).getresponse()

@@ -463,29 +463,14 @@ def test_cli_loop_steps_picks_goes_back_and_sets(engine, presets):
 
 
 def test_cli_bad_flags_are_one_line():
-    import subprocess
-    import sys
-    from pathlib import Path
+    from test_cli import run
 
-    root = Path(__file__).resolve().parent.parent
-    done = subprocess.run(
-        [sys.executable, "-m", "miniserve", "step", "--top", "0"],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert (
-        done.returncode == 2 and done.stderr.strip() == "error: --top must be from 1 to 200, got 0"
-    )
-    done = subprocess.run(
-        [sys.executable, "-m", "miniserve", "step", "--temperature", "9"],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 2 and "'temperature' must be in [0, 2], got 9" in done.stderr
+    for flags, line in [
+        (["--top", "0"], "error: --top must be from 1 to 200, got 0"),
+        (["--temperature", "9"], "error: 'temperature' must be in [0, 2], got 9.0"),
+    ]:
+        done = run("step", *flags, timeout=120)
+        assert done.returncode == 2 and done.stderr.strip() == line, done.stderr
 
 
 def test_tab_bad_input_is_one_line_on_the_status(engine, presets):

@@ -274,22 +274,7 @@ def test_notebook_and_chat_on_a_base_model(with_base, base_engine, presets):
     assert text == STORY + expected and "model base" in status, status
     chat = ChatHandlers(with_base, presets)
     browser = SidebarHandlers(chat.conversations).load({}).browser
-    *shown, box, _ = last(
-        chat.send(
-            "Hello",
-            browser,
-            {},
-            "",
-            "",
-            "factual",
-            *values(presets),
-            1,
-            False,
-            "Free text",
-            "",
-            "base",
-        )
-    )
+    *shown, box, _ = last(send(chat, browser, {}, "Hello", presets, "base"))
     shown = Shown(*shown)
     assert shown.status.startswith("**Error:** model &#x27;base&#x27; has no chat template")
     assert "the Notebook tab" in shown.status and box == "Hello" and shown.chatbot == []
