@@ -1,5 +1,6 @@
 """Shared fixtures: the real embedded model is loaded once per test session."""
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -91,24 +92,29 @@ def tokenizer(loaded):
     return loaded.tokenizer
 
 
+def tiny_shape(**changes) -> dict:
+    """The sizes of the tiny random transformers models (a transformers config's keywords):
+    hidden 64, 2 layers, 4 query heads over 2 key/value heads; `changes` replace some."""
+    return {
+        "vocab_size": 300,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        **changes,
+    }
+
+
 @pytest.fixture(scope="session")
 def tiny_model():
     """A randomly initialised Llama with the real architecture, for fast unit tests."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        eos_token_id=2,
-        bos_token_id=1,
-    )
-    return LlamaForCausalLM(config).eval()
+    shape = tiny_shape(vocab_size=320, intermediate_size=128, max_position_embeddings=256)
+    return LlamaForCausalLM(LlamaConfig(**shape, eos_token_id=2, bos_token_id=1)).eval()
 
 
 def native_expected() -> bool:
@@ -132,6 +138,24 @@ needs_native = pytest.mark.skipif(
     reason="MINISERVE_NATIVE=0: this leg runs without the native runner "
     "(the full leg runs this test)",
 )
+
+
+def assert_same_whatever_shares_the_pass(step, new_cache, ids, whole, chunk: int):
+    """A sequence's logits alone in one pass (`whole`) are the same bits with its prompt in
+    chunks of 7, and in chunks of `chunk` in passes beside two other sequences (one of them
+    still reading its prompt). `step([(ids, cache), ...], all_logits=True)` is one pass, as
+    NativeRunner.native and StoredRunner.step run it."""
+    cache, pieces = new_cache(), []
+    for a in range(0, len(ids), 7):
+        pieces.append(step([(ids[a : a + 7], cache)], all_logits=True))
+    assert torch.equal(torch.cat(pieces), whole)
+    mine, other, third = new_cache(), new_cache(), new_cache()
+    step([([9] * 40, other)])
+    rows = []
+    for a in range(0, len(ids), chunk):
+        got = step([([4] * 3, third), (ids[a : a + chunk], mine), ([11], other)], all_logits=True)
+        rows.append(got[3 : 3 + len(ids[a : a + chunk])])
+    assert torch.equal(torch.cat(rows), whole)
 
 
 def chat_ids(tokenizer, text, system=None):
@@ -178,3 +202,12 @@ def browser():
         )
         yield b
         b.close()
+
+
+@contextlib.contextmanager
+def page_at(browser, url, width=1400, height=1000):
+    """A new page of `browser` (the fixture) showing `url`; closed at the end."""
+    page = browser.new_page(viewport={"width": width, "height": height})
+    page.goto(url)
+    yield page
+    page.close()

@@ -11,6 +11,7 @@ from playwright.sync_api import expect
 from test_browser import set_number
 from test_ui_models import STORY, B
 
+from conftest import page_at
 from servers import app_in_thread
 
 pytestmark = pytest.mark.browser
@@ -30,11 +31,9 @@ def two_model_app(two_models):
 
 @pytest.fixture
 def page(browser, two_model_app):
-    page = browser.new_page(viewport={"width": 1400, "height": 1000})
-    page.goto(two_model_app)
-    page.get_by_role("button", name="Send").wait_for()
-    yield page
-    page.close()
+    with page_at(browser, two_model_app) as page:
+        page.get_by_role("button", name="Send").wait_for()
+        yield page
 
 
 def notebook(page):

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import expect
 
+from conftest import page_at
 from servers import app_in_thread
 
 pytestmark = pytest.mark.browser
@@ -24,13 +25,11 @@ def step_app(engine):
 
 @pytest.fixture
 def tab(browser, step_app):
-    page = browser.new_page(viewport={"width": 1500, "height": 1200})
-    page.goto(step_app)
-    page.get_by_role("tab", name="Step").click()
-    tab = page.locator("#step-tab")
-    tab.get_by_role("button", name="Step", exact=True).wait_for()
-    yield tab
-    page.close()
+    with page_at(browser, step_app, width=1500, height=1200) as page:
+        page.get_by_role("tab", name="Step").click()
+        tab = page.locator("#step-tab")
+        tab.get_by_role("button", name="Step", exact=True).wait_for()
+        yield tab
 
 
 def set_number(tab, label, value):

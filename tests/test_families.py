@@ -16,7 +16,7 @@ from miniserve.bench import synthetic
 from miniserve.runners.float64 import Float64Reference
 from miniserve.runners.verify import BOUND_STORED_F16_RELATIVE
 
-from conftest import needs_native, pinned_runner, same_on_every_cpu
+from conftest import needs_native, pinned_runner, same_on_every_cpu, tiny_shape
 
 pytestmark = pinned_runner  # the stored and native runners, named: the no-native leg leaves them
 
@@ -225,15 +225,7 @@ def tiny_transformers(family: str):
     from transformers import Phi3Config, Phi3ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(2)
-    common = dict(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    )
+    common = tiny_shape()
     if family == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=32))
     else:  # Phi-4-mini's partial rotary: 12 of 16 dimensions turn

@@ -23,7 +23,13 @@ from miniserve.runners.lean import LeanRunner
 from miniserve.runners.native import NativeRunner
 from miniserve.runners.verify import runner_bound
 
-from conftest import chat_ids, needs_native, same_on_every_cpu
+from conftest import (
+    assert_same_whatever_shares_the_pass,
+    chat_ids,
+    needs_native,
+    same_on_every_cpu,
+    tiny_shape,
+)
 from reference import TINY_BOUND, assert_greedy, float64_twin, one_token_at_a_time
 
 # what each ISA's loops need of the CPU (the compiler's -march=native turns them on from it)
@@ -135,28 +141,10 @@ def tiny(family: str, dtype=torch.float32):
     if family == "gemma3":
         return tiny_gemma3().to(dtype).eval()
     if family == "llama":  # head_dim 16: the vector paths
-        cfg = LlamaConfig(
-            vocab_size=300,
-            hidden_size=64,
-            intermediate_size=96,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=512,
-        )
-        model = LlamaForCausalLM(cfg)
+        model = LlamaForCausalLM(LlamaConfig(**tiny_shape()))
     else:  # Qwen2: biases on q/k/v; head_dim 12, 40 columns: the scalar paths
-        cfg = Qwen2Config(
-            vocab_size=300,
-            hidden_size=48,
-            intermediate_size=40,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=1,
-            max_position_embeddings=512,
-            use_sliding_window=False,
-        )
-        model = Qwen2ForCausalLM(cfg)
+        shape = tiny_shape(hidden_size=48, intermediate_size=40, num_key_value_heads=1)
+        model = Qwen2ForCausalLM(Qwen2Config(**shape, use_sliding_window=False))
         for layer in model.model.layers:  # random, not zero, biases
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 torch.nn.init.normal_(proj.bias, std=0.5)
@@ -173,14 +161,8 @@ def tiny_gemma3(window: int = 8, hidden: int = 64):
 
     torch.manual_seed(1)
     cfg = Gemma3TextConfig(
-        vocab_size=300,
-        hidden_size=hidden,
-        intermediate_size=100,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **tiny_shape(hidden_size=hidden, intermediate_size=100, num_hidden_layers=4),
         head_dim=16,
-        max_position_embeddings=512,
         sliding_window=window,
         query_pre_attn_scalar=24,
         layer_types=[
@@ -235,19 +217,7 @@ def test_a_sequence_gets_the_same_logits_whatever_shares_its_pass(family, math):
     ids = [(5 * i + 1) % 300 for i in range(300)]  # past one attention block (256 positions)
     whole = model.native([(ids, model.new_cache())], all_logits=True)
     assert torch.equal(one_token_at_a_time(model)(ids), whole)
-    cache, pieces = model.new_cache(), []
-    for a in range(0, len(ids), 7):
-        pieces.append(model.native([(ids[a : a + 7], cache)], all_logits=True))
-    assert torch.equal(torch.cat(pieces), whole)
-    mine, other, third = model.new_cache(), model.new_cache(), model.new_cache()
-    model.native([([9] * 40, other)])
-    rows = []
-    for a in range(0, len(ids), 50):
-        got = model.native(
-            [([4] * 3, third), (ids[a : a + 50], mine), ([11], other)], all_logits=True
-        )
-        rows.append(got[3 : 3 + len(ids[a : a + 50])])
-    assert torch.equal(torch.cat(rows), whole)
+    assert_same_whatever_shares_the_pass(model.native, model.new_cache, ids, whole, chunk=50)
 
 
 @needs_native

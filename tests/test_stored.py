@@ -17,7 +17,7 @@ from miniserve.runners import native
 from miniserve.runners.native import StoredMatrix
 from miniserve.runners.verify import BOUND_STORED_RELATIVE
 
-from conftest import needs_native, same_on_every_cpu
+from conftest import assert_same_whatever_shares_the_pass, needs_native, same_on_every_cpu
 
 Q = gguf.GGMLQuantizationType
 LEGACY = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]
@@ -239,19 +239,7 @@ def test_a_sequence_as_stored_gets_the_same_logits_whatever_shares_its_pass(stor
     runner = stored_runner(stored)
     ids = stored.tokenizer(" The lighthouse keeper climbed the spiral stairs" * 6)["input_ids"]
     whole = runner.step([(ids, runner.new_cache())], all_logits=True)
-    cache, pieces = runner.new_cache(), []
-    for a in range(0, len(ids), 7):
-        pieces.append(runner.step([(ids[a : a + 7], cache)], all_logits=True))
-    assert torch.equal(torch.cat(pieces), whole)
-    mine, other, third = runner.new_cache(), runner.new_cache(), runner.new_cache()
-    runner.step([([9] * 40, other)])
-    rows = []
-    for a in range(0, len(ids), 13):
-        got = runner.step(
-            [([4] * 3, third), (ids[a : a + 13], mine), ([11], other)], all_logits=True
-        )
-        rows.append(got[3 : 3 + len(ids[a : a + 13])])
-    assert torch.equal(torch.cat(rows), whole)
+    assert_same_whatever_shares_the_pass(runner.step, runner.new_cache, ids, whole, chunk=13)
 
 
 def stored_runner(loaded):
