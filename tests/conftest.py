@@ -107,6 +107,14 @@ def tiny_shape(**changes) -> dict:
     }
 
 
+@pytest.fixture(scope="module")
+def presets():
+    """The presets (presets.yaml and the built-in greedy), as the app loads them."""
+    from miniserve.core.config import load_presets
+
+    return load_presets()
+
+
 @pytest.fixture(scope="session")
 def tiny_model():
     """A randomly initialised Llama with the real architecture, for fast unit tests."""

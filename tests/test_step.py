@@ -9,16 +9,11 @@ import threading
 import pytest
 import torch
 
-from miniserve.core.config import Constraint, SamplingParams, load_presets
+from miniserve.core.config import Constraint, SamplingParams
 from miniserve.engine.sampling import stages
 from miniserve.engine.step import StepError, StepSession, entropy_bits
 
 PROMPT = [{"role": "user", "content": "Write one sentence about a cat."}]
-
-
-@pytest.fixture(scope="module")
-def presets():
-    return load_presets()
 
 
 def session(engine, params, messages=PROMPT, **kwargs):

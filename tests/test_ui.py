@@ -12,7 +12,7 @@ import gradio as gr
 import jsonschema
 import pytest
 
-from miniserve.core.config import ConfigError, Constraint, SamplingParams, load_presets
+from miniserve.core.config import ConfigError, Constraint, SamplingParams
 from miniserve.core.samplers import default_order, describe
 from miniserve.store.store import open_store
 from miniserve.ui import BenchmarkHandlers, ChatHandlers, CompareHandlers, build_ui
@@ -31,11 +31,6 @@ from miniserve.ui.widgets import (
 )
 
 PROMPT = "Write one sentence about a cat."
-
-
-@pytest.fixture(scope="module")
-def presets():
-    return load_presets()
 
 
 @pytest.fixture
@@ -194,12 +189,15 @@ def send(
     browser,
     view,
     message,
+    *output_format,
     preset="factual",
     max_new_tokens=12,
     seed=1,
     inspect=False,
     system="",
 ):
+    """Send `message`; `output_format`: the Output format and its text box (none: the
+    handler's default, free text)."""
     return chat.send(
         message,
         browser,
@@ -210,6 +208,7 @@ def send(
         *sliders(chat, preset, max_new_tokens),
         seed,
         inspect,
+        *output_format,
     )
 
 
@@ -248,20 +247,14 @@ def test_send_with_the_inspector_returns_its_html(chat):
 def test_a_reply_is_saved_with_its_settings_stats_and_the_seed_drawn(chat):
     """Seed box -1 (random): a seed is drawn, used, saved and shown; the saved settings
     reproduce the reply."""
-    browser, view = first_visit(chat)
-    shown = Shown(
-        *last(
-            send(
-                chat,
-                browser,
-                view,
-                "Name an animal.",
-                preset="creative",
-                seed=-1,
-                system="Answer in one word.",
-            )
-        )[:8]
-    )
+
+    def answer(seed):
+        """A new chat's reply to the same question, preset and system prompt, with `seed`."""
+        browser, view = first_visit(chat)
+        settings = {"preset": "creative", "system": "Answer in one word."}
+        return Shown(*last(send(chat, browser, view, "Name an animal.", seed=seed, **settings))[:8])
+
+    shown = answer(-1)
     owner, cid = shown.browser["owner"], shown.view["cid"]
     user, reply = chat.store.path(owner, cid)
     assert (user.role, user.content) == ("user", "Name an animal.")
@@ -272,20 +265,7 @@ def test_a_reply_is_saved_with_its_settings_stats_and_the_seed_drawn(chat):
     assert reply.stats["new_tokens"] >= 1 and reply.stats["finish_reason"] in ("eos", "length")
     assert chat.store.get(owner, cid).system == "Answer in one word."
     # the same settings and seed again: the same reply
-    browser, view = first_visit(chat)
-    again = Shown(
-        *last(
-            send(
-                chat,
-                browser,
-                view,
-                "Name an animal.",
-                preset="creative",
-                seed=seed,
-                system="Answer in one word.",
-            )
-        )[:8]
-    )
+    again = answer(seed)
     assert again.chatbot[-1]["content"] == reply.content
 
 
@@ -371,19 +351,32 @@ def test_regenerate_with_nothing_to_regenerate(chat):
     assert Shown(*shown).chatbot == []
 
 
-def test_stop_ends_the_reply_keeps_its_text_and_saves_it_as_stopped(chat):
+def under_way(chat):
+    """A new chat's reply that would run for 1500 tokens, taken as far as its first three
+    words: the rest of its updates."""
     browser, view = first_visit(chat)
     replies = send(
         chat, browser, view, "Write a very long story about a dragon.", max_new_tokens=1500
     )
     for update in replies:
         chatbot = update[SHOWN.index("chatbot")]
-        if chatbot and len(chatbot[-1]["content"].split()) >= 3:  # the reply is under way
-            break
-    chat.stop()  # no request: the "default" session, the one the reply runs in
+        if chatbot and len(chatbot[-1]["content"].split()) >= 3:
+            return replies
+    raise AssertionError("the reply ended before its third word")
+
+
+def stopped_by_you(replies) -> Shown:
+    """What the reply of under_way shows last, once stopped: cancelled, well short of 1500."""
     shown = Shown(*last(replies)[:8])
     assert "finish: cancelled" in shown.status and "stopped by you" in shown.status
     assert int(shown.status.split(" new tokens")[0].split()[-1]) < 1500
+    return shown
+
+
+def test_stop_ends_the_reply_keeps_its_text_and_saves_it_as_stopped(chat):
+    replies = under_way(chat)
+    chat.stop()  # no request: the "default" session, the one the reply runs in
+    shown = stopped_by_you(replies)
     assert shown.chatbot[-1]["content"].endswith("*(stopped)*")
     reply = chat.store.path(shown.browser["owner"], shown.view["cid"])[-1]
     assert reply.status == "stopped" and len(reply.content.split()) >= 3
@@ -450,20 +443,11 @@ def test_stop_ends_a_reply_after_a_comparison_of_the_same_session(engine, preset
     sessions = Sessions()
     chat = ChatHandlers(engine, presets, sessions)
     compare = CompareHandlers(engine, presets, sessions)
-    browser, view = first_visit(chat)
-    replies = send(
-        chat, browser, view, "Write a very long story about a dragon.", max_new_tokens=1500
-    )
-    for update in replies:
-        chatbot = update[SHOWN.index("chatbot")]
-        if chatbot and len(chatbot[-1]["content"].split()) >= 3:  # the reply is under way
-            break
+    replies = under_way(chat)
     status, *_ = last(compare.compare(PROMPT, ["factual"], 1, 4))
     assert status.startswith("same prompt"), status
     chat.stop()  # the "default" session, which both ran in
-    status = Shown(*last(replies)[:8]).status
-    assert "finish: cancelled" in status and "stopped by you" in status
-    assert int(status.split(" new tokens")[0].split()[-1]) < 1500
+    stopped_by_you(replies)
 
 
 def test_undo_clear_and_presets(chat, presets):
@@ -609,20 +593,19 @@ SCHEMA = {
 ANIMAL = "Name an animal and its number of legs."
 
 
-def test_a_json_schema_reply_parses_validates_and_is_saved_with_its_format(chat):
+def by_schema(chat, schema: str, inspect=False) -> tuple[Shown, str]:
+    """A new chat's whole reply to ANIMAL held to the JSON schema `schema`: what it shows, and
+    the inspector's HTML."""
     browser, view = first_visit(chat)
-    *shown, box, inspected = last(
-        send_as(
-            chat,
-            browser,
-            view,
-            ANIMAL,
-            "JSON schema",
-            json.dumps(SCHEMA, indent=2),
-            max_new_tokens=48,
-        )
+    replies = send(
+        chat, browser, view, ANIMAL, "JSON schema", schema, max_new_tokens=48, inspect=inspect
     )
-    shown = Shown(*shown)
+    *shown, _, inspected = last(replies)
+    return Shown(*shown), inspected
+
+
+def test_a_json_schema_reply_parses_validates_and_is_saved_with_its_format(chat):
+    shown, inspected = by_schema(chat, json.dumps(SCHEMA, indent=2))
     reply = json.loads(shown.chatbot[-1]["content"])
     jsonschema.validate(reply, SCHEMA)
     assert "finish: stop" in shown.status and "incomplete" not in shown.status, shown.status
@@ -645,25 +628,13 @@ def test_a_json_schema_reply_parses_validates_and_is_saved_with_its_format(chat)
 )
 def test_a_reply_cut_by_max_new_tokens_says_its_format_is_incomplete(chat, fmt, text, note):
     browser, view = first_visit(chat)
-    shown = Shown(*last(send_as(chat, browser, view, ANIMAL, fmt, text, max_new_tokens=3))[:8])
+    shown = Shown(*last(send(chat, browser, view, ANIMAL, fmt, text, max_new_tokens=3))[:8])
     assert "finish: length" in shown.status and shown.status.endswith(note), shown.status
 
 
 def test_the_inspector_says_how_much_the_grammar_bent_the_reply(chat):
-    browser, view = first_visit(chat)
-    *shown, _, inspected = last(
-        send_as(
-            chat,
-            browser,
-            view,
-            ANIMAL,
-            "JSON schema",
-            json.dumps(SCHEMA),
-            max_new_tokens=48,
-            inspect=True,
-        )
-    )
-    steps = int(re.search(r"(\d+) new tokens", Shown(*shown).status).group(1))
+    shown, inspected = by_schema(chat, json.dumps(SCHEMA), inspect=True)
+    steps = int(re.search(r"(\d+) new tokens", shown.status).group(1))
     line = re.search(
         r"grammar bent (\d+) of (\d+) steps, up to (\d+)% of the probability", inspected
     )
@@ -697,12 +668,12 @@ def test_a_bad_output_format_is_an_error_line_and_nothing_is_saved(chat, fmt, te
     message stays in the box, nothing is saved (no message, no new conversation)."""
     browser, view = first_visit(chat)
     owner = browser["owner"]
-    *shown, box, _ = last(send_as(chat, browser, view, "Hi", fmt, text))
+    *shown, box, _ = last(send(chat, browser, view, "Hi", fmt, text))
     shown = Shown(*shown)
     assert shown.status.startswith("**Error:**") and message in shown.status, shown.status
     assert box == "Hi" and shown.chatbot == [] and chat.store.conversations(owner) == []
     before = Shown(*last(send(chat, browser, view, "Hello", max_new_tokens=3))[:8])
-    *shown, box, _ = last(send_as(chat, before.browser, before.view, "Hi", fmt, text))
+    *shown, box, _ = last(send(chat, before.browser, before.view, "Hi", fmt, text))
     shown = Shown(*shown)
     assert shown.status.startswith("**Error:**") and message in shown.status, shown.status
     assert box == "Hi" and shown.chatbot == before.chatbot
@@ -833,34 +804,6 @@ def test_output_format_values_become_a_constraint():
 
 def sliders_values():
     return preset_values({"greedy": SamplingParams(temperature=0.0, max_new_tokens=8)}, "greedy")
-
-
-def send_as(
-    chat,
-    browser,
-    view,
-    message,
-    fmt,
-    text,
-    preset="factual",
-    max_new_tokens=12,
-    seed=1,
-    inspect=False,
-):
-    """Send with the Output format set to `fmt` and its text box to `text`."""
-    return chat.send(
-        message,
-        browser,
-        view,
-        "",
-        "",
-        preset,
-        *sliders(chat, preset, max_new_tokens),
-        seed,
-        inspect,
-        fmt,
-        text,
-    )
 
 
 # -- Benchmark -------------------------------------------------------------------------------

@@ -13,7 +13,6 @@ import time
 
 import pytest
 
-from miniserve.core.config import load_presets
 from miniserve.core.samplers import describe
 from miniserve.engine.engine import Engine
 from miniserve.models.registry import EngineOptions, Models, ModelSpec, engine_factory, open_models
@@ -41,11 +40,6 @@ def models(two_models):
     for name in two_models.names:
         two_models.get(name)
     return two_models
-
-
-@pytest.fixture(scope="module")
-def presets():
-    return load_presets()
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import pytest
 from thinking_models import qwen3_tiny, r1_tiny
 
 from miniserve.cli.repl import ChatSession
-from miniserve.core.config import SamplingParams, load_presets
+from miniserve.core.config import SamplingParams
 from miniserve.engine.chat import ChatOptions
 from miniserve.engine.turn import ChatTurn, chat_messages, history_of
 from miniserve.models.registry import EngineOptions, Models, ModelSpec, engine_factory
@@ -49,11 +49,6 @@ def models(engine):
     yield registry
     for name in ("r1", "qwen3"):
         registry.get(name).close()
-
-
-@pytest.fixture(scope="module")
-def presets():
-    return load_presets()
 
 
 @pytest.fixture
