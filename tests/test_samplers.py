@@ -362,7 +362,7 @@ STATEFUL = [
 def test_the_new_stages_in_a_batch_give_what_each_gives_alone(engine):
     """Four replies at once, each with its own stage (Mirostat's mu and XTC's draws per
     reply), get the tokens each gets through the one-sequence loop."""
-    import threading
+    from test_scheduler import together
 
     from miniserve.engine.decode import generate
 
@@ -371,19 +371,7 @@ def test_the_new_stages_in_a_batch_give_what_each_gives_alone(engine):
         for q in ("Name a fruit.", "Count to five.", "Say hello twice.", "What is 2+2?")
     ]
     params = [SamplingParams(**s, seed=7 + i, max_new_tokens=24) for i, s in enumerate(STATEFUL)]
-    out = [None] * len(prompts)
-    start = threading.Barrier(len(prompts))
-
-    def one(i):
-        start.wait()
-        chunks = list(engine.complete(prompts[i], params[i], reuse_prefix=False))
-        out[i] = [t for c in chunks for t in c.token_ids]
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    out = [tokens for tokens, _ in together(engine, prompts, params)]
     for ids, p, got in zip(prompts, params, out):
         want = engine.run_on_worker(
             lambda ids=ids, p=p: list(

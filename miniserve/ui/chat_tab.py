@@ -39,9 +39,8 @@ from miniserve.ui.model_picker import (
 from miniserve.ui.render import inspector_html, reply_rows
 from miniserve.ui.sidebar import SidebarHandlers, build_sidebar, wire_sidebar
 from miniserve.ui.widgets import (
-    FREE_TEXT,
+    GENERATING,
     NO_LIMIT,
-    SETTINGS,
     build_output_format,
     build_sampling,
     build_thinking,
@@ -58,18 +57,7 @@ if TYPE_CHECKING:
 # the controls the generating handlers take after the search box (widgets.takes_panel): the
 # system prompt, the preset, the settings panel, the seed, the inspector, the output format,
 # the model, the Think switch and the reasoning budget; an edit's EditData after them
-PANEL = (
-    "system",
-    "preset",
-    SETTINGS,
-    "seed",
-    "inspect_on",
-    ("output_format", FREE_TEXT),
-    ("format_text", ""),
-    ("model", None),
-    ("think", True),
-    ("budget", NO_LIMIT),
-)
+PANEL = ("system", "preset", *GENERATING, ("think", True), ("budget", NO_LIMIT))
 BROWSER_KEY = "miniserve"  # the browser's local-storage key for its owner id and open chat
 
 

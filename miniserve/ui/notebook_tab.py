@@ -32,8 +32,7 @@ from miniserve.ui.render import inspector_html
 from miniserve.ui.widgets import (
     CTRL_ENTER,
     CTRL_ENTER_TARGET,
-    FREE_TEXT,
-    SETTINGS,
+    GENERATING,
     build_output_format,
     build_sampling,
     format_note,
@@ -47,14 +46,7 @@ if TYPE_CHECKING:
 
 # the controls the generating handlers take after the text and its undo history
 # (widgets.takes_panel): the settings panel, the seed, the inspector, the output format, the model
-PANEL = (
-    SETTINGS,
-    "seed",
-    "inspect_on",
-    ("output_format", FREE_TEXT),
-    ("format_text", ""),
-    ("model", None),
-)
+PANEL = GENERATING
 UNDO_DEPTH = 20  # generations Undo can take back, one after the other
 NOTEBOOK = "notebook"  # the kind of run (common.Sessions) that Undo and Regenerate stop
 # How long Undo and Regenerate wait for a stopped generation to end: it ends within one engine

@@ -146,6 +146,17 @@ def takes_panel(*fields):
 # for those that need text, the text box's label and a placeholder example.
 FREE_TEXT = "Free text"
 
+# The controls every generating tab passes after its own (widgets.takes_panel's fields): the
+# settings panel, the seed, the inspector, the output format and its text, the model.
+GENERATING = (
+    SETTINGS,
+    "seed",
+    "inspect_on",
+    ("output_format", FREE_TEXT),
+    ("format_text", ""),
+    ("model", None),
+)
+
 
 class Format(NamedTuple):
     kind: str | None
