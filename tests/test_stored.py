@@ -10,6 +10,7 @@ import os
 
 import gguf
 import numpy as np
+import product_digests
 import pytest
 import torch
 
@@ -163,6 +164,21 @@ def test_amx_tiles_give_the_bits_of_the_avx512_loops(qtype, rows, blocks, batch)
     finally:
         native.amx(True)
     assert torch.equal(tiles, loops)
+
+
+@pytest.mark.parametrize("name", product_digests.names())
+@needs_native
+def test_each_types_products_are_the_committed_bits_on_this_build(name):
+    """The same bits on every build, checked on whichever CPU runs the leg: products of fixed
+    weights of each type with 1, 5, 8, 16 and 64 activation rows (tests/product_digests.py)
+    equal the digests in tests/data/product_digests.json, which every build (AVX-512 with or
+    without AMX tiles, AVX2, the plain loops) must give. A kernel whose float operations change
+    order on one build fails here on that build's leg; a deliberate change of the arithmetic
+    rewrites the file (`python tests/product_digests.py --write` in each build)."""
+    want = product_digests.committed()
+    got = product_digests.digests_of(name)
+    wrong = [k for k, v in got.items() if want.get(k) != v]
+    assert not wrong, f"{native.kernels_label()} build: {wrong} differ from the committed digests"
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)

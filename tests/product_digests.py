@@ -1,0 +1,128 @@
+"""Digests of the native kernels' products over fixed inputs: every weight type a GGUF file's
+matrices are read in as stored (the block types and F16), against 1, 5, 8,
+16 and 64 activation rows -- one row (decode), a tile of 4 and one, one group of 8 (AMX's
+threshold), two, and a prompt's chunk. tests/data/product_digests.json holds them, and every
+leg of `make test` compares its build's products with them (test_stored.py), so that "the same
+bits on every build" is checked on whichever CPU runs the suite, not only between AMX and the
+AVX-512 loops in one process.
+
+The inputs come from numpy's generators alone (torch's normal sampler has vector paths that
+depend on the CPU), the 32-weight types quantized by gguf's own quantizer (exact float
+operations), the K-quants as random block bytes with finite fp16 scales.
+
+Where the arithmetic is documented to differ, a type has one digest per arithmetic: F16
+weights' products use fused multiply-adds in the vector builds and separate ones in the plain
+loops (kernels/quants.h), keyed "fma" and "plain". Float32 and bfloat16 weights (a transformers
+model's, or a GGUF file's dequantized) are left out: their products keep one accumulator of the
+vector's width (decode.cpp), so AVX-512 and AVX2 round differently by design; the float64
+bounds hold them in every leg instead.
+
+    python tests/product_digests.py      # prints this build's digests as JSON (to review)
+    python tests/product_digests.py --write
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+from miniserve.runners import native
+from miniserve.runners.native import StoredMatrix
+
+Q = gguf.GGMLQuantizationType
+PATH = Path(__file__).parent / "data" / "product_digests.json"
+ROWS = (1, 5, 8, 16, 64)
+WEIGHT_ROWS = 37  # not a multiple of the threads' shares
+BLOCK_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+K_QUANTS = {Q.Q4_K, Q.Q5_K, Q.Q6_K}
+# where each K-quant keeps its fp16 scales in a block: (offset, count)
+SCALES = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208, 1)}
+# the weight type whose products fuse multiply and add in the vector builds only
+BY_ARITHMETIC = ("F16",)
+
+
+def columns(name: str) -> int:
+    """17 super-blocks for the K-quants (the AVX-512 loops' pieces of 8 blocks, and one more);
+    40 blocks of 32 for the others; an odd width for F16 (the n % 32 tail)."""
+    if name == "F16":
+        return 32 * 12 + 7
+    return 256 * 17 if Q[name] in K_QUANTS else 32 * 40
+
+
+def block_weights(qtype, rows: int, cols: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if qtype not in K_QUANTS:
+        w = rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(0.05)
+        w[:, :32] += np.float32(0.3)  # a block with an offset: the types with a min
+        return np.ascontiguousarray(gguf.quants.quantize(w, qtype))
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    data = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    offset, count = SCALES[qtype]
+    scales = (rng.random((rows, cols // block, count)) * 0.01 + 0.001).astype(np.float16)
+    data[:, :, offset : offset + 2 * count] = scales.view(np.uint8).reshape(
+        rows, cols // block, 2 * count
+    )
+    return np.ascontiguousarray(data.reshape(rows, -1))
+
+
+def weights(name: str, seed: int):
+    """A StoredMatrix over the type's bytes, and the bytes (kept alive beside it)."""
+    cols = columns(name)
+    if name == "F16":
+        w = np.random.default_rng(seed).standard_normal((WEIGHT_ROWS, cols), dtype=np.float32)
+        data = np.ascontiguousarray((w * np.float32(0.1)).astype(np.float16).view(np.uint8))
+    else:
+        data = block_weights(Q[name], WEIGHT_ROWS, cols, seed)
+    return StoredMatrix(data.ctypes.data, int(Q[name]), WEIGHT_ROWS, cols, data.nbytes), data
+
+
+def activations(batch: int, cols: int) -> torch.Tensor:
+    x = np.random.default_rng(1000 + batch).standard_normal((batch, cols), dtype=np.float32)
+    return torch.from_numpy(x)
+
+
+def arithmetic() -> str:
+    """The F16 arithmetic of this build: "plain" (the plain loops) or "fma"."""
+    return "plain" if (native.isa() or "").startswith("generic") else "fma"
+
+
+def names() -> list[str]:
+    return [t.name for t in BLOCK_TYPES] + ["F16"]
+
+
+def product_digest(name: str, batch: int) -> str:
+    w, _keep = weights(name, seed=len(name) * 100 + sum(map(ord, name)))
+    x = activations(batch, columns(name))
+    y = native.matmul(w, x)
+    return hashlib.sha256(y.numpy().tobytes()).hexdigest()[:16]
+
+
+def digests_of(name: str) -> dict[str, str]:
+    """This build's digests of one type: {"Q4_0 x 5": ..., "F16 x 1 fma": ...}."""
+    tail = f" {arithmetic()}" if name in BY_ARITHMETIC else ""
+    return {f"{name} x {batch}{tail}": product_digest(name, batch) for batch in ROWS}
+
+
+def digests() -> dict[str, str]:
+    return {k: v for name in names() for k, v in digests_of(name).items()}
+
+
+def committed() -> dict[str, str]:
+    return json.loads(PATH.read_text())
+
+
+if __name__ == "__main__":
+    mine = digests()
+    if "--write" in sys.argv:
+        kept = committed() if PATH.exists() else {}
+        kept.update(mine)
+        PATH.write_text(json.dumps(dict(sorted(kept.items())), indent=1) + "\n")
+        print(f"wrote {len(mine)} digests ({native.isa()}) to {PATH}")
+    else:
+        print(json.dumps(mine, indent=1))
