@@ -1,9 +1,13 @@
 """A first visit in a real headless Chromium: a message sent before the page's load handler has
 given the browser its history id gets its reply, and the page shows no error.
 
-The race is made certain: the load event's request is held back in the browser (Playwright
-routes Gradio's queue requests) until the message's has been answered, so the send always
-reaches the server first, on a browser without an id; the load then runs last."""
+The race is made certain: the load event's request (the events the app's config names for the
+page's load) is held back in the browser (Playwright routes Gradio's queue requests) until the
+message's has been answered, so the send always reaches the server first, on a browser without
+an id; the load then runs last."""
+
+import json
+import urllib.request
 
 import pytest
 from playwright.sync_api import expect
@@ -19,19 +23,30 @@ def no_error_shown(page):
     expect(page.locator("#status")).not_to_contain_text("Error")
 
 
+def load_events(url: str) -> set[int]:
+    """The app's events that the page's load starts, and those chained after them (.then),
+    by the fn_index a queue request names: read from the app's own config."""
+    deps = json.load(urllib.request.urlopen(url + "/config", timeout=30))["dependencies"]
+    ids = {d["id"] for d in deps if any(t[1] == "load" for t in d["targets"])}
+    while more := {d["id"] for d in deps if d.get("trigger_after") in ids} - ids:
+        ids |= more
+    return ids
+
+
 def test_a_message_sent_before_the_load_handler_ran_gets_its_reply(browser, app_server):
+    loads = load_events(app_server.url)
     context = browser.new_context(viewport={"width": 1400, "height": 1000})  # a first visit
     try:
         page = context.new_page()
-        held, sent = [], []
+        held, released = [], []
 
         def queue_join(route):
-            """Hold every event sent before the message (the page's load event); let the
-            message and everything after it through."""
-            if not sent and MARK not in (route.request.post_data or ""):
+            """Until the reply is in, hold the page's load events, whenever the browser sends
+            them; let the message and every other event through."""
+            body = route.request.post_data or ""
+            if not released and json.loads(body or "{}").get("fn_index") in loads:
                 held.append(route)
                 return
-            sent.append(route.request)
             route.continue_()
 
         page.route("**/gradio_api/queue/join*", queue_join)
@@ -54,6 +69,7 @@ def test_a_message_sent_before_the_load_handler_ran_gets_its_reply(browser, app_
         assert held, "the page's load event was held back: the message went first"
         no_error_shown(page)
 
+        released.append(True)
         for route in held:  # now the load handler runs, last
             route.continue_()
         expect(page.locator("#history-info")).to_contain_text("history")
