@@ -75,7 +75,7 @@ def bf16_engine(bf16):
 def test_eight_streams_get_the_tokens_each_gets_alone(request, which):
     engine = request.getfixturevalue(which)
     prompts = [chat_ids(engine.tokenizer, q) for q in QUESTIONS]
-    params = settings(8)
+    params = settings(8, new_tokens=16)
     before = engine.scheduler.widest
     got = together(engine, prompts, params)
     for ids, p, (tokens, last) in zip(prompts, params, got):

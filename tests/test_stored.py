@@ -356,10 +356,11 @@ def test_a_gguf_file_as_stored_computes_what_transformers_computes_from_it(
     tmp_path, arch, monkeypatch
 ):
     """A small synthetic GGUF (miniserve/bench/synthetic.py: random F16 matrices, the embedded
-    vocabulary) read two ways: as stored (our F16 kernel, float32 products) and by
-    transformers (dequantized to float32). llama: q and k rows as llama.cpp's converter permutes
-    them (decode.cpp's RoPE on pairs); qwen2: q/k/v biases, RoPE on halves. Float32 arithmetic
-    over the same weights on both sides, so the float32 bound (scaled to these small logits)."""
+    vocabulary's first 4096 tokens) read two ways: as stored (our F16 kernel, float32 products)
+    and by transformers (dequantized to float32). llama: q and k rows as llama.cpp's converter
+    permutes them (decode.cpp's RoPE on pairs); qwen2: q/k/v biases, RoPE on halves. Float32
+    arithmetic over the same weights on both sides, so the float32 bound (scaled to these small
+    logits)."""
     from transformers import AutoModelForCausalLM
 
     from miniserve.bench import synthetic
@@ -371,13 +372,14 @@ def test_a_gguf_file_as_stored_computes_what_transformers_computes_from_it(
     )
     monkeypatch.setitem(synthetic.SHAPES, "tiny", shape)
     monkeypatch.setattr(synthetic, "STD", 0.5)  # logits of a useful size
-    path = synthetic.write_gguf(tmp_path / f"tiny-{arch}.gguf", "tiny", quant="f16")
+    # the embedded tokenizer cut to 4096 tokens: transformers reads the file in seconds
+    path = synthetic.write_gguf(tmp_path / f"tiny-{arch}.gguf", "tiny", vocab=4096, quant="f16")
     stored_model = load_model(str(path), dtype="stored", progress=lambda m: None)
     runner = StoredRunner(stored_model.model, "float32", stored_model.generation_config)
     reference = AutoModelForCausalLM.from_pretrained(
         str(tmp_path), gguf_file=path.name, dtype=torch.float32
     ).eval()
-    ids = [(37 * i + 11) % 40000 for i in range(40)]
+    ids = [(37 * i + 11) % 4096 for i in range(40)]
     with torch.inference_mode():
         want = reference(torch.tensor([ids])).logits[0].double()
     got = runner.forward(torch.tensor([ids]), None, all_logits=True).double()
@@ -442,7 +444,7 @@ def test_header_values_the_runner_cannot_run_are_one_error(tmp_path, monkeypatch
     monkeypatch.setitem(
         synthetic.SHAPES, "odd", synthetic.Shape("llama", 64, 128, 1, heads, kv, 16, 10000.0, 1e-5)
     )
-    path = synthetic.write_gguf(tmp_path / "odd.gguf", "odd", quant="f16")
+    path = synthetic.write_gguf(tmp_path / "odd.gguf", "odd", vocab=4096, quant="f16")
     with pytest.raises(ModelLoadError) as e:
         load_model(str(path), dtype="stored", progress=lambda m: None)
     assert words in str(e.value) and "odd.gguf" in str(e.value)

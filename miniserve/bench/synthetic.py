@@ -199,30 +199,43 @@ def _embedded_vocab():
 
 
 def _copy_tokenizer(writer, fields, vocab: int, chat_template: str | None = None) -> int:
-    """Copy the embedded model's tokenizer keys (and chat template, or `chat_template`); pad its
-    token list to `vocab` with filler tokens (normal tokens no merge ever produces). Returns the
-    vocab size."""
+    """Copy the embedded model's tokenizer keys (and chat template, or `chat_template`). A
+    larger `vocab` pads its token list with filler tokens (normal tokens no merge ever
+    produces); a smaller one keeps its first `vocab` tokens and the merges among them (every
+    merge's parts and result kept: its tokens are in merge order, so that is a whole, smaller
+    BPE tokenizer, which a reader parses in a fraction of the time -- the tests' tiny files).
+    Returns the vocab size."""
     import gguf
 
-    base = None
+    tokens = next((f.contents() for f in fields if f.name == "tokenizer.ggml.tokens"), None)
+    if tokens is None:
+        raise ValueError("the embedded GGUF has no tokenizer.ggml.tokens")
+    base = len(tokens)
+    specials = [
+        f.contents()
+        for f in fields
+        if f.name.startswith("tokenizer.ggml.") and f.name.endswith("_id")
+    ]
+    if vocab < base and (vocab < 512 or max(specials, default=0) >= vocab):
+        raise ValueError(
+            f"--vocab {vocab}: a cut of the embedded vocabulary keeps at least 512 tokens and "
+            f"its special tokens (ids up to {max(specials, default=0)})"
+        )
+    kept = set(tokens[:vocab])
     for field in fields:
         value_type = field.types[0]
         sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
         value = field.contents()
         if field.name == "tokenizer.ggml.tokens":
-            base = len(value)
-            if vocab < base:
-                raise ValueError(
-                    f"--vocab {vocab} is smaller than the embedded vocabulary ({base} tokens)"
-                )
-            value = value + [FILLER_TOKEN.format(i) for i in range(base, vocab)]
-        elif field.name == "tokenizer.ggml.token_type":
-            value = list(value) + [int(gguf.TokenType.NORMAL)] * (vocab - len(value))
+            value = value[:vocab] + [FILLER_TOKEN.format(i) for i in range(base, vocab)]
+        elif field.name in ("tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
+            fill = int(gguf.TokenType.NORMAL) if field.name.endswith("type") else 0.0
+            value = list(value)[:vocab] + [fill] * (vocab - len(value))
+        elif field.name == "tokenizer.ggml.merges" and vocab < base:
+            value = [m for m in value if {*m.split(" "), m.replace(" ", "")} <= kept]
         elif field.name == "tokenizer.chat_template" and chat_template is not None:
             value = chat_template
         writer.add_key_value(field.name, value, value_type, sub_type=sub_type)
-    if base is None:
-        raise ValueError("the embedded GGUF has no tokenizer.ggml.tokens")
     return vocab
 
 
@@ -555,7 +568,8 @@ def main(argv: list[str] | None = None) -> int:
         "--vocab",
         default=None,
         help="pad the embedded vocabulary with filler tokens up to N tokens "
-        "('real': the real model's size, e.g. 128256 for Llama 3)",
+        "('real': the real model's size, e.g. 128256 for Llama 3), or keep its first N "
+        "(at least 512) and the merges among them",
     )
     parser.add_argument("--out", default=None, help="folder (default: the cache's synthetic/)")
     parser.add_argument(
