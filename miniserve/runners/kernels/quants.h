@@ -321,6 +321,15 @@ static inline __m256 msq_term1(__m256 acc, __m256i isum, const uint8_t *b, const
 static inline float msq_min1(const uint8_t *b, const char *x) {  // m_w s_x
     return msq_h2f(msq_u16(b + 2)) * msq_f32(x + 4);
 }
+static inline __m128 msq_m1(const uint8_t *b) {  // m_w in every lane
+    return _mm_set1_ps(msq_h2f(msq_u16(b + 2)));
+}
+// s_x of the same block of NB <= 4 activation rows (xs bytes apart), row j in lane j (0 past NB)
+template <int NB>
+static inline __m128 msq_s4(const char *x, long xs) {
+    return _mm_setr_ps(msq_f32(x + 4), NB > 1 ? msq_f32(x + xs + 4) : 0.f,
+                       NB > 2 ? msq_f32(x + 2 * xs + 4) : 0.f, NB > 3 ? msq_f32(x + 3 * xs + 4) : 0.f);
+}
 #endif
 
 // ---------------------------------------------------------------- AVX-512 + VNNI
@@ -444,8 +453,10 @@ static inline void msq_dot_avx2_4(long n, const uint8_t *w, const char *x, long 
     typedef MsqT<K> T;
     const long nb = n / 32;
     __m256 acc[NB][2];
-    __m128 mins[NB];  // lanes 0 and 1: the min sums of even and odd blocks
-    for (int j = 0; j < NB; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps(), mins[j] = _mm_setzero_ps();
+    // the min sums of even and odd blocks, lane j for activation row j: each row's own sums,
+    // in its own lane, so one multiply and one add serve the group's rows
+    __m128 min_even = _mm_setzero_ps(), min_odd = _mm_setzero_ps();
+    for (int j = 0; j < NB; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
     long b = 0;
     for (; b + 2 <= nb; b += 2) {
         const uint8_t *wb = w + b * T::BYTES;
@@ -461,22 +472,26 @@ static inline void msq_dot_avx2_4(long n, const uint8_t *w, const char *x, long 
                 acc[j][h] = msq_term1(acc[j][h], is, wh, xb);
             }
         }
-        if (T::MIN)
-            for (int j = 0; j < NB; j++) {
-                const char *xb = x + j * xs + b * (long)sizeof(ms_a8);
-                mins[j] = _mm_add_ps(mins[j], _mm_setr_ps(msq_min1(wb, xb), msq_min1(wb + T::BYTES, xb + sizeof(ms_a8)), 0.f, 0.f));
-            }
+        if (T::MIN) {
+            const char *xb = x + b * (long)sizeof(ms_a8);
+            min_even = _mm_add_ps(min_even, _mm_mul_ps(msq_m1(wb), msq_s4<NB>(xb, xs)));
+            min_odd = _mm_add_ps(min_odd, _mm_mul_ps(msq_m1(wb + T::BYTES), msq_s4<NB>(xb + sizeof(ms_a8), xs)));
+        }
     }
+    if (T::MIN && b < nb)
+        min_even = _mm_add_ps(min_even, _mm_mul_ps(msq_m1(w + b * T::BYTES), msq_s4<NB>(x + b * (long)sizeof(ms_a8), xs)));
+    alignas(16) float even[4], odd[4];
+    _mm_store_ps(even, min_even);
+    _mm_store_ps(odd, min_odd);
     for (int j = 0; j < NB; j++) {
         if (b < nb) {
             const uint8_t *wb = w + b * T::BYTES;
             const char *xb = x + j * xs + b * (long)sizeof(ms_a8);
             const __m256i a = _mm256_loadu_si256((const __m256i *)(xb + 8));
             acc[j][0] = msq_term1(acc[j][0], msq_isum1<K>(msq_load1<K>(wb), a), wb, xb);
-            if (T::MIN) mins[j] = _mm_add_ss(mins[j], _mm_set_ss(msq_min1(wb, xb)));
         }
         const float total = msq_hsum8(_mm256_add_ps(acc[j][0], acc[j][1]));
-        y[j * ys] = T::MIN ? total + (_mm_cvtss_f32(mins[j]) + _mm_cvtss_f32(_mm_movehdup_ps(mins[j]))) : total;
+        y[j * ys] = T::MIN ? total + (even[j] + odd[j]) : total;
     }
 }
 #endif
