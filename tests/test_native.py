@@ -27,6 +27,7 @@ from conftest import (
     assert_same_whatever_shares_the_pass,
     chat_ids,
     needs_native,
+    pinned_runner,
     same_on_every_cpu,
     tiny_shape,
 )
@@ -312,6 +313,7 @@ def run_cli(*args, env=None):
 
 
 @same_on_every_cpu
+@pinned_runner  # it switches the native runner off itself: the same in the leg that does
 def test_without_the_library_auto_falls_back_and_native_says_why():
     off = {"MINISERVE_NATIVE": "0"}
     r = run_cli(
