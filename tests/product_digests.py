@@ -1,14 +1,17 @@
 """Digests of the native kernels' products over fixed inputs: every weight type a GGUF file's
 matrices are read in as stored (the block types and F16), against 1, 5, 8,
-16 and 64 activation rows -- one row (decode), a tile of 4 and one, one group of 8 (AMX's
-threshold), two, and a prompt's chunk. tests/data/product_digests.json holds them, and every
+16 and 64 activation rows -- one row (decode), a tile of 4 and one, a group of 8, 16 (where
+AMX tiles and the unpacked K-quant path start: AMX_ROWS / MANY_ROWS in decode.cpp), and a
+prompt's chunk. tests/data/product_digests.json holds them, and every
 leg of `make test` compares its build's products with them (test_stored.py), so that "the same
 bits on every build" is checked on whichever CPU runs the suite, not only between AMX and the
 AVX-512 loops in one process.
 
 The inputs come from numpy's generators alone (torch's normal sampler has vector paths that
 depend on the CPU), the 32-weight types quantized by gguf's own quantizer (exact float
-operations), the K-quants as random block bytes with finite fp16 scales.
+operations), the K-quants as random block bytes with finite fp16 scales. numpy does not
+promise its random streams across versions, nor gguf its rounding: a digest of the inputs is
+committed too ("Q4_0 inputs"), so a changed input says so instead of blaming a kernel.
 
 Where the arithmetic is documented to differ, a type has one digest per arithmetic: F16
 weights' products use fused multiply-adds in the vector builds and separate ones in the plain
@@ -96,11 +99,26 @@ def names() -> list[str]:
     return [t.name for t in BLOCK_TYPES] + ["F16"]
 
 
+def seed(name: str) -> int:
+    return len(name) * 100 + sum(map(ord, name))
+
+
 def product_digest(name: str, batch: int) -> str:
-    w, _keep = weights(name, seed=len(name) * 100 + sum(map(ord, name)))
+    w, _keep = weights(name, seed(name))
     x = activations(batch, columns(name))
     y = native.matmul(w, x)
     return hashlib.sha256(y.numpy().tobytes()).hexdigest()[:16]
+
+
+def inputs_digest(name: str) -> str:
+    """The weight bytes and every activation row count's rows of the type: what numpy and gguf
+    make, no kernel involved."""
+    h = hashlib.sha256()
+    _w, data = weights(name, seed(name))
+    h.update(data.tobytes())
+    for batch in ROWS:
+        h.update(activations(batch, columns(name)).numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 def digests_of(name: str) -> dict[str, str]:
@@ -110,7 +128,12 @@ def digests_of(name: str) -> dict[str, str]:
 
 
 def digests() -> dict[str, str]:
-    return {k: v for name in names() for k, v in digests_of(name).items()}
+    """Every type's product digests and its inputs' digest."""
+    out = {}
+    for name in names():
+        out.update(digests_of(name))
+        out[f"{name} inputs"] = inputs_digest(name)
+    return out
 
 
 def committed() -> dict[str, str]:

@@ -55,8 +55,9 @@ def test_device_falls_back_to_cpu_here():
 
 def test_weight_cache_gives_the_same_model(tmp_path, monkeypatch):
     """First load dequantizes a GGUF and writes the cache; the second reads it: same logits,
-    same tokenizer. The file: a tiny Llama in Q8_0 blocks with the embedded model's tokenizer
-    cut to 4096 tokens (the embedded model's path, in seconds rather than half a minute)."""
+    same tokenizer. The file: a synthetic tiny Llama in Q8_0 blocks with the embedded model's
+    tokenizer cut to 4096 tokens (the loader's path for any GGUF that is dequantized, in seconds;
+    the embedded file itself, Q4_1, is not loaded here)."""
     from miniserve.bench import synthetic
 
     monkeypatch.setenv("MINISERVE_CACHE", str(tmp_path / "cache"))

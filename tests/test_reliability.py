@@ -26,7 +26,7 @@ from miniserve.engine.engine import Engine
 ROOT = Path(__file__).resolve().parent.parent
 SOAK = bool(os.environ.get("MINISERVE_SOAK"))
 STREAMS = 32 if SOAK else 8
-TURNS = 1000 if SOAK else 24  # trimming starts near turn 8 (256-token context; 15 at 512)
+TURNS = 1000 if SOAK else 28  # trimming starts near turn 9 (256-token context; 15 at 512)
 CONVERSATIONS = 200 if SOAK else 20  # five times the prefix cache's 4 entries
 GREEDY = SamplingParams(temperature=0, top_k=0, top_p=1.0, max_new_tokens=12)
 

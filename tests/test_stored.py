@@ -176,6 +176,11 @@ def test_each_types_products_are_the_committed_bits_on_this_build(name):
     order on one build fails here on that build's leg; a deliberate change of the arithmetic
     rewrites the file (`python tests/product_digests.py --write` in each build)."""
     want = product_digests.committed()
+    inputs = product_digests.inputs_digest(name)
+    assert inputs == want[f"{name} inputs"], (
+        f"the fixed inputs of {name} changed (numpy {np.__version__}, gguf's quantizer): "
+        "rewrite the digests with `python tests/product_digests.py --write` in each build"
+    )
     got = product_digests.digests_of(name)
     wrong = [k for k, v in got.items() if want.get(k) != v]
     assert not wrong, f"{native.kernels_label()} build: {wrong} differ from the committed digests"

@@ -1,6 +1,7 @@
 """Synthetic GGUF models: the layer shapes of real models, random weights, the embedded
-model's vocabulary -- for measuring speed and memory on bigger models than the embedded 135M one
-where no model hub can be reached.
+model's vocabulary (padded to the real model's size, or cut to its first N tokens and the
+merges among them, for the tests' tiny files) -- for measuring speed and memory on bigger
+models than the embedded 135M one where no model hub can be reached.
 
     python -m miniserve.bench.synthetic --shape llama-3.2-1b --quant q4_k_m [--vocab N] [--out DIR]
 
@@ -298,7 +299,8 @@ def write_shape(
     """Write a model of `shape` as `quant` (f16, or q8_0 / q4_0 by the numpy quantizers),
     tensor by tensor (never the whole model in memory), whole or not at all (a .partial beside
     it, renamed), with a tokenizer from TOKENIZERS: the embedded model's (padded with filler
-    tokens to `vocab`) or Qwen3's (tokenizer.json and chat template; `make tokenizer-qwen3`).
+    tokens to `vocab`, or cut to its first `vocab` tokens and their merges) or Qwen3's
+    (tokenizer.json and chat template; `make tokenizer-qwen3`).
     Returns `path`."""
     import gguf
     from gguf.quants import quant_shape_to_byte_shape, quantize
