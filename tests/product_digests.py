@@ -44,7 +44,9 @@ ROWS = (1, 5, 8, 16, 64)
 WEIGHT_ROWS = 37  # not a multiple of the threads' shares
 BLOCK_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 K_QUANTS = {Q.Q4_K, Q.Q5_K, Q.Q6_K}
-# where each K-quant keeps its fp16 scales in a block: (offset, count)
+# where each K-quant keeps its fp16 scales in a block: (offset, count) -- random bytes there
+# are replaced by finite scales of a sane size; the other bytes (quants, 6-bit scales) stay
+# random
 SCALES = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208, 1)}
 # the weight type whose products fuse multiply and add in the vector builds only
 BY_ARITHMETIC = ("F16",)
@@ -64,6 +66,12 @@ def block_weights(qtype, rows: int, cols: int, seed: int) -> np.ndarray:
         w = rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(0.05)
         w[:, :32] += np.float32(0.3)  # a block with an offset: the types with a min
         return np.ascontiguousarray(gguf.quants.quantize(w, qtype))
+    return np.ascontiguousarray(k_quant_blocks(rng, qtype, rows, cols))
+
+
+def k_quant_blocks(rng, qtype, rows: int, cols: int) -> np.ndarray:
+    """K-quant weights as random block bytes (every byte pattern is a valid block) with finite
+    fp16 scales of a sane size: (rows, bytes per row) uint8."""
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     data = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
     offset, count = SCALES[qtype]
@@ -71,7 +79,7 @@ def block_weights(qtype, rows: int, cols: int, seed: int) -> np.ndarray:
     data[:, :, offset : offset + 2 * count] = scales.view(np.uint8).reshape(
         rows, cols // block, 2 * count
     )
-    return np.ascontiguousarray(data.reshape(rows, -1))
+    return data.reshape(rows, -1)
 
 
 def weights(name: str, seed: int):

@@ -23,28 +23,19 @@ from conftest import assert_same_whatever_shares_the_pass, needs_native, same_on
 Q = gguf.GGMLQuantizationType
 LEGACY = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]
 K_QUANTS = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
-# where each type keeps its fp16 scales in a block: (offset, count) -- random bytes there are
-# replaced by finite scales of a sane size; the other bytes (quants, 6-bit scales) stay random
-SCALES = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208, 1)}
 
 
 def random_blocks(qtype, rows: int, cols: int, seed: int) -> np.ndarray:
     """Weights of `qtype` as the file holds them: (rows, bytes per row) uint8. The 32-weight
     types quantized from random floats by gguf's own quantizer; the K-quants as random block
-    bytes (every byte pattern is a valid block) with finite fp16 scales."""
+    bytes (every byte pattern is a valid block) with finite fp16 scales
+    (product_digests.k_quant_blocks)."""
     rng = np.random.default_rng(seed)
     if qtype in LEGACY:
         w = rng.standard_normal((rows, cols)).astype(np.float32) * 0.05
         w[:, :32] += 0.3  # a block with an offset: Q4_1 / Q5_1's minimum matters
         return gguf.quants.quantize(w, qtype)
-    block, size = gguf.GGML_QUANT_SIZES[qtype]
-    data = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
-    offset, count = SCALES[qtype]
-    scales = (rng.random((rows, cols // block, count)) * 0.01 + 0.001).astype(np.float16)
-    data[:, :, offset : offset + 2 * count] = scales.view(np.uint8).reshape(
-        rows, cols // block, 2 * count
-    )
-    return data.reshape(rows, -1)
+    return product_digests.k_quant_blocks(rng, qtype, rows, cols)
 
 
 def stored(data: np.ndarray, qtype, cols: int) -> StoredMatrix:
