@@ -54,10 +54,11 @@ BY_ARITHMETIC = ("F16",)
 
 def columns(name: str) -> int:
     """17 super-blocks for the K-quants (the AVX-512 loops' pieces of 8 blocks, and one more);
-    40 blocks of 32 for the others; an odd width for F16 (the n % 32 tail)."""
+    43 blocks of 32 for the others (5 groups of 8 and a short one); an odd width for F16 (the
+    n % 32 tail)."""
     if name == "F16":
         return 32 * 12 + 7
-    return 256 * 17 if Q[name] in K_QUANTS else 32 * 40
+    return 256 * 17 if Q[name] in K_QUANTS else 32 * 43
 
 
 def block_weights(qtype, rows: int, cols: int, seed: int) -> np.ndarray:

@@ -568,7 +568,7 @@ static inline void round_bf16(const float *x, float *xr, bf16 *xb, long n) {
 // block layouts are ggml-common.h's): quants.h holds the types of 32-weight blocks (Q4_0, Q4_1,
 // Q5_0, Q5_1, Q8_0) and F16, kquants.h the K-quants of 256-weight super-blocks (Q4_K, Q5_K,
 // Q6_K). Each activation row entering such a product is quantized once per product to int8
-// blocks (ms_a8 for the 32-weight types, ms_a8k for the K-quants), then every weight row is an
+// blocks (ms_a8g groups for the 32-weight types, ms_a8k for the K-quants), then every weight row is an
 // integer dot product per block, the blocks' results combined in one fixed order. That order
 // is the same whichever number of activation rows (1, 4 or 8) a kernel call takes, so a row's
 // result does not depend on what shares its pass (batch invariance, as above).
@@ -650,7 +650,7 @@ static long row_bytes(long type, long cols) {
 
 // Bytes of one activation row of `cols` numbers in a format.
 static long act_row_bytes(Act act, long cols) {
-    if (act == ACT_A8) return (cols + 31) / 32 * (long)sizeof(ms_a8);
+    if (act == ACT_A8) return (cols + 255) / 256 * (long)sizeof(ms_a8g);  // groups of 8 blocks
     if (act == ACT_A8K) return (cols + 255) / 256 * (long)sizeof(ms_a8k);
     return cols * (long)sizeof(float);
 }
@@ -1143,7 +1143,7 @@ struct MsRows {
 struct Scratch {
     float *x, *h, *xr, *qkv, *att, *gu, *act, *y, *s, *part;
     bf16 *xb;
-    char *xq8, *xq8k;  // activation rows quantized for a product (ms_a8 / ms_a8k blocks)
+    char *xq8, *xq8k;  // activation rows quantized for a product (ms_a8g / ms_a8k blocks)
     long blocks;  // attention blocks of the longest row
 };
 
@@ -1243,7 +1243,7 @@ static void linear(const MsModel *m, const MsMat *parts, int nparts, const float
                 if (!quantized[k->act]) {
                     for_rows(m->threads, B, [&](long b) {
                         if (k->act == ACT_A8)
-                            ms_quantize_a8(x + b * C, (ms_a8 *)(buf + b * xs), C);
+                            ms_quantize_a8(x + b * C, (ms_a8g *)(buf + b * xs), C);
                         else
                             ms_quantize_a8k(x + b * C, (ms_a8k *)(buf + b * xs), C);
                     });

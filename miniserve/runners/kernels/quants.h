@@ -1,23 +1,30 @@
 // Dot products and row decoders for ggml's 32-weight block types (Q4_0, Q4_1, Q5_0, Q5_1,
 // Q8_0) and for F16 weights, as stored in GGUF files (ggml-common.h's layouts), for decode.cpp.
 //
-// Activations: each row entering a product is quantized once to ms_a8 blocks (x ~= d q, q in
-// [-127, 127], s = d sum(q)); a block's products are then one exact integer sum. The block
-// formats, and the idea of an integer dot per block scaled by d_w d_x, follow llama.cpp's
+// Activations: each row entering a product is quantized once to int8 blocks of 32 (x ~= d q,
+// q in [-127, 127]), kept in groups of 8 blocks (ms_a8g: the 8 scales, the 8 sums d sum(q) and
+// sum(q), then the 8 blocks' quants); a block's products are then one exact integer sum. The
+// block formats, and the idea of an integer dot per block scaled by d_w d_x, follow llama.cpp's
 // ggml-cpu; the code is ours.
 //
 // One canonical order of the float operations for a (weight row, activation row) pair, the
 // same for every NB and every position j, and the same in the three builds (AVX-512 + VNNI,
 // AVX2 + FMA, plain loops):
-//   per block b: i[k] = the exact int32 sum of the products of weights 4k .. 4k+3 (k < 8);
-//                acc[b & 1][k] = acc[b & 1][k] + (d_w * d_x) * float(i[k])  (even, odd blocks)
-//                types with a min (Q4_1, Q5_1): ms[b & 1] = ms[b & 1] + m_w * s_x
+//   per block b: I = the exact int32 sum of the block's 32 products (q - OFF, or q for the
+//                types with a min, times the activations' q);
+//                acc[(b >> 3) & 1][b & 7] = acc[..][b & 7] + (d_w * d_x) * float(I)
+//                types with a min (Q4_1, Q5_1): ms[(b >> 3) & 1][b & 7] += m_w * s_x
 //   then v[k] = acc[0][k] + acc[1][k], ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7)),
-//   plus (ms[0] + ms[1]) for the types with a min.
-// AVX-512 holds a pair of blocks in 16 lanes (acc[0] the low 8, acc[1] the high 8) and the
-// pair's m_w * s_x in lanes 1 and 3 of a 4-lane sum; AVX2 one block in 8 lanes with two
-// accumulators; the plain loop two arrays of 8. Never a fused multiply-add in that part (the
-// generic build has none in hardware), so every build rounds alike. vpdpbusd and pmaddubsw + pmaddwd put the same four products in the same int32 lane.
+//   plus the same sum of ms[0][k] + ms[1][k] for the types with a min.
+// That is: lane k of 8 takes blocks 8g + k, groups g alternating between two accumulators.
+// The vector loops take a group of 8 blocks at once, block k in int32 lane k: the activations
+// are stored by 4-byte pieces (ms_a8g), and each weight group is unpacked and transposed the
+// same way once for all the activation rows of the call, so 8 integer dot steps (pmaddubsw,
+// or vpdpbusd) leave the 8 block totals in the 8 lanes with no sum across lanes; then one
+// convert, two multiplies and one add serve the 8 blocks. A last group short of 8 blocks has
+// zeros in the missing lanes (d = 0, q = 0), which add exact zeros. Never a fused multiply-add
+// in the float part (the generic build has none in hardware), so every build rounds alike.
+// (This order replaced one with 8 float lanes a block: 8 blocks now cost the float work 1 did.)
 //
 // F16 weights against float32 activations: 32 running sums (AVX-512: two vectors of 16; AVX2:
 // four of 8), acc = fma(w, x, acc) over columns in steps of 32, reduced as
@@ -46,11 +53,16 @@
 #include <immintrin.h>
 #endif
 
-struct ms_a8 {
-    float d;         // scale: x ~= d * qs
-    float s;         // d * sum(qs), for the weight types with a min
-    int8_t qs[32];
+struct ms_a8g {  // 8 consecutive blocks of 32 activations
+    float d[8];        // scales: x ~= d * qs
+    float s[8];        // d * sum(qs), for the weight types with a min
+    int32_t sum[8];    // sum(qs), for the types with an offset (Q4_0, Q5_0)
+    // the quants by 4-byte pieces: bytes 32 i + 4 k .. + 4 hold quants 4 i .. 4 i + 3 of block
+    // k, so a 32-byte load i has piece i of the 8 blocks, block k in int32 lane k
+    int8_t qs[256];
 };
+
+static inline int msq_at(int k, int i) { return 32 * (i / 4) + 4 * k + i % 4; }  // quant i of block k
 
 // How far ahead of the weight loads the loops prefetch (bytes), as decode.cpp does; not tuned
 // (the machine measured on was too noisy to tell 1 KB from 4 KB).
@@ -88,11 +100,6 @@ static inline uint16_t msq_u16(const uint8_t *p) {
 }
 static inline uint32_t msq_u32(const uint8_t *p) {
     uint32_t v;
-    std::memcpy(&v, p, 4);
-    return v;
-}
-static inline float msq_f32(const char *p) {
-    float v;
     std::memcpy(&v, p, 4);
     return v;
 }
@@ -158,11 +165,12 @@ static inline void msq_dequant(const void *w, float *y, long n) {
 
 // ---------------------------------------------------------------- activations
 
-// x -> ms_a8 blocks: d = amax / 127, q = round-to-nearest-even(x * (1 / d)), s = d * sum(q).
+// x -> int8 blocks: d = amax / 127, q = round-to-nearest-even(x * (1 / d)), s = d * sum(q).
 // The vector paths round with cvtps2dq under the default mode; the plain loop with the
 // 1.5 * 2^23 trick, which rounds the same float the same way (|x / d| <= 127.5 here).
-// A last partial block (n % 32) is padded with zeros.
-static inline void msq_quantize_block_plain(const float *x, ms_a8 *y) {
+// Block k of group g; a last partial block (n % 32) is padded with zeros, as are the blocks of
+// a last group past the row's end.
+static inline void msq_quantize_block_plain(const float *x, ms_a8g *g, int k) {
     float amax = 0.f;
     for (int i = 0; i < 32; i++) {
         float a = std::fabs(x[i]);
@@ -174,61 +182,73 @@ static inline void msq_quantize_block_plain(const float *x, ms_a8 *y) {
         float v = x[i] * id;
         v = (v + 12582912.f) - 12582912.f;
         int q = (int)v;
-        y->qs[i] = (int8_t)q;
+        g->qs[msq_at(k, i)] = (int8_t)q;
         sum += q;
     }
-    y->d = d;
-    y->s = d * (float)sum;
+    g->d[k] = d;
+    g->s[k] = d * (float)sum;
+    g->sum[k] = sum;
 }
 
-static void ms_quantize_a8(const float *x, ms_a8 *y, long n) {
-    const long nb = n / 32;
-    for (long i = 0; i < nb; i++, x += 32, y++) {
+static inline void msq_quantize_block(const float *x, ms_a8g *g, int k) {
 #if defined(MSQ_AVX512)
-        __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-        const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
-        const __m512 vid = _mm512_set1_ps(id);
-        __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, vid));
-        __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, vid));
-        _mm_storeu_si128((__m128i *)y->qs, _mm512_cvtepi32_epi8(q0));
-        _mm_storeu_si128((__m128i *)(y->qs + 16), _mm512_cvtepi32_epi8(q1));
-        y->d = d;
-        y->s = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+    const __m512 vid = _mm512_set1_ps(id);
+    __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, vid));
+    __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, vid));
+    alignas(32) int8_t p[32];
+    _mm_store_si128((__m128i *)p, _mm512_cvtepi32_epi8(q0));
+    _mm_store_si128((__m128i *)(p + 16), _mm512_cvtepi32_epi8(q1));
+    for (int i = 0; i < 8; i++) std::memcpy(g->qs + 32 * i + 4 * k, p + 4 * i, 4);
+    const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    g->d[k] = d;
+    g->s[k] = d * (float)sum;
+    g->sum[k] = sum;
 #elif defined(MSQ_AVX2)
-        __m256 v[4];
-        const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-        __m256 m = _mm256_setzero_ps();
-        for (int k = 0; k < 4; k++) {
-            v[k] = _mm256_loadu_ps(x + 8 * k);
-            m = _mm256_max_ps(m, _mm256_and_ps(v[k], absmask));
-        }
-        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-        h = _mm_max_ss(h, _mm_movehdup_ps(h));
-        const float amax = _mm_cvtss_f32(h);
-        const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
-        const __m256 vid = _mm256_set1_ps(id);
-        __m256i q[4];
-        for (int k = 0; k < 4; k++) q[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], vid));
-        __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-        // int32 -> int8 (values within [-127, 127]): packs interleave 128-bit lanes; undo it
-        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-        p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        _mm256_storeu_si256((__m256i *)y->qs, p);
-        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
-        y->d = d;
-        y->s = d * (float)_mm_cvtsi128_si32(s4);
-#else
-        msq_quantize_block_plain(x, y);
-#endif
+    __m256 v[4];
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 m = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_loadu_ps(x + 8 * i);
+        m = _mm256_max_ps(m, _mm256_and_ps(v[i], absmask));
     }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float amax = _mm_cvtss_f32(h);
+    const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+    const __m256 vid = _mm256_set1_ps(id);
+    __m256i q[4];
+    for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], vid));
+    __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    // int32 -> int8 (values within [-127, 127]): packs interleave 128-bit lanes; undo it
+    __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    alignas(32) int8_t pb[32];
+    _mm256_store_si256((__m256i *)pb, p);
+    for (int i = 0; i < 8; i++) std::memcpy(g->qs + 32 * i + 4 * k, pb + 4 * i, 4);
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
+    const int total = _mm_cvtsi128_si32(s4);
+    g->d[k] = d;
+    g->s[k] = d * (float)total;
+    g->sum[k] = total;
+#else
+    msq_quantize_block_plain(x, g, k);
+#endif
+}
+
+static void ms_quantize_a8(const float *x, ms_a8g *y, long n) {
+    const long full = n / 32, nb = (n + 31) / 32;
+    if (nb % 8) std::memset(y + nb / 8, 0, sizeof(ms_a8g));
+    for (long i = 0; i < full; i++) msq_quantize_block(x + 32 * i, y + i / 8, (int)(i % 8));
     if (n % 32) {
         float pad[32] = {0};
-        for (long i = 0; i < n % 32; i++) pad[i] = x[i];
-        msq_quantize_block_plain(pad, y);
+        for (long i = 0; i < n % 32; i++) pad[i] = x[32 * full + i];
+        msq_quantize_block_plain(pad, y + full / 8, (int)(full % 8));
     }
 }
 
@@ -238,28 +258,26 @@ static void ms_quantize_a8(const float *x, ms_a8 *y, long n) {
 template <int K>
 static inline float msq_dot_plain(long n, const uint8_t *w, const char *x) {
     typedef MsqT<K> T;
-    float acc[2][8] = {{0.f}}, mins[2] = {0.f, 0.f};
+    float acc[2][8] = {{0.f}}, mins[2][8] = {{0.f}};
+    const ms_a8g *g = (const ms_a8g *)x;
     const long nb = n / 32;
-    for (long b = 0; b < nb; b++, w += T::BYTES, x += sizeof(ms_a8)) {
+    for (long b = 0; b < nb; b++, w += T::BYTES) {
         int q[32];
         msq_ints<K>(w, q);
-        const int8_t *a = (const int8_t *)(x + 8);
-        const float dd = msq_h2f(msq_u16(w)) * msq_f32(x);
-        float *g = acc[b & 1];
-        for (int k = 0; k < 8; k++) {
-            int s = 0;
-            for (int i = 4 * k; i < 4 * k + 4; i++) s += q[i] * a[i];
-            g[k] = g[k] + dd * (float)s;
-        }
-        if (T::MIN) mins[b & 1] = mins[b & 1] + msq_h2f(msq_u16(w + 2)) * msq_f32(x + 4);
+        const ms_a8g &a = g[b / 8];
+        const int k = (int)(b % 8), h = (int)((b / 8) & 1);
+        int s = 0;
+        for (int i = 0; i < 32; i++) s += q[i] * a.qs[msq_at(k, i)];
+        acc[h][k] = acc[h][k] + (msq_h2f(msq_u16(w)) * a.d[k]) * (float)s;
+        if (T::MIN) mins[h][k] = mins[h][k] + msq_h2f(msq_u16(w + 2)) * a.s[k];
     }
-    float v[8];
-    for (int k = 0; k < 8; k++) v[k] = acc[0][k] + acc[1][k];
-    return T::MIN ? msq_sum8(v) + (mins[0] + mins[1]) : msq_sum8(v);
+    float v[8], m[8];
+    for (int k = 0; k < 8; k++) v[k] = acc[0][k] + acc[1][k], m[k] = mins[0][k] + mins[1][k];
+    return T::MIN ? msq_sum8(v) + msq_sum8(m) : msq_sum8(v);
 }
 
-// ---------------------------------------------------------------- 256-bit pieces
-// One block in a 256-bit vector: AVX2's main loop, and AVX-512's last odd block.
+// ---------------------------------------------------------------- the vector loops
+// AVX2, and the AVX-512 build (whose 256-bit vpdpbusd replaces pmaddubsw + pmaddwd).
 
 #if defined(MSQ_AVX512) || defined(MSQ_AVX2)
 static inline float msq_hsum8(__m256 v) {  // msq_sum8's order
@@ -269,229 +287,180 @@ static inline float msq_hsum8(__m256 v) {  // msq_sum8's order
     return _mm_cvtss_f32(s);
 }
 
-// unsigned u8 x signed s8 -> 8 int32 lanes, lane k the four products 4k .. 4k+3
-static inline __m256i msq_dot_us8(__m256i u, __m256i s) {
-#if defined(MSQ_AVX512)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#else
-    // pairs into int16 (at most 2 * 255 * 127 for the inputs used here: 8-bit weights reach
-    // |w| = 128 only, so no saturation), then pairs of pairs into int32
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-#endif
-}
-
-// 32 bits -> 32 bytes, 0xff where the bit is set (bit i -> byte i)
-static inline __m256i msq_bits32(uint32_t bits) {
-    const __m256i shuf = _mm256_setr_epi64x(0x0000000000000000, 0x0101010101010101,
-                                            0x0202020202020202, 0x0303030303030303);
-    __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), shuf);
-    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
-    return _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
-}
-
-// A block's weights as bytes, natural order; signed (q - OFF, or Q8_0's) or unsigned (min types).
+// The 4 bytes at byte `at` of each of a group's nbg <= 8 blocks (from wg), block k in lane k
+// (0 past nbg).
 template <int K>
-static inline __m256i msq_load1(const uint8_t *b) {
-    typedef MsqT<K> T;
-    if (T::BITS == 8) return _mm256_loadu_si256((const __m256i *)(b + T::QS));
-    __m128i t = _mm_loadu_si128((const __m128i *)(b + T::QS));
-    __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(0x0f));
-    if (T::BITS == 5) {
-        __m256i h = msq_bits32(msq_u32(b + T::QS - 4));
-        if (T::MIN) return _mm256_or_si256(q, _mm256_and_si256(h, _mm256_set1_epi8(0x10)));
-        // q - 16 where the bit is clear: the high nibble 0xf0 set (two's complement)
-        return _mm256_or_si256(q, _mm256_andnot_si256(h, _mm256_set1_epi8((char)0xf0)));
-    }
-    if (T::OFF) return _mm256_sub_epi8(q, _mm256_set1_epi8(T::OFF));
-    return q;
+static inline __m256i msq_words8(const uint8_t *wg, int at, int nbg) {
+    const int B = MsqT<K>::BYTES;  // set from registers: a vector load of 8 fresh stores would stall
+    auto w = [&](int k) { return k < nbg ? (int)msq_u32(wg + k * B + at) : 0; };
+    return _mm256_setr_epi32(w(0), w(1), w(2), w(3), w(4), w(5), w(6), w(7));
 }
 
-// The 8 int32 lane sums of one block against one activation block's 32 int8.
+// A group's weights (nbg <= 8 blocks from wg; zeros past them) as 8 vectors, piece i (weights
+// 4 i .. 4 i + 3) of block k in int32 lane k of q[i]: the unsigned stored quants (OFF not
+// subtracted) of the 4- and 5-bit types, Q8_0's signed bytes.
 template <int K>
-static inline __m256i msq_isum1(__m256i w, __m256i a) {
-    if (MsqT<K>::MIN) return msq_dot_us8(w, a);
-    return msq_dot_us8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w));
-}
-
-// acc + (d_w d_x) float(i) for one block
-static inline __m256 msq_term1(__m256 acc, __m256i isum, const uint8_t *b, const char *x) {
-    const __m256 dd = _mm256_set1_ps(msq_h2f(msq_u16(b)) * msq_f32(x));
-    return _mm256_add_ps(acc, _mm256_mul_ps(dd, _mm256_cvtepi32_ps(isum)));
-}
-static inline float msq_min1(const uint8_t *b, const char *x) {  // m_w s_x
-    return msq_h2f(msq_u16(b + 2)) * msq_f32(x + 4);
-}
-static inline __m128 msq_m1(const uint8_t *b) {  // m_w in every lane
-    return _mm_set1_ps(msq_h2f(msq_u16(b + 2)));
-}
-// s_x of the same block of NB <= 4 activation rows (xs bytes apart), row j in lane j (0 past NB)
-template <int NB>
-static inline __m128 msq_s4(const char *x, long xs) {
-    return _mm_setr_ps(msq_f32(x + 4), NB > 1 ? msq_f32(x + xs + 4) : 0.f,
-                       NB > 2 ? msq_f32(x + 2 * xs + 4) : 0.f, NB > 3 ? msq_f32(x + 3 * xs + 4) : 0.f);
-}
-#endif
-
-// ---------------------------------------------------------------- AVX-512 + VNNI
-
-#if defined(MSQ_AVX512)
-// Two blocks' weights as 64 bytes (block b in bytes 0..31, b + 1 in 32..63), natural order,
-// unsigned: q in [0, 16) or [0, 32) (the offset is applied later), or Q8_0's signed bytes.
-template <int K>
-static inline __m512i msq_load2(const uint8_t *b0) {
+static inline void msq_group(const uint8_t *wg, int nbg, __m256i *q) {
     typedef MsqT<K> T;
-    const uint8_t *b1 = b0 + T::BYTES;
-    if (T::BITS == 8)
-        return _mm512_inserti64x4(
-            _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(b0 + T::QS))),
-            _mm256_loadu_si256((const __m256i *)(b1 + T::QS)), 1);
-    // [qs0 qs0 qs1 qs1] in the four 128-bit lanes, lanes 1 and 3 shifted to their high nibbles
-    __m512i t = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(b0 + T::QS)));
-    t = _mm512_mask_broadcast_i32x4(t, 0xff00, _mm_loadu_si128((const __m128i *)(b1 + T::QS)));
-    t = _mm512_mask_srli_epi16(t, 0xff00ff00u, t, 4);
-    __m512i q = _mm512_and_si512(t, _mm512_set1_epi8(0x0f));
-    if (T::BITS == 5) {
-        const __mmask64 h = _cvtu64_mask64((uint64_t)msq_u32(b0 + T::QS - 4) |
-                                           (uint64_t)msq_u32(b1 + T::QS - 4) << 32);
-        q = _mm512_mask_add_epi8(q, h, q, _mm512_set1_epi8(0x10));
-    }
-    return q;
-}
-
-// Both activation blocks' 32 int8 as one vector.
-static inline __m512i msq_act2(const char *x) {
-    return _mm512_inserti64x4(_mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(x + 8))),
-                              _mm256_loadu_si256((const __m256i *)(x + 8 + sizeof(ms_a8))), 1);
-}
-
-// [d0, m0 or 0, d1, m1 or 0] of two weight blocks, as floats
-template <int K>
-static inline __m128 msq_dm2(const uint8_t *b0) {
-    const uint8_t *b1 = b0 + MsqT<K>::BYTES;
-    __m128i h;
-    if (MsqT<K>::MIN)
-        h = _mm_insert_epi32(_mm_cvtsi32_si128((int)msq_u32(b0)), (int)msq_u32(b1), 1);
-    else
-        h = _mm_insert_epi16(_mm_cvtsi32_si128(msq_u16(b0)), msq_u16(b1), 2);
-    return _mm_cvtph_ps(h);
-}
-
-// [dx0, s0, dx1, s1] of two activation blocks
-static inline __m128 msq_ds2(const char *x) {
-    long long a, b;
-    std::memcpy(&a, x, 8);
-    std::memcpy(&b, x + sizeof(ms_a8), 8);
-    return _mm_castsi128_ps(_mm_insert_epi64(_mm_cvtsi64_si128(a), b, 1));
-}
-
-template <int K, int NB>
-static inline void msq_dot_avx512(long n, const uint8_t *w, const char *x, long xs, float *y,
-                                  long ys) {
-    typedef MsqT<K> T;
-    const long nb = n / 32;
-    const bool sign = !T::MIN && (NB > 1 || T::BITS == 8);  // |w| x sign(a, w), else q . a - OFF sum(a)
-    const __m512i off = _mm512_set1_epi8(T::OFF), zero = _mm512_setzero_si512();
-    const __m512i lanes = _mm512_mask_blend_epi32(0xff00, _mm512_set1_epi32(0), _mm512_set1_epi32(2));
-    __m512 acc[NB];
-    __m128 mins[NB];  // lanes 1 and 3: the min sums of even and odd blocks (0, 2: unused)
-    for (int j = 0; j < NB; j++) acc[j] = _mm512_setzero_ps(), mins[j] = _mm_setzero_ps();
-    long b = 0;
-    for (; b + 2 <= nb; b += 2) {
-        const uint8_t *wb = w + b * T::BYTES;
-        _mm_prefetch((const char *)wb + MSQ_PREFETCH, _MM_HINT_T0);
-        __m512i q = msq_load2<K>(wb), aw = q;
-        __mmask64 neg = 0;
-        if (sign) {
-            if (T::OFF) q = _mm512_sub_epi8(q, off);
-            aw = _mm512_abs_epi8(q);
-            neg = _mm512_movepi8_mask(q);
-        }
-        const __m128 dm = msq_dm2<K>(wb);
-        for (int j = 0; j < NB; j++) {
-            const char *xb = x + j * xs + b * (long)sizeof(ms_a8);
-            const __m512i a = msq_act2(xb);
-            __m512i is;
-            if (sign)
-                is = _mm512_dpbusd_epi32(zero, aw, _mm512_mask_sub_epi8(a, neg, zero, a));
-            else if (T::OFF)
-                is = _mm512_sub_epi32(_mm512_dpbusd_epi32(zero, q, a), _mm512_dpbusd_epi32(zero, off, a));
-            else
-                is = _mm512_dpbusd_epi32(zero, q, a);
-            const __m128 p = _mm_mul_ps(dm, msq_ds2(xb));  // [d_w d_x, m_w s_x] x 2 blocks
-            const __m512 dd = _mm512_permutexvar_ps(lanes, _mm512_zextps128_ps512(p));
-            acc[j] = _mm512_add_ps(acc[j], _mm512_mul_ps(dd, _mm512_cvtepi32_ps(is)));
-            if (T::MIN) mins[j] = _mm_add_ps(mins[j], p);
-        }
-    }
-    __m256i wl = _mm256_setzero_si256();
-    const uint8_t *wb = w + b * T::BYTES;
-    if (b < nb) wl = msq_load1<K>(wb);
-    for (int j = 0; j < NB; j++) {
-        __m256 lo = _mm512_castps512_ps256(acc[j]);
-        const __m256 hi = _mm512_extractf32x8_ps(acc[j], 1);
-        float me = 0.f, mo = 0.f;
-        if (T::MIN) me = _mm_cvtss_f32(_mm_movehdup_ps(mins[j])), mo = _mm_cvtss_f32(_mm_permute_ps(mins[j], 3));
-        if (b < nb) {  // an odd last block: into the even sums, as the order says
-            const char *xb = x + j * xs + b * (long)sizeof(ms_a8);
-            const __m256i a = _mm256_loadu_si256((const __m256i *)(xb + 8));
-            lo = msq_term1(lo, msq_isum1<K>(wl, a), wb, xb);
-            if (T::MIN) me = me + msq_min1(wb, xb);
-        }
-        const float total = msq_hsum8(_mm256_add_ps(lo, hi));
-        y[j * ys] = T::MIN ? total + (me + mo) : total;
-    }
-}
-#endif
-
-// ---------------------------------------------------------------- AVX2 + FMA (and AVX-512's 256-bit loop)
-
-#if defined(MSQ_AVX2) || defined(MSQ_AVX512)
-// Up to 4 activation rows at a time (two accumulators each: 8 of the 16 registers).
-template <int K, int NB>
-static inline void msq_dot_avx2_4(long n, const uint8_t *w, const char *x, long xs, float *y,
-                                  long ys) {
-    typedef MsqT<K> T;
-    const long nb = n / 32;
-    __m256 acc[NB][2];
-    // the min sums of even and odd blocks, lane j for activation row j: each row's own sums,
-    // in its own lane, so one multiply and one add serve the group's rows
-    __m128 min_even = _mm_setzero_ps(), min_odd = _mm_setzero_ps();
-    for (int j = 0; j < NB; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
-    long b = 0;
-    for (; b + 2 <= nb; b += 2) {
-        const uint8_t *wb = w + b * T::BYTES;
-        _mm_prefetch((const char *)wb + MSQ_PREFETCH, _MM_HINT_T0);
-        for (int h = 0; h < 2; h++) {
-            const uint8_t *wh = wb + h * T::BYTES;
-            __m256i q = msq_load1<K>(wh), aw = q;
-            if (!T::MIN) aw = _mm256_sign_epi8(q, q);
-            for (int j = 0; j < NB; j++) {
-                const char *xb = x + j * xs + (b + h) * (long)sizeof(ms_a8);
-                const __m256i a = _mm256_loadu_si256((const __m256i *)(xb + 8));
-                const __m256i is = T::MIN ? msq_dot_us8(q, a) : msq_dot_us8(aw, _mm256_sign_epi8(a, q));
-                acc[j][h] = msq_term1(acc[j][h], is, wh, xb);
+    const __m256i zero = _mm256_setzero_si256();
+    if (T::BITS == 8) {  // a 4 x 4 transpose of int32 per half (blocks k and k + 4), each 16 bytes
+        for (int p = 0; p < 2; p++) {
+            __m256i r[4], t[4];
+            for (int k = 0; k < 4; k++) {
+                const __m128i lo = k < nbg ? _mm_loadu_si128((const __m128i *)(wg + k * T::BYTES + T::QS + 16 * p)) : _mm_setzero_si128();
+                const __m128i hi = k + 4 < nbg ? _mm_loadu_si128((const __m128i *)(wg + (k + 4) * T::BYTES + T::QS + 16 * p)) : _mm_setzero_si128();
+                r[k] = _mm256_set_m128i(hi, lo);
             }
+            t[0] = _mm256_unpacklo_epi32(r[0], r[1]);
+            t[1] = _mm256_unpackhi_epi32(r[0], r[1]);
+            t[2] = _mm256_unpacklo_epi32(r[2], r[3]);
+            t[3] = _mm256_unpackhi_epi32(r[2], r[3]);
+            q[4 * p] = _mm256_unpacklo_epi64(t[0], t[2]);
+            q[4 * p + 1] = _mm256_unpackhi_epi64(t[0], t[2]);
+            q[4 * p + 2] = _mm256_unpacklo_epi64(t[1], t[3]);
+            q[4 * p + 3] = _mm256_unpackhi_epi64(t[1], t[3]);
         }
-        if (T::MIN) {
-            const char *xb = x + b * (long)sizeof(ms_a8);
-            min_even = _mm_add_ps(min_even, _mm_mul_ps(msq_m1(wb), msq_s4<NB>(xb, xs)));
-            min_odd = _mm_add_ps(min_odd, _mm_mul_ps(msq_m1(wb + T::BYTES), msq_s4<NB>(xb + sizeof(ms_a8), xs)));
+        return;
+    }
+    // 4 and 5 bits: byte m of the 16 holds weight m (low nibble) and m + 16 (high), so piece i
+    // is dword i's low nibbles (i < 4) or dword i - 4's high ones: a 4 x 4 transpose of the
+    // blocks' 16 bytes (blocks k and k + 4 in the two halves), then the nibbles
+    __m256i r[4], t[4];
+    for (int k = 0; k < 4; k++) {
+        const __m128i lo = k < nbg ? _mm_loadu_si128((const __m128i *)(wg + k * T::BYTES + T::QS)) : _mm_setzero_si128();
+        const __m128i hi = k + 4 < nbg ? _mm_loadu_si128((const __m128i *)(wg + (k + 4) * T::BYTES + T::QS)) : _mm_setzero_si128();
+        r[k] = _mm256_set_m128i(hi, lo);
+    }
+    t[0] = _mm256_unpacklo_epi32(r[0], r[1]);
+    t[1] = _mm256_unpackhi_epi32(r[0], r[1]);
+    t[2] = _mm256_unpacklo_epi32(r[2], r[3]);
+    t[3] = _mm256_unpackhi_epi32(r[2], r[3]);
+    r[0] = _mm256_unpacklo_epi64(t[0], t[2]);
+    r[1] = _mm256_unpackhi_epi64(t[0], t[2]);
+    r[2] = _mm256_unpacklo_epi64(t[1], t[3]);
+    r[3] = _mm256_unpackhi_epi64(t[1], t[3]);
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    for (int i = 0; i < 4; i++) {
+        q[i] = _mm256_and_si256(r[i], m4);
+        q[i + 4] = _mm256_and_si256(_mm256_srli_epi16(r[i], 4), m4);
+    }
+    if (T::BITS == 5) {
+        // the fifth bits: qh's bit i is weight i's; piece i takes qh's bits 4 i .. 4 i + 3, one
+        // to bit 4 of each byte (a multiply by 2^4 + 2^11 + 2^18 + 2^25 spreads the nibble
+        // without carries; the mask keeps the four wanted bits)
+        const __m256i qh = msq_words8<K>(wg, T::QS - 4, nbg);
+        const __m256i nib = _mm256_set1_epi32(0xf), spread = _mm256_set1_epi32(0x02040810),
+                      bit4 = _mm256_set1_epi32(0x10101010);
+        for (int i = 0; i < 8; i++) {
+            const __m256i v = _mm256_and_si256(_mm256_srli_epi32(qh, 4 * i), nib);
+            q[i] = _mm256_or_si256(q[i], _mm256_and_si256(_mm256_mullo_epi32(v, spread), bit4));
         }
     }
-    if (T::MIN && b < nb)
-        min_even = _mm_add_ps(min_even, _mm_mul_ps(msq_m1(w + b * T::BYTES), msq_s4<NB>(x + b * (long)sizeof(ms_a8), xs)));
-    alignas(16) float even[4], odd[4];
-    _mm_store_ps(even, min_even);
-    _mm_store_ps(odd, min_odd);
-    for (int j = 0; j < NB; j++) {
-        if (b < nb) {
-            const uint8_t *wb = w + b * T::BYTES;
-            const char *xb = x + j * xs + b * (long)sizeof(ms_a8);
-            const __m256i a = _mm256_loadu_si256((const __m256i *)(xb + 8));
-            acc[j][0] = msq_term1(acc[j][0], msq_isum1<K>(msq_load1<K>(wb), a), wb, xb);
+}
+
+// A group's fp16 scales d (and mins m, for the types with a min) as 8 floats, 0 past nbg.
+template <int K>
+static inline void msq_scales(const uint8_t *wg, int nbg, __m256 *d, __m256 *m) {
+    typedef MsqT<K> T;
+    if (T::MIN) {  // d and m are one 32-bit word: [d, m] pairs -> d's, then m's
+        const __m256i dm = msq_words8<K>(wg, 0, nbg);
+        const __m256i split = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                               0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+        const __m256i h = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(dm, split), 0xd8);
+        *d = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+        *m = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+        return;
+    }
+    __m128i h;
+    if (nbg == 8) {  // in general registers: the vector units are the busy ones
+        const int B = T::BYTES;
+        uint64_t lo = 0, hi = 0;
+        for (int k = 0; k < 4; k++) {
+            lo |= (uint64_t)msq_u16(wg + k * B) << (16 * k);
+            hi |= (uint64_t)msq_u16(wg + (k + 4) * B) << (16 * k);
         }
+        h = _mm_set_epi64x((long long)hi, (long long)lo);
+    } else {
+        alignas(16) uint16_t v[8] = {0};
+        for (int k = 0; k < nbg; k++) v[k] = msq_u16(wg + k * T::BYTES);
+        h = _mm_load_si128((const __m128i *)v);
+    }
+    *d = _mm256_cvtph_ps(h);
+    *m = _mm256_setzero_ps();
+}
+
+// The 8 block totals (int32 lane k: block k) of a group's weights (w[i]: piece i of the 8
+// blocks, unsigned, or for Q8_0 its magnitudes with sg the signed bytes) against an activation
+// group's quants.
+template <int K>
+static inline __m256i msq_totals(const __m256i *w, const __m256i *sg, const int8_t *qs) {
+    typedef MsqT<K> T;
+#if defined(MSQ_AVX512)
+    (void)sg;
+    __m256i acc = _mm256_setzero_si256();
+    for (int i = 0; i < 8; i++) {
+        __m256i a = _mm256_loadu_si256((const __m256i *)(qs + 32 * i));
+        if (T::BITS == 8) a = _mm256_sign_epi8(a, sg[i]);
+        acc = _mm256_dpbusd_epi32(acc, w[i], a);
+    }
+    return acc;
+#else
+    const __m256i ones = _mm256_set1_epi16(1);
+    if (T::BITS == 8) {  // pairs of products up to 2 * 128 * 127: into int32 at once
+        __m256i acc = _mm256_setzero_si256();
+        for (int i = 0; i < 8; i++) {
+            const __m256i a = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(qs + 32 * i)), sg[i]);
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w[i], a), ones));
+        }
+        return acc;
+    }
+    // 4-bit weights: 8 pieces' pairs in int16 (|sum| <= 8 * 2 * 15 * 127); 5-bit: 4 at a time
+    const int run = T::BITS == 4 ? 8 : 4;
+    __m256i acc = _mm256_setzero_si256();
+    for (int i0 = 0; i0 < 8; i0 += run) {
+        __m256i p = _mm256_maddubs_epi16(w[i0], _mm256_loadu_si256((const __m256i *)(qs + 32 * i0)));
+        for (int i = i0 + 1; i < i0 + run; i++)
+            p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[i], _mm256_loadu_si256((const __m256i *)(qs + 32 * i))));
+        acc = i0 == 0 ? _mm256_madd_epi16(p, ones) : _mm256_add_epi32(acc, _mm256_madd_epi16(p, ones));
+    }
+    return acc;
+#endif
+}
+
+// NB activation rows (xs bytes apart) against one weight row, a group of 8 blocks at a time:
+// the group's weights unpacked and transposed once for the NB rows.
+template <int K, int NB>
+static inline void msq_dot_vec(long n, const uint8_t *w, const char *x, long xs, float *y, long ys) {
+    typedef MsqT<K> T;
+    const long nb = n / 32;
+    const int shift = T::OFF == 8 ? 3 : 4;  // OFF = 1 << shift (Q4_0, Q5_0)
+    __m256 acc[NB][2], mins[NB][2];
+    for (int j = 0; j < NB; j++)
+        for (int h = 0; h < 2; h++) acc[j][h] = mins[j][h] = _mm256_setzero_ps();
+    for (long g = 0; 8 * g < nb; g++) {
+        const uint8_t *wg = w + 8 * g * T::BYTES;
+        for (int o = 0; o < 8 * T::BYTES; o += 64)
+            _mm_prefetch((const char *)wg + MSQ_PREFETCH + o, _MM_HINT_T0);
+        const int nbg = nb - 8 * g < 8 ? (int)(nb - 8 * g) : 8, h = (int)(g & 1);
+        __m256i q[8], aq[8];
+        msq_group<K>(wg, nbg, q);
+        if (T::BITS == 8)
+            for (int i = 0; i < 8; i++) aq[i] = _mm256_sign_epi8(q[i], q[i]);
+        __m256 dw, mw;
+        msq_scales<K>(wg, nbg, &dw, &mw);
+        for (int j = 0; j < NB; j++) {
+            const ms_a8g *a = (const ms_a8g *)(x + j * xs) + g;
+            __m256i total = T::BITS == 8 ? msq_totals<K>(aq, q, a->qs) : msq_totals<K>(q, q, a->qs);
+            if (T::OFF)
+                total = _mm256_sub_epi32(total, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)a->sum), shift));
+            const __m256 dd = _mm256_mul_ps(dw, _mm256_loadu_ps(a->d));
+            acc[j][h] = _mm256_add_ps(acc[j][h], _mm256_mul_ps(dd, _mm256_cvtepi32_ps(total)));
+            if (T::MIN) mins[j][h] = _mm256_add_ps(mins[j][h], _mm256_mul_ps(mw, _mm256_loadu_ps(a->s)));
+        }
+    }
+    for (int j = 0; j < NB; j++) {
         const float total = msq_hsum8(_mm256_add_ps(acc[j][0], acc[j][1]));
-        y[j * ys] = T::MIN ? total + (even[j] + odd[j]) : total;
+        y[j * ys] = T::MIN ? total + msq_hsum8(_mm256_add_ps(mins[j][0], mins[j][1])) : total;
     }
 }
 #endif
@@ -502,16 +471,8 @@ template <int K, int NB>
 static inline void msq_dot(long n, const void *w, const void *x, long xs, float *y, long ys) {
     const uint8_t *wb = (const uint8_t *)w;
     const char *xb = (const char *)x;
-#if defined(MSQ_AVX512)
-    // Q8_0 against one row streams faster one block per 256-bit vector (measured: 27 GB/s
-    // against 22 from L2); both loops keep the canonical order, so results are identical.
-    if (K == MSQ_Q8_0 && NB == 1) return msq_dot_avx2_4<K, 1>(n, wb, xb, xs, y, ys);
-    msq_dot_avx512<K, NB>(n, wb, xb, xs, y, ys);
-#elif defined(MSQ_AVX2)
-    if (NB <= 4) return msq_dot_avx2_4<K, (NB <= 4 ? NB : 4)>(n, wb, xb, xs, y, ys);
-    int j = 0;  // a weight row from L1 again for each further 4 rows
-    for (; j + 4 <= NB; j += 4) msq_dot_avx2_4<K, 4>(n, wb, xb + j * xs, xs, y + j * ys, ys);
-    for (; j < NB; j++) msq_dot_avx2_4<K, 1>(n, wb, xb + j * xs, xs, y + j * ys, ys);
+#if defined(MSQ_AVX512) || defined(MSQ_AVX2)
+    msq_dot_vec<K, NB>(n, wb, xb, xs, y, ys);
 #else
     for (int j = 0; j < NB; j++) y[j * ys] = msq_dot_plain<K>(n, wb, xb + j * xs);
 #endif
