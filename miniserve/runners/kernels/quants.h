@@ -302,7 +302,6 @@ static inline __m256i msq_words8(const uint8_t *wg, int at, int nbg) {
 template <int K>
 static inline void msq_group(const uint8_t *wg, int nbg, __m256i *q) {
     typedef MsqT<K> T;
-    const __m256i zero = _mm256_setzero_si256();
     if (T::BITS == 8) {  // a 4 x 4 transpose of int32 per half (blocks k and k + 4), each 16 bytes
         for (int p = 0; p < 2; p++) {
             __m256i r[4], t[4];
@@ -396,7 +395,6 @@ template <int K>
 static inline __m256i msq_totals(const __m256i *w, const __m256i *sg, const int8_t *qs) {
     typedef MsqT<K> T;
 #if defined(MSQ_AVX512)
-    (void)sg;
     __m256i acc = _mm256_setzero_si256();
     for (int i = 0; i < 8; i++) {
         __m256i a = _mm256_loadu_si256((const __m256i *)(qs + 32 * i));
