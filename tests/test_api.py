@@ -442,7 +442,11 @@ def test_json_object_reply_is_a_json_object(client):
         temperature=0,
         max_tokens=120,
         response_format={"type": "json_object"},
-        messages=[{"role": "user", "content": "Describe an apple in JSON."}],
+        # the keys named: asked for "an apple in JSON" alone, the 135M model's greedy reply
+        # can run on inside the object past any budget (json_object does not bound it)
+        messages=[
+            {"role": "user", "content": "Describe an apple in JSON with the keys name and color."}
+        ],
     )
     choice = r.choices[0]
     assert choice.finish_reason == "stop"
