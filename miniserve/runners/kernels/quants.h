@@ -296,31 +296,34 @@ static inline __m256i msq_words8(const uint8_t *wg, int at, int nbg) {
     return _mm256_setr_epi32(w(0), w(1), w(2), w(3), w(4), w(5), w(6), w(7));
 }
 
-// A group's weights (nbg <= 8 blocks from wg; zeros past them) as 8 vectors, piece i (weights
-// 4 i .. 4 i + 3) of block k in int32 lane k of q[i]: the unsigned stored quants (OFF not
-// subtracted) of the 4- and 5-bit types, Q8_0's signed bytes.
+// Q8_0: half p of a group's weights (nbg <= 8 blocks from wg; zeros past them), pieces 4 p ..
+// 4 p + 3 (weights 16 p .. 16 p + 15) as 4 vectors, piece 4 p + i of block k in int32 lane k
+// of q[i]: a 4 x 4 transpose of int32 in each 128-bit half (blocks k and k + 4).
+template <int K>
+static inline void msq_half(const uint8_t *wg, int nbg, int p, __m256i *q) {
+    typedef MsqT<K> T;
+    __m256i r[4], t[4];
+    for (int k = 0; k < 4; k++) {
+        const __m128i lo = k < nbg ? _mm_loadu_si128((const __m128i *)(wg + k * T::BYTES + T::QS + 16 * p)) : _mm_setzero_si128();
+        const __m128i hi = k + 4 < nbg ? _mm_loadu_si128((const __m128i *)(wg + (k + 4) * T::BYTES + T::QS + 16 * p)) : _mm_setzero_si128();
+        r[k] = _mm256_set_m128i(hi, lo);
+    }
+    t[0] = _mm256_unpacklo_epi32(r[0], r[1]);
+    t[1] = _mm256_unpackhi_epi32(r[0], r[1]);
+    t[2] = _mm256_unpacklo_epi32(r[2], r[3]);
+    t[3] = _mm256_unpackhi_epi32(r[2], r[3]);
+    q[0] = _mm256_unpacklo_epi64(t[0], t[2]);
+    q[1] = _mm256_unpackhi_epi64(t[0], t[2]);
+    q[2] = _mm256_unpacklo_epi64(t[1], t[3]);
+    q[3] = _mm256_unpackhi_epi64(t[1], t[3]);
+}
+
+// The 4- and 5-bit types: a group's weights (nbg <= 8 blocks from wg; zeros past them) as 8
+// vectors, piece i (weights 4 i .. 4 i + 3) of block k in int32 lane k of q[i], the unsigned
+// stored quants (OFF not subtracted).
 template <int K>
 static inline void msq_group(const uint8_t *wg, int nbg, __m256i *q) {
     typedef MsqT<K> T;
-    if (T::BITS == 8) {  // a 4 x 4 transpose of int32 per half (blocks k and k + 4), each 16 bytes
-        for (int p = 0; p < 2; p++) {
-            __m256i r[4], t[4];
-            for (int k = 0; k < 4; k++) {
-                const __m128i lo = k < nbg ? _mm_loadu_si128((const __m128i *)(wg + k * T::BYTES + T::QS + 16 * p)) : _mm_setzero_si128();
-                const __m128i hi = k + 4 < nbg ? _mm_loadu_si128((const __m128i *)(wg + (k + 4) * T::BYTES + T::QS + 16 * p)) : _mm_setzero_si128();
-                r[k] = _mm256_set_m128i(hi, lo);
-            }
-            t[0] = _mm256_unpacklo_epi32(r[0], r[1]);
-            t[1] = _mm256_unpackhi_epi32(r[0], r[1]);
-            t[2] = _mm256_unpacklo_epi32(r[2], r[3]);
-            t[3] = _mm256_unpackhi_epi32(r[2], r[3]);
-            q[4 * p] = _mm256_unpacklo_epi64(t[0], t[2]);
-            q[4 * p + 1] = _mm256_unpackhi_epi64(t[0], t[2]);
-            q[4 * p + 2] = _mm256_unpacklo_epi64(t[1], t[3]);
-            q[4 * p + 3] = _mm256_unpackhi_epi64(t[1], t[3]);
-        }
-        return;
-    }
     // 4 and 5 bits: byte m of the 16 holds weight m (low nibble) and m + 16 (high), so piece i
     // is dword i's low nibbles (i < 4) or dword i - 4's high ones: a 4 x 4 transpose of the
     // blocks' 16 bytes (blocks k and k + 4 in the two halves), then the nibbles
@@ -388,30 +391,31 @@ static inline void msq_scales(const uint8_t *wg, int nbg, __m256 *d, __m256 *m) 
     *m = _mm256_setzero_ps();
 }
 
-// The 8 block totals (int32 lane k: block k) of a group's weights (w[i]: piece i of the 8
-// blocks, unsigned, or for Q8_0 its magnitudes with sg the signed bytes) against an activation
-// group's quants.
-template <int K>
-static inline __m256i msq_totals(const __m256i *w, const __m256i *sg, const int8_t *qs) {
-    typedef MsqT<K> T;
+// Q8_0: acc plus the products of 4 pieces (w[i]: the weights' magnitudes, sg[i]: their signed
+// bytes) against the activation pieces at qs, int32 lane k for block k.
+static inline __m256i msq_totals_q8(__m256i acc, const __m256i *w, const __m256i *sg, const int8_t *qs) {
+    for (int i = 0; i < 4; i++) {
+        const __m256i a = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(qs + 32 * i)), sg[i]);
 #if defined(MSQ_AVX512)
-    __m256i acc = _mm256_setzero_si256();
-    for (int i = 0; i < 8; i++) {
-        __m256i a = _mm256_loadu_si256((const __m256i *)(qs + 32 * i));
-        if (T::BITS == 8) a = _mm256_sign_epi8(a, sg[i]);
         acc = _mm256_dpbusd_epi32(acc, w[i], a);
+#else  // pairs of products up to 2 * 128 * 127: into int32 at once
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w[i], a), _mm256_set1_epi16(1)));
+#endif
     }
     return acc;
+}
+
+// The 4- and 5-bit types: the 8 block totals (int32 lane k: block k) of a group's weights (w[i]:
+// piece i of the 8 blocks, unsigned) against an activation group's quants.
+template <int K>
+static inline __m256i msq_totals(const __m256i *w, const int8_t *qs) {
+#if defined(MSQ_AVX512)
+    __m256i acc = _mm256_setzero_si256();
+    for (int i = 0; i < 8; i++) acc = _mm256_dpbusd_epi32(acc, w[i], _mm256_loadu_si256((const __m256i *)(qs + 32 * i)));
+    return acc;
 #else
+    typedef MsqT<K> T;
     const __m256i ones = _mm256_set1_epi16(1);
-    if (T::BITS == 8) {  // pairs of products up to 2 * 128 * 127: into int32 at once
-        __m256i acc = _mm256_setzero_si256();
-        for (int i = 0; i < 8; i++) {
-            const __m256i a = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(qs + 32 * i)), sg[i]);
-            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w[i], a), ones));
-        }
-        return acc;
-    }
     // 4-bit weights: 8 pieces' pairs in int16 (|sum| <= 8 * 2 * 15 * 127); 5-bit: 4 at a time
     const int run = T::BITS == 4 ? 8 : 4;
     __m256i acc = _mm256_setzero_si256();
@@ -440,15 +444,26 @@ static inline void msq_dot_vec(long n, const uint8_t *w, const char *x, long xs,
         for (int o = 0; o < 8 * T::BYTES; o += 64)
             _mm_prefetch((const char *)wg + MSQ_PREFETCH + o, _MM_HINT_T0);
         const int nbg = nb - 8 * g < 8 ? (int)(nb - 8 * g) : 8, h = (int)(g & 1);
-        __m256i q[8], aq[8];
-        msq_group<K>(wg, nbg, q);
-        if (T::BITS == 8)
-            for (int i = 0; i < 8; i++) aq[i] = _mm256_sign_epi8(q[i], q[i]);
+        __m256i totals[NB];
+        if constexpr (T::BITS == 8) {  // a half of the pieces at a time: 8 vectors of weights live, not 16
+            for (int p = 0; p < 2; p++) {
+                __m256i q[4], aq[4];
+                msq_half<K>(wg, nbg, p, q);
+                for (int i = 0; i < 4; i++) aq[i] = _mm256_sign_epi8(q[i], q[i]);
+                for (int j = 0; j < NB; j++)
+                    totals[j] = msq_totals_q8(p ? totals[j] : _mm256_setzero_si256(), aq, q,
+                                              ((const ms_a8g *)(x + j * xs) + g)->qs + 128 * p);
+            }
+        } else {
+            __m256i q[8];
+            msq_group<K>(wg, nbg, q);
+            for (int j = 0; j < NB; j++) totals[j] = msq_totals<K>(q, ((const ms_a8g *)(x + j * xs) + g)->qs);
+        }
         __m256 dw, mw;
         msq_scales<K>(wg, nbg, &dw, &mw);
         for (int j = 0; j < NB; j++) {
             const ms_a8g *a = (const ms_a8g *)(x + j * xs) + g;
-            __m256i total = T::BITS == 8 ? msq_totals<K>(aq, q, a->qs) : msq_totals<K>(q, q, a->qs);
+            __m256i total = totals[j];
             if (T::OFF)
                 total = _mm256_sub_epi32(total, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)a->sum), shift));
             const __m256 dd = _mm256_mul_ps(dw, _mm256_loadu_ps(a->d));
