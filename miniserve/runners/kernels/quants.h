@@ -22,7 +22,8 @@
 // same way once for all the activation rows of the call, so 8 integer dot steps (pmaddubsw,
 // or vpdpbusd) leave the 8 block totals in the 8 lanes with no sum across lanes; then one
 // convert, two multiplies and one add serve the 8 blocks. A last group short of 8 blocks has
-// zeros in the missing lanes (d = 0, q = 0), which add exact zeros. Never a fused multiply-add
+// zeros in the missing lanes (d = 0, q = 0), which add exact zeros; one of at most 4 blocks
+// takes half the steps (pieces i and i + 4 side by side, the two halves' totals then added). Never a fused multiply-add
 // in the float part (the generic build has none in hardware), so every build rounds alike.
 // (This order replaced one with 8 float lanes a block: 8 blocks now cost the float work 1 did.)
 //
@@ -66,6 +67,8 @@ static inline int msq_at(int k, int i) { return 32 * (i / 4) + 4 * k + i % 4; } 
 
 // How far ahead of the weight loads the loops prefetch (bytes), as decode.cpp does; not tuned
 // (the machine measured on was too noisy to tell 1 KB from 4 KB).
+#define MSQ_INLINE inline __attribute__((always_inline))
+
 #ifndef MSQ_PREFETCH
 #define MSQ_PREFETCH 2048
 #endif
@@ -290,17 +293,26 @@ static inline float msq_hsum8(__m256 v) {  // msq_sum8's order
 // The 4 bytes at byte `at` of each of a group's nbg <= 8 blocks (from wg), block k in lane k
 // (0 past nbg).
 template <int K>
-static inline __m256i msq_words8(const uint8_t *wg, int at, int nbg) {
-    const int B = MsqT<K>::BYTES;  // set from registers: a vector load of 8 fresh stores would stall
+static MSQ_INLINE __m256i msq_words8(const uint8_t *wg, int at, int nbg) {
+    // inserted one by one: a vector load of 8 fresh stores (what a compiler may make of
+    // _mm256_setr_epi32) would stall on each group
+    const int B = MsqT<K>::BYTES;
     auto w = [&](int k) { return k < nbg ? (int)msq_u32(wg + k * B + at) : 0; };
-    return _mm256_setr_epi32(w(0), w(1), w(2), w(3), w(4), w(5), w(6), w(7));
+    __m128i lo = _mm_cvtsi32_si128(w(0)), hi = _mm_cvtsi32_si128(w(4));
+    lo = _mm_insert_epi32(lo, w(1), 1);
+    hi = _mm_insert_epi32(hi, w(5), 1);
+    lo = _mm_insert_epi32(lo, w(2), 2);
+    hi = _mm_insert_epi32(hi, w(6), 2);
+    lo = _mm_insert_epi32(lo, w(3), 3);
+    hi = _mm_insert_epi32(hi, w(7), 3);
+    return _mm256_set_m128i(hi, lo);
 }
 
 // Q8_0: half p of a group's weights (nbg <= 8 blocks from wg; zeros past them), pieces 4 p ..
 // 4 p + 3 (weights 16 p .. 16 p + 15) as 4 vectors, piece 4 p + i of block k in int32 lane k
 // of q[i]: a 4 x 4 transpose of int32 in each 128-bit half (blocks k and k + 4).
 template <int K>
-static inline void msq_half(const uint8_t *wg, int nbg, int p, __m256i *q) {
+static MSQ_INLINE void msq_half(const uint8_t *wg, int nbg, int p, __m256i *q) {
     typedef MsqT<K> T;
     __m256i r[4], t[4];
     for (int k = 0; k < 4; k++) {
@@ -322,7 +334,7 @@ static inline void msq_half(const uint8_t *wg, int nbg, int p, __m256i *q) {
 // vectors, piece i (weights 4 i .. 4 i + 3) of block k in int32 lane k of q[i], the unsigned
 // stored quants (OFF not subtracted).
 template <int K>
-static inline void msq_group(const uint8_t *wg, int nbg, __m256i *q) {
+static MSQ_INLINE void msq_group(const uint8_t *wg, int nbg, __m256i *q) {
     typedef MsqT<K> T;
     // 4 and 5 bits: byte m of the 16 holds weight m (low nibble) and m + 16 (high), so piece i
     // is dword i's low nibbles (i < 4) or dword i - 4's high ones: a 4 x 4 transpose of the
@@ -362,7 +374,7 @@ static inline void msq_group(const uint8_t *wg, int nbg, __m256i *q) {
 
 // A group's fp16 scales d (and mins m, for the types with a min) as 8 floats, 0 past nbg.
 template <int K>
-static inline void msq_scales(const uint8_t *wg, int nbg, __m256 *d, __m256 *m) {
+static MSQ_INLINE void msq_scales(const uint8_t *wg, int nbg, __m256 *d, __m256 *m) {
     typedef MsqT<K> T;
     if (T::MIN) {  // d and m are one 32-bit word: [d, m] pairs -> d's, then m's
         const __m256i dm = msq_words8<K>(wg, 0, nbg);
@@ -373,27 +385,28 @@ static inline void msq_scales(const uint8_t *wg, int nbg, __m256 *d, __m256 *m) 
         *m = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
         return;
     }
-    __m128i h;
-    if (nbg == 8) {  // in general registers: the vector units are the busy ones
-        const int B = T::BYTES;
-        uint64_t lo = 0, hi = 0;
+    // in general registers (the vector units are the busy ones; a vector load of fresh
+    // stores would stall)
+    const int B = T::BYTES;
+    uint64_t lo = 0, hi = 0;
+    if (nbg == 8)
         for (int k = 0; k < 4; k++) {
             lo |= (uint64_t)msq_u16(wg + k * B) << (16 * k);
             hi |= (uint64_t)msq_u16(wg + (k + 4) * B) << (16 * k);
         }
-        h = _mm_set_epi64x((long long)hi, (long long)lo);
-    } else {
-        alignas(16) uint16_t v[8] = {0};
-        for (int k = 0; k < nbg; k++) v[k] = msq_u16(wg + k * T::BYTES);
-        h = _mm_load_si128((const __m128i *)v);
-    }
+    else
+        for (int k = 0; k < 4; k++) {
+            lo |= (uint64_t)(k < nbg ? msq_u16(wg + k * B) : 0) << (16 * k);
+            hi |= (uint64_t)(k + 4 < nbg ? msq_u16(wg + (k + 4) * B) : 0) << (16 * k);
+        }
+    const __m128i h = _mm_set_epi64x((long long)hi, (long long)lo);
     *d = _mm256_cvtph_ps(h);
     *m = _mm256_setzero_ps();
 }
 
 // Q8_0: acc plus the products of 4 pieces (w[i]: the weights' magnitudes, sg[i]: their signed
 // bytes) against the activation pieces at qs, int32 lane k for block k.
-static inline __m256i msq_totals_q8(__m256i acc, const __m256i *w, const __m256i *sg, const int8_t *qs) {
+static MSQ_INLINE __m256i msq_totals_q8(__m256i acc, const __m256i *w, const __m256i *sg, const int8_t *qs) {
     for (int i = 0; i < 4; i++) {
         const __m256i a = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(qs + 32 * i)), sg[i]);
 #if defined(MSQ_AVX512)
@@ -408,7 +421,7 @@ static inline __m256i msq_totals_q8(__m256i acc, const __m256i *w, const __m256i
 // The 4- and 5-bit types: the 8 block totals (int32 lane k: block k) of a group's weights (w[i]:
 // piece i of the 8 blocks, unsigned) against an activation group's quants.
 template <int K>
-static inline __m256i msq_totals(const __m256i *w, const int8_t *qs) {
+static MSQ_INLINE __m256i msq_totals(const __m256i *w, const int8_t *qs) {
 #if defined(MSQ_AVX512)
     __m256i acc = _mm256_setzero_si256();
     for (int i = 0; i < 8; i++) acc = _mm256_dpbusd_epi32(acc, w[i], _mm256_loadu_si256((const __m256i *)(qs + 32 * i)));
@@ -429,23 +442,132 @@ static inline __m256i msq_totals(const __m256i *w, const int8_t *qs) {
 #endif
 }
 
+// A last group of nbg <= 4 blocks, at half the work: q[i] holds piece i of blocks 0 .. 3 in
+// lanes 0 .. 3 and piece i + 4 in lanes 4 .. 7 (Q8_0: signed bytes; else unsigned quants), and
+// msq_tail_act the activations the same way; the totals' two halves are then added.
+template <int K>
+static MSQ_INLINE void msq_tail(const uint8_t *wg, int nbg, __m256i *q) {
+    typedef MsqT<K> T;
+    __m256i r[4], t[4];
+    for (int k = 0; k < 4; k++) {
+        const uint8_t *b = wg + k * T::BYTES + T::QS;
+        if (k >= nbg)
+            r[k] = _mm256_setzero_si256();
+        else if (T::BITS == 8)  // bytes 0 .. 15 low, 16 .. 31 high
+            r[k] = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(b + 16)), _mm_loadu_si128((const __m128i *)b));
+        else  // the 16 bytes twice: low nibbles below, high nibbles above
+            r[k] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)b));
+    }
+    t[0] = _mm256_unpacklo_epi32(r[0], r[1]);
+    t[1] = _mm256_unpackhi_epi32(r[0], r[1]);
+    t[2] = _mm256_unpacklo_epi32(r[2], r[3]);
+    t[3] = _mm256_unpackhi_epi32(r[2], r[3]);
+    q[0] = _mm256_unpacklo_epi64(t[0], t[2]);
+    q[1] = _mm256_unpackhi_epi64(t[0], t[2]);
+    q[2] = _mm256_unpacklo_epi64(t[1], t[3]);
+    q[3] = _mm256_unpackhi_epi64(t[1], t[3]);
+    if (T::BITS == 8) return;
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    for (int i = 0; i < 4; i++)
+        q[i] = _mm256_and_si256(_mm256_blend_epi32(q[i], _mm256_srli_epi16(q[i], 4), 0xf0), m4);
+    if (T::BITS == 5) {  // as in msq_group; lanes 4 .. 7 take qh's bits 16 higher
+        const __m256i qh = msq_words8<K>(wg, T::QS - 4, nbg);
+        const __m256i qh2 = _mm256_permute2x128_si256(qh, qh, 0x00);  // blocks 0 .. 3 twice
+        const __m256i nib = _mm256_set1_epi32(0xf), spread = _mm256_set1_epi32(0x02040810),
+                      bit4 = _mm256_set1_epi32(0x10101010);
+        for (int i = 0; i < 4; i++) {
+            const __m256i by = _mm256_setr_epi32(4 * i, 4 * i, 4 * i, 4 * i, 4 * i + 16, 4 * i + 16, 4 * i + 16, 4 * i + 16);
+            const __m256i v = _mm256_and_si256(_mm256_srlv_epi32(qh2, by), nib);
+            q[i] = _mm256_or_si256(q[i], _mm256_and_si256(_mm256_mullo_epi32(v, spread), bit4));
+        }
+    }
+}
+
+static MSQ_INLINE __m256i msq_tail_act(const int8_t *qs, int i) {  // pieces i (lanes 0 .. 3), i + 4
+    return _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(qs + 32 * (i + 4))),
+                            _mm_loadu_si128((const __m128i *)(qs + 32 * i)));
+}
+
+// The totals of a tail group (msq_tail's q) against one activation group: lane k (k < 4).
+template <int K>
+static MSQ_INLINE __m256i msq_tail_totals(const __m256i *q, const __m256i *aq, const int8_t *qs) {
+    typedef MsqT<K> T;
+    __m256i acc = _mm256_setzero_si256();
+#if defined(MSQ_AVX512)
+    for (int i = 0; i < 4; i++) {
+        const __m256i a = msq_tail_act(qs, i);
+        acc = T::BITS == 8 ? _mm256_dpbusd_epi32(acc, aq[i], _mm256_sign_epi8(a, q[i])) : _mm256_dpbusd_epi32(acc, q[i], a);
+    }
+#else
+    const __m256i ones = _mm256_set1_epi16(1);
+    if (T::BITS == 8) {
+        for (int i = 0; i < 4; i++)
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(aq[i], _mm256_sign_epi8(msq_tail_act(qs, i), q[i])), ones));
+    } else {  // 4 pieces' pairs in int16: at most 4 * 2 * 31 * 127
+        __m256i p = _mm256_maddubs_epi16(q[0], msq_tail_act(qs, 0));
+        for (int i = 1; i < 4; i++) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(q[i], msq_tail_act(qs, i)));
+        acc = _mm256_madd_epi16(p, ones);
+    }
+#endif
+    return _mm256_add_epi32(acc, _mm256_permute2x128_si256(acc, acc, 0x01));
+}
+
 // NB activation rows (xs bytes apart) against one weight row, a group of 8 blocks at a time:
 // the group's weights unpacked and transposed once for the NB rows.
+// The float part of group g (nbg blocks) for NB rows (xs bytes apart), from their integer
+// totals: the canonical order's accumulators acc / mins [row][g & 1].
+template <int K, int NB>
+static MSQ_INLINE void msq_float(const uint8_t *w, const char *x, long xs, long g, int nbg, const __m256i *totals,
+                             __m256 (*acc)[2], __m256 (*mins)[2]) {
+    typedef MsqT<K> T;
+    const int shift = T::OFF == 8 ? 3 : 4;  // OFF = 1 << shift (Q4_0, Q5_0)
+    const int h = (int)(g & 1);
+    __m256 dw, mw;
+    msq_scales<K>(w + 8 * g * T::BYTES, nbg, &dw, &mw);
+    for (int j = 0; j < NB; j++) {
+        const ms_a8g *a = (const ms_a8g *)(x + j * xs) + g;
+        __m256i total = totals[j];
+        if (T::OFF)
+            total = _mm256_sub_epi32(total, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)a->sum), shift));
+        const __m256 dd = _mm256_mul_ps(dw, _mm256_loadu_ps(a->d));
+        acc[j][h] = _mm256_add_ps(acc[j][h], _mm256_mul_ps(dd, _mm256_cvtepi32_ps(total)));
+        if (T::MIN) mins[j][h] = _mm256_add_ps(mins[j][h], _mm256_mul_ps(mw, _mm256_loadu_ps(a->s)));
+    }
+}
+
 template <int K, int NB>
 static inline void msq_dot_vec(long n, const uint8_t *w, const char *x, long xs, float *y, long ys) {
     typedef MsqT<K> T;
     const long nb = n / 32;
-    const int shift = T::OFF == 8 ? 3 : 4;  // OFF = 1 << shift (Q4_0, Q5_0)
     __m256 acc[NB][2], mins[NB][2];
     for (int j = 0; j < NB; j++)
         for (int h = 0; h < 2; h++) acc[j][h] = mins[j][h] = _mm256_setzero_ps();
-    for (long g = 0; 8 * g < nb; g++) {
+    __m256i totals[NB];
+    long g = 0;
+    for (; 8 * g + 8 <= nb; g++) {  // whole groups
         const uint8_t *wg = w + 8 * g * T::BYTES;
         for (int o = 0; o < 8 * T::BYTES; o += 64)
             _mm_prefetch((const char *)wg + MSQ_PREFETCH + o, _MM_HINT_T0);
-        const int nbg = nb - 8 * g < 8 ? (int)(nb - 8 * g) : 8, h = (int)(g & 1);
-        __m256i totals[NB];
         if constexpr (T::BITS == 8) {  // a half of the pieces at a time: 8 vectors of weights live, not 16
+            for (int p = 0; p < 2; p++) {
+                __m256i q[4], aq[4];
+                msq_half<K>(wg, 8, p, q);
+                for (int i = 0; i < 4; i++) aq[i] = _mm256_sign_epi8(q[i], q[i]);
+                for (int j = 0; j < NB; j++)
+                    totals[j] = msq_totals_q8(p ? totals[j] : _mm256_setzero_si256(), aq, q,
+                                              ((const ms_a8g *)(x + j * xs) + g)->qs + 128 * p);
+            }
+        } else {
+            __m256i q[8];
+            msq_group<K>(wg, 8, q);
+            for (int j = 0; j < NB; j++) totals[j] = msq_totals<K>(q, ((const ms_a8g *)(x + j * xs) + g)->qs);
+        }
+        msq_float<K, NB>(w, x, xs, g, 8, totals, acc, mins);
+    }
+    const int nbg = (int)(nb - 8 * g);  // a last, short group: its lanes past nbg are zeros
+    if (nbg > 4) {
+        const uint8_t *wg = w + 8 * g * T::BYTES;
+        if constexpr (T::BITS == 8) {
             for (int p = 0; p < 2; p++) {
                 __m256i q[4], aq[4];
                 msq_half<K>(wg, nbg, p, q);
@@ -459,17 +581,14 @@ static inline void msq_dot_vec(long n, const uint8_t *w, const char *x, long xs,
             msq_group<K>(wg, nbg, q);
             for (int j = 0; j < NB; j++) totals[j] = msq_totals<K>(q, ((const ms_a8g *)(x + j * xs) + g)->qs);
         }
-        __m256 dw, mw;
-        msq_scales<K>(wg, nbg, &dw, &mw);
-        for (int j = 0; j < NB; j++) {
-            const ms_a8g *a = (const ms_a8g *)(x + j * xs) + g;
-            __m256i total = totals[j];
-            if (T::OFF)
-                total = _mm256_sub_epi32(total, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)a->sum), shift));
-            const __m256 dd = _mm256_mul_ps(dw, _mm256_loadu_ps(a->d));
-            acc[j][h] = _mm256_add_ps(acc[j][h], _mm256_mul_ps(dd, _mm256_cvtepi32_ps(total)));
-            if (T::MIN) mins[j][h] = _mm256_add_ps(mins[j][h], _mm256_mul_ps(mw, _mm256_loadu_ps(a->s)));
-        }
+        msq_float<K, NB>(w, x, xs, g, nbg, totals, acc, mins);
+    } else if (nbg > 0) {  // at most 4 blocks: half the work (msq_tail)
+        __m256i q[4], aq[4];
+        msq_tail<K>(w + 8 * g * T::BYTES, nbg, q);
+        if (T::BITS == 8)
+            for (int i = 0; i < 4; i++) aq[i] = _mm256_sign_epi8(q[i], q[i]);
+        for (int j = 0; j < NB; j++) totals[j] = msq_tail_totals<K>(q, aq, ((const ms_a8g *)(x + j * xs) + g)->qs);
+        msq_float<K, NB>(w, x, xs, g, nbg, totals, acc, mins);
     }
     for (int j = 0; j < NB; j++) {
         const float total = msq_hsum8(_mm256_add_ps(acc[j][0], acc[j][1]));
