@@ -308,68 +308,91 @@ static MSQ_INLINE __m256i msq_words8(const uint8_t *wg, int at, int nbg) {
     return _mm256_set_m128i(hi, lo);
 }
 
-// Q8_0: half p of a group's weights (nbg <= 8 blocks from wg; zeros past them), pieces 4 p ..
-// 4 p + 3 (weights 16 p .. 16 p + 15) as 4 vectors, piece 4 p + i of block k in int32 lane k
-// of q[i]: a 4 x 4 transpose of int32 in each 128-bit half (blocks k and k + 4).
+// r[k] lane i -> r[i] lane k within each 128-bit half (a 4 x 4 transpose of int32 per half).
+static MSQ_INLINE void msq_transpose4(__m256i *r) {
+    const __m256i t0 = _mm256_unpacklo_epi32(r[0], r[1]), t1 = _mm256_unpackhi_epi32(r[0], r[1]),
+                  t2 = _mm256_unpacklo_epi32(r[2], r[3]), t3 = _mm256_unpackhi_epi32(r[2], r[3]);
+    r[0] = _mm256_unpacklo_epi64(t0, t2);
+    r[1] = _mm256_unpackhi_epi64(t0, t2);
+    r[2] = _mm256_unpacklo_epi64(t1, t3);
+    r[3] = _mm256_unpackhi_epi64(t1, t3);
+}
+
+// 16 bytes at byte `at` of the quants of a group's blocks k and k + 4 (low and high half of q[k],
+// k < 4; zeros past nbg), transposed: int32 i of those bytes in lane k (lane k + 4) of q[i].
 template <int K>
-static MSQ_INLINE void msq_half(const uint8_t *wg, int nbg, int p, __m256i *q) {
+static MSQ_INLINE void msq_quads(const uint8_t *wg, int nbg, int at, __m256i *q) {
     typedef MsqT<K> T;
-    __m256i r[4], t[4];
     for (int k = 0; k < 4; k++) {
-        const __m128i lo = k < nbg ? _mm_loadu_si128((const __m128i *)(wg + k * T::BYTES + T::QS + 16 * p)) : _mm_setzero_si128();
-        const __m128i hi = k + 4 < nbg ? _mm_loadu_si128((const __m128i *)(wg + (k + 4) * T::BYTES + T::QS + 16 * p)) : _mm_setzero_si128();
-        r[k] = _mm256_set_m128i(hi, lo);
+        const uint8_t *b = wg + k * T::BYTES + T::QS + at;
+        const __m128i lo = k < nbg ? _mm_loadu_si128((const __m128i *)b) : _mm_setzero_si128();
+        const __m128i hi = k + 4 < nbg ? _mm_loadu_si128((const __m128i *)(b + 4 * T::BYTES)) : _mm_setzero_si128();
+        q[k] = _mm256_set_m128i(hi, lo);
     }
-    t[0] = _mm256_unpacklo_epi32(r[0], r[1]);
-    t[1] = _mm256_unpackhi_epi32(r[0], r[1]);
-    t[2] = _mm256_unpacklo_epi32(r[2], r[3]);
-    t[3] = _mm256_unpackhi_epi32(r[2], r[3]);
-    q[0] = _mm256_unpacklo_epi64(t[0], t[2]);
-    q[1] = _mm256_unpackhi_epi64(t[0], t[2]);
-    q[2] = _mm256_unpacklo_epi64(t[1], t[3]);
-    q[3] = _mm256_unpackhi_epi64(t[1], t[3]);
+    msq_transpose4(q);
+}
+
+// The fifth bits of 4 weights: the low 4 bits of each int32 of qh (bit m: weight m's), each to
+// bit 4 of byte m (a multiply by 2^4 + 2^11 + 2^18 + 2^25 spreads the nibble without carries;
+// the mask keeps the four wanted bits).
+static MSQ_INLINE __m256i msq_fifth(__m256i qh) {
+    const __m256i v = _mm256_and_si256(qh, _mm256_set1_epi32(0xf));
+    return _mm256_and_si256(_mm256_mullo_epi32(v, _mm256_set1_epi32(0x02040810)), _mm256_set1_epi32(0x10101010));
 }
 
 // The 4- and 5-bit types: a group's weights (nbg <= 8 blocks from wg; zeros past them) as 8
 // vectors, piece i (weights 4 i .. 4 i + 3) of block k in int32 lane k of q[i], the unsigned
-// stored quants (OFF not subtracted).
+// stored quants (OFF not subtracted). Byte m of the 16 holds weight m (low nibble) and m + 16
+// (high), so piece i is int32 i's low nibbles (i < 4) or int32 i - 4's high ones.
 template <int K>
 static MSQ_INLINE void msq_group(const uint8_t *wg, int nbg, __m256i *q) {
     typedef MsqT<K> T;
-    // 4 and 5 bits: byte m of the 16 holds weight m (low nibble) and m + 16 (high), so piece i
-    // is dword i's low nibbles (i < 4) or dword i - 4's high ones: a 4 x 4 transpose of the
-    // blocks' 16 bytes (blocks k and k + 4 in the two halves), then the nibbles
-    __m256i r[4], t[4];
-    for (int k = 0; k < 4; k++) {
-        const __m128i lo = k < nbg ? _mm_loadu_si128((const __m128i *)(wg + k * T::BYTES + T::QS)) : _mm_setzero_si128();
-        const __m128i hi = k + 4 < nbg ? _mm_loadu_si128((const __m128i *)(wg + (k + 4) * T::BYTES + T::QS)) : _mm_setzero_si128();
-        r[k] = _mm256_set_m128i(hi, lo);
-    }
-    t[0] = _mm256_unpacklo_epi32(r[0], r[1]);
-    t[1] = _mm256_unpackhi_epi32(r[0], r[1]);
-    t[2] = _mm256_unpacklo_epi32(r[2], r[3]);
-    t[3] = _mm256_unpackhi_epi32(r[2], r[3]);
-    r[0] = _mm256_unpacklo_epi64(t[0], t[2]);
-    r[1] = _mm256_unpackhi_epi64(t[0], t[2]);
-    r[2] = _mm256_unpacklo_epi64(t[1], t[3]);
-    r[3] = _mm256_unpackhi_epi64(t[1], t[3]);
+    __m256i r[4];
+    msq_quads<K>(wg, nbg, 0, r);
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     for (int i = 0; i < 4; i++) {
         q[i] = _mm256_and_si256(r[i], m4);
         q[i + 4] = _mm256_and_si256(_mm256_srli_epi16(r[i], 4), m4);
     }
-    if (T::BITS == 5) {
-        // the fifth bits: qh's bit i is weight i's; piece i takes qh's bits 4 i .. 4 i + 3, one
-        // to bit 4 of each byte (a multiply by 2^4 + 2^11 + 2^18 + 2^25 spreads the nibble
-        // without carries; the mask keeps the four wanted bits)
+    if (T::BITS == 5) {  // piece i takes qh's bits 4 i .. 4 i + 3
         const __m256i qh = msq_words8<K>(wg, T::QS - 4, nbg);
-        const __m256i nib = _mm256_set1_epi32(0xf), spread = _mm256_set1_epi32(0x02040810),
-                      bit4 = _mm256_set1_epi32(0x10101010);
-        for (int i = 0; i < 8; i++) {
-            const __m256i v = _mm256_and_si256(_mm256_srli_epi32(qh, 4 * i), nib);
-            q[i] = _mm256_or_si256(q[i], _mm256_and_si256(_mm256_mullo_epi32(v, spread), bit4));
+        for (int i = 0; i < 8; i++) q[i] = _mm256_or_si256(q[i], msq_fifth(_mm256_srli_epi32(qh, 4 * i)));
+    }
+}
+
+// A last group of nbg <= 4 blocks, at half the work: q[i] holds piece i of blocks 0 .. 3 in
+// lanes 0 .. 3 and piece i + 4 in lanes 4 .. 7 (Q8_0: signed bytes; else unsigned quants), and
+// msq_tail_act the activations the same way; the totals' two halves are then added.
+template <int K>
+static MSQ_INLINE void msq_tail(const uint8_t *wg, int nbg, __m256i *q) {
+    typedef MsqT<K> T;
+    for (int k = 0; k < 4; k++) {
+        const uint8_t *b = wg + k * T::BYTES + T::QS;
+        if (k >= nbg)
+            q[k] = _mm256_setzero_si256();
+        else if (T::BITS == 8)  // bytes 0 .. 15 low, 16 .. 31 high
+            q[k] = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(b + 16)), _mm_loadu_si128((const __m128i *)b));
+        else  // the 16 bytes twice: low nibbles below, high nibbles above
+            q[k] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)b));
+    }
+    msq_transpose4(q);
+    if (T::BITS == 8) return;
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    for (int i = 0; i < 4; i++)
+        q[i] = _mm256_and_si256(_mm256_blend_epi32(q[i], _mm256_srli_epi16(q[i], 4), 0xf0), m4);
+    if (T::BITS == 5) {  // as in msq_group; lanes 4 .. 7 take qh's bits 16 higher
+        const __m256i qh = msq_words8<K>(wg, T::QS - 4, nbg);
+        const __m256i qh2 = _mm256_permute2x128_si256(qh, qh, 0x00);  // blocks 0 .. 3 twice
+        for (int i = 0; i < 4; i++) {
+            const __m256i by = _mm256_setr_epi32(4 * i, 4 * i, 4 * i, 4 * i, 4 * i + 16, 4 * i + 16, 4 * i + 16, 4 * i + 16);
+            q[i] = _mm256_or_si256(q[i], msq_fifth(_mm256_srlv_epi32(qh2, by)));
         }
     }
+}
+
+static MSQ_INLINE __m256i msq_tail_act(const int8_t *qs, int i) {  // pieces i (lanes 0 .. 3), i + 4
+    return _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(qs + 32 * (i + 4))),
+                            _mm_loadu_si128((const __m128i *)(qs + 32 * i)));
 }
 
 // A group's fp16 scales d (and mins m, for the types with a min) as 8 floats, 0 past nbg.
@@ -389,26 +412,21 @@ static MSQ_INLINE void msq_scales(const uint8_t *wg, int nbg, __m256 *d, __m256 
     // stores would stall)
     const int B = T::BYTES;
     uint64_t lo = 0, hi = 0;
-    if (nbg == 8)
-        for (int k = 0; k < 4; k++) {
-            lo |= (uint64_t)msq_u16(wg + k * B) << (16 * k);
-            hi |= (uint64_t)msq_u16(wg + (k + 4) * B) << (16 * k);
-        }
-    else
-        for (int k = 0; k < 4; k++) {
-            lo |= (uint64_t)(k < nbg ? msq_u16(wg + k * B) : 0) << (16 * k);
-            hi |= (uint64_t)(k + 4 < nbg ? msq_u16(wg + (k + 4) * B) : 0) << (16 * k);
-        }
+    for (int k = 0; k < 4; k++) {
+        lo |= (uint64_t)(k < nbg ? msq_u16(wg + k * B) : 0) << (16 * k);
+        hi |= (uint64_t)(k + 4 < nbg ? msq_u16(wg + (k + 4) * B) : 0) << (16 * k);
+    }
     const __m128i h = _mm_set_epi64x((long long)hi, (long long)lo);
     *d = _mm256_cvtph_ps(h);
     *m = _mm256_setzero_ps();
 }
 
 // Q8_0: acc plus the products of 4 pieces (w[i]: the weights' magnitudes, sg[i]: their signed
-// bytes) against the activation pieces at qs, int32 lane k for block k.
-static MSQ_INLINE __m256i msq_totals_q8(__m256i acc, const __m256i *w, const __m256i *sg, const int8_t *qs) {
+// bytes) against the activation pieces act(0) .. act(3), int32 lane k for block k.
+template <class Act>
+static MSQ_INLINE __m256i msq_totals_q8(__m256i acc, const __m256i *w, const __m256i *sg, Act act) {
     for (int i = 0; i < 4; i++) {
-        const __m256i a = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(qs + 32 * i)), sg[i]);
+        const __m256i a = _mm256_sign_epi8(act(i), sg[i]);
 #if defined(MSQ_AVX512)
         acc = _mm256_dpbusd_epi32(acc, w[i], a);
 #else  // pairs of products up to 2 * 128 * 127: into int32 at once
@@ -418,102 +436,70 @@ static MSQ_INLINE __m256i msq_totals_q8(__m256i acc, const __m256i *w, const __m
     return acc;
 }
 
-// The 4- and 5-bit types: the 8 block totals (int32 lane k: block k) of a group's weights (w[i]:
-// piece i of the 8 blocks, unsigned) against an activation group's quants.
-template <int K>
-static MSQ_INLINE __m256i msq_totals(const __m256i *w, const int8_t *qs) {
-#if defined(MSQ_AVX512)
+// The 4- and 5-bit types: the totals (int32 lane k: block k) of P pieces of weights (w[i],
+// unsigned) against the activation pieces act(0) .. act(P - 1).
+template <int K, int P, class Act>
+static MSQ_INLINE __m256i msq_totals(const __m256i *w, Act act) {
     __m256i acc = _mm256_setzero_si256();
-    for (int i = 0; i < 8; i++) acc = _mm256_dpbusd_epi32(acc, w[i], _mm256_loadu_si256((const __m256i *)(qs + 32 * i)));
-    return acc;
+#if defined(MSQ_AVX512)
+    for (int i = 0; i < P; i++) acc = _mm256_dpbusd_epi32(acc, w[i], act(i));
 #else
     typedef MsqT<K> T;
     const __m256i ones = _mm256_set1_epi16(1);
-    // 4-bit weights: 8 pieces' pairs in int16 (|sum| <= 8 * 2 * 15 * 127); 5-bit: 4 at a time
+    // 4-bit weights: up to 8 pieces' pairs in int16 (|sum| <= 8 * 2 * 15 * 127); 5-bit: 4 at a time
     const int run = T::BITS == 4 ? 8 : 4;
-    __m256i acc = _mm256_setzero_si256();
-    for (int i0 = 0; i0 < 8; i0 += run) {
-        __m256i p = _mm256_maddubs_epi16(w[i0], _mm256_loadu_si256((const __m256i *)(qs + 32 * i0)));
-        for (int i = i0 + 1; i < i0 + run; i++)
-            p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[i], _mm256_loadu_si256((const __m256i *)(qs + 32 * i))));
-        acc = i0 == 0 ? _mm256_madd_epi16(p, ones) : _mm256_add_epi32(acc, _mm256_madd_epi16(p, ones));
+    for (int i0 = 0; i0 < P; i0 += run) {
+        __m256i p = _mm256_maddubs_epi16(w[i0], act(i0));
+        for (int i = i0 + 1; i < i0 + run && i < P; i++) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[i], act(i)));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, ones));
     }
-    return acc;
 #endif
+    return acc;
 }
 
-// A last group of nbg <= 4 blocks, at half the work: q[i] holds piece i of blocks 0 .. 3 in
-// lanes 0 .. 3 and piece i + 4 in lanes 4 .. 7 (Q8_0: signed bytes; else unsigned quants), and
-// msq_tail_act the activations the same way; the totals' two halves are then added.
-template <int K>
-static MSQ_INLINE void msq_tail(const uint8_t *wg, int nbg, __m256i *q) {
+// The integer totals of group g (nbg blocks) for NB rows (xs bytes apart): the group's weights
+// unpacked and transposed once for the NB rows.
+template <int K, int NB>
+static MSQ_INLINE void msq_group_totals(const uint8_t *w, const char *x, long xs, long g, int nbg, __m256i *totals) {
     typedef MsqT<K> T;
-    __m256i r[4], t[4];
-    for (int k = 0; k < 4; k++) {
-        const uint8_t *b = wg + k * T::BYTES + T::QS;
-        if (k >= nbg)
-            r[k] = _mm256_setzero_si256();
-        else if (T::BITS == 8)  // bytes 0 .. 15 low, 16 .. 31 high
-            r[k] = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(b + 16)), _mm_loadu_si128((const __m128i *)b));
-        else  // the 16 bytes twice: low nibbles below, high nibbles above
-            r[k] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)b));
-    }
-    t[0] = _mm256_unpacklo_epi32(r[0], r[1]);
-    t[1] = _mm256_unpackhi_epi32(r[0], r[1]);
-    t[2] = _mm256_unpacklo_epi32(r[2], r[3]);
-    t[3] = _mm256_unpackhi_epi32(r[2], r[3]);
-    q[0] = _mm256_unpacklo_epi64(t[0], t[2]);
-    q[1] = _mm256_unpackhi_epi64(t[0], t[2]);
-    q[2] = _mm256_unpacklo_epi64(t[1], t[3]);
-    q[3] = _mm256_unpackhi_epi64(t[1], t[3]);
-    if (T::BITS == 8) return;
-    const __m256i m4 = _mm256_set1_epi8(0x0f);
-    for (int i = 0; i < 4; i++)
-        q[i] = _mm256_and_si256(_mm256_blend_epi32(q[i], _mm256_srli_epi16(q[i], 4), 0xf0), m4);
-    if (T::BITS == 5) {  // as in msq_group; lanes 4 .. 7 take qh's bits 16 higher
-        const __m256i qh = msq_words8<K>(wg, T::QS - 4, nbg);
-        const __m256i qh2 = _mm256_permute2x128_si256(qh, qh, 0x00);  // blocks 0 .. 3 twice
-        const __m256i nib = _mm256_set1_epi32(0xf), spread = _mm256_set1_epi32(0x02040810),
-                      bit4 = _mm256_set1_epi32(0x10101010);
-        for (int i = 0; i < 4; i++) {
-            const __m256i by = _mm256_setr_epi32(4 * i, 4 * i, 4 * i, 4 * i, 4 * i + 16, 4 * i + 16, 4 * i + 16, 4 * i + 16);
-            const __m256i v = _mm256_and_si256(_mm256_srlv_epi32(qh2, by), nib);
-            q[i] = _mm256_or_si256(q[i], _mm256_and_si256(_mm256_mullo_epi32(v, spread), bit4));
+    const uint8_t *wg = w + 8 * g * T::BYTES;
+    auto qs = [&](int j) { return ((const ms_a8g *)(x + j * xs) + g)->qs; };
+    if (nbg <= 4) {  // half the work (msq_tail), the two halves' totals then added
+        __m256i q[4], aq[4];
+        msq_tail<K>(wg, nbg, q);
+        if (T::BITS == 8)
+            for (int i = 0; i < 4; i++) aq[i] = _mm256_sign_epi8(q[i], q[i]);
+        for (int j = 0; j < NB; j++) {
+            const int8_t *a = qs(j);
+            auto act = [&](int i) { return msq_tail_act(a, i); };
+            __m256i t;
+            if constexpr (T::BITS == 8)
+                t = msq_totals_q8(_mm256_setzero_si256(), aq, q, act);
+            else
+                t = msq_totals<K, 4>(q, act);
+            totals[j] = _mm256_add_epi32(t, _mm256_permute2x128_si256(t, t, 0x01));
+        }
+    } else if constexpr (T::BITS == 8) {  // a half of the pieces at a time: 8 vectors of weights live, not 16
+        for (int p = 0; p < 2; p++) {
+            __m256i q[4], aq[4];
+            msq_quads<K>(wg, nbg, 16 * p, q);
+            for (int i = 0; i < 4; i++) aq[i] = _mm256_sign_epi8(q[i], q[i]);
+            for (int j = 0; j < NB; j++) {
+                const int8_t *a = qs(j) + 128 * p;
+                totals[j] = msq_totals_q8(p ? totals[j] : _mm256_setzero_si256(), aq, q,
+                                          [&](int i) { return _mm256_loadu_si256((const __m256i *)(a + 32 * i)); });
+            }
+        }
+    } else {
+        __m256i q[8];
+        msq_group<K>(wg, nbg, q);
+        for (int j = 0; j < NB; j++) {
+            const int8_t *a = qs(j);
+            totals[j] = msq_totals<K, 8>(q, [&](int i) { return _mm256_loadu_si256((const __m256i *)(a + 32 * i)); });
         }
     }
 }
 
-static MSQ_INLINE __m256i msq_tail_act(const int8_t *qs, int i) {  // pieces i (lanes 0 .. 3), i + 4
-    return _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(qs + 32 * (i + 4))),
-                            _mm_loadu_si128((const __m128i *)(qs + 32 * i)));
-}
-
-// The totals of a tail group (msq_tail's q) against one activation group: lane k (k < 4).
-template <int K>
-static MSQ_INLINE __m256i msq_tail_totals(const __m256i *q, const __m256i *aq, const int8_t *qs) {
-    typedef MsqT<K> T;
-    __m256i acc = _mm256_setzero_si256();
-#if defined(MSQ_AVX512)
-    for (int i = 0; i < 4; i++) {
-        const __m256i a = msq_tail_act(qs, i);
-        acc = T::BITS == 8 ? _mm256_dpbusd_epi32(acc, aq[i], _mm256_sign_epi8(a, q[i])) : _mm256_dpbusd_epi32(acc, q[i], a);
-    }
-#else
-    const __m256i ones = _mm256_set1_epi16(1);
-    if (T::BITS == 8) {
-        for (int i = 0; i < 4; i++)
-            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(aq[i], _mm256_sign_epi8(msq_tail_act(qs, i), q[i])), ones));
-    } else {  // 4 pieces' pairs in int16: at most 4 * 2 * 31 * 127
-        __m256i p = _mm256_maddubs_epi16(q[0], msq_tail_act(qs, 0));
-        for (int i = 1; i < 4; i++) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(q[i], msq_tail_act(qs, i)));
-        acc = _mm256_madd_epi16(p, ones);
-    }
-#endif
-    return _mm256_add_epi32(acc, _mm256_permute2x128_si256(acc, acc, 0x01));
-}
-
-// NB activation rows (xs bytes apart) against one weight row, a group of 8 blocks at a time:
-// the group's weights unpacked and transposed once for the NB rows.
 // The float part of group g (nbg blocks) for NB rows (xs bytes apart), from their integer
 // totals: the canonical order's accumulators acc / mins [row][g & 1].
 template <int K, int NB>
@@ -535,6 +521,7 @@ static MSQ_INLINE void msq_float(const uint8_t *w, const char *x, long xs, long 
     }
 }
 
+// NB activation rows (xs bytes apart) against one weight row, a group of 8 blocks at a time.
 template <int K, int NB>
 static inline void msq_dot_vec(long n, const uint8_t *w, const char *x, long xs, float *y, long ys) {
     typedef MsqT<K> T;
@@ -544,50 +531,16 @@ static inline void msq_dot_vec(long n, const uint8_t *w, const char *x, long xs,
         for (int h = 0; h < 2; h++) acc[j][h] = mins[j][h] = _mm256_setzero_ps();
     __m256i totals[NB];
     long g = 0;
-    for (; 8 * g + 8 <= nb; g++) {  // whole groups
+    for (; 8 * g + 8 <= nb; g++) {  // whole groups (the short one's cases fold away: nbg = 8)
         const uint8_t *wg = w + 8 * g * T::BYTES;
         for (int o = 0; o < 8 * T::BYTES; o += 64)
             _mm_prefetch((const char *)wg + MSQ_PREFETCH + o, _MM_HINT_T0);
-        if constexpr (T::BITS == 8) {  // a half of the pieces at a time: 8 vectors of weights live, not 16
-            for (int p = 0; p < 2; p++) {
-                __m256i q[4], aq[4];
-                msq_half<K>(wg, 8, p, q);
-                for (int i = 0; i < 4; i++) aq[i] = _mm256_sign_epi8(q[i], q[i]);
-                for (int j = 0; j < NB; j++)
-                    totals[j] = msq_totals_q8(p ? totals[j] : _mm256_setzero_si256(), aq, q,
-                                              ((const ms_a8g *)(x + j * xs) + g)->qs + 128 * p);
-            }
-        } else {
-            __m256i q[8];
-            msq_group<K>(wg, 8, q);
-            for (int j = 0; j < NB; j++) totals[j] = msq_totals<K>(q, ((const ms_a8g *)(x + j * xs) + g)->qs);
-        }
+        msq_group_totals<K, NB>(w, x, xs, g, 8, totals);
         msq_float<K, NB>(w, x, xs, g, 8, totals, acc, mins);
     }
     const int nbg = (int)(nb - 8 * g);  // a last, short group: its lanes past nbg are zeros
-    if (nbg > 4) {
-        const uint8_t *wg = w + 8 * g * T::BYTES;
-        if constexpr (T::BITS == 8) {
-            for (int p = 0; p < 2; p++) {
-                __m256i q[4], aq[4];
-                msq_half<K>(wg, nbg, p, q);
-                for (int i = 0; i < 4; i++) aq[i] = _mm256_sign_epi8(q[i], q[i]);
-                for (int j = 0; j < NB; j++)
-                    totals[j] = msq_totals_q8(p ? totals[j] : _mm256_setzero_si256(), aq, q,
-                                              ((const ms_a8g *)(x + j * xs) + g)->qs + 128 * p);
-            }
-        } else {
-            __m256i q[8];
-            msq_group<K>(wg, nbg, q);
-            for (int j = 0; j < NB; j++) totals[j] = msq_totals<K>(q, ((const ms_a8g *)(x + j * xs) + g)->qs);
-        }
-        msq_float<K, NB>(w, x, xs, g, nbg, totals, acc, mins);
-    } else if (nbg > 0) {  // at most 4 blocks: half the work (msq_tail)
-        __m256i q[4], aq[4];
-        msq_tail<K>(w + 8 * g * T::BYTES, nbg, q);
-        if (T::BITS == 8)
-            for (int i = 0; i < 4; i++) aq[i] = _mm256_sign_epi8(q[i], q[i]);
-        for (int j = 0; j < NB; j++) totals[j] = msq_tail_totals<K>(q, aq, ((const ms_a8g *)(x + j * xs) + g)->qs);
+    if (nbg > 0) {
+        msq_group_totals<K, NB>(w, x, xs, g, nbg, totals);
         msq_float<K, NB>(w, x, xs, g, nbg, totals, acc, mins);
     }
     for (int j = 0; j < NB; j++) {
