@@ -785,6 +785,13 @@ static void silu_mul(const float *gate, const float *up, float *act, long n) {
         _mm512_mask_storeu_ps(act + i, m,
                               _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)), u));
     }
+#elif defined(__AVX2__) && defined(__FMA__)
+    const __m256 one = _mm256_set1_ps(1.f);
+    for (; i + 8 <= n; i += 8) {  // the AVX-512 loop's arithmetic on 8 lanes
+        __m256 g = _mm256_loadu_ps(gate + i), u = _mm256_loadu_ps(up + i);
+        __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+        _mm256_storeu_ps(act + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), u));
+    }
 #endif
     for (; i < n; i++) act[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
 }
@@ -865,6 +872,19 @@ static void block_scores(const float *q, const float *kt, long p0, long n, long 
         _mm512_storeu_ps(s + t * 16, _mm512_mul_ps(a, _mm512_set1_ps(scale)));
     }
 #elif defined(__AVX2__) && defined(__FMA__)
+    for (; t + 4 <= tiles; t += 4) {  // four tiles side by side: eight independent sums
+        __m256 a[8];
+        for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
+        const float *k0 = base + t * hd * 16;
+        for (long d = 0; d < hd; d++) {
+            __m256 qd = _mm256_set1_ps(q[d]);
+            for (int i = 0; i < 8; i++)
+                a[i] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + ((i / 2) * hd + d) * 16 + (i % 2) * 8),
+                                       a[i]);
+        }
+        __m256 sc = _mm256_set1_ps(scale);
+        for (int i = 0; i < 8; i++) _mm256_storeu_ps(s + t * 16 + i * 8, _mm256_mul_ps(a[i], sc));
+    }
     for (; t < tiles; t++) {
         __m256 lo = _mm256_setzero_ps(), hi = lo;
         const float *k0 = base + t * hd * 16;
@@ -901,6 +921,20 @@ static inline void weighted_sum_regs(const float *p, const float *v, long n, flo
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+template <int NV>  // o's NV x 8 numbers from column 0 of v's rows (stride hd), in registers
+static inline void weighted_sum_regs8(const float *p, const float *v, long n, long hd, float *o) {
+    __m256 acc[NV];
+    for (int k = 0; k < NV; k++) acc[k] = _mm256_setzero_ps();
+    for (long j = 0; j < n; j++) {
+        __m256 pj = _mm256_set1_ps(p[j]);
+        for (int k = 0; k < NV; k++)
+            acc[k] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + j * hd + k * 8), acc[k]);
+    }
+    for (int k = 0; k < NV; k++) _mm256_storeu_ps(o + k * 8, acc[k]);
+}
+#endif
+
 // o = sum_j p[j] v[j], v of n rows of hd numbers: axpy's arithmetic, row after row (with o in
 // registers where it fits, else in memory: the same operations either way).
 static inline void weighted_sum(const float *p, const float *v, long n, long hd, float *o) {
@@ -909,6 +943,12 @@ static inline void weighted_sum(const float *p, const float *v, long n, long hd,
     if (hd == 128) return weighted_sum_regs<8>(p, v, n, o);
     if (hd == 32) return weighted_sum_regs<2>(p, v, n, o);
     if (hd == 256) return weighted_sum_regs<16>(p, v, n, o);
+#elif defined(__AVX2__) && defined(__FMA__)
+    if (hd == 32) return weighted_sum_regs8<4>(p, v, n, hd, o);
+    if (hd % 64 == 0) {  // 64 numbers (8 accumulators) at a time
+        for (long i = 0; i < hd; i += 64) weighted_sum_regs8<8>(p, v + i, n, hd, o + i);
+        return;
+    }
 #endif
     for (long i = 0; i < hd; i++) o[i] = 0.f;
     for (long j = 0; j < n; j++) axpy(o, p[j], v + j * hd, hd);
