@@ -587,6 +587,8 @@ enum Act { ACT_FLOAT = 0, ACT_A8 = 1, ACT_A8K = 2 };
 typedef void (*DotFn)(long n, const void *w, const void *x, long xstride, float *y, long ystride);
 typedef void (*DequantFn)(const void *w, float *y, long n);
 typedef void (*UnpackFn)(long n, const void *w, void *out);
+typedef void (*DotRFn)(long n, const void *w, long wrow, const void *x, long xstride, float *y,
+                       long ystride);
 typedef void (*DotUFn)(long n, const void *w, const void *x, long xstride, float *y, long ystride,
                        float *state, int phase);
 
@@ -600,6 +602,9 @@ struct Kernels {
     long ubytes;
     UnpackFn unpack;
     DotUFn dot4u, dot8u;
+    // where a type has it: 8 weight rows (wrow bytes apart) against 8 activation rows at once,
+    // the same bits as dot8 over each of the 8 rows
+    DotRFn dot8r = nullptr;
 };
 
 #define MS_KERNELS(block, bytes, act, t) \
@@ -608,6 +613,11 @@ struct Kernels {
 #define MS_KERNELS_U(block, bytes, act, t, u)                                                      \
     {block, bytes, act, ms_dot_##t<1>, ms_dot_##t<4>, ms_dot_##t<8>, ms_dequant_##t,               \
      (long)sizeof(u), ms_unpack_##t, ms_dotu_##t<4>, ms_dotu_##t<8>}
+#elif defined(MSKQ_AVX2)
+static const DotRFn ms_dot8r_q6_K = nullptr;  // Q6_K: no 8-weight-row form (yet)
+#define MS_KERNELS_U(block, bytes, act, t, u)                                                      \
+    {block, bytes, act, ms_dot_##t<1>, ms_dot_##t<4>, ms_dot_##t<8>, ms_dequant_##t, 0, nullptr,   \
+     nullptr, nullptr, ms_dot8r_##t}
 #else
 #define MS_KERNELS_U(block, bytes, act, t, u) MS_KERNELS(block, bytes, act, t)
 #endif
@@ -710,9 +720,12 @@ static void qmatmul_part(const Kernels *k, const char *w, long wrow, const char 
     for (long c0 = r0; c0 < r1; c0 += RC) {
         const long c1 = std::min(r1, c0 + RC);
         long b = 0;
-        for (; b + 8 <= B; b += 8)
-            for (long r = c0; r < c1; r++)
-                k->dot8(C, w + r * wrow, xq + b * xs, xs, y + b * ldy + r, ldy);
+        for (; b + 8 <= B; b += 8) {
+            long r = c0;
+            if (k->dot8r != nullptr)
+                for (; r + 8 <= c1; r += 8) k->dot8r(C, w + r * wrow, wrow, xq + b * xs, xs, y + b * ldy + r, ldy);
+            for (; r < c1; r++) k->dot8(C, w + r * wrow, xq + b * xs, xs, y + b * ldy + r, ldy);
+        }
         for (; b + 4 <= B; b += 4)
             for (long r = c0; r < c1; r++)
                 k->dot4(C, w + r * wrow, xq + b * xs, xs, y + b * ldy + r, ldy);

@@ -571,6 +571,90 @@ static inline void mskq_dot_k45(long n, const void *w, const void *x, long xstri
     for (int j = 0; j < NB; j++) y[j * ystride] = fa[j] - fb[j];
 }
 
+#if defined(MSKQ_AVX2)
+// 8 int32 vectors -> one: lane w holds the sum of v[w]'s 8 lanes (exact: integers).
+static inline __m256i mskq_sum8x8(const __m256i *v) {
+    const __m256i h01 = _mm256_hadd_epi32(v[0], v[1]), h23 = _mm256_hadd_epi32(v[2], v[3]);
+    const __m256i h45 = _mm256_hadd_epi32(v[4], v[5]), h67 = _mm256_hadd_epi32(v[6], v[7]);
+    const __m256i g0 = _mm256_hadd_epi32(h01, h23), g1 = _mm256_hadd_epi32(h45, h67);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(g0, g1, 0x20), _mm256_permute2x128_si256(g0, g1, 0x31));
+}
+
+// The AVX2 build, many activation rows: 8 weight rows (wrow bytes apart) against NB activation
+// rows at once, y[j * ystride + r] for r < 8. Each pair's totals A and B are the same integers
+// as in mskq_dot_k45 and its float sums the same operations in the same order, only carried
+// out for 8 weight rows side by side (lane r: weight row r), so each block's totals need one
+// transposing sum for the 8 rows instead of a horizontal sum and scalar arithmetic a pair.
+template <int NB, bool HI>
+static void mskq_dot_k45_r8(long n, const uint8_t *w, long wrow, const void *x, long xstride, float *y,
+                            long ystride) {
+    const long bytes = HI ? 176 : 144, nb = n / 256;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), sixteen = _mm256_set1_epi8(16);
+    const __m256i cm = _mm256_setr_epi32(MSKQ_W(0), MSKQ_W(1), MSKQ_W(2), MSKQ_W(3), MSKQ_W(4),
+                                         MSKQ_W(5), MSKQ_W(6), MSKQ_W(7));
+    __m256 fa[NB], fb[NB];
+    for (int j = 0; j < NB; j++) fa[j] = fb[j] = _mm256_setzero_ps();
+    __m256i ra[NB][8], rb[NB][8];  // per activation row, per weight row: A and B lanes
+    for (long i = 0; i < nb; i++) {
+        alignas(16) uint16_t dh[8], mh[8];
+        for (int r = 0; r < 8; r++) {
+            const uint8_t *b = w + r * wrow + i * bytes;
+            mskq_prefetch(b, (int)bytes);
+            uint32_t u[4];
+            mskq_scales(b + 4, u);
+            std::memcpy(&dh[r], b, 2);
+            std::memcpy(&mh[r], b + 2, 2);
+            const uint8_t *qs = b + (HI ? 48 : 16);
+            const __m256i scb = _mm256_set1_epi64x((long long)(u[0] | (uint64_t)u[1] << 32));
+            __m256i hb = HI ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
+            __m256i wq[8], sv[8];
+            for (int p = 0; p < 4; p++) {  // as mskq_dot_k45's AVX2 loop
+                const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * p));
+                __m256i wl = _mm256_and_si256(q, m4), wh = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+                if (HI) {
+                    wl = _mm256_or_si256(wl, _mm256_and_si256(_mm256_slli_epi16(hb, 4), sixteen));
+                    hb = _mm256_srli_epi16(hb, 1);
+                    wh = _mm256_or_si256(wh, _mm256_and_si256(_mm256_slli_epi16(hb, 4), sixteen));
+                    hb = _mm256_srli_epi16(hb, 1);
+                }
+                wq[2 * p] = wl, wq[2 * p + 1] = wh;
+                sv[2 * p] = _mm256_shuffle_epi8(scb, _mm256_set1_epi32(MSKQ_W(2 * p)));
+                sv[2 * p + 1] = _mm256_shuffle_epi8(scb, _mm256_set1_epi32(MSKQ_W(2 * p + 1)));
+            }
+            const __m256i mins = _mm256_shuffle_epi8(
+                _mm256_set1_epi64x((long long)(u[2] | (uint64_t)u[3] << 32)), cm);
+            for (int j = 0; j < NB; j++) {
+                const uint8_t *xb = mskq_xblock(x, xstride, j, i);
+                __m256i acc = _mm256_setzero_si256();
+                for (int s = 0; s < 8; s++)
+                    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(
+                        _mm256_maddubs_epi16(wq[s], _mm256_loadu_si256((const __m256i *)(xb + 4 + 32 * s))), sv[s]));
+                ra[j][r] = acc;
+                rb[j][r] = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(xb + 260)), mins);
+            }
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_load_si128((const __m128i *)dh));
+        const __m256 dmin = _mm256_cvtph_ps(_mm_load_si128((const __m128i *)mh));
+        for (int j = 0; j < NB; j++) {  // mskq_k45_float, lane by lane
+            float dx;
+            std::memcpy(&dx, mskq_xblock(x, xstride, j, i), 4);
+            const __m256 dxv = _mm256_set1_ps(dx);
+            const __m256 a = _mm256_cvtepi32_ps(mskq_sum8x8(ra[j])), b = _mm256_cvtepi32_ps(mskq_sum8x8(rb[j]));
+            fa[j] = _mm256_add_ps(fa[j], _mm256_mul_ps(a, _mm256_mul_ps(d, dxv)));
+            fb[j] = _mm256_add_ps(fb[j], _mm256_mul_ps(b, _mm256_mul_ps(dmin, dxv)));
+        }
+    }
+    for (int j = 0; j < NB; j++) _mm256_storeu_ps(y + j * ystride, _mm256_sub_ps(fa[j], fb[j]));
+}
+
+static void ms_dot8r_q4_K(long n, const void *w, long wrow, const void *x, long xstride, float *y, long ystride) {
+    mskq_dot_k45_r8<8, false>(n, (const uint8_t *)w, wrow, x, xstride, y, ystride);
+}
+static void ms_dot8r_q5_K(long n, const void *w, long wrow, const void *x, long xstride, float *y, long ystride) {
+    mskq_dot_k45_r8<8, true>(n, (const uint8_t *)w, wrow, x, xstride, y, ystride);
+}
+#endif
+
 template <int NB>
 static void ms_dot_q4_K(long n, const void *w, const void *x, long xstride, float *y,
                         long ystride) {
