@@ -57,7 +57,9 @@ def _bias_tensors(bias, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
         if len(_BIAS) >= 256:
             _BIAS.clear()
         ids = torch.tensor([i for i, _ in bias], dtype=torch.long, device=device)
-        values = torch.tensor([NEG_INF if b <= BAN else b for _, b in bias], dtype=dtype, device=device)
+        values = torch.tensor(
+            [NEG_INF if b <= BAN else b for _, b in bias], dtype=dtype, device=device
+        )
         _BIAS[key] = ids, values
     return _BIAS[key]
 
@@ -530,9 +532,7 @@ def sample(
             logits.float(), params, run, previous_ids, allowed, state, generator
         )
     else:
-        logits = filter_logits(
-            logits.float(), params, previous_ids, allowed, state, generator, run
-        )
+        logits = filter_logits(logits.float(), params, previous_ids, allowed, state, generator, run)
     if constrained and not torch.isfinite(logits).any(dim=-1).all():
         raise NoTokenAllowed("the grammar and the logit bias allow no token")
     probs = logits.softmax(dim=-1)
