@@ -397,6 +397,36 @@ static inline void mskq_k45_float(float &fa, float &fb, int32_t A, int32_t B, fl
     fb = fb + (float)B * (dmin * dx);
 }
 
+#if defined(MSKQ_AVX2)
+// A Q4_K / Q5_K super-block for the AVX2 loops: sub-block s's 32 weights (wq[s], bytes 0..31)
+// and its scale as int16 pairs (sv[s], for vpmaddwd), the 8 mins as int16 pairs (mins).
+template <bool HI>
+static inline void mskq_unpack45_v(const uint8_t *b, __m256i *wq, __m256i *sv, __m256i *mins) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), sixteen = _mm256_set1_epi8(16);
+    uint32_t u[4];
+    mskq_scales(b + 4, u);
+    const uint8_t *qs = b + (HI ? 48 : 16);
+    const __m256i scb = _mm256_set1_epi64x((long long)(u[0] | (uint64_t)u[1] << 32));
+    __m256i hb = HI ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
+    for (int p = 0; p < 4; p++) {  // sub-blocks 2p, 2p + 1
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * p));
+        __m256i wl = _mm256_and_si256(q, m4), wh = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+        if (HI) {  // bit 0 of each byte of hb is the current sub-block's; one shift per sub-block
+            wl = _mm256_or_si256(wl, _mm256_and_si256(_mm256_slli_epi16(hb, 4), sixteen));
+            hb = _mm256_srli_epi16(hb, 1);
+            wh = _mm256_or_si256(wh, _mm256_and_si256(_mm256_slli_epi16(hb, 4), sixteen));
+            hb = _mm256_srli_epi16(hb, 1);
+        }
+        wq[2 * p] = wl, wq[2 * p + 1] = wh;
+        sv[2 * p] = _mm256_shuffle_epi8(scb, _mm256_set1_epi32(MSKQ_W(2 * p)));
+        sv[2 * p + 1] = _mm256_shuffle_epi8(scb, _mm256_set1_epi32(MSKQ_W(2 * p + 1)));
+    }
+    const __m256i cm = _mm256_setr_epi32(MSKQ_W(0), MSKQ_W(1), MSKQ_W(2), MSKQ_W(3), MSKQ_W(4),
+                                         MSKQ_W(5), MSKQ_W(6), MSKQ_W(7));
+    *mins = _mm256_shuffle_epi8(_mm256_set1_epi64x((long long)(u[2] | (uint64_t)u[3] << 32)), cm);
+}
+#endif
+
 #if defined(MSKQ_AVX512)
 // Two rows' A lanes (a0: the first row's 16, a1 the second's) and B lanes (m: both rows' 8,
 // the first in lanes 0-7) -> each 128-bit lane holds one total in all four of its ints:
@@ -494,33 +524,11 @@ static inline void mskq_dot_k45(long n, const void *w, const void *x, long xstri
     }
 #elif defined(MSKQ_AVX2)
     for (int j = 0; j < NB; j++) fa[j] = fb[j] = 0.f;
-    const __m256i m4 = _mm256_set1_epi8(0x0F), sixteen = _mm256_set1_epi8(16);
-    const __m256i cm = _mm256_setr_epi32(MSKQ_W(0), MSKQ_W(1), MSKQ_W(2), MSKQ_W(3), MSKQ_W(4),
-                                         MSKQ_W(5), MSKQ_W(6), MSKQ_W(7));
     for (long i = 0; i < nb; i++, b += bytes) {
         mskq_prefetch(b, (int)bytes);
-        uint32_t u[4];
-        mskq_scales(b + 4, u);
         const float d = mskq_half(b), dmin = mskq_half(b + 2);
-        const uint8_t *qs = b + (HI ? 48 : 16);
-        const __m256i scb = _mm256_set1_epi64x((long long)(u[0] | (uint64_t)u[1] << 32));
-        __m256i hb = HI ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
-        __m256i wq[8], sv[8];  // sub-block s's weights and scale (unpacked once for all rows)
-        for (int p = 0; p < 4; p++) {  // sub-blocks 2p, 2p + 1
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * p));
-            __m256i wl = _mm256_and_si256(q, m4), wh = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-            if (HI) {  // bit 0 of each byte of hb is the current sub-block's; one shift per sub-block
-                wl = _mm256_or_si256(wl, _mm256_and_si256(_mm256_slli_epi16(hb, 4), sixteen));
-                hb = _mm256_srli_epi16(hb, 1);
-                wh = _mm256_or_si256(wh, _mm256_and_si256(_mm256_slli_epi16(hb, 4), sixteen));
-                hb = _mm256_srli_epi16(hb, 1);
-            }
-            wq[2 * p] = wl, wq[2 * p + 1] = wh;
-            sv[2 * p] = _mm256_shuffle_epi8(scb, _mm256_set1_epi32(MSKQ_W(2 * p)));
-            sv[2 * p + 1] = _mm256_shuffle_epi8(scb, _mm256_set1_epi32(MSKQ_W(2 * p + 1)));
-        }
-        const __m256i mins = _mm256_shuffle_epi8(
-            _mm256_set1_epi64x((long long)(u[2] | (uint64_t)u[3] << 32)), cm);
+        __m256i wq[8], sv[8], mins;  // sub-block s's weights and scale (unpacked once for all rows)
+        mskq_unpack45_v<HI>(b, wq, sv, &mins);
         for (int j = 0; j < NB; j++) {
             const uint8_t *xb = mskq_xblock(x, xstride, j, i);
             __m256i r = _mm256_setzero_si256();
@@ -589,9 +597,6 @@ template <int NB, bool HI>
 static void mskq_dot_k45_r8(long n, const uint8_t *w, long wrow, const void *x, long xstride, float *y,
                             long ystride) {
     const long bytes = HI ? 176 : 144, nb = n / 256;
-    const __m256i m4 = _mm256_set1_epi8(0x0F), sixteen = _mm256_set1_epi8(16);
-    const __m256i cm = _mm256_setr_epi32(MSKQ_W(0), MSKQ_W(1), MSKQ_W(2), MSKQ_W(3), MSKQ_W(4),
-                                         MSKQ_W(5), MSKQ_W(6), MSKQ_W(7));
     __m256 fa[NB], fb[NB];
     for (int j = 0; j < NB; j++) fa[j] = fb[j] = _mm256_setzero_ps();
     __m256i ra[NB][8], rb[NB][8];  // per activation row, per weight row: A and B lanes
@@ -600,29 +605,10 @@ static void mskq_dot_k45_r8(long n, const uint8_t *w, long wrow, const void *x, 
         for (int r = 0; r < 8; r++) {
             const uint8_t *b = w + r * wrow + i * bytes;
             mskq_prefetch(b, (int)bytes);
-            uint32_t u[4];
-            mskq_scales(b + 4, u);
             std::memcpy(&dh[r], b, 2);
             std::memcpy(&mh[r], b + 2, 2);
-            const uint8_t *qs = b + (HI ? 48 : 16);
-            const __m256i scb = _mm256_set1_epi64x((long long)(u[0] | (uint64_t)u[1] << 32));
-            __m256i hb = HI ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
-            __m256i wq[8], sv[8];
-            for (int p = 0; p < 4; p++) {  // as mskq_dot_k45's AVX2 loop
-                const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * p));
-                __m256i wl = _mm256_and_si256(q, m4), wh = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-                if (HI) {
-                    wl = _mm256_or_si256(wl, _mm256_and_si256(_mm256_slli_epi16(hb, 4), sixteen));
-                    hb = _mm256_srli_epi16(hb, 1);
-                    wh = _mm256_or_si256(wh, _mm256_and_si256(_mm256_slli_epi16(hb, 4), sixteen));
-                    hb = _mm256_srli_epi16(hb, 1);
-                }
-                wq[2 * p] = wl, wq[2 * p + 1] = wh;
-                sv[2 * p] = _mm256_shuffle_epi8(scb, _mm256_set1_epi32(MSKQ_W(2 * p)));
-                sv[2 * p + 1] = _mm256_shuffle_epi8(scb, _mm256_set1_epi32(MSKQ_W(2 * p + 1)));
-            }
-            const __m256i mins = _mm256_shuffle_epi8(
-                _mm256_set1_epi64x((long long)(u[2] | (uint64_t)u[3] << 32)), cm);
+            __m256i wq[8], sv[8], mins;
+            mskq_unpack45_v<HI>(b, wq, sv, &mins);
             for (int j = 0; j < NB; j++) {
                 const uint8_t *xb = mskq_xblock(x, xstride, j, i);
                 __m256i acc = _mm256_setzero_si256();
