@@ -17,6 +17,7 @@ from miniserve.engine.sampling import (
     make_generator,
     min_p_filter,
     sample,
+    top_k_compact,
     top_k_filter,
     top_p_filter,
 )
@@ -175,3 +176,35 @@ def test_a_tiny_positive_temperature_is_the_argmax_not_nan():
         probs = torch.softmax(apply_temperature(logits, t), dim=-1)
         assert not probs.isnan().any() and probs[0, 1] == 1.0
     assert torch.equal(apply_temperature(logits, 0.5), logits / 0.5)  # the usual arithmetic
+
+
+def _top_k_compact_torch(row, k):
+    """top_k_compact as torch alone computes it (the path other devices take)."""
+    top = torch.topk(row, k, dim=-1)
+    kth = top.values[..., -1:]
+    if not bool(torch.isfinite(kth).all()) or int((row >= kth).sum()) != k:
+        return None
+    order = top.indices.argsort(dim=-1)
+    return top.indices.gather(-1, order), top.values.gather(-1, order)
+
+
+@pytest.mark.parametrize("case", ["plain", "masked", "ties", "nan"])
+@pytest.mark.parametrize("k", [1, 40, 999])
+def test_top_k_compact_on_the_cpu_keeps_what_torch_keeps(case, k):
+    # one float32 row on the CPU goes through numpy: the same ids, values and dtypes as torch's
+    # topk, and the full-width fallback (None) in the same cases
+    gen = torch.Generator().manual_seed(k)
+    row = torch.randn(1, 1000, generator=gen) * 3
+    if case == "masked":  # fewer finite logits than k for the larger k
+        row[0, torch.randperm(1000, generator=gen)[:990]] = float("-inf")
+    elif case == "ties":
+        row = torch.round(row)
+    elif case == "nan":
+        row[0, 7] = float("nan")
+    got, want = top_k_compact(row, k), _top_k_compact_torch(row, k)
+    assert (got is None) == (want is None)
+    if want is not None:
+        assert torch.equal(got[0], want[0]) and got[0].dtype == want[0].dtype
+        assert torch.equal(got[1], want[1])
+    if case == "plain":
+        assert got is not None  # the compact path itself ran

@@ -21,6 +21,7 @@ import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from miniserve.core.config import SamplingParams
@@ -459,12 +460,32 @@ def top_k_compact(row: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     where the full-width filter must run (off, or ties with the k-th that it would keep too)."""
     if k <= 0 or k >= row.shape[-1]:
         return None
+    if row.device.type == "cpu" and row.dtype == torch.float32 and row.shape[0] == 1:
+        return _top_k_compact_numpy(row, k)
     top = torch.topk(row, k, dim=-1)
     kth = top.values[..., -1:]
     if not bool(torch.isfinite(kth).all()) or int((row >= kth).sum()) != k:
         return None
     order = top.indices.argsort(dim=-1)
     return top.indices.gather(-1, order), top.values.gather(-1, order)
+
+
+def _top_k_compact_numpy(row: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """top_k_compact for one float32 row on the CPU, through numpy (its partition and count
+    take ~1/3 of torch's topk and comparison here): the same ids and values, and None in the
+    same cases (a k-th value that is not finite, or ties with it; a NaN among the k makes
+    their least NaN)."""
+    a = row.detach().numpy()[0]
+    ids = np.argpartition(a, -k)[-k:]
+    values = a[ids]
+    kth = values.min()
+    if not math.isfinite(kth) or int(np.count_nonzero(a >= kth)) != k:
+        return None
+    order = ids.argsort()
+    return (
+        torch.from_numpy(ids[order].astype(np.int64)).unsqueeze(0),
+        torch.from_numpy(values[order].copy()).unsqueeze(0),
+    )
 
 
 def _filtered_row(row, params, run, previous_ids, allowed, state, generator):
