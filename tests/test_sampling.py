@@ -11,6 +11,7 @@ from transformers.generation.logits_process import (
 )
 
 from miniserve.core.config import SamplingParams
+from miniserve.engine import sampling
 from miniserve.engine.sampling import (
     apply_repetition_penalty,
     apply_temperature,
@@ -178,16 +179,6 @@ def test_a_tiny_positive_temperature_is_the_argmax_not_nan():
     assert torch.equal(apply_temperature(logits, 0.5), logits / 0.5)  # the usual arithmetic
 
 
-def _top_k_compact_torch(row, k):
-    """top_k_compact as torch alone computes it (the path other devices take)."""
-    top = torch.topk(row, k, dim=-1)
-    kth = top.values[..., -1:]
-    if not bool(torch.isfinite(kth).all()) or int((row >= kth).sum()) != k:
-        return None
-    order = top.indices.argsort(dim=-1)
-    return top.indices.gather(-1, order), top.values.gather(-1, order)
-
-
 @pytest.mark.parametrize("case", ["plain", "masked", "ties", "nan"])
 @pytest.mark.parametrize("k", [1, 40, 999])
 def test_top_k_compact_on_the_cpu_keeps_what_torch_keeps(case, k):
@@ -201,7 +192,7 @@ def test_top_k_compact_on_the_cpu_keeps_what_torch_keeps(case, k):
         row = torch.round(row)
     elif case == "nan":
         row[0, 7] = float("nan")
-    got, want = top_k_compact(row, k), _top_k_compact_torch(row, k)
+    got, want = top_k_compact(row, k), sampling._top_k_compact_torch(row, k)
     assert (got is None) == (want is None)
     if want is not None:
         assert torch.equal(got[0], want[0]) and got[0].dtype == want[0].dtype

@@ -460,8 +460,18 @@ def top_k_compact(row: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     where the full-width filter must run (off, or ties with the k-th that it would keep too)."""
     if k <= 0 or k >= row.shape[-1]:
         return None
-    if row.device.type == "cpu" and row.dtype == torch.float32 and row.shape[0] == 1:
+    if _numpy_can_read(row) and row.shape[0] == 1:
         return _top_k_compact_numpy(row, k)
+    return _top_k_compact_torch(row, k)
+
+
+def _numpy_can_read(t: torch.Tensor) -> bool:
+    """A float32 tensor on the CPU: the sampler's numpy paths take it as it is."""
+    return t.device.type == "cpu" and t.dtype == torch.float32
+
+
+def _top_k_compact_torch(row: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """top_k_compact in torch (other devices, dtypes, several rows)."""
     top = torch.topk(row, k, dim=-1)
     kth = top.values[..., -1:]
     if not bool(torch.isfinite(kth).all()) or int((row >= kth).sum()) != k:
@@ -516,7 +526,7 @@ def _filtered_row(row, params, run, previous_ids, allowed, state, generator):
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """Each row's first largest logit's index, as torch.argmax: through numpy for float32 rows on
     the CPU (its vector loop takes ~5 us over 49,152 logits where torch's takes ~55 here)."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+    if _numpy_can_read(logits):
         return torch.from_numpy(logits.detach().numpy().argmax(axis=-1).astype("int64", copy=False))
     return logits.argmax(dim=-1)
 
