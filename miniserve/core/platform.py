@@ -68,3 +68,22 @@ def rss_mb() -> float:
         pass
     scale = 1024 * 1024 if platform.system() == "Darwin" else 1024  # bytes there, KiB here
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / scale
+
+
+def return_freed_memory() -> None:
+    """Hand the C heap's freed pages back to the system (glibc's malloc_trim; nothing
+    elsewhere). Reading a large tokenizer.json leaves ~100 MiB of parse garbage freed but held
+    by the allocator -- measured with Qwen3's 151,936-token vocabulary -- which otherwise stays
+    in the process's resident memory for its whole life."""
+    import ctypes
+    import ctypes.util
+
+    if platform.system() != "Linux":
+        return
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
+        return
+    trim.argtypes = [ctypes.c_size_t]
+    trim(0)

@@ -60,6 +60,7 @@ from miniserve.engine.reply import (
     ReplyPlan,
     ToolPlan,
     call_grammars,
+    token_id,
 )
 from miniserve.engine.sampling import SamplerState
 from miniserve.engine.scheduler import RequestTooLarge, Scheduler, Sequence  # noqa: F401
@@ -530,8 +531,7 @@ class Engine(Admitting):
         )
         if self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
-        vocab = self.tokenizer.get_vocab()
-        ids.update(vocab[t] for t in END_TOKENS if t in vocab)
+        ids.update(i for t in END_TOKENS if (i := token_id(self.tokenizer, t)) is not None)
         return ids
 
     # -- one engine thread runs every forward pass ------------------------------------------
@@ -987,9 +987,8 @@ class Engine(Admitting):
                 "tool_choice",
             )
         fmt = self.tool_format
-        vocab = self.tokenizer.get_vocab()
-        opener = vocab.get(fmt.opener) if fmt is not None else None
-        closer = vocab.get(fmt.closer) if fmt is not None and fmt.closer else None
+        opener = token_id(self.tokenizer, fmt.opener) if fmt is not None else None
+        closer = token_id(self.tokenizer, fmt.closer) if fmt is not None and fmt.closer else None
         if opener is None and choice not in ("auto", "none"):
             raise ChatError(
                 f"'tool_choice': {choice!r} needs a call format this server knows; model "

@@ -34,6 +34,7 @@ import torch
 from miniserve.core.architectures import ARCHITECTURES, native_names
 from miniserve.core.errors import Unavailable
 from miniserve.core.paths import cache_root, file_key
+from miniserve.core.platform import return_freed_memory
 from miniserve.runners.gguf_file import GGUFFile, GGUFFileError
 from miniserve.runners.stored import GGUFWeights, StoredModelError
 
@@ -497,11 +498,17 @@ def _load_stored(source: str | None, path: Path, progress: Progress | None) -> L
                 f"{path} is not a GGUF file (it does not start with 'GGUF'); "
                 "download it again or pass another --model."
             )
+    read = {}
+
+    def read_tokenizer(weights) -> None:  # before the weights' pages are read
+        read["tokenizer"] = _stored_tokenizer(path, weights, progress)
+        return_freed_memory()  # the parse's garbage: ~100 MiB for a 150k vocabulary
+
     try:
-        weights = GGUFWeights(path, progress)
+        weights = GGUFWeights(path, progress, first=read_tokenizer)
     except StoredModelError as e:
         raise ModelLoadError(str(e)) from None
-    tokenizer = _stored_tokenizer(path, weights, progress)
+    tokenizer = read["tokenizer"]
     if len(tokenizer) > weights.config.vocab_size:  # ids past the table: refused, not read
         raise ModelLoadError(
             f"{path.name}: the tokenizer has {len(tokenizer):,} tokens but "

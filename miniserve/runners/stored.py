@@ -104,7 +104,10 @@ class GGUFWeights:
     """A GGUF file's model: its configuration and its tensors, where they lie (a runner is made
     from it by StoredRunner). Raises StoredModelError for a file it cannot run."""
 
-    def __init__(self, path: Path, progress: Progress | None = None):
+    def __init__(self, path: Path, progress: Progress | None = None, first=None):
+        """first(self), when given, runs once the header and configuration are read and
+        before any weight's page is: the loader reads the tokenizer there, so that the
+        parse's freed memory is handed back before the file's pages come in (the peak)."""
         self.path = Path(path)
         try:
             self.file = GGUFFile(self.path)
@@ -127,6 +130,8 @@ class GGUFWeights:
         self._kept: list = []  # float32 copies the runner points to
         self.converted: list[str] = []  # tensors dequantized at load (types not run in place)
         names = self._names()
+        if first is not None:
+            first(self)
         try:
             f.check_scales([n for n in names.values() if n in f.tensors])
         except GGUFFileError as e:
