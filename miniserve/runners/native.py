@@ -47,6 +47,14 @@ DTYPE_CODES = {"float32": 0, "bfloat16": 1}
 TYPE_IDS = {"float32": 0, "float16": 1, "bfloat16": 30}
 FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-ffp-contract=off"]
 MATH_CODES = {"float32": 0, "bfloat16": 1}
+# The KV cache's numbers (decode.cpp, ms_kv_type): float32, float16, bfloat16.
+KV_TYPES = (torch.float32, torch.float16, torch.bfloat16)
+# MINISERVE_KV: the KV cache of weights as stored in block formats (Q4_K, Q8_0, ...): float16,
+# the default, as llama.cpp's cache (half the memory, half the bytes attention reads; such a
+# product rounds its activations to int8, a coarser step than float16's), or float32. Float
+# weights (F16 / BF16 / F32 files, transformers' weights) keep float32 keys and values:
+# float32's bound holds there (bfloat16 products apart: decode.cpp's kv_bf16).
+KV_CHOICES = ("float16", "float32")
 X86_64 = platform.machine().lower() in ("x86_64", "amd64")
 
 # MINISERVE_NATIVE_ARCH: what to compile for, each a list of architecture flags to try in turn
@@ -227,8 +235,26 @@ class MsModel(ctypes.Structure):
         ("final_norm", ctypes.c_void_p),
         ("layer", ctypes.POINTER(MsLayer)),
         *((name, ctypes.c_float) for name in ("eps", "embed_scale", "attn_scale")),
-        *((name, ctypes.c_int) for name in ("gelu", "rope_pairs", "math", "threads")),
+        *((name, ctypes.c_int) for name in ("gelu", "rope_pairs", "math", "threads", "kv_half")),
     ]
+
+
+def kv_choice() -> str:
+    """MINISERVE_KV as set (float16 when unset); ValueError naming the choices otherwise."""
+    choice = os.environ.get("MINISERVE_KV", "").strip() or "float16"
+    if choice not in KV_CHOICES:
+        raise ValueError(f"MINISERVE_KV={choice!r}: one of {', '.join(KV_CHOICES)}")
+    return choice
+
+
+def kv_half(model) -> bool:
+    """Whether this model's KV cache holds float16: weights as stored whose attention
+    projections are in block formats, unless MINISERVE_KV=float32."""
+    qkv = [w for name in ("wqkv", "wq") if (w := model.layers[0].get(name)) is not None]
+    blocks = bool(qkv) and all(
+        isinstance(w, StoredMatrix) and w.type not in TYPE_IDS.values() for w in qkv
+    )
+    return blocks and kv_choice() == "float16"
 
 
 def ms_mat(w) -> MsMat:
@@ -287,8 +313,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_dequant.restype = None
     lib.ms_row_bytes.argtypes = [L, L]
     lib.ms_row_bytes.restype = L
-    lib.ms_kv_bf16.argtypes = [ctypes.POINTER(MsModel)]
-    lib.ms_kv_bf16.restype = I
+    lib.ms_kv_type.argtypes = [ctypes.POINTER(MsModel)]
+    lib.ms_kv_type.restype = I
     lib.ms_bf16_dot.argtypes = []
     lib.ms_bf16_dot.restype = I
     lib.ms_isa.argtypes = []
@@ -400,8 +426,9 @@ def _attn_scale(model) -> float:
 class NativeCache(KVCache):
     """One sequence's keys and values in decode.cpp's layout. float32: K as (layers, kv_heads,
     capacity / 16, head_dim, 16) -- tiles of 16 positions, transposed -- and V as (layers,
-    kv_heads, capacity, head_dim); bfloat16 (bfloat16 products on the dot instruction): the
-    same sizes, with pairs side by side (decode.cpp, kv_bf16). The rest is lean.KVCache's."""
+    kv_heads, capacity, head_dim); float16 (weights as stored in block formats: kv_half) in
+    the same layout; bfloat16 (bfloat16 products on the dot instruction): the same sizes, with
+    pairs side by side (decode.cpp, kv_bf16). The rest is lean.KVCache's."""
 
     TILE = 16
 
@@ -474,12 +501,11 @@ class NativeForward:
             rope_pairs=int(model.rope_pairs),
             math=MATH_CODES[math],
             threads=torch.get_num_threads(),
+            kv_half=int(kv_half(model)),
         )
         self.max_positions = model.cos.shape[0]
         self.scratch = torch.empty(0, dtype=torch.float32)
-        self.kv_dtype = (
-            torch.bfloat16 if self.lib.ms_kv_bf16(ctypes.byref(self.struct)) else torch.float32
-        )
+        self.kv_dtype = KV_TYPES[self.lib.ms_kv_type(ctypes.byref(self.struct))]
 
     def _float32(self, t: torch.Tensor | None) -> int | None:
         """The address of `t` as float32 (a copy, kept, where it is not), or None."""

@@ -855,21 +855,74 @@ static void gelu_mul(const float *gate, const float *up, float *act, long n) {
 // tiles; v: its values; s: scratch for group * BLOCK scores.
 static const long BLOCK = 256;
 
-static void block_scores(const float *q, const float *kt, long p0, long n, long hd, float scale,
+// Keys and values as float32, or as float16 (kv_half: the cache of weights as stored): each
+// loaded as float32 (exact), so a float16 cache sums the same products in the same order.
+struct f16 {
+    uint16_t bits;
+};
+
+static inline float kv1(const float *p) { return *p; }
+static inline float kv1(const f16 *p) { return msq_h2f(p->bits); }
+#if defined(__AVX512F__)
+static inline __m512 kv16(const float *p) { return _mm512_loadu_ps(p); }
+static inline __m512 kv16(const f16 *p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+static inline __m256 kv8(const float *p) { return _mm256_loadu_ps(p); }
+static inline __m256 kv8(const f16 *p) {
+#if defined(__F16C__)
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+    float t[8];
+    for (int i = 0; i < 8; i++) t[i] = msq_h2f(p[i].bits);
+    return _mm256_loadu_ps(t);
+#endif
+}
+#endif
+
+// float -> IEEE half, rounded to nearest (ties to even), as F16C's vcvtps2ph rounds: the same
+// bits on every build.
+static inline f16 to_f16(float x) {
+#if defined(__F16C__)
+    return {(uint16_t)_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
+#else
+    uint32_t u;
+    std::memcpy(&u, &x, 4);
+    const uint32_t sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
+    if (a >= 0x7f800000u) return {(uint16_t)(sign | 0x7c00u | (a > 0x7f800000u ? 0x200u : 0u))};
+    if (a >= 0x477ff000u) return {(uint16_t)(sign | 0x7c00u)};  // 65520 and up: infinity
+    if (a < 0x38800000u) {  // under 2^-14: a multiple of 2^-24 (1024: the smallest normal)
+        float f;
+        std::memcpy(&f, &a, 4);
+        return {(uint16_t)(sign | (uint32_t)std::nearbyint(f * 16777216.f))};
+    }
+    uint32_t h = (a - 0x38000000u) >> 13;  // exponent rebased, 10 bits of mantissa
+    const uint32_t rest = a & 0x1fffu;
+    if (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) h++;
+    return {(uint16_t)(sign | h)};
+#endif
+}
+
+static inline void kv_store(float *p, float x) { *p = x; }
+static inline void kv_store(f16 *p, float x) { *p = to_f16(x); }
+
+template <typename T>
+static void block_scores(const float *q, const T *kt, long p0, long n, long hd, float scale,
                          float *s) {
     const long tiles = (n + 15) / 16;
-    const float *base = kt + (p0 / 16) * hd * 16;
+    const T *base = kt + (p0 / 16) * hd * 16;
     long t = 0;
 #if defined(__AVX512F__)
     for (; t + 4 <= tiles; t += 4) {  // four tiles side by side: four independent sums
         __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        const float *k0 = base + t * hd * 16;
+        const T *k0 = base + t * hd * 16;
         for (long d = 0; d < hd; d++) {
             __m512 qd = _mm512_set1_ps(q[d]);
-            a0 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(k0 + d * 16), a0);
-            a1 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(k0 + (hd + d) * 16), a1);
-            a2 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(k0 + (2 * hd + d) * 16), a2);
-            a3 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(k0 + (3 * hd + d) * 16), a3);
+            a0 = _mm512_fmadd_ps(qd, kv16(k0 + d * 16), a0);
+            a1 = _mm512_fmadd_ps(qd, kv16(k0 + (hd + d) * 16), a1);
+            a2 = _mm512_fmadd_ps(qd, kv16(k0 + (2 * hd + d) * 16), a2);
+            a3 = _mm512_fmadd_ps(qd, kv16(k0 + (3 * hd + d) * 16), a3);
         }
         __m512 sc = _mm512_set1_ps(scale);
         _mm512_storeu_ps(s + t * 16, _mm512_mul_ps(a0, sc));
@@ -879,32 +932,31 @@ static void block_scores(const float *q, const float *kt, long p0, long n, long 
     }
     for (; t < tiles; t++) {
         __m512 a = _mm512_setzero_ps();
-        const float *k0 = base + t * hd * 16;
+        const T *k0 = base + t * hd * 16;
         for (long d = 0; d < hd; d++)
-            a = _mm512_fmadd_ps(_mm512_set1_ps(q[d]), _mm512_loadu_ps(k0 + d * 16), a);
+            a = _mm512_fmadd_ps(_mm512_set1_ps(q[d]), kv16(k0 + d * 16), a);
         _mm512_storeu_ps(s + t * 16, _mm512_mul_ps(a, _mm512_set1_ps(scale)));
     }
 #elif defined(__AVX2__) && defined(__FMA__)
     for (; t + 4 <= tiles; t += 4) {  // four tiles side by side: eight independent sums
         __m256 a[8];
         for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
-        const float *k0 = base + t * hd * 16;
+        const T *k0 = base + t * hd * 16;
         for (long d = 0; d < hd; d++) {
             __m256 qd = _mm256_set1_ps(q[d]);
             for (int i = 0; i < 8; i++)
-                a[i] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + ((i / 2) * hd + d) * 16 + (i % 2) * 8),
-                                       a[i]);
+                a[i] = _mm256_fmadd_ps(qd, kv8(k0 + ((i / 2) * hd + d) * 16 + (i % 2) * 8), a[i]);
         }
         __m256 sc = _mm256_set1_ps(scale);
         for (int i = 0; i < 8; i++) _mm256_storeu_ps(s + t * 16 + i * 8, _mm256_mul_ps(a[i], sc));
     }
     for (; t < tiles; t++) {
         __m256 lo = _mm256_setzero_ps(), hi = lo;
-        const float *k0 = base + t * hd * 16;
+        const T *k0 = base + t * hd * 16;
         for (long d = 0; d < hd; d++) {
             __m256 qd = _mm256_set1_ps(q[d]);
-            lo = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + d * 16), lo);
-            hi = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + d * 16 + 8), hi);
+            lo = _mm256_fmadd_ps(qd, kv8(k0 + d * 16), lo);
+            hi = _mm256_fmadd_ps(qd, kv8(k0 + d * 16 + 8), hi);
         }
         __m256 sc = _mm256_set1_ps(scale);
         _mm256_storeu_ps(s + t * 16, _mm256_mul_ps(lo, sc));
@@ -913,44 +965,55 @@ static void block_scores(const float *q, const float *kt, long p0, long n, long 
 #endif
     for (; t < tiles; t++) {
         float a[16] = {0.f};
-        const float *k0 = base + t * hd * 16;
+        const T *k0 = base + t * hd * 16;
         for (long d = 0; d < hd; d++)
-            for (int l = 0; l < 16; l++) a[l] += q[d] * k0[d * 16 + l];
+            for (int l = 0; l < 16; l++) a[l] += q[d] * kv1(k0 + d * 16 + l);
         for (int l = 0; l < 16; l++) s[t * 16 + l] = a[l] * scale;
     }
 }
 
 #if defined(__AVX512F__)
-template <int NV>  // o (NV x 16 numbers) held in registers over all n positions
-static inline void weighted_sum_regs(const float *p, const float *v, long n, float *o) {
+template <int NV, typename T>  // o (NV x 16 numbers) held in registers over all n positions
+static inline void weighted_sum_regs(const float *p, const T *v, long n, float *o) {
     __m512 acc[NV];
     for (int k = 0; k < NV; k++) acc[k] = _mm512_setzero_ps();
     for (long j = 0; j < n; j++) {
         __m512 pj = _mm512_set1_ps(p[j]);
         for (int k = 0; k < NV; k++)
-            acc[k] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v + j * NV * 16 + k * 16), acc[k]);
+            acc[k] = _mm512_fmadd_ps(pj, kv16(v + j * NV * 16 + k * 16), acc[k]);
     }
     for (int k = 0; k < NV; k++) _mm512_storeu_ps(o + k * 16, acc[k]);
 }
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-template <int NV>  // o's NV x 8 numbers from column 0 of v's rows (stride hd), in registers
-static inline void weighted_sum_regs8(const float *p, const float *v, long n, long hd, float *o) {
+template <int NV, typename T>  // o's NV x 8 numbers from column 0 of v's rows (stride hd)
+static inline void weighted_sum_regs8(const float *p, const T *v, long n, long hd, float *o) {
     __m256 acc[NV];
     for (int k = 0; k < NV; k++) acc[k] = _mm256_setzero_ps();
     for (long j = 0; j < n; j++) {
         __m256 pj = _mm256_set1_ps(p[j]);
         for (int k = 0; k < NV; k++)
-            acc[k] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + j * hd + k * 8), acc[k]);
+            acc[k] = _mm256_fmadd_ps(pj, kv8(v + j * hd + k * 8), acc[k]);
     }
     for (int k = 0; k < NV; k++) _mm256_storeu_ps(o + k * 8, acc[k]);
 }
 #endif
 
+// o += a x over n numbers of a float16 row: axpy's arithmetic (the values widened exactly).
+static inline void axpy(float *y, float a, const f16 *x, long n) {
+    float row[256];
+    for (long i0 = 0; i0 < n; i0 += 256) {
+        const long m = n - i0 < 256 ? n - i0 : 256;
+        for (long i = 0; i < m; i++) row[i] = msq_h2f(x[i0 + i].bits);
+        axpy(y + i0, a, row, m);
+    }
+}
+
 // o = sum_j p[j] v[j], v of n rows of hd numbers: axpy's arithmetic, row after row (with o in
 // registers where it fits, else in memory: the same operations either way).
-static inline void weighted_sum(const float *p, const float *v, long n, long hd, float *o) {
+template <typename T>
+static inline void weighted_sum(const float *p, const T *v, long n, long hd, float *o) {
 #if defined(__AVX512F__)
     if (hd == 64) return weighted_sum_regs<4>(p, v, n, o);
     if (hd == 128) return weighted_sum_regs<8>(p, v, n, o);
@@ -967,7 +1030,8 @@ static inline void weighted_sum(const float *p, const float *v, long n, long hd,
     for (long j = 0; j < n; j++) axpy(o, p[j], v + j * hd, hd);
 }
 
-static void attend_block(const float *q, const float *kt, const float *v, long group, long from,
+template <typename T>
+static void attend_block(const float *q, const T *kt, const T *v, long group, long from,
                          long to, long hd, float scale, float *s, float *part) {
     // scores from the tile of 16 that holds `from` (tiles are whole), used from `from` on
     const long t0 = from / 16 * 16, skip = from - t0, n = to - from;
@@ -1178,6 +1242,7 @@ struct MsModel {
     int rope_pairs;     // RoPE on adjacent pairs (GGUF's llama q/k rows), else on halves
     int math;           // float32 / bfloat16 matrices: 0 = float32 products, 1 = bfloat16
     int threads;
+    int kv_half;        // 1: the KV cache holds float16 (where it is not bfloat16: kv_bf16)
 };
 
 // One pass: n rows. Row b feeds token[b] at position pos[b] of the sequence whose cache is
@@ -1187,7 +1252,7 @@ struct MsModel {
 struct MsRows {
     long n, n_out;
     const long *token, *pos, *cap, *out;
-    void *const *k;  // float, or bfloat16 where kv_bf16() (see attention())
+    void *const *k;  // float, float16 or bfloat16: ms_kv_type() (see attention())
     void *const *v;
     float *logits;
 };
@@ -1366,6 +1431,11 @@ static inline bool kv_bf16(const MsModel *m) {
     return MS_BF16_DOT && m->math == 1 && m->hd % 16 == 0 && m->hd <= 256;
 }
 
+// Else float16 where the model asks (kv_half: weights as stored in block formats, whose
+// products round their activations to int8 anyway), in float32's layout: half the memory and
+// half the bytes attention reads; each key and value is widened exactly where it is read.
+static inline bool kv_f16(const MsModel *m) { return !kv_bf16(m) && m->kv_half != 0; }
+
 // Attention's work: one item per (row, kv head, block of BLOCK positions the row sees).
 struct Item { long b, g, j; };
 
@@ -1388,7 +1458,7 @@ static void attention(const MsModel *m, const MsRows *r, long layer, Scratch *sc
     const long H = m->H, KV = m->KV, hd = m->hd, group = H / KV, QKV = (H + 2 * KV) * hd;
     const MsLayer &w = m->layer[layer];
     const float scale = m->attn_scale;
-    const bool half = kv_bf16(m);
+    const bool half = kv_bf16(m), f16s = kv_f16(m);
     (void)half;
     // this layer's keys and values into each row's cache
     for_rows(m->threads, r->n, [&](long b) {
@@ -1414,12 +1484,16 @@ static void attention(const MsModel *m, const MsRows *r, long layer, Scratch *sc
                 continue;
             }
 #endif
-            float *kt = (float *)r->k[b] + at + tile + p % 16;
-            float *vc = (float *)r->v[b] + at + (g * cap + p) * hd;
-            for (long i = 0; i < hd; i++) {
-                kt[i * 16] = k[g * hd + i];
-                vc[i] = v[g * hd + i];
-            }
+            auto store = [&](auto *kc, auto *vc) {
+                kc += at + tile + p % 16;
+                vc += at + (g * cap + p) * hd;
+                for (long i = 0; i < hd; i++) {
+                    kv_store(kc + i * 16, k[g * hd + i]);
+                    kv_store(vc + i, v[g * hd + i]);
+                }
+            };
+            if (f16s) store((f16 *)r->k[b], (f16 *)r->v[b]);
+            else store((float *)r->k[b], (float *)r->v[b]);
         }
     });
     // every (row, kv head, block) on whichever thread is free; each writes its own partial
@@ -1442,8 +1516,12 @@ static void attention(const MsModel *m, const MsRows *r, long layer, Scratch *sc
                 continue;
             }
 #endif
-            attend_block(q, (const float *)r->k[it.b] + at, (const float *)r->v[it.b] + at,
-                         group, from, to, hd, scale, s, part);
+            if (f16s)
+                attend_block(q, (const f16 *)r->k[it.b] + at, (const f16 *)r->v[it.b] + at,
+                             group, from, to, hd, scale, s, part);
+            else
+                attend_block(q, (const float *)r->k[it.b] + at, (const float *)r->v[it.b] + at,
+                             group, from, to, hd, scale, s, part);
         }
     });
     for_rows(m->threads, r->n, [&](long b) {
@@ -1612,7 +1690,7 @@ const char *ms_layout(void) {
         MS_FIELD(MsModel, lm_head), MS_FIELD(MsModel, final_norm), MS_FIELD(MsModel, layer);
         MS_FIELD(MsModel, eps), MS_FIELD(MsModel, embed_scale), MS_FIELD(MsModel, attn_scale);
         MS_FIELD(MsModel, gelu), MS_FIELD(MsModel, rope_pairs), MS_FIELD(MsModel, math);
-        MS_FIELD(MsModel, threads);
+        MS_FIELD(MsModel, threads), MS_FIELD(MsModel, kv_half);
         add("MsRows", sizeof(MsRows));
         MS_FIELD(MsRows, n), MS_FIELD(MsRows, n_out), MS_FIELD(MsRows, token);
         MS_FIELD(MsRows, pos), MS_FIELD(MsRows, cap), MS_FIELD(MsRows, out);
@@ -1640,8 +1718,8 @@ const char *ms_isa(void) {
 // 1 where bfloat16 products run on AVX512_BF16's vdpbf16ps.
 int ms_bf16_dot(void) { return MS_BF16_DOT; }
 
-// 1 where this model's KV cache holds bfloat16 (see kv_bf16), 0 where float32.
-int ms_kv_bf16(const MsModel *m) { return kv_bf16(m) ? 1 : 0; }
+// What this model's KV cache holds: 2 bfloat16 (see kv_bf16), 1 float16 (kv_f16), 0 float32.
+int ms_kv_type(const MsModel *m) { return kv_bf16(m) ? 2 : kv_f16(m) ? 1 : 0; }
 
 // Floats of scratch a pass of n rows needs when its longest row ends at max_len positions.
 long ms_scratch_floats(const MsModel *m, long n, long max_len) {
