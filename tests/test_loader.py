@@ -78,3 +78,15 @@ def test_weight_cache_gives_the_same_model(tmp_path, monkeypatch):
     assert fresh.tokenizer.apply_chat_template(
         [{"role": "user", "content": "x"}], tokenize=False
     ) == cached.tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False)
+
+
+def test_the_tokenizer_metadata_is_what_transformers_reads():
+    """The GGUF tokenizer's inputs read by our GGUF parser (the faster first start) are exactly
+    transformers' get_gguf_tokenizer()'s: a BPE vocabulary (the embedded model) and a
+    sentencepiece one with scores (Gemma 3 270M, installed by `make models`)."""
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import get_gguf_tokenizer
+
+    from miniserve.runners.loader import _tokenizer_metadata, embedded_gguf, known_model_path
+
+    for path in (embedded_gguf(), known_model_path("gemma-3-270m", install=False)):
+        assert _tokenizer_metadata(path) == get_gguf_tokenizer(str(path)), path.name
