@@ -76,12 +76,11 @@ def return_freed_memory() -> None:
     by the allocator -- measured with Qwen3's 151,936-token vocabulary -- which otherwise stays
     in the process's resident memory for its whole life."""
     import ctypes
-    import ctypes.util
 
     if platform.system() != "Linux":
         return
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL("libc.so.6")
         trim = libc.malloc_trim
     except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
         return

@@ -569,7 +569,7 @@ def _stored_tokenizer(path: Path, weights, progress: Progress | None):
             shutil.rmtree(folder, ignore_errors=True)
     _say(progress, f"Reading the tokenizer of {path.name} (first start only) ...")
     try:
-        tokenizer = _gguf_tokenizer(path)
+        tokenizer = _gguf_tokenizer(path, weights.file)
     except Exception as e:  # noqa: BLE001 -- the tokenizers library raises plain Exception
         # on a damaged vocabulary ("Token ... out of vocabulary"): one line, not a traceback
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -584,7 +584,7 @@ def _stored_tokenizer(path: Path, weights, progress: Progress | None):
     return tokenizer
 
 
-def _gguf_tokenizer(path: Path):
+def _gguf_tokenizer(path: Path, file=None):
     """The tokenizer transformers builds from a GGUF, without what AutoTokenizer does first:
     it reads the whole file's metadata with the gguf package's reader to make a model config
     (~10x the time of the tokenizer itself: 33 s against 3 s for a 49k vocabulary, measured on
@@ -600,7 +600,7 @@ def _gguf_tokenizer(path: Path):
     )
 
     try:
-        architecture, vocabulary, config = _tokenizer_metadata(path)
+        architecture, vocabulary, config = _tokenizer_metadata(path, file)
     except ImportError:  # another transformers than the one pinned: its own reader
         architecture, vocabulary, config = get_gguf_tokenizer(str(path))
     backend, extra = convert_gguf_tokenizer(architecture, vocabulary)
@@ -609,11 +609,12 @@ def _gguf_tokenizer(path: Path):
     return PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra)
 
 
-def _tokenizer_metadata(path: Path) -> tuple[str, dict, dict]:
+def _tokenizer_metadata(path: Path, file=None) -> tuple[str, dict, dict]:
     """transformers' get_gguf_tokenizer() (its GGUF tokenizer mapping, the same three
     results), with the metadata read by GGUFFile instead of transformers' reader: ~0.2 s
-    against ~1 s for Qwen3's 151,936 tokens and merges, on a never-seen file's first start.
-    tests/test_stored.py compares the two."""
+    against ~1 s for Qwen3's 151,936 tokens and merges, on a never-seen file's first start
+    (`file`: the GGUFFile already open, else one is read). tests/test_loader.py compares the
+    two."""
     from transformers.integrations.gguf.gguf_tokenizer_mapping import (
         _SPECIAL_TOKENS,
         GGUF_TOKENIZER_MAPPING,
@@ -621,7 +622,7 @@ def _tokenizer_metadata(path: Path) -> tuple[str, dict, dict]:
 
     from miniserve.runners.gguf_file import GGUFFile
 
-    file = GGUFFile(path)
+    file = file or GGUFFile(path)
 
     def value(key: str):
         v = file.get(key)

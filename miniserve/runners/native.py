@@ -254,7 +254,7 @@ def kv_half(model) -> bool:
     blocks = bool(qkv) and all(
         isinstance(w, StoredMatrix) and w.type not in TYPE_IDS.values() for w in qkv
     )
-    return blocks and kv_choice() == "float16"
+    return kv_choice() == "float16" and blocks  # a bad MINISERVE_KV is an error everywhere
 
 
 def ms_mat(w) -> MsMat:

@@ -1267,7 +1267,7 @@ struct Scratch {
 
 // A prompt's feed-forward runs FFN_ROWS rows at a time: its two widest buffers (gate | up and
 // the activation, 3 x I numbers a row: 72 KiB for Qwen3-1.7B) are then sized for a chunk, not
-// the pass (at 512 rows: 36 MiB -> 18 MiB). Each chunk reads the feed-forward's weights again,
+// the pass (at 512 rows: 36 MiB -> 9 MiB). Each chunk reads the feed-forward's weights again,
 // ~0.3% of a 512-token prompt's time; a row's numbers are the same (each row is computed alone).
 static const long FFN_ROWS = 128;
 
