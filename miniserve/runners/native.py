@@ -48,7 +48,7 @@ TYPE_IDS = {"float32": 0, "float16": 1, "bfloat16": 30}
 FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-ffp-contract=off"]
 MATH_CODES = {"float32": 0, "bfloat16": 1}
 # The KV cache's numbers (decode.cpp, ms_kv_type): float32, float16, bfloat16.
-KV_TYPES = (torch.float32, torch.float16, torch.bfloat16)
+KV_TYPES = ("float32", "float16", "bfloat16")  # names: torch is imported when first used
 # MINISERVE_KV: the KV cache of weights as stored in block formats (Q4_K, Q8_0, ...): float16,
 # the default, as llama.cpp's cache (half the memory, half the bytes attention reads; such a
 # product rounds its activations to int8, a coarser step than float16's), or float32. Float
@@ -505,7 +505,7 @@ class NativeForward:
         )
         self.max_positions = model.cos.shape[0]
         self.scratch = torch.empty(0, dtype=torch.float32)
-        self.kv_dtype = KV_TYPES[self.lib.ms_kv_type(ctypes.byref(self.struct))]
+        self.kv_dtype = getattr(torch, KV_TYPES[self.lib.ms_kv_type(ctypes.byref(self.struct))])
 
     def _float32(self, t: torch.Tensor | None) -> int | None:
         """The address of `t` as float32 (a copy, kept, where it is not), or None."""
