@@ -620,8 +620,6 @@ def _tokenizer_metadata(path: Path, file=None) -> tuple[str, dict, dict]:
         GGUF_TOKENIZER_MAPPING,
     )
 
-    from miniserve.runners.gguf_file import GGUFFile
-
     file = file or GGUFFile(path)
 
     def value(key: str):
@@ -629,7 +627,7 @@ def _tokenizer_metadata(path: Path, file=None) -> tuple[str, dict, dict]:
         return v.tolist() if hasattr(v, "tolist") else v
 
     keys = {key for group in GGUF_TOKENIZER_MAPPING.values() for key in group}
-    present = {k: value(f"tokenizer.{k}") for k in keys if file.get(f"tokenizer.{k}") is not None}
+    present = {k: v for k in keys if (v := value(f"tokenizer.{k}")) is not None}
     grouped = {
         group: {name: present[key] for key, name in renames.items() if key in present}
         for group, renames in GGUF_TOKENIZER_MAPPING.items()

@@ -875,7 +875,7 @@ static inline __m256 kv8(const f16 *p) {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
 #else
     float t[8];
-    for (int i = 0; i < 8; i++) t[i] = msq_h2f(p[i].bits);
+    ms_dequant_f16(p, t, 8);
     return _mm256_loadu_ps(t);
 #endif
 }
@@ -1005,7 +1005,7 @@ static inline void axpy(float *y, float a, const f16 *x, long n) {
     float row[256];
     for (long i0 = 0; i0 < n; i0 += 256) {
         const long m = n - i0 < 256 ? n - i0 : 256;
-        for (long i = 0; i < m; i++) row[i] = msq_h2f(x[i0 + i].bits);
+        ms_dequant_f16(x + i0, row, m);  // F16 weights' widening (quants.h): exact
         axpy(y + i0, a, row, m);
     }
 }
