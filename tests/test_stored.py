@@ -280,6 +280,37 @@ def test_keys_and_values_as_stored_are_float16_and_follow_the_float64_reference(
 
 
 @needs_native
+def test_a_float16_cache_saturates_keys_and_values_past_its_range(tmp_path, monkeypatch):
+    """A key or value past float16's largest finite (65,504) is kept as that largest, not as
+    infinity (which would make its head's attention NaN): a tiny Q8_0 llama file with weights
+    large enough that layer 0's keys and values pass it, its float16 cache equal to the float32
+    cache clamped and rounded, every logit finite."""
+    from miniserve.bench import synthetic
+    from miniserve.runners.loader import load_model
+    from miniserve.runners.stored import StoredRunner
+
+    path = tmp_path / "loud.gguf"
+    shape = synthetic.Shape("llama", 64, 96, 1, 4, 2, 16, 1e4, 1e-5, tied=False)
+    monkeypatch.setattr(synthetic, "STD", 2e4)  # keys and values of ~8 * 2e4
+    synthetic.write_shape(path, shape, "loud", vocab=4096, quant="q8_0")
+    model = load_model(str(path), dtype="stored", progress=lambda m: None).model
+    ids = [(37 * i + 11) % 4096 for i in range(48)]
+    logits, caches = {}, {}
+    for kv in ("float32", "float16"):
+        monkeypatch.setenv("MINISERVE_KV", kv)
+        runner = StoredRunner(model, "float32")
+        caches[kv] = cache = runner.new_cache(64)
+        with torch.inference_mode():
+            logits[kv] = runner.forward(torch.tensor([ids]), cache, all_logits=True)
+    half, full = caches["float16"], caches["float32"]
+    k, v = full.k[0, :, :3], full.v[0, :, :48]  # layer 0: tiles of 16 positions; positions
+    assert k.abs().max() > 65520 and v.abs().max() > 65520  # past the range: the case is real
+    assert torch.equal(half.k[0, :, :3], k.clamp(-65504, 65504).half())
+    assert torch.equal(half.v[0, :, :48], v.clamp(-65504, 65504).half())
+    assert torch.isfinite(logits["float16"]).all() and torch.isfinite(logits["float32"]).all()
+
+
+@needs_native
 def test_a_sequence_as_stored_gets_the_same_logits_whatever_shares_its_pass(stored):
     """Batch invariance on the stored weights: a sequence's logits alone, its prompt in chunks
     of 7, and beside two other sequences (one still reading its prompt), bit for bit."""

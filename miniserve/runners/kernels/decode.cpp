@@ -48,6 +48,7 @@
 // was. -ffp-contract=off: the compiler may not fuse a multiply and an add on its own, which it
 // could do differently where the same function is inlined twice.
 
+#include <cfloat>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -602,9 +603,9 @@ struct Kernels {
     long ubytes;
     UnpackFn unpack;
     DotUFn dot4u, dot8u;
-    // where a type has it: 8 weight rows (wrow bytes apart) against 8 activation rows at once,
-    // the same bits as dot8 over each of the 8 rows
-    DotRFn dot8r = nullptr;
+    // where a type has them: 8 weight rows (wrow bytes apart) against 1, 4 or 8 activation rows
+    // at once, the same bits as dot1 / dot4 / dot8 over each of the 8 weight rows
+    DotRFn dot1r = nullptr, dot4r = nullptr, dot8r = nullptr;
 };
 
 #define MS_KERNELS(block, bytes, act, t) \
@@ -614,10 +615,13 @@ struct Kernels {
     {block, bytes, act, ms_dot_##t<1>, ms_dot_##t<4>, ms_dot_##t<8>, ms_dequant_##t,               \
      (long)sizeof(u), ms_unpack_##t, ms_dotu_##t<4>, ms_dotu_##t<8>}
 #elif defined(MSKQ_AVX2)
-static const DotRFn ms_dot8r_q6_K = nullptr;  // Q6_K: no 8-weight-row form (yet)
+// Q6_K: no 8-weight-row form (its products keep 8 float lanes a row to the end: 8 rows at once
+// would share only the activations' loads)
+template <int NB>
+constexpr DotRFn ms_dotr_q6_K = nullptr;
 #define MS_KERNELS_U(block, bytes, act, t, u)                                                      \
     {block, bytes, act, ms_dot_##t<1>, ms_dot_##t<4>, ms_dot_##t<8>, ms_dequant_##t, 0, nullptr,   \
-     nullptr, nullptr, ms_dot8r_##t}
+     nullptr, nullptr, ms_dotr_##t<1>, ms_dotr_##t<4>, ms_dotr_##t<8>}
 #else
 #define MS_KERNELS_U(block, bytes, act, t, u) MS_KERNELS(block, bytes, act, t)
 #endif
@@ -719,18 +723,17 @@ static void qmatmul_part(const Kernels *k, const char *w, long wrow, const char 
     const long RC = B < 8 ? r1 - r0 : std::max(1L, (256L << 10) / wrow);
     for (long c0 = r0; c0 < r1; c0 += RC) {
         const long c1 = std::min(r1, c0 + RC);
-        long b = 0;
-        for (; b + 8 <= B; b += 8) {
+        // activation rows [b, b + n) against the chunk: 8 weight rows at once where the type can
+        auto rows = [&](long b, DotRFn dotr, DotFn dot) {
             long r = c0;
-            if (k->dot8r != nullptr)
-                for (; r + 8 <= c1; r += 8) k->dot8r(C, w + r * wrow, wrow, xq + b * xs, xs, y + b * ldy + r, ldy);
-            for (; r < c1; r++) k->dot8(C, w + r * wrow, xq + b * xs, xs, y + b * ldy + r, ldy);
-        }
-        for (; b + 4 <= B; b += 4)
-            for (long r = c0; r < c1; r++)
-                k->dot4(C, w + r * wrow, xq + b * xs, xs, y + b * ldy + r, ldy);
-        for (; b < B; b++)
-            for (long r = c0; r < c1; r++) k->dot1(C, w + r * wrow, xq + b * xs, xs, y + b * ldy + r, ldy);
+            if (dotr != nullptr)
+                for (; r + 8 <= c1; r += 8) dotr(C, w + r * wrow, wrow, xq + b * xs, xs, y + b * ldy + r, ldy);
+            for (; r < c1; r++) dot(C, w + r * wrow, xq + b * xs, xs, y + b * ldy + r, ldy);
+        };
+        long b = 0;
+        for (; b + 8 <= B; b += 8) rows(b, k->dot8r, k->dot8);
+        for (; b + 4 <= B; b += 4) rows(b, k->dot4r, k->dot4);
+        for (; b < B; b++) rows(b, k->dot1r, k->dot1);
     }
 }
 
@@ -882,16 +885,21 @@ static inline __m256 kv8(const f16 *p) {
 #endif
 
 // float -> IEEE half, rounded to nearest (ties to even), as F16C's vcvtps2ph rounds: the same
-// bits on every build.
+// bits on every build. Saturating: a finite value past the largest half (65,504), which
+// rounding would make infinite, is kept as that largest half of its sign, so that one key or
+// value out of range does not turn its head's attention into NaN (infinities and NaN stay).
+static const float F16_MAX = 65504.f;
 static inline f16 to_f16(float x) {
 #if defined(__F16C__)
+    const float a = std::fabs(x);
+    if (a >= 65520.f && a <= FLT_MAX) x = std::copysign(F16_MAX, x);
     return {(uint16_t)_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
 #else
     uint32_t u;
     std::memcpy(&u, &x, 4);
     const uint32_t sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
     if (a >= 0x7f800000u) return {(uint16_t)(sign | 0x7c00u | (a > 0x7f800000u ? 0x200u : 0u))};
-    if (a >= 0x477ff000u) return {(uint16_t)(sign | 0x7c00u)};  // 65520 and up: infinity
+    if (a >= 0x477ff000u) return {(uint16_t)(sign | 0x7bffu)};  // 65520 and up: F16_MAX
     if (a < 0x38800000u) {  // under 2^-14: a multiple of 2^-24 (1024: the smallest normal)
         float f;
         std::memcpy(&f, &a, 4);
@@ -1392,7 +1400,7 @@ static void linear(const MsModel *m, const MsMat *parts, int nparts, const float
             std::atomic<long> next{0};
             parallel(m->threads, [&](int t, int n) {
                 if (B < MANY_ROWS) {
-                    long per = ((p.rows + n - 1) / n + 3) / 4 * 4;
+                    long per = ((p.rows + n - 1) / n + 7) / 8 * 8;  // 8 weight rows at once (dot1r ..)
                     long r0 = t * per, r1 = std::min(r0 + per, p.rows);
                     if (r0 < r1) qmatmul_part(k, (const char *)p.data, wrow, xq, xs, yp, B, R, C, r0, r1);
                     return;
