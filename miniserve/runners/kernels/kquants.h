@@ -588,7 +588,7 @@ static inline __m256i mskq_sum8x8(const __m256i *v) {
     return _mm256_add_epi32(_mm256_permute2x128_si256(g0, g1, 0x20), _mm256_permute2x128_si256(g0, g1, 0x31));
 }
 
-// The AVX2 build: 8 weight rows (wrow bytes apart) against NB activation
+// The AVX2 build, many activation rows: 8 weight rows (wrow bytes apart) against NB activation
 // rows at once, y[j * ystride + r] for r < 8. Each pair's totals A and B are the same integers
 // as in mskq_dot_k45 and its float sums the same operations in the same order, only carried
 // out for 8 weight rows side by side (lane r: weight row r), so each block's totals need one
@@ -604,13 +604,7 @@ static void mskq_dot_k45_r8(long n, const uint8_t *w, long wrow, const void *x, 
         alignas(16) uint16_t dh[8], mh[8];
         for (int r = 0; r < 8; r++) {
             const uint8_t *b = w + r * wrow + i * bytes;
-            // few activation rows (decode): the same block of the row 8 rows on, the next call's
-            // (the 8 rows are read side by side, a pattern the hardware's stream prefetch does
-            // not follow as far ahead as one row's); many (a prompt's): as mskq_dot_k45
-            if (NB < 8)
-                for (int o = 0; o < (int)bytes; o += 64) _mm_prefetch((const char *)b + 8 * wrow + o, _MM_HINT_T0);
-            else
-                mskq_prefetch(b, (int)bytes);
+            mskq_prefetch(b, (int)bytes);
             std::memcpy(&dh[r], b, 2);
             std::memcpy(&mh[r], b + 2, 2);
             __m256i wq[8], sv[8], mins;
@@ -639,15 +633,11 @@ static void mskq_dot_k45_r8(long n, const uint8_t *w, long wrow, const void *x, 
     for (int j = 0; j < NB; j++) _mm256_storeu_ps(y + j * ystride, _mm256_sub_ps(fa[j], fb[j]));
 }
 
-// 8 weight rows against 1, 4 or 8 activation rows (decode's single row among them: one
-// transposing sum a block for 8 rows instead of a horizontal sum and scalar arithmetic a row)
-template <int NB>
-static void ms_dotr_q4_K(long n, const void *w, long wrow, const void *x, long xstride, float *y, long ystride) {
-    mskq_dot_k45_r8<NB, false>(n, (const uint8_t *)w, wrow, x, xstride, y, ystride);
+static void ms_dot8r_q4_K(long n, const void *w, long wrow, const void *x, long xstride, float *y, long ystride) {
+    mskq_dot_k45_r8<8, false>(n, (const uint8_t *)w, wrow, x, xstride, y, ystride);
 }
-template <int NB>
-static void ms_dotr_q5_K(long n, const void *w, long wrow, const void *x, long xstride, float *y, long ystride) {
-    mskq_dot_k45_r8<NB, true>(n, (const uint8_t *)w, wrow, x, xstride, y, ystride);
+static void ms_dot8r_q5_K(long n, const void *w, long wrow, const void *x, long xstride, float *y, long ystride) {
+    mskq_dot_k45_r8<8, true>(n, (const uint8_t *)w, wrow, x, xstride, y, ystride);
 }
 #endif
 
