@@ -176,9 +176,11 @@ def run_child(
     box: dict = {"ready_s": None, "out": [], "err": []}
 
     def read(stream, lines, is_err):
-        """Collect the stream; note when a line (progress bars end theirs with \r) first
-        says the model is ready. Reads whatever is there at once, not a byte a call: this
-        process must not take CPU from the one it measures."""
+        """Collect the stream; note when a line first says the model is ready. A progress
+        bar's line ends with the \r of the next update, written only when that step is done:
+        the unfinished line counts too (else "warming up" would be seen after the warm-up).
+        Reads whatever is there at once, not a byte a call: this process must not take CPU
+        from the one it measures."""
         pending = ""
         while True:
             data = os.read(stream.fileno(), 1 << 16)
@@ -189,7 +191,7 @@ def run_child(
             if box["ready_s"] is None:
                 pending += text
                 *done, pending = re.split(r"[\r\n]", pending)
-                for line in done:
+                for line in done + [pending]:
                     if (ready_re is None and not is_err and line.strip() == "READY") or (
                         ready_re is not None and ready_re.search(line)
                     ):
