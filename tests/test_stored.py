@@ -239,6 +239,8 @@ def test_the_real_model_as_stored_follows_the_float64_reference(stored, ref32, m
     agree, err = teacher_forced(whole_prompt(runner), ref32, ids)
     assert err <= BOUND_STORED and agree >= AGREE_STORED, (err, agree)
     cache, rows = runner.new_cache(), []
+    if math == "float32":  # the default cache: its bound is this test's (float32's: below)
+        assert cache.k.dtype == torch.float16
     for t in ids[:160]:  # one token a pass: the decode path (160: past decode.cpp's FFN_ROWS)
         rows.append(runner.forward(torch.tensor([[t]]), cache))
     assert torch.equal(torch.cat(rows), whole_prompt(runner)(ids[:160]))
@@ -250,8 +252,10 @@ def test_keys_and_values_as_stored_are_float16_and_follow_the_float64_reference(
 ):
     """Weights in block formats keep their KV cache in float16 (MINISERVE_KV, the default, as
     llama.cpp's): half float32's bytes, other logits than a float32 cache gives, and the same
-    bound against float64 (measured on an AMD EPYC, Zen 3: 1.10 against float32's 1.28).
-    MINISERVE_KV=float32 keeps float32; anything else is one error naming the choices."""
+    bound against float64 (measured on an AMD EPYC, Zen 3: 1.10 against float32's 1.28; the
+    default's bound is test_the_real_model_as_stored_follows_the_float64_reference's, this
+    test checks float32's). MINISERVE_KV=float32 keeps float32; anything else is one error
+    naming the choices."""
     from miniserve.runners.stored import StoredRunner
     from miniserve.runners.verify import BOUND_STORED
 
@@ -262,8 +266,9 @@ def test_keys_and_values_as_stored_are_float16_and_follow_the_float64_reference(
     for kv, dtype in (("float32", torch.float32), ("float16", torch.float16)):
         monkeypatch.setenv("MINISERVE_KV", kv)
         runner = StoredRunner(stored.model, "float32", stored.generation_config)
-        agree, err = teacher_forced(whole_prompt(runner), ref32, ids)
-        assert err <= BOUND_STORED and agree >= AGREE_STORED, (kv, err, agree)
+        if kv == "float32":
+            agree, err = teacher_forced(whole_prompt(runner), ref32, ids)
+            assert err <= BOUND_STORED and agree >= AGREE_STORED, (kv, err, agree)
         caches[kv] = cache = runner.new_cache(64)
         assert cache.k.dtype == cache.v.dtype == dtype
         with torch.inference_mode():
