@@ -56,17 +56,17 @@ def stored_engine(stored):
 @pytest.fixture(scope="session")
 def ref32(loaded):
     """The float32 model's weights in float64: the reference for float32 runners."""
-    from reference import float64_twin
+    from reference import remembered_twin
 
-    return float64_twin(loaded.model)
+    return remembered_twin(loaded.model)
 
 
 @pytest.fixture(scope="session")
 def ref16(bf16):
     """The bfloat16-rounded weights in float64: the reference for runners over bf16 weights."""
-    from reference import float64_twin
+    from reference import remembered_twin
 
-    return float64_twin(bf16.model)
+    return remembered_twin(bf16.model)
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,7 @@ bfloat16 vs float32 -- is compared with this reference and a stated tolerance.
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import torch
 
@@ -45,6 +46,40 @@ HELD_OUT = (
 def float64_twin(hf_model):
     """The same (possibly bfloat16-rounded) weights in float64."""
     return copy.deepcopy(hf_model).to(torch.float64).eval()
+
+
+class Remembered:
+    """A float64 reference that remembers its passes. The float64 pass is a pure function of
+    (ids, rows kept): the same code over the same inputs and shapes gives the same bits, so
+    runners that reach the same tokens (most greedy replies of a prompt, every teacher-forced
+    pass over HELD_OUT) are checked against one computation instead of one each. Up to
+    `budget` bytes of logits are kept, the oldest dropped first."""
+
+    def __init__(self, model, budget: int = 512 << 20):
+        self.model, self.budget, self.kept = model, budget, {}
+        self.passes = self.reused = 0
+
+    def __getattr__(self, name):  # device, config, ...: the model's
+        return getattr(self.model, name)
+
+    def __call__(self, input_ids, logits_to_keep: int = 0, **kwargs):
+        key = (tuple(input_ids.flatten().tolist()), logits_to_keep, tuple(sorted(kwargs)))
+        if key in self.kept and not kwargs:
+            self.reused += 1
+            logits = self.kept[key]
+        else:
+            self.passes += 1
+            logits = self.model(input_ids, logits_to_keep=logits_to_keep, **kwargs).logits
+            if not kwargs:
+                self.kept[key] = logits
+                while sum(x.nbytes for x in self.kept.values()) > self.budget:
+                    self.kept.pop(next(iter(self.kept)))
+        return SimpleNamespace(logits=logits.clone())  # the kept copy stays as computed
+
+
+def remembered_twin(hf_model) -> Remembered:
+    """float64_twin, remembering its passes (the session's shared references)."""
+    return Remembered(float64_twin(hf_model))
 
 
 def assert_greedy(

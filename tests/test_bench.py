@@ -5,8 +5,6 @@ only that the numbers agree with one another and with what the streams produced.
 import csv
 import json
 import struct
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -25,15 +23,10 @@ from miniserve.core.platform import cpu_model
 from miniserve.runners import native
 
 from benchmarks import http_bench
+from command import process, run
 from conftest import expected_runner
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def run(*args, script=("-m", "miniserve"), timeout=240):
-    return subprocess.run(
-        [sys.executable, *script, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
-    )
 
 
 def one_error_line(r) -> str:
@@ -225,7 +218,7 @@ def test_cli_rejects_bad_levels_and_engine_flags_in_one_line():
     assert "--max-batch must be from 1 to 64" in line
     line = one_error_line(run("serve", "--max-queue", "0"))
     assert "--max-queue must be from 1 to 1000" in line
-    line = one_error_line(run("--kv-budget", "10000001", script=("app.py",)))
+    line = one_error_line(process("--kv-budget", "10000001", script=("app.py",)))
     assert "--kv-budget must be from 256 to 10000000" in line
     r = run("bench", "--concurrency", "2", "--math", "float64")
     assert r.returncode == 2 and "--math" in r.stderr and "Traceback" not in r.stderr

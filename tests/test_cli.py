@@ -2,29 +2,12 @@
 
 import csv
 import json
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 from miniserve.runners.verify import BOUND_FLOAT32, check_tokens
 
+from command import process, run
 from conftest import chat_ids, expected_runner
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def run(*args, stdin=None, timeout=240, env=None):
-    return subprocess.run(
-        [sys.executable, "-m", "miniserve", *args],
-        cwd=ROOT,
-        input=stdin,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **env} if env else None,
-    )
 
 
 def generate_json(*args, **kwargs) -> dict:
@@ -102,7 +85,7 @@ def test_chat_through_a_pipe():
         )
         + "\n"
     )
-    r = run("chat", "--max-new-tokens", "8", stdin=script)
+    r = process("chat", "--max-new-tokens", "8", stdin=script)  # a real pipe, a real process
     assert r.returncode == 0, r.stderr
     out = r.stdout
     assert out.split("[factual]")[1].splitlines()[0].startswith(" greedy ")
