@@ -251,7 +251,7 @@ def test_a_broken_runner_fails_these_checks(loaded, ref32, how):
     """The checks above can fail. A wrong RoPE base or a dropped residual branch: caught by
     the greedy check (on the short and multilingual prompts; the long one's summary is so
     sure of itself that even these keep its tokens) and by the teacher-forced agreement
-    (~77% measured). Weights rounded to bfloat16 in a model that claims float32 (0.3 logits
+    over HELD_OUT's first 100 positions (75-80% measured). Weights rounded to bfloat16 in a model that claims float32 (0.3 logits
     of error, the tokens unchanged): caught by the bound."""
     model = broken(loaded, how)
     assert model.config.rope_parameters["rope_theta"] == 100000.0
@@ -267,7 +267,7 @@ def test_a_broken_runner_fails_these_checks(loaded, ref32, how):
                 ).ok
             )
         assert any(caught)
-    held_out = chat_ids(loaded.tokenizer, HELD_OUT)
+    held_out = chat_ids(loaded.tokenizer, HELD_OUT)[:100]
     agree, error = teacher_forced(one_token_at_a_time(model), ref32, held_out)
     assert error > BOUND_FLOAT32 and (agree < AGREE_FLOAT32 or not gross), (agree, error)
 
