@@ -96,6 +96,7 @@ def lean_model(loaded):
 
 
 @pinned_runner
+@same_on_every_cpu  # equal by construction, whatever the kernels' arithmetic
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_hand_loop_equals_generate_bit_for_bit(loaded, bf16, dtype):
     """Exact by construction: our loop driving the transformers model makes the calls
@@ -251,8 +252,9 @@ def test_a_broken_runner_fails_these_checks(loaded, ref32, how):
     """The checks above can fail. A wrong RoPE base or a dropped residual branch: caught by
     the greedy check (on the short and multilingual prompts; the long one's summary is so
     sure of itself that even these keep its tokens) and by the teacher-forced agreement
-    over HELD_OUT's first 100 positions (75-80% measured). Weights rounded to bfloat16 in a model that claims float32 (0.3 logits
-    of error, the tokens unchanged): caught by the bound."""
+    over HELD_OUT's first 100 positions (75-80% measured). Weights rounded to bfloat16 in a
+    model that claims float32 (0.3 logits of error, the tokens unchanged): caught by the
+    bound."""
     model = broken(loaded, how)
     assert model.config.rope_parameters["rope_theta"] == 100000.0
     gross = how != "bfloat16 weights in a float32 model"
@@ -312,6 +314,7 @@ def test_lean_reuses_a_cropped_cache_like_a_fresh_prefill(loaded, lean_model, en
 
 
 @pinned_runner
+@same_on_every_cpu  # the same seed twice: equal by construction
 def test_seeded_sampling_reproducible_on_the_model(loaded, engine):
     ids = chat_ids(loaded.tokenizer, "Write a short poem about the sea.")
     params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=24)
