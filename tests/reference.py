@@ -57,18 +57,15 @@ class Remembered:
 
     def __init__(self, model, budget: int = 512 << 20):
         self.model, self.budget, self.kept = model, budget, {}
-        self.passes = self.reused = 0
 
     def __getattr__(self, name):  # device, config, ...: the model's
         return getattr(self.model, name)
 
     def __call__(self, input_ids, logits_to_keep: int = 0, **kwargs):
-        key = (tuple(input_ids.flatten().tolist()), logits_to_keep, tuple(sorted(kwargs)))
+        key = (tuple(input_ids.shape), tuple(input_ids.flatten().tolist()), logits_to_keep)
         if key in self.kept and not kwargs:
-            self.reused += 1
             logits = self.kept[key]
         else:
-            self.passes += 1
             logits = self.model(input_ids, logits_to_keep=logits_to_keep, **kwargs).logits
             if not kwargs:
                 self.kept[key] = logits
