@@ -6,7 +6,6 @@ import csv
 import json
 import struct
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,8 +24,6 @@ from miniserve.runners import native
 from benchmarks import http_bench
 from command import process, run
 from conftest import expected_runner
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def one_error_line(r) -> str:

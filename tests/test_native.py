@@ -9,8 +9,6 @@ import copy
 import mmap
 import os
 import platform
-import subprocess
-import sys
 import threading
 
 import pytest
@@ -23,6 +21,7 @@ from miniserve.runners.lean import LeanRunner
 from miniserve.runners.native import NativeRunner
 from miniserve.runners.verify import runner_bound
 
+from command import process
 from conftest import (
     assert_same_whatever_shares_the_pass,
     chat_ids,
@@ -310,22 +309,11 @@ def test_real_model_over_bfloat16_weights_follows_the_float64_reference(bf16, re
             assert error <= bound, error
 
 
-def run_cli(*args, env=None):
-    return subprocess.run(
-        [sys.executable, "-m", "miniserve", *args],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={**os.environ, **(env or {})},
-        cwd=os.path.dirname(os.path.dirname(__file__)),
-    )
-
-
 @same_on_every_cpu
 @pinned_runner  # it switches the native runner off itself: the same in the leg that does
 def test_without_the_library_auto_falls_back_and_native_says_why():
     off = {"MINISERVE_NATIVE": "0"}
-    r = run_cli(
+    r = process(
         "bench",
         "--prompt-tokens",
         "8",
@@ -339,7 +327,7 @@ def test_without_the_library_auto_falls_back_and_native_says_why():
     )
     assert r.returncode == 0, r.stderr
     assert "float32, lean runner" in r.stdout  # no native pass: float32 weights, PyTorch lean
-    r = run_cli("generate", "--prompt", "Hi", "--runner", "native", env=off)
+    r = process("generate", "--prompt", "Hi", "--runner", "native", env=off)
     assert r.returncode == 2
     assert "native runner" in r.stderr and "MINISERVE_NATIVE=0" in r.stderr
     assert "Traceback" not in r.stderr
