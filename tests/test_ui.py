@@ -413,8 +413,8 @@ def test_stop_reaches_everything_a_session_runs():
 
 def test_take_over_stops_one_kind_waits_for_it_to_end_and_leaves_the_others():
     """The Notebook's Undo and Regenerate stop only the session's notebook runs, and return
-    once each has ended (its last output written), so that what they write comes after; the
-    run knows it was taken over."""
+    once each has ended; the run knows which button took it over, and a run that has closed
+    (decided its last output) is not taken over."""
     sessions = Sessions()
     started, written, cancels = threading.Event(), [], []
 
@@ -423,17 +423,20 @@ def test_take_over_stops_one_kind_waits_for_it_to_end_and_leaves_the_others():
             cancels.append(cancel)
             started.set()
             cancel.wait(10)
-            written.append("its last output")
+            written.append(sessions.close(cancel))
 
     with sessions.running(Request("a"), "chat") as reply:
         thread = threading.Thread(target=generation)
         thread.start()
         assert started.wait(10)
-        assert sessions.take_over(Request("a"), "notebook", wait=10)
-        assert written == ["its last output"], "take_over returned before the run had ended"
-        assert cancels[0].taken_over
+        assert sessions.take_over(Request("a"), "notebook", wait=10, by="undo")
+        assert written == ["undo"], "take_over returned before the run had ended"
         assert not reply.is_set(), "the chat reply of the same session runs on"
-        assert not sessions.take_over(Request("a"), "notebook", wait=10)
+        assert not sessions.take_over(Request("a"), "notebook", wait=10, by="undo")
+        with sessions.running(Request("a"), "notebook") as closing:
+            assert sessions.close(closing) is None  # its last output is its own
+            assert not sessions.take_over(Request("a"), "notebook", wait=10, by="undo")
+            assert not closing.is_set() and closing.taken_over is None
     thread.join()
 
 

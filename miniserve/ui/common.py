@@ -118,14 +118,14 @@ def session_of(request) -> str:
 
 
 class Cancel(threading.Event):
-    """A run's cancel event. `taken_over` is set when a button that acts after the run (the
-    Notebook's Undo and Regenerate) stopped it: the run's last output must then leave the page
-    as it is, since Gradio may deliver that output (its completion message) after the
-    button's."""
+    """A run's cancel event. `taken_over` names the button that stopped the run to act after it
+    (the Notebook's "undo" or "regenerate"; None: no such button), `closed` is set once the run
+    has decided its last output (Sessions.close): no button takes it over after that."""
 
     def __init__(self):
         super().__init__()
-        self.taken_over = False
+        self.taken_over: str | None = None
+        self.closed = False
 
 
 class Run(NamedTuple):
@@ -177,15 +177,31 @@ class Sessions:
             run.cancel.set()
         return bool(runs)
 
-    def take_over(self, request, kind: str, wait: float) -> bool:
-        """Stop the session's runs of `kind` (marked taken over) and wait up to `wait` seconds
-        for them to end: each ends within one engine step of its cancel, once Gradio has taken
-        its last output. False when none was running."""
-        runs = self._runs_of(request, kind)
-        for run in runs:
-            run.cancel.taken_over = True
-            run.cancel.set()
+    def take_over(self, request, kind: str, wait: float, by: str) -> bool:
+        """Stop the session's runs of `kind` that have not closed, marked taken over `by` the
+        button that calls this, and wait up to `wait` seconds for them to end (each ends within
+        one engine step of its cancel, once Gradio has taken its outputs). True when there was
+        one: its last output then carries what the button does, and the button writes nothing.
+        The page applies each event's outputs in order, but two events' outputs interleave: a
+        stopped run's last few outputs, still on their way, may land after the button's.
+        False when none was running (or each had closed): the button acts itself."""
+        with self._lock:
+            runs = [
+                r
+                for r in self._runs.get(session_of(request), ())
+                if r.kind == kind and not r.cancel.closed
+            ]
+            for run in runs:
+                run.cancel.taken_over = by
+                run.cancel.set()
         deadline = time.monotonic() + wait
         for run in runs:
             run.ended.wait(max(0.0, deadline - time.monotonic()))
         return bool(runs)
+
+    def close(self, cancel: Cancel) -> str | None:
+        """Called by a run before its last output: no button takes it over from now on. Returns
+        the button that took it over before (None: none), whose action that output carries."""
+        with self._lock:
+            cancel.closed = True
+            return cancel.taken_over

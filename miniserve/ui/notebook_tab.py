@@ -3,7 +3,8 @@ template), so base models and chat models alike write on from where the text end
 Stop, Regenerate (the last generation again, from the text as it was before it) and Undo (the
 text as it was before the last generation), with Chat's presets and sliders, the seed, the
 Output format and the token inspector of the generated part. Undo and Regenerate pressed while a
-generation streams first stop it and wait for its last output, so that theirs comes after it.
+generation streams first stop it and wait for it to end; the stopped generation's own last output
+carries Undo's result (common.Sessions.take_over says why).
 
 `NotebookHandlers` holds what its buttons call; the streaming ones are generators that run
 without a browser. The text before each generation is kept per browser tab (`gr.State`), newest
@@ -49,6 +50,8 @@ if TYPE_CHECKING:
 PANEL = GENERATING
 UNDO_DEPTH = 20  # generations Undo can take back, one after the other
 NOTEBOOK = "notebook"  # the kind of run (common.Sessions) that Undo and Regenerate stop
+UNDO, REGENERATE = "undo", "regenerate"  # the buttons that take a run over (Cancel.taken_over)
+TAKEN_BACK = "the generation was stopped and taken back"
 # How long Undo and Regenerate wait for a stopped generation to end: it ends within one engine
 # step; past this (the page stopped reading it) they act anyway.
 STOP_WAIT_S = 30.0
@@ -101,7 +104,7 @@ class NotebookHandlers:
     ):
         """The last generation again, from the text as it was before it (what is in the box
         now is replaced; Undo still brings back that earlier text)."""
-        self.sessions.take_over(request, NOTEBOOK, STOP_WAIT_S)
+        self.sessions.take_over(request, NOTEBOOK, STOP_WAIT_S, REGENERATE)
         if not history:
             yield gr.update(), history, error("nothing to regenerate yet: Generate first"), ""
             return
@@ -109,20 +112,14 @@ class NotebookHandlers:
 
     def undo(self, text, history, request: gr.Request | None = None):
         """The text as it was before the last generation: (text, history, status). A
-        generation still streaming is stopped first, and has ended when this returns."""
-        stopped = self.sessions.take_over(request, NOTEBOOK, STOP_WAIT_S)
+        generation still streaming is stopped, has ended when this returns and has written
+        that as its last output: this then writes nothing."""
+        if self.sessions.take_over(request, NOTEBOOK, STOP_WAIT_S, UNDO):
+            return gr.update(), gr.update(), gr.update()
         if not history:
             return gr.update(), history, "nothing to undo"
         *history, before = history
-        return (
-            before,
-            history,
-            (
-                "the generation was stopped and taken back"
-                if stopped
-                else "the last generation was taken back"
-            ),
-        )
+        return before, history, "the last generation was taken back"
 
     def stop(self, request: gr.Request | None = None) -> None:
         self.sessions.stop(request)
@@ -132,12 +129,19 @@ class NotebookHandlers:
         return preset_values(self.presets, name)
 
     def _continue(self, start: str, history: list, panel, request):
-        """Stream the continuation of `start` into the box, after it. On an error the box is
-        left as it is (nothing was written) and the history as it was."""
-        unchanged = gr.update()
+        """Stream the continuation of `start` into the box, after it (`history` ends with
+        `start`). On an error the box is left as it is (nothing was written) and the history as
+        it was. Undo pressed meanwhile: the last output is the text and history before it."""
         # the run (Stop, Undo, Regenerate end it) starts before the model loads: Undo pressed
         # during the load stops the generation before it writes anything
-        with self.sessions.running(request, NOTEBOOK) as cancel, ExitStack() as held:
+        with self.sessions.running(request, NOTEBOOK) as cancel:
+            yield from self._stream(start, history, panel, cancel)
+            if self.sessions.close(cancel) == UNDO:
+                yield start, history[:-1], TAKEN_BACK, ""
+
+    def _stream(self, start: str, history: list, panel, cancel):
+        unchanged = gr.update()
+        with ExitStack() as held:
             try:
                 params = params_from(
                     panel.settings, panel.seed, panel.output_format, panel.format_text
@@ -147,13 +151,9 @@ class NotebookHandlers:
                 name = self.models.resolve(panel.model)
                 for note in load_messages(self.models, name, cancel):
                     yield unchanged, unchanged, note, ""
-                if cancel.is_set():  # (taken over: Undo or Regenerate writes the status)
-                    yield (
-                        unchanged,
-                        unchanged,
-                        unchanged if cancel.taken_over else "stopped before it started",
-                        "",
-                    )
+                if cancel.is_set():
+                    if not cancel.taken_over:  # (else Undo's result or Regenerate's run follows)
+                        yield unchanged, unchanged, "stopped before it started", ""
                     return
                 engine = held.enter_context(using(self.models, name))
                 inspector = Inspector(engine.tokenizer, params) if panel.inspect_on else None
@@ -179,8 +179,7 @@ class NotebookHandlers:
                 yield start + reading.text, history, error(f"{type(e).__name__}: {e}"), ""
                 return
             written, last = reading.text, reading.last
-            if cancel.taken_over:  # Undo or Regenerate writes the box after this
-                yield unchanged, unchanged, unchanged, unchanged
+            if cancel.taken_over:  # Undo's result or Regenerate's run follows
                 return
             if last is None or not last.done:
                 yield start + written, history, error("the generation ended without its stats"), ""
@@ -269,9 +268,8 @@ def build_notebook_tab(app: TabContext, label: str) -> None:
         regen_btn.click(notebook.regenerate, [text, history, *settings], **generating),
     ]
     stop_btn.click(notebook.stop, None, None, queue=False)
-    # queued, as the generation is, so that both reach the page on its one event stream in the
-    # order they are sent: Undo stops a running generation and waits for it to end first (its
-    # completion message, which Gradio may send after Undo's, leaves the box alone)
+    # queued, as the generation is: Undo stops a running generation, which then writes Undo's
+    # result as its own last output (Sessions.take_over), and waits for it to end
     undo_btn.click(notebook.undo, [text, history], [text, history, status])
     follow_picker(notebook.models, model, runs)
     app.header.refresh_after(runs)
