@@ -24,6 +24,7 @@ from miniserve.ui import (
     build_ui,
     model_header,
 )
+from miniserve.ui.chat_tab import REPLY_TAKEN_BACK
 from miniserve.ui.conversation import SHOWN, Shown
 from miniserve.ui.notebook_tab import TAKEN_BACK
 from miniserve.ui.sidebar import SidebarHandlers
@@ -318,6 +319,43 @@ def test_chat_is_answered_by_the_model_chosen_and_a_switch_keeps_the_conversatio
     assert [m.settings.get("model") for m in saved if m.role == "assistant"] == [a, B]
     prompt_tokens = int(re.search(r"(\d+) prompt tokens", two.status).group(1))
     assert prompt_tokens > int(re.search(r"(\d+) prompt tokens", one.status).group(1))
+
+
+def test_chat_undo_during_a_reply_stops_it_and_the_reply_takes_its_turn_back(models, presets):
+    """Undo pressed while a reply streams: the reply is stopped and not kept, and its own last
+    output is Undo's result (the conversation without the turn, the question back in the
+    box); Undo itself writes nothing (common.Sessions.take_over says why)."""
+    chat = ChatHandlers(models, presets)
+    browser = SidebarHandlers(chat.conversations).load({}).browser
+    one = Shown(*last(send(chat, browser, {}, "Name a colour.", presets, None))[:8])
+    question = "Write a long story about a dragon who learns to bake bread."
+    shown, growing = [], threading.Event()
+
+    def page():
+        for update in send(chat, one.browser, one.view, question, presets, None, 1500):
+            shown.append(update)
+            rows = update[SHOWN.index("chatbot")]
+            if isinstance(rows, list) and len(rows) == 4 and len(rows[-1]["content"]) > 20:
+                growing.set()
+
+    thread = threading.Thread(target=page, daemon=True)
+    thread.start()
+    try:
+        assert growing.wait(60), "the reply did not start"
+        streaming = Shown(*shown[-1][:8])
+        undone = chat.undo(streaming.browser, streaming.view)
+        thread.join(timeout=5)
+        assert not thread.is_alive(), "the reply still streams after Undo returned"
+        assert undone == (UNCHANGED,) * (len(SHOWN) + 1)
+        back, box = Shown(*shown[-1][:8]), shown[-1][8]
+        assert back.status == REPLY_TAKEN_BACK and box == question
+        assert back.chatbot == one.chatbot and back.view["leaf"] == one.view["leaf"]
+        saved = chat.store.path(one.browser["owner"], one.view["cid"])  # the open branch
+        assert [m.role for m in saved] == ["user", "assistant"]
+        assert saved[0].content == "Name a colour." and saved[-1].id == one.view["leaf"]
+    finally:
+        chat.stop()
+        thread.join()
 
 
 def test_opening_a_saved_conversation_chooses_the_model_of_its_last_reply(models, presets):

@@ -22,6 +22,8 @@ from miniserve.models.registry import Models
 from miniserve.store.store import Store, StoreError, open_store
 from miniserve.ui.common import (
     ENGINE_EVENTS,
+    STOP_WAIT_S,
+    UNDO,
     USER_ERRORS,
     Reading,
     Sessions,
@@ -59,6 +61,8 @@ if TYPE_CHECKING:
 # the model, the Think switch and the reasoning budget; an edit's EditData after them
 PANEL = ("system", "preset", *GENERATING, ("think", True), ("budget", NO_LIMIT))
 BROWSER_KEY = "miniserve"  # the browser's local-storage key for its owner id and open chat
+CHAT = "chat"  # the kind of run (common.Sessions) that Undo stops
+REPLY_TAKEN_BACK = "the reply was stopped and its turn taken back"
 
 
 def chat_status(stats, dropped: int, note: str = "") -> str:
@@ -141,83 +145,103 @@ class ChatHandlers:
         except (*USER_ERRORS, StoreError) as e:
             yield (*self._show(browser, view, error(user_message(e)), query), box, "")
             return
-        with self.sessions.running(request) as cancel, ExitStack() as held:
-            try:
-                engine = held.enter_context(using(self.models, name))
-                inspector = Inspector(engine.tokenizer, params) if panel.inspect_on else None
-                turn = ChatTurn(
-                    engine,
-                    params,
-                    system=panel.system,
-                    history=history,
-                    text=text,
-                    preset=panel.preset,
-                    cancel=cancel,
-                    observer=inspector.observe if inspector else None,
-                    options=options if getattr(engine, "thinks", False) else None,
+        leaf = view.get("leaf")  # the branch's end as this run saves: the turn Undo takes back
+
+        def respond(cancel):  # the run's outputs; Undo's result may follow them (below)
+            nonlocal view, reply_to, cid, params, leaf
+            with ExitStack() as held:
+                try:
+                    engine = held.enter_context(using(self.models, name))
+                    inspector = Inspector(engine.tokenizer, params) if panel.inspect_on else None
+                    turn = ChatTurn(
+                        engine,
+                        params,
+                        system=panel.system,
+                        history=history,
+                        text=text,
+                        preset=panel.preset,
+                        cancel=cancel,
+                        observer=inspector.observe if inspector else None,
+                        options=options if getattr(engine, "thinks", False) else None,
+                    )
+                    reply_to = turn.save_question(
+                        self.store, owner, cid, under if text is not None else reply_to
+                    )
+                    cid, params, leaf = turn.conversation, turn.params, reply_to
+                except (*USER_ERRORS, StoreError) as e:
+                    yield (*self._show(browser, view, error(user_message(e)), query), box, "")
+                    return
+                except Exception as e:  # noqa: BLE001 -- e.g. a remote server that went away
+                    yield (
+                        *self._show(browser, view, error(f"{type(e).__name__}: {e}"), query),
+                        box,
+                        "",
+                    )
+                    return
+                view = new_view(cid, reply_to, reply_to if focus_new and text is not None else None)
+                base = self.conversations.show(browser, view, "generating…", query)
+                streaming = base._replace(
+                    conversations=gr.update(), title=gr.update(), system=gr.update()
                 )
-                reply_to = turn.save_question(
-                    self.store, owner, cid, under if text is not None else reply_to
+                shown = [*base.chatbot, {"role": "assistant", "content": ""}]
+                yield (*base._replace(chatbot=shown), "", "")
+                reading = Reading(turn)
+                try:
+                    for _ in reading:
+                        shown = [*base.chatbot, *self.streamed(turn)]
+                        yield (*streaming._replace(chatbot=shown), "", "")
+                except Exception as e:  # noqa: BLE001 -- show it; the user's message is saved
+                    yield (
+                        *self._show(browser, view, error(f"{type(e).__name__}: {e}"), query),
+                        "",
+                        "",
+                    )
+                    return
+                last = reading.last
+                if cancel.taken_over:  # by Undo: its result follows, the reply is not kept
+                    return
+                if last is None or not last.done:
+                    yield (
+                        *self._show(
+                            browser, view, error("the reply ended without its stats"), query
+                        ),
+                        "",
+                        "",
+                    )
+                    return
+                stats = last.stats
+                stopped = turn.details()["status"] == "stopped"
+                try:
+                    reply = turn.save_reply(self.store, owner)
+                    leaf = reply.id
+                except StoreError as e:
+                    yield (
+                        *self._show(browser, view, error(f"the reply was not saved: {e}"), query),
+                        "",
+                        "",
+                    )
+                    return
+                notes = (
+                    self.model_note(name),
+                    f"seed {params.seed}",
+                    "stopped by you" if stopped else "",
+                    format_note(params.constraint, stats.finish_reason),
                 )
-                cid, params = turn.conversation, turn.params
-            except (*USER_ERRORS, StoreError) as e:
-                yield (*self._show(browser, view, error(user_message(e)), query), box, "")
-                return
-            except Exception as e:  # noqa: BLE001 -- e.g. a remote server that went away
-                yield (
-                    *self._show(browser, view, error(f"{type(e).__name__}: {e}"), query),
-                    box,
-                    "",
+                note = " · ".join(n for n in notes if n)
+                final = self._show(
+                    browser,
+                    new_view(
+                        cid, reply.id, reply.id if focus_new and text is None else view["focus"]
+                    ),
+                    chat_status(stats, last.dropped_messages, note),
+                    query,
                 )
-                return
-            view = new_view(cid, reply_to, reply_to if focus_new and text is not None else None)
-            base = self.conversations.show(browser, view, "generating…", query)
-            streaming = base._replace(
-                conversations=gr.update(), title=gr.update(), system=gr.update()
-            )
-            shown = [*base.chatbot, {"role": "assistant", "content": ""}]
-            yield (*base._replace(chatbot=shown), "", "")
-            reading = Reading(turn)
-            try:
-                for _ in reading:
-                    shown = [*base.chatbot, *self.streamed(turn)]
-                    yield (*streaming._replace(chatbot=shown), "", "")
-            except Exception as e:  # noqa: BLE001 -- show it; the user's message is saved
-                yield (*self._show(browser, view, error(f"{type(e).__name__}: {e}"), query), "", "")
-                return
-            last = reading.last
-            if last is None or not last.done:
-                yield (
-                    *self._show(browser, view, error("the reply ended without its stats"), query),
-                    "",
-                    "",
-                )
-                return
-            stats = last.stats
-            stopped = turn.details()["status"] == "stopped"
-            try:
-                reply = turn.save_reply(self.store, owner)
-            except StoreError as e:
-                yield (
-                    *self._show(browser, view, error(f"the reply was not saved: {e}"), query),
-                    "",
-                    "",
-                )
-                return
-            notes = (
-                self.model_note(name),
-                f"seed {params.seed}",
-                "stopped by you" if stopped else "",
-                format_note(params.constraint, stats.finish_reason),
-            )
-            note = " · ".join(n for n in notes if n)
-            final = self._show(
-                browser,
-                new_view(cid, reply.id, reply.id if focus_new and text is None else view["focus"]),
-                chat_status(stats, last.dropped_messages, note),
-                query,
-            )
-            yield (*final, "", inspector_html(inspector))
+                yield (*final, "", inspector_html(inspector))
+
+        with self.sessions.running(request, CHAT) as cancel:
+            yield from respond(cancel)
+            if self.sessions.close(cancel) == UNDO:  # pressed while it ran: common.Sessions
+                yield (*self._take_back(browser, new_view(cid, leaf), query, REPLY_TAKEN_BACK), "")
 
     @staticmethod
     def streamed(turn: ChatTurn) -> list[dict]:
@@ -395,8 +419,17 @@ class ChatHandlers:
         self.sessions.stop(request)
 
     def undo(self, browser, view, query="", request: gr.Request | None = None):
-        """Take back the last turn of this branch: SHOWN values + its message back in the box."""
+        """Take back the last turn of this branch: SHOWN values + its message back in the box.
+        A reply still streaming is stopped, has ended when this returns and has taken its turn
+        back as its last output: this then writes nothing (common.Sessions.take_over)."""
         browser = self._start(browser, request)
+        if self.sessions.take_over(request, CHAT, STOP_WAIT_S, UNDO):
+            return tuple(gr.update() for _ in range(len(SHOWN) + 1))
+        return self._take_back(browser, view, query, "last turn removed")
+
+    def _take_back(self, browser, view, query, said: str) -> tuple:
+        """Undo's result: the branch without its last turn (SHOWN values, `said` as the
+        status), then the user's message of that turn for the message box."""
         try:
             if not view.get("leaf"):
                 return (*self._show(browser, view, "nothing to undo", query), "")
@@ -405,10 +438,7 @@ class ChatHandlers:
             return (*self._show(browser, view, error(str(e)), query), "")
         return (
             *self._show(
-                browser,
-                new_view(view["cid"], leaf),
-                "last turn removed" if text else "nothing to undo",
-                query,
+                browser, new_view(view["cid"], leaf), said if text else "nothing to undo", query
             ),
             text,
         )

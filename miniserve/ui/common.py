@@ -117,6 +117,13 @@ def session_of(request) -> str:
     return getattr(request, "session_hash", None) or "default"
 
 
+# The button that takes over a run of its tab (Cancel.taken_over): the Notebook's Undo and
+# Regenerate, Chat's Undo. It waits at most STOP_WAIT_S for the stopped run to end: a run ends
+# within one engine step of its cancel; past this (the page stopped reading it) it goes on.
+UNDO = "undo"
+STOP_WAIT_S = 30.0
+
+
 class Cancel(threading.Event):
     """A run's cancel event. `taken_over` names the button that stopped the run to act after it
     (the Notebook's "undo" or "regenerate"; None: no such button), `closed` is set once the run

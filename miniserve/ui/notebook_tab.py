@@ -22,7 +22,16 @@ from miniserve.core.config import RANDOM_SEEDS, SamplingParams
 from miniserve.engine.engine import Engine
 from miniserve.engine.inspector import Inspector
 from miniserve.models.registry import Models
-from miniserve.ui.common import ENGINE_EVENTS, USER_ERRORS, Reading, Sessions, error, user_message
+from miniserve.ui.common import (
+    ENGINE_EVENTS,
+    STOP_WAIT_S,
+    UNDO,
+    USER_ERRORS,
+    Reading,
+    Sessions,
+    error,
+    user_message,
+)
 from miniserve.ui.model_picker import (
     build_model_picker,
     follow_picker,
@@ -50,11 +59,8 @@ if TYPE_CHECKING:
 PANEL = GENERATING
 UNDO_DEPTH = 20  # generations Undo can take back, one after the other
 NOTEBOOK = "notebook"  # the kind of run (common.Sessions) that Undo and Regenerate stop
-UNDO, REGENERATE = "undo", "regenerate"  # the buttons that take a run over (Cancel.taken_over)
+REGENERATE = "regenerate"  # takes a run over (Cancel.taken_over), as Undo does
 TAKEN_BACK = "the generation was stopped and taken back"
-# How long Undo and Regenerate wait for a stopped generation to end: it ends within one engine
-# step; past this (the page stopped reading it) they act anyway.
-STOP_WAIT_S = 30.0
 PLACEHOLDER = "Write the beginning of a text; Generate (Ctrl+Enter) continues it here."
 
 
