@@ -7,6 +7,9 @@ import time
 from pathlib import Path
 
 import pytest
+from playwright.sync_api import expect
+
+from miniserve.ui.chat_tab import STILL_STREAMING
 
 pytestmark = pytest.mark.browser
 SHOTS = Path(__file__).resolve().parent.parent / "docs"
@@ -122,22 +125,27 @@ def test_stop_keeps_what_was_written(page):
         "Write a very long story about a dragon and a knight."
     )
     page.get_by_role("button", name="Send").click()
-    deadline = time.time() + 60
-    while time.time() < deadline and len(bot_text(page).split()) < 5:
-        time.sleep(0.1)
-    page.get_by_role("button", name="Stop").click()
-    page.wait_for_function(
-        "document.querySelector('#status').innerText.includes('cancelled')", timeout=30000
+    expect(page.locator("[data-testid='bot']").last).to_have_text(
+        re.compile(r"(\S+\s+){5}"), timeout=60_000
     )
+    # the next message, typed while the reply streams, stays in the box; Enter says that a
+    # reply is still streaming and sends nothing
+    message = page.get_by_label("Message", exact=True)
+    message.press_sequentially("Hi", delay=100)
+    message.press("Enter")
+    expect(page.get_by_text(STILL_STREAMING)).to_be_visible()
+    expect(message).to_have_value("Hi")
+    page.get_by_role("button", name="Stop").click()
+    expect(page.locator("#status")).to_contain_text("cancelled", timeout=30_000)
     kept = bot_text(page)
     assert len(kept.split()) >= 5
     new_tokens = int(re.search(r"(\d+) new tokens", status(page)).group(1))
     assert new_tokens < 1500
-    time.sleep(1)
+    time.sleep(1)  # (not a wait: nothing may change in this second)
     assert bot_text(page) == kept, "nothing more was written after Stop"
-    # the app keeps serving: the next message gets a reply
+    # the app keeps serving: the message kept in the box gets a reply
+    expect(message).to_have_value("Hi")
     set_number(page, "Max new tokens", 8)
-    page.get_by_label("Message", exact=True).fill("Hi")
     page.get_by_role("button", name="Send").click()
     page.wait_for_function(
         "document.querySelectorAll(\"[data-testid='bot']\").length >= 2 && "

@@ -229,7 +229,11 @@ def test_send_streams_then_shows_the_stats(chat):
     shown = Shown(*shown)
     assert [m["role"] for m in shown.chatbot] == ["user", "assistant"]
     assert shown.chatbot[0]["content"] == "Name a colour." and shown.chatbot[1]["content"].strip()
-    assert box == "" and inspected == ""
+    # the message leaves the box when the reply starts; what is typed there meanwhile stays
+    boxes = [u[len(SHOWN)] for u in updates]
+    taken = next(i for i, u in enumerate(updates) if u[SHOWN.index("status")] == "generating…")
+    assert boxes[taken] == "" and all(b == {"__type__": "update"} for b in boxes[taken + 1 :])
+    assert inspected == ""
     assert "prompt tokens" in shown.status and "tokens/s" in shown.status
     assert "history not trimmed" in shown.status and "seed 1" in shown.status
     assert shown.title == "Name a colour." and shown.browser["open"] == shown.view["cid"]

@@ -24,7 +24,7 @@ from miniserve.ui import (
     build_ui,
     model_header,
 )
-from miniserve.ui.chat_tab import REPLY_TAKEN_BACK
+from miniserve.ui.chat_tab import REPLY_TAKEN_BACK, STILL_STREAMING
 from miniserve.ui.conversation import SHOWN, Shown
 from miniserve.ui.notebook_tab import TAKEN_BACK
 from miniserve.ui.sidebar import SidebarHandlers
@@ -321,11 +321,10 @@ def test_chat_is_answered_by_the_model_chosen_and_a_switch_keeps_the_conversatio
     assert prompt_tokens > int(re.search(r"(\d+) prompt tokens", one.status).group(1))
 
 
-def test_chat_undo_during_a_reply_stops_it_and_the_reply_takes_its_turn_back(models, presets):
-    """Undo pressed while a reply streams: the reply is stopped and not kept, and its own last
-    output is Undo's result (the conversation without the turn, the question back in the
-    box); Undo itself writes nothing (common.Sessions.take_over says why)."""
-    chat = ChatHandlers(models, presets)
+def chat_streaming(chat, presets):
+    """A first turn, then a second question whose long reply streams on a thread, read as
+    Gradio does: (the first turn's Shown, the question, the thread, the outputs so far, an
+    event set once the reply has some text)."""
     browser = SidebarHandlers(chat.conversations).load({}).browser
     one = Shown(*last(send(chat, browser, {}, "Name a colour.", presets, None))[:8])
     question = "Write a long story about a dragon who learns to bake bread."
@@ -340,6 +339,35 @@ def test_chat_undo_during_a_reply_stops_it_and_the_reply_takes_its_turn_back(mod
 
     thread = threading.Thread(target=page, daemon=True)
     thread.start()
+    return one, question, thread, shown, growing
+
+
+def test_a_message_sent_while_a_reply_streams_is_refused_and_the_reply_runs_on(models, presets):
+    """One reply at a time in a page (its outputs would interleave with the other's): a second
+    message, Regenerate or an edit while a reply streams says so in a warning and changes
+    nothing; the streaming reply is not stopped."""
+    chat = ChatHandlers(models, presets)
+    one, question, thread, shown, growing = chat_streaming(chat, presets)
+    try:
+        assert growing.wait(60), "the reply did not start"
+        streaming = Shown(*shown[-1][:8])
+        with pytest.warns(UserWarning, match=re.escape(STILL_STREAMING)):
+            again = list(send(chat, streaming.browser, streaming.view, "And?", presets, None))
+        assert again == [(UNCHANGED,) * (len(SHOWN) + 2)]
+        assert thread.is_alive() and Shown(*shown[-1][:8]).status == "generating…"
+    finally:
+        chat.stop()
+        thread.join()
+    final = Shown(*shown[-1][:8])
+    assert "stopped by you" in final.status and len(final.chatbot) == 4
+
+
+def test_chat_undo_during_a_reply_stops_it_and_the_reply_takes_its_turn_back(models, presets):
+    """Undo pressed while a reply streams: the reply is stopped and not kept, and its own last
+    output is Undo's result (the conversation without the turn, the question back in the
+    box); Undo itself writes nothing (common.Sessions.take_over says why)."""
+    chat = ChatHandlers(models, presets)
+    one, question, thread, shown, growing = chat_streaming(chat, presets)
     try:
         assert growing.wait(60), "the reply did not start"
         streaming = Shown(*shown[-1][:8])

@@ -63,6 +63,7 @@ PANEL = ("system", "preset", *GENERATING, ("think", True), ("budget", NO_LIMIT))
 BROWSER_KEY = "miniserve"  # the browser's local-storage key for its owner id and open chat
 CHAT = "chat"  # the kind of run (common.Sessions) that Undo stops
 REPLY_TAKEN_BACK = "the reply was stopped and its turn taken back"
+STILL_STREAMING = "a reply is still streaming: wait for it to end, or press Stop"
 
 
 def chat_status(stats, dropped: int, note: str = "") -> str:
@@ -132,6 +133,10 @@ class ChatHandlers:
         it was, the typed message kept in the box, and the error as the status."""
         box = text if text is not None else gr.update()
         browser = self._start(browser, request)
+        if self.sessions.busy(request, CHAT):  # one reply at a time: the page shows one
+            gr.Warning(STILL_STREAMING)
+            yield tuple(gr.update() for _ in range(len(SHOWN) + 2))
+            return
         try:
             owner = owner_of(browser)
             params = params_from(panel.settings, panel.seed, panel.output_format, panel.format_text)
@@ -184,16 +189,19 @@ class ChatHandlers:
                     conversations=gr.update(), title=gr.update(), system=gr.update()
                 )
                 shown = [*base.chatbot, {"role": "assistant", "content": ""}]
-                yield (*base._replace(chatbot=shown), "", "")
+                # a message sent is taken from the box; then what is typed there meanwhile (the
+                # next message, or a draft kept through Regenerate) stays
+                kept = gr.update()
+                yield (*base._replace(chatbot=shown), "" if text is not None else kept, "")
                 reading = Reading(turn)
                 try:
                     for _ in reading:
                         shown = [*base.chatbot, *self.streamed(turn)]
-                        yield (*streaming._replace(chatbot=shown), "", "")
+                        yield (*streaming._replace(chatbot=shown), kept, "")
                 except Exception as e:  # noqa: BLE001 -- show it; the user's message is saved
                     yield (
                         *self._show(browser, view, error(f"{type(e).__name__}: {e}"), query),
-                        "",
+                        kept,
                         "",
                     )
                     return
@@ -205,7 +213,7 @@ class ChatHandlers:
                         *self._show(
                             browser, view, error("the reply ended without its stats"), query
                         ),
-                        "",
+                        kept,
                         "",
                     )
                     return
@@ -217,7 +225,7 @@ class ChatHandlers:
                 except StoreError as e:
                     yield (
                         *self._show(browser, view, error(f"the reply was not saved: {e}"), query),
-                        "",
+                        kept,
                         "",
                     )
                     return
@@ -236,7 +244,7 @@ class ChatHandlers:
                     chat_status(stats, last.dropped_messages, note),
                     query,
                 )
-                yield (*final, "", inspector_html(inspector))
+                yield (*final, kept, inspector_html(inspector))
 
         with self.sessions.running(request, CHAT) as cancel:
             yield from respond(cancel)

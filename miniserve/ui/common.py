@@ -177,6 +177,10 @@ class Sessions:
                 r for r in self._runs.get(session_of(request), ()) if kind is None or r.kind == kind
             ]
 
+    def busy(self, request, kind: str) -> bool:
+        """Whether the request's session runs something of `kind`."""
+        return bool(self._runs_of(request, kind))
+
     def stop(self, request) -> bool:
         """Cancel everything the request's session is running; False when it runs nothing."""
         runs = self._runs_of(request)
