@@ -362,6 +362,35 @@ def test_a_message_sent_while_a_reply_streams_is_refused_and_the_reply_runs_on(m
     assert "stopped by you" in final.status and len(final.chatbot) == 4
 
 
+def test_a_new_chat_while_a_reply_streams_stops_and_keeps_the_reply_and_is_shown_last(
+    models, presets
+):
+    """Clear (as any event that changes the conversation shown: ChatHandlers.after_reply)
+    while a reply streams: the reply stops and is saved as Stop saves it, and its own last
+    output is the new chat, so that no chunk of it on its way can paint the old one back."""
+    chat = ChatHandlers(models, presets)
+    one, question, thread, shown, growing = chat_streaming(chat, presets)
+    clear = chat.after_reply(chat.clear, len(SHOWN) + 2)
+    try:
+        assert growing.wait(60), "the reply did not start"
+        streaming = Shown(*shown[-1][:8])
+        assert clear(streaming.browser, "") == (UNCHANGED,) * (len(SHOWN) + 2)
+        thread.join(timeout=5)
+        assert not thread.is_alive(), "the reply still streams after Clear returned"
+        fresh = Shown(*shown[-1][:8])
+        assert fresh.status == "new chat" and fresh.chatbot == [] and fresh.view["cid"] is None
+        assert "stopped by you" in Shown(*shown[-2][:8]).status
+        saved = chat.store.path(one.browser["owner"], one.view["cid"])
+        assert [m.role for m in saved] == ["user", "assistant"] * 2
+        assert saved[2].content == question and saved[3].content.strip()
+        # with no reply streaming, the event is the handler itself
+        again = clear(fresh.browser, "")
+        assert Shown(*again[:8]).status == "new chat"
+    finally:
+        chat.stop()
+        thread.join()
+
+
 def test_chat_undo_during_a_reply_stops_it_and_the_reply_takes_its_turn_back(models, presets):
     """Undo pressed while a reply streams: the reply is stopped and not kept, and its own last
     output is Undo's result (the conversation without the turn, the question back in the

@@ -8,7 +8,9 @@ generators) that runs without a browser."""
 
 from __future__ import annotations
 
+import functools
 import html
+import inspect
 from contextlib import ExitStack
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -206,7 +208,7 @@ class ChatHandlers:
                     )
                     return
                 last = reading.last
-                if cancel.taken_over:  # by Undo: its result follows, the reply is not kept
+                if cancel.taken_over == UNDO:  # its result follows; the reply is not kept
                     return
                 if last is None or not last.done:
                     yield (
@@ -248,8 +250,12 @@ class ChatHandlers:
 
         with self.sessions.running(request, CHAT) as cancel:
             yield from respond(cancel)
-            if self.sessions.close(cancel) == UNDO:  # pressed while it ran: common.Sessions
+            taken = self.sessions.close(cancel)  # pressed while it ran: common.Sessions
+            if taken == UNDO:
                 yield (*self._take_back(browser, new_view(cid, leaf), query, REPLY_TAKEN_BACK), "")
+            elif callable(taken):  # after_reply's event
+                done = tuple(taken())
+                yield (*done, *(gr.update() for _ in range(len(SHOWN) + 2 - len(done))))
 
     @staticmethod
     def streamed(turn: ChatTurn) -> list[dict]:
@@ -451,6 +457,25 @@ class ChatHandlers:
             text,
         )
 
+    def after_reply(self, handler, outputs: int):
+        """`handler` (an event's function; its `outputs` outputs are SHOWN's, then the message
+        box's and the inspector's if it has them) as an event that first stops the session's
+        streaming reply, kept as Stop keeps it. The reply's own last output is then the
+        handler's, and the event writes nothing (common.Sessions.take_over says why): a new
+        chat, another conversation, a deletion or another version shown while a reply streams
+        would otherwise be painted over by the reply's next chunk."""
+        signature = inspect.signature(handler)
+
+        @functools.wraps(handler)
+        def event(*args, **kwargs):
+            request = signature.bind(*args, **kwargs).arguments.get("request")
+            act = functools.partial(handler, *args, **kwargs)
+            if self.sessions.take_over(request, CHAT, STOP_WAIT_S, act):
+                return tuple(gr.update() for _ in range(outputs))
+            return act()
+
+        return event
+
     def clear(self, browser, query="", request: gr.Request | None = None):
         """A new chat (the old one stays in the list): SHOWN values, message box, inspector."""
         browser = self._start(browser, request)
@@ -603,11 +628,13 @@ def build_chat_tab(app: TabContext, label: str) -> ChatTab:
     app.header.refresh_after(runs)
     stop_btn.click(chat.stop, None, None, queue=False)
     undo_btn.click(chat.undo, [browser, view, q], [*shown, message])
-    clear_btn.click(chat.clear, [browser, q], [*shown, message, inspector_view])
-    chatbot.clear(chat.clear, [browser, q], [*shown, message, inspector_view])  # its own 🗑
+    # what changes the conversation shown stops a streaming reply first (ChatHandlers.after_reply)
+    clear = chat.after_reply(chat.clear, len(shown) + 2)
+    clear_btn.click(clear, [browser, q], [*shown, message, inspector_view])
+    chatbot.clear(clear, [browser, q], [*shown, message, inspector_view])  # its own 🗑
     chatbot.select(chat.choose, [browser, view, q], shown)
-    prev_btn.click(chat.previous_version, [browser, view, q], shown)
-    next_btn.click(chat.next_version, [browser, view, q], shown)
+    prev_btn.click(chat.after_reply(chat.previous_version, len(shown)), [browser, view, q], shown)
+    next_btn.click(chat.after_reply(chat.next_version, len(shown)), [browser, view, q], shown)
     branches.change(lambda line: gr.update(visible=bool(line)), branches, versions, queue=False)
     # a saved conversation that opens moves the Model dropdown to the model of its last reply
     follow_saved = dict(
@@ -616,7 +643,7 @@ def build_chat_tab(app: TabContext, label: str) -> ChatTab:
         outputs=[model, status],
         show_progress="hidden",
     )
-    for opened in wire_sidebar(side, bar, shown, browser, view):
+    for opened in wire_sidebar(side, bar, shown, browser, view, chat.after_reply):
         opened.then(**follow_saved)
     tab = ChatTab(side, browser, shown, q, bar["info"], follow_saved, show_thinking)
     app.after_tabs.append(lambda: tab.on_load(app.demo))

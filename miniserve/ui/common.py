@@ -118,20 +118,22 @@ def session_of(request) -> str:
 
 
 # The button that takes over a run of its tab (Cancel.taken_over): the Notebook's Undo and
-# Regenerate, Chat's Undo. It waits at most STOP_WAIT_S for the stopped run to end: a run ends
-# within one engine step of its cancel; past this (the page stopped reading it) it goes on.
+# Regenerate, Chat's Undo (and what changes the conversation shown). It waits at most
+# STOP_WAIT_S for the stopped run to end: a run ends within one engine step of its cancel; past
+# this (the page stopped reading it) it goes on.
 UNDO = "undo"
 STOP_WAIT_S = 30.0
 
 
 class Cancel(threading.Event):
-    """A run's cancel event. `taken_over` names the button that stopped the run to act after it
-    (the Notebook's "undo" or "regenerate"; None: no such button), `closed` is set once the run
-    has decided its last output (Sessions.close): no button takes it over after that."""
+    """A run's cancel event. `taken_over` is what stopped the run to act after it: a button's
+    name (UNDO, the Notebook's "regenerate") or an action whose outputs the run writes last
+    (ChatHandlers.after_reply); None: nothing. `closed` is set once the run has decided its
+    last output (Sessions.close): nothing takes it over after that."""
 
     def __init__(self):
         super().__init__()
-        self.taken_over: str | None = None
+        self.taken_over: object = None
         self.closed = False
 
 
@@ -188,7 +190,7 @@ class Sessions:
             run.cancel.set()
         return bool(runs)
 
-    def take_over(self, request, kind: str, wait: float, by: str) -> bool:
+    def take_over(self, request, kind: str, wait: float, by: object) -> bool:
         """Stop the session's runs of `kind` that have not closed, marked taken over `by` the
         button that calls this, and wait up to `wait` seconds for them to end (each ends within
         one engine step of its cancel, once Gradio has taken its outputs). True when there was
@@ -210,7 +212,7 @@ class Sessions:
             run.ended.wait(max(0.0, deadline - time.monotonic()))
         return bool(runs)
 
-    def close(self, cancel: Cancel) -> str | None:
+    def close(self, cancel: Cancel) -> object:
         """Called by a run before its last output: no button takes it over from now on. Returns
         the button that took it over before (None: none), whose action that output carries."""
         with self._lock:

@@ -186,18 +186,29 @@ def build_sidebar(side: SidebarHandlers) -> dict:
     return c
 
 
-def wire_sidebar(side: SidebarHandlers, c: dict, shown: list, browser, view) -> list:
-    """Connect the sidebar's events; `shown` are the components of SHOWN, in order. Returns
-    the events that open a saved conversation (a click in the list, Undo delete, Import)."""
+def wire_sidebar(
+    side: SidebarHandlers, c: dict, shown: list, browser, view, after_reply=lambda fn, n: fn
+) -> list:
+    """Connect the sidebar's events; `shown` are the components of SHOWN, in order;
+    `after_reply` turns a handler that changes the conversation shown into one that first
+    stops a streaming reply (ChatHandlers.after_reply). Returns the events that open a saved
+    conversation (a click in the list, Undo delete, Import)."""
     q = c["search"]
-    c["new"].click(side.new_chat, [browser, q], shown)
-    opened = [c["conversations"].input(side.open, [browser, c["conversations"], q], shown)]
+    n = len(shown)
+    c["new"].click(after_reply(side.new_chat, n), [browser, q], shown)
+    opened = [
+        c["conversations"].input(after_reply(side.open, n), [browser, c["conversations"], q], shown)
+    ]
     q.change(side.search, [browser, view, q], [c["conversations"], c["found"]])
     c["rename"].click(side.rename, [browser, view, c["title"], q], shown)
     c["title"].submit(side.rename, [browser, view, c["title"], q], shown)
-    c["delete"].click(side.delete, [browser, view, q], shown)
-    opened.append(c["undo_delete"].click(side.undo_delete, [browser, view, q], shown))
+    c["delete"].click(after_reply(side.delete, n), [browser, view, q], shown)
+    opened.append(
+        c["undo_delete"].click(after_reply(side.undo_delete, n), [browser, view, q], shown)
+    )
     status = shown[-1]
     c["export"].click(side.export, [browser, view, c["export_kind"]], [c["file"], status])
-    opened.append(c["import"].upload(side.import_file, [browser, view, c["import"], q], shown))
+    opened.append(
+        c["import"].upload(after_reply(side.import_file, n), [browser, view, c["import"], q], shown)
+    )
     return opened
