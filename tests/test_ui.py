@@ -437,6 +437,24 @@ def test_take_over_stops_one_kind_waits_for_it_to_end_and_leaves_the_others():
         assert written == ["undo"], "take_over returned before the run had ended"
         assert not reply.is_set(), "the chat reply of the same session runs on"
         assert not sessions.take_over(Request("a"), "notebook", wait=10, by="undo")
+        # a second button before the first's run has ended: the run carries the first one's
+        # result only, and the second acts itself once the run has ended
+        started.clear()
+        release = threading.Event()
+
+        def held():
+            with sessions.running(Request("a"), "notebook") as cancel:
+                started.set()
+                release.wait(10)
+                written.append(sessions.close(cancel))
+
+        thread = threading.Thread(target=held)
+        thread.start()
+        assert started.wait(10)
+        assert sessions.take_over(Request("a"), "notebook", wait=0, by="undo")  # not waited for
+        threading.Timer(0.2, release.set).start()
+        assert not sessions.take_over(Request("a"), "notebook", wait=10, by="clear")
+        assert written[-1] == "undo", "the second button returned before the run had ended"
         with sessions.running(Request("a"), "notebook") as closing:
             assert sessions.close(closing) is None  # its last output is its own
             assert not sessions.take_over(Request("a"), "notebook", wait=10, by="undo")

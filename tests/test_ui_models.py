@@ -391,6 +391,35 @@ def test_a_new_chat_while_a_reply_streams_stops_and_keeps_the_reply_and_is_shown
         thread.join()
 
 
+def test_an_event_after_a_reply_acts_on_the_view_the_reply_left(models, presets):
+    """An event that takes a streaming reply over (ChatHandlers.after_reply) acts on the view
+    the stopped reply left, its saved reply the branch's end, not on the view clicked on (the
+    question's): a Send after it goes under the reply."""
+    chat = ChatHandlers(models, presets)
+    one, question, thread, shown, growing = chat_streaming(chat, presets)
+    seen = []
+
+    def probe(browser, view, query="", request=None):
+        seen.append(view)
+        return chat.conversations.show(browser, view, "probed", query)
+
+    try:
+        assert growing.wait(60), "the reply did not start"
+        streaming = Shown(*shown[-1][:8])
+        wrapped = chat.after_reply(probe, len(SHOWN))
+        assert wrapped(streaming.browser, streaming.view, "") == (UNCHANGED,) * len(SHOWN)
+        thread.join(timeout=5)
+        assert not thread.is_alive()
+        saved = chat.store.path(one.browser["owner"], one.view["cid"])
+        assert len(seen) == 1 and seen[0]["leaf"] == saved[-1].id != streaming.view["leaf"]
+        last_output = shown[-1]
+        assert Shown(*last_output[:8]).status == "probed" and len(last_output) == len(SHOWN) + 2
+        assert last_output[8:] == (UNCHANGED, UNCHANGED)
+    finally:
+        chat.stop()
+        thread.join()
+
+
 def test_chat_undo_during_a_reply_stops_it_and_the_reply_takes_its_turn_back(models, presets):
     """Undo pressed while a reply streams: the reply is stopped and not kept, and its own last
     output is Undo's result (the conversation without the turn, the question back in the

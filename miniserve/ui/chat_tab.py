@@ -246,6 +246,7 @@ class ChatHandlers:
                     chat_status(stats, last.dropped_messages, note),
                     query,
                 )
+                view = final.view
                 yield (*final, kept, inspector_html(inspector))
 
         with self.sessions.running(request, CHAT) as cancel:
@@ -253,8 +254,8 @@ class ChatHandlers:
             taken = self.sessions.close(cancel)  # pressed while it ran: common.Sessions
             if taken == UNDO:
                 yield (*self._take_back(browser, new_view(cid, leaf), query, REPLY_TAKEN_BACK), "")
-            elif callable(taken):  # after_reply's event
-                done = tuple(taken())
+            elif callable(taken):  # after_reply's event, on the view this run left
+                done = tuple(taken(view))
                 yield (*done, *(gr.update() for _ in range(len(SHOWN) + 2 - len(done))))
 
     @staticmethod
@@ -468,8 +469,14 @@ class ChatHandlers:
 
         @functools.wraps(handler)
         def event(*args, **kwargs):
-            request = signature.bind(*args, **kwargs).arguments.get("request")
-            act = functools.partial(handler, *args, **kwargs)
+            bound = signature.bind(*args, **kwargs)
+
+            def act(view=None):  # run by the reply: on the view it left (its saved reply's)
+                if view is not None and "view" in bound.arguments:
+                    bound.arguments["view"] = view
+                return handler(*bound.args, **bound.kwargs)
+
+            request = bound.arguments.get("request")
             if self.sessions.take_over(request, CHAT, STOP_WAIT_S, act):
                 return tuple(gr.update() for _ in range(outputs))
             return act()

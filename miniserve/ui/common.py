@@ -197,20 +197,22 @@ class Sessions:
         one: its last output then carries what the button does, and the button writes nothing.
         The page applies each event's outputs in order, but two events' outputs interleave: a
         stopped run's last few outputs, still on their way, may land after the button's.
-        False when none was running (or each had closed): the button acts itself."""
+        False when none was running (or each had closed, or was taken over by another
+        button, whose run has then ended): the button acts itself."""
         with self._lock:
             runs = [
                 r
                 for r in self._runs.get(session_of(request), ())
                 if r.kind == kind and not r.cancel.closed
             ]
-            for run in runs:
+            mine = [r for r in runs if r.cancel.taken_over is None]  # one button a run
+            for run in mine:
                 run.cancel.taken_over = by
                 run.cancel.set()
         deadline = time.monotonic() + wait
-        for run in runs:
+        for run in runs:  # (one that another button took over: this one acts once it ended)
             run.ended.wait(max(0.0, deadline - time.monotonic()))
-        return bool(runs)
+        return bool(mine)
 
     def close(self, cancel: Cancel) -> object:
         """Called by a run before its last output: no button takes it over from now on. Returns
