@@ -685,10 +685,13 @@ def test_each_model_loads_on_first_use_and_answers_by_name(routed):
     assert models.is_loaded("second") and not models.is_loaded(default)  # second answered
 
     # the default loads on a worker thread: meanwhile the event loop serves the other model
-    loading, make = threading.Event(), models.factory
+    # (the load is held until that answer came: had the answer waited for the load, it would
+    # come after the release, with the default loaded)
+    loading, release, make = threading.Event(), threading.Event(), models.factory
 
     def factory(spec, progress):
         loading.set()
+        release.wait(60)
         return make(spec, progress)
 
     models.factory = factory
@@ -701,12 +704,15 @@ def test_each_model_loads_on_first_use_and_answers_by_name(routed):
         )
     )
     request.start()
-    assert loading.wait(60)
-    status, reply = send(
-        url, "/v1/completions", {"model": "second", "prompt": "Hi", "max_tokens": 2}
-    )
-    assert status == 200 and reply["model"] == "second"
-    assert not models.is_loaded(default), "the other model waited for the load"
+    try:
+        assert loading.wait(60)
+        status, reply = send(
+            url, "/v1/completions", {"model": "second", "prompt": "Hi", "max_tokens": 2}
+        )
+        assert status == 200 and reply["model"] == "second"
+        assert not models.is_loaded(default), "the other model waited for the load"
+    finally:
+        release.set()
     request.join(120)
     status, reply = first["reply"]
     assert status == 200 and reply["model"] == default  # a placeholder: the default
