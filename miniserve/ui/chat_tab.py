@@ -152,10 +152,9 @@ class ChatHandlers:
         except (*USER_ERRORS, StoreError) as e:
             yield (*self._show(browser, view, error(user_message(e)), query), box, "")
             return
-        leaf = view.get("leaf")  # the branch's end as this run saves: the turn Undo takes back
 
         def respond(cancel):  # the run's outputs; Undo's result may follow them (below)
-            nonlocal view, reply_to, cid, params, leaf
+            nonlocal view, reply_to, cid, params  # view: what the page shows (Undo acts on it)
             with ExitStack() as held:
                 try:
                     engine = held.enter_context(using(self.models, name))
@@ -174,7 +173,7 @@ class ChatHandlers:
                     reply_to = turn.save_question(
                         self.store, owner, cid, under if text is not None else reply_to
                     )
-                    cid, params, leaf = turn.conversation, turn.params, reply_to
+                    cid, params = turn.conversation, turn.params
                 except (*USER_ERRORS, StoreError) as e:
                     yield (*self._show(browser, view, error(user_message(e)), query), box, "")
                     return
@@ -223,7 +222,6 @@ class ChatHandlers:
                 stopped = turn.details()["status"] == "stopped"
                 try:
                     reply = turn.save_reply(self.store, owner)
-                    leaf = reply.id
                 except StoreError as e:
                     yield (
                         *self._show(browser, view, error(f"the reply was not saved: {e}"), query),
@@ -253,7 +251,7 @@ class ChatHandlers:
             yield from respond(cancel)
             taken = self.sessions.close(cancel)  # pressed while it ran: common.Sessions
             if taken == UNDO:
-                yield (*self._take_back(browser, new_view(cid, leaf), query, REPLY_TAKEN_BACK), "")
+                yield (*self._take_back(browser, view, query, REPLY_TAKEN_BACK), "")
             elif callable(taken):  # after_reply's event, on the view this run left
                 done = tuple(taken(view))
                 yield (*done, *(gr.update() for _ in range(len(SHOWN) + 2 - len(done))))
