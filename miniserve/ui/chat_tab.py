@@ -53,6 +53,7 @@ from miniserve.ui.widgets import (
     preset_values,
     takes_panel,
     thinking_options,
+    unchanged,
 )
 
 if TYPE_CHECKING:
@@ -137,7 +138,7 @@ class ChatHandlers:
         browser = self._start(browser, request)
         if self.sessions.busy(request, CHAT):  # one reply at a time: the page shows one
             gr.Warning(STILL_STREAMING)
-            yield tuple(gr.update() for _ in range(len(SHOWN) + 2))
+            yield unchanged(len(SHOWN) + 2)
             return
         try:
             owner = owner_of(browser)
@@ -254,7 +255,7 @@ class ChatHandlers:
                 yield (*self._take_back(browser, view, query, REPLY_TAKEN_BACK), "")
             elif callable(taken):  # after_reply's event, on the view this run left
                 done = tuple(taken(view))
-                yield (*done, *(gr.update() for _ in range(len(SHOWN) + 2 - len(done))))
+                yield (*done, *unchanged(len(SHOWN) + 2 - len(done)))
 
     @staticmethod
     def streamed(turn: ChatTurn) -> list[dict]:
@@ -437,7 +438,7 @@ class ChatHandlers:
         back as its last output: this then writes nothing (common.Sessions.take_over)."""
         browser = self._start(browser, request)
         if self.sessions.take_over(request, CHAT, STOP_WAIT_S, UNDO):
-            return tuple(gr.update() for _ in range(len(SHOWN) + 1))
+            return unchanged(len(SHOWN) + 1)
         return self._take_back(browser, view, query, "last turn removed")
 
     def _take_back(self, browser, view, query, said: str) -> tuple:
@@ -476,7 +477,7 @@ class ChatHandlers:
 
             request = bound.arguments.get("request")
             if self.sessions.take_over(request, CHAT, STOP_WAIT_S, act):
-                return tuple(gr.update() for _ in range(outputs))
+                return unchanged(outputs)
             return act()
 
         return event

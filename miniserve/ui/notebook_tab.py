@@ -49,6 +49,7 @@ from miniserve.ui.widgets import (
     params_from,
     preset_values,
     takes_panel,
+    unchanged,
 )
 
 if TYPE_CHECKING:
@@ -121,7 +122,7 @@ class NotebookHandlers:
         generation still streaming is stopped, has ended when this returns and has written
         that as its last output: this then writes nothing."""
         if self.sessions.take_over(request, NOTEBOOK, STOP_WAIT_S, UNDO):
-            return gr.update(), gr.update(), gr.update()
+            return unchanged(3)
         if not history:
             return gr.update(), history, "nothing to undo"
         *history, before = history

@@ -17,6 +17,11 @@ from miniserve.core.samplers import PARAMS, check_setting, orderable
 from miniserve.engine.chat import ChatOptions
 
 
+def unchanged(n: int) -> tuple:
+    """n outputs that leave their components as they are."""
+    return tuple(gr.update() for _ in range(n))
+
+
 def whole(value):
     """A number box's value: an int when it is a whole number, else as given (so that the
     settings' checks name a fraction instead of it being cut off silently)."""
