@@ -113,14 +113,16 @@ def test_each_row_of_a_stored_product_is_computed_as_if_alone(qtype):
         assert torch.equal(together[i], native.matmul(w, x[i : i + 1])[0]), i
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("rows,blocks", [(300, 65), (40, 8)])
 @needs_native
 def test_wide_k_quant_rows_against_many_activation_rows(qtype, rows, blocks):
-    """Prompt-sized products where the AVX-512 loop unpacks weight rows in chunks of an L2's
-    size and meets them a piece of 8 blocks at a time: 300 rows of 65 blocks (several chunks
-    in one thread's share, the last piece of one block), 40 rows of 8 (one piece). Within the
-    activation rounding's bound of float64, and each of 21 activation rows as if alone."""
+    """Prompt-sized products where the AVX-512 loop lays weight rows out (Q4_K / Q5_K: as tiles
+    of 16 rows; Q6_K: unpacked row by row) in chunks of an L2's size and meets them a piece of 8
+    blocks at a time: 300 rows of 65 blocks (several chunks in one thread's share, the last
+    piece of one block, 300 not a multiple of 16: rows past the tiles), 40 rows of 8 (one
+    piece). Within the activation rounding's bound of float64, and each of 21 activation rows
+    as if alone."""
     cols = 256 * blocks
     data = random_blocks(qtype, rows, cols, seed=rows + blocks)
     want_w = gguf.quants.dequantize(data, qtype).astype(np.float64)

@@ -590,6 +590,7 @@ typedef void (*DequantFn)(const void *w, float *y, long n);
 typedef void (*UnpackFn)(long n, const void *w, void *out);
 typedef void (*DotRFn)(long n, const void *w, long wrow, const void *x, long xstride, float *y,
                        long ystride);
+typedef void (*TileFn)(long n, const void *w, long wrow, void *out);
 typedef void (*DotUFn)(long n, const void *w, const void *x, long xstride, float *y, long ystride,
                        float *state, int phase);
 
@@ -606,6 +607,12 @@ struct Kernels {
     // where a type has it: 8 weight rows (wrow bytes apart) against 8 activation rows at once,
     // the same bits as dot8 over each of the 8 rows
     DotRFn dot8r = nullptr;
+    // where a type has them: 16 weight rows (wrow bytes apart) laid out once as tiles (tbytes a
+    // block), and the products of such a tile row against 1, 4 or 8 activation rows (the same
+    // bits as dot1 / dot4 / dot8 over each of the 16 rows)
+    TileFn tile = nullptr;
+    long tbytes = 0;
+    DotUFn tdot1 = nullptr, tdot4 = nullptr, tdot8 = nullptr;
 };
 
 #define MS_KERNELS(block, bytes, act, t) \
@@ -614,13 +621,19 @@ struct Kernels {
 #define MS_KERNELS_U(block, bytes, act, t, u)                                                      \
     {block, bytes, act, ms_dot_##t<1>, ms_dot_##t<4>, ms_dot_##t<8>, ms_dequant_##t,               \
      (long)sizeof(u), ms_unpack_##t, ms_dotu_##t<4>, ms_dotu_##t<8>}
+#define MS_KERNELS_T(block, bytes, act, t, u)                                                      \
+    {block, bytes, act, ms_dot_##t<1>, ms_dot_##t<4>, ms_dot_##t<8>, ms_dequant_##t,               \
+     (long)sizeof(u), ms_unpack_##t, ms_dotu_##t<4>, ms_dotu_##t<8>, nullptr, ms_tile_##t,          \
+     (long)sizeof(mskq_t45), mskq_tile45_dot<1>, mskq_tile45_dot<4>, mskq_tile45_dot<8>}
 #elif defined(MSKQ_AVX2)
 static const DotRFn ms_dot8r_q6_K = nullptr;  // Q6_K: no 8-weight-row form (yet)
 #define MS_KERNELS_U(block, bytes, act, t, u)                                                      \
     {block, bytes, act, ms_dot_##t<1>, ms_dot_##t<4>, ms_dot_##t<8>, ms_dequant_##t, 0, nullptr,   \
      nullptr, nullptr, ms_dot8r_##t}
+#define MS_KERNELS_T MS_KERNELS_U
 #else
 #define MS_KERNELS_U(block, bytes, act, t, u) MS_KERNELS(block, bytes, act, t)
+#define MS_KERNELS_T MS_KERNELS_U
 #endif
 
 // The kernels of a quantized (or F16) type; null for F32, BF16 (the float loops above) and
@@ -631,8 +644,8 @@ static const Kernels *kernels_for(long type) {
                          q5_0 = MS_KERNELS(32, 22, ACT_A8, q5_0),
                          q5_1 = MS_KERNELS(32, 24, ACT_A8, q5_1),
                          q8_0 = MS_KERNELS(32, 34, ACT_A8, q8_0),
-                         q4_k = MS_KERNELS_U(256, 144, ACT_A8K, q4_K, mskq_u45),
-                         q5_k = MS_KERNELS_U(256, 176, ACT_A8K, q5_K, mskq_u45),
+                         q4_k = MS_KERNELS_T(256, 144, ACT_A8K, q4_K, mskq_u45),
+                         q5_k = MS_KERNELS_T(256, 176, ACT_A8K, q5_K, mskq_u45),
                          q6_k = MS_KERNELS_U(256, 210, ACT_A8K, q6_K, mskq_u6),
                          f16 = MS_KERNELS(1, 2, ACT_FLOAT, f16);
     switch (type) {
@@ -669,6 +682,9 @@ static long act_row_bytes(Act act, long cols) {
 // From this many activation rows a product is compute-bound: K-quant rows are unpacked once
 // (qmatmul_unpacked) and weight rows are dealt to the threads as they are taken (linear).
 static const long MANY_ROWS = 16;
+// From this many a type with tiles (kquants.h: Q4_K / Q5_K in the AVX-512 build) lays its rows
+// out as tiles: their one-off cost is below what 8 rows save.
+static const long TILE_ROWS = 8;
 
 // As qmatmul_part (below), for a type whose blocks unpack (the K-quants in the AVX-512 build)
 // and enough activation rows that unpacking each block once, not once per 8 rows, pays: a
@@ -707,6 +723,41 @@ static void qmatmul_unpacked(const Kernels *k, const char *w, long wrow, const c
     }
 }
 
+// As qmatmul_unpacked, for a type with tiles (Q4_K / Q5_K in the AVX-512 build): the share's
+// rows 16 at a time laid out as tiles, a chunk of tile rows at a time (it stays in L2), then
+// each group of 8 (then 4, then 1) activation rows meets the chunk's tile rows, whole (the
+// group's activations stay in L1 for a 2048-wide product, in L2 beyond). Rows past the last
+// whole 16 go to qmatmul_unpacked. The same bits as qmatmul_part.
+static void qmatmul_tiles(const Kernels *k, const char *w, long wrow, const char *xq, long xs,
+                          float *y, long B, long ldy, long C, long r0, long r1) {
+    static thread_local std::vector<char> buffer;
+    static thread_local std::vector<float> sums;
+    const long nb = C / k->block, trow = nb * k->tbytes, tiles = (r1 - r0) / 16;
+    const long RC = std::max(1L, (512L << 10) / trow), PB = 8;  // tile rows a chunk, blocks a piece
+    const long ab = (long)sizeof(ms_a8k), state = 8 * 32;  // floats a tile row leaves between pieces
+    if ((long)buffer.size() < std::min(RC, tiles) * trow + 64) buffer.resize(std::min(RC, tiles) * trow + 64);
+    if ((long)sums.size() < RC * state) sums.resize(RC * state);
+    char *u = buffer.data() + (64 - (uintptr_t)buffer.data() % 64) % 64;  // 64-byte aligned
+    for (long c0 = 0; c0 < tiles; c0 += RC) {
+        const long c1 = std::min(tiles, c0 + RC);
+        for (long t = c0; t < c1; t++) k->tile(C, w + (r0 + 16 * t) * wrow, wrow, u + (t - c0) * trow);
+        auto group = [&](DotUFn dot, long b) {
+            for (long p0 = 0; p0 < nb; p0 += PB) {
+                const long p1 = std::min(nb, p0 + PB);
+                const int phase = (p0 > 0 ? 1 : 0) | (p1 == nb ? 2 : 0);
+                for (long t = c0; t < c1; t++)
+                    dot((p1 - p0) * k->block, u + (t - c0) * trow + p0 * k->tbytes, xq + b * xs + p0 * ab, xs,
+                        y + b * ldy + r0 + 16 * t, ldy, sums.data() + (t - c0) * state, phase);
+            }
+        };
+        long b = 0;
+        for (; b + 8 <= B; b += 8) group(k->tdot8, b);
+        for (; b + 4 <= B; b += 4) group(k->tdot4, b);
+        for (; b < B; b++) group(k->tdot1, b);
+    }
+    if (r0 + 16 * tiles < r1) qmatmul_unpacked(k, w, wrow, xq, xs, y, B, ldy, C, r0 + 16 * tiles, r1);
+}
+
 // One thread's share of a product over quantized weights: weight rows [r0, r1) (each `wrow`
 // bytes) against activation rows [0, B) (each `xs` bytes of xq), into y[b * ldy + r]. Weight
 // rows are taken in chunks that stay in the L2 cache; within a chunk, activation rows are taken
@@ -715,6 +766,8 @@ static void qmatmul_unpacked(const Kernels *k, const char *w, long wrow, const c
 // never changes a pair's result (see above).
 static void qmatmul_part(const Kernels *k, const char *w, long wrow, const char *xq, long xs,
                          float *y, long B, long ldy, long C, long r0, long r1) {
+    if (k->tile != nullptr && B >= TILE_ROWS && C >= k->block)
+        return qmatmul_tiles(k, w, wrow, xq, xs, y, B, ldy, C, r0, r1);
     if (k->unpack != nullptr && B >= MANY_ROWS && C >= k->block)
         return qmatmul_unpacked(k, w, wrow, xq, xs, y, B, ldy, C, r0, r1);
     const long RC = B < 8 ? r1 - r0 : std::max(1L, (256L << 10) / wrow);
@@ -1400,13 +1453,13 @@ static void linear(const MsModel *m, const MsMat *parts, int nparts, const float
             // same whoever computes it.
             std::atomic<long> next{0};
             parallel(m->threads, [&](int t, int n) {
-                if (B < MANY_ROWS) {
+                if (B < (k->tile != nullptr ? TILE_ROWS : MANY_ROWS)) {
                     long per = ((p.rows + n - 1) / n + 3) / 4 * 4;
                     long r0 = t * per, r1 = std::min(r0 + per, p.rows);
                     if (r0 < r1) qmatmul_part(k, (const char *)p.data, wrow, xq, xs, yp, B, R, C, r0, r1);
                     return;
                 }
-                const long chunk = std::max(16L, (p.rows / (8L * n) + 3) / 4 * 4);
+                const long chunk = std::max(16L, (p.rows / (8L * n) + 15) / 16 * 16);  // whole tiles
                 for (long r0; (r0 = next.fetch_add(chunk)) < p.rows;)
                     qmatmul_part(k, (const char *)p.data, wrow, xq, xs, yp, B, R, C, r0,
                                  std::min(r0 + chunk, p.rows));

@@ -36,7 +36,10 @@
 // The three builds differ only in how the integer lanes are found:
 //   AVX-512 + VNNI: 64 weights a register; vpdpbusd (u8 weights x s8 activations, 4 products a
 //     lane), pairs of such lane vectors packed to int16 (sums < 2^15: exact) and multiplied by
-//     the scales with vpdpwssd; each unpacked weight register reused for all NB rows.
+//     the scales with vpdpwssd; each unpacked weight register reused for all NB rows. From 8
+//     activation rows, Q4_K / Q5_K rows are laid out 16 at a time as tiles (mskq_t45: a lane a
+//     weight row), where one vpdpbusd against 4 broadcast activation bytes is 64 products with
+//     no lanes to fold; A and B are the same integers, so the bits are the same.
 //   AVX2 + FMA: 32 weights a register; vpmaddubsw (pairs, no saturation: 2*63*127 < 2^15), then
 //     vpmaddwd by the scales, as llama.cpp does; the 4-weight sums paired into the A lanes with
 //     vphaddd.
@@ -669,6 +672,156 @@ static void ms_dotu_q5_K(long n, const void *w, const void *x, long xstride, flo
 
 static void ms_unpack_q4_K(long n, const void *w, void *out) { mskq_unpack45_row<false>(n, w, out); }
 static void ms_unpack_q5_K(long n, const void *w, void *out) { mskq_unpack45_row<true>(n, w, out); }
+#endif
+
+#if defined(MSKQ_AVX512)
+// ---------------------------------------------------------------- Q4_K / Q5_K tiles
+
+// 16 weight rows' super-block i laid out for many activation rows (a prompt): each 32-bit lane
+// of a register holds 4 weights of one row, the 16 lanes 16 rows at the same 4 positions, so one
+// vpdpbusd against 4 activation bytes broadcast is 64 products with nothing to sum across lanes
+// (the per-row layout above needs vpackssdw, vpdpwssd and a lane fold for every 256 products).
+// Lane l holds row mskq_tile_row(l) of the 16 (the order a 4 x 4 dword transpose leaves).
+// A and B come out as the same exact integers as in mskq_dot_k45, and the float part is
+// mskq_k45_float lane by lane: the same bits.
+struct mskq_t45 {
+    __m512i q[8][8];  // [sub-block s][k]: weights 32s + 4k .. 32s + 4k + 3 of each lane's row
+    __m512i sc[8];    // sub-block s's scale, int32
+    __m512i mn[8];    // sub-block s's min as an int16 pair (m, m): vpdpwssd with (bsums[2s], [2s + 1])
+    __m512 d, dmin;
+};
+static_assert(sizeof(mskq_t45) % 64 == 0 && alignof(mskq_t45) == 64, "tiles back to back, aligned");
+
+static inline int mskq_tile_row(int l) { return 4 * (l & 3) + (l >> 2); }
+
+// Per 128-bit lane c, the 4 x 4 dwords of a[0..3] transposed: out[k]'s dword Q of lane c is
+// a[Q]'s dword k of lane c.
+static inline void mskq_transpose4(const __m512i *a, __m512i *out) {
+    const __m512i t0 = _mm512_unpacklo_epi32(a[0], a[1]), t1 = _mm512_unpackhi_epi32(a[0], a[1]);
+    const __m512i t2 = _mm512_unpacklo_epi32(a[2], a[3]), t3 = _mm512_unpackhi_epi32(a[2], a[3]);
+    out[0] = _mm512_unpacklo_epi64(t0, t2), out[1] = _mm512_unpackhi_epi64(t0, t2);
+    out[2] = _mm512_unpacklo_epi64(t1, t3), out[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
+// 16 bytes at offset `off` of the blocks of rows 4Q .. 4Q + 3 (b: row 0's block, wrow apart),
+// one row a 128-bit lane.
+static inline __m512i mskq_quad(const uint8_t *b, long wrow, int Q, int off) {
+    const uint8_t *r = b + 4 * Q * wrow + off;
+    __m512i z = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)r));
+    z = _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i *)(r + wrow)), 1);
+    z = _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i *)(r + 2 * wrow)), 2);
+    return _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i *)(r + 3 * wrow)), 3);
+}
+
+// Super-block i of 16 rows (b: row 0's block, the others wrow bytes apart) into a tile.
+template <bool HI>
+static inline void mskq_tile45(const uint8_t *b, long wrow, mskq_t45 &o) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16), ff = _mm512_set1_epi32(0xFF);
+    alignas(64) uint32_t u[16][4];  // row r's scales and mins, one byte each (mskq_scales)
+    alignas(32) uint16_t dh[16], mh[16];
+    for (int l = 0; l < 16; l++) {
+        const uint8_t *br = b + mskq_tile_row(l) * wrow;
+        std::memcpy(&dh[l], br, 2), std::memcpy(&mh[l], br + 2, 2);
+    }
+    for (int r = 0; r < 16; r++) mskq_scales(b + r * wrow + 4, u[r]);
+    o.d = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)dh));
+    o.dmin = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)mh));
+    __m512i z[4], t[4];
+    for (int Q = 0; Q < 4; Q++) z[Q] = _mm512_load_si512((const void *)u[4 * Q]);
+    mskq_transpose4(z, t);  // t[k]: u[k] of each lane's row
+    for (int s = 0; s < 8; s++) {
+        o.sc[s] = _mm512_and_si512(_mm512_srli_epi32(t[s >> 2], 8 * (s & 3)), ff);
+        const __m512i m = _mm512_and_si512(_mm512_srli_epi32(t[2 + (s >> 2)], 8 * (s & 3)), ff);
+        o.mn[s] = _mm512_or_si512(m, _mm512_slli_epi32(m, 16));
+    }
+    const int qs = HI ? 48 : 16;
+    for (int p = 0; p < 4; p++)      // qs[32p + l]: sub-block 2p's weight l (low nibble), 2p + 1's (high)
+        for (int h = 0; h < 2; h++) {  // weights 16h .. 16h + 15 of the two sub-blocks
+            __m512i lo[4], hi[4];
+            for (int Q = 0; Q < 4; Q++) {
+                const __m512i v = mskq_quad(b, wrow, Q, qs + 32 * p + 16 * h);
+                lo[Q] = _mm512_and_si512(v, m4);
+                hi[Q] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                if (HI) {  // bit s of qh[l] -> bit 4 of sub-block s's weight l
+                    const __m512i qh = mskq_quad(b, wrow, Q, 16 + 16 * h);
+                    lo[Q] = _mm512_mask_add_epi8(lo[Q], _mm512_test_epi8_mask(qh, _mm512_set1_epi8((char)(1 << 2 * p))),
+                                                 lo[Q], sixteen);
+                    hi[Q] = _mm512_mask_add_epi8(hi[Q], _mm512_test_epi8_mask(qh, _mm512_set1_epi8((char)(1 << (2 * p + 1)))),
+                                                 hi[Q], sixteen);
+                }
+            }
+            mskq_transpose4(lo, &o.q[2 * p][4 * h]);
+            mskq_transpose4(hi, &o.q[2 * p + 1][4 * h]);
+        }
+}
+
+// Tiles of n / 256 super-blocks for 16 rows (w: the first row, wrow bytes apart): tile i at out[i].
+template <bool HI>
+static void mskq_tile45_rows(long n, const void *w, long wrow, void *out) {
+    const uint8_t *b = (const uint8_t *)w;
+    mskq_t45 *o = (mskq_t45 *)out;
+    for (long i = 0; i < n / 256; i++) mskq_tile45<HI>(b + i * (HI ? 176 : 144), wrow, o[i]);
+}
+
+// The 16 rows of a tile row (n / 256 tiles at t) against NB activation rows (xstride bytes
+// apart): y[j * ystride + r] for rows r < 16. A row may come in pieces of blocks, as in
+// mskq_dot_k45: the running sums start from `state` (phase & 1, else from zero) and, unless
+// phase & 2 (the last piece: y written), are left there (32 floats an activation row).
+template <int NB>
+static void mskq_tile45_dot(long n, const void *tiles, const void *x, long xstride, float *y, long ystride,
+                            float *state, int phase) {
+    const mskq_t45 *t = (const mskq_t45 *)tiles;
+    __m512 fa[NB], fb[NB];
+    for (int j = 0; j < NB; j++)
+        if (phase & 1)
+            fa[j] = _mm512_loadu_ps(state + 32 * j), fb[j] = _mm512_loadu_ps(state + 32 * j + 16);
+        else
+            fa[j] = fb[j] = _mm512_setzero_ps();
+    for (long i = 0; i < n / 256; i++) {
+        const mskq_t45 &u = t[i];
+        __m512i A[NB];
+        for (int j = 0; j < NB; j++) A[j] = _mm512_setzero_si512();
+        for (int s = 0; s < 8; s++) {
+            __m512i W[8];
+            for (int k = 0; k < 8; k++) W[k] = _mm512_load_si512((const void *)&u.q[s][k]);
+            const __m512i sc = u.sc[s];
+            for (int j = 0; j < NB; j++) {
+                const int32_t *xq = (const int32_t *)(mskq_xblock(x, xstride, j, i) + 4 + 32 * s);
+                __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), W[0], _mm512_set1_epi32(xq[0]));
+                __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), W[4], _mm512_set1_epi32(xq[4]));
+                for (int k = 1; k < 4; k++) {
+                    d0 = _mm512_dpbusd_epi32(d0, W[k], _mm512_set1_epi32(xq[k]));
+                    d1 = _mm512_dpbusd_epi32(d1, W[4 + k], _mm512_set1_epi32(xq[4 + k]));
+                }
+                A[j] = _mm512_add_epi32(A[j], _mm512_mullo_epi32(_mm512_add_epi32(d0, d1), sc));
+            }
+        }
+        for (int j = 0; j < NB; j++) {
+            const uint8_t *xb = mskq_xblock(x, xstride, j, i);
+            int32_t bs[8];  // (bsums[2s], bsums[2s + 1]) pairs
+            std::memcpy(bs, xb + 260, 32);
+            __m512i B = _mm512_setzero_si512();
+            for (int s = 0; s < 8; s++) B = _mm512_dpwssd_epi32(B, u.mn[s], _mm512_set1_epi32(bs[s]));
+            float dx;
+            std::memcpy(&dx, xb, 4);
+            const __m512 dxv = _mm512_set1_ps(dx);
+            fa[j] = _mm512_add_ps(fa[j], _mm512_mul_ps(_mm512_cvtepi32_ps(A[j]), _mm512_mul_ps(u.d, dxv)));
+            fb[j] = _mm512_add_ps(fb[j], _mm512_mul_ps(_mm512_cvtepi32_ps(B), _mm512_mul_ps(u.dmin, dxv)));
+        }
+    }
+    if (!(phase & 2)) {
+        for (int j = 0; j < NB; j++) _mm512_storeu_ps(state + 32 * j, fa[j]), _mm512_storeu_ps(state + 32 * j + 16, fb[j]);
+        return;
+    }
+    for (int j = 0; j < NB; j++) {
+        alignas(64) float v[16];
+        _mm512_store_ps(v, _mm512_sub_ps(fa[j], fb[j]));
+        for (int l = 0; l < 16; l++) y[j * ystride + mskq_tile_row(l)] = v[l];
+    }
+}
+
+static void ms_tile_q4_K(long n, const void *w, long wrow, void *out) { mskq_tile45_rows<false>(n, w, wrow, out); }
+static void ms_tile_q5_K(long n, const void *w, long wrow, void *out) { mskq_tile45_rows<true>(n, w, wrow, out); }
 #endif
 
 // ---------------------------------------------------------------- Q6_K
