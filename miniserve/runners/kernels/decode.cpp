@@ -613,6 +613,7 @@ struct Kernels {
     TileFn tile = nullptr;
     long tbytes = 0;
     DotUFn tdot1 = nullptr, tdot4 = nullptr, tdot8 = nullptr;
+    long tmin = 0;  // from this many activation rows (below: the one-off layout costs more than it saves)
 };
 
 #define MS_KERNELS(block, bytes, act, t) \
@@ -624,16 +625,22 @@ struct Kernels {
 #define MS_KERNELS_T(block, bytes, act, t, u)                                                      \
     {block, bytes, act, ms_dot_##t<1>, ms_dot_##t<4>, ms_dot_##t<8>, ms_dequant_##t,               \
      (long)sizeof(u), ms_unpack_##t, ms_dotu_##t<4>, ms_dotu_##t<8>, nullptr, ms_tile_##t,          \
-     (long)sizeof(mskq_t45), mskq_tile45_dot<1>, mskq_tile45_dot<4>, mskq_tile45_dot<8>}
+     (long)sizeof(mskq_t45), mskq_tile45_dot<1>, mskq_tile45_dot<4>, mskq_tile45_dot<8>, 8}
+#define MS_KERNELS_T6(block, bytes, act, t, u)                                                     \
+    {block, bytes, act, ms_dot_##t<1>, ms_dot_##t<4>, ms_dot_##t<8>, ms_dequant_##t,               \
+     (long)sizeof(u), ms_unpack_##t, ms_dotu_##t<4>, ms_dotu_##t<8>, nullptr, ms_tile_##t,          \
+     (long)sizeof(mskq_t6), mskq_tile6_dot<1>, mskq_tile6_dot<4>, mskq_tile6_dot<8>, 16}
 #elif defined(MSKQ_AVX2)
 static const DotRFn ms_dot8r_q6_K = nullptr;  // Q6_K: no 8-weight-row form (yet)
 #define MS_KERNELS_U(block, bytes, act, t, u)                                                      \
     {block, bytes, act, ms_dot_##t<1>, ms_dot_##t<4>, ms_dot_##t<8>, ms_dequant_##t, 0, nullptr,   \
      nullptr, nullptr, ms_dot8r_##t}
 #define MS_KERNELS_T MS_KERNELS_U
+#define MS_KERNELS_T6 MS_KERNELS_U
 #else
 #define MS_KERNELS_U(block, bytes, act, t, u) MS_KERNELS(block, bytes, act, t)
 #define MS_KERNELS_T MS_KERNELS_U
+#define MS_KERNELS_T6 MS_KERNELS_U
 #endif
 
 // The kernels of a quantized (or F16) type; null for F32, BF16 (the float loops above) and
@@ -646,7 +653,7 @@ static const Kernels *kernels_for(long type) {
                          q8_0 = MS_KERNELS(32, 34, ACT_A8, q8_0),
                          q4_k = MS_KERNELS_T(256, 144, ACT_A8K, q4_K, mskq_u45),
                          q5_k = MS_KERNELS_T(256, 176, ACT_A8K, q5_K, mskq_u45),
-                         q6_k = MS_KERNELS_U(256, 210, ACT_A8K, q6_K, mskq_u6),
+                         q6_k = MS_KERNELS_T6(256, 210, ACT_A8K, q6_K, mskq_u6),
                          f16 = MS_KERNELS(1, 2, ACT_FLOAT, f16);
     switch (type) {
         case T_Q4_0: return &q4_0;
@@ -682,9 +689,6 @@ static long act_row_bytes(Act act, long cols) {
 // From this many activation rows a product is compute-bound: K-quant rows are unpacked once
 // (qmatmul_unpacked) and weight rows are dealt to the threads as they are taken (linear).
 static const long MANY_ROWS = 16;
-// From this many a type with tiles (kquants.h: Q4_K / Q5_K in the AVX-512 build) lays its rows
-// out as tiles: their one-off cost is below what 8 rows save.
-static const long TILE_ROWS = 8;
 
 // As qmatmul_part (below), for a type whose blocks unpack (the K-quants in the AVX-512 build)
 // and enough activation rows that unpacking each block once, not once per 8 rows, pays: a
@@ -723,18 +727,19 @@ static void qmatmul_unpacked(const Kernels *k, const char *w, long wrow, const c
     }
 }
 
-// As qmatmul_unpacked, for a type with tiles (Q4_K / Q5_K in the AVX-512 build): the share's
-// rows 16 at a time laid out as tiles, a chunk of tile rows at a time (it stays in L2), then
-// each group of 8 (then 4, then 1) activation rows meets the chunk's tile rows, whole (the
-// group's activations stay in L1 for a 2048-wide product, in L2 beyond). Rows past the last
-// whole 16 go to qmatmul_unpacked. The same bits as qmatmul_part.
+// As qmatmul_unpacked, for a type with tiles (the K-quants in the AVX-512 build, from k->tmin
+// activation rows): the share's rows 16 at a time laid out as tiles, a chunk of tile rows at a
+// time (it stays in L2), then each group of 8 (then 4, then 1) activation rows meets the
+// chunk's tile rows a piece of 8 blocks at a time (the group's piece of activations stays in
+// L1; the running sums wait in `sums` between pieces). Rows past the last whole 16 go to
+// qmatmul_unpacked. The same bits as qmatmul_part.
 static void qmatmul_tiles(const Kernels *k, const char *w, long wrow, const char *xq, long xs,
                           float *y, long B, long ldy, long C, long r0, long r1) {
     static thread_local std::vector<char> buffer;
     static thread_local std::vector<float> sums;
     const long nb = C / k->block, trow = nb * k->tbytes, tiles = (r1 - r0) / 16;
     const long RC = std::max(1L, (512L << 10) / trow), PB = 8;  // tile rows a chunk, blocks a piece
-    const long ab = (long)sizeof(ms_a8k), state = 8 * 32;  // floats a tile row leaves between pieces
+    const long ab = (long)sizeof(ms_a8k), state = 8 * 128;  // floats a tile row leaves between pieces
     if ((long)buffer.size() < std::min(RC, tiles) * trow + 64) buffer.resize(std::min(RC, tiles) * trow + 64);
     if ((long)sums.size() < RC * state) sums.resize(RC * state);
     char *u = buffer.data() + (64 - (uintptr_t)buffer.data() % 64) % 64;  // 64-byte aligned
@@ -766,7 +771,7 @@ static void qmatmul_tiles(const Kernels *k, const char *w, long wrow, const char
 // never changes a pair's result (see above).
 static void qmatmul_part(const Kernels *k, const char *w, long wrow, const char *xq, long xs,
                          float *y, long B, long ldy, long C, long r0, long r1) {
-    if (k->tile != nullptr && B >= TILE_ROWS && C >= k->block)
+    if (k->tile != nullptr && B >= k->tmin && C >= k->block)
         return qmatmul_tiles(k, w, wrow, xq, xs, y, B, ldy, C, r0, r1);
     if (k->unpack != nullptr && B >= MANY_ROWS && C >= k->block)
         return qmatmul_unpacked(k, w, wrow, xq, xs, y, B, ldy, C, r0, r1);
@@ -1453,7 +1458,7 @@ static void linear(const MsModel *m, const MsMat *parts, int nparts, const float
             // same whoever computes it.
             std::atomic<long> next{0};
             parallel(m->threads, [&](int t, int n) {
-                if (B < (k->tile != nullptr ? TILE_ROWS : MANY_ROWS)) {
+                if (B < (k->tile != nullptr ? k->tmin : MANY_ROWS)) {
                     long per = ((p.rows + n - 1) / n + 3) / 4 * 4;
                     long r0 = t * per, r1 = std::min(r0 + per, p.rows);
                     if (r0 < r1) qmatmul_part(k, (const char *)p.data, wrow, xq, xs, yp, B, R, C, r0, r1);

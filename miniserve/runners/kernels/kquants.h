@@ -1014,4 +1014,111 @@ static void ms_dotu_q6_K(long n, const void *w, const void *x, long xstride, flo
 }
 #endif
 
+#if defined(MSKQ_AVX512)
+// 16 Q6_K rows' super-block laid out as a tile (as mskq_t45: lane l holds row mskq_tile_row(l)).
+// The A8 lanes of the order above come out as the same integers per row (lane l's 4 group
+// halves, each dot product times its scale), so the float part, lane by lane, is the same.
+struct mskq_t6 {
+    __m512i q[16][4];  // [group g][k]: weights 16g + 4k .. 16g + 4k + 3 (0..63) of each lane's row
+    __m512i sc[16];    // group g's scale, int32
+    __m512i scp[8];    // (sc[2t], sc[2t + 1]) as int16 pairs: vpdpwssd with (bsums[2t], [2t + 1])
+    __m512 d;
+};
+static_assert(sizeof(mskq_t6) % 64 == 0 && alignof(mskq_t6) == 64, "tiles back to back, aligned");
+
+static inline void mskq_tile6(const uint8_t *b, long wrow, mskq_t6 &o) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    alignas(32) uint16_t dh[16];
+    for (int l = 0; l < 16; l++) std::memcpy(&dh[l], b + mskq_tile_row(l) * wrow + 208, 2);
+    o.d = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)dh));
+    __m512i z[4], t[4];
+    for (int Q = 0; Q < 4; Q++) z[Q] = mskq_quad(b, wrow, Q, 192);
+    mskq_transpose4(z, t);  // t[k]: scales 4k .. 4k + 3 of each lane's row
+    for (int g = 0; g < 16; g++)
+        o.sc[g] = _mm512_srai_epi32(_mm512_slli_epi32(t[g >> 2], 24 - 8 * (g & 3)), 24);
+    for (int p = 0; p < 8; p++)
+        o.scp[p] = _mm512_or_si512(_mm512_and_si512(o.sc[2 * p], _mm512_set1_epi32(0xFFFF)),
+                                   _mm512_slli_epi32(o.sc[2 * p + 1], 16));
+    // weights 128H + 32r + 16lh + i (i < 16): group 8H + 2r + lh, from ql[64H + 32 (r & 1) + 16lh + i]
+    // (low nibble for r < 2, high for r >= 2) and bits 2r, 2r + 1 of qh[32H + 16lh + i]
+    for (int H = 0; H < 2; H++)
+        for (int lh = 0; lh < 2; lh++) {
+            __m512i w[4][4];  // [r][quad]
+            for (int Q = 0; Q < 4; Q++) {
+                const __m512i l0 = mskq_quad(b, wrow, Q, 64 * H + 16 * lh);
+                const __m512i l1 = mskq_quad(b, wrow, Q, 64 * H + 32 + 16 * lh);
+                const __m512i qh = mskq_quad(b, wrow, Q, 128 + 32 * H + 16 * lh);
+                w[0][Q] = _mm512_or_si512(_mm512_and_si512(l0, m4), _mm512_and_si512(_mm512_slli_epi16(qh, 4), m30));
+                w[1][Q] = _mm512_or_si512(_mm512_and_si512(l1, m4), _mm512_and_si512(_mm512_slli_epi16(qh, 2), m30));
+                w[2][Q] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l0, 4), m4), _mm512_and_si512(qh, m30));
+                w[3][Q] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l1, 4), m4),
+                                          _mm512_and_si512(_mm512_srli_epi16(qh, 2), m30));
+            }
+            for (int r = 0; r < 4; r++) mskq_transpose4(w[r], o.q[8 * H + 2 * r + lh]);
+        }
+}
+
+static void ms_tile_q6_K(long n, const void *w, long wrow, void *out) {
+    const uint8_t *b = (const uint8_t *)w;
+    mskq_t6 *o = (mskq_t6 *)out;
+    for (long i = 0; i < n / 256; i++) mskq_tile6(b + i * 210, wrow, o[i]);
+}
+
+// As mskq_tile45_dot, for Q6_K tiles (the state: 128 floats an activation row).
+template <int NB>
+static void mskq_tile6_dot(long n, const void *tiles, const void *x, long xstride, float *y, long ystride,
+                           float *state, int phase) {
+    const mskq_t6 *t = (const mskq_t6 *)tiles;
+    __m512 fa[NB][8];
+    for (int j = 0; j < NB; j++)
+        for (int l = 0; l < 8; l++)
+            fa[j][l] = phase & 1 ? _mm512_loadu_ps(state + 128 * j + 16 * l) : _mm512_setzero_ps();
+    for (long i = 0; i < n / 256; i++) {
+        const mskq_t6 &u = t[i];
+        __m512 ddx[NB];
+        for (int j = 0; j < NB; j++) {
+            float dx;
+            std::memcpy(&dx, mskq_xblock(x, xstride, j, i), 4);
+            ddx[j] = _mm512_mul_ps(_mm512_set1_ps(dx), u.d);
+        }
+        for (int l = 0; l < 8; l++) {  // A8 lane l = 4c + 2e + h: groups c + 4e, c + 2 + 4e and 8 on, half h
+            const int c = l >> 2, e = (l >> 1) & 1, h = l & 1;
+            const int G[4] = {c + 4 * e, c + 2 + 4 * e, c + 4 * e + 8, c + 2 + 4 * e + 8};
+            __m512i W[8];
+            for (int m = 0; m < 4; m++)
+                W[2 * m] = _mm512_load_si512((const void *)&u.q[G[m]][2 * h]),
+                W[2 * m + 1] = _mm512_load_si512((const void *)&u.q[G[m]][2 * h + 1]);
+            for (int j = 0; j < NB; j++) {
+                const uint8_t *xb = mskq_xblock(x, xstride, j, i);
+                const int32_t *xq = (const int32_t *)(xb + 4);
+                __m512i T = _mm512_setzero_si512();
+                for (int m = 0; m < 4; m++) {
+                    const int o = 4 * G[m] + 2 * h;  // the dword of weight 16g + 8h
+                    __m512i D = _mm512_dpbusd_epi32(_mm512_setzero_si512(), W[2 * m], _mm512_set1_epi32(xq[o]));
+                    D = _mm512_dpbusd_epi32(D, W[2 * m + 1], _mm512_set1_epi32(xq[o + 1]));
+                    T = _mm512_add_epi32(T, _mm512_mullo_epi32(D, u.sc[G[m]]));
+                }
+                int32_t bs;
+                std::memcpy(&bs, xb + 260 + 4 * l, 4);
+                const __m512i M = _mm512_dpwssd_epi32(_mm512_setzero_si512(), u.scp[l], _mm512_set1_epi32(bs));
+                const __m512i V = _mm512_sub_epi32(T, _mm512_slli_epi32(M, 5));
+                fa[j][l] = _mm512_add_ps(fa[j][l], _mm512_mul_ps(_mm512_cvtepi32_ps(V), ddx[j]));
+            }
+        }
+    }
+    if (!(phase & 2)) {
+        for (int j = 0; j < NB; j++)
+            for (int l = 0; l < 8; l++) _mm512_storeu_ps(state + 128 * j + 16 * l, fa[j][l]);
+        return;
+    }
+    for (int j = 0; j < NB; j++) {  // mskq_tree8, lane by lane
+        __m512 c[4];
+        for (int k = 0; k < 4; k++) c[k] = _mm512_add_ps(fa[j][k], fa[j][k + 4]);
+        alignas(64) float v[16];
+        _mm512_store_ps(v, _mm512_add_ps(_mm512_add_ps(c[0], c[2]), _mm512_add_ps(c[1], c[3])));
+        for (int r = 0; r < 16; r++) y[j * ystride + mskq_tile_row(r)] = v[r];
+    }
+}
+#endif
+
 #endif  // MINISERVE_KQUANTS_H
