@@ -613,7 +613,6 @@ struct Kernels {
     TileFn tile = nullptr;
     long tbytes = 0;
     DotUFn tdot1 = nullptr, tdot4 = nullptr, tdot8 = nullptr;
-    long tmin = 0;  // from this many activation rows (below: the one-off layout costs more than it saves)
 };
 
 #define MS_KERNELS(block, bytes, act, t) \
@@ -625,11 +624,11 @@ struct Kernels {
 #define MS_KERNELS_T(block, bytes, act, t, u)                                                      \
     {block, bytes, act, ms_dot_##t<1>, ms_dot_##t<4>, ms_dot_##t<8>, ms_dequant_##t,               \
      (long)sizeof(u), ms_unpack_##t, ms_dotu_##t<4>, ms_dotu_##t<8>, nullptr, ms_tile_##t,          \
-     (long)sizeof(mskq_t45), mskq_tile45_dot<1>, mskq_tile45_dot<4>, mskq_tile45_dot<8>, 8}
+     (long)sizeof(mskq_t45), mskq_tile45_dot<1>, mskq_tile45_dot<4>, mskq_tile45_dot<8>}
 #define MS_KERNELS_T6(block, bytes, act, t, u)                                                     \
     {block, bytes, act, ms_dot_##t<1>, ms_dot_##t<4>, ms_dot_##t<8>, ms_dequant_##t,               \
      (long)sizeof(u), ms_unpack_##t, ms_dotu_##t<4>, ms_dotu_##t<8>, nullptr, ms_tile_##t,          \
-     (long)sizeof(mskq_t6), mskq_tile6_dot<1>, mskq_tile6_dot<4>, mskq_tile6_dot<8>, 16}
+     (long)sizeof(mskq_t6), mskq_tile6_dot<1>, mskq_tile6_dot<4>, mskq_tile6_dot<8>}
 #elif defined(MSKQ_AVX2)
 static const DotRFn ms_dot8r_q6_K = nullptr;  // Q6_K: no 8-weight-row form (yet)
 #define MS_KERNELS_U(block, bytes, act, t, u)                                                      \
@@ -686,8 +685,11 @@ static long act_row_bytes(Act act, long cols) {
     return cols * (long)sizeof(float);
 }
 
-// From this many activation rows a product is compute-bound: K-quant rows are unpacked once
-// (qmatmul_unpacked) and weight rows are dealt to the threads as they are taken (linear).
+// From this many activation rows a product is compute-bound: K-quant rows are laid out as
+// tiles or unpacked once (qmatmul_tiles, qmatmul_unpacked) and weight rows are dealt to the
+// threads as they are taken (linear). Tiles from 8 rows were 1.4x faster on weights in L3 but
+// slower in 8-stream decode from a file's pages (1B Q4_K_M, Zen 4: 83-100 against 95-120 ms a
+// step), where the row-by-row loop streams as the prefetchers like.
 static const long MANY_ROWS = 16;
 
 // As qmatmul_part (below), for a type whose blocks unpack (the K-quants in the AVX-512 build)
@@ -727,11 +729,11 @@ static void qmatmul_unpacked(const Kernels *k, const char *w, long wrow, const c
     }
 }
 
-// As qmatmul_unpacked, for a type with tiles (the K-quants in the AVX-512 build, from k->tmin
-// activation rows): the share's rows 16 at a time laid out as tiles, a chunk of tile rows at a
-// time (it stays in L2), then each group of 8 (then 4, then 1) activation rows meets the
-// chunk's tile rows a piece of 8 blocks at a time (the group's piece of activations stays in
-// L1; the running sums wait in `sums` between pieces). Rows past the last whole 16 go to
+// As qmatmul_unpacked, for a type with tiles (the K-quants in the AVX-512 build): the share's
+// rows 16 at a time laid out as tiles, a chunk of tile rows at a time (it stays in L2), then
+// each group of 8 (then 4, then 1) activation rows meets the chunk's tile rows a piece of 8
+// blocks at a time (the group's piece of activations stays in L1; the running sums wait in
+// `sums` between pieces). Rows past the last whole 16 go to
 // qmatmul_unpacked. The same bits as qmatmul_part.
 static void qmatmul_tiles(const Kernels *k, const char *w, long wrow, const char *xq, long xs,
                           float *y, long B, long ldy, long C, long r0, long r1) {
@@ -746,13 +748,21 @@ static void qmatmul_tiles(const Kernels *k, const char *w, long wrow, const char
     for (long c0 = 0; c0 < tiles; c0 += RC) {
         const long c1 = std::min(tiles, c0 + RC);
         for (long t = c0; t < c1; t++) k->tile(C, w + (r0 + 16 * t) * wrow, wrow, u + (t - c0) * trow);
+        // the next chunk's rows asked for into L2 a slice before each product, so that they
+        // arrive while this chunk computes (laying them out is then not a wait on memory)
+        const char *ahead = w + (r0 + 16 * c1) * wrow, *ahead_end = w + (r0 + 16 * std::min(tiles, c1 + RC)) * wrow;
+        const long calls = (B / 8 + B % 8 / 4 + B % 4) * ((nb + PB - 1) / PB) * (c1 - c0);
+        const long slice = ((ahead_end - ahead) / std::max(1L, calls) + 64) / 64 * 64;
         auto group = [&](DotUFn dot, long b) {
             for (long p0 = 0; p0 < nb; p0 += PB) {
                 const long p1 = std::min(nb, p0 + PB);
                 const int phase = (p0 > 0 ? 1 : 0) | (p1 == nb ? 2 : 0);
-                for (long t = c0; t < c1; t++)
+                for (long t = c0; t < c1; t++) {
+                    for (const char *e = std::min(ahead_end, ahead + slice); ahead < e; ahead += 64)
+                        _mm_prefetch(ahead, _MM_HINT_T1);
                     dot((p1 - p0) * k->block, u + (t - c0) * trow + p0 * k->tbytes, xq + b * xs + p0 * ab, xs,
                         y + b * ldy + r0 + 16 * t, ldy, sums.data() + (t - c0) * state, phase);
+                }
             }
         };
         long b = 0;
@@ -771,7 +781,7 @@ static void qmatmul_tiles(const Kernels *k, const char *w, long wrow, const char
 // never changes a pair's result (see above).
 static void qmatmul_part(const Kernels *k, const char *w, long wrow, const char *xq, long xs,
                          float *y, long B, long ldy, long C, long r0, long r1) {
-    if (k->tile != nullptr && B >= k->tmin && C >= k->block)
+    if (k->tile != nullptr && B >= MANY_ROWS && C >= k->block)
         return qmatmul_tiles(k, w, wrow, xq, xs, y, B, ldy, C, r0, r1);
     if (k->unpack != nullptr && B >= MANY_ROWS && C >= k->block)
         return qmatmul_unpacked(k, w, wrow, xq, xs, y, B, ldy, C, r0, r1);
@@ -1458,7 +1468,7 @@ static void linear(const MsModel *m, const MsMat *parts, int nparts, const float
             // same whoever computes it.
             std::atomic<long> next{0};
             parallel(m->threads, [&](int t, int n) {
-                if (B < (k->tile != nullptr ? k->tmin : MANY_ROWS)) {
+                if (B < MANY_ROWS) {
                     long per = ((p.rows + n - 1) / n + 3) / 4 * 4;
                     long r0 = t * per, r1 = std::min(r0 + per, p.rows);
                     if (r0 < r1) qmatmul_part(k, (const char *)p.data, wrow, xq, xs, yp, B, R, C, r0, r1);

@@ -36,10 +36,11 @@
 // The three builds differ only in how the integer lanes are found:
 //   AVX-512 + VNNI: 64 weights a register; vpdpbusd (u8 weights x s8 activations, 4 products a
 //     lane), pairs of such lane vectors packed to int16 (sums < 2^15: exact) and multiplied by
-//     the scales with vpdpwssd; each unpacked weight register reused for all NB rows. From 8
-//     activation rows, Q4_K / Q5_K rows are laid out 16 at a time as tiles (mskq_t45: a lane a
-//     weight row), where one vpdpbusd against 4 broadcast activation bytes is 64 products with
-//     no lanes to fold; A and B are the same integers, so the bits are the same.
+//     the scales with vpdpwssd; each unpacked weight register reused for all NB rows. For a
+//     prompt (16 activation rows or more), rows are laid out 16 at a time as tiles (mskq_t45,
+//     mskq_t6: a lane a weight row), where one vpdpbusd against 4 broadcast activation bytes is
+//     64 products with no lanes to fold; the totals are the same integers, so the bits are the
+//     same.
 //   AVX2 + FMA: 32 weights a register; vpmaddubsw (pairs, no saturation: 2*63*127 < 2^15), then
 //     vpmaddwd by the scales, as llama.cpp does; the 4-weight sums paired into the A lanes with
 //     vphaddd.
@@ -694,6 +695,13 @@ static_assert(sizeof(mskq_t45) % 64 == 0 && alignof(mskq_t45) == 64, "tiles back
 
 static inline int mskq_tile_row(int l) { return 4 * (l & 3) + (l >> 2); }
 
+// The next 16 rows' block at b (wrow bytes apart), asked for while this tile is laid out: the
+// rows are read 16 at a time, a pattern the hardware prefetchers do not follow from memory.
+static inline void mskq_tile_prefetch(const uint8_t *b, long wrow, int bytes) {
+    for (int r = 0; r < 16; r++)
+        for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char *)b + r * wrow + o, _MM_HINT_T0);
+}
+
 // Per 128-bit lane c, the 4 x 4 dwords of a[0..3] transposed: out[k]'s dword Q of lane c is
 // a[Q]'s dword k of lane c.
 static inline void mskq_transpose4(const __m512i *a, __m512i *out) {
@@ -760,7 +768,11 @@ template <bool HI>
 static void mskq_tile45_rows(long n, const void *w, long wrow, void *out) {
     const uint8_t *b = (const uint8_t *)w;
     mskq_t45 *o = (mskq_t45 *)out;
-    for (long i = 0; i < n / 256; i++) mskq_tile45<HI>(b + i * (HI ? 176 : 144), wrow, o[i]);
+    const long bytes = HI ? 176 : 144;
+    for (long i = 0; i < n / 256; i++) {
+        mskq_tile_prefetch(b + 16 * wrow + i * bytes, wrow, (int)bytes);
+        mskq_tile45<HI>(b + i * bytes, wrow, o[i]);
+    }
 }
 
 // The 16 rows of a tile row (n / 256 tiles at t) against NB activation rows (xstride bytes
@@ -1061,7 +1073,10 @@ static inline void mskq_tile6(const uint8_t *b, long wrow, mskq_t6 &o) {
 static void ms_tile_q6_K(long n, const void *w, long wrow, void *out) {
     const uint8_t *b = (const uint8_t *)w;
     mskq_t6 *o = (mskq_t6 *)out;
-    for (long i = 0; i < n / 256; i++) mskq_tile6(b + i * 210, wrow, o[i]);
+    for (long i = 0; i < n / 256; i++) {
+        mskq_tile_prefetch(b + 16 * wrow + i * 210, wrow, 210);
+        mskq_tile6(b + i * 210, wrow, o[i]);
+    }
 }
 
 // As mskq_tile45_dot, for Q6_K tiles (the state: 128 floats an activation row).
