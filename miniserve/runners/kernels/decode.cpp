@@ -743,7 +743,7 @@ static void qmatmul_tiles(const Kernels *k, const char *w, long wrow, const char
     const long RC = std::max(1L, (512L << 10) / trow), PB = 8;  // tile rows a chunk, blocks a piece
     const long ab = (long)sizeof(ms_a8k), state = 8 * 128;  // floats a tile row leaves between pieces
     if ((long)buffer.size() < std::min(RC, tiles) * trow + 64) buffer.resize(std::min(RC, tiles) * trow + 64);
-    if ((long)sums.size() < RC * state) sums.resize(RC * state);
+    if ((long)sums.size() < std::min(RC, tiles) * state) sums.resize(std::min(RC, tiles) * state);
     char *u = buffer.data() + (64 - (uintptr_t)buffer.data() % 64) % 64;  // 64-byte aligned
     for (long c0 = 0; c0 < tiles; c0 += RC) {
         const long c1 = std::min(tiles, c0 + RC);

@@ -695,6 +695,13 @@ static_assert(sizeof(mskq_t45) % 64 == 0 && alignof(mskq_t45) == 64, "tiles back
 
 static inline int mskq_tile_row(int l) { return 4 * (l & 3) + (l >> 2); }
 
+// 4 activation bytes at p as one int32, broadcast to 16 lanes.
+static inline __m512i mskq_bcast4(const uint8_t *p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
 // The next 16 rows' block at b (wrow bytes apart), asked for while this tile is laid out: the
 // rows are read 16 at a time, a pattern the hardware prefetchers do not follow from memory.
 static inline void mskq_tile_prefetch(const uint8_t *b, long wrow, int bytes) {
@@ -798,12 +805,12 @@ static void mskq_tile45_dot(long n, const void *tiles, const void *x, long xstri
             for (int k = 0; k < 8; k++) W[k] = _mm512_load_si512((const void *)&u.q[s][k]);
             const __m512i sc = u.sc[s];
             for (int j = 0; j < NB; j++) {
-                const int32_t *xq = (const int32_t *)(mskq_xblock(x, xstride, j, i) + 4 + 32 * s);
-                __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), W[0], _mm512_set1_epi32(xq[0]));
-                __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), W[4], _mm512_set1_epi32(xq[4]));
+                const uint8_t *xq = mskq_xblock(x, xstride, j, i) + 4 + 32 * s;
+                __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), W[0], mskq_bcast4(xq));
+                __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), W[4], mskq_bcast4(xq + 16));
                 for (int k = 1; k < 4; k++) {
-                    d0 = _mm512_dpbusd_epi32(d0, W[k], _mm512_set1_epi32(xq[k]));
-                    d1 = _mm512_dpbusd_epi32(d1, W[4 + k], _mm512_set1_epi32(xq[4 + k]));
+                    d0 = _mm512_dpbusd_epi32(d0, W[k], mskq_bcast4(xq + 4 * k));
+                    d1 = _mm512_dpbusd_epi32(d1, W[4 + k], mskq_bcast4(xq + 16 + 4 * k));
                 }
                 A[j] = _mm512_add_epi32(A[j], _mm512_mullo_epi32(_mm512_add_epi32(d0, d1), sc));
             }
@@ -1105,12 +1112,12 @@ static void mskq_tile6_dot(long n, const void *tiles, const void *x, long xstrid
                 W[2 * m + 1] = _mm512_load_si512((const void *)&u.q[G[m]][2 * h + 1]);
             for (int j = 0; j < NB; j++) {
                 const uint8_t *xb = mskq_xblock(x, xstride, j, i);
-                const int32_t *xq = (const int32_t *)(xb + 4);
+                const uint8_t *xq = xb + 4;
                 __m512i T = _mm512_setzero_si512();
                 for (int m = 0; m < 4; m++) {
-                    const int o = 4 * G[m] + 2 * h;  // the dword of weight 16g + 8h
-                    __m512i D = _mm512_dpbusd_epi32(_mm512_setzero_si512(), W[2 * m], _mm512_set1_epi32(xq[o]));
-                    D = _mm512_dpbusd_epi32(D, W[2 * m + 1], _mm512_set1_epi32(xq[o + 1]));
+                    const int o = 16 * G[m] + 8 * h;  // weight 16g + 8h
+                    __m512i D = _mm512_dpbusd_epi32(_mm512_setzero_si512(), W[2 * m], mskq_bcast4(xq + o));
+                    D = _mm512_dpbusd_epi32(D, W[2 * m + 1], mskq_bcast4(xq + o + 4));
                     T = _mm512_add_epi32(T, _mm512_mullo_epi32(D, u.sc[G[m]]));
                 }
                 int32_t bs;
