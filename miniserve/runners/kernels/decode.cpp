@@ -759,7 +759,7 @@ static void qmatmul_tiles(const Kernels *k, const char *w, long wrow, const char
                 const int phase = (p0 > 0 ? 1 : 0) | (p1 == nb ? 2 : 0);
                 for (long t = c0; t < c1; t++) {
                     for (const char *e = std::min(ahead_end, ahead + slice); ahead < e; ahead += 64)
-                        _mm_prefetch(ahead, _MM_HINT_T1);
+                        __builtin_prefetch(ahead, 0, 2);  // into L2 (T1)
                     dot((p1 - p0) * k->block, u + (t - c0) * trow + p0 * k->tbytes, xq + b * xs + p0 * ab, xs,
                         y + b * ldy + r0 + 16 * t, ldy, sums.data() + (t - c0) * state, phase);
                 }
