@@ -96,9 +96,10 @@ def test_each_kernel_against_float64_over_the_independently_dequantized_weights(
 @pytest.mark.parametrize("qtype", LEGACY + K_QUANTS + [Q.F16], ids=lambda t: t.name)
 @needs_native
 def test_each_row_of_a_stored_product_is_computed_as_if_alone(qtype):
-    """Batch invariance: 29 activation rows (tiles of 8, 4 and 1) against each row alone, bit
+    """Batch invariance: 29 activation rows (groups of 8, 4 and 1) against each row alone, bit
     for bit, over 37 weight rows (the threads' shares and the L2 chunks); K-quant rows of 17
-    blocks (three pieces where the AVX-512 loop unpacks the rows for many activation rows)."""
+    blocks (three pieces where the AVX-512 loop lays 16 rows out as a tile, and unpacks the
+    rows past the last whole 16, for many activation rows)."""
     cols = 256 * 17 if qtype in K_QUANTS else 512
     if qtype == Q.F16:
         data = (
@@ -117,12 +118,12 @@ def test_each_row_of_a_stored_product_is_computed_as_if_alone(qtype):
 @pytest.mark.parametrize("rows,blocks", [(300, 65), (40, 8)])
 @needs_native
 def test_wide_k_quant_rows_against_many_activation_rows(qtype, rows, blocks):
-    """Prompt-sized products where the AVX-512 loop lays weight rows out (Q4_K / Q5_K: as tiles
-    of 16 rows; Q6_K: unpacked row by row) in chunks of an L2's size and meets them a piece of 8
-    blocks at a time: 300 rows of 65 blocks (several chunks in one thread's share, the last
-    piece of one block, 300 not a multiple of 16: rows past the tiles), 40 rows of 8 (one
-    piece). Within the activation rounding's bound of float64, and each of 21 activation rows
-    as if alone."""
+    """Prompt-sized products where the AVX-512 loop lays weight rows out as tiles of 16 rows in
+    chunks of an L2's size and meets them a piece of 8 blocks at a time: 300 rows of 65 blocks
+    (with 2 threads, two chunks in each of a thread's shares; the last piece of one block; 300
+    not a multiple of 16: rows past the tiles, unpacked one by one), 40 rows of 8 (one piece).
+    Within the activation rounding's bound of float64, and each of 21 activation rows as if
+    alone."""
     cols = 256 * blocks
     data = random_blocks(qtype, rows, cols, seed=rows + blocks)
     want_w = gguf.quants.dequantize(data, qtype).astype(np.float64)

@@ -693,17 +693,19 @@ static long act_row_bytes(Act act, long cols) {
 static const long MANY_ROWS = 16;
 
 // As qmatmul_part (below), for a type whose blocks unpack (the K-quants in the AVX-512 build)
-// and enough activation rows that unpacking each block once, not once per 8 rows, pays: a
-// chunk of weight rows is unpacked into this thread's buffer (it stays in L2), then each group
-// of 8 (then 4) activation rows meets the chunk's unpacked rows, a piece of columns at a time
-// (the group's piece of activations, 8 x 8 blocks, stays in L1 while the chunk's rows pass;
-// their running sums wait in `state` between pieces); single rows use dot1 on the rows as
-// stored. The same bits as qmatmul_part.
+// and enough activation rows that unpacking each block once, not once per 8 rows, pays (since
+// the tiles below, the rows of a share past its last whole 16): a chunk of weight rows is
+// unpacked into this thread's buffer (it stays in L2), then each group of 8 (then 4)
+// activation rows meets the chunk's unpacked rows, a piece of columns at a time (the group's
+// piece of activations, 8 x 8 blocks, stays in L1 while the chunk's rows pass; their running
+// sums wait in `state` between pieces); single rows use dot1 on the rows as stored. The same
+// bits as qmatmul_part.
 static void qmatmul_unpacked(const Kernels *k, const char *w, long wrow, const char *xq, long xs,
                              float *y, long B, long ldy, long C, long r0, long r1) {
     static thread_local std::vector<char> buffer;
     static thread_local std::vector<float> sums;
-    const long nb = C / k->block, urow = nb * k->ubytes, RC = std::max(1L, (512L << 10) / urow);
+    const long nb = C / k->block, urow = nb * k->ubytes;
+    const long RC = std::min(r1 - r0, std::max(1L, (512L << 10) / urow));
     const long PB = 8;  // blocks a piece
     if ((long)buffer.size() < RC * urow + 64) buffer.resize(RC * urow + 64);
     if ((long)sums.size() < RC * MSKQ_STATE) sums.resize(RC * MSKQ_STATE);

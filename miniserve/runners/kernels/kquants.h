@@ -705,8 +705,11 @@ static inline __m512i mskq_bcast4(const uint8_t *p) {
 // The next 16 rows' block at b (wrow bytes apart), asked for while this tile is laid out: the
 // rows are read 16 at a time, a pattern the hardware prefetchers do not follow from memory.
 static inline void mskq_tile_prefetch(const uint8_t *b, long wrow, int bytes) {
-    for (int r = 0; r < 16; r++)
-        for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char *)b + r * wrow + o, _MM_HINT_T0);
+    for (int r = 0; r < 16; r++) {  // into L2: a whole tile row is laid out before it is read
+        const char *p = (const char *)b + r * wrow;
+        for (int o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
+        _mm_prefetch(p + bytes - 1, _MM_HINT_T1);  // the block's last line, where it starts mid-line
+    }
 }
 
 // Per 128-bit lane c, the 4 x 4 dwords of a[0..3] transposed: out[k]'s dword Q of lane c is
