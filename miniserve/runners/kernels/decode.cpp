@@ -613,6 +613,7 @@ struct Kernels {
     TileFn tile = nullptr;
     long tbytes = 0;
     DotUFn tdot1 = nullptr, tdot4 = nullptr, tdot8 = nullptr;
+    long tmin = 0;  // from this many activation rows (fewer: the one-off layout costs more than it saves)
 };
 
 #define MS_KERNELS(block, bytes, act, t) \
@@ -624,11 +625,11 @@ struct Kernels {
 #define MS_KERNELS_T(block, bytes, act, t, u)                                                      \
     {block, bytes, act, ms_dot_##t<1>, ms_dot_##t<4>, ms_dot_##t<8>, ms_dequant_##t,               \
      (long)sizeof(u), ms_unpack_##t, ms_dotu_##t<4>, ms_dotu_##t<8>, nullptr, ms_tile_##t,          \
-     (long)sizeof(mskq_t45), mskq_tile45_dot<1>, mskq_tile45_dot<4>, mskq_tile45_dot<8>}
+     (long)sizeof(mskq_t45), mskq_tile45_dot<1>, mskq_tile45_dot<4>, mskq_tile45_dot<8>, 8}
 #define MS_KERNELS_T6(block, bytes, act, t, u)                                                     \
     {block, bytes, act, ms_dot_##t<1>, ms_dot_##t<4>, ms_dot_##t<8>, ms_dequant_##t,               \
      (long)sizeof(u), ms_unpack_##t, ms_dotu_##t<4>, ms_dotu_##t<8>, nullptr, ms_tile_##t,          \
-     (long)sizeof(mskq_t6), mskq_tile6_dot<1>, mskq_tile6_dot<4>, mskq_tile6_dot<8>}
+     (long)sizeof(mskq_t6), mskq_tile6_dot<1>, mskq_tile6_dot<4>, mskq_tile6_dot<8>, 16}
 #elif defined(MSKQ_AVX2)
 static const DotRFn ms_dot8r_q6_K = nullptr;  // Q6_K: no 8-weight-row form (yet)
 #define MS_KERNELS_U(block, bytes, act, t, u)                                                      \
@@ -687,9 +688,10 @@ static long act_row_bytes(Act act, long cols) {
 
 // From this many activation rows a product is compute-bound: K-quant rows are laid out as
 // tiles or unpacked once (qmatmul_tiles, qmatmul_unpacked) and weight rows are dealt to the
-// threads as they are taken (linear). Tiles from 8 rows were 1.4x faster on weights in L3 but
-// slower in 8-stream decode from a file's pages (1B Q4_K_M, Zen 4: 83-100 against 95-120 ms a
-// step), where the row-by-row loop streams as the prefetchers like.
+// threads as they are taken (linear). A type with tiles says from how many rows they pay
+// (Kernels::tmin): Q4_K / Q5_K from 8 (8 rows of a 8192x2048 matrix read from memory: 0.86
+// against 1.12 ms, Zen 4), Q6_K from 16 (its tiles keep 8 float lanes a row: at 8 rows 1.27
+// against 1.07 ms).
 static const long MANY_ROWS = 16;
 
 // As qmatmul_part (below), for a type whose blocks unpack (the K-quants in the AVX-512 build)
@@ -731,11 +733,11 @@ static void qmatmul_unpacked(const Kernels *k, const char *w, long wrow, const c
     }
 }
 
-// As qmatmul_unpacked, for a type with tiles (the K-quants in the AVX-512 build): the share's
-// rows 16 at a time laid out as tiles, a chunk of tile rows at a time (it stays in L2), then
-// each group of 8 (then 4, then 1) activation rows meets the chunk's tile rows a piece of 8
-// blocks at a time (the group's piece of activations stays in L1; the running sums wait in
-// `sums` between pieces). Rows past the last whole 16 go to
+// As qmatmul_unpacked, for a type with tiles (the K-quants in the AVX-512 build, from
+// k->tmin activation rows): the share's rows 16 at a time laid out as tiles, a chunk of tile
+// rows at a time (it stays in L2), then each group of 8 (then 4, then 1) activation rows meets
+// the chunk's tile rows a piece of 8 blocks at a time (the group's piece of activations stays
+// in L1; the running sums wait in `sums` between pieces). Rows past the last whole 16 go to
 // qmatmul_unpacked. The same bits as qmatmul_part.
 static void qmatmul_tiles(const Kernels *k, const char *w, long wrow, const char *xq, long xs,
                           float *y, long B, long ldy, long C, long r0, long r1) {
@@ -783,7 +785,7 @@ static void qmatmul_tiles(const Kernels *k, const char *w, long wrow, const char
 // never changes a pair's result (see above).
 static void qmatmul_part(const Kernels *k, const char *w, long wrow, const char *xq, long xs,
                          float *y, long B, long ldy, long C, long r0, long r1) {
-    if (k->tile != nullptr && B >= MANY_ROWS && C >= k->block)
+    if (k->tile != nullptr && B >= k->tmin && C >= k->block)
         return qmatmul_tiles(k, w, wrow, xq, xs, y, B, ldy, C, r0, r1);
     if (k->unpack != nullptr && B >= MANY_ROWS && C >= k->block)
         return qmatmul_unpacked(k, w, wrow, xq, xs, y, B, ldy, C, r0, r1);
@@ -1470,7 +1472,7 @@ static void linear(const MsModel *m, const MsMat *parts, int nparts, const float
             // same whoever computes it.
             std::atomic<long> next{0};
             parallel(m->threads, [&](int t, int n) {
-                if (B < MANY_ROWS) {
+                if (B < (k->tile != nullptr ? std::min(k->tmin, MANY_ROWS) : MANY_ROWS)) {
                     long per = ((p.rows + n - 1) / n + 3) / 4 * 4;
                     long r0 = t * per, r1 = std::min(r0 + per, p.rows);
                     if (r0 < r1) qmatmul_part(k, (const char *)p.data, wrow, xq, xs, yp, B, R, C, r0, r1);

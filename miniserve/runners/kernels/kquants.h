@@ -36,11 +36,11 @@
 // The three builds differ only in how the integer lanes are found:
 //   AVX-512 + VNNI: 64 weights a register; vpdpbusd (u8 weights x s8 activations, 4 products a
 //     lane), pairs of such lane vectors packed to int16 (sums < 2^15: exact) and multiplied by
-//     the scales with vpdpwssd; each unpacked weight register reused for all NB rows. For a
-//     prompt (16 activation rows or more), rows are laid out 16 at a time as tiles (mskq_t45,
-//     mskq_t6: a lane a weight row), where one vpdpbusd against 4 broadcast activation bytes is
-//     64 products with no lanes to fold; the totals are the same integers, so the bits are the
-//     same.
+//     the scales with vpdpwssd; each unpacked weight register reused for all NB rows. From 8
+//     activation rows (Q6_K: 16; decode.cpp's Kernels::tmin), rows are laid out 16 at a time
+//     as tiles (mskq_t45, mskq_t6: a lane a weight row), where one vpdpbusd against 4
+//     broadcast activation bytes is 64 products with no lanes to fold; the totals are the same
+//     integers, so the bits are the same.
 //   AVX2 + FMA: 32 weights a register; vpmaddubsw (pairs, no saturation: 2*63*127 < 2^15), then
 //     vpmaddwd by the scales, as llama.cpp does; the 4-weight sums paired into the A lanes with
 //     vphaddd.
