@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import expect
 
-from miniserve.ui.chat_tab import STILL_STREAMING
+from miniserve.ui.chat_tab import DRAFT_KEPT, STILL_STREAMING
 
 pytestmark = pytest.mark.browser
 SHOTS = Path(__file__).resolve().parent.parent / "docs"
@@ -152,6 +152,12 @@ def test_stop_keeps_what_was_written(page):
         "document.querySelector('#status').innerText.includes('tokens/s')",
         timeout=60000,
     )
+    # Undo takes that turn back: "Hi" returns to the box, above what was typed there since
+    message.fill("and then?")
+    page.get_by_role("button", name="Undo", exact=True).click()
+    expect(page.locator("#status")).to_contain_text(DRAFT_KEPT)
+    expect(message).to_have_value("Hi\n\nand then?")
+    expect(page.locator("[data-testid='bot']")).to_have_count(1)
 
 
 def test_empty_message_is_a_readable_error_and_keeps_the_chat(page):

@@ -17,6 +17,7 @@ from miniserve.core.samplers import default_order, describe
 from miniserve.store.store import open_store
 from miniserve.ui import BenchmarkHandlers, ChatHandlers, CompareHandlers, build_ui
 from miniserve.ui.bench_tab import BENCH_COLUMNS, CONCURRENCY_COLUMNS
+from miniserve.ui.chat_tab import DRAFT_KEPT
 from miniserve.ui.common import Sessions
 from miniserve.ui.conversation import SHOWN, Shown, new_view
 from miniserve.ui.sidebar import SidebarHandlers, file_name
@@ -482,8 +483,18 @@ def test_undo_clear_and_presets(chat, presets):
     shown = Shown(*shown)
     assert shown.chatbot == [] and box == "Hi" and shown.status == "last turn removed"
     assert chat.store.path(one.browser["owner"], one.view["cid"]) == []
-    *shown, box = chat.undo(shown.browser, shown.view)
-    assert Shown(*shown).status == "nothing to undo" and box == ""
+    *nothing, box = chat.undo(shown.browser, shown.view)
+    assert Shown(*nothing).status == "nothing to undo" and box == ""
+    # what was typed in the box stays: the turn's message comes back above it
+    *nothing, box = chat.undo(shown.browser, shown.view, "", "my draft")
+    assert Shown(*nothing).status == "nothing to undo" and box == "my draft"
+    again = Shown(*last(send(chat, one.browser, new_view(), "Hi again", max_new_tokens=3))[:8])
+    *shown, box = chat.undo(again.browser, again.view, "", "the next question")
+    assert box == "Hi again\n\nthe next question"
+    assert Shown(*shown).status == f"last turn removed: {DRAFT_KEPT}"
+    same = Shown(*last(send(chat, one.browser, new_view(), "Same", max_new_tokens=3))[:8])
+    *shown, box = chat.undo(same.browser, same.view, "", "Same ")  # the same text: once
+    assert box == "Same" and Shown(*shown).status == "last turn removed"
     two = Shown(*last(send(chat, one.browser, new_view(), "Hello", max_new_tokens=3))[:8])
     *cleared, box, inspected = chat.clear(two.browser)
     cleared = Shown(*cleared)

@@ -81,7 +81,7 @@ def test_every_event_before_the_load_answers_with_a_message_not_an_exception(cha
         return dict(NO_ID)
 
     shown = [
-        chat.undo(browser(), view, "", request)[: len(SHOWN)],
+        chat.undo(browser(), view, "", "", request)[: len(SHOWN)],
         chat.clear(browser(), "", request)[: len(SHOWN)],
         chat.choose(browser(), view, "", SimpleNamespace(index=0), request),
         chat.previous_version(browser(), view, "", request),

@@ -24,7 +24,7 @@ from miniserve.ui import (
     build_ui,
     model_header,
 )
-from miniserve.ui.chat_tab import REPLY_TAKEN_BACK, STILL_STREAMING
+from miniserve.ui.chat_tab import DRAFT_KEPT, REPLY_TAKEN_BACK, STILL_STREAMING
 from miniserve.ui.conversation import SHOWN, Shown
 from miniserve.ui.notebook_tab import TAKEN_BACK
 from miniserve.ui.sidebar import SidebarHandlers
@@ -423,18 +423,20 @@ def test_an_event_after_a_reply_acts_on_the_view_the_reply_left(models, presets)
 def test_chat_undo_during_a_reply_stops_it_and_the_reply_takes_its_turn_back(models, presets):
     """Undo pressed while a reply streams: the reply is stopped and not kept, and its own last
     output is Undo's result (the conversation without the turn, the question back in the
-    box); Undo itself writes nothing (common.Sessions.take_over says why)."""
+    box, above what was typed there meanwhile); Undo itself writes nothing
+    (common.Sessions.take_over says why)."""
     chat = ChatHandlers(models, presets)
     one, question, thread, shown, growing = chat_streaming(chat, presets)
     try:
         assert growing.wait(60), "the reply did not start"
         streaming = Shown(*shown[-1][:8])
-        undone = chat.undo(streaming.browser, streaming.view)
+        undone = chat.undo(streaming.browser, streaming.view, "", "typed meanwhile")
         thread.join(timeout=5)
         assert not thread.is_alive(), "the reply still streams after Undo returned"
         assert undone == (UNCHANGED,) * (len(SHOWN) + 1)
         back, box = Shown(*shown[-1][:8]), shown[-1][8]
-        assert back.status == REPLY_TAKEN_BACK and box == question
+        assert back.status == f"{REPLY_TAKEN_BACK}: {DRAFT_KEPT}"
+        assert box == f"{question}\n\ntyped meanwhile"  # the draft is not lost
         assert back.chatbot == one.chatbot and back.view["leaf"] == one.view["leaf"]
         saved = chat.store.path(one.browser["owner"], one.view["cid"])  # the open branch
         assert [m.role for m in saved] == ["user", "assistant"]

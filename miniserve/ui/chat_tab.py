@@ -25,7 +25,6 @@ from miniserve.store.store import Store, StoreError, open_store
 from miniserve.ui.common import (
     ENGINE_EVENTS,
     STOP_WAIT_S,
-    UNDO,
     USER_ERRORS,
     Reading,
     Sessions,
@@ -66,7 +65,24 @@ PANEL = ("system", "preset", *GENERATING, ("think", True), ("budget", NO_LIMIT))
 BROWSER_KEY = "miniserve"  # the browser's local-storage key for its owner id and open chat
 CHAT = "chat"  # the kind of run (common.Sessions) that Undo stops
 REPLY_TAKEN_BACK = "the reply was stopped and its turn taken back"
+DRAFT_KEPT = "its message is back in the box, above what you had typed"
 STILL_STREAMING = "a reply is still streaming: wait for it to end, or press Stop"
+
+
+class Undo(NamedTuple):
+    """Undo, taking over a streaming reply (common.Sessions.take_over): `draft`, what the
+    message box held when Undo was pressed, which the turn's message goes back above."""
+
+    draft: str = ""
+
+
+def with_draft(text: str, draft: str) -> str:
+    """What Undo leaves in the message box: the turn's message, and below it what was typed
+    there meanwhile (nothing typed is lost); the draft alone where nothing came back."""
+    draft = draft or ""
+    if not text or not draft.strip() or draft.strip() == text.strip():
+        return text or draft
+    return f"{text}\n\n{draft}"
 
 
 def chat_status(stats, dropped: int, note: str = "") -> str:
@@ -208,7 +224,7 @@ class ChatHandlers:
                     )
                     return
                 last = reading.last
-                if cancel.taken_over == UNDO:  # its result follows; the reply is not kept
+                if isinstance(cancel.taken_over, Undo):  # its result follows; the reply is not kept
                     return
                 if last is None or not last.done:
                     yield (
@@ -251,8 +267,8 @@ class ChatHandlers:
         with self.sessions.running(request, CHAT) as cancel:
             yield from respond(cancel)
             taken = self.sessions.close(cancel)  # pressed while it ran: common.Sessions
-            if taken == UNDO:
-                yield (*self._take_back(browser, view, query, REPLY_TAKEN_BACK), "")
+            if isinstance(taken, Undo):
+                yield (*self._take_back(browser, view, query, REPLY_TAKEN_BACK, taken.draft), "")
             elif callable(taken):  # after_reply's event, on the view this run left
                 done = tuple(taken(view))
                 yield (*done, *unchanged(len(SHOWN) + 2 - len(done)))
@@ -432,30 +448,31 @@ class ChatHandlers:
     def stop(self, request: gr.Request | None = None) -> None:
         self.sessions.stop(request)
 
-    def undo(self, browser, view, query="", request: gr.Request | None = None):
-        """Take back the last turn of this branch: SHOWN values + its message back in the box.
-        A reply still streaming is stopped, has ended when this returns and has taken its turn
-        back as its last output: this then writes nothing (common.Sessions.take_over)."""
+    def undo(self, browser, view, query="", draft="", request: gr.Request | None = None):
+        """Take back the last turn of this branch: SHOWN values + its message back in the box
+        (above `draft`, what the box holds: with_draft). A reply still streaming is stopped, has
+        ended when this returns and has taken its turn back as its last output: this then
+        writes nothing (common.Sessions.take_over)."""
         browser = self._start(browser, request)
-        if self.sessions.take_over(request, CHAT, STOP_WAIT_S, UNDO):
+        if self.sessions.take_over(request, CHAT, STOP_WAIT_S, Undo(draft or "")):
             return unchanged(len(SHOWN) + 1)
-        return self._take_back(browser, view, query, "last turn removed")
+        return self._take_back(browser, view, query, "last turn removed", draft)
 
-    def _take_back(self, browser, view, query, said: str) -> tuple:
+    def _take_back(self, browser, view, query, said: str, draft: str = "") -> tuple:
         """Undo's result: the branch without its last turn (SHOWN values, `said` as the
-        status), then the user's message of that turn for the message box."""
+        status), then for the message box that turn's message above `draft` (with_draft)."""
         try:
             if not view.get("leaf"):
-                return (*self._show(browser, view, "nothing to undo", query), "")
+                return (*self._show(browser, view, "nothing to undo", query), draft or "")
             leaf, text = self.store.undo_turn(owner_of(browser), view["cid"], view["leaf"])
         except StoreError as e:
-            return (*self._show(browser, view, error(str(e)), query), "")
-        return (
-            *self._show(
-                browser, new_view(view["cid"], leaf), said if text else "nothing to undo", query
-            ),
-            text,
-        )
+            return (*self._show(browser, view, error(str(e)), query), draft or "")
+        box = with_draft(text, draft)
+        if not text:
+            said = "nothing to undo"
+        elif box != text:
+            said = f"{said}: {DRAFT_KEPT}"
+        return (*self._show(browser, new_view(view["cid"], leaf), said, query), box)
 
     def after_reply(self, handler, outputs: int):
         """`handler` (an event's function; its `outputs` outputs are SHOWN's, then the message
@@ -633,7 +650,7 @@ def build_chat_tab(app: TabContext, label: str) -> ChatTab:
         run.then(**show_thinking)
     app.header.refresh_after(runs)
     stop_btn.click(chat.stop, None, None, queue=False)
-    undo_btn.click(chat.undo, [browser, view, q], [*shown, message])
+    undo_btn.click(chat.undo, [browser, view, q, message], [*shown, message])
     # what changes the conversation shown stops a streaming reply first (ChatHandlers.after_reply)
     clear = chat.after_reply(chat.clear, len(shown) + 2)
     clear_btn.click(clear, [browser, q], [*shown, message, inspector_view])
