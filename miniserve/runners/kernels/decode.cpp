@@ -622,25 +622,20 @@ struct Kernels {
 #define MS_KERNELS_U(block, bytes, act, t, u)                                                      \
     {block, bytes, act, ms_dot_##t<1>, ms_dot_##t<4>, ms_dot_##t<8>, ms_dequant_##t,               \
      (long)sizeof(u), ms_unpack_##t, ms_dotu_##t<4>, ms_dotu_##t<8>}
-#define MS_KERNELS_T(block, bytes, act, t, u)                                                      \
+// ... and tiles: their struct `tu`, their products `tdot`, from `tmin` activation rows
+#define MS_KERNELS_T(block, bytes, act, t, u, tu, tdot, tmin)                                      \
     {block, bytes, act, ms_dot_##t<1>, ms_dot_##t<4>, ms_dot_##t<8>, ms_dequant_##t,               \
      (long)sizeof(u), ms_unpack_##t, ms_dotu_##t<4>, ms_dotu_##t<8>, nullptr, ms_tile_##t,          \
-     (long)sizeof(mskq_t45), mskq_tile45_dot<1>, mskq_tile45_dot<4>, mskq_tile45_dot<8>, 8}
-#define MS_KERNELS_T6(block, bytes, act, t, u)                                                     \
-    {block, bytes, act, ms_dot_##t<1>, ms_dot_##t<4>, ms_dot_##t<8>, ms_dequant_##t,               \
-     (long)sizeof(u), ms_unpack_##t, ms_dotu_##t<4>, ms_dotu_##t<8>, nullptr, ms_tile_##t,          \
-     (long)sizeof(mskq_t6), mskq_tile6_dot<1>, mskq_tile6_dot<4>, mskq_tile6_dot<8>, 16}
+     (long)sizeof(tu), tdot<1>, tdot<4>, tdot<8>, tmin}
 #elif defined(MSKQ_AVX2)
 static const DotRFn ms_dot8r_q6_K = nullptr;  // Q6_K: no 8-weight-row form (yet)
 #define MS_KERNELS_U(block, bytes, act, t, u)                                                      \
     {block, bytes, act, ms_dot_##t<1>, ms_dot_##t<4>, ms_dot_##t<8>, ms_dequant_##t, 0, nullptr,   \
      nullptr, nullptr, ms_dot8r_##t}
-#define MS_KERNELS_T MS_KERNELS_U
-#define MS_KERNELS_T6 MS_KERNELS_U
+#define MS_KERNELS_T(block, bytes, act, t, u, tu, tdot, tmin) MS_KERNELS_U(block, bytes, act, t, u)
 #else
 #define MS_KERNELS_U(block, bytes, act, t, u) MS_KERNELS(block, bytes, act, t)
-#define MS_KERNELS_T MS_KERNELS_U
-#define MS_KERNELS_T6 MS_KERNELS_U
+#define MS_KERNELS_T(block, bytes, act, t, u, tu, tdot, tmin) MS_KERNELS_U(block, bytes, act, t, u)
 #endif
 
 // The kernels of a quantized (or F16) type; null for F32, BF16 (the float loops above) and
@@ -651,9 +646,9 @@ static const Kernels *kernels_for(long type) {
                          q5_0 = MS_KERNELS(32, 22, ACT_A8, q5_0),
                          q5_1 = MS_KERNELS(32, 24, ACT_A8, q5_1),
                          q8_0 = MS_KERNELS(32, 34, ACT_A8, q8_0),
-                         q4_k = MS_KERNELS_T(256, 144, ACT_A8K, q4_K, mskq_u45),
-                         q5_k = MS_KERNELS_T(256, 176, ACT_A8K, q5_K, mskq_u45),
-                         q6_k = MS_KERNELS_T6(256, 210, ACT_A8K, q6_K, mskq_u6),
+                         q4_k = MS_KERNELS_T(256, 144, ACT_A8K, q4_K, mskq_u45, mskq_t45, mskq_tile45_dot, 8),
+                         q5_k = MS_KERNELS_T(256, 176, ACT_A8K, q5_K, mskq_u45, mskq_t45, mskq_tile45_dot, 8),
+                         q6_k = MS_KERNELS_T(256, 210, ACT_A8K, q6_K, mskq_u6, mskq_t6, mskq_tile6_dot, 16),
                          f16 = MS_KERNELS(1, 2, ACT_FLOAT, f16);
     switch (type) {
         case T_Q4_0: return &q4_0;
@@ -694,9 +689,11 @@ static long act_row_bytes(Act act, long cols) {
 // against 1.07 ms).
 static const long MANY_ROWS = 16;
 
-// As qmatmul_part (below), for a type whose blocks unpack (the K-quants in the AVX-512 build)
-// and enough activation rows that unpacking each block once, not once per 8 rows, pays (since
-// the tiles below, the rows of a share past its last whole 16): a chunk of weight rows is
+// Whether a product of B activation rows over k's weights runs on tiles (qmatmul_tiles).
+static bool tiled(const Kernels *k, long B) { return k->tile != nullptr && B >= k->tmin; }
+
+// As qmatmul_part (below), for the rows of a tiled share past its last whole 16 (qmatmul_tiles,
+// a type whose blocks unpack: the K-quants in the AVX-512 build): a chunk of weight rows is
 // unpacked into this thread's buffer (it stays in L2), then each group of 8 (then 4)
 // activation rows meets the chunk's unpacked rows, a piece of columns at a time (the group's
 // piece of activations, 8 x 8 blocks, stays in L1 while the chunk's rows pass; their running
@@ -745,7 +742,7 @@ static void qmatmul_tiles(const Kernels *k, const char *w, long wrow, const char
     static thread_local std::vector<float> sums;
     const long nb = C / k->block, trow = nb * k->tbytes, tiles = (r1 - r0) / 16;
     const long RC = std::max(1L, (512L << 10) / trow), PB = 8;  // tile rows a chunk, blocks a piece
-    const long ab = (long)sizeof(ms_a8k), state = 8 * 128;  // floats a tile row leaves between pieces
+    const long ab = (long)sizeof(ms_a8k), state = MSKQ_TILE_STATE;
     if ((long)buffer.size() < std::min(RC, tiles) * trow + 64) buffer.resize(std::min(RC, tiles) * trow + 64);
     if ((long)sums.size() < std::min(RC, tiles) * state) sums.resize(std::min(RC, tiles) * state);
     char *u = buffer.data() + (64 - (uintptr_t)buffer.data() % 64) % 64;  // 64-byte aligned
@@ -785,10 +782,7 @@ static void qmatmul_tiles(const Kernels *k, const char *w, long wrow, const char
 // never changes a pair's result (see above).
 static void qmatmul_part(const Kernels *k, const char *w, long wrow, const char *xq, long xs,
                          float *y, long B, long ldy, long C, long r0, long r1) {
-    if (k->tile != nullptr && B >= k->tmin && C >= k->block)
-        return qmatmul_tiles(k, w, wrow, xq, xs, y, B, ldy, C, r0, r1);
-    if (k->unpack != nullptr && B >= MANY_ROWS && C >= k->block)
-        return qmatmul_unpacked(k, w, wrow, xq, xs, y, B, ldy, C, r0, r1);
+    if (tiled(k, B) && C >= k->block) return qmatmul_tiles(k, w, wrow, xq, xs, y, B, ldy, C, r0, r1);
     const long RC = B < 8 ? r1 - r0 : std::max(1L, (256L << 10) / wrow);
     for (long c0 = r0; c0 < r1; c0 += RC) {
         const long c1 = std::min(r1, c0 + RC);
@@ -1472,7 +1466,7 @@ static void linear(const MsModel *m, const MsMat *parts, int nparts, const float
             // same whoever computes it.
             std::atomic<long> next{0};
             parallel(m->threads, [&](int t, int n) {
-                if (B < (k->tile != nullptr ? std::min(k->tmin, MANY_ROWS) : MANY_ROWS)) {
+                if (B < MANY_ROWS && !tiled(k, B)) {
                     long per = ((p.rows + n - 1) / n + 3) / 4 * 4;
                     long r0 = t * per, r1 = std::min(r0 + per, p.rows);
                     if (r0 < r1) qmatmul_part(k, (const char *)p.data, wrow, xq, xs, yp, B, R, C, r0, r1);

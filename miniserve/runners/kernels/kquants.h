@@ -299,6 +299,9 @@ static inline void mskq_prefetch(const uint8_t *p, int bytes) {
 // The running sums a piece of a row leaves for the next (floats a weight row, for up to 8
 // activation rows: Q4_K / Q5_K's 4 pairs x 16, Q6_K's 4 x 16).
 #define MSKQ_STATE 128
+// The same for a tile row (16 weight rows, up to 8 activation rows): Q6_K's 8 lane vectors a
+// row, Q4_K / Q5_K's 2.
+#define MSKQ_TILE_STATE (8 * 128)
 
 #if defined(MSKQ_AVX512)
 // A Q4_K / Q5_K super-block unpacked for the AVX-512 loop (what it computes from the block
