@@ -460,6 +460,25 @@ def test_take_over_stops_one_kind_waits_for_it_to_end_and_leaves_the_others():
             assert sessions.close(closing) is None  # its last output is its own
             assert not sessions.take_over(Request("a"), "notebook", wait=10, by="undo")
             assert not closing.is_set() and closing.taken_over is None
+        # a run that fails before deciding its last output does not carry the button's action
+        # (Undo would be lost): the button, having waited for it to end, acts itself
+        started.clear()
+
+        def failing():
+            try:
+                with sessions.running(Request("a"), "notebook") as cancel:
+                    started.set()
+                    cancel.wait(10)
+                    raise RuntimeError("the run fails")
+            except RuntimeError:
+                pass
+
+        thread.join()
+        thread = threading.Thread(target=failing)
+        thread.start()
+        assert started.wait(10)
+        assert not sessions.take_over(Request("a"), "notebook", wait=10, by="undo")
+        assert not sessions.busy(Request("a"), "notebook"), "returned before the run had ended"
     thread.join()
 
 

@@ -198,7 +198,8 @@ class Sessions:
         The page applies each event's outputs in order, but two events' outputs interleave: a
         stopped run's last few outputs, still on their way, may land after the button's.
         False when none was running (or each had closed, or was taken over by another
-        button, whose run has then ended): the button acts itself."""
+        button, whose run has then ended, or ended by an error before deciding its last
+        output): the button acts itself."""
         with self._lock:
             runs = [
                 r
@@ -212,7 +213,9 @@ class Sessions:
         deadline = time.monotonic() + wait
         for run in runs:  # (one that another button took over: this one acts once it ended)
             run.ended.wait(max(0.0, deadline - time.monotonic()))
-        return bool(mine)
+        # one that ended without closing (it raised) wrote no last output of the button's: the
+        # button acts itself; one still running past the wait carries it when it closes
+        return any(r.cancel.closed or not r.ended.is_set() for r in mine)
 
     def close(self, cancel: Cancel) -> object:
         """Called by a run before its last output: no button takes it over from now on. Returns
