@@ -71,6 +71,9 @@ class Shape:
     experts: int = 0  # MoE: expert_count, of which experts_used a token, each expert_ffn wide
     experts_used: int = 0
     expert_ffn: int = 0
+    # whether the F16 file a quantized one is made from stays in the cache (the MoE's is 15 GB:
+    # it goes once quantized, and comes back only when another type is asked for)
+    keep_source: bool = True
 
     def numbers(self, vocab: int) -> architectures.Shape:
         return architectures.Shape(
@@ -127,6 +130,7 @@ SHAPES = {
         experts=128,
         experts_used=8,
         expert_ffn=768,
+        keep_source=False,
     ),
     "gemma-3-1b": Shape(
         "gemma3", 1152, 6912, 26, 4, 1, 256, 1000000.0, 1e-6, real_vocab=262144, window=512
@@ -477,7 +481,11 @@ def make(
         return write_gguf(out, shape_name, vocab, quant, seed, say, tokenizer)
     f16 = make(shape_name, "f16", vocab, out_dir, seed, progress=say, tokenizer=tokenizer)
     say(f"quantizing {f16.name} -> {out.name} with llama.cpp ...")
-    return llama_quantize(f16, out, quant)
+    llama_quantize(f16, out, quant)
+    if not SHAPES[shape_name].keep_source:
+        say(f"removing {f16.name} ({f16.stat().st_size / 2**30:.1f} GiB), the quantizer's source")
+        f16.unlink()
+    return out
 
 
 def tensor_types(path: Path) -> dict[str, list[str]]:

@@ -421,17 +421,29 @@ static MSQ_INLINE void msq_scales(const uint8_t *wg, int nbg, __m256 *d, __m256 
     *m = _mm256_setzero_ps();
 }
 
-// Q8_0: acc plus the products of 4 pieces (w[i]: the weights' magnitudes, sg[i]: their signed
+// What msq_float takes out of a group's integer totals: the activations' sums times 1 << shift
+// (-1: nothing). Q4_0 and Q5_0 enter as their unsigned stored quants (OFF = 8, 16). On AVX-512,
+// Q8_0's signed quants enter vpdpbusd as the unsigned bytes q + 128 (one xor a group, for all
+// the activation rows), so sum((q + 128) a) - 128 sum(a): the same integer, without the sign
+// trick's instruction a row. (AVX2's pmaddubsw would saturate on the pairs of (q + 128) a; it
+// keeps the sign trick.)
+template <int K>
+constexpr int msq_bias_shift() {
+    typedef MsqT<K> T;
+#if defined(MSQ_AVX512)
+    if (T::BITS == 8) return 7;
+#endif
+    return T::OFF == 8 ? 3 : T::OFF == 16 ? 4 : -1;
+}
+
+// Q8_0 (AVX2): acc plus the products of 4 pieces (w[i]: the weights' magnitudes, sg[i]: their signed
 // bytes) against the activation pieces act(0) .. act(3), int32 lane k for block k.
 template <class Act>
 static MSQ_INLINE __m256i msq_totals_q8(__m256i acc, const __m256i *w, const __m256i *sg, Act act) {
     for (int i = 0; i < 4; i++) {
         const __m256i a = _mm256_sign_epi8(act(i), sg[i]);
-#if defined(MSQ_AVX512)
-        acc = _mm256_dpbusd_epi32(acc, w[i], a);
-#else  // pairs of products up to 2 * 128 * 127: into int32 at once
+        // pairs of products up to 2 * 128 * 127: into int32 at once
         acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w[i], a), _mm256_set1_epi16(1)));
-#endif
     }
     return acc;
 }
@@ -464,30 +476,41 @@ static MSQ_INLINE void msq_group_totals(const uint8_t *w, const char *x, long xs
     typedef MsqT<K> T;
     const uint8_t *wg = w + 8 * g * T::BYTES;
     auto qs = [&](int j) { return ((const ms_a8g *)(x + j * xs) + g)->qs; };
+    constexpr bool biased = T::BITS == 8 && msq_bias_shift<K>() >= 0;  // Q8_0 as q + 128
+    const __m256i bias = _mm256_set1_epi8((char)0x80);
     if (nbg <= 4) {  // half the work (msq_tail), the two halves' totals then added
         __m256i q[4], aq[4];
         msq_tail<K>(wg, nbg, q);
-        if (T::BITS == 8)
-            for (int i = 0; i < 4; i++) aq[i] = _mm256_sign_epi8(q[i], q[i]);
+        for (int i = 0; T::BITS == 8 && i < 4; i++)
+            aq[i] = biased ? _mm256_xor_si256(q[i], bias) : _mm256_sign_epi8(q[i], q[i]);
         for (int j = 0; j < NB; j++) {
             const int8_t *a = qs(j);
             auto act = [&](int i) { return msq_tail_act(a, i); };
             __m256i t;
-            if constexpr (T::BITS == 8)
+            if constexpr (T::BITS == 8 && !biased)
                 t = msq_totals_q8(_mm256_setzero_si256(), aq, q, act);
             else
-                t = msq_totals<K, 4>(q, act);
+                t = msq_totals<K, 4>(biased ? aq : q, act);
             totals[j] = _mm256_add_epi32(t, _mm256_permute2x128_si256(t, t, 0x01));
         }
     } else if constexpr (T::BITS == 8) {  // a half of the pieces at a time: 8 vectors of weights live, not 16
         for (int p = 0; p < 2; p++) {
             __m256i q[4], aq[4];
             msq_quads<K>(wg, nbg, 16 * p, q);
-            for (int i = 0; i < 4; i++) aq[i] = _mm256_sign_epi8(q[i], q[i]);
+            for (int i = 0; i < 4; i++)
+                aq[i] = biased ? _mm256_xor_si256(q[i], bias) : _mm256_sign_epi8(q[i], q[i]);
             for (int j = 0; j < NB; j++) {
                 const int8_t *a = qs(j) + 128 * p;
-                totals[j] = msq_totals_q8(p ? totals[j] : _mm256_setzero_si256(), aq, q,
-                                          [&](int i) { return _mm256_loadu_si256((const __m256i *)(a + 32 * i)); });
+                auto act = [&](int i) { return _mm256_loadu_si256((const __m256i *)(a + 32 * i)); };
+                if constexpr (biased) {
+#if defined(MSQ_AVX512)
+                    __m256i t = p ? totals[j] : _mm256_setzero_si256();
+                    for (int i = 0; i < 4; i++) t = _mm256_dpbusd_epi32(t, aq[i], act(i));
+                    totals[j] = t;
+#endif
+                } else {
+                    totals[j] = msq_totals_q8(p ? totals[j] : _mm256_setzero_si256(), aq, q, act);
+                }
             }
         }
     } else {
@@ -506,14 +529,14 @@ template <int K, int NB>
 static MSQ_INLINE void msq_float(const uint8_t *w, const char *x, long xs, long g, int nbg, const __m256i *totals,
                              __m256 (*acc)[2], __m256 (*mins)[2]) {
     typedef MsqT<K> T;
-    const int shift = T::OFF == 8 ? 3 : 4;  // OFF = 1 << shift (Q4_0, Q5_0)
+    constexpr int shift = msq_bias_shift<K>();
     const int h = (int)(g & 1);
     __m256 dw, mw;
     msq_scales<K>(w + 8 * g * T::BYTES, nbg, &dw, &mw);
     for (int j = 0; j < NB; j++) {
         const ms_a8g *a = (const ms_a8g *)(x + j * xs) + g;
         __m256i total = totals[j];
-        if (T::OFF)
+        if constexpr (shift >= 0)
             total = _mm256_sub_epi32(total, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)a->sum), shift));
         const __m256 dd = _mm256_mul_ps(dw, _mm256_loadu_ps(a->d));
         acc[j][h] = _mm256_add_ps(acc[j][h], _mm256_mul_ps(dd, _mm256_cvtepi32_ps(total)));
