@@ -24,7 +24,7 @@ from miniserve.ui import (
     build_ui,
     model_header,
 )
-from miniserve.ui.chat_tab import DRAFT_KEPT, REPLY_TAKEN_BACK, STILL_STREAMING
+from miniserve.ui.chat_tab import DRAFT_KEPT, REPLY_TAKEN_BACK, STILL_STREAMING, STOPPED_LOADING
 from miniserve.ui.conversation import SHOWN, Shown
 from miniserve.ui.notebook_tab import TAKEN_BACK
 from miniserve.ui.sidebar import SidebarHandlers
@@ -444,6 +444,67 @@ def test_chat_undo_during_a_reply_stops_it_and_the_reply_takes_its_turn_back(mod
     finally:
         chat.stop()
         thread.join()
+
+
+def test_chat_stop_or_undo_while_the_model_loads_sends_nothing(models, presets):
+    """A message sent to a model that is still loading (its load held until the test lets it
+    go): Stop ends the send there, nothing saved and the message still in the box; Undo pressed
+    during another such load takes back the turn before (the reply had not begun), with the
+    unsent message kept below it in the box. Before the run began ahead of the load, the send
+    went on once the model had loaded, its question saved under the turn Undo had removed."""
+    a = models.default
+    releases = {"slow": threading.Event(), "slower": threading.Event()}
+
+    def factory(spec, progress):
+        if spec.name == a:
+            return models.get(a)
+        progress("reading the weights")
+        releases[spec.name].wait(30)
+        return models.get(B)
+
+    held = Models([ModelSpec(n, None) for n in (a, *releases)], factory, max_loaded=8)
+    chat = ChatHandlers(held, presets)
+    browser = SidebarHandlers(chat.conversations).load({}).browser
+    one = Shown(*last(send(chat, browser, {}, "Name a colour.", presets, a))[:8])
+    owner, cid = one.browser["owner"], one.view["cid"]
+
+    def sending(model):  # a send on a thread, read as Gradio does; set once it shows the load
+        outputs, loading = [], threading.Event()
+
+        def page():
+            for update in send(chat, one.browser, one.view, "And another?", presets, model):
+                outputs.append(update)
+                if "loading model" in str(update[SHOWN.index("status")]):
+                    loading.set()
+
+        thread = threading.Thread(target=page, daemon=True)
+        thread.start()
+        assert loading.wait(30), outputs
+        return outputs, thread
+
+    try:
+        outputs, thread = sending("slow")
+        chat.stop()
+        thread.join(timeout=10)
+        assert not thread.is_alive(), "the send waited for the load after Stop"
+        stopped, box = Shown(*outputs[-1][:8]), outputs[-1][8]
+        assert stopped.status == STOPPED_LOADING and box == "And another?"
+        assert [m.content for m in chat.store.path(owner, cid)][0] == "Name a colour."
+        assert len(chat.store.path(owner, cid)) == 2, "a message was saved after Stop"
+
+        outputs, thread = sending("slower")
+        undone = chat.undo(one.browser, one.view, "", "And another?")
+        thread.join(timeout=10)
+        assert not thread.is_alive(), "the send waited for the load after Undo"
+        assert undone == (UNCHANGED,) * (len(SHOWN) + 1)
+        back, box = Shown(*outputs[-1][:8]), outputs[-1][8]
+        assert back.status == f"last turn removed: {DRAFT_KEPT}", back.status
+        assert box == "Name a colour.\n\nAnd another?"
+        assert chat.store.path(owner, cid) == [] and not back.chatbot
+    finally:
+        for release in releases.values():
+            release.set()
+    assert held.get("slow") is models.get(B)  # the loads went on, for the next message
 
 
 def test_opening_a_saved_conversation_chooses_the_model_of_its_last_reply(models, presets):

@@ -67,6 +67,7 @@ CHAT = "chat"  # the kind of run (common.Sessions) that Undo stops
 REPLY_TAKEN_BACK = "the reply was stopped and its turn taken back"
 DRAFT_KEPT = "its message is back in the box, above what you had typed"
 STILL_STREAMING = "a reply is still streaming: wait for it to end, or press Stop"
+STOPPED_LOADING = "stopped while the model loaded: nothing was sent; the message is in the box"
 
 
 class Undo(NamedTuple):
@@ -156,19 +157,27 @@ class ChatHandlers:
             gr.Warning(STILL_STREAMING)
             yield unchanged(len(SHOWN) + 2)
             return
-        try:
-            owner = owner_of(browser)
-            params = params_from(panel.settings, panel.seed, panel.output_format, panel.format_text)
-            options = thinking_options(panel.think, panel.budget)
-            name = self.models.resolve(panel.model)
-            cid = view.get("cid")
-            before = self.conversations.path(owner, new_view(cid, reply_to or under))
-            history = history_of(before)
-            for note in load_messages(self.models, name):
-                yield (*self._show(browser, view, note, query), box, "")
-        except (*USER_ERRORS, StoreError) as e:
-            yield (*self._show(browser, view, error(user_message(e)), query), box, "")
-            return
+
+        def prepare(cancel):  # the settings, the history, the model loaded (Stop, Undo end it)
+            nonlocal owner, params, options, name, cid, history
+            try:
+                owner = owner_of(browser)
+                params = params_from(
+                    panel.settings, panel.seed, panel.output_format, panel.format_text
+                )
+                options = thinking_options(panel.think, panel.budget)
+                name = self.models.resolve(panel.model)
+                cid = view.get("cid")
+                before = self.conversations.path(owner, new_view(cid, reply_to or under))
+                history = history_of(before)
+                for note in load_messages(self.models, name, cancel):
+                    yield (*self._show(browser, view, note, query), box, "")
+            except (*USER_ERRORS, StoreError) as e:
+                yield (*self._show(browser, view, error(user_message(e)), query), box, "")
+                return False
+            return not cancel.is_set()
+
+        owner = params = options = name = cid = history = None
 
         def respond(cancel):  # the run's outputs; Undo's result may follow them (below)
             nonlocal view, reply_to, cid, params  # view: what the page shows (Undo acts on it)
@@ -264,11 +273,18 @@ class ChatHandlers:
                 view = final.view
                 yield (*final, kept, inspector_html(inspector))
 
+        # the run starts before the model loads: Stop or Undo pressed during a load ends it
+        # there, before anything is saved (the load itself goes on, for the next message)
         with self.sessions.running(request, CHAT) as cancel:
-            yield from respond(cancel)
+            replied = yield from prepare(cancel)
+            if replied:
+                yield from respond(cancel)
+            elif cancel.is_set() and cancel.taken_over is None:  # Stop
+                yield (*self._show(browser, view, STOPPED_LOADING, query), box, "")
             taken = self.sessions.close(cancel)  # pressed while it ran: common.Sessions
-            if isinstance(taken, Undo):
-                yield (*self._take_back(browser, view, query, REPLY_TAKEN_BACK, taken.draft), "")
+            if isinstance(taken, Undo):  # the reply's turn, or (none begun) the one before
+                said = REPLY_TAKEN_BACK if replied else "last turn removed"
+                yield (*self._take_back(browser, view, query, said, taken.draft), "")
             elif callable(taken):  # after_reply's event, on the view this run left
                 done = tuple(taken(view))
                 yield (*done, *unchanged(len(SHOWN) + 2 - len(done)))
