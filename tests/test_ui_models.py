@@ -488,7 +488,8 @@ def test_chat_stop_or_undo_while_the_model_loads_sends_nothing(models, presets):
         thread.join(timeout=10)
         assert not thread.is_alive(), "the send waited for the load after Stop"
         stopped, box = Shown(*outputs[-1][:8]), outputs[-1][8]
-        assert stopped.status == STOPPED_LOADING and box == "And another?"
+        assert stopped.status == f"{STOPPED_LOADING}; the message is in the box"
+        assert box == "And another?"
         assert [m.content for m in chat.store.path(owner, cid)][0] == "Name a colour."
         assert len(chat.store.path(owner, cid)) == 2, "a message was saved after Stop"
 

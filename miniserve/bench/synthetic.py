@@ -71,8 +71,8 @@ class Shape:
     experts: int = 0  # MoE: expert_count, of which experts_used a token, each expert_ffn wide
     experts_used: int = 0
     expert_ffn: int = 0
-    # whether the F16 file a quantized one is made from stays in the cache (the MoE's is 15 GB:
-    # it goes once quantized, and comes back only when another type is asked for)
+    # whether the F16 file made as the source of a quantized one stays in the cache (the MoE's
+    # is 15 GB: it goes once quantized; one made by asking for F16 itself stays)
     keep_source: bool = True
 
     def numbers(self, vocab: int) -> architectures.Shape:
@@ -479,10 +479,11 @@ def make(
             "parameters" + (", gguf's numpy quantizer" if use_numpy else "") + ") ..."
         )
         return write_gguf(out, shape_name, vocab, quant, seed, say, tokenizer)
+    made_here = not target(shape_name, "f16", vocab, out_dir, tokenizer=tokenizer).is_file()
     f16 = make(shape_name, "f16", vocab, out_dir, seed, progress=say, tokenizer=tokenizer)
     say(f"quantizing {f16.name} -> {out.name} with llama.cpp ...")
     llama_quantize(f16, out, quant)
-    if not SHAPES[shape_name].keep_source:
+    if made_here and not SHAPES[shape_name].keep_source:  # (an F16 asked for itself stays)
         say(f"removing {f16.name} ({f16.stat().st_size / 2**30:.1f} GiB), the quantizer's source")
         f16.unlink()
     return out

@@ -66,8 +66,8 @@ BROWSER_KEY = "miniserve"  # the browser's local-storage key for its owner id an
 CHAT = "chat"  # the kind of run (common.Sessions) that Undo stops
 REPLY_TAKEN_BACK = "the reply was stopped and its turn taken back"
 DRAFT_KEPT = "its message is back in the box, above what you had typed"
-STILL_STREAMING = "a reply is still streaming: wait for it to end, or press Stop"
-STOPPED_LOADING = "stopped while the model loaded: nothing was sent; the message is in the box"
+STILL_STREAMING = "a reply is still loading or streaming: wait for it to end, or press Stop"
+STOPPED_LOADING = "stopped while the model loaded: nothing was sent"
 
 
 class Undo(NamedTuple):
@@ -158,7 +158,9 @@ class ChatHandlers:
             yield unchanged(len(SHOWN) + 2)
             return
 
-        def prepare(cancel):  # the settings, the history, the model loaded (Stop, Undo end it)
+        def prepare(cancel):
+            """The settings, the history, the model loaded (Stop and Undo end the wait): True
+            when the reply can begin, False when stopped, None on an error (shown)."""
             nonlocal owner, params, options, name, cid, history
             try:
                 owner = owner_of(browser)
@@ -174,7 +176,7 @@ class ChatHandlers:
                     yield (*self._show(browser, view, note, query), box, "")
             except (*USER_ERRORS, StoreError) as e:
                 yield (*self._show(browser, view, error(user_message(e)), query), box, "")
-                return False
+                return None
             return not cancel.is_set()
 
         owner = params = options = name = cid = history = None
@@ -279,8 +281,9 @@ class ChatHandlers:
             replied = yield from prepare(cancel)
             if replied:
                 yield from respond(cancel)
-            elif cancel.is_set() and cancel.taken_over is None:  # Stop
-                yield (*self._show(browser, view, STOPPED_LOADING, query), box, "")
+            elif replied is False and cancel.taken_over is None:  # Stop
+                said = STOPPED_LOADING + ("; the message is in the box" if text else "")
+                yield (*self._show(browser, view, said, query), box, "")
             taken = self.sessions.close(cancel)  # pressed while it ran: common.Sessions
             if isinstance(taken, Undo):  # the reply's turn, or (none begun) the one before
                 said = REPLY_TAKEN_BACK if replied else "last turn removed"
