@@ -288,13 +288,15 @@ def test_regenerate_and_edit_make_branches_and_the_arrows_switch(chat):
     back = chat.previous_version(regen.browser, regen.view)
     assert back.chatbot[-1]["content"] == first_reply + "\n\n‹ 1/2 ›"
     edited = SimpleNamespace(index=0, value="Name a vegetable.\n\n‹ 1/1 ›", previous_value="")
-    after = Shown(
-        *last(
-            chat.edit(
-                back.browser, back.view, "", "", "factual", *sliders(chat), 1, False, edited=edited
-            )
-        )[:8]
+    outputs = list(
+        chat.edit(
+            back.browser, back.view, "", "", "factual", *sliders(chat), 1, False, edited=edited
+        )
     )
+    # the edited text is not the message box's: a draft typed there is neither emptied nor
+    # overwritten (each output leaves the box as it is)
+    assert all(out[len(SHOWN)] == gr.update() for out in outputs), [o[len(SHOWN)] for o in outputs]
+    after = Shown(*outputs[-1][:8])
     assert after.chatbot[0]["content"] == "Name a vegetable.\n\n‹ 2/2 ›"
     assert "versions of your message #1 (now 2 of 2)" in after.branches
     old = chat.previous_version(after.browser, after.view)

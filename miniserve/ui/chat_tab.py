@@ -140,6 +140,7 @@ class ChatHandlers:
         under: str | None = None,
         reply_to: str | None = None,
         focus_new: bool = False,
+        from_box: bool = True,
     ):
         """Add the user's `text` under the message `under` (None: as a first message) and
         stream the reply to it from `model`; with `text` None, stream a new reply to the user
@@ -150,8 +151,11 @@ class ChatHandlers:
         stopped), with its settings (the model, the output format and the thinking among them),
         stats, reasoning and tool calls.
         Yields SHOWN values + (message box, inspector HTML); on an error the conversation as
-        it was, the typed message kept in the box, and the error as the status."""
-        box = text if text is not None else gr.update()
+        it was, the typed message kept in the box, and the error as the status. `from_box`:
+        `text` is the message box's (Send), emptied from it once the engine takes it; an edited
+        message (False) leaves the box, and a draft typed there, alone."""
+        sent = from_box and text is not None  # the box's message
+        box = text if sent else gr.update()
         browser = self._start(browser, request)
         if self.sessions.busy(request, CHAT):  # one reply at a time: the page shows one
             gr.Warning(STILL_STREAMING)
@@ -221,7 +225,7 @@ class ChatHandlers:
                 # a message sent is taken from the box; then what is typed there meanwhile (the
                 # next message, or a draft kept through Regenerate) stays
                 kept = gr.update()
-                yield (*base._replace(chatbot=shown), "" if text is not None else kept, "")
+                yield (*base._replace(chatbot=shown), "" if sent else kept, "")
                 reading = Reading(turn)
                 try:
                     for _ in reading:
@@ -282,7 +286,7 @@ class ChatHandlers:
             if replied:
                 yield from respond(cancel)
             elif replied is False and cancel.taken_over is None:  # Stop
-                said = STOPPED_LOADING + ("; the message is in the box" if text else "")
+                said = STOPPED_LOADING + ("; the message is in the box" if sent else "")
                 yield (*self._show(browser, view, said, query), box, "")
             taken = self.sessions.close(cancel)  # pressed while it ran: common.Sessions
             if isinstance(taken, Undo):  # the reply's turn, or (none begun) the one before
@@ -427,6 +431,7 @@ class ChatHandlers:
             text=text,
             under=path[index].parent_id,
             focus_new=True,
+            from_box=False,
         )
 
     @takes_panel(*PANEL)
