@@ -184,9 +184,10 @@ class ChatHandlers:
             return not cancel.is_set()
 
         owner = params = options = name = cid = history = None
+        asked = False  # the user's message saved: Undo then takes back this turn
 
         def respond(cancel):  # the run's outputs; Undo's result may follow them (below)
-            nonlocal view, reply_to, cid, params  # view: what the page shows (Undo acts on it)
+            nonlocal view, reply_to, cid, params, asked  # view: what the page shows (Undo's)
             with ExitStack() as held:
                 try:
                     engine = held.enter_context(using(self.models, name))
@@ -205,7 +206,7 @@ class ChatHandlers:
                     reply_to = turn.save_question(
                         self.store, owner, cid, under if text is not None else reply_to
                     )
-                    cid, params = turn.conversation, turn.params
+                    cid, params, asked = turn.conversation, turn.params, True
                 except (*USER_ERRORS, StoreError) as e:
                     yield (*self._show(browser, view, error(user_message(e)), query), box, "")
                     return
@@ -290,7 +291,7 @@ class ChatHandlers:
                 yield (*self._show(browser, view, said, query), box, "")
             taken = self.sessions.close(cancel)  # pressed while it ran: common.Sessions
             if isinstance(taken, Undo):  # the reply's turn, or (none begun) the one before
-                said = REPLY_TAKEN_BACK if replied else "last turn removed"
+                said = REPLY_TAKEN_BACK if asked else "last turn removed"
                 yield (*self._take_back(browser, view, query, said, taken.draft), "")
             elif callable(taken):  # after_reply's event, on the view this run left
                 done = tuple(taken(view))
