@@ -128,11 +128,17 @@ def test_stop_keeps_what_was_written(page):
     expect(page.locator("[data-testid='bot']").last).to_have_text(
         re.compile(r"(\S+\s+){5}"), timeout=60_000
     )
-    # the next message, typed while the reply streams, stays in the box; Enter says that a
-    # reply is still streaming and sends nothing
+    # the next message, typed while the reply streams, stays in the box; Enter, and a second
+    # click on Send (which Gradio would drop without a word), say that a reply is still
+    # streaming and send nothing
     message = page.get_by_label("Message", exact=True)
     message.press_sequentially("Hi", delay=100)
     message.press("Enter")
+    expect(page.get_by_text(STILL_STREAMING)).to_be_visible()
+    expect(message).to_have_value("Hi")
+    page.locator(".toast-close").first.click()  # the toast closed, to see the next one
+    expect(page.get_by_text(STILL_STREAMING)).to_have_count(0)
+    page.get_by_role("button", name="Send").click()
     expect(page.get_by_text(STILL_STREAMING)).to_be_visible()
     expect(message).to_have_value("Hi")
     page.get_by_role("button", name="Stop").click()

@@ -418,6 +418,24 @@ def test_stop_reaches_everything_a_session_runs():
     assert not sessions.stop(Request("a"))
 
 
+def test_a_run_alone_is_refused_while_its_session_runs_one_of_its_kind():
+    """Chat's one reply at a time: checked and registered in one step, so two sends that
+    arrive together (a double click) do not both start; other kinds and sessions go on."""
+    sessions = Sessions()
+    with sessions.running(Request("a"), "chat", alone=True) as first:
+        assert first is not None
+        with sessions.running(Request("a"), "chat", alone=True) as second:
+            assert second is None
+        with sessions.running(Request("a"), "notebook", alone=True) as other_kind:
+            assert other_kind is not None
+        with sessions.running(Request("b"), "chat", alone=True) as other_session:
+            assert other_session is not None
+        assert sessions.busy(Request("a"), "chat")
+    assert not sessions.busy(Request("a"), "chat")
+    with sessions.running(Request("a"), "chat", alone=True) as again:
+        assert again is not None
+
+
 def test_take_over_stops_one_kind_waits_for_it_to_end_and_leaves_the_others():
     """The Notebook's Undo and Regenerate stop only the session's notebook runs, and return
     once each has ended; the run knows which button took it over, and a run that has closed

@@ -157,10 +157,6 @@ class ChatHandlers:
         sent = from_box and text is not None  # the box's message
         box = text if sent else gr.update()
         browser = self._start(browser, request)
-        if self.sessions.busy(request, CHAT):  # one reply at a time: the page shows one
-            gr.Warning(STILL_STREAMING)
-            yield unchanged(len(SHOWN) + 2)
-            return
 
         def prepare(cancel):
             """The settings, the history, the model loaded (Stop and Undo end the wait): True
@@ -282,7 +278,12 @@ class ChatHandlers:
 
         # the run starts before the model loads: Stop or Undo pressed during a load ends it
         # there, before anything is saved (the load itself goes on, for the next message)
-        with self.sessions.running(request, CHAT) as cancel:
+        # one reply at a time (the page shows one): a send while one runs is refused
+        with self.sessions.running(request, CHAT, alone=True) as cancel:
+            if cancel is None:
+                gr.Warning(STILL_STREAMING)
+                yield unchanged(len(SHOWN) + 2)
+                return
             replied = yield from prepare(cancel)
             if replied:
                 yield from respond(cancel)
@@ -656,7 +657,11 @@ def build_chat_tab(app: TabContext, label: str) -> ChatTab:
     settings = [system, *sampling.inputs, inspect_on, *output.inputs, model, *thinking.inputs]
     generating = dict(outputs=[*shown, message, inspector_view], concurrency_id=ENGINE_EVENTS)
     runs = [
-        send_btn.click(chat.send, [message, browser, view, q, *settings], **generating),
+        # a second click while a reply runs reaches the handler, which says why it waits
+        # (Gradio's default drops it without a word)
+        send_btn.click(
+            chat.send, [message, browser, view, q, *settings], trigger_mode="multiple", **generating
+        ),
         message.submit(chat.send, [message, browser, view, q, *settings], **generating),
         regen_btn.click(chat.regenerate, [browser, view, q, *settings], **generating),
         chatbot.edit(chat.edit, [browser, view, q, *settings], **generating),

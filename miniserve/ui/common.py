@@ -158,11 +158,22 @@ class Sessions:
         self._runs: dict[str, list[Run]] = {}
 
     @contextmanager
-    def running(self, request, kind: str = "") -> Iterator[Cancel]:
+    def running(self, request, kind: str = "", alone: bool = False) -> Iterator[Cancel | None]:
+        """A run of the request's session, as its cancel event. `alone`: None instead when the
+        session already runs one of `kind` (checked and registered at once: two events that
+        arrive together do not both start)."""
         session = session_of(request)
         run = Run(Cancel(), threading.Event(), kind)
         with self._lock:
-            self._runs.setdefault(session, []).append(run)
+            runs = self._runs.setdefault(session, [])
+            refused = alone and any(r.kind == kind for r in runs)
+            if not refused:
+                runs.append(run)
+            elif not runs:
+                self._runs.pop(session, None)
+        if refused:
+            yield None
+            return
         try:
             yield run.cancel
         finally:
