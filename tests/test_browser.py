@@ -94,6 +94,20 @@ def test_enter_sends_and_shift_enter_adds_a_line(page):
     assert bot_text(page).strip(), "a reply arrived"
 
 
+def test_a_message_with_html_tags_shows_as_written(page):
+    """Text that looks like HTML is shown, not laid out or dropped: "<div>" in prose, a bold
+    tag, a model's "<<Title>>" (an <a> tag to the browser); code keeps its text too."""
+    from playwright.sync_api import expect
+
+    set_number(page, "Max new tokens", 4)
+    typed = "What does <div> do, and <b>this</b>? <<A Title>> `<p>` & a < b"
+    page.get_by_label("Message", exact=True).fill(typed)
+    page.get_by_role("button", name="Send").click()
+    expect(page.locator("#status")).to_contain_text("tokens/s", timeout=60000)
+    shown = page.locator("[data-testid='user']").first.inner_text().strip()
+    assert shown == typed.replace("`", "")  # (the code span's text, in code type)
+
+
 def test_factual_preset_moves_the_sliders(page):
     page.get_by_label("Preset").click()
     page.get_by_role("option", name="factual").click()

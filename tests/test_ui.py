@@ -20,6 +20,7 @@ from miniserve.ui.bench_tab import BENCH_COLUMNS, CONCURRENCY_COLUMNS
 from miniserve.ui.chat_tab import DRAFT_KEPT
 from miniserve.ui.common import Sessions
 from miniserve.ui.conversation import SHOWN, Shown, new_view
+from miniserve.ui.render import shown_text, typed_text
 from miniserve.ui.sidebar import SidebarHandlers, file_name
 from miniserve.ui.widgets import (
     FORMATS,
@@ -416,6 +417,24 @@ def test_stop_reaches_everything_a_session_runs():
             assert sessions.stop(Request("a"))
             assert again.is_set() and other.is_set()
     assert not sessions.stop(Request("a"))
+
+
+@pytest.mark.parametrize(
+    "written, shown",
+    [
+        ("a <div> b", "a &lt;div> b"),
+        ("<b>x</b> <<A Title>> <!-- c -->", "&lt;b>x&lt;/b> <&lt;A Title>> &lt;!-- c -->"),
+        ("<T> a < b &lt; `<div>`", "<T> a < b &lt; `<div>`"),  # not tags / in a code span
+        ("```html\n<div>x</div>\n```\n<p>", "```html\n<div>x</div>\n```\n&lt;p>"),
+        ("streaming ```\n```js\n<div>", "streaming ```\n```js\n<div>"),  # fence not closed
+    ],
+)
+def test_html_tags_outside_code_are_shown_as_written(written, shown):
+    """The Chatbot lays out standard HTML tags (or drops them): outside code their "<" goes to
+    it as "&lt;", and an edited message comes back as it was written."""
+    assert shown_text(written) == shown
+    assert shown_text(shown) == shown  # applied twice: the same
+    assert typed_text(shown) == written
 
 
 def test_a_run_alone_is_refused_while_its_session_runs_one_of_its_kind():

@@ -39,7 +39,7 @@ from miniserve.ui.model_picker import (
     load_messages,
     using,
 )
-from miniserve.ui.render import inspector_html, reply_rows
+from miniserve.ui.render import inspector_html, reply_rows, typed_text
 from miniserve.ui.sidebar import SidebarHandlers, build_sidebar, wire_sidebar
 from miniserve.ui.widgets import (
     GENERATING,
@@ -409,7 +409,7 @@ class ChatHandlers:
         except StoreError as e:
             yield (*self._show(browser, view, error(str(e)), query), gr.update(), "")
             return
-        text = strip_marks(message_text(edited.value))
+        text = typed_text(strip_marks(message_text(edited.value)))
         if index is None or path[index].role != "user":
             yield (
                 *self._show(browser, view, error("only your own messages can be edited"), query),

@@ -37,7 +37,7 @@ import gradio as gr
 
 from miniserve.store.store import Message, NotFound, Store, StoreError
 from miniserve.ui.common import error, is_error
-from miniserve.ui.render import reply_rows
+from miniserve.ui.render import reply_rows, shown_text
 
 SHOWN = ("browser", "view", "chatbot", "conversations", "title", "system", "branches", "status")
 BRANCH_MARK = re.compile(r"\s*‹ \d+/\d+ ›\s*$")
@@ -192,7 +192,7 @@ class Conversations:
             if b.count > 1:
                 text += f"\n\n‹ {b.index}/{b.count} ›"
             if m.role != "assistant":
-                out.append((i, {"role": m.role, "content": text}))
+                out.append((i, {"role": m.role, "content": shown_text(text)}))
                 continue
             stats = m.stats or {}
             rows = reply_rows(

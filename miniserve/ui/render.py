@@ -48,6 +48,59 @@ THINKING = "Thinking…"
 CALL_LOG = "not run: the chat runs no tools"
 
 
+# -- A message's text in the Chatbot ----------------------------------------------------------
+# The Chatbot renders Markdown and lets standard HTML through its sanitizer: "<div>" or
+# "<b>x</b>" typed in prose, or "<<A Title>>" written by a model, would be laid out as markup or
+# vanish (custom tags such as "<T>" it already shows as text). So a "<" that opens a standard
+# HTML tag (or a comment) outside code is written "&lt;", which the Chatbot shows as "<"; code
+# spans and fenced blocks show their text as it is and are left alone. (Its Copy button copies
+# the row's text, so such a "<" is copied as "&lt;".)
+HTML_TAGS = frozenset(
+    "a abbr address area article aside audio b base bdi bdo big blockquote body br button canvas "
+    "caption center cite code col colgroup data datalist dd del details dfn dialog div dl dt em "
+    "embed fieldset figcaption figure font footer form frame frameset h1 h2 h3 h4 h5 h6 head "
+    "header hgroup hr html i iframe img input ins kbd label legend li link main map mark marquee "
+    "math menu meta meter nav noscript object ol optgroup option output p param picture pre "
+    "progress q rp rt ruby s samp script search section select slot small source span strike "
+    "strong style sub summary sup svg table tbody td template textarea tfoot th thead time title "
+    "tr track tt u ul var video wbr".split()
+)
+OPENS_TAG = re.compile(r"<(?=!|/?([A-Za-z][A-Za-z0-9]*)(?:[\s/>]|$))")
+WRITTEN_TAG = re.compile(r"&lt;(?=!|/?([A-Za-z][A-Za-z0-9]*)(?:[\s/>]|$))")
+# fenced blocks (to their closing fence, or the end of a text still streaming), then code spans
+# in the text between them
+FENCE = re.compile(
+    r"^ {0,3}(?P<fence>`{3,}|~{3,}).*?(?:\n {0,3}(?P=fence)[`~]*[ \t]*(?=\n|\Z)|\Z)", re.M | re.S
+)
+SPAN = re.compile(r"(?P<ticks>`+).+?(?<!`)(?P=ticks)(?!`)", re.S)
+
+
+def _outside(text: str, code: re.Pattern, edit) -> str:
+    out, at = [], 0
+    for m in code.finditer(text):
+        out += [edit(text[at : m.start()]), m.group()]
+        at = m.end()
+    return "".join(out + [edit(text[at:])])
+
+
+def _outside_code(text: str, pattern: re.Pattern, by: str) -> str:
+    def swap(m: re.Match) -> str:
+        return by if m.group(1) is None or m.group(1).lower() in HTML_TAGS else m.group()
+
+    return _outside(text, FENCE, lambda part: _outside(part, SPAN, lambda t: pattern.sub(swap, t)))
+
+
+def shown_text(text: str) -> str:
+    """A message's text as the Chatbot is given it: what the user or the model wrote, shown as
+    written (see above). Idempotent."""
+    return _outside_code(text or "", OPENS_TAG, "&lt;")
+
+
+def typed_text(shown: str) -> str:
+    """shown_text undone (a message the Chatbot hands back edited)."""
+    return _outside_code(shown or "", WRITTEN_TAG, "<")
+
+
 def thought_title(tokens: int | None, seconds: float | None) -> str:
     """A folded reasoning's summary line: "Thought for 8 tokens, 0.4 s"."""
     parts = ([f"{tokens} token{'s' * (tokens != 1)}"] if tokens else []) + (
@@ -67,7 +120,7 @@ def thought_row(
             meta["log"] = f"{tokens} token{'s' * (tokens != 1)}"
     else:
         meta = {"title": thought_title(tokens, seconds), "status": "done"}
-    return {"role": "assistant", "content": reasoning, "metadata": meta}
+    return {"role": "assistant", "content": shown_text(reasoning), "metadata": meta}
 
 
 def pretty_arguments(arguments: str) -> str:
@@ -104,7 +157,7 @@ def reply_rows(
     empty beside a reasoning or calls), a card per tool call."""
     rows = [thought_row(reasoning, pending, tokens, seconds)] if reasoning else []
     if text or not (reasoning or calls):
-        rows.append({"role": "assistant", "content": text})
+        rows.append({"role": "assistant", "content": shown_text(text)})
     return rows + [call_card(c) for c in calls]
 
 
