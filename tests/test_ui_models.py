@@ -24,7 +24,13 @@ from miniserve.ui import (
     build_ui,
     model_header,
 )
-from miniserve.ui.chat_tab import DRAFT_KEPT, REPLY_TAKEN_BACK, STILL_STREAMING, STOPPED_LOADING
+from miniserve.ui.chat_tab import (
+    DRAFT_KEPT,
+    REPLY_KEPT,
+    REPLY_TAKEN_BACK,
+    STILL_STREAMING,
+    STOPPED_LOADING,
+)
 from miniserve.ui.conversation import SHOWN, Shown
 from miniserve.ui.notebook_tab import TAKEN_BACK
 from miniserve.ui.sidebar import SidebarHandlers
@@ -378,7 +384,8 @@ def test_a_new_chat_while_a_reply_streams_stops_and_keeps_the_reply_and_is_shown
         thread.join(timeout=5)
         assert not thread.is_alive(), "the reply still streams after Clear returned"
         fresh = Shown(*shown[-1][:8])
-        assert fresh.status == "new chat" and fresh.chatbot == [] and fresh.view["cid"] is None
+        assert fresh.status == f"new chat · {REPLY_KEPT}"
+        assert fresh.chatbot == [] and fresh.view["cid"] is None
         assert "stopped by you" in Shown(*shown[-2][:8]).status
         saved = chat.store.path(one.browser["owner"], one.view["cid"])
         assert [m.role for m in saved] == ["user", "assistant"] * 2
@@ -413,7 +420,8 @@ def test_an_event_after_a_reply_acts_on_the_view_the_reply_left(models, presets)
         saved = chat.store.path(one.browser["owner"], one.view["cid"])
         assert len(seen) == 1 and seen[0]["leaf"] == saved[-1].id != streaming.view["leaf"]
         last_output = shown[-1]
-        assert Shown(*last_output[:8]).status == "probed" and len(last_output) == len(SHOWN) + 2
+        assert Shown(*last_output[:8]).status == f"probed · {REPLY_KEPT}"
+        assert len(last_output) == len(SHOWN) + 2
         assert last_output[8:] == (UNCHANGED, UNCHANGED)
     finally:
         chat.stop()

@@ -67,6 +67,7 @@ CHAT = "chat"  # the kind of run (common.Sessions) that Undo stops
 REPLY_TAKEN_BACK = "the reply was stopped and its turn taken back"
 DRAFT_KEPT = "its message is back in the box, above what you had typed"
 STILL_STREAMING = "a reply is still loading or streaming: wait for it to end, or press Stop"
+REPLY_KEPT = "the reply that was streaming was stopped and saved"
 STOPPED_LOADING = "stopped while the model loaded: nothing was sent"
 
 
@@ -295,7 +296,10 @@ class ChatHandlers:
                 said = REPLY_TAKEN_BACK if asked else "last turn removed"
                 yield (*self._take_back(browser, view, query, said, taken.draft), "")
             elif callable(taken):  # after_reply's event, on the view this run left
-                done = tuple(taken(view))
+                done = list(taken(view))
+                at = SHOWN.index("status")
+                if asked and isinstance(done[at], str):  # say where the reply went
+                    done[at] = " · ".join(part for part in (done[at], REPLY_KEPT) if part)
                 yield (*done, *unchanged(len(SHOWN) + 2 - len(done)))
 
     @staticmethod
