@@ -142,9 +142,10 @@ def test_stop_keeps_what_was_written(page):
     expect(page.locator("[data-testid='bot']").last).to_have_text(
         re.compile(r"(\S+\s+){5}"), timeout=60_000
     )
+    expect(page.get_by_text(STILL_STREAMING)).to_have_count(0)  # the first Send: no warning
     # the next message, typed while the reply streams, stays in the box; Enter, and a second
-    # click on Send (which Gradio would drop without a word), say that a reply is still
-    # streaming and send nothing
+    # click on Send (which Gradio drops without a word), say that a reply is still streaming
+    # and send nothing
     message = page.get_by_label("Message", exact=True)
     message.press_sequentially("Hi", delay=100)
     message.press("Enter")

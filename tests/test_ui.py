@@ -427,14 +427,23 @@ def test_stop_reaches_everything_a_session_runs():
         ("<T> a < b &lt; `<div>`", "<T> a < b &lt; `<div>`"),  # not tags / in a code span
         ("```html\n<div>x</div>\n```\n<p>", "```html\n<div>x</div>\n```\n&lt;p>"),
         ("streaming ```\n```js\n<div>", "streaming ```\n```js\n<div>"),  # fence not closed
+        ("``<div>` <path> &lt;b>", "``&lt;div>` &lt;path> &amp;lt;b>"),  # no span: 2 ticks, 1
+        ("`a\n\n<div>\n\nb`", "`a\n\n&lt;div>\n\nb`"),  # a span ends with its paragraph
+        ("```\r\n<b>\r\n```\r\n<i>", "```\r\n<b>\r\n```\r\n&lt;i>"),
     ],
 )
 def test_html_tags_outside_code_are_shown_as_written(written, shown):
     """The Chatbot lays out standard HTML tags (or drops them): outside code their "<" goes to
     it as "&lt;", and an edited message comes back as it was written."""
     assert shown_text(written) == shown
-    assert shown_text(shown) == shown  # applied twice: the same
     assert typed_text(shown) == written
+
+
+def test_shown_text_takes_linear_time_on_runs_of_backticks():
+    """A model that repeats backticks: finding code spans is one pass over the runs (a regex
+    that backtracks took 2 s for 1,000 of them and 124 s for 4,000)."""
+    for text in ("x" + "`" * 20_000, "x`" + "a" * 5000 + "``" * 5000, "` <div> " * 5000):
+        assert typed_text(shown_text(text)) == text
 
 
 def test_a_run_alone_is_refused_while_its_session_runs_one_of_its_kind():
@@ -453,6 +462,27 @@ def test_a_run_alone_is_refused_while_its_session_runs_one_of_its_kind():
     assert not sessions.busy(Request("a"), "chat")
     with sessions.running(Request("a"), "chat", alone=True) as again:
         assert again is not None
+
+
+def test_a_second_send_while_its_reply_runs_says_why_it_is_dropped(chat, monkeypatch, recwarn):
+    """Send and Enter are one event, which Gradio runs once at a time: a second press while
+    its reply runs is dropped in the page, and refused_send (outside the queue) says why. A
+    reply that Regenerate began leaves the event free (its handler warns); a press right after
+    the first (a double click) says nothing."""
+    from miniserve.ui import chat_tab
+
+    with chat.sessions.running(Request("a"), chat_tab.CHAT, origin=chat_tab.SEND):
+        chat.refused_send(Request("a"))
+        assert not recwarn.list, "a double click is not a second message"
+        monkeypatch.setattr(chat_tab, "SECOND_SEND_S", 0.0)
+        with pytest.warns(UserWarning, match=re.escape(chat_tab.STILL_STREAMING)):
+            chat.refused_send(Request("a"))
+        recwarn.clear()
+        chat.refused_send(Request("b"))  # another page: nothing runs there
+    with chat.sessions.running(Request("a"), chat_tab.CHAT):  # Regenerate's or an edit's
+        chat.refused_send(Request("a"))
+    chat.refused_send(Request("a"))
+    assert not recwarn.list, [str(w.message) for w in recwarn.list]
 
 
 def test_take_over_stops_one_kind_waits_for_it_to_end_and_leaves_the_others():

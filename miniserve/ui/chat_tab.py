@@ -66,6 +66,10 @@ BROWSER_KEY = "miniserve"  # the browser's local-storage key for its owner id an
 CHAT = "chat"  # the kind of run (common.Sessions) that Undo stops
 REPLY_TAKEN_BACK = "the reply was stopped and its turn taken back"
 DRAFT_KEPT = "its message is back in the box, above what you had typed"
+SEND = "send"  # the run's origin (Sessions.running) when the message box's Send or Enter began it
+# a Send or Enter this long after one began while its reply runs is a second one, which Gradio
+# drops (ChatHandlers.refused_send says why); sooner, a double click
+SECOND_SEND_S = 0.5
 STILL_STREAMING = "a reply is still loading or streaming: wait for it to end, or press Stop"
 REPLY_KEPT = "the reply that was streaming was stopped and saved"
 STOPPED_LOADING = "stopped while the model loaded: nothing was sent"
@@ -181,10 +185,10 @@ class ChatHandlers:
             return not cancel.is_set()
 
         owner = params = options = name = cid = history = None
-        asked = False  # the user's message saved: Undo then takes back this turn
+        asked = saved = False  # the message saved (Undo then takes this turn back); the reply
 
         def respond(cancel):  # the run's outputs; Undo's result may follow them (below)
-            nonlocal view, reply_to, cid, params, asked  # view: what the page shows (Undo's)
+            nonlocal view, reply_to, cid, params, asked, saved  # view: what the page shows
             with ExitStack() as held:
                 try:
                     engine = held.enter_context(using(self.models, name))
@@ -252,6 +256,7 @@ class ChatHandlers:
                 stopped = turn.details()["status"] == "stopped"
                 try:
                     reply = turn.save_reply(self.store, owner)
+                    saved = True
                 except StoreError as e:
                     yield (
                         *self._show(browser, view, error(f"the reply was not saved: {e}"), query),
@@ -280,7 +285,8 @@ class ChatHandlers:
         # the run starts before the model loads: Stop or Undo pressed during a load ends it
         # there, before anything is saved (the load itself goes on, for the next message)
         # one reply at a time (the page shows one): a send while one runs is refused
-        with self.sessions.running(request, CHAT, alone=True) as cancel:
+        origin = SEND if sent else ""
+        with self.sessions.running(request, CHAT, alone=True, origin=origin) as cancel:
             if cancel is None:
                 gr.Warning(STILL_STREAMING)
                 yield unchanged(len(SHOWN) + 2)
@@ -298,7 +304,7 @@ class ChatHandlers:
             elif callable(taken):  # after_reply's event, on the view this run left
                 done = list(taken(view))
                 at = SHOWN.index("status")
-                if asked and isinstance(done[at], str):  # say where the reply went
+                if saved and isinstance(done[at], str):  # say where the reply went
                     done[at] = " · ".join(part for part in (done[at], REPLY_KEPT) if part)
                 yield (*done, *unchanged(len(SHOWN) + 2 - len(done)))
 
@@ -477,6 +483,15 @@ class ChatHandlers:
 
     def stop(self, request: gr.Request | None = None) -> None:
         self.sessions.stop(request)
+
+    def refused_send(self, request: gr.Request | None = None) -> None:
+        """Send or Enter pressed (an event beside Send's): while a reply that Send or Enter began
+        runs, Gradio drops a second one without a word (the event runs once at a time), so
+        this says why. Sooner than SECOND_SEND_S after it began, a double click: nothing. (A
+        reply that Regenerate or an edit began leaves Send's event free: its handler says it.)"""
+        age = self.sessions.running_for(request, CHAT, SEND)
+        if age is not None and age >= SECOND_SEND_S:
+            gr.Warning(STILL_STREAMING)
 
     def undo(self, browser, view, query="", draft="", request: gr.Request | None = None):
         """Take back the last turn of this branch: SHOWN values + its message back in the box
@@ -661,15 +676,25 @@ def build_chat_tab(app: TabContext, label: str) -> ChatTab:
     settings = [system, *sampling.inputs, inspect_on, *output.inputs, model, *thinking.inputs]
     generating = dict(outputs=[*shown, message, inspector_view], concurrency_id=ENGINE_EVENTS)
     runs = [
-        # a second click while a reply runs reaches the handler, which says why it waits
-        # (Gradio's default drops it without a word)
-        send_btn.click(
-            chat.send, [message, browser, view, q, *settings], trigger_mode="multiple", **generating
+        # one event for Send and Enter: a second one while its reply runs is dropped by Gradio
+        # (an event runs once at a time), and refused_send, an event of its own, says why
+        gr.on(
+            [send_btn.click, message.submit],
+            chat.send,
+            [message, browser, view, q, *settings],
+            **generating,
         ),
-        message.submit(chat.send, [message, browser, view, q, *settings], **generating),
         regen_btn.click(chat.regenerate, [browser, view, q, *settings], **generating),
         chatbot.edit(chat.edit, [browser, view, q, *settings], **generating),
     ]
+    gr.on(  # queued (a toast needs the queue), beside the engine's events, never behind them
+        [send_btn.click, message.submit],
+        chat.refused_send,
+        None,
+        None,
+        concurrency_limit=None,
+        show_progress="hidden",
+    )
     follow_picker(chat.models, model, runs)
     # the Think controls follow the model: its choice, a reply that loaded it, the page's load
     show_thinking = dict(

@@ -139,11 +139,14 @@ class Cancel(threading.Event):
 
 class Run(NamedTuple):
     """One reply, generation or comparison of a browser session: its cancel event; `ended`,
-    set once it has written its last output; `kind`, the tab that runs it."""
+    set once it has written its last output; `kind`, the tab that runs it; `origin`, the
+    event that started it (when the tab tells them apart); `started`, time.monotonic()."""
 
     cancel: Cancel
     ended: threading.Event
     kind: str
+    origin: str = ""
+    started: float = 0.0
 
 
 class Sessions:
@@ -158,12 +161,14 @@ class Sessions:
         self._runs: dict[str, list[Run]] = {}
 
     @contextmanager
-    def running(self, request, kind: str = "", alone: bool = False) -> Iterator[Cancel | None]:
+    def running(
+        self, request, kind: str = "", alone: bool = False, origin: str = ""
+    ) -> Iterator[Cancel | None]:
         """A run of the request's session, as its cancel event. `alone`: None instead when the
         session already runs one of `kind` (checked and registered at once: two events that
-        arrive together do not both start)."""
+        arrive together do not both start). `origin`: the event that starts it (running_for)."""
         session = session_of(request)
-        run = Run(Cancel(), threading.Event(), kind)
+        run = Run(Cancel(), threading.Event(), kind, origin, time.monotonic())
         with self._lock:
             runs = self._runs.setdefault(session, [])
             refused = alone and any(r.kind == kind for r in runs)
@@ -193,6 +198,12 @@ class Sessions:
     def busy(self, request, kind: str) -> bool:
         """Whether the request's session runs something of `kind`."""
         return bool(self._runs_of(request, kind))
+
+    def running_for(self, request, kind: str, origin: str) -> float | None:
+        """How long (seconds) the request's session has run its oldest run of `kind` started
+        by `origin`; None when it runs none."""
+        runs = [r for r in self._runs_of(request, kind) if r.origin == origin]
+        return time.monotonic() - min(r.started for r in runs) if runs else None
 
     def stop(self, request) -> bool:
         """Cancel everything the request's session is running; False when it runs nothing."""

@@ -4,6 +4,7 @@ chart and costs (a StepSession and its StageView as HTML and SVG)."""
 
 from __future__ import annotations
 
+import bisect
 import html
 import json
 import re
@@ -52,53 +53,88 @@ CALL_LOG = "not run: the chat runs no tools"
 # The Chatbot renders Markdown and lets standard HTML through its sanitizer: "<div>" or
 # "<b>x</b>" typed in prose, or "<<A Title>>" written by a model, would be laid out as markup or
 # vanish (custom tags such as "<T>" it already shows as text). So a "<" that opens a standard
-# HTML tag (or a comment) outside code is written "&lt;", which the Chatbot shows as "<"; code
+# HTML tag (or a comment) outside code is written "&lt;", which the Chatbot shows as "<" (and a
+# "&lt;" written before such a tag name as "&amp;lt;", so that it too shows as written); code
 # spans and fenced blocks show their text as it is and are left alone. (Its Copy button copies
-# the row's text, so such a "<" is copied as "&lt;".)
-HTML_TAGS = frozenset(
-    "a abbr address area article aside audio b base bdi bdo big blockquote body br button canvas "
-    "caption center cite code col colgroup data datalist dd del details dfn dialog div dl dt em "
-    "embed fieldset figcaption figure font footer form frame frameset h1 h2 h3 h4 h5 h6 head "
-    "header hgroup hr html i iframe img input ins kbd label legend li link main map mark marquee "
-    "math menu meta meter nav noscript object ol optgroup option output p param picture pre "
-    "progress q rp rt ruby s samp script search section select slot small source span strike "
-    "strong style sub summary sup svg table tbody td template textarea tfoot th thead time title "
-    "tr track tt u ul var video wbr".split()
+# the row's text, and its edit box shows it: such a "<" appears there as "&lt;".)
+HTML_TAGS = frozenset(  # HTML's and SVG's element names (the Chatbot's own list is of both)
+    "a abbr acronym address applet area article aside audio b base basefont bdi bdo big "
+    "blockquote body br button canvas caption center cite code col colgroup data datalist dd del "
+    "details dfn dialog dir div dl dt em embed fieldset figcaption figure filter font footer form "
+    "frame frameset g h1 h2 h3 h4 h5 h6 head header hgroup hr html i iframe image img input ins "
+    "kbd label legend li line link main map mark marquee mask math menu meta meter nav noframes "
+    "noscript object ol optgroup option output p param path picture pre progress q rect rp rt "
+    "ruby s samp script search section select set slot small source span strike strong style "
+    "sub summary sup svg table tbody td template text textarea tfoot th thead time title tr "
+    "track tt u ul use var video view wbr".split()
 )
-OPENS_TAG = re.compile(r"<(?=!|/?([A-Za-z][A-Za-z0-9]*)(?:[\s/>]|$))")
-WRITTEN_TAG = re.compile(r"&lt;(?=!|/?([A-Za-z][A-Za-z0-9]*)(?:[\s/>]|$))")
-# fenced blocks (to their closing fence, or the end of a text still streaming), then code spans
-# in the text between them
+TAG_AHEAD = r"(?=!|/?([A-Za-z][A-Za-z0-9]*)(?:[\s/>]|$))"
+OPENS_TAG = re.compile(r"(<|&lt;)" + TAG_AHEAD)
+WRITTEN_TAG = re.compile(r"(&lt;|&amp;lt;)" + TAG_AHEAD)
+SHOWN_AS = {"<": "&lt;", "&lt;": "&amp;lt;"}
+TYPED_AS = {"&lt;": "<", "&amp;lt;": "&lt;"}
+# fenced blocks: to their closing fence, or to the end of a text still streaming
 FENCE = re.compile(
-    r"^ {0,3}(?P<fence>`{3,}|~{3,}).*?(?:\n {0,3}(?P=fence)[`~]*[ \t]*(?=\n|\Z)|\Z)", re.M | re.S
+    r"^ {0,3}(?P<fence>`{3,}|~{3,}).*?(?:\n {0,3}(?P=fence)[`~]*[ \t]*\r?(?=\n|\Z)|\Z)",
+    re.M | re.S,
 )
-SPAN = re.compile(r"(?P<ticks>`+).+?(?<!`)(?P=ticks)(?!`)", re.S)
+TICKS = re.compile(r"`+")
+PARAGRAPH_BREAK = re.compile(r"\n[ \t]*\r?\n")
 
 
-def _outside(text: str, code: re.Pattern, edit) -> str:
+def code_spans(text: str) -> list[tuple[int, int]]:
+    """Where `text`'s code spans are: a run of n backticks to the next run of exactly n in
+    the same paragraph (a run with none is text). One pass over the runs, not a regex that
+    backtracks (a model repeating backticks would make that take minutes)."""
+    runs = [(m.start(), m.end()) for m in TICKS.finditer(text)]
+    breaks = [m.start() for m in PARAGRAPH_BREAK.finditer(text)]
+    of_length: dict[int, list[int]] = {}
+    for k, (start, end) in enumerate(runs):
+        of_length.setdefault(end - start, []).append(k)
+    spans, k = [], 0
+    while k < len(runs):
+        start, end = runs[k]
+        same = of_length[end - start]
+        after = bisect.bisect_right(same, k)
+        if after < len(same):
+            close = runs[same[after]]
+            gap = bisect.bisect_left(breaks, end)
+            if gap == len(breaks) or breaks[gap] >= close[0]:
+                spans.append((start, close[1]))
+                k = same[after] + 1
+                continue
+        k += 1
+    return spans
+
+
+def _outside(text: str, ranges, edit) -> str:
     out, at = [], 0
-    for m in code.finditer(text):
-        out += [edit(text[at : m.start()]), m.group()]
-        at = m.end()
+    for start, end in ranges:
+        out += [edit(text[at:start]), text[start:end]]
+        at = end
     return "".join(out + [edit(text[at:])])
 
 
-def _outside_code(text: str, pattern: re.Pattern, by: str) -> str:
+def _outside_code(text: str, pattern: re.Pattern, table: dict) -> str:
     def swap(m: re.Match) -> str:
-        return by if m.group(1) is None or m.group(1).lower() in HTML_TAGS else m.group()
+        tag = m.group(2)
+        return table[m.group(1)] if tag is None or tag.lower() in HTML_TAGS else m.group()
 
-    return _outside(text, FENCE, lambda part: _outside(part, SPAN, lambda t: pattern.sub(swap, t)))
+    def prose(part: str) -> str:
+        return _outside(part, code_spans(part), lambda t: pattern.sub(swap, t))
+
+    fences = [m.span() for m in FENCE.finditer(text)]
+    return _outside(text, fences, prose)
 
 
 def shown_text(text: str) -> str:
-    """A message's text as the Chatbot is given it: what the user or the model wrote, shown as
-    written (see above). Idempotent."""
-    return _outside_code(text or "", OPENS_TAG, "&lt;")
+    """A message's text as the Chatbot is given it, so that it shows as written (above)."""
+    return _outside_code(text or "", OPENS_TAG, SHOWN_AS)
 
 
 def typed_text(shown: str) -> str:
     """shown_text undone (a message the Chatbot hands back edited)."""
-    return _outside_code(shown or "", WRITTEN_TAG, "<")
+    return _outside_code(shown or "", WRITTEN_TAG, TYPED_AS)
 
 
 def thought_title(tokens: int | None, seconds: float | None) -> str:
