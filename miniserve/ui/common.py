@@ -174,8 +174,6 @@ class Sessions:
             refused = alone and any(r.kind == kind for r in runs)
             if not refused:
                 runs.append(run)
-            elif not runs:
-                self._runs.pop(session, None)
         if refused:
             yield None
             return

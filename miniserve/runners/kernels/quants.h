@@ -448,11 +448,11 @@ static MSQ_INLINE __m256i msq_totals_q8(__m256i acc, const __m256i *w, const __m
     return acc;
 }
 
-// The 4- and 5-bit types: the totals (int32 lane k: block k) of P pieces of weights (w[i],
-// unsigned) against the activation pieces act(0) .. act(P - 1).
+// The 4- and 5-bit types (and, on AVX-512, Q8_0 as q + 128: msq_bias_shift): `acc` plus the
+// totals (int32 lane k: block k) of P pieces of weights (w[i], unsigned) against the activation
+// pieces act(0) .. act(P - 1).
 template <int K, int P, class Act>
-static MSQ_INLINE __m256i msq_totals(const __m256i *w, Act act) {
-    __m256i acc = _mm256_setzero_si256();
+static MSQ_INLINE __m256i msq_totals(const __m256i *w, Act act, __m256i acc = _mm256_setzero_si256()) {
 #if defined(MSQ_AVX512)
     for (int i = 0; i < P; i++) acc = _mm256_dpbusd_epi32(acc, w[i], act(i));
 #else
@@ -502,15 +502,11 @@ static MSQ_INLINE void msq_group_totals(const uint8_t *w, const char *x, long xs
             for (int j = 0; j < NB; j++) {
                 const int8_t *a = qs(j) + 128 * p;
                 auto act = [&](int i) { return _mm256_loadu_si256((const __m256i *)(a + 32 * i)); };
-                if constexpr (biased) {
-#if defined(MSQ_AVX512)
-                    __m256i t = p ? totals[j] : _mm256_setzero_si256();
-                    for (int i = 0; i < 4; i++) t = _mm256_dpbusd_epi32(t, aq[i], act(i));
-                    totals[j] = t;
-#endif
-                } else {
-                    totals[j] = msq_totals_q8(p ? totals[j] : _mm256_setzero_si256(), aq, q, act);
-                }
+                const __m256i acc = p ? totals[j] : _mm256_setzero_si256();
+                if constexpr (biased)
+                    totals[j] = msq_totals<K, 4>(aq, act, acc);
+                else
+                    totals[j] = msq_totals_q8(acc, aq, q, act);
             }
         }
     } else {
