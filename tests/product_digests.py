@@ -1,6 +1,6 @@
 """Digests of the native kernels' products over fixed inputs: every weight type a GGUF file's
-matrices are read in as stored (the block types and F16), against 1, 5, 8,
-16 and 64 activation rows -- one row (decode), a tile of 4 and one, a group of 8, 16 (where
+matrices are read in as stored (the block types and F16), against 1, 3, 5, 7, 8, 16 and 64
+activation rows -- one row (decode), few rows (4, 2 and 1 at a time), a group of 8, 16 (where
 AMX tiles and the unpacked K-quant path start: AMX_ROWS / MANY_ROWS in decode.cpp), and a
 prompt's chunk. tests/data/product_digests.json holds them, and every
 leg of `make test` compares its build's products with them (test_stored.py), so that "the same
@@ -40,7 +40,7 @@ from miniserve.runners.native import StoredMatrix
 
 Q = gguf.GGMLQuantizationType
 PATH = Path(__file__).parent / "data" / "product_digests.json"
-ROWS = (1, 5, 8, 16, 64)
+ROWS = (1, 3, 5, 7, 8, 16, 64)
 WEIGHT_ROWS = 37  # not a multiple of the threads' shares
 BLOCK_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 K_QUANTS = {Q.Q4_K, Q.Q5_K, Q.Q6_K}

@@ -96,10 +96,10 @@ def test_each_kernel_against_float64_over_the_independently_dequantized_weights(
 @pytest.mark.parametrize("qtype", LEGACY + K_QUANTS + [Q.F16], ids=lambda t: t.name)
 @needs_native
 def test_each_row_of_a_stored_product_is_computed_as_if_alone(qtype):
-    """Batch invariance: 29 activation rows (groups of 8, 4 and 1) against each row alone, bit
-    for bit, over 37 weight rows (the threads' shares and the L2 chunks); K-quant rows of 17
-    blocks (three pieces where the AVX-512 loop lays 16 rows out as a tile, and unpacks the
-    rows past the last whole 16, for many activation rows)."""
+    """Batch invariance: 2, 3, 6, 7 and 29 activation rows (groups of 8, 4, 2 and 1) against
+    each row alone, bit for bit, over 37 weight rows (the threads' shares and the L2 chunks);
+    K-quant rows of 17 blocks (three pieces where the AVX-512 loop lays 16 rows out as a tile,
+    and unpacks the rows past the last whole 16, for many activation rows)."""
     cols = 256 * 17 if qtype in K_QUANTS else 512
     if qtype == Q.F16:
         data = (
@@ -109,9 +109,11 @@ def test_each_row_of_a_stored_product_is_computed_as_if_alone(qtype):
         data = random_blocks(qtype, 37, cols, seed=5)
     w = stored(np.ascontiguousarray(data), qtype, cols)
     x = torch.randn(29, cols, generator=torch.Generator().manual_seed(2))
-    together = native.matmul(w, x)
-    for i in range(29):
-        assert torch.equal(together[i], native.matmul(w, x[i : i + 1])[0]), i
+    alone = [native.matmul(w, x[i : i + 1])[0] for i in range(29)]
+    for n in (2, 3, 6, 7, 29):  # few rows (4, 2 and 1 a weight row at a time) and many
+        together = native.matmul(w, x[:n])
+        for i in range(n):
+            assert torch.equal(together[i], alone[i]), (n, i)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda t: t.name)
@@ -164,7 +166,7 @@ def test_amx_tiles_give_the_bits_of_the_avx512_loops(qtype, rows, blocks, batch)
 @needs_native
 def test_each_types_products_are_the_committed_bits_on_this_build(name):
     """The same bits on every build, checked on whichever CPU runs the leg: products of fixed
-    weights of each type with 1, 5, 8, 16 and 64 activation rows (tests/product_digests.py)
+    weights of each type with 1, 3, 5, 7, 8, 16 and 64 activation rows (tests/product_digests.py)
     equal the digests in tests/data/product_digests.json, which every build (AVX-512 with or
     without AMX tiles, AVX2, the plain loops) must give. A kernel whose float operations change
     order on one build fails here on that build's leg; a deliberate change of the arithmetic

@@ -597,7 +597,7 @@ typedef void (*DotUFn)(long n, const void *w, const void *x, long xstride, float
 struct Kernels {
     long block, bytes;  // weights a block holds, its bytes
     Act act;
-    DotFn dot1, dot4, dot8;  // against 1, 4 or 8 activation rows
+    DotFn dot1, dot2, dot4, dot8;  // against 1, 2, 4 or 8 activation rows
     DequantFn dequant;       // one row to floats
     // where a type has them: a row's blocks unpacked once (ubytes each) for many activation
     // rows, and the products from such a row, whole or in pieces (the same bits as dot4 / dot8)
@@ -617,20 +617,20 @@ struct Kernels {
 };
 
 #define MS_KERNELS(block, bytes, act, t) \
-    {block, bytes, act, ms_dot_##t<1>, ms_dot_##t<4>, ms_dot_##t<8>, ms_dequant_##t, 0, nullptr, nullptr, nullptr}
+    {block, bytes, act, ms_dot_##t<1>, ms_dot_##t<2>, ms_dot_##t<4>, ms_dot_##t<8>, ms_dequant_##t, 0, nullptr, nullptr, nullptr}
 #if defined(MSKQ_AVX512)
 #define MS_KERNELS_U(block, bytes, act, t, u)                                                      \
-    {block, bytes, act, ms_dot_##t<1>, ms_dot_##t<4>, ms_dot_##t<8>, ms_dequant_##t,               \
+    {block, bytes, act, ms_dot_##t<1>, ms_dot_##t<2>, ms_dot_##t<4>, ms_dot_##t<8>, ms_dequant_##t,               \
      (long)sizeof(u), ms_unpack_##t, ms_dotu_##t<4>, ms_dotu_##t<8>}
 // ... and tiles: their struct `tu`, their products `tdot`, from `tmin` activation rows
 #define MS_KERNELS_T(block, bytes, act, t, u, tu, tdot, tmin)                                      \
-    {block, bytes, act, ms_dot_##t<1>, ms_dot_##t<4>, ms_dot_##t<8>, ms_dequant_##t,               \
+    {block, bytes, act, ms_dot_##t<1>, ms_dot_##t<2>, ms_dot_##t<4>, ms_dot_##t<8>, ms_dequant_##t,               \
      (long)sizeof(u), ms_unpack_##t, ms_dotu_##t<4>, ms_dotu_##t<8>, nullptr, ms_tile_##t,          \
      (long)sizeof(tu), tdot<1>, tdot<4>, tdot<8>, tmin}
 #elif defined(MSKQ_AVX2)
 static const DotRFn ms_dot8r_q6_K = nullptr;  // Q6_K: no 8-weight-row form (yet)
 #define MS_KERNELS_U(block, bytes, act, t, u)                                                      \
-    {block, bytes, act, ms_dot_##t<1>, ms_dot_##t<4>, ms_dot_##t<8>, ms_dequant_##t, 0, nullptr,   \
+    {block, bytes, act, ms_dot_##t<1>, ms_dot_##t<2>, ms_dot_##t<4>, ms_dot_##t<8>, ms_dequant_##t, 0, nullptr,   \
      nullptr, nullptr, ms_dot8r_##t}
 #define MS_KERNELS_T(block, bytes, act, t, u, tu, tdot, tmin) MS_KERNELS_U(block, bytes, act, t, u)
 #else
@@ -692,13 +692,22 @@ static const long MANY_ROWS = 16;
 // Whether a product of B activation rows over k's weights runs on tiles (qmatmul_tiles).
 static bool tiled(const Kernels *k, long B) { return k->tile != nullptr && B >= k->tmin; }
 
+// One weight row (wr) against activation rows [b, B): 4 at a time, then 2, then 1 (a row's
+// product is the same bits whichever takes it), into y[b * ldy].
+static inline void few_rows(const Kernels *k, const char *wr, const char *xq, long xs, float *y,
+                            long ldy, long C, long b, long B) {
+    for (; b + 4 <= B; b += 4) k->dot4(C, wr, xq + b * xs, xs, y + b * ldy, ldy);
+    if (b + 2 <= B) k->dot2(C, wr, xq + b * xs, xs, y + b * ldy, ldy), b += 2;
+    if (b < B) k->dot1(C, wr, xq + b * xs, xs, y + b * ldy, ldy);
+}
+
 // As qmatmul_part (below), for the rows of a tiled share past its last whole 16 (qmatmul_tiles,
 // a type whose blocks unpack: the K-quants in the AVX-512 build): a chunk of weight rows is
 // unpacked into this thread's buffer (it stays in L2), then each group of 8 (then 4)
 // activation rows meets the chunk's unpacked rows, a piece of columns at a time (the group's
 // piece of activations, 8 x 8 blocks, stays in L1 while the chunk's rows pass; their running
-// sums wait in `state` between pieces); single rows use dot1 on the rows as stored. The same
-// bits as qmatmul_part.
+// sums wait in `state` between pieces); the 1-3 rows left use dot2 / dot1 on the rows as
+// stored. The same bits as qmatmul_part.
 static void qmatmul_unpacked(const Kernels *k, const char *w, long wrow, const char *xq, long xs,
                              float *y, long B, long ldy, long C, long r0, long r1) {
     static thread_local std::vector<char> buffer;
@@ -725,8 +734,8 @@ static void qmatmul_unpacked(const Kernels *k, const char *w, long wrow, const c
         };
         for (; b + 8 <= B; b += 8) group(k->dot8u);
         for (; b + 4 <= B; b += 4) group(k->dot4u);
-        for (; b < B; b++)
-            for (long r = c0; r < c1; r++) k->dot1(C, w + r * wrow, xq + b * xs, xs, y + b * ldy + r, ldy);
+        if (b < B)
+            for (long r = c0; r < c1; r++) few_rows(k, w + r * wrow, xq, xs, y + r, ldy, C, b, B);
     }
 }
 
@@ -777,13 +786,22 @@ static void qmatmul_tiles(const Kernels *k, const char *w, long wrow, const char
 // One thread's share of a product over quantized weights: weight rows [r0, r1) (each `wrow`
 // bytes) against activation rows [0, B) (each `xs` bytes of xq), into y[b * ldy + r]. Weight
 // rows are taken in chunks that stay in the L2 cache; within a chunk, activation rows are taken
-// 8 (then 4, then 1) at a time, and every weight row of the chunk meets them while they sit in
-// the L1 cache (the weight row, a fraction of their size, comes from L2). How many a call takes
-// never changes a pair's result (see above).
+// 8 at a time, and every weight row of the chunk meets them while they sit in the L1 cache (the
+// weight row, a fraction of their size, comes from L2); the rows left (and fewer than 8 in all)
+// meet each weight row 4, 2 and 1 at a time as it passes. How many a call takes never changes a
+// pair's result (see above).
 static void qmatmul_part(const Kernels *k, const char *w, long wrow, const char *xq, long xs,
                          float *y, long B, long ldy, long C, long r0, long r1) {
     if (tiled(k, B) && C >= k->block) return qmatmul_tiles(k, w, wrow, xq, xs, y, B, ldy, C, r0, r1);
-    const long RC = B < 8 ? r1 - r0 : std::max(1L, (256L << 10) / wrow);
+    if (B < 8) {
+        // few rows (decode of a few streams, a short draft's verification): one pass over the
+        // weights, each row meeting every activation row while it is in L1. (All the rows for
+        // 4 activation rows, then all again for each row left, read the weights once per
+        // group, and 1-row products cost nearly what 4-row ones do: 3 rows cost more than 8.)
+        for (long r = r0; r < r1; r++) few_rows(k, w + r * wrow, xq, xs, y + r, ldy, C, 0, B);
+        return;
+    }
+    const long RC = std::max(1L, (256L << 10) / wrow);
     for (long c0 = r0; c0 < r1; c0 += RC) {
         const long c1 = std::min(r1, c0 + RC);
         long b = 0;
@@ -796,11 +814,8 @@ static void qmatmul_part(const Kernels *k, const char *w, long wrow, const char 
         // fewer rows: one weight row at a time. 8 weight rows against 1 or 4 activation rows (as
         // dot8r) measured ~20% faster on weights in L3, but 10-15% slower in decode on a file's
         // mapped pages (Qwen3-1.7B Q4_K_M, AVX2, Zen 3): one row streams as the prefetchers like
-        for (; b + 4 <= B; b += 4)
-            for (long r = c0; r < c1; r++)
-                k->dot4(C, w + r * wrow, xq + b * xs, xs, y + b * ldy + r, ldy);
-        for (; b < B; b++)
-            for (long r = c0; r < c1; r++) k->dot1(C, w + r * wrow, xq + b * xs, xs, y + b * ldy + r, ldy);
+        if (b < B)
+            for (long r = c0; r < c1; r++) few_rows(k, w + r * wrow, xq, xs, y + r, ldy, C, b, B);
     }
 }
 
