@@ -253,17 +253,25 @@ def post(port: int, body: dict) -> http.client.HTTPConnection:
     return conn
 
 
-def test_n_that_does_not_fit_the_queue_gets_429_and_starts_nothing(engine, local_api):
+def test_n_that_does_not_fit_the_queue_gets_429_and_starts_nothing(engine, local_api, monkeypatch):
+    """n past the queue's free places: 429, try again later; past the queue itself: 400 naming
+    n (later would not help: a client's retries would never end)."""
     assert wait_for_idle(engine)
     saved = engine.max_queue
-    engine.max_queue = 2
+    engine.max_queue = 3
+    monkeypatch.setattr(type(engine), "queue_depth", property(lambda self: 1))  # one waiting
     try:
-        response = post(local_api, {"messages": Q, "n": 3, "max_tokens": 4}).getresponse()
-        error = json.loads(response.read())["error"]
+        answers = []
+        for n in (3, 4):
+            response = post(local_api, {"messages": Q, "n": n, "max_tokens": 4}).getresponse()
+            answers.append((response.status, json.loads(response.read())["error"]))
     finally:
         engine.max_queue = saved
-    assert response.status == 429 and error["code"] == "server_busy"
-    assert "n=3" in error["message"] and engine.queue_depth == 0
+        monkeypatch.undo()
+    (busy, error), (never, refusal) = answers
+    assert busy == 429 and error["code"] == "server_busy" and "n=3" in error["message"]
+    assert never == 400 and refusal["param"] == "n" and "--max-queue" in refusal["message"]
+    assert engine.queue_depth == 0
 
 
 @pytest.mark.parametrize("stream", [True, False])

@@ -181,6 +181,50 @@ def test_echo_with_logprobs_scores_the_prompt_first(port, engine, loaded, tokeni
     assert lp["text_offset"][:3] == [0, len(lp["tokens"][0]), len("".join(lp["tokens"][:2]))]
 
 
+def _token_bytes(token: str) -> bytes:
+    if token.startswith("bytes:"):
+        return bytes(int(h, 16) for h in token[len("bytes:") :].split("\\x")[1:])
+    return token.encode("utf-8")
+
+
+def test_logprobs_of_tokens_that_split_a_character_are_their_own_bytes(port):
+    """Byte-level tokens that each hold a piece of an emoji: OpenAI's "bytes:\\xf0\\x9f" as
+    their text and their own bytes (not U+FFFD's), so that they join to the reply's text, and
+    no two alternatives share a key; the offsets count whole characters."""
+    text = "Party emoji: \U0001f389\U0001f389 \u65e5\u672c \U0001f389"
+    reply = complete(port, prompt=text, temperature=0, max_tokens=4, logprobs=5, echo=True)
+    choice = reply["choices"][0]
+    lp = choice["logprobs"]
+    assert any(t.startswith("bytes:") for t in lp["tokens"])
+    joined = b"".join(_token_bytes(t) for t in lp["tokens"])
+    assert joined.decode("utf-8", errors="replace") == choice["text"]
+    for pos in range(1, len(lp["tokens"])):
+        top = lp["top_logprobs"][pos]
+        assert top[lp["tokens"][pos]] == lp["token_logprobs"][pos], pos
+        assert 5 <= len(top) <= 6, pos  # the 5 best, and the chosen one when not among them
+    offsets = lp["text_offset"]
+    assert offsets == sorted(offsets) and offsets[-1] < len(choice["text"])
+    # chat: each entry's bytes, joined, are the reply's text
+    status, chat = request(
+        port,
+        {
+            "messages": [{"role": "user", "content": "Repeat: " + text}],
+            "max_tokens": 12,
+            "temperature": 0,
+            "logprobs": True,
+            "top_logprobs": 2,
+        },
+        "/v1/chat/completions",
+    )
+    assert status == 200
+    entries = chat["choices"][0]["logprobs"]["content"]
+    joined = b"".join(bytes(e["bytes"]) for e in entries)
+    assert joined.decode("utf-8", errors="replace") == chat["choices"][0]["message"]["content"]
+    assert all(
+        e["token"].startswith("bytes:") or bytes(e["bytes"]) == e["token"].encode() for e in entries
+    )
+
+
 def test_max_tokens_0_scores_the_prompt_and_generates_nothing(port, tokenizer):
     """How evaluation harnesses score a text: echo + logprobs + max_tokens 0. The same
     computation as the prompt part of an echo with generated tokens, so equal to it."""

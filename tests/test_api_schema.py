@@ -35,12 +35,6 @@ TAKEN = [
     [HI, {"role": "assistant", "tool_calls": [CALL]}, {"role": "tool", "content": ""}],
     [HI, {"role": "assistant", "content": " ", "reasoning_content": "hmm"}],
     [{"role": "tool", "content": [], "tool_call_id": "c1"}],
-    [
-        {
-            "role": "user",
-            "content": [{"type": "image_url", "image_url": {}}, {"type": "text", "text": "x"}],
-        }
-    ],
     [{"role": "user", "content": "hi", "tool_calls": [], "tool_call_id": 5}],  # ignored extra
 ]
 
@@ -79,6 +73,11 @@ REFUSED = [
     ),
     ([{"role": "tool", "content": "42", "tool_call_id": 1}], "messages[0].tool_call_id"),
     ([{"role": {}, "content": "x"}], "messages[0].role"),
+    (  # an image (or audio) part: a model reading text only would answer without it
+        [{"role": "user", "content": [{"type": "text", "text": "x"}, {"type": "image_url"}]}],
+        "messages[0].content[1].type",
+    ),
+    ([HI, {"role": "tool", "content": [{"type": "input_audio"}]}], "messages[1].content[0].type"),
 ]
 
 

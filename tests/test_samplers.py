@@ -17,6 +17,8 @@ import torch
 from miniserve.core.config import ConfigError, SamplingParams
 from miniserve.core.samplers import default_order, describe, running
 from miniserve.engine.sampling import (
+    APPLY,
+    Call,
     SamplerState,
     dry_penalties,
     filter_logits,
@@ -148,12 +150,36 @@ def test_mirostat_v2_follows_its_target_surprise_step_by_step():
     assert not {"top_k", "min_p", "top_p"} & set(keys)
 
 
+def test_presence_and_frequency_penalties_count_the_replys_own_tokens():
+    """OpenAI's formula over the tokens the reply chose: the prompt's tokens count for
+    nothing (its first step sees the prompt alone), a reply token loses the presence penalty
+    once and the frequency penalty per time it is there; greedy runs the stage too."""
+    x = torch.randn(1, 20, generator=make_generator(1))
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    state = SamplerState()
+    stage = APPLY["presence"]
+    prompt = torch.tensor([[3, 3, 3, 5]])
+    assert torch.equal(stage(x, Call(params, prompt, None, state, False)), x)
+    reply = torch.tensor([[3, 3, 3, 5, 7, 7, 3]])  # the reply so far: 7, 7, 3
+    want = x.clone()
+    want[0, 7] -= 0.5 + 2 * 0.25
+    want[0, 3] -= 0.5 + 1 * 0.25
+    assert torch.allclose(stage(x, Call(params, reply, None, state, False)), want)
+    assert "presence" in [s.key for s in running(params)]
+    assert "presence" in [s.key for s in running(params.replace(temperature=0))]
+    assert "presence" not in [s.key for s in running(SamplingParams())]
+    # negative values favour repeats, as OpenAI allows (-2..2)
+    more = stage(x, Call(params.replace(presence_penalty=-1.0), reply, None, state, False))
+    assert more[0, 7] > x[0, 7] - 2 * 0.25
+
+
 # -- the order ---------------------------------------------------------------------------------
 
 
 def test_the_default_order_is_the_classic_one_and_a_stage_left_out_is_off():
     assert default_order() == (
         "penalties",
+        "presence",
         "dry",
         "temperature",
         "top_n_sigma",

@@ -294,6 +294,35 @@ def test_auto_triggers_the_call_grammar_and_none_bans_the_opener(qwen3):
     assert "get_weather" in qwen3.tokenizer.decode(prompt)
 
 
+def test_a_call_max_tokens_cuts_is_the_same_streamed_and_whole(qwen3):
+    """Calls cut short by max_tokens after their deltas went out: the reply's calls are the
+    deltas joined (the cut one with its arguments so far), never given back again as text
+    (a streaming client would get each call twice)."""
+    opener = qwen3.tokenizer.convert_tokens_to_ids("<tool_call>")
+    options = ChatOptions(tools=TOOLS, parallel_tool_calls=False, thinking=False)
+    cut = 0
+    for seed in range(3):
+        full = collect(qwen3.chat(HI, sampled(seed, 120, logit_bias={opener: 100.0}), options))
+        assert full["last"].stats.finish_reason == "tool_calls", seed
+        # stop partway through the last call's arguments
+        tokens = len(full["ids"]) - 3
+        got = collect(qwen3.chat(HI, sampled(seed, tokens, logit_bias={opener: 100.0}), options))
+        last = got["last"]
+        assert last.stats.finish_reason == "length"
+        joined = {}
+        for d in got["deltas"]:
+            call = joined.setdefault(d["index"], ["", ""])
+            call[0] += (d.get("function") or {}).get("name") or ""
+            call[1] += (d.get("function") or {}).get("arguments") or ""
+        assert [[c.name, c.arguments] for c in last.calls] == [joined[i] for i in sorted(joined)]
+        assert "<tool_call>" not in got["text"] and "{" not in got["text"], got["text"]
+        try:
+            json.loads(last.calls[-1].arguments)
+        except ValueError:
+            cut += 1  # its JSON ends where max_tokens cut it
+    assert cut > 0
+
+
 def test_tool_requests_the_model_cannot_meet_name_the_field(qwen3, engine):
     with pytest.raises(ChatError, match="does not take tools") as info:
         engine.chat(HI, sampled(), ChatOptions(tools=TOOLS))

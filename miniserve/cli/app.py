@@ -47,7 +47,8 @@ def parse_args(argv=None, prog: str = "python app.py") -> argparse.Namespace:
     p.add_argument(
         "--api-key",
         default=os.environ.get("MINISERVE_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1 routes",
+        help="require 'Authorization: Bearer KEY' on /v1 routes (not the web page's own "
+        "endpoints: the app says so at start)",
     )
     p.add_argument("--presets-file", default=None, help="another presets.yaml")
     p.add_argument("--preset", default="balanced", help="the preset selected at start")
@@ -109,6 +110,13 @@ def main(argv=None, prog: str = "python app.py") -> int:
             f"API at {url}/v1{served}",
             flush=True,
         )
+        if args.api_key:  # the page's own endpoints generate too, and carry no key
+            print(
+                "note: --api-key guards the /v1 routes only; the web page on this port (and "
+                "its Gradio endpoints) is open to whoever reaches it: for the API alone, run "
+                "`python -m miniserve serve`",
+                flush=True,
+            )
         load_in_background(models, started, on_failure=stop)
 
     # Ctrl-C: open browser tabs hold connections; they get a few seconds, not forever

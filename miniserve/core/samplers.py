@@ -13,10 +13,10 @@ inspector's "removed by" marks and the Compare columns. `declare(stage)` adds on
 declares its own and finds it on every surface).
 
 The default order is today's and never moves a seeded reply: the logit bias and the
-grammar's mask first (fixed), then repetition penalty -> DRY -> temperature -> top-nσ ->
-top-k -> typical-p -> top-p -> min-p -> XTC, with Mirostat (when on) in place of the
-truncation stages, as llama.cpp does. A request may give its own order (`samplers`, as
-llama-server names the stages); a stage left out of it is off.
+grammar's mask first (fixed), then repetition penalty -> presence/frequency penalty -> DRY ->
+temperature -> top-nσ -> top-k -> typical-p -> top-p -> min-p -> XTC, with Mirostat (when on)
+in place of the truncation stages, as llama.cpp does. A request may give its own order
+(`samplers`, as llama-server names the stages); a stage left out of it is off.
 """
 
 from __future__ import annotations
@@ -154,6 +154,43 @@ for _stage in (
         remote=EXTENDED,
         remote_names={k: {"repetition_penalty": v} for k, v in LLAMA.items()},
         advanced=False,
+    ),
+    Stage(
+        "presence",
+        "presence/frequency penalty",
+        "OpenAI's penalties, over the reply's own tokens: a token the reply already has loses "
+        "the presence penalty once and the frequency penalty for each time it is there",
+        (
+            Param(
+                "presence_penalty",
+                _f(
+                    float,
+                    -2.0,
+                    2.0,
+                    0.0,
+                    "Presence penalty",
+                    "subtracted from the score of a token the reply already has; 0 = off",
+                ),
+                0.0,
+            ),
+            Param(
+                "frequency_penalty",
+                _f(
+                    float,
+                    -2.0,
+                    2.0,
+                    0.0,
+                    "Frequency penalty",
+                    "subtracted once for each time the reply has the token; 0 = off",
+                ),
+                0.0,
+            ),
+        ),
+        place=12,
+        greedy=True,
+        aliases=("presence_penalty", "frequency_penalty"),
+        short="pres/fr",
+        remote=ALL_SERVERS,
     ),
     Stage(
         "dry",

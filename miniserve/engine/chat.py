@@ -51,6 +51,12 @@ class ChatError(UserError, ValueError):
         self.field = field
 
 
+class ContextTooLong(ChatError):
+    """A prompt that, with the tokens asked for, does not fit the context window."""
+
+    code = "context_length_exceeded"
+
+
 class NoChatTemplate(ChatError):
     """A chat request to a model without a chat template (a base model)."""
 
@@ -240,7 +246,7 @@ def completion_ids(
             bos = getattr(tokenizer, "bos_token_id", None)
             keep = [ids[0]] if bos is not None and ids[0] == bos else []
             return keep + ids[len(ids) - limit + len(keep) :]
-        raise ChatError(
+        raise ContextTooLong(
             f"'{field}' is {len(ids)} tokens, but with max_new_tokens={max_new_tokens} the "
             f"context window of {context_length} tokens leaves room for {max(limit, 0)}; shorten "
             "it or lower max new tokens",
@@ -281,7 +287,7 @@ def trim_history(
     # where the kept history may start: at a user message, after the first
     starts = [i for i, m in enumerate(turns) if m["role"] == "user" and i > 0]
     if not starts or len(ids := attempt(starts[-1])) > limit:
-        raise ChatError(
+        raise ContextTooLong(
             f"the message is too long: {len(ids)} prompt tokens with the system prompt, but with "
             f"max_new_tokens={max_new_tokens} the context window of {context_length} tokens leaves "
             f"room for {max(limit, 0)}; shorten the message or lower max new tokens",

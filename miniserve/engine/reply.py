@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from miniserve.core.toolcalls import CallStream
+from miniserve.core.toolcalls import CallStream, ToolCall
 from miniserve.engine.grammar import closed_objects
 from miniserve.engine.stream import Detokenizer
 
@@ -375,25 +375,42 @@ def call_grammars(
 class CallParts:
     """A reply's call tokens (its ReplyParts' CALL kind: opener to closer) as OpenAI's
     streaming deltas and, at the end, whole calls. They are decoded with special tokens kept
-    (the openers are special tokens) and parsed by the family's rules (core/toolcalls.py). A
-    region that does not parse gives its text back as the answer's, and no calls."""
+    (the openers are special tokens) and parsed by the family's rules (core/toolcalls.py).
+
+    A call that does not parse (max_tokens cut it) after calls went out as deltas: the calls as
+    their deltas built them, the cut one with its arguments so far (OpenAI's answer to a call
+    max_tokens cut), so that a streamed reply and a whole one say the same. A reply whose call
+    region gave out no delta at all gives its text back as the answer's, and no calls."""
 
     def __init__(self, tokenizer, fmt):
         self.stream = CallStream(fmt)
         self.detok = Detokenizer(tokenizer, skip_special_tokens=False)
         self.raw = ""
+        self.sent: dict[int, dict] = {}  # index -> the call as its deltas built it
+
+    def _keep(self, deltas: list[dict]) -> list[dict]:
+        for d in deltas:
+            call = self.sent.setdefault(d["index"], {"id": "", "name": "", "arguments": ""})
+            fn = d.get("function") or {}
+            call["id"] = d.get("id") or call["id"]
+            call["name"] = fn.get("name") or call["name"]
+            call["arguments"] += fn.get("arguments") or ""
+        return deltas
 
     def push(self, token_id: int) -> list[dict]:
         piece = self.detok.push(token_id)
         self.raw += piece
-        return self.stream.feed(piece)[1]
+        return self._keep(self.stream.feed(piece)[1])
 
     def finish(self) -> tuple[list[dict], list, str]:
         """(the last deltas, the calls, text to give back as the answer's)."""
         piece = self.detok.flush()
         self.raw += piece
-        deltas = self.stream.feed(piece)[1] + self.stream.finish()[1]
+        deltas = self._keep(self.stream.feed(piece)[1] + self.stream.finish()[1])
         result = self.stream.result()
-        if result.errors:
+        if not result.errors:
+            return deltas, result.calls, ""
+        if not self.sent:
             return deltas, [], self.raw
-        return deltas, result.calls, ""
+        calls = [ToolCall(c["id"], c["name"], c["arguments"]) for _, c in sorted(self.sent.items())]
+        return deltas, calls, ""

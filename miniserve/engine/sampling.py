@@ -150,6 +150,7 @@ class SamplerState:
     vocab: int = 0
     mu: float | None = None
     draws: dict = field(default_factory=dict)
+    prompt_len: int | None = None  # the ids the reply's first step saw (the presence stage's)
 
     def snapshot(self) -> float | None:
         """What carries from one step to the next (the draws are the last step's own)."""
@@ -207,6 +208,27 @@ def _bias(logits, call):
 @applies("penalties")
 def _penalties(logits, call):
     return apply_repetition_penalty(logits, call.previous_ids, call.params.repetition_penalty)
+
+
+@applies("presence")
+def _presence(logits, call):
+    """OpenAI's formula over the tokens this reply has chosen (its first step saw the prompt
+    alone: `state.prompt_len`): logit - frequency x count - presence x (count > 0)."""
+    p, ids = call.params, call.previous_ids
+    if ids is None:
+        return logits
+    rows = ids.reshape(*logits.shape[:-1], -1)
+    if call.state.prompt_len is None:
+        call.state.prompt_len = rows.shape[-1]
+    reply = rows[..., call.state.prompt_len :]
+    if reply.numel() == 0:
+        return logits
+    counts = torch.zeros_like(logits).scatter_add_(
+        -1, reply, torch.ones(reply.shape, dtype=logits.dtype, device=logits.device)
+    )
+    return (
+        logits - counts * p.frequency_penalty - (counts > 0).to(logits.dtype) * p.presence_penalty
+    )
 
 
 @applies("xtc", id_free=True)

@@ -82,3 +82,58 @@ class StopStrings:
     def flush(self) -> str:
         out, self.pending = ("" if self.stopped else self.pending), ""
         return out
+
+
+# -- a single token's bytes (the API's logprobs) ------------------------------------------------
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet reversed: the character a byte-level BPE vocabulary writes
+    for each byte -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+BYTE_DECODER = _byte_decoder()
+_BYTE_LEVEL: dict[int, bool] = {}
+
+
+def _byte_level(tokenizer) -> bool:
+    key = id(tokenizer)
+    if key not in _BYTE_LEVEL:
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        decoder = getattr(backend, "decoder", None)
+        _BYTE_LEVEL[key] = "ByteLevel" in repr(decoder)
+    return _BYTE_LEVEL[key]
+
+
+def token_bytes(tokenizer, token_id: int) -> bytes:
+    """The bytes one token stands for: a byte-level BPE token's own bytes (half a character
+    is half a character, not U+FFFD), a byte-fallback token's byte (<0xF0>), else its text."""
+    piece = tokenizer.convert_ids_to_tokens(int(token_id))
+    if isinstance(piece, str):
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        if _byte_level(tokenizer) and all(ch in BYTE_DECODER for ch in piece):
+            return bytes(BYTE_DECODER[ch] for ch in piece)
+    return tokenizer.decode([int(token_id)], clean_up_tokenization_spaces=False).encode("utf-8")
+
+
+def token_text(tokenizer, token_id: int) -> tuple[str, bytes]:
+    """(the text an API's logprobs show for a token, its bytes): the text where the bytes are
+    whole characters, else "bytes:\\xf0\\x9f" as OpenAI writes a piece of one."""
+    raw = token_bytes(tokenizer, token_id)
+    try:
+        return raw.decode("utf-8"), raw
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw

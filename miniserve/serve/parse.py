@@ -14,6 +14,7 @@ from miniserve.core.config import MAX_NEW_TOKENS, ConfigError, SamplingParams, c
 from miniserve.core.config import Field as Limit
 from miniserve.engine.chat import NoChatTemplate
 from miniserve.engine.grammar import GrammarError
+from miniserve.engine.stream import token_text
 from miniserve.serve.errors import APIError, as_user_error
 from miniserve.serve.protocol import (
     DEFAULT_COMPLETION_TOKENS,
@@ -199,12 +200,12 @@ async def _echo(engine, prompt, ids: list[int], top: int | None) -> tuple[str, l
     text = prompt if isinstance(prompt, str) else engine.tokenizer.decode(ids)
     if top is None:
         return text, []
-    token = [engine.tokenizer.decode([i]) for i in ids]
+    token = [token_text(engine.tokenizer, i) for i in ids]  # (text, bytes)
     # the model runs on its engine thread; this waits for it off the event loop
     scored = await asyncio.to_thread(engine.prompt_logprobs, ids, top)
-    entries = [(token[0], None, None)]
+    entries = [(token[0][0], None, None, token[0][1])]
     for pos, (logprob, alts) in enumerate(scored, 1):
-        best = {engine.tokenizer.decode([i]): lp for i, lp in alts}
-        best.setdefault(token[pos], logprob)
-        entries.append((token[pos], logprob, best))
+        best = {token_text(engine.tokenizer, i)[0]: lp for i, lp in alts}
+        best[token[pos][0]] = logprob
+        entries.append((token[pos][0], logprob, best, token[pos][1]))
     return text, entries

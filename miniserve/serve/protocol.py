@@ -76,14 +76,6 @@ N = Limit(
     "place in the queue; with a seed, choice i samples with seed + i",
 )
 BEST_OF = Limit(int, 1, MAX_CHOICES, 1, "best_of", "must equal n: every choice is returned")
-PENALTY = Limit(
-    float,
-    -2.0,
-    2.0,
-    0.0,
-    "penalty",
-    "accepted for OpenAI's clients and not applied: use repetition_penalty",
-)
 TOP_LOGPROBS = Limit(
     int,
     0,
@@ -377,10 +369,13 @@ def _optional(schema: dict) -> None:
 
 
 class ContentPart(BaseModel):
-    """OpenAI's content parts: the text ones are read, others (images, audio) dropped."""
+    """OpenAI's content parts: text ones. Others (images, audio) are refused: a model that
+    cannot see them would answer as if they were not there."""
 
     model_config = ConfigDict(extra="allow")
-    type: str = Field(description='"text", or a kind of part this server drops (image_url, ...)')
+    type: Literal["text"] = Field(
+        description='"text" (image and audio parts are refused: the models here read text)'
+    )
     text: str = Field(None, description="a text part's text", json_schema_extra=_optional)
 
 
@@ -495,6 +490,12 @@ def _message(m: dict, where: str) -> None:
                     f"'{at}' must be a content part: an object with a 'type' "
                     "(\"text\", with its 'text')",
                     at,
+                )
+            if part["type"] != "text":
+                raise ChatError(
+                    f"'{at}' is a part of type {json.dumps(part['type'])}: the models here read "
+                    'text only (parts of type "text")',
+                    f"{at}.type",
                 )
             if "text" in part and not isinstance(part["text"], str):
                 raise ChatError(f"'{at}.text' must be a string", f"{at}.text")
@@ -693,10 +694,54 @@ def _declared(model: type[BaseModel]) -> tuple[dict, dict[str, Allowed]]:
     return model.model_json_schema(), allowed
 
 
+# Fields other servers (llama-server, vLLM) take that would change the reply, with what this
+# one takes instead (None: nothing): refused, never ignored as unknown fields are. A value
+# that asks for nothing (null, false, 0, ["text"]) passes.
+FOREIGN = {
+    "grammar": "'structured_outputs': {\"grammar\": ...} (GBNF)",
+    "json_schema": '\'response_format\': {"type": "json_schema", ...}',
+    "guided_json": "'structured_outputs': {\"json\": ...}",
+    "guided_regex": "'structured_outputs': {\"regex\": ...}",
+    "guided_choice": "'structured_outputs': {\"choice\": [...]}",
+    "guided_grammar": "'structured_outputs': {\"grammar\": ...}",
+    "repeat_penalty": "'repetition_penalty'",
+    "n_predict": "'max_tokens'",
+    "ignore_eos": None,
+    "min_tokens": None,
+    "modalities": None,
+    "audio": None,
+}
+
+
+def _foreign(data):
+    if not isinstance(data, dict):
+        return data
+    for name, instead in FOREIGN.items():
+        if data.get(name) in (None, False, 0, ["text"]):
+            continue
+        raise APIError(
+            f"'{name}' is not supported by this server: "
+            + (
+                f"use {instead}"
+                if instead
+                else "it would change the reply, and nothing here does it"
+            ),
+            name,
+            code="unsupported_parameter",
+        )
+    return data
+
+
 class _Request(_Explained):
-    """What /v1/chat/completions and /v1/completions take alike. Unknown fields are ignored."""
+    """What /v1/chat/completions and /v1/completions take alike. Unknown fields are ignored,
+    except those of FOREIGN (other servers' fields that change the reply): refused."""
 
     model_config = ConfigDict(json_schema_extra={"allOf": _rules()})  # _together's
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_foreign(cls, data):
+        return _foreign(data)
 
     model: str | None = Field(
         None,
@@ -733,8 +778,6 @@ class _Request(_Explained):
         Field(None, description="up to 4 stop strings"),
     ]
     seed: limited(SEED)
-    presence_penalty: limited(PENALTY, 0.0)
-    frequency_penalty: limited(PENALTY, 0.0)
     speculate: Literal["ngram", "off"] | None = Field(
         None,
         description="extension: prompt-lookup speculation for this request (default: the "
@@ -890,6 +933,8 @@ class ChatCompletionRequest(SamplingRequest):
         if (choice == "required" or isinstance(choice, NamedToolChoice)) and not self.tools:
             name = "required" if choice == "required" else "a named function"
             raise ConfigError(f"'tool_choice': {name} needs 'tools'", "tool_choice")
+        if self.top_logprobs and not self.logprobs:  # as OpenAI and vLLM: not silently none
+            raise ConfigError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
         return self
 
     def options(self) -> ChatOptions:

@@ -127,8 +127,14 @@ class OpenAIServing:
         engine, n, total = req.engine, req.settings.n, req.choices
         over_network = engine.capabilities.over_network
         free = engine.max_queue - engine.queue_depth
+        need = f"n={n}" if len(req.prompts) == 1 else f"{len(req.prompts)} prompts x n={n}"
+        if total > engine.max_queue:  # never fits: waiting would not help
+            raise APIError(
+                f"{need} asks for {total} choices at once and this server's queue holds "
+                f"{engine.max_queue} (--max-queue): ask for fewer",
+                "n" if len(req.prompts) == 1 else "prompt",
+            )
         if total > free:
-            need = f"n={n}" if len(req.prompts) == 1 else f"{len(req.prompts)} prompts x n={n}"
             busy = Busy(
                 "the server is busy; try again in a moment"
                 if total == 1

@@ -5,12 +5,14 @@ recorder that collects what a reply's logprobs show.
 
 from __future__ import annotations
 
+import codecs
 import json
 import time
 import uuid
 
 import torch
 
+from miniserve.engine.stream import token_text
 from miniserve.models.registry import Models
 from miniserve.serve.bridge import Choices
 from miniserve.serve.parse import APIRequest
@@ -25,11 +27,11 @@ class LogprobRecorder:
 
     def observe(self, logits, previous_ids, token_id, allowed=None, state=None):
         logp = torch.log_softmax(logits[0].float(), -1)
-        entry = self._item(self.tokenizer.decode([token_id]), float(logp[token_id]))
+        entry = self._item(*token_text(self.tokenizer, token_id), float(logp[token_id]))
         if self.top:
             values, indices = torch.topk(logp, self.top)
             entry["top_logprobs"] = [
-                self._item(self.tokenizer.decode([i]), v)
+                self._item(*token_text(self.tokenizer, i), v)
                 for v, i in zip(values.tolist(), indices.tolist())
             ]
         else:
@@ -37,13 +39,17 @@ class LogprobRecorder:
         self.entries.append(entry)
 
     def add_remote_step(self, text: str, logprob: float, top=()) -> None:
-        entry = self._item(text, logprob)
-        entry["top_logprobs"] = [self._item(t, lp) for t, lp in list(top)[: self.top]]
+        entry = self._item(text, text.encode("utf-8"), logprob)
+        entry["top_logprobs"] = [
+            self._item(t, t.encode("utf-8"), lp) for t, lp in list(top)[: self.top]
+        ]
         self.entries.append(entry)
 
     @staticmethod
-    def _item(text: str, logprob: float) -> dict:
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+    def _item(text: str, raw: bytes, logprob: float) -> dict:
+        """OpenAI's entry: the token's text ("bytes:\\x.." for a piece of a character) and its
+        own bytes (a client joins them into the characters a byte-level token splits)."""
+        return {"token": text, "logprob": logprob, "bytes": list(raw)}
 
 
 class ChatShape:
@@ -111,6 +117,9 @@ class TextShape:
         self.req, self.choices = req, choices
         self.sent = [0] * req.choices  # recorder entries already written, per choice
         self.offset = [0] * req.choices  # text_offset of the next token, per choice
+        # the characters the tokens' bytes make so far, per choice (a character split over
+        # tokens counts once, where it is complete)
+        self.chars = [codecs.getincrementaldecoder("utf-8")("replace") for _ in range(req.choices)]
 
     def _echo(self, i: int) -> tuple[str, list]:
         return self.req.echo[i // self.req.settings.n] if self.req.echo else ("", [])
@@ -124,16 +133,16 @@ class TextShape:
             recorder = self.choices.choices[i].recorder
             for e in recorder.entries[self.sent[i] :]:
                 best = {t["token"]: t["logprob"] for t in e["top_logprobs"]}
-                best.setdefault(e["token"], e["logprob"])  # the chosen token is always there
-                entries = entries + [(e["token"], e["logprob"], best)]
+                best[e["token"]] = e["logprob"]  # the chosen token is always there, as chosen
+                entries = entries + [(e["token"], e["logprob"], best, bytes(e["bytes"]))]
             self.sent[i] = len(recorder.entries)
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for token, logprob, best in entries:
+        for token, logprob, best, raw in entries:
             out["tokens"].append(token)
             out["token_logprobs"].append(logprob)
             out["top_logprobs"].append(best)
             out["text_offset"].append(self.offset[i])
-            self.offset[i] += len(token)
+            self.offset[i] += len(self.chars[i].decode(raw))
         return out
 
     def whole(self, i: int, text: str, finish: str, **_chat_parts) -> dict:
