@@ -5,6 +5,7 @@ import html
 import json
 import re
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -952,6 +953,29 @@ def test_benchmark_bad_values(engine, lengths, new_tokens, repeat, message):
     table, plot, status = BenchmarkHandlers(engine).benchmark(lengths, new_tokens, repeat)
     assert table is None and plot is None
     assert status.startswith("**Error:**") and message in status, status
+
+
+def test_benchmark_stop_ends_it_within_its_run_and_frees_the_engine(engine):
+    """Stop (or the page closing) ends a benchmark: before, nothing stopped it, and it held
+    the tab's one slot for every page until its last run. A run of our own loop stops at its
+    next step: a no-cache run over a long prompt that would take minutes ends in seconds."""
+    bench = BenchmarkHandlers(engine)
+    out = {}
+    worker = threading.Thread(
+        target=lambda: out.update(
+            result=bench.benchmark("1500", 256, 3, progress=lambda *a, **k: None)
+        )
+    )
+    started = time.monotonic()
+    worker.start()
+    while engine.queue_depth == 0 and worker.is_alive():  # wait for a run to hold the engine
+        time.sleep(0.01)
+    assert bench.stop().startswith("stopping")
+    worker.join(60)
+    assert not worker.is_alive() and time.monotonic() - started < 60
+    table, plot, status = out["result"]
+    assert table is None and plot is None and status.startswith("stopped"), status
+    assert engine.queue_depth == 0 and bench.stop() == "nothing to stop"
 
 
 def test_build_ui_lays_out_its_tabs(engine, presets):

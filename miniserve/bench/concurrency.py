@@ -10,9 +10,10 @@ run, so the share of it is the engine's, not the machine's."""
 from __future__ import annotations
 
 import statistics
+import threading
 
 from miniserve.bench.machine import ceiling_tokens_per_s, measure_ceiling
-from miniserve.bench.options import ConcurrencyConfig, Progress, concurrency_params
+from miniserve.bench.options import ConcurrencyConfig, Progress, concurrency_params, stoppable
 from miniserve.bench.peer_rows import concurrency_peer, peer_streams
 from miniserve.bench.prompts import stream_prompt
 from miniserve.bench.results import ConcurrencyResult, ConcurrencyRow
@@ -72,12 +73,14 @@ def run_concurrency(
     config: ConcurrencyConfig,
     progress: Progress | None = None,
     presets: dict[str, SamplingParams] | None = None,
+    cancel: threading.Event | None = None,
 ) -> ConcurrencyResult:
     """Every preset at every concurrency level (and llama.cpp's greedy streams with `peer`),
     with the ceiling measured first; the presets from `presets` or config.presets_file (see
     concurrency_params). Raises ValueError for a level the engine's queue cannot hold or a
-    preset that does not exist."""
-    progress = progress or (lambda f, m: None)
+    preset that does not exist. `cancel`, once set, ends it with BenchStopped (at the end of
+    the run in progress)."""
+    progress = stoppable(progress or (lambda f, m: None), cancel)
     if not engine.capabilities.local_tokens:
         raise ValueError(
             f"bench --concurrency measures this machine's scheduler; model "

@@ -3,6 +3,7 @@ out of bounds raises ValueError) and the presets a concurrency run asks for."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -14,6 +15,7 @@ from miniserve.core.config import (
     load_presets,
     with_builtins,
 )
+from miniserve.core.errors import UserError
 
 # The benchmarks' limits, checked by their configs and by the CLI (concurrency levels: the
 # engine's queue, config.MAX_QUEUE).
@@ -33,6 +35,27 @@ BENCH_SCHEMA = {
 }
 
 Progress = Callable[[float, str], None]
+
+
+class BenchStopped(UserError):
+    """A benchmark stopped before its end (its Stop, or its page closed)."""
+
+    def __init__(self):
+        super().__init__("stopped: the benchmark ended before its last run; nothing is shown")
+
+
+def stoppable(progress: Progress, cancel: threading.Event | None) -> Progress:
+    """`progress`, which raises BenchStopped once `cancel` is set: a benchmark calls it before
+    each run, so a stop takes effect within the run in progress."""
+    if cancel is None:
+        return progress
+
+    def tick(fraction: float, message: str) -> None:
+        if cancel.is_set():
+            raise BenchStopped()
+        progress(fraction, message)
+
+    return tick
 
 
 def check_repeat(repeat) -> None:

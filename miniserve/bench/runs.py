@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import json
 import statistics
+import threading
 import time
 
 import torch
 
 from miniserve.bench import peer_rows
 from miniserve.bench.check import TokenCheck
-from miniserve.bench.options import BENCH_SCHEMA, BenchConfig, Progress
+from miniserve.bench.options import BENCH_SCHEMA, BenchConfig, BenchStopped, Progress, stoppable
 from miniserve.bench.prompts import FILLER, prompt_of_length
 from miniserve.bench.remote import run_remote_bench
 from miniserve.bench.results import BenchResult, Row
@@ -43,8 +44,12 @@ class _FirstTokenTimer:
         pass
 
 
-def _run_ours(engine: Engine, ids, params, use_cache: bool):
-    chunks = list(engine.complete(ids, params, use_cache=use_cache, reuse_prefix=False))
+def _run_ours(engine: Engine, ids, params, use_cache: bool, cancel=None):
+    chunks = list(
+        engine.complete(ids, params, use_cache=use_cache, reuse_prefix=False, cancel=cancel)
+    )
+    if cancel is not None and cancel.is_set():
+        raise BenchStopped()
     stats = chunks[-1].stats
     tokens = [i for c in chunks for i in c.token_ids]
     return tokens, stats.ttft_s, stats.total_s
@@ -144,8 +149,15 @@ def weights_label(engine: Engine) -> str:
     return f"{engine.quant} from {dtype}" if engine.quant else dtype
 
 
-def run_bench(engine: Engine, config: BenchConfig, progress: Progress | None = None) -> BenchResult:
-    progress = progress or (lambda f, m: None)
+def run_bench(
+    engine: Engine,
+    config: BenchConfig,
+    progress: Progress | None = None,
+    cancel: threading.Event | None = None,
+) -> BenchResult:
+    """Every mode at every prompt length. `cancel`, once set, ends it with BenchStopped: our
+    own runs at their next step, the others (transformers, llama.cpp) at their end."""
+    progress = stoppable(progress or (lambda f, m: None), cancel)
     if not engine.capabilities.local_tokens:
         return run_remote_bench(engine, config, progress)
     params = BUILTIN_PRESETS[GREEDY].replace(max_new_tokens=config.new_tokens)
@@ -162,9 +174,9 @@ def run_bench(engine: Engine, config: BenchConfig, progress: Progress | None = N
     schema_params = params.replace(constraint=Constraint("json_schema", json.dumps(BENCH_SCHEMA)))
     lean_box: dict = {}  # the PyTorch lean model of the `lean` mode, built at its first run
     runners = {
-        "no_cache": lambda ids: _run_ours(engine, ids, params, False),
-        "cache": lambda ids: _run_ours(engine, ids, params, True),
-        "cache+json_schema": lambda ids: _run_ours(engine, ids, schema_params, True),
+        "no_cache": lambda ids: _run_ours(engine, ids, params, False, cancel),
+        "cache": lambda ids: _run_ours(engine, ids, params, True, cancel),
+        "cache+json_schema": lambda ids: _run_ours(engine, ids, schema_params, True, cancel),
         "hf_generate": lambda ids: _run_hf(engine, ids, params),
         "transformers_loop": lambda ids: _run_transformers_loop(engine, ids, params),
         "lean": lambda ids: _run_lean(engine, ids, params, lean_box),

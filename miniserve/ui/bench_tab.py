@@ -14,6 +14,7 @@ import pandas as pd
 from miniserve.bench.bench import (
     GREEDY,
     BenchConfig,
+    BenchStopped,
     ConcurrencyConfig,
     describe_concurrency,
     describe_run,
@@ -28,6 +29,7 @@ from miniserve.ui.common import (
     BENCHMARK_EVENTS,
     USER_ERRORS,
     ModelUnavailable,
+    Sessions,
     counts_from,
     error,
     user_message,
@@ -101,8 +103,16 @@ class BenchmarkHandlers:
     result's field names; on a bad value, a model that cannot be loaded or a remote one
     (None, None, the error)."""
 
-    def __init__(self, models: Models | Engine, presets: dict[str, SamplingParams] | None = None):
+    def __init__(
+        self,
+        models: Models | Engine,
+        presets: dict[str, SamplingParams] | None = None,
+        sessions: Sessions | None = None,
+    ):
         self.models = Models.of(models)
+        # the app's browser sessions' runs: Stop (this tab's, or any tab's) and a closed page
+        # end a run of this session
+        self.sessions = sessions or Sessions()
         # the app's presets (from its --presets-file), which the concurrency run uses; None:
         # the default presets.yaml
         self.presets = presets
@@ -130,20 +140,40 @@ class BenchmarkHandlers:
                 raise ConfigError(remote_note(name), "model")
             yield engine
 
-    def benchmark(self, lengths_text, new_tokens, repeat, model=None, progress=gr.Progress()):
+    def benchmark(
+        self,
+        lengths_text,
+        new_tokens,
+        repeat,
+        model=None,
+        progress=gr.Progress(),
+        request: gr.Request | None = None,
+    ):
         try:
             lengths = counts_from(lengths_text, "Prompt lengths", "32,128,512")
             config = BenchConfig(
                 prompt_tokens=lengths, new_tokens=whole(new_tokens), repeat=whole(repeat)
             )
-            with self.measured(model, progress) as engine:
-                result = run_bench(engine, config, progress=lambda f, m: progress(f, desc=m))
+            with self.sessions.running(request, "bench") as cancel:
+                with self.measured(model, progress) as engine:
+                    result = run_bench(
+                        engine, config, progress=lambda f, m: progress(f, desc=m), cancel=cancel
+                    )
+        except BenchStopped as e:
+            return None, None, str(e)
         except (*USER_ERRORS, ValueError, TypeError) as e:
             return None, None, error(user_message(e))
         return (*shown(to_dict(result)["rows"], BENCH_COLUMNS), describe_run(result))
 
     def concurrency(
-        self, levels_text, presets, prompt_tokens, new_tokens, model=None, progress=gr.Progress()
+        self,
+        levels_text,
+        presets,
+        prompt_tokens,
+        new_tokens,
+        model=None,
+        progress=gr.Progress(),
+        request: gr.Request | None = None,
     ):
         """Every chosen preset at every concurrency level (streams submitted at once)."""
         try:
@@ -154,13 +184,31 @@ class BenchmarkHandlers:
                 new_tokens=whole(new_tokens),
                 presets=tuple(presets or ()),
             )
-            with self.measured(model, progress) as engine:
-                result = run_concurrency(
-                    engine, config, progress=lambda f, m: progress(f, desc=m), presets=self.presets
-                )
+            with self.sessions.running(request, "bench") as cancel:
+                with self.measured(model, progress) as engine:
+                    result = run_concurrency(
+                        engine,
+                        config,
+                        progress=lambda f, m: progress(f, desc=m),
+                        presets=self.presets,
+                        cancel=cancel,
+                    )
+        except BenchStopped as e:
+            return None, None, str(e)
         except (*USER_ERRORS, ValueError, TypeError) as e:  # a level past the queue, a preset
             return None, None, error(user_message(e))
         return (*shown(to_dict(result)["rows"], CONCURRENCY_COLUMNS), describe_concurrency(result))
+
+    def stop(self, request: gr.Request | None = None) -> str:
+        """Stop: the session's benchmark ends within the run it is in."""
+        if self.sessions.stop(request):
+            return "stopping: the benchmark ends with the run it is in"
+        return "nothing to stop"
+
+    def closed(self, request: gr.Request | None = None) -> None:
+        """The page closed: its benchmark stops (it would hold the tab's one slot for every
+        other page until it ended)."""
+        self.sessions.stop(request)
 
     def model_note(self, model) -> str:
         """The line under the Model dropdown: empty for a local model, why not for a remote
@@ -175,7 +223,7 @@ class BenchmarkHandlers:
 def build_benchmark_tab(app: TabContext, label: str) -> None:
     """The Benchmark tab and its events, under `label`; call inside the app's `gr.Blocks`. The
     app's header (the line above the tabs) is redrawn after this tab's runs."""
-    bench = BenchmarkHandlers(app.models, app.presets)
+    bench = BenchmarkHandlers(app.models, app.presets, app.sessions)
     with gr.Tab(label):
         remote = bench.model_note(None)
         # the dropdown shows with several models; the note with a remote model
@@ -190,7 +238,9 @@ def build_benchmark_tab(app: TabContext, label: str) -> None:
             lengths = gr.Textbox(label="Prompt lengths (tokens)", value="32,128,512")
             new_tokens = gr.Slider(minimum=2, maximum=256, value=24, step=1, label="New tokens")
             repeat = gr.Slider(minimum=1, maximum=5, value=1, step=1, label="Repeats (median)")
-        button = gr.Button("Run benchmark", variant="primary")
+        with gr.Row():
+            button = gr.Button("Run benchmark", variant="primary", scale=3)
+            stop_button = gr.Button("Stop", variant="stop", scale=1, elem_id="bench-stop")
         status = gr.Markdown()
         table = gr.Dataframe(
             empty_table(BENCH_COLUMNS), label="Results", interactive=False, elem_id="bench-table"
@@ -226,7 +276,9 @@ def build_benchmark_tab(app: TabContext, label: str) -> None:
             stream_tokens = gr.Slider(
                 minimum=2, maximum=512, value=128, step=1, label="Stream new tokens"
             )
-        concurrency_button = gr.Button("Run concurrency benchmark", variant="primary")
+        with gr.Row():
+            concurrency_button = gr.Button("Run concurrency benchmark", variant="primary", scale=3)
+            concurrency_stop = gr.Button("Stop", variant="stop", scale=1)
         concurrency_status = gr.Markdown()
         concurrency_table = gr.Dataframe(
             empty_table(CONCURRENCY_COLUMNS),
@@ -257,6 +309,10 @@ def build_benchmark_tab(app: TabContext, label: str) -> None:
             **one_at_a_time,
         ),
     ]
+    # not queued: a Stop must not wait behind the run it stops
+    stop_button.click(bench.stop, None, status, queue=False)
+    concurrency_stop.click(bench.stop, None, concurrency_status, queue=False)
+    app.demo.unload(bench.closed)
     model.change(bench.model_note, model, note, queue=False, show_progress="hidden")
-    follow_picker(bench.models, model, runs)
+    follow_picker(bench.models, model, runs, app.demo)
     app.header.refresh_after(runs)

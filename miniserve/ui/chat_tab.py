@@ -695,7 +695,7 @@ def build_chat_tab(app: TabContext, label: str) -> ChatTab:
         concurrency_limit=None,
         show_progress="hidden",
     )
-    follow_picker(chat.models, model, runs)
+    follow_picker(chat.models, model, runs, app.demo)
     # the Think controls follow the model: its choice, a reply that loaded it, the page's load
     show_thinking = dict(
         fn=chat.thinking_controls,

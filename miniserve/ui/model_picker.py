@@ -38,10 +38,11 @@ def build_model_picker(models: Models) -> gr.Dropdown:
     )
 
 
-def follow_picker(models: Models, picker: gr.Dropdown, runs=()) -> None:
+def follow_picker(models: Models, picker: gr.Dropdown, runs=(), demo: gr.Blocks | None = None):
     """The dropdown's line describes its choice: redrawn when the choice changes (by the user
-    or by a handler) and after each of the tab's `runs` (a model loaded by one is then
-    described in full)."""
+    or by a handler), after each of the tab's `runs` (a model loaded by one is then described
+    in full) and when the page loads (the line written when the page was built said "loads
+    when first used" of a model that has loaded since)."""
 
     def describe(name):
         return gr.update(info=picker_info(models, name))
@@ -49,6 +50,8 @@ def follow_picker(models: Models, picker: gr.Dropdown, runs=()) -> None:
     picker.change(describe, picker, picker, queue=False, show_progress="hidden")
     for run in runs:
         run.then(describe, picker, picker, queue=False, show_progress="hidden")
+    if demo is not None:
+        demo.load(describe, picker, picker, queue=False, show_progress="hidden")
 
 
 def start_load(models: Models, name: str, messages: queue.Queue) -> None:

@@ -278,5 +278,5 @@ def build_notebook_tab(app: TabContext, label: str) -> None:
     # queued, as the generation is: Undo stops a running generation, which then writes Undo's
     # result as its own last output (Sessions.take_over), and waits for it to end
     undo_btn.click(notebook.undo, [text, history], [text, history, status])
-    follow_picker(notebook.models, model, runs)
+    follow_picker(notebook.models, model, runs, app.demo)
     app.header.refresh_after(runs)

@@ -31,7 +31,7 @@ from miniserve.ui.common import (
     session_of,
     user_message,
 )
-from miniserve.ui.model_picker import build_model_picker
+from miniserve.ui.model_picker import build_model_picker, follow_picker
 from miniserve.ui.render import chart_html, costs_html, text_html
 from miniserve.ui.widgets import (
     build_output_format,
@@ -456,15 +456,18 @@ def build_step_tab(app: TabContext, label: str) -> None:
             handlers.run_to_end,
         )
     )
-    step_btn.click(step, settings, **one)
-    run_btn.click(run, [count, *settings], **engine)
-    end_btn.click(run_to_end, settings, **engine)
+    runs = [
+        step_btn.click(step, settings, **one),
+        run_btn.click(run, [count, *settings], **engine),
+        end_btn.click(run_to_end, settings, **engine),
+        back_btn.click(back, settings, **one),
+        act_btn.click(act, [action, *settings], **one),
+        take_btn.click(take_text, [typed, *settings], **one),
+        typed.submit(take_text, [typed, *settings], **one),
+    ]
     stop_btn.click(handlers.stop, None, None, queue=False)
-    back_btn.click(back, settings, **one)
     reset_btn.click(handlers.reset, None, **one)
-    act_btn.click(act, [action, *settings], **one)
-    take_btn.click(take_text, [typed, *settings], **one)
-    typed.submit(take_text, [typed, *settings], **one)
+    follow_picker(handlers.models, model, runs, app.demo)
     # the stages alone take milliseconds and no forward pass: sent straight, not queued behind
     # the engine's events (Gradio's queue adds a round trip of its own)
     quiet = dict(outputs=outs, show_progress="hidden", queue=False)
