@@ -247,9 +247,43 @@ def test_bench_writes_json_and_csv(tmp_path):
     } <= set(table[0])
 
 
-def test_bench_bad_arguments():
-    r = run("bench", "--prompt-tokens", "8,x")
-    assert r.returncode == 2 and "prompt-tokens" in r.stderr
+def test_bench_bad_arguments(tmp_path):
+    """Each a line and exit 2 before anything runs: a bad length, a --prefix-reuse past its
+    range (it hung, growing a history forever), a --json or --csv that cannot be written (a
+    traceback after the whole run, its results lost)."""
+    for args, said in (
+        (["--prompt-tokens", "8,x"], "prompt-tokens"),
+        (["--prefix-reuse", "999999"], "--prefix-reuse"),
+        (["--prefix-reuse", "-5"], "--prefix-reuse"),
+        (["--json", str(tmp_path / "no" / "x.json")], "does not exist"),
+        (["--csv", str(tmp_path)], "folder"),
+    ):
+        r = run("bench", "--prompt-tokens", "8", "--new-tokens", "2", "--repeat", "1", *args)
+        assert r.returncode == 2 and said in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_port_out_of_range_and_a_raw_chat_with_a_system_prompt_are_one_line():
+    for args, said in (
+        (["serve", "--port", "70000"], "from 1 to 65535"),  # a traceback from uvicorn's bind
+        (["app", "--port", "-1"], "from 1 to 65535"),
+        (["app", "--preset", "nosuch"], "unknown preset 'nosuch'"),  # it started with another
+        (["chat", "--raw", "--system", "be a pirate"], "--system needs a chat template"),
+    ):
+        r = run(*args)
+        assert r.returncode == 2 and said in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_thinking_models_reasoning_is_shown_apart(tmp_path):
+    """generate with a thinking model: the reasoning on stderr after "Thinking:" and in --json
+    (it printed nothing at all: the reply was all reasoning); stdout is the answer alone."""
+    from thinking_models import r1_tiny
+
+    model = ("--model", str(r1_tiny()), "--max-new-tokens", "12", "--seed", "1")
+    out = generate_json("--prompt", "hi", *model)
+    assert out["reasoning"] and out["reasoning_tokens"] == len(out["token_ids"]) == 12
+    r = run("generate", "--prompt", "hi", *model)
+    assert r.returncode == 0 and "Thinking: " + out["reasoning"] in r.stderr
+    assert r.stdout.strip() == out["text"].strip()
 
 
 def test_output_format_flags(tmp_path):

@@ -147,3 +147,44 @@ def test_a_submodule_import_as_the_first_use_imports_each_module_once(tmp_path, 
     assert deferred_pkg.sub is sys.modules["deferred_pkg.sub"] and deferred_pkg.sub.value == 1
     for name in ("deferred_pkg", "deferred_pkg.sub"):
         monkeypatch.delitem(sys.modules, name)
+
+
+def test_ctrl_c_during_a_deferred_import_ends_a_command_with_one_line(tmp_path):
+    """Ctrl-C while torch imports (the first second of a command): the half-imported module's
+    exit handlers would each fail at shutdown (torch's printed some 1,900 lines of tracebacks);
+    the command says nothing more than a blank line and exits 130."""
+    _write_module(
+        tmp_path,
+        "cut_mod",
+        """
+        import atexit, sys
+        me = sys.modules[__name__]
+        for _ in range(20):  # as torch's own: they read the module at exit
+            atexit.register(lambda: me.value)
+        raise KeyboardInterrupt
+        """,
+    )
+    script = f"""
+        import argparse, sys
+        sys.path.insert(0, {str(tmp_path)!r})
+        from miniserve.core.deferred import defer
+        defer("cut_mod")
+        import cut_mod
+        from miniserve.cli import main as cli
+
+        def command(args):
+            return cut_mod.value  # the first use: its import is cut off
+
+        def parser():
+            p = argparse.ArgumentParser()
+            p.set_defaults(func=command)
+            return p
+
+        cli.build_parser = parser
+        sys.exit(cli.main([]))
+    """
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 130 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert done.stderr.strip() == ""

@@ -24,6 +24,7 @@ from miniserve.cli.args import (
     fail,
     fail_with,
     open_history,
+    port_number,
 )
 from miniserve.core.config import ConfigError, load_presets
 from miniserve.core.deferred import import_now
@@ -38,7 +39,12 @@ def parse_args(argv=None, prog: str = "python app.py") -> argparse.Namespace:
         default=os.environ.get("MINISERVE_HOST", "127.0.0.1"),
         help="address to bind (default 127.0.0.1: this machine only)",
     )
-    p.add_argument("--port", type=int, default=int(os.environ.get("MINISERVE_PORT", 7860)))
+    p.add_argument(
+        "--port",
+        type=port_number,
+        default=os.environ.get("MINISERVE_PORT", "7860"),
+        help="default: $MINISERVE_PORT, else 7860",
+    )
     p.add_argument(
         "--share",
         action="store_true",
@@ -51,7 +57,11 @@ def parse_args(argv=None, prog: str = "python app.py") -> argparse.Namespace:
         "endpoints: the app says so at start)",
     )
     p.add_argument("--presets-file", default=None, help="another presets.yaml")
-    p.add_argument("--preset", default="balanced", help="the preset selected at start")
+    p.add_argument(
+        "--preset",
+        default=None,
+        help="the preset selected at start (default: balanced, where the presets have it)",
+    )
     add_model_args(p)
     add_history_args(p)
     return p.parse_args(argv)
@@ -66,6 +76,11 @@ def main(argv=None, prog: str = "python app.py") -> int:
     started = time.perf_counter()
     try:
         presets = load_presets(args.presets_file)
+        if args.preset is not None and args.preset not in presets:
+            raise ConfigError(
+                f"--preset: unknown preset '{args.preset}' (available: {', '.join(presets)})",
+                "preset",
+            )
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -80,7 +95,7 @@ def main(argv=None, prog: str = "python app.py") -> int:
     from miniserve.ui import CSS, build_ui
 
     Server = serving_server()
-    demo = build_ui(models, presets, args.preset, store)
+    demo = build_ui(models, presets, args.preset or "balanced", store)
     url = f"http://{args.host}:{args.port}"
     if args.share:
         load_in_background(models, started, on_failure=lambda code: os._exit(code))

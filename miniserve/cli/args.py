@@ -46,6 +46,17 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def port_number(value: str) -> int:
+    """A TCP port flag's value (argparse's type): a whole number from 1 to 65535."""
+    try:
+        port = int(value)
+    except ValueError:
+        port = -1
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is a whole number from 1 to 65535, not {value!r}")
+    return port
+
+
 def fail(message: str, code: int = 2):
     print(f"error: {message}", file=sys.stderr)
     return code
@@ -303,6 +314,8 @@ def constraint_from_args(args):
             text = open(path, encoding="utf-8").read()
         except OSError as e:
             raise ConfigError(f"{flag}: cannot read {path} ({e.strerror})", kind) from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"{flag}: {path} is not UTF-8 text", kind) from None
         if kind == "json_schema":
             try:
                 json.loads(text)

@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from miniserve import __version__
 from miniserve.bench.bench import (
@@ -35,6 +36,7 @@ from miniserve.cli.args import (
     load_engine,
     open_history,
     params_from_args,
+    port_number,
 )
 from miniserve.cli.repl import ChatSession
 from miniserve.cli.step import StepLoop
@@ -42,6 +44,7 @@ from miniserve.core.config import (
     MAX_QUEUE,
     ConfigError,
 )
+from miniserve.core.deferred import import_cut_off
 from miniserve.core.errors import UserError
 from miniserve.engine.chat import NoChatTemplate
 from miniserve.engine.inspector import Inspector
@@ -81,10 +84,19 @@ def cmd_generate(args) -> int:
             if args.raw
             else engine.chat(messages, params, use_cache=not args.no_cache, observer=observer)
         )
+        thought = []  # a thinking model's reasoning: on stderr (stdout is the answer alone)
         for last in stream:
             parts.append(last.text)
             ids.extend(last.token_ids)
+            if last.reasoning:
+                thought.append(last.reasoning)
+                if not args.json:
+                    sys.stderr.write(("" if len(thought) > 1 else "Thinking: ") + last.reasoning)
+                    sys.stderr.flush()
             if not args.json and last.text:
+                if thought and not "".join(parts[:-1]):  # the answer starts on a line of its own
+                    sys.stderr.write("\n")
+                    sys.stderr.flush()
                 sys.stdout.write(last.text)
                 sys.stdout.flush()
     except UserError as e:  # ChatError, RequestTooLarge, busy, a remote refusal
@@ -97,6 +109,8 @@ def cmd_generate(args) -> int:
     if args.json:
         out = {
             "text": "".join(parts),
+            "reasoning": "".join(thought),
+            "reasoning_tokens": stats.reasoning_tokens,
             "token_ids": ids,
             "prompt_tokens": stats.prompt_tokens,
             "new_tokens": stats.new_tokens,
@@ -131,6 +145,8 @@ def cmd_chat(args) -> int:
         params, presets = params_from_args(args)
     except ConfigError as e:
         return fail(str(e))
+    if args.raw and args.system:  # as generate: raw mode has no turns to put it in
+        return fail("--system needs a chat template; --raw continues the text as it is")
     engine, code = load_engine(args)
     if engine is None:
         return code
@@ -185,10 +201,32 @@ def _bench_and_print(args, measure, table):
     return engine, result
 
 
+def _check_outputs(args) -> None:
+    """--json / --csv: a file that can be written, checked before the run (not after it, when
+    the measurements would be lost with the traceback)."""
+    for flag, name in (("--json", args.json), ("--csv", args.csv)):
+        if name is None:
+            continue
+        path = Path(name)
+        folder = path.parent if str(path.parent) else Path(".")
+        if path.is_dir():
+            raise ValueError(f"{flag} {name}: that is a folder; give a file name")
+        if not folder.is_dir():
+            raise ValueError(f"{flag} {name}: the folder {folder} does not exist")
+        if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+            raise ValueError(f"{flag} {name}: not writable")
+
+
 def cmd_bench(args) -> int:
     if args.concurrency is not None:
         return cmd_bench_concurrency(args)
     try:
+        _check_outputs(args)
+        if args.prefix_reuse and not 64 <= args.prefix_reuse <= MAX_PROMPT_TOKENS:
+            raise ValueError(
+                f"--prefix-reuse must be 0 (off) or from 64 to {MAX_PROMPT_TOKENS} tokens of "
+                f"history, got {args.prefix_reuse}"
+            )
         lengths = _whole_numbers(
             args.prompt_tokens or "64,256,1024", "--prompt-tokens", 1, MAX_PROMPT_TOKENS
         )
@@ -208,6 +246,13 @@ def cmd_bench(args) -> int:
             raise ValueError(
                 "--prefix-reuse times this engine's own prefix cache: it needs a "
                 "local model, not a remote one"
+            )
+        # the history, two more turns and their replies (prefix_reuse: ~200 tokens at most)
+        if args.prefix_reuse and args.prefix_reuse + 256 > engine.context_length:
+            raise ValueError(
+                f"--prefix-reuse {args.prefix_reuse}: the history and two more turns do not "
+                f"fit the model's context of {engine.context_length} tokens; at most "
+                f"{max(engine.context_length - 256, 0)}"
             )
         return run_bench(engine, config, progress=bar)
 
@@ -229,6 +274,7 @@ def cmd_bench(args) -> int:
 def cmd_bench_concurrency(args) -> int:
     """bench --concurrency 1,2,4,8: B streams at once per level and preset."""
     try:
+        _check_outputs(args)
         levels = _whole_numbers(
             args.concurrency, "--concurrency", int(MAX_QUEUE.low), int(MAX_QUEUE.high)
         )
@@ -492,7 +538,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="the OpenAI-compatible HTTP API, without the web UI")
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=port_number, default=8000)
     s.add_argument(
         "--api-key",
         default=os.environ.get("MINISERVE_API_KEY"),
@@ -517,15 +563,22 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["app"]:  # every flag after it is the web app's own (cli/app.py)
         return app.main(argv[1:], prog="miniserve app")
     args = build_parser().parse_args(argv)
+    code = None
     try:
-        return args.func(args)
+        code = args.func(args)
+        return code
     except UserError as e:  # what a command did not catch itself: one line, never a traceback
         return fail_with(e)
     except KeyboardInterrupt:
         print(file=sys.stderr)
-        return 130
+        code = 130
+        return code
     except BrokenPipeError:
         return 0
     finally:  # engine threads end before the interpreter does (no pass cut off mid-way)
         if getattr(args, "models", None) is not None:
             args.models.close()
+        if code == 130 and import_cut_off():  # see import_cut_off: no shutdown to run
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(130)

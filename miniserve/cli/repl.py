@@ -205,6 +205,11 @@ class ChatSession:
         self.say(self.describe())
 
     def cmd_system(self, text):
+        if self.raw and text:  # raw mode continues the text as it is: no turns to put it in
+            self.say(
+                "error: raw mode has no system prompt (it continues the text as it is); /raw first"
+            )
+            return
         self.system = text or None
         self.new_conversation()
         self.say(

@@ -341,6 +341,8 @@ def load_presets(path: str | Path | None = None) -> dict[str, SamplingParams]:
         raise ConfigError(f"{path}: presets file not found") from None
     except OSError as e:
         raise ConfigError(f"{path}: cannot read presets file ({e.strerror})") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: the presets file is not UTF-8 text") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:

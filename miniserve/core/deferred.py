@@ -27,6 +27,7 @@ import types
 
 _lock = threading.RLock()
 _names: set[str] = set()  # the modules deferred
+_broken: set[str] = set()  # the deferred modules whose import was cut off (Ctrl-C)
 # read without triggering the import: what `import torch` itself and the import of a module
 # already in sys.modules look at
 _OWN = frozenset(("__class__", "__dict__", "__name__", "__spec__", "__loader__", "__package__"))
@@ -53,6 +54,8 @@ def load(module: _Deferred) -> None:
         module.__spec__.loader.exec_module(module)
     except BaseException as e:
         state["_deferred_error"] = f"{type(e).__name__}: {e}"
+        if isinstance(e, KeyboardInterrupt):
+            _broken.add(module.__name__)
         if sys.modules.get(module.__name__) is module:
             del sys.modules[module.__name__]  # a new `import` tries again
         raise
@@ -95,6 +98,13 @@ def defer(name: str) -> None:
     module = importlib.util.module_from_spec(spec)
     module.__class__ = _Deferred
     sys.modules[name] = module
+
+
+def import_cut_off() -> bool:
+    """Whether Ctrl-C cut off a deferred import. The half-imported module's own exit handlers
+    then fail one by one at the interpreter's shutdown (torch's: some hundred tracebacks), so
+    a command that ends on that Ctrl-C leaves with os._exit instead."""
+    return bool(_broken)
 
 
 def is_deferred(name: str) -> bool:
