@@ -960,6 +960,8 @@ def test_benchmark_stop_ends_it_within_its_run_and_frees_the_engine(engine):
     the tab's one slot for every page until its last run. A run of our own loop stops at its
     next step: a no-cache run over a long prompt that would take minutes ends in seconds."""
     bench = BenchmarkHandlers(engine)
+    table, _, status = bench.benchmark("8", 2, 1)  # unstopped, it runs every row
+    assert table is not None and not status.startswith("stopped"), status
     out = {}
     worker = threading.Thread(
         target=lambda: out.update(

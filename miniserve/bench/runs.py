@@ -44,9 +44,22 @@ class _FirstTokenTimer:
         pass
 
 
+class _Linked(threading.Event):
+    """One run's cancel event (the engine sets it when the run's stream closes), which also
+    reads as set once the benchmark's own is."""
+
+    def __init__(self, parent: threading.Event):
+        super().__init__()
+        self.parent = parent
+
+    def is_set(self) -> bool:
+        return super().is_set() or self.parent.is_set()
+
+
 def _run_ours(engine: Engine, ids, params, use_cache: bool, cancel=None):
+    run_cancel = _Linked(cancel) if cancel is not None else None
     chunks = list(
-        engine.complete(ids, params, use_cache=use_cache, reuse_prefix=False, cancel=cancel)
+        engine.complete(ids, params, use_cache=use_cache, reuse_prefix=False, cancel=run_cancel)
     )
     if cancel is not None and cancel.is_set():
         raise BenchStopped()
