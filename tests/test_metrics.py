@@ -171,15 +171,17 @@ def test_a_running_request_is_seen_then_counted_as_cancelled(engine, api):
     assert value(after, "num_requests_running", model_name=name) == 0
 
 
-def test_a_full_queue_is_429_with_retry_after(engine, api):
+def test_a_full_queue_is_429_with_retry_after(engine, api, monkeypatch):
     assert wait_for_idle(engine)
     saved = engine.max_queue
-    engine.max_queue = 2
+    engine.max_queue = 3
+    monkeypatch.setattr(type(engine), "queue_depth", property(lambda self: 2))  # 1 place free
     try:
-        busy = post(api, {"messages": Q, "n": 3, "max_tokens": 4}).getresponse()
+        busy = post(api, {"messages": Q, "n": 2, "max_tokens": 4}).getresponse()
         error = json.loads(busy.read())["error"]
     finally:
         engine.max_queue = saved
+        monkeypatch.undo()
     assert busy.status == 429 and error["code"] == "server_busy"
     assert busy.getheader("Retry-After") == "1"  # nothing holds a place: no estimate, 1 s
 

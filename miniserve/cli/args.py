@@ -46,6 +46,9 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+DEFAULT_SPECULATE = "ngram"  # where the runner is batch-invariant (Engine.speculation)
+
+
 def port_number(value: str) -> int:
     """A TCP port flag's value (argparse's type): a whole number from 1 to 65535."""
     try:
@@ -132,10 +135,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--speculate",
         choices=("ngram", "off"),
-        default="off",
+        default=None,
         help="prompt-lookup speculation: drafts from the prompt and the reply so far, verified "
-        "in one pass, the reply unchanged (native runner only; default off: faster on replies "
-        "that copy their input, slower elsewhere on CPUs without AMX, BENCHMARKS.md)",
+        "in one pass, the reply unchanged (native runner only; default ngram: 2-3x on replies "
+        "that copy their input, within noise elsewhere, BENCHMARKS.md; bench: off unless "
+        "asked, so that its rows time the same loop as the engines they are compared with)",
     )
     p.add_argument(
         "--reasoning-budget",
@@ -377,7 +381,7 @@ def open_models(args):
         reasoning_budget=None
         if getattr(args, "reasoning_budget", -1) < 0
         else args.reasoning_budget,
-        speculate=getattr(args, "speculate", "off"),
+        speculate=getattr(args, "speculate", None) or DEFAULT_SPECULATE,
         max_queue=args.max_queue,
         max_batch=args.max_batch,
     )

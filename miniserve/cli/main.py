@@ -218,6 +218,9 @@ def _check_outputs(args) -> None:
 
 
 def cmd_bench(args) -> int:
+    # the rows time one token a step, as the engines they are compared with (--speculate
+    # ngram: with drafts)
+    args.speculate = args.speculate or "off"
     if args.concurrency is not None:
         return cmd_bench_concurrency(args)
     try:

@@ -92,6 +92,13 @@ SPEC_WINDOW = 4  # drafting steps an acceptance rate is measured over
 SPEC_MIN_RATE = 0.5  # accepted tokens a drafting step, on average, below which drafting pauses
 SPEC_PAUSE = 16  # steps a paused sequence decodes one token at a time (doubled each pause)
 SPEC_MAX_PAUSE = 256
+# Rows a pass's decode rows and their drafts fill at most: each decoding sequence drafts up to
+# (SPEC_ROWS - sequences) // sequences tokens (8 alone, 5 beside one other, 2 beside three,
+# none from 7). Up to about this many rows a product costs little more than one row (the
+# weights are read once: 2 rows ~1.1x one, 8 rows ~2.3x, Q4_1/Q4_K/Q8_0 on Zen 4); past it each
+# row costs its own arithmetic, and a batch that is already wide gains nothing from drafts a
+# verification may reject (8 streams measured 0.97x of off with drafts for every stream).
+SPEC_ROWS = 12
 
 
 class Drafter:
@@ -262,16 +269,16 @@ class Scheduler:
     def _drafting(seq: Sequence, chunk: list[int]) -> bool:
         return seq.drafter is not None and not seq.prefilling and len(chunk) > 1
 
-    def _decode_row(self, s: Sequence) -> list[int]:
-        """A decoding sequence's row: its last token, and the drafts to verify (within what
-        its budget has left: the pass then never writes past its reserve)."""
+    def _decode_row(self, s: Sequence, room: int = SPEC_MAX) -> list[int]:
+        """A decoding sequence's row: its last token, and the drafts to verify (at most `room`,
+        and within what its budget has left: the pass then never writes past its reserve)."""
         if not s.speculate or not s.tokens:
             return s.tokens[-1:]
         if s.drafter is None:
             s.drafter = Drafter(s.prompt + s.tokens)
         else:
             s.drafter.extend(s.tokens[len(s.drafter.ids) - len(s.prompt) :])
-        return s.tokens[-1:] + s.drafter.draft(min(SPEC_MAX, s.budget - len(s.tokens) - 1))
+        return s.tokens[-1:] + s.drafter.draft(min(SPEC_MAX, room, s.budget - len(s.tokens) - 1))
 
     def _verify(self, seq: Sequence, draft: list[int], logits: torch.Tensor) -> None:
         """Sample position by position from the pass's rows, as a step at a time would (the
@@ -303,11 +310,9 @@ class Scheduler:
         """Decode rows first (every running sequence advances each step: its last token, and
         its drafts when it speculates), then prompt chunks in admission order while the step
         has rows left."""
-        rows = [
-            (s, self._decode_row(s))
-            for s in self.running
-            if not s.prefilling and s.pending_logits is None
-        ]
+        decoding = [s for s in self.running if not s.prefilling and s.pending_logits is None]
+        room = (SPEC_ROWS - len(decoding)) // max(len(decoding), 1)  # drafts each (SPEC_ROWS)
+        rows = [(s, self._decode_row(s, room)) for s in decoding]
         left = self.step_tokens - len(rows)
         for s in self.running:
             if s.prefilling and left > 0:
