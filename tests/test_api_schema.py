@@ -144,6 +144,37 @@ def test_tool_and_template_fields_the_schema_refuses_are_a_400_naming_them(field
     assert error is not None and error.status == 400 and error.field == field, error
 
 
+@pytest.mark.parametrize(
+    "fields, taken",
+    [
+        ({"grammar": 'root ::= "yes"'}, False),  # llama-server's: it would be ignored
+        ({"grammar": ""}, True),
+        ({"json_schema": {"type": "object"}}, False),
+        ({"guided_choice": ["yes", "no"]}, False),
+        ({"repeat_penalty": 1.3}, False),
+        ({"repeat_penalty": 1.0}, True),  # llama-server's off, as its clients send it
+        ({"n_predict": 8}, False),
+        ({"n_predict": -1}, True),
+        ({"ignore_eos": True}, False),
+        ({"ignore_eos": False}, True),
+        ({"min_tokens": 5}, False),
+        ({"modalities": ["text", "audio"]}, False),
+        ({"modalities": ["text"]}, True),
+        ({"top_logprobs": 3}, False),  # without logprobs: OpenAI and vLLM refuse it too
+        ({"top_logprobs": 3, "logprobs": True}, True),
+        ({"presence_penalty": 1.5, "frequency_penalty": -0.5}, True),  # applied: a stage
+        ({"presence_penalty": 2.5}, False),
+    ],
+)
+def test_fields_that_would_steer_the_reply_are_taken_or_refused_never_ignored(fields, taken):
+    error = refusal({"messages": [HI], **fields})
+    if taken:
+        assert error is None, error
+    else:
+        name = next(iter(fields))
+        assert error is not None and error.status == 400 and error.field == name, error
+
+
 COMPLETIONS = Draft202012Validator(CompletionRequest.model_json_schema())
 LEFT_OUT = object()
 

@@ -6,6 +6,7 @@ import csv
 import json
 import struct
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
@@ -361,3 +362,21 @@ def test_the_weights_column_of_a_gguf_as_stored_names_its_type(stored_engine):
 
     label = runs.weights_label(stored_engine)
     assert label == "q4_1 as stored" == f"{peer.file_type(embedded_gguf())} as stored"
+
+
+def test_the_benchmark_times_one_token_a_step_unless_asked(stored):
+    """An engine that speculates (the app's default) is benchmarked without drafts, as the rows
+    it is compared with run; BenchConfig.speculate asks for them (bench --speculate ngram)."""
+    from miniserve.engine.engine import Engine
+
+    engine = Engine(stored, speculate="ngram")
+    try:
+        assert engine.speculates
+        filler = runs.prompt_of_length(engine.tokenizer, 200)  # repetitive: drafts would land
+        config = runs.BenchConfig(prompt_tokens=[len(filler)], new_tokens=24, repeat=1)
+        for asked in (False, True):
+            before = engine.scheduler.spec_drafted
+            runs.run_bench(engine, replace(config, modes=("cache",), check=False, speculate=asked))
+            assert (engine.scheduler.spec_drafted > before) == asked
+    finally:
+        engine.close()

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from miniserve.core.config import ConfigError, SamplingParams
-from miniserve.core.samplers import default_order, describe, running
+from miniserve.core.samplers import check_order, default_order, describe, running
 from miniserve.engine.sampling import (
     APPLY,
     Call,
@@ -168,6 +168,13 @@ def test_presence_and_frequency_penalties_count_the_replys_own_tokens():
     assert "presence" in [s.key for s in running(params)]
     assert "presence" in [s.key for s in running(params.replace(temperature=0))]
     assert "presence" not in [s.key for s in running(SamplingParams())]
+    # a state told its prompt's length counts the reply's tokens even when the stage first
+    # runs late (the Step view: the penalty switched on after three tokens)
+    late = SamplerState(prompt_len=4)
+    assert torch.allclose(stage(x, Call(params, reply, None, late, False)), want)
+    # llama.cpp's `penalties` in an order is all three penalties: it brings this stage in
+    assert check_order(["top_k", "penalties"]) == ("top_k", "penalties", "presence")
+    assert check_order(["presence", "penalties"]) == ("presence", "penalties")
     # negative values favour repeats, as OpenAI allows (-2..2)
     more = stage(x, Call(params.replace(presence_penalty=-1.0), reply, None, state, False))
     assert more[0, 7] > x[0, 7] - 2 * 0.25

@@ -978,6 +978,9 @@ def test_benchmark_stop_ends_it_within_its_run_and_frees_the_engine(engine):
     table, plot, status = out["result"]
     assert table is None and plot is None and status.startswith("stopped"), status
     assert engine.queue_depth == 0 and bench.stop() == "nothing to stop"
+    # its Stop is the benchmark's: a reply streaming in another tab of the page goes on
+    with bench.sessions.running(None, "chat") as reply:
+        assert bench.stop() == "nothing to stop" and not reply.is_set()
 
 
 def test_build_ui_lays_out_its_tabs(engine, presets):

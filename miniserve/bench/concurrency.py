@@ -124,7 +124,7 @@ def run_concurrency(
         progress(0.0, "warming up")  # first passes at each width pay one-off costs
         warm = params[config.presets[0]].replace(max_new_tokens=4, seed=0)
         for level in sorted(set(config.levels)):
-            run_streams(engine, prompts[:level], [warm] * level)
+            run_streams(engine, prompts[:level], [warm] * level, speculate=config.speculate)
         if peer_model is not None:
             peer_model.run_batch(prompts[:1], 4, peer_eos)
         rows = []
@@ -139,7 +139,9 @@ def run_concurrency(
             for r in range(config.repeat):
                 progress(done / total, f"{preset}, {level} at once, run {r + 1}/{config.repeat}")
                 seeded = [params[preset].replace(seed=1000 + i) for i in range(level)]
-                runs.append(run_streams(engine, prompts[:level], seeded))
+                runs.append(
+                    run_streams(engine, prompts[:level], seeded, speculate=config.speculate)
+                )
                 done += 1
             rows.append(
                 _row(

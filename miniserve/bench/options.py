@@ -71,6 +71,8 @@ class BenchConfig:
     modes: tuple[str, ...] = DEFAULT_MODES
     peer: bool = False  # also llama.cpp (f32, bf16, the file's own type) on its weights
     check: bool = True  # check our tokens against the reference (TokenCheck)
+    # prompt-lookup drafts in our rows (off: one token a step, as the rows compared with)
+    speculate: bool = False
 
     def __post_init__(self):
         if not self.prompt_tokens or any(
@@ -102,6 +104,7 @@ class ConcurrencyConfig:
     # llama-bench ignores them): a sampled preset's streams would otherwise end at different
     # steps and its aggregate would measure a shrinking batch, not its sampling
     ignore_eos: bool = True
+    speculate: bool = False  # prompt-lookup drafts in our streams (BenchConfig.speculate)
 
     def __post_init__(self):
         low, high = int(MAX_QUEUE.low), int(MAX_QUEUE.high)

@@ -56,10 +56,17 @@ class _Linked(threading.Event):
         return super().is_set() or self.parent.is_set()
 
 
-def _run_ours(engine: Engine, ids, params, use_cache: bool, cancel=None):
+def _run_ours(engine: Engine, ids, params, use_cache: bool, cancel=None, speculate=False):
     run_cancel = _Linked(cancel) if cancel is not None else None
     chunks = list(
-        engine.complete(ids, params, use_cache=use_cache, reuse_prefix=False, cancel=run_cancel)
+        engine.complete(
+            ids,
+            params,
+            use_cache=use_cache,
+            reuse_prefix=False,
+            cancel=run_cancel,
+            speculate=speculate,
+        )
     )
     if cancel is not None and cancel.is_set():
         raise BenchStopped()
@@ -188,8 +195,10 @@ def run_bench(
     lean_box: dict = {}  # the PyTorch lean model of the `lean` mode, built at its first run
     runners = {
         "no_cache": lambda ids: _run_ours(engine, ids, params, False, cancel),
-        "cache": lambda ids: _run_ours(engine, ids, params, True, cancel),
-        "cache+json_schema": lambda ids: _run_ours(engine, ids, schema_params, True, cancel),
+        "cache": lambda ids: _run_ours(engine, ids, params, True, cancel, config.speculate),
+        "cache+json_schema": lambda ids: _run_ours(
+            engine, ids, schema_params, True, cancel, config.speculate
+        ),
         "hf_generate": lambda ids: _run_hf(engine, ids, params),
         "transformers_loop": lambda ids: _run_transformers_loop(engine, ids, params),
         "lean": lambda ids: _run_lean(engine, ids, params, lean_box),

@@ -108,14 +108,18 @@ def run_streams(
     prompts: list[list[int]],
     params: list[SamplingParams],
     reuse_prefix: bool = False,
+    speculate: bool = False,
 ) -> list[StreamTimeline]:
-    """Submit every prompt at once from a thread each; time what comes back."""
+    """Submit every prompt at once from a thread each; time what comes back (prompt-lookup
+    drafts only with `speculate`)."""
 
     def one(i: int, start: Callable[[], None]) -> StreamTimeline:
         start()
         cpu = time.thread_time()
         stream = StreamTimeline(time.perf_counter())
-        for chunk in engine.complete(prompts[i], params[i], reuse_prefix=reuse_prefix):
+        for chunk in engine.complete(
+            prompts[i], params[i], reuse_prefix=reuse_prefix, speculate=speculate
+        ):
             stream.arrivals.append((time.perf_counter(), len(chunk.token_ids)))
         stream.end = time.perf_counter()
         stream.cpu_s = time.thread_time() - cpu

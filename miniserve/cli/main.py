@@ -129,6 +129,8 @@ def cmd_generate(args) -> int:
         print(json.dumps(out, ensure_ascii=False))
     else:
         print()
+        if thought and not "".join(parts):  # all reasoning: end its line
+            print(file=sys.stderr)
         if inspector:
             print(inspector.as_text(), file=sys.stderr)
         print(f"[{stats.summary()}, cache {'off' if args.no_cache else 'on'}]", file=sys.stderr)
@@ -240,6 +242,7 @@ def cmd_bench(args) -> int:
             modes=tuple(args.modes.split(",")),
             peer=args.peer,
             check=not args.no_check,
+            speculate=args.speculate == "ngram",
         )
     except ValueError as e:
         return fail(str(e))
@@ -298,6 +301,7 @@ def cmd_bench_concurrency(args) -> int:
             peer=args.peer,
             presets_file=args.presets_file,
             ignore_eos=not args.stop_at_eos,
+            speculate=args.speculate == "ngram",
         )
         concurrency_params(config)  # an unknown preset is reported before the model loads
     except (ValueError, ConfigError) as e:

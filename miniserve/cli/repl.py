@@ -274,6 +274,7 @@ class ChatSession:
         self.new_conversation()
         self.say(
             "raw mode on: each line is added to one text the model continues; /reset clears it"
+            + ("; the system prompt waits for /raw off" if self.system else "")
             if self.raw
             else "raw mode off: chat turns; new conversation"
         )

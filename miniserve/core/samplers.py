@@ -65,6 +65,9 @@ class Stage:
     advanced: bool = True  # its sliders sit in the "More samplers" block
     panel: float | None = None  # its place among the sliders (default: `place`)
     short: str = ""  # a column title of 7 characters at most (default: the label)
+    # a stage an order that names this one brings in right after it, when the order does not
+    # name it itself (llama.cpp's `penalties` is repetition, presence and frequency at once)
+    joins: str | None = None
 
     def __post_init__(self):
         if not self.short:
@@ -191,6 +194,7 @@ for _stage in (
         aliases=("presence_penalty", "frequency_penalty"),
         short="pres/fr",
         remote=ALL_SERVERS,
+        joins="penalties",
     ),
     Stage(
         "dry",
@@ -502,6 +506,9 @@ def check_order(order, where: str = "samplers") -> tuple[str, ...] | None:
         if stage.key in keys:
             raise ConfigError(f"'{where}': {stage.key!r} is listed twice", where)
         keys.append(stage.key)
+    for s in orderable():  # what an order's stage brings in with it (Stage.joins)
+        if s.joins in keys and s.key not in keys:
+            keys.insert(keys.index(s.joins) + 1, s.key)
     keys = tuple(keys)
     return None if keys == default_order() else keys
 

@@ -157,6 +157,8 @@ def generate(
     if use_cache and cache is None:
         cache = model.new_cache()
     sampler = sampler if sampler is not None else SamplerState()
+    if sampler.prompt_len is None:  # where the reply's own tokens start (presence penalty)
+        sampler.prompt_len = ids.shape[1]
     if ids.shape[1] == 0:
         raise ValueError("the prompt is empty: give at least one token")
     reused = cache.get_seq_length() if use_cache else 0

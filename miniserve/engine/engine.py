@@ -615,10 +615,11 @@ class Engine(Admitting):
         if params.constraint is not None:
             self.grammars.check(params.constraint)
 
-    def sampler_state(self) -> SamplerState:
-        """A new reply's sampling state: Mirostat's mu, its draws, and this model's token texts
-        (DRY's sequence breakers)."""
-        return SamplerState(self._token_text, self.runner.config.vocab_size)
+    def sampler_state(self, prompt_len: int | None = None) -> SamplerState:
+        """A new reply's sampling state: Mirostat's mu, its draws, this model's token texts
+        (DRY's sequence breakers) and its prompt's length (where the reply's own tokens start:
+        the presence and frequency penalties count those)."""
+        return SamplerState(self._token_text, self.runner.config.vocab_size, prompt_len=prompt_len)
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -785,7 +786,7 @@ class Engine(Admitting):
                 speculate=self.speculates
                 if speculate is None
                 else speculate and self.can_speculate,
-                sampler=self.sampler_state(),
+                sampler=self.sampler_state(len(prompt_ids)),
             )
             self.scheduler.check(seq)
             seqs.append(seq)
@@ -810,7 +811,7 @@ class Engine(Admitting):
                     max_length=self.context_length,
                     observer=observer,
                     matcher=matcher,
-                    sampler=self.sampler_state(),
+                    sampler=self.sampler_state(len(prompt_ids)),
                 ):
                     if not reply.token(token_id):
                         stats.finish_reason = "stop"

@@ -150,7 +150,9 @@ class SamplerState:
     vocab: int = 0
     mu: float | None = None
     draws: dict = field(default_factory=dict)
-    prompt_len: int | None = None  # the ids the reply's first step saw (the presence stage's)
+    # where the reply's own tokens start in the ids a stage sees (the presence stage counts
+    # those); None: the ids the stage first sees are the prompt
+    prompt_len: int | None = None
 
     def snapshot(self) -> float | None:
         """What carries from one step to the next (the draws are the last step's own)."""

@@ -255,7 +255,7 @@ class StepSession:
         self.matcher = engine.matcher(self.params)
         self.device = engine.runner.device
         self.generator = make_generator(self.params.seed, self.device)
-        self.sampler = engine.sampler_state()
+        self.sampler = engine.sampler_state(self.prompt_len)
         self.cache = None
         self.reserved = 0  # KV positions counted against the budget
         self.idle_s = idle_s

@@ -102,21 +102,19 @@ def _byte_decoder() -> dict[str, int]:
 
 
 BYTE_DECODER = _byte_decoder()
-_BYTE_LEVEL: dict[int, bool] = {}
+METASPACE = "\u2581"  # SentencePiece's word-start mark: a space
 
 
 def _byte_level(tokenizer) -> bool:
-    key = id(tokenizer)
-    if key not in _BYTE_LEVEL:
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        decoder = getattr(backend, "decoder", None)
-        _BYTE_LEVEL[key] = "ByteLevel" in repr(decoder)
-    return _BYTE_LEVEL[key]
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return "ByteLevel" in repr(getattr(backend, "decoder", None))
 
 
 def token_bytes(tokenizer, token_id: int) -> bytes:
     """The bytes one token stands for: a byte-level BPE token's own bytes (half a character
-    is half a character, not U+FFFD), a byte-fallback token's byte (<0xF0>), else its text."""
+    is half a character, not U+FFFD), a byte-fallback token's byte (<0xF0>), a SentencePiece
+    piece with its word-start mark as the space it is (decoding one token alone strips it in
+    Llama's and Mistral's tokenizers), else its text."""
     piece = tokenizer.convert_ids_to_tokens(int(token_id))
     if isinstance(piece, str):
         if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
@@ -124,8 +122,11 @@ def token_bytes(tokenizer, token_id: int) -> bytes:
                 return bytes([int(piece[3:5], 16)])
             except ValueError:
                 pass
-        if _byte_level(tokenizer) and all(ch in BYTE_DECODER for ch in piece):
-            return bytes(BYTE_DECODER[ch] for ch in piece)
+        if _byte_level(tokenizer):
+            if all(ch in BYTE_DECODER for ch in piece):
+                return bytes(BYTE_DECODER[ch] for ch in piece)
+        elif METASPACE in piece and int(token_id) not in tokenizer.all_special_ids:
+            return piece.replace(METASPACE, " ").encode("utf-8")
     return tokenizer.decode([int(token_id)], clean_up_tokenization_spaces=False).encode("utf-8")
 
 

@@ -491,6 +491,8 @@ def _message(m: dict, where: str) -> None:
                     "(\"text\", with its 'text')",
                     at,
                 )
+            if part["type"] == "refusal" and role == "assistant":
+                continue  # OpenAI's record of a refusal in an earlier reply: kept out, as before
             if part["type"] != "text":
                 raise ChatError(
                     f"'{at}' is a part of type {json.dumps(part['type'])}: the models here read "
@@ -694,30 +696,36 @@ def _declared(model: type[BaseModel]) -> tuple[dict, dict[str, Allowed]]:
     return model.model_json_schema(), allowed
 
 
-# Fields other servers (llama-server, vLLM) take that would change the reply, with what this
-# one takes instead (None: nothing): refused, never ignored as unknown fields are. A value
-# that asks for nothing (null, false, 0, ["text"]) passes.
+# Fields other servers (llama-server, vLLM) take that would change the reply: (what this one
+# takes instead, None: nothing; the values that ask for nothing, which pass). Refused, never
+# ignored as unknown fields are.
+NOTHING_ASKED = (None, False, "", [], {})
 FOREIGN = {
-    "grammar": "'structured_outputs': {\"grammar\": ...} (GBNF)",
-    "json_schema": '\'response_format\': {"type": "json_schema", ...}',
-    "guided_json": "'structured_outputs': {\"json\": ...}",
-    "guided_regex": "'structured_outputs': {\"regex\": ...}",
-    "guided_choice": "'structured_outputs': {\"choice\": [...]}",
-    "guided_grammar": "'structured_outputs': {\"grammar\": ...}",
-    "repeat_penalty": "'repetition_penalty'",
-    "n_predict": "'max_tokens'",
-    "ignore_eos": None,
-    "min_tokens": None,
-    "modalities": None,
-    "audio": None,
+    "grammar": ("'structured_outputs': {\"grammar\": ...} (GBNF)", NOTHING_ASKED),
+    "json_schema": ('\'response_format\': {"type": "json_schema", ...}', NOTHING_ASKED),
+    "guided_json": ("'structured_outputs': {\"json\": ...}", NOTHING_ASKED),
+    "guided_regex": ("'structured_outputs': {\"regex\": ...}", NOTHING_ASKED),
+    "guided_choice": ("'structured_outputs': {\"choice\": [...]}", NOTHING_ASKED),
+    "guided_grammar": ("'structured_outputs': {\"grammar\": ...}", NOTHING_ASKED),
+    "repeat_penalty": ("'repetition_penalty'", (*NOTHING_ASKED, 1)),  # llama-server's off: 1
+    "n_predict": ("'max_tokens'", (*NOTHING_ASKED, -1)),  # llama-server's -1: no limit
+    "ignore_eos": (None, NOTHING_ASKED),
+    "min_tokens": (None, (*NOTHING_ASKED, 0)),
+    "modalities": (None, (*NOTHING_ASKED, ["text"])),
+    "audio": (None, NOTHING_ASKED),
 }
+
+
+def _asks_nothing(value, nothing) -> bool:
+    """`value` is one of `nothing` (a number only as a number: 0 is not false)."""
+    return any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in nothing)
 
 
 def _foreign(data):
     if not isinstance(data, dict):
         return data
-    for name, instead in FOREIGN.items():
-        if data.get(name) in (None, False, 0, ["text"]):
+    for name, (instead, nothing) in FOREIGN.items():
+        if _asks_nothing(data.get(name), nothing):
             continue
         raise APIError(
             f"'{name}' is not supported by this server: "

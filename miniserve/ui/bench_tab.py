@@ -96,6 +96,9 @@ def remote_note(name: str) -> str:
     )
 
 
+BENCH = "bench"  # the kind of this tab's runs (Sessions)
+
+
 class BenchmarkHandlers:
     """The Benchmark tab's handlers over the app's models. Each takes the Model dropdown last
     (None: the default model) and returns (table, plot data, status): the table with the
@@ -154,7 +157,7 @@ class BenchmarkHandlers:
             config = BenchConfig(
                 prompt_tokens=lengths, new_tokens=whole(new_tokens), repeat=whole(repeat)
             )
-            with self.sessions.running(request, "bench") as cancel:
+            with self.sessions.running(request, BENCH) as cancel:
                 with self.measured(model, progress) as engine:
                     result = run_bench(
                         engine, config, progress=lambda f, m: progress(f, desc=m), cancel=cancel
@@ -184,7 +187,7 @@ class BenchmarkHandlers:
                 new_tokens=whole(new_tokens),
                 presets=tuple(presets or ()),
             )
-            with self.sessions.running(request, "bench") as cancel:
+            with self.sessions.running(request, BENCH) as cancel:
                 with self.measured(model, progress) as engine:
                     result = run_concurrency(
                         engine,
@@ -200,8 +203,9 @@ class BenchmarkHandlers:
         return (*shown(to_dict(result)["rows"], CONCURRENCY_COLUMNS), describe_concurrency(result))
 
     def stop(self, request: gr.Request | None = None) -> str:
-        """Stop: the session's benchmark ends within the run it is in."""
-        if self.sessions.stop(request):
+        """Stop: the session's benchmark ends within the run it is in (a reply streaming in
+        another tab goes on)."""
+        if self.sessions.stop(request, BENCH):
             return "stopping: the benchmark ends with the run it is in"
         return "nothing to stop"
 

@@ -203,9 +203,10 @@ class Sessions:
         runs = [r for r in self._runs_of(request, kind) if r.origin == origin]
         return time.monotonic() - min(r.started for r in runs) if runs else None
 
-    def stop(self, request) -> bool:
-        """Cancel everything the request's session is running; False when it runs nothing."""
-        runs = self._runs_of(request)
+    def stop(self, request, kind: str | None = None) -> bool:
+        """Cancel everything the request's session is running (of `kind` only, when given);
+        False when it runs nothing of it."""
+        runs = self._runs_of(request, kind)
         for run in runs:
             run.cancel.set()
         return bool(runs)
