@@ -336,12 +336,28 @@ def create_app(models, api_key: str | None = None) -> FastAPI:
 
 
 def serve(models, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None) -> None:
+    """Serve the API until Ctrl-C; it says where once it listens (a port already taken or a
+    host that does not resolve: uvicorn's one error line, and exit code 3)."""
     import uvicorn
 
     models = Models.of(models)
-    print(
-        f"MiniServeLM API on http://{host}:{port}/v1 (models: {', '.join(models.names)}; "
-        f"default {models.default})",
-        flush=True,
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if not self.should_exit:  # bound: now it is true
+                print(
+                    f"MiniServeLM API on http://{host}:{port}/v1 (models: "
+                    f"{', '.join(models.names)}; default {models.default})",
+                    flush=True,
+                )
+
+    server = Server(
+        uvicorn.Config(create_app(models, api_key), host=host, port=port, log_level="warning")
     )
-    uvicorn.run(create_app(models, api_key), host=host, port=port, log_level="warning")
+    try:
+        server.run()
+    except KeyboardInterrupt:  # Ctrl-C: the server has shut down
+        pass
+    if not server.started:
+        raise SystemExit(3)
