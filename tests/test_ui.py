@@ -77,6 +77,21 @@ def test_compare_shows_one_column_per_chosen_preset(compare, presets):
         assert footer.startswith("*") and "tokens/s" in footer, footer
 
 
+def test_compare_stop_ends_the_comparison_and_says_so(compare):
+    """The Compare tab's own Stop: its columns end within a step (512 tokens a column would take
+    tens of seconds) and the status says they were stopped; nothing to stop afterwards."""
+    assert not compare.stop()
+    updates = compare.compare(PROMPT, ["factual", "creative"], 42, 512)
+    first = next(updates)  # the comparison is running
+    assert first[0].startswith("comparing")
+    assert compare.stop()
+    started = time.monotonic()
+    status, *columns = list(updates)[-1]
+    assert time.monotonic() - started < 20
+    assert status.endswith("stopped: the columns end where Stop found them"), status
+    assert not compare.stop()
+
+
 def test_compare_columns_show_each_chunks_own_tokens_per_s(compare, engine, monkeypatch):
     """The footer's tokens/s is the column's decode rate from its chunk's stats, as the
     engine reports it, not a rate the tab works out itself."""

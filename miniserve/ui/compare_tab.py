@@ -55,6 +55,9 @@ DEFAULT_CHOICE = ("factual", "balanced", "creative")
 COMPLETION = "completion mode (no chat template)"
 
 
+COMPARE = "compare"  # the kind of this tab's runs (Sessions)
+
+
 class CompareHandlers:
     """The Compare tab's handler over the app's models and presets. Its columns are `slots`:
     (model, preset, False) for each model and preset under the output format, then
@@ -123,7 +126,7 @@ class CompareHandlers:
         failed: dict[str, str] = {}
         for progress, failed in load_together(self.models, chosen_models):
             yield [loading_line(progress, failed)] + hidden
-        with self.sessions.running(request) as cancel, ExitStack() as held:
+        with self.sessions.running(request, COMPARE) as cancel, ExitStack() as held:
             streams = {}
             for name in chosen_models:
                 if name in failed:
@@ -228,9 +231,16 @@ class CompareHandlers:
             if failed
             else ""
         )
+        if cancel.is_set():
+            note += " · stopped: the columns end where Stop found them"
         yield [summary + note] + self.columns(
             texts, footers, constraint, raw, failed, chosen_models, runs
         )
+
+    def stop(self, request: gr.Request | None = None) -> bool:
+        """Stop: the session's comparison ends within a step (a chat reply goes on); False
+        when none runs."""
+        return self.sessions.stop(request, COMPARE)
 
     @staticmethod
     def footer(chunk, constraint) -> str:
@@ -316,6 +326,7 @@ def build_compare_tab(app: TabContext, label: str) -> None:
             seed = gr.Number(label="Compare seed", value=42, precision=0, info="-1 = random")
             tokens = gr.Slider(minimum=1, maximum=512, value=48, step=1, label="Tokens per column")
             button = gr.Button("Compare", variant="primary")
+            stop_btn = gr.Button("Stop", variant="stop")
         with gr.Row():
             with gr.Column(scale=3):
                 output = build_output_format()
@@ -341,4 +352,5 @@ def build_compare_tab(app: TabContext, label: str) -> None:
         [status, *(slots[slot] for slot in compare.slots)],
         concurrency_id=ENGINE_EVENTS,
     )
+    stop_btn.click(compare.stop, None, None, queue=False)  # not queued behind what it stops
     app.header.refresh_after([run])
