@@ -152,21 +152,14 @@ class BenchmarkHandlers:
         progress=gr.Progress(),
         request: gr.Request | None = None,
     ):
-        try:
+        def setup():
             lengths = counts_from(lengths_text, "Prompt lengths", "32,128,512")
             config = BenchConfig(
                 prompt_tokens=lengths, new_tokens=whole(new_tokens), repeat=whole(repeat)
             )
-            with self.sessions.running(request, BENCH) as cancel:
-                with self.measured(model, progress) as engine:
-                    result = run_bench(
-                        engine, config, progress=lambda f, m: progress(f, desc=m), cancel=cancel
-                    )
-        except BenchStopped as e:
-            return None, None, str(e)
-        except (*USER_ERRORS, ValueError, TypeError) as e:
-            return None, None, error(user_message(e))
-        return (*shown(to_dict(result)["rows"], BENCH_COLUMNS), describe_run(result))
+            return lambda engine, tick, cancel: run_bench(engine, config, tick, cancel)
+
+        return self._measure(setup, model, progress, request, BENCH_COLUMNS, describe_run)
 
     def concurrency(
         self,
@@ -179,7 +172,8 @@ class BenchmarkHandlers:
         request: gr.Request | None = None,
     ):
         """Every chosen preset at every concurrency level (streams submitted at once)."""
-        try:
+
+        def setup():
             levels = counts_from(levels_text, "Concurrency", "1,2,4,8")
             config = ConcurrencyConfig(
                 levels=levels,
@@ -187,20 +181,29 @@ class BenchmarkHandlers:
                 new_tokens=whole(new_tokens),
                 presets=tuple(presets or ()),
             )
+            return lambda engine, tick, cancel: run_concurrency(
+                engine, config, tick, presets=self.presets, cancel=cancel
+            )
+
+        return self._measure(
+            setup, model, progress, request, CONCURRENCY_COLUMNS, describe_concurrency
+        )
+
+    def _measure(self, setup, model, progress, request, columns, describe):
+        """What both runs do: `setup()` checks the fields and gives the run (engine, progress,
+        cancel -> result), which runs on the model held, as this session's run of BENCH (Stop
+        ends it); (table, plot data, status), or (None, None, why not)."""
+        try:
+            run = setup()
             with self.sessions.running(request, BENCH) as cancel:
                 with self.measured(model, progress) as engine:
-                    result = run_concurrency(
-                        engine,
-                        config,
-                        progress=lambda f, m: progress(f, desc=m),
-                        presets=self.presets,
-                        cancel=cancel,
-                    )
+                    result = run(engine, lambda f, m: progress(f, desc=m), cancel)
         except BenchStopped as e:
             return None, None, str(e)
-        except (*USER_ERRORS, ValueError, TypeError) as e:  # a level past the queue, a preset
+        # a bad field, a level past the queue, an unknown preset, a model that cannot load
+        except (*USER_ERRORS, ValueError, TypeError) as e:
             return None, None, error(user_message(e))
-        return (*shown(to_dict(result)["rows"], CONCURRENCY_COLUMNS), describe_concurrency(result))
+        return (*shown(to_dict(result)["rows"], columns), describe(result))
 
     def stop(self, request: gr.Request | None = None) -> str:
         """Stop: the session's benchmark ends within the run it is in (a reply streaming in
