@@ -97,6 +97,58 @@ def test_the_library_builds_here():
     assert native.load() is not None, native.unavailable_reason()
 
 
+def _rows_for_top_k(n: int):
+    """Rows a sampler's top-k meets: logits as a model writes them, ones rising all along
+    (every value passes the threshold: the candidates are cut down many times), falling, ties
+    at and around the k-th, -inf masks, a NaN at either end."""
+    gen = torch.Generator().manual_seed(n)
+    plain = torch.randn(n, generator=gen) * 3
+    rising = torch.arange(n, dtype=torch.float32) / 7
+    masked = plain.clone()
+    masked[torch.randperm(n, generator=gen)[: n - 30]] = float("-inf")
+    nan_first, nan_last = plain.clone(), plain.clone()
+    nan_first[0], nan_last[-1] = float("nan"), float("nan")
+    return {
+        "plain": plain,
+        "rising": rising,
+        "falling": rising.flip(0),
+        "ties": torch.round(plain),
+        "coarse": torch.round(plain * 20) / 20,  # a few ties, some at a k-th
+        "masked": masked,
+        "nan first": nan_first,
+        "nan last": nan_last,
+    }
+
+
+@pytest.mark.parametrize("n", [64, 49152])
+@needs_native
+def test_the_top_k_selection_keeps_what_a_full_sort_keeps(n):
+    # decode.cpp's one-pass top-k (the sampler's, engine/sampling.py) against the definition:
+    # the k largest by a full sort, their positions ascending; refused (None) exactly where
+    # the k-th is tied with a value left out, is not finite, or the row has a NaN
+    assert native.load() is not None
+    checked = refused = 0
+    for name, row in _rows_for_top_k(n).items():
+        for k in (1, 2, 7, 40, n // 2, n - 1):
+            got = native.top_k(row, k)
+            order = torch.sort(row, descending=True, stable=True).indices
+            kth = row[order[k - 1]]
+            ok = not row.isnan().any() and bool(kth.isfinite()) and int((row >= kth).sum()) == k
+            assert (got is not None) == ok, (name, k)
+            if got is None:
+                refused += 1
+                continue
+            ids = order[:k].sort().values
+            assert torch.equal(got[0], ids) and got[0].dtype == torch.int64, (name, k)
+            assert torch.equal(got[1], row[ids]), (name, k)
+            checked += 1
+    assert checked > 20 and refused > 10  # both outcomes were exercised
+    assert native.top_k(row, 0) is None and native.top_k(row, n) is None
+    # a row that is a strided view is read as its values
+    wide = torch.randn(2, n).t()[:, 0]
+    assert torch.equal(native.top_k(wide, 5)[0], wide.topk(5).indices.sort().values)
+
+
 def round_bf16(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.bfloat16).float()  # round to nearest, ties to even, as decode.cpp does
 

@@ -179,11 +179,19 @@ def test_a_tiny_positive_temperature_is_the_argmax_not_nan():
     assert torch.equal(apply_temperature(logits, 0.5), logits / 0.5)  # the usual arithmetic
 
 
+@pytest.mark.parametrize("path", ["native", "numpy"])
 @pytest.mark.parametrize("case", ["plain", "masked", "ties", "nan"])
 @pytest.mark.parametrize("k", [1, 40, 999])
-def test_top_k_compact_on_the_cpu_keeps_what_torch_keeps(case, k):
-    # one float32 row on the CPU goes through numpy: the same ids, values and dtypes as torch's
-    # topk, and the full-width fallback (None) in the same cases
+def test_top_k_compact_on_the_cpu_keeps_what_torch_keeps(case, k, path, monkeypatch):
+    # one float32 row on the CPU goes through decode.cpp's selection where the library is
+    # loaded, else numpy: the same ids, values and dtypes as torch's topk, and the full-width
+    # fallback (None) in the same cases
+    from miniserve.runners import native
+
+    if path == "numpy":
+        monkeypatch.setattr(native, "_lib", None)
+    elif native.load() is None:
+        pytest.skip("no native library in this leg (the full leg runs this case)")
     gen = torch.Generator().manual_seed(k)
     row = torch.randn(1, 1000, generator=gen) * 3
     if case == "masked":  # fewer finite logits than k for the larger k

@@ -313,6 +313,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_dequant.restype = None
     lib.ms_row_bytes.argtypes = [L, L]
     lib.ms_row_bytes.restype = L
+    lib.ms_top_k.argtypes = [P, L, L, P, P]
+    lib.ms_top_k.restype = L
     lib.ms_kv_type.argtypes = [ctypes.POINTER(MsModel)]
     lib.ms_kv_type.restype = I
     lib.ms_bf16_dot.argtypes = []
@@ -402,6 +404,22 @@ def row_bytes(type_id: int, cols: int) -> int:
     run that type in place (or the width does not divide into its blocks)."""
     lib = load()
     return lib.ms_row_bytes(type_id, cols) if lib is not None else -1
+
+
+def top_k(row: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The k largest of a contiguous float32 CPU row (1-D): (their positions ascending, their
+    values), as int64 / float32 tensors of k; None where the whole row must be filtered (k not
+    in (0, n), a NaN, a k-th value that is not finite or tied). Runs only in a library already
+    loaded (a sampler never waits for a build): NotImplemented where there is none."""
+    lib = _lib
+    if lib is None:
+        return NotImplemented
+    row = row.contiguous()
+    ids = torch.empty(max(k, 0), dtype=torch.int64)
+    values = torch.empty(max(k, 0), dtype=torch.float32)
+    if not lib.ms_top_k(row.data_ptr(), row.shape[0], k, ids.data_ptr(), values.data_ptr()):
+        return None
+    return ids, values
 
 
 def _rows(w) -> int:

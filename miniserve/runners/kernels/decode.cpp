@@ -1761,6 +1761,51 @@ static void forward(const MsModel *m, const MsRows *r, float *scratch) {
 
 // ---------------------------------------------------------------- C entry points (ctypes)
 
+// ---------------------------------------------------------------- the sampler's top-k
+
+// The k largest of n floats (0 < k < n), for a sampler's top-k over a row of logits: their
+// positions, ascending, in ids and their values in vals. Returns 1; 0 where the row has a NaN,
+// the k-th largest is not finite, or another value equals it (top-k keeps ties): the caller
+// then filters the whole row. One pass keeps the values above a threshold that rises as
+// candidates gather (nearly every logit is below it after the first few thousand), then one
+// counts the values >= the k-th. The set is the same as any exact selection's (numpy's
+// argpartition), since a tie at the k-th refuses.
+static long top_k(const float *a, long n, long k, int64_t *ids, float *vals) {
+    typedef std::pair<float, int64_t> Entry;
+    if (k <= 0 || k >= n) return 0;
+    auto greater = [](const Entry &x, const Entry &y) { return x.first > y.first; };
+    std::vector<Entry> c;
+    c.reserve(4 * k);
+    float t = a[0];
+    for (long i = 0; i < k; i++) {
+        if (a[i] != a[i]) return 0;  // NaN (none reaches the selection: its order needs none)
+        c.emplace_back(a[i], i);
+        t = std::min(t, a[i]);
+    }
+    for (long i = k; i < n; i++) {
+        if (!(a[i] > t)) {
+            if (a[i] != a[i]) return 0;
+            continue;
+        }
+        c.emplace_back(a[i], i);
+        if ((long)c.size() == 4 * k) {  // keep the k largest: the threshold is now the k-th
+            std::nth_element(c.begin(), c.begin() + (k - 1), c.end(), greater);
+            c.resize(k);
+            t = c[k - 1].first;
+        }
+    }
+    std::nth_element(c.begin(), c.begin() + (k - 1), c.end(), greater);
+    c.resize(k);
+    const float kth = c[k - 1].first;
+    if (!std::isfinite(kth)) return 0;
+    long at_least = 0;
+    for (long i = 0; i < n; i++) at_least += a[i] >= kth;
+    if (at_least != k) return 0;
+    std::sort(c.begin(), c.end(), [](const Entry &x, const Entry &y) { return x.second < y.second; });
+    for (long j = 0; j < k; j++) ids[j] = c[j].second, vals[j] = c[j].first;
+    return 1;
+}
+
 extern "C" {
 
 // Every struct ctypes mirrors (miniserve/runners/native.py), as "Struct=size Struct.field=offset
@@ -1833,6 +1878,10 @@ void ms_forward(const MsModel *m, const MsRows *r, float *scratch) { forward(m, 
 // Bytes of a row of `cols` weights of a type (ggml's id); -1 where this library does not run
 // that type in place, or the width does not divide into its blocks.
 long ms_row_bytes(long type, long cols) { return row_bytes(type, cols); }
+
+// top_k (above): 1 with the k largest of a[0..n) in ids / vals, 0 where the caller must filter
+// the whole row.
+long ms_top_k(const float *a, long n, long k, int64_t *ids, float *vals) { return top_k(a, n, k, ids, vals); }
 
 // y (B x w.rows) = x (B x C) w^T, math for float32 / bfloat16 weights: the kernel alone, for
 // tests and measurements.
