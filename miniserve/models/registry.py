@@ -31,7 +31,7 @@ import yaml
 
 from miniserve.core.config import MAX_LOADED_MODELS, MAX_QUEUE
 from miniserve.core.errors import NotServed, UserError
-from miniserve.engine.engine import start_engine
+from miniserve.engine.engine import settle_heap, start_engine
 from miniserve.models.remote import RemoteEngine
 from miniserve.runners.loader import EMBEDDED_NAME, KNOWN_MODELS
 
@@ -334,10 +334,8 @@ class Models:
     def _close(engines: list) -> None:
         for engine in engines:
             engine.close()
-        if engines:
-            import gc
-
-            gc.collect()  # the weights go now, before the next model's load needs the memory
+        if engines:  # the weights go now, before the next model's load needs the memory
+            settle_heap(collect=True)
 
     def close(self) -> None:
         for name in list(self._engines):
