@@ -273,6 +273,42 @@ def test_a_port_out_of_range_and_a_raw_chat_with_a_system_prompt_are_one_line():
         assert r.returncode == 2 and said in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+def test_generate_reads_a_piped_prompt_and_refuses_text_that_is_not_utf8():
+    greedy = ("--temperature", "0", "--max-new-tokens", "6")
+    question = "What is the capital of France?"
+    piped = run("generate", *greedy, "--json", stdin=question)  # no --prompt: stdin
+    assert piped.returncode == 0, piped.stderr
+    dash = run("generate", "--prompt", "-", *greedy, "--json", stdin=question)
+    given = generate_json("--prompt", question, *greedy)
+    for r in (piped, dash):
+        out = json.loads(r.stdout)
+        assert (out["token_ids"], out["prompt_tokens"]) == (
+            given["token_ids"],
+            given["prompt_tokens"],
+        )
+    for args, said in (
+        # bytes that are not UTF-8 reach Python as lone surrogates: they became "\ufffd"
+        (["generate", "--prompt", "Hi \udcff"], "--prompt is not valid UTF-8 (byte 0xff"),
+        (["chat", "--system", "\udce9t\udce9"], "--system is not valid UTF-8 (byte 0xe9"),
+        (["generate", "--prompt", "Hi", "--reasoning-budget", "-5"], "-1 (no limit)"),
+        (["generate", "--prompt", "Hi", "--stop", "\udc80"], "--stop is not valid UTF-8"),
+    ):
+        r = run(*args)
+        assert r.returncode == 2 and said in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_device_that_is_not_there_is_said_alone():
+    import torch
+
+    if torch.cuda.is_available():
+        return  # nothing to refuse here
+    r = run("generate", "--prompt", "Hi", "--device", "cuda")
+    # before: a line about dequantizing the GGUF for that device came first
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == [
+        "error: Device 'cuda' was requested but no CUDA GPU is available; use --device cpu."
+    ]
+
+
 def test_thinking_models_reasoning_is_shown_apart(tmp_path):
     """generate with a thinking model: the reasoning on stderr after "Thinking:" and in --json
     (it printed nothing at all: the reply was all reasoning); stdout is the answer alone."""

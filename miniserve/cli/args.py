@@ -60,6 +60,20 @@ def port_number(value: str) -> int:
     return port
 
 
+def reasoning_budget(value: str) -> int:
+    """--reasoning-budget's value (argparse's type): -1 (no limit) or a count of tokens."""
+    try:
+        budget = int(value)
+    except ValueError:
+        budget = -2
+    if budget < -1:
+        raise argparse.ArgumentTypeError(
+            f"a reasoning budget is -1 (no limit), 0 (no reasoning) or a number of tokens, "
+            f"not {value!r}"
+        )
+    return budget
+
+
 def fail(message: str, code: int = 2):
     print(f"error: {message}", file=sys.stderr)
     return code
@@ -143,7 +157,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--reasoning-budget",
-        type=int,
+        type=reasoning_budget,
         default=-1,
         metavar="N",
         help="a thinking model's reasoning tokens at most, where a request sets none; then "

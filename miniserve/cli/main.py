@@ -59,6 +59,14 @@ def cmd_generate(args) -> int:
             params = params.replace(stop=tuple(args.stop))
     except ConfigError as e:
         return fail(str(e))
+    if args.prompt is None or args.prompt == "-":
+        if args.prompt is None and sys.stdin.isatty():
+            return fail("give the text to answer: --prompt TEXT, or the text on stdin")
+        stdin = getattr(sys.stdin, "buffer", None)  # bytes, where stdin is a file
+        try:
+            args.prompt = stdin.read().decode("utf-8") if stdin else sys.stdin.read()
+        except UnicodeDecodeError as e:
+            return fail(f"the prompt on stdin is not valid UTF-8 (byte {e.start})")
     if not args.prompt.strip():
         return fail("--prompt is empty; give the text to answer")
     if args.raw and args.system:
@@ -409,7 +417,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
 
     g = sub.add_parser("generate", help="answer one prompt, streaming to stdout")
-    g.add_argument("--prompt", required=True)
+    g.add_argument(
+        "--prompt",
+        default=None,
+        help="the text to answer; - (or no --prompt with text piped in) reads it from stdin",
+    )
     g.add_argument("--system", default=None, help="system prompt")
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--no-cache", action="store_true", help="recompute the whole sequence each step")
@@ -565,11 +577,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def not_utf8(args) -> str | None:
+    """Which flag's text is not UTF-8, said in a line; None where all are. (Python hands such
+    bytes on as lone surrogates, which the tokenizer would turn into other characters.)"""
+    for name, value in vars(args).items():
+        for text in value if isinstance(value, list) else [value]:
+            if isinstance(text, str):
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    byte = ord(text[e.start]) - 0xDC00
+                    flag = "--" + name.replace("_", "-")
+                    return (
+                        f"{flag} is not valid UTF-8 (byte 0x{byte:02x} at character {e.start}); "
+                        "write the text in UTF-8"
+                    )
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["app"]:  # every flag after it is the web app's own (cli/app.py)
         return app.main(argv[1:], prog="miniserve app")
     args = build_parser().parse_args(argv)
+    bad = not_utf8(args)
+    if bad:
+        return fail(bad)
     code = None
     try:
         code = args.func(args)

@@ -1179,6 +1179,7 @@ def start_engine(
 ) -> Engine:
     """Load a model and start its engine, as the app, the CLI and `serve` do. Raises
     ModelLoadError (the model) or ValueError (the runner / quantization)."""
+    pick_device(device)  # a device that is not there: said first, alone
     chosen = auto_dtype(dtype, device, runner, quant, model)
     if dtype == "auto" and chosen != "stored" and is_gguf(model) and runs_as_stored(model):
         why = (
