@@ -1064,6 +1064,20 @@ def test_concurrency_run_fills_the_table_and_the_plot(engine, presets):
     assert "16-token prompts" in status and not status.startswith("**Error")
 
 
+def test_a_chart_of_one_x_draws_points():
+    # one prompt length (or one level of streams) drew an empty line chart: a line needs two
+    import pandas as pd
+
+    from miniserve.ui.bench_tab import Trend
+
+    chart = Trend(x="concurrency", y="aggregate_tokens_per_s", color="preset", render=False)
+    one = pd.DataFrame({"concurrency": [1, 1], "aggregate_tokens_per_s": [9.0, 7.0]})
+    one["preset"] = ["greedy", "balanced"]
+    assert chart.postprocess(one).mark == "point"
+    two = pd.concat([one, one.assign(concurrency=2)])
+    assert chart.postprocess(two).mark == "line" and chart.postprocess(None) is None
+
+
 @pytest.mark.parametrize(
     "levels, chosen, message",
     [

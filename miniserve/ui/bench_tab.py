@@ -99,6 +99,17 @@ def remote_note(name: str) -> str:
 BENCH = "bench"  # the kind of this tab's runs (Sessions)
 
 
+class Trend(gr.LinePlot):
+    """A line plot that draws points when its data has one x (one prompt length, one level of
+    streams): a line needs two, and such a run drew an empty chart."""
+
+    def postprocess(self, value):
+        data = super().postprocess(value)
+        if data is not None and isinstance(value, pd.DataFrame) and value[self.x].nunique() < 2:
+            data = data.model_copy(update={"mark": "point"})
+        return data
+
+
 class BenchmarkHandlers:
     """The Benchmark tab's handlers over the app's models. Each takes the Model dropdown last
     (None: the default model) and returns (table, plot data, status): the table with the
@@ -252,12 +263,13 @@ def build_benchmark_tab(app: TabContext, label: str) -> None:
         table = gr.Dataframe(
             empty_table(BENCH_COLUMNS), label="Results", interactive=False, elem_id="bench-table"
         )
-        plot = gr.LinePlot(
+        plot = Trend(
             x="prompt_tokens",
             y="decode_tokens_per_s",
             color="mode",
             title="Decode tokens/s by prompt length",
             x_title="prompt tokens",
+            x_axis_format="d",  # whole numbers (one x alone read "1.000000")
             y_title="decode tokens/s",
         )
 
@@ -293,12 +305,13 @@ def build_benchmark_tab(app: TabContext, label: str) -> None:
             interactive=False,
             elem_id="concurrency-table",
         )
-        concurrency_plot = gr.LinePlot(
+        concurrency_plot = Trend(
             x="concurrency",
             y="aggregate_tokens_per_s",
             color="preset",
             title="Aggregate tokens/s by concurrency",
             x_title="streams at once",
+            x_axis_format="d",
             y_title="aggregate tokens/s",
         )
     one_at_a_time = dict(concurrency_id=BENCHMARK_EVENTS, concurrency_limit=1)
