@@ -996,6 +996,20 @@ def test_benchmark_stop_ends_it_within_its_run_and_frees_the_engine(engine):
     # its Stop is the benchmark's: a reply streaming in another tab of the page goes on
     with bench.sessions.running(None, "chat") as reply:
         assert bench.stop() == "nothing to stop" and not reply.is_set()
+        # the page closing (the app's unload handler) stops every run of the page
+        with bench.sessions.running(None, "bench") as run:
+            bench.sessions.closed(None)
+            assert reply.is_set() and run.is_set()
+
+
+def test_the_app_stops_a_closed_pages_runs_once(engine, presets):
+    """One unload handler stops the page's runs (each tab's used to, the Benchmark's and the
+    Step tab's both); the Step tab's own drops its session."""
+    demo = build_ui(engine, presets)
+    unloads = [d.fn for d in demo.fns.values() if any(t[1] == "unload" for t in d.targets)]
+    stopping = [fn for fn in unloads if getattr(fn, "__name__", "") == "closed"]
+    owners = sorted(type(fn.__self__).__name__ for fn in stopping)
+    assert owners == ["Sessions", "StepHandlers"], owners
 
 
 def test_build_ui_lays_out_its_tabs(engine, presets):

@@ -134,6 +134,7 @@ def build_ui(
             build(app, label)
         for wire in app.after_tabs:
             wire()
+        demo.unload(sessions.closed)  # a closed page's runs stop, whatever tab started them
         install_keys(demo)  # Enter sends in Chat, Ctrl+Enter generates in the Notebook
     # Gradio runs one event of a listener at a time unless told otherwise: the replies of many
     # browsers would then take turns instead of sharing the engine's forward passes. As many

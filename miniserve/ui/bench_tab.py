@@ -223,11 +223,6 @@ class BenchmarkHandlers:
             return "stopping: the benchmark ends with the run it is in"
         return "nothing to stop"
 
-    def closed(self, request: gr.Request | None = None) -> None:
-        """The page closed: its benchmark stops (it would hold the tab's one slot for every
-        other page until it ended)."""
-        self.sessions.stop(request)
-
     def model_note(self, model) -> str:
         """The line under the Model dropdown: empty for a local model, why not for a remote
         one (from its spec: drawing it never loads the model)."""
@@ -332,7 +327,6 @@ def build_benchmark_tab(app: TabContext, label: str) -> None:
     # not queued: a Stop must not wait behind the run it stops
     stop_button.click(bench.stop, None, status, queue=False)
     concurrency_stop.click(bench.stop, None, concurrency_status, queue=False)
-    app.demo.unload(bench.closed)
     model.change(bench.model_note, model, note, queue=False, show_progress="hidden")
     follow_picker(bench.models, model, runs, app.demo)
     app.header.refresh_after(runs)

@@ -11,6 +11,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import NamedTuple
 
+import gradio as gr
+
 from miniserve.core.config import ConfigError
 from miniserve.core.errors import Unavailable, UserError
 
@@ -159,6 +161,12 @@ class Sessions:
     def __init__(self):
         self._lock = threading.Lock()  # handlers of many sessions run on Gradio's threads
         self._runs: dict[str, list[Run]] = {}
+
+    def closed(self, request: gr.Request | None = None) -> None:
+        """The page closed (the app's one unload handler): every run of its session stops. A
+        benchmark would hold its tab's one slot for every other page until it ended, and a
+        reply or a comparison would go on for nobody."""
+        self.stop(request)
 
     @contextmanager
     def running(

@@ -304,8 +304,8 @@ class StepHandlers:
         )
 
     def closed(self, request: gr.Request | None = None) -> None:
-        """The browser tab closed: its run stops and its session goes."""
-        self.sessions.stop(request)
+        """The browser tab closed: its session goes (its run stops with the page's others:
+        Sessions.closed)."""
         self._drop(request, "released (the tab closed)")
 
     def poll(self, request: gr.Request | None = None):
