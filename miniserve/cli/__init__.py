@@ -5,6 +5,8 @@ torch is imported at its first use, not by the `import torch` lines of the modul
 commands import (core/deferred.py): the web app serves its page before the model, which
 needs torch, has loaded."""
 
+from miniserve.core import heap
 from miniserve.core.deferred import defer
 
+heap.starting()  # full collections rarer while the modules import (core/heap.py)
 defer("torch")

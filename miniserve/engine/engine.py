@@ -12,7 +12,6 @@ request, Regenerate) needs no prefill at all.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import queue
 import sys
 import threading
@@ -23,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from miniserve.core import heap
 from miniserve.core.config import (
     KV_BUDGET,
     MAX_BATCH,
@@ -99,18 +99,6 @@ class EngineBusy(Busy, RuntimeError):
 
 class EngineClosed(RuntimeError):
     """The engine was shut down while the request ran."""
-
-
-def settle_heap(collect: bool = False) -> None:
-    """Tell Python's collector that what exists now (the modules imported, a model just
-    loaded) lives as long as the process: its full collections stop walking it. Without this a
-    full collection over the ~220,000 objects torch and transformers leave stalled a decoding
-    step by ~100 ms now and then (SmolLM2, 8 streams). `collect`: first take back what was
-    set aside before and collect it, so that an unloaded model's cycles can go."""
-    if collect:
-        gc.unfreeze()
-        gc.collect()
-    gc.freeze()
 
 
 class Admission:
@@ -483,7 +471,7 @@ class Engine(Admitting):
             raise ValueError(f"--speculate {speculate!r}: use {', '.join(SPECULATE)}")
         self.speculate = speculate
         self._start_worker()
-        settle_heap()
+        heap.settle()  # what is loaded now stays out of full collections (core/heap.py)
 
     capabilities = LOCAL
 

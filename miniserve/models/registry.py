@@ -29,9 +29,10 @@ from pathlib import Path
 
 import yaml
 
+from miniserve.core import heap
 from miniserve.core.config import MAX_LOADED_MODELS, MAX_QUEUE
 from miniserve.core.errors import NotServed, UserError
-from miniserve.engine.engine import settle_heap, start_engine
+from miniserve.engine.engine import start_engine
 from miniserve.models.remote import RemoteEngine
 from miniserve.runners.loader import EMBEDDED_NAME, KNOWN_MODELS
 
@@ -335,7 +336,7 @@ class Models:
         for engine in engines:
             engine.close()
         if engines:  # the weights go now, before the next model's load needs the memory
-            settle_heap(collect=True)
+            heap.settle(collect=True)
 
     def close(self) -> None:
         for name in list(self._engines):
