@@ -150,6 +150,22 @@ def test_a_loaded_model_is_left_out_of_collections_and_an_unloaded_one_goes(two)
     assert gone() is None
 
 
+def test_a_closed_engines_model_goes_at_the_next_load():
+    # a runner sits in reference cycles: frozen at its load, it would stay after its engine
+    # closed; the close thaws the heap and the next load collects before it freezes
+    from miniserve.engine.engine import start_engine
+
+    first = start_engine()
+    runner = weakref.ref(first.runner)
+    first.close()
+    del first
+    second = start_engine()
+    try:
+        assert runner() is None
+    finally:
+        second.close()
+
+
 def test_a_model_that_fails_to_load_leaves_the_others_working(tmp_path):
     models = open_models(["default", f"broken={tmp_path / 'missing.gguf'}"])
     try:

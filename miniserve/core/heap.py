@@ -6,16 +6,19 @@ imported, 100-180 ms a time. While the modules import, one comes each time the h
 by a quarter (four in a `generate` start, ~0.35 s of its ~2.4 s); in the middle of a reply, one
 stalls a decoding step. So a command starts with full collections ten times rarer, and a
 model's load ends by freezing what exists (gc.freeze: full collections no longer walk it) and
-putting the usual thresholds back; an unload thaws and collects first, so that the model's
-reference cycles go.
+putting the usual thresholds back. A closed engine thaws the heap, since a runner sits in
+reference cycles: the next settle collects first, so that a model's memory goes with it.
 """
 
 from __future__ import annotations
 
 import gc
+import threading
 
 USUAL = gc.get_threshold()  # (700, 10, 10)
 STARTING = (USUAL[0], USUAL[1], USUAL[2] * 100)
+_lock = threading.Lock()
+_thawed = False  # an engine closed since the last freeze: collect before the next
 
 
 def starting() -> None:
@@ -23,12 +26,22 @@ def starting() -> None:
     gc.set_threshold(*STARTING)
 
 
-def settle(collect: bool = False) -> None:
+def settle() -> None:
     """What exists now (the modules, a model just loaded) lives as long as the process: freeze
-    it, and collect as usual from here on. `collect`: first thaw what was frozen before and
-    collect it (after an unload)."""
-    if collect:
+    it, and collect as usual from here on. After a thaw, collect first: a closed engine's
+    cycles go, rather than being frozen for good."""
+    global _thawed
+    with _lock:
+        if _thawed:
+            gc.collect()
+            _thawed = False
+        gc.freeze()
+        gc.set_threshold(*USUAL)
+
+
+def thaw() -> None:
+    """An engine closed: what was frozen is collectable again (its runner's cycles among it)."""
+    global _thawed
+    with _lock:
         gc.unfreeze()
-        gc.collect()
-    gc.freeze()
-    gc.set_threshold(*USUAL)
+        _thawed = True

@@ -573,6 +573,7 @@ class Engine(Admitting):
         if self._worker.is_alive():
             self._jobs.put(None)
             self._worker.join(timeout)
+        heap.thaw()  # its runner's cycles can go once it is dropped (core/heap.py)
 
     def run_on_worker(self, fn, *args, **kwargs):
         """Run fn on the engine thread, between two steps; return its result."""

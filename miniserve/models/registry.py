@@ -336,7 +336,7 @@ class Models:
         for engine in engines:
             engine.close()
         if engines:  # the weights go now, before the next model's load needs the memory
-            heap.settle(collect=True)
+            heap.settle()  # the engines thawed the heap: this collects, then freezes again
 
     def close(self) -> None:
         for name in list(self._engines):
