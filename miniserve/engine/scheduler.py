@@ -211,21 +211,6 @@ class Scheduler:
     # -- one step -------------------------------------------------------------------------
     def step(self) -> None:
         """Admit what fits, run one pass over every running sequence, sample, retire."""
-        if not getattr(self.runner, "own_threads", False):
-            return self._step()
-        # A runner with its own threads (decode.cpp's pool, whose helpers spin ~100 us after a
-        # pass): torch's ops on logits between passes, on one thread here. Spread over two,
-        # their second thread waits on a core the pool holds (a 49,152-wide index_add: ~60
-        # against ~7 us), and spinning itself, slows the next pass. The setting is this
-        # thread's own (OpenMP), put back after the step.
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            self._step()
-        finally:
-            torch.set_num_threads(threads)
-
-    def _step(self) -> None:
         self._drop_cancelled()
         self._admit()
         rows = self._rows()

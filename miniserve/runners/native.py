@@ -602,9 +602,6 @@ class CompiledPass:
 
     name = "native"
     native: NativeForward
-    # Its passes run on decode.cpp's own threads, so the engine thread keeps torch to one
-    # thread for what it does between passes (engine/scheduler.py).
-    own_threads = True
 
     def new_cache(self, capacity: int = 256) -> NativeCache:
         return self.native.new_cache(capacity)
