@@ -63,13 +63,18 @@ def run(*args, stdin: str | None = None, env: dict | None = None, timeout: float
 
 
 def process(*args, stdin=None, timeout=240, env=None, script=("-m", "miniserve")):
-    """The same in a new process: `python -m miniserve ARGS` (or another script)."""
-    return subprocess.run(
+    """The same in a new process: `python -m miniserve ARGS` (or another script). `stdin`: text,
+    or bytes written as they are (stdout and stderr still come back as text)."""
+    raw = isinstance(stdin, bytes)
+    done = subprocess.run(
         [sys.executable, *script, *args],
         cwd=ROOT,
         input=stdin,
         capture_output=True,
-        text=True,
+        text=not raw,
         timeout=timeout,
         env={**os.environ, **env} if env else None,
     )
+    if raw:
+        done.stdout, done.stderr = done.stdout.decode(), done.stderr.decode()
+    return done

@@ -4,6 +4,8 @@ import csv
 import json
 import re
 
+import pytest
+
 from miniserve.runners.verify import BOUND_FLOAT32, check_tokens
 
 from command import process, run
@@ -273,35 +275,44 @@ def test_a_port_out_of_range_and_a_raw_chat_with_a_system_prompt_are_one_line():
         assert r.returncode == 2 and said in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
-def test_generate_reads_a_piped_prompt_and_refuses_text_that_is_not_utf8():
+def test_generate_reads_a_piped_prompt_and_refuses_text_that_is_not_utf8(tmp_path):
     greedy = ("--temperature", "0", "--max-new-tokens", "6")
     question = "What is the capital of France?"
-    piped = run("generate", *greedy, "--json", stdin=question)  # no --prompt: stdin
-    assert piped.returncode == 0, piped.stderr
-    dash = run("generate", "--prompt", "-", *greedy, "--json", stdin=question)
     given = generate_json("--prompt", question, *greedy)
-    for r in (piped, dash):
+    # no --prompt: stdin, its final line break dropped (as `echo` writes it); --prompt -: the same
+    for args, piped in (([], question + "\n"), (["--prompt", "-"], question + "\r\n")):
+        r = run("generate", *args, *greedy, "--json", stdin=piped)
+        assert r.returncode == 0, r.stderr
         out = json.loads(r.stdout)
         assert (out["token_ids"], out["prompt_tokens"]) == (
             given["token_ids"],
             given["prompt_tokens"],
         )
+    # the bytes path of a real process: a byte-order mark dropped, bytes that are not UTF-8 refused
+    r = process("generate", *greedy, "--json", stdin=b"\xef\xbb\xbf" + question.encode())
+    assert r.returncode == 0 and json.loads(r.stdout)["token_ids"] == given["token_ids"], r.stderr
+    r = process("generate", stdin=b"Say \xff")
+    assert r.returncode == 2 and "the prompt on stdin is not valid UTF-8 (byte 4)" in r.stderr
     for args, said in (
         # bytes that are not UTF-8 reach Python as lone surrogates: they became "\ufffd"
         (["generate", "--prompt", "Hi \udcff"], "--prompt is not valid UTF-8 (byte 0xff"),
         (["chat", "--system", "\udce9t\udce9"], "--system is not valid UTF-8 (byte 0xe9"),
-        (["generate", "--prompt", "Hi", "--reasoning-budget", "-5"], "-1 (no limit)"),
         (["generate", "--prompt", "Hi", "--stop", "\udc80"], "--stop is not valid UTF-8"),
+        (["generate", "--prompt", "Hi", "--reasoning-budget", "-5"], "-1 (no limit)"),
+        # a path that is not UTF-8 is a valid path: not refused as text
+        (["generate", "--prompt", "Hi", "--model", str(tmp_path / "m\udcff.gguf")], "m\udcff"),
+        (["generate"], "the prompt on stdin is empty"),
     ):
         r = run(*args)
-        assert r.returncode == 2 and said in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert r.returncode in (1, 2) and said in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert "--model is not valid" not in r.stderr
 
 
 def test_a_device_that_is_not_there_is_said_alone():
     import torch
 
     if torch.cuda.is_available():
-        return  # nothing to refuse here
+        pytest.skip("this machine has CUDA: nothing to refuse")
     r = run("generate", "--prompt", "Hi", "--device", "cuda")
     # before: a line about dequantizing the GGUF for that device came first
     assert r.returncode == 1 and r.stderr.strip().splitlines() == [

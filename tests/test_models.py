@@ -143,11 +143,12 @@ def test_a_loaded_model_is_left_out_of_collections_and_an_unloaded_one_goes(two)
     assert gc.get_threshold() == heap.USUAL  # the usual ones once a model is loaded
     assert gc.get_freeze_count() > 100_000  # the imports and the model, frozen
     assert len(gc.get_objects()) < 50_000  # what a full pass walks now
+    runner = weakref.ref(engine.runner)  # in reference cycles of its own
     del ring, engine
     gc.collect()
-    assert gone() is not None  # frozen: full passes leave it
+    assert gone() is not None and runner() is not None  # frozen: full passes leave them
     two.unload("b")
-    assert gone() is None
+    assert gone() is None and runner() is None  # the model's memory went with it
 
 
 def test_a_closed_engines_model_goes_at_the_next_load():

@@ -52,6 +52,26 @@ from miniserve.engine.step import StepError, StepSession
 from miniserve.runners.native import summary
 
 
+def prompt_from_stdin(dash: bool) -> tuple[str, str | None]:
+    """The prompt piped in (`--prompt -`, or no --prompt with stdin not a terminal): UTF-8 (a
+    byte-order mark dropped), one final line break dropped as a shell's $(cat) drops it.
+    Returns (prompt, None), or ("", why not)."""
+    stdin = sys.stdin
+    if stdin is None or (not dash and stdin.isatty()):
+        return "", "give the text to answer: --prompt TEXT, or the text on stdin"
+    if stdin.isatty():
+        print("Reading the prompt from stdin (end it with Ctrl-D) ...", file=sys.stderr)
+    raw = getattr(stdin, "buffer", None)  # bytes, where stdin is a file
+    try:
+        text = raw.read().decode("utf-8-sig") if raw is not None else stdin.read()
+    except UnicodeDecodeError as e:
+        return "", f"the prompt on stdin is not valid UTF-8 (byte {e.start})"
+    text = text[:-2] if text.endswith("\r\n") else text[:-1] if text.endswith("\n") else text
+    if not text.strip():
+        return "", "the prompt on stdin is empty; pipe the text to answer, or give --prompt TEXT"
+    return text, None
+
+
 def cmd_generate(args) -> int:
     try:
         params, _ = params_from_args(args)
@@ -60,13 +80,9 @@ def cmd_generate(args) -> int:
     except ConfigError as e:
         return fail(str(e))
     if args.prompt is None or args.prompt == "-":
-        if args.prompt is None and sys.stdin.isatty():
-            return fail("give the text to answer: --prompt TEXT, or the text on stdin")
-        stdin = getattr(sys.stdin, "buffer", None)  # bytes, where stdin is a file
-        try:
-            args.prompt = stdin.read().decode("utf-8") if stdin else sys.stdin.read()
-        except UnicodeDecodeError as e:
-            return fail(f"the prompt on stdin is not valid UTF-8 (byte {e.start})")
+        args.prompt, why = prompt_from_stdin(dash=args.prompt == "-")
+        if why:
+            return fail(why)
     if not args.prompt.strip():
         return fail("--prompt is empty; give the text to answer")
     if args.raw and args.system:
@@ -577,21 +593,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The flags whose text reaches the tokenizer or the sampler (file paths are left alone: on
+# Linux a name that is not UTF-8 is a valid path, and Python carries its bytes through)
+TEXT_FLAGS = ("prompt", "system", "stop", "regex", "choice", "dry_sequence_breakers")
+
+
 def not_utf8(args) -> str | None:
-    """Which flag's text is not UTF-8, said in a line; None where all are. (Python hands such
+    """Which text flag is not UTF-8, said in a line; None where all are. (Python hands such
     bytes on as lone surrogates, which the tokenizer would turn into other characters.)"""
-    for name, value in vars(args).items():
+    for name in TEXT_FLAGS:
+        value = getattr(args, name, None)
         for text in value if isinstance(value, list) else [value]:
-            if isinstance(text, str):
-                try:
-                    text.encode("utf-8")
-                except UnicodeEncodeError as e:
-                    byte = ord(text[e.start]) - 0xDC00
-                    flag = "--" + name.replace("_", "-")
-                    return (
-                        f"{flag} is not valid UTF-8 (byte 0x{byte:02x} at character {e.start}); "
-                        "write the text in UTF-8"
-                    )
+            if not isinstance(text, str):
+                continue
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                point = ord(text[e.start])
+                what = (
+                    f"byte 0x{point - 0xDC00:02x}"
+                    if 0xDC80 <= point <= 0xDCFF
+                    else f"a lone surrogate U+{point:04X}"
+                )
+                return (
+                    f"--{name.replace('_', '-')} is not valid UTF-8 ({what} at character "
+                    f"{e.start}); write the text in UTF-8"
+                )
     return None
 
 

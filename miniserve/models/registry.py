@@ -327,16 +327,22 @@ class Models:
 
     def unload(self, name: str) -> bool:
         with self._lock:
-            engine = self._engines.pop(name, None)
-        self._close([engine] if engine is not None else [])
-        return engine is not None
+            gone = [e for e in (self._engines.pop(name, None),) if e is not None]
+        found = bool(gone)
+        self._close(gone)
+        return found
 
     @staticmethod
     def _close(engines: list) -> None:
-        for engine in engines:
-            engine.close()
-        if engines:  # the weights go now, before the next model's load needs the memory
-            heap.settle()  # the engines thawed the heap: this collects, then freezes again
+        """Close `engines` and empty the list, then collect and freeze again (core/heap.py):
+        the weights go now, before the next model's load needs the memory. No reference to
+        an engine may be left here when the collection runs: a runner sits in reference
+        cycles, and one frozen alive would stay once dropped."""
+        if not engines:
+            return
+        while engines:
+            engines.pop().close()
+        heap.settle()
 
     def close(self) -> None:
         for name in list(self._engines):

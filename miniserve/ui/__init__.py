@@ -130,11 +130,13 @@ def build_ui(
         app = TabContext(
             models, presets, default_preset, sessions, ModelHeader(models), demo, store
         )
+        # a closed page's runs stop, whatever tab started them (first: before a tab's own
+        # unload handler, the Step tab's, lets its session go)
+        demo.unload(sessions.closed)
         for label, build in TABS:
             build(app, label)
         for wire in app.after_tabs:
             wire()
-        demo.unload(sessions.closed)  # a closed page's runs stop, whatever tab started them
         install_keys(demo)  # Enter sends in Chat, Ctrl+Enter generates in the Notebook
     # Gradio runs one event of a listener at a time unless told otherwise: the replies of many
     # browsers would then take turns instead of sharing the engine's forward passes. As many

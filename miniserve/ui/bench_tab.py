@@ -264,7 +264,7 @@ def build_benchmark_tab(app: TabContext, label: str) -> None:
             color="mode",
             title="Decode tokens/s by prompt length",
             x_title="prompt tokens",
-            x_axis_format="d",  # whole numbers (one x alone read "1.000000")
+            x_axis_format="~g",  # 1, not "1.000000" (one x alone), and 1.5 where ticks fall
             y_title="decode tokens/s",
         )
 
@@ -306,7 +306,7 @@ def build_benchmark_tab(app: TabContext, label: str) -> None:
             color="preset",
             title="Aggregate tokens/s by concurrency",
             x_title="streams at once",
-            x_axis_format="d",
+            x_axis_format="~g",
             y_title="aggregate tokens/s",
         )
     one_at_a_time = dict(concurrency_id=BENCHMARK_EVENTS, concurrency_limit=1)

@@ -1775,7 +1775,7 @@ static long top_k(const float *a, long n, long k, int64_t *ids, float *vals) {
     if (k <= 0 || k >= n) return 0;
     auto greater = [](const Entry &x, const Entry &y) { return x.first > y.first; };
     std::vector<Entry> c;
-    c.reserve(4 * k);
+    c.reserve(std::min(4 * k, n));
     float t = a[0];
     for (long i = 0; i < k; i++) {
         if (a[i] != a[i]) return 0;  // NaN (none reaches the selection: its order needs none)
