@@ -86,6 +86,20 @@ def test_logprobs(client):
         assert entry.token == entry.top_logprobs[0].token  # greedy picks the top-1
 
 
+def test_logprobs_cover_the_reply_not_its_end_token(client):
+    # a reply ended by the model: its end token is neither in the text nor in the usage, and was
+    # in the logprobs
+    r = client.chat.completions.create(
+        model="default", messages=Q, temperature=0, max_tokens=200, logprobs=True
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop"  # by the end token (no stop strings here)
+    entries = choice.logprobs.content
+    assert len(entries) == r.usage.completion_tokens
+    text = b"".join(bytes(e.bytes) for e in entries).decode()
+    assert text == choice.message.content
+
+
 @pytest.mark.parametrize(
     "body, param",
     [
@@ -97,6 +111,10 @@ def test_logprobs(client):
         ({"messages": Q, "top_p": 0}, "top_p"),
         ({"messages": Q, "top_p": 1.5}, "top_p"),
         ({"messages": Q, "max_tokens": 0}, "max_tokens"),
+        (
+            {"messages": Q, "max_tokens": 5000},
+            "max_tokens",
+        ),  # past 4096: it was cut there, silently
         ({"messages": Q, "n": 0}, "n"),
         ({"messages": Q, "n": MAX_CHOICES + 1}, "n"),
         ({"messages": Q, "n": 1.5}, "n"),

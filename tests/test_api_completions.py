@@ -355,7 +355,7 @@ def test_a_client_that_leaves_a_stream_cancels_it(port, engine, monkeypatch):
         ({"prompt": [[1, 2], [-1]]}, "prompt[1]", ["-1", "out of range"]),
         ({"prompt": PROMPT, "best_of": 2}, "best_of", ["n (1)"]),
         ({"prompt": PROMPT, "echo": "yes"}, "echo", ["true or false"]),
-        ({"prompt": PROMPT, "max_tokens": -1}, "max_tokens", ["[0, 8192]"]),
+        ({"prompt": PROMPT, "max_tokens": -1}, "max_tokens", ["[0, 4096]"]),
         ({"prompt": PROMPT, "top_p": 0}, "top_p", ["top_p"]),
         (
             {"prompt": PROMPT, "stream_options": {"include_usage": True}},

@@ -73,8 +73,10 @@ def settings(
     """The settings both routes share, with what only the model can check: the token limit
     (each of `max_tokens_fields` given in [least_tokens, its context]; the first one given
     counts), the logit-bias ids in its vocabulary, the output format compiled once."""
-    # a remote model whose server does not say its context: the API's own ceiling
-    ceiling = engine.context_length or MAX_NEW_TOKENS
+    # the tokens one reply may generate (MAX_NEW_TOKENS), within the model's context where it
+    # is known: past it, a 400 naming the limit (as OpenAI answers past a model's output
+    # limit), not a reply silently cut there
+    ceiling = min(engine.context_length or MAX_NEW_TOKENS, MAX_NEW_TOKENS)
     given = [
         check_number(
             name,
@@ -93,7 +95,7 @@ def settings(
     params = SamplingParams(
         **sampling,
         samplers=body.samplers,
-        max_new_tokens=min(max(max_tokens, 1), MAX_NEW_TOKENS),
+        max_new_tokens=max(max_tokens, 1),
         seed=body.seed,
         stop=tuple(body.stop or ()),
         logit_bias=body.logit_bias,

@@ -867,8 +867,9 @@ class ChatCompletionRequest(SamplingRequest):
     max_tokens: MaxTokens = Field(
         None,
         description=(
-            f"tokens to generate at most (default {DEFAULT_MAX_TOKENS}), up to the model's context "
-            f"window (GET /v1/models: context_length; {MAX_NEW_TOKENS} generated at most)"
+            f"tokens to generate at most (default {DEFAULT_MAX_TOKENS}): up to {MAX_NEW_TOKENS}, "
+            "and the prompt and these within the model's context window (GET /v1/models: "
+            "context_length)"
         ),
     )
     max_completion_tokens: MaxTokens = Field(
@@ -996,8 +997,9 @@ class CompletionRequest(SamplingRequest):
     max_tokens: SkipValidation[Annotated[int, Field(ge=0)] | None] = Field(
         None,
         description=(
-            f"tokens to generate at most (default {DEFAULT_COMPLETION_TOKENS}), up to the model's "
-            "context window; 0 generates nothing and scores the prompt (echo, logprobs)"
+            f"tokens to generate at most (default {DEFAULT_COMPLETION_TOKENS}): up to "
+            f"{MAX_NEW_TOKENS}, and the prompt and these within the model's context window; 0 "
+            "generates nothing and scores the prompt (echo, logprobs)"
         ),
     )
     echo: flag()

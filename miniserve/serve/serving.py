@@ -166,7 +166,13 @@ class OpenAIServing:
         params = req.settings.params
         if params.seed is not None and j:
             params = params.replace(seed=(params.seed + j) % (SEED_MAX + 1))
-        recorder = LogprobRecorder(req.engine.tokenizer, req.top_logprobs) if req.logprobs else None
+        recorder = (
+            LogprobRecorder(
+                req.engine.tokenizer, req.top_logprobs, getattr(req.engine, "eos_ids", frozenset())
+            )
+            if req.logprobs
+            else None
+        )
         return req.prompts[prompt], params, recorder
 
     def _start_choice(self, req: APIRequest, index: int, choices: Choices) -> None:

@@ -22,10 +22,13 @@ class LogprobRecorder:
     """Observer for the decode loop: log-probabilities of each chosen token (before filters).
     A remote engine hands it what its server sent instead (add_remote_step)."""
 
-    def __init__(self, tokenizer, top: int):
+    def __init__(self, tokenizer, top: int, ends: frozenset = frozenset()):
         self.tokenizer, self.top, self.entries = tokenizer, top, []
+        self.ends = ends  # end tokens: they end the reply and are not in its text or usage
 
     def observe(self, logits, previous_ids, token_id, allowed=None, state=None):
+        if token_id in self.ends:
+            return
         logp = torch.log_softmax(logits[0].float(), -1)
         entry = self._item(*token_text(self.tokenizer, token_id), float(logp[token_id]))
         if self.top:
