@@ -100,6 +100,37 @@ def test_logprobs_cover_the_reply_not_its_end_token(client):
     assert text == choice.message.content
 
 
+def test_logprobs_stop_where_a_stop_string_cuts_the_reply(client):
+    # the tokens that made the stop string (and the text held back in case it became one) are
+    # not in the reply: before, their logprobs were, streamed or not
+    ask = dict(model="default", messages=Q, temperature=0, max_tokens=40, logprobs=True)
+    whole = client.chat.completions.create(**ask).choices[0].message.content
+    stop = whole[12:18]
+    cut = client.chat.completions.create(**ask, stop=[stop]).choices[0]
+    content, entries = cut.message.content, cut.logprobs.content
+    assert content == whole[: whole.find(stop)] and cut.finish_reason == "stop"
+    texts = [bytes(e.bytes).decode("utf-8", "replace") for e in entries]
+    # every character of the reply is covered, and no token starts past it
+    assert "".join(texts).startswith(content) and len("".join(texts[:-1])) < len(content)
+    streamed = [
+        e.token
+        for chunk in client.chat.completions.create(**ask, stop=[stop], stream=True)
+        for choice in chunk.choices
+        if choice.logprobs and choice.logprobs.content
+        for e in choice.logprobs.content
+    ]
+    assert streamed == [e.token for e in entries]
+    # completions: the same rule over the legacy logprobs
+    prompt = "The capital of France is Paris. The capital of Italy is"
+    text = dict(model="default", prompt=prompt, temperature=0, max_tokens=12, logprobs=1)
+    whole = client.completions.create(**text).choices[0].text
+    stop = whole[6:10]
+    cut = client.completions.create(**text, stop=[stop]).choices[0]
+    tokens = cut.logprobs.tokens
+    assert cut.text == whole[: whole.find(stop)]
+    assert "".join(tokens).startswith(cut.text) and len("".join(tokens[:-1])) < len(cut.text)
+
+
 @pytest.mark.parametrize(
     "body, param",
     [

@@ -166,13 +166,19 @@ class OpenAIServing:
         params = req.settings.params
         if params.seed is not None and j:
             params = params.replace(seed=(params.seed + j) % (SEED_MAX + 1))
-        recorder = (
-            LogprobRecorder(
-                req.engine.tokenizer, req.top_logprobs, getattr(req.engine, "eos_ids", frozenset())
+        recorder = None
+        if req.logprobs:
+            engine = req.engine
+            # where stop strings may cut the reply, the recorder places each token in its text;
+            # not where a chat's text is split into reasoning and answer (or tool calls)
+            tools = getattr(req.options, "tools", None)
+            plain = req.kind != "chat" or not (getattr(engine, "thinks", False) or tools)
+            recorder = LogprobRecorder(
+                engine.tokenizer,
+                req.top_logprobs,
+                getattr(engine, "eos_ids", frozenset()),
+                places=bool(params.stop) and plain,
             )
-            if req.logprobs
-            else None
-        )
         return req.prompts[prompt], params, recorder
 
     def _start_choice(self, req: APIRequest, index: int, choices: Choices) -> None:

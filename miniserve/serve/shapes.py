@@ -5,6 +5,7 @@ recorder that collects what a reply's logprobs show.
 
 from __future__ import annotations
 
+import bisect
 import codecs
 import json
 import time
@@ -12,7 +13,7 @@ import uuid
 
 import torch
 
-from miniserve.engine.stream import token_text
+from miniserve.engine.stream import Detokenizer, token_text
 from miniserve.models.registry import Models
 from miniserve.serve.bridge import Choices
 from miniserve.serve.parse import APIRequest
@@ -20,15 +21,37 @@ from miniserve.serve.parse import APIRequest
 
 class LogprobRecorder:
     """Observer for the decode loop: log-probabilities of each chosen token (before filters).
-    A remote engine hands it what its server sent instead (add_remote_step)."""
+    A remote engine hands it what its server sent instead (add_remote_step).
 
-    def __init__(self, tokenizer, top: int, ends: frozenset = frozenset()):
+    `places` (a reply that stop strings may cut): where each token's text starts in the reply,
+    decoded as the engine decodes it, so that only the tokens whose text was written go out
+    (`shown`): those that made a stop string, and the text held back in case it became one,
+    are not in the reply."""
+
+    def __init__(self, tokenizer, top: int, ends: frozenset = frozenset(), places=False):
         self.tokenizer, self.top, self.entries = tokenizer, top, []
         self.ends = ends  # end tokens: they end the reply and are not in its text or usage
+        self.detokenizer = Detokenizer(tokenizer) if places else None
+        self.starts: list[int] = []  # with places: each entry's first character in the reply
+        self.chars = 0
+
+    def shown(self, chars: int) -> int:
+        """How many entries the first `chars` characters of the reply hold (a token whose text
+        starts in them counts, though a stop string may cut it): all of them without places."""
+        if self.detokenizer is None:
+            return len(self.entries)
+        return bisect.bisect_left(self.starts, chars)
+
+    def _place(self, text: str) -> None:
+        if self.detokenizer is not None:
+            self.starts.append(self.chars)
+            self.chars += len(text)
 
     def observe(self, logits, previous_ids, token_id, allowed=None, state=None):
         if token_id in self.ends:
             return
+        if self.detokenizer is not None:
+            self._place(self.detokenizer.push(token_id))
         logp = torch.log_softmax(logits[0].float(), -1)
         entry = self._item(*token_text(self.tokenizer, token_id), float(logp[token_id]))
         if self.top:
@@ -42,6 +65,7 @@ class LogprobRecorder:
         self.entries.append(entry)
 
     def add_remote_step(self, text: str, logprob: float, top=()) -> None:
+        self._place(text)
         entry = self._item(text, text.encode("utf-8"), logprob)
         entry["top_logprobs"] = [
             self._item(t, t.encode("utf-8"), lp) for t, lp in list(top)[: self.top]
@@ -63,6 +87,7 @@ class ChatShape:
     def __init__(self, req: APIRequest, choices: Choices):
         self.choices = choices
         self.sent = [0] * req.choices  # logprob entries already streamed, per choice
+        self.written = [0] * req.choices  # characters of content streamed, per choice
 
     def _recorder(self, i: int):
         return self.choices.choices[i].recorder
@@ -78,7 +103,11 @@ class ChatShape:
             "index": i,
             "message": message,
             "finish_reason": finish,
-            "logprobs": {"content": recorder.entries} if recorder else None,
+            "logprobs": (
+                {"content": recorder.entries[: recorder.shown(len(text or ""))]}
+                if recorder
+                else None
+            ),
         }
 
     def opening(self, i: int) -> dict:
@@ -104,9 +133,11 @@ class ChatShape:
             "logprobs": None,
         }
         recorder = self._recorder(i)
-        if recorder and len(recorder.entries) > self.sent[i]:
-            choice["logprobs"] = {"content": recorder.entries[self.sent[i] :]}
-            self.sent[i] = len(recorder.entries)
+        self.written[i] += len(text or "")
+        upto = recorder.shown(self.written[i]) if recorder else 0
+        if upto > self.sent[i]:
+            choice["logprobs"] = {"content": recorder.entries[self.sent[i] : upto]}
+            self.sent[i] = upto
         return choice
 
 
@@ -119,6 +150,7 @@ class TextShape:
     def __init__(self, req: APIRequest, choices: Choices):
         self.req, self.choices = req, choices
         self.sent = [0] * req.choices  # recorder entries already written, per choice
+        self.written = [0] * req.choices  # characters of generated text written, per choice
         self.offset = [0] * req.choices  # text_offset of the next token, per choice
         # the characters the tokens' bytes make so far, per choice (a character split over
         # tokens counts once, where it is complete)
@@ -134,11 +166,12 @@ class TextShape:
             return None
         if generated:
             recorder = self.choices.choices[i].recorder
-            for e in recorder.entries[self.sent[i] :]:
+            upto = recorder.shown(self.written[i])
+            for e in recorder.entries[self.sent[i] : upto]:
                 best = {t["token"]: t["logprob"] for t in e["top_logprobs"]}
                 best[e["token"]] = e["logprob"]  # the chosen token is always there, as chosen
                 entries = entries + [(e["token"], e["logprob"], best, bytes(e["bytes"]))]
-            self.sent[i] = len(recorder.entries)
+            self.sent[i] = max(self.sent[i], upto)
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for token, logprob, best, raw in entries:
             out["tokens"].append(token)
@@ -150,6 +183,7 @@ class TextShape:
 
     def whole(self, i: int, text: str, finish: str, **_chat_parts) -> dict:
         echo, entries = self._echo(i)
+        self.written[i] = len(text)
         return {
             "index": i,
             "text": echo + text,
@@ -179,6 +213,7 @@ class TextShape:
         }
 
     def piece(self, i: int, text: str, finish: str | None = None, *_chat_parts) -> dict:
+        self.written[i] += len(text)
         logprobs = self._logprobs(i, [])
         return {
             "index": i,
