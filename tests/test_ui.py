@@ -918,6 +918,19 @@ def test_gradio_hands_the_request_to_every_handler_that_takes_one(engine, preset
     assert {"step", "restage", "restage_live", "act", "run_to_end", "closed"} <= set(wanting)
 
 
+def test_a_handler_with_no_outputs_returns_nothing(engine, presets):
+    """Gradio warns at each call of an event's handler that returns a value to no outputs
+    (Compare's Stop returned whether it stopped something)."""
+    import inspect
+
+    demo = build_ui(engine, presets)
+    silent = [fn for fn in demo.fns.values() if fn.fn is not None and not fn.outputs]
+    assert silent
+    for fn in silent:
+        returns = inspect.signature(fn.fn).return_annotation
+        assert returns in (None, "None", inspect.Signature.empty), (fn.name, returns)
+
+
 def test_output_format_values_become_a_constraint():
     assert constraint_from("Free text", "ignored") is None and constraint_from(None, "") is None
     assert constraint_from("JSON", "ignored") == Constraint("json_object")

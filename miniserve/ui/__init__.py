@@ -60,6 +60,7 @@ CSS = (
 #status, .ms-status {font-size: 0.9em; opacity: 0.85}
 .ms-inspector .ms-tok:hover {outline: 1px solid #333}
 #notebook-text textarea {font-family: var(--font-mono); font-size: 0.92em; line-height: 1.5}
+#conversations label span {overflow-wrap: anywhere}
 """
     + STEP_CSS
 )

@@ -242,6 +242,11 @@ class CompareHandlers:
         when none runs."""
         return self.sessions.stop(request, COMPARE)
 
+    def stop_pressed(self, request: gr.Request | None = None) -> None:
+        """The Stop button: no output of its own (the comparison's last columns say it
+        stopped; a value returned to no output made Gradio warn at each press)."""
+        self.stop(request)
+
     @staticmethod
     def footer(chunk, constraint) -> str:
         stats = chunk.stats
@@ -352,5 +357,5 @@ def build_compare_tab(app: TabContext, label: str) -> None:
         [status, *(slots[slot] for slot in compare.slots)],
         concurrency_id=ENGINE_EVENTS,
     )
-    stop_btn.click(compare.stop, None, None, queue=False)  # not queued behind what it stops
+    stop_btn.click(compare.stop_pressed, None, None, queue=False)  # not queued behind it
     app.header.refresh_after([run])
