@@ -253,7 +253,7 @@ def test_notebook_regenerate_during_a_generation_stops_it_first(models, presets)
 @pytest.mark.parametrize(
     "text, settings, message",
     [
-        ("", {}, "&#x27;prompt&#x27; is empty; give the text to continue"),
+        ("", {}, "the Text box is empty; give the text to continue"),
         (STORY, {"temperature": 5}, "&#x27;temperature&#x27; must be in [0, 2]"),
     ],
 )

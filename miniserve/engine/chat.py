@@ -127,7 +127,9 @@ def check_messages(messages, field: str = "messages") -> list[dict]:
             role = "system"
         if role not in ROLES:
             raise ChatError(
-                f"'{where}.role' must be one of {', '.join(ROLES)}, got {role!r}", f"{where}.role"
+                f"'{where}.role' must be one of {', '.join(ROLES)} (or developer, the system "
+                f"role's newer name), got {role!r}",
+                f"{where}.role",
             )
         calls = _tool_calls(m["tool_calls"], where) if m.get("tool_calls") else []
         if calls and role != "assistant":

@@ -172,7 +172,10 @@ class NotebookHandlers:
                     observer=inspector.observe if inspector else None,
                 )
             except USER_ERRORS as e:
-                yield unchanged, unchanged, error(user_message(e)), ""
+                said = user_message(e)
+                if getattr(e, "field", None) == "prompt":  # the engine's name of the Text box
+                    said = said.replace("'prompt'", "the Text box", 1)
+                yield unchanged, unchanged, error(said), ""
                 return
             except Exception as e:  # noqa: BLE001 -- e.g. a remote server that went away
                 yield unchanged, unchanged, error(f"{type(e).__name__}: {e}"), ""
