@@ -154,7 +154,12 @@ def test_notebook_regenerate_and_undo(models, presets):
     again, history2, status, _ = last(
         generate(notebook, edited, history, presets, "creative", 10, seed=3, regenerate=True)
     )
-    assert again == first and history2 == [STORY], "the same seed from the same text"
+    assert again == first, "the same seed from the same text"
+    # Undo brings back what Regenerate replaced, typing included (it was lost), then the text
+    # before the generation
+    assert history2 == [STORY, [STORY, edited]]
+    text, back, _ = notebook.undo(again, history2)
+    assert (text, back) == (edited, [STORY]) and notebook.undo(text, back)[:2] == (STORY, [])
     other, *_ = last(
         generate(notebook, edited, history, presets, "creative", 10, seed=4, regenerate=True)
     )
@@ -233,18 +238,19 @@ def test_notebook_regenerate_during_a_generation_stops_it_first(models, presets)
     thread, shown, growing = streaming(generate(notebook, STORY, [], presets, "balanced", 1500))
     try:
         assert growing.wait(60), "the generation did not start"
-        text, history, _ = shown[-1]
-        again = generate(notebook, text, history, presets, regenerate=True)
+        pressed, history, _ = shown[-1]
+        again = generate(notebook, pressed, history, presets, regenerate=True)
         first = next(again)
         thread.join(timeout=5)
         assert not thread.is_alive(), "the first generation still streams beside the new one"
         # the first generation writes no last word (a status of its own) that could land after
-        # the new one's outputs
-        assert shown[-1][2] == "generating…" and first[:3] == (STORY, [STORY], "generating…")
+        # the new one's outputs; Undo would bring back the box as Regenerate found it
+        replaced = [STORY, [STORY, pressed]]
+        assert shown[-1][2] == "generating…" and first[:3] == (STORY, replaced, "generating…")
         text, history, status, _ = last(again)
         params = presets["factual"].replace(max_new_tokens=12, seed=1)
         expected = "".join(c.text for c in models.get(None).complete_text(STORY, params, trim=True))
-        assert text == STORY + expected and history == [STORY] and "stopped" not in status
+        assert text == STORY + expected and history == replaced and "stopped" not in status
     finally:
         notebook.stop()
         thread.join()

@@ -59,6 +59,19 @@ if TYPE_CHECKING:
 # (widgets.takes_panel): the settings panel, the seed, the inspector, the output format, the model
 PANEL = GENERATING
 UNDO_DEPTH = 20  # generations Undo can take back, one after the other
+
+
+# The undo history's entries, newest last: a generation's start text (Generate: Undo brings it
+# back, Regenerate starts from it again), or [start, replaced] (Regenerate: it started from
+# `start` and replaced `replaced`, the box's text then, which Undo brings back).
+def entry_start(entry) -> str:
+    return entry if isinstance(entry, str) else entry[0]
+
+
+def entry_restores(entry) -> str:
+    return entry if isinstance(entry, str) else entry[1]
+
+
 NOTEBOOK = "notebook"  # the kind of run (common.Sessions) that Undo and Regenerate stop
 REGENERATE = "regenerate"  # takes a run over (Cancel.taken_over), as Undo does
 TAKEN_BACK = "the generation was stopped and taken back"
@@ -109,13 +122,16 @@ class NotebookHandlers:
         panel,
         request: gr.Request | None = None,
     ):
-        """The last generation again, from the text as it was before it (what is in the box
-        now is replaced; Undo still brings back that earlier text)."""
+        """The last generation again, from the text as it was before it. What is in the box
+        now (that generation's text, and whatever was typed into it since) is replaced: Undo
+        brings it back, then the text before the generation."""
         self.sessions.take_over(request, NOTEBOOK, STOP_WAIT_S, REGENERATE)
         if not history:
             yield gr.update(), history, error("nothing to regenerate yet: Generate first"), ""
             return
-        yield from self._continue(history[-1], history, panel, request)
+        start = entry_start(history[-1])
+        history = [*history, [start, text or ""]][-UNDO_DEPTH:]
+        yield from self._continue(start, history, panel, request)
 
     def undo(self, text, history, request: gr.Request | None = None):
         """The text as it was before the last generation: (text, history, status). A
@@ -126,7 +142,7 @@ class NotebookHandlers:
         if not history:
             return gr.update(), history, "nothing to undo"
         *history, before = history
-        return before, history, "the last generation was taken back"
+        return entry_restores(before), history, "the last generation was taken back"
 
     def stop(self, request: gr.Request | None = None) -> None:
         self.sessions.stop(request)
@@ -144,7 +160,7 @@ class NotebookHandlers:
         with self.sessions.running(request, NOTEBOOK) as cancel:
             yield from self._stream(start, history, panel, cancel)
             if self.sessions.close(cancel) == UNDO:
-                yield start, history[:-1], TAKEN_BACK, ""
+                yield entry_restores(history[-1]), history[:-1], TAKEN_BACK, ""
 
     def _stream(self, start: str, history: list, panel, cancel):
         unchanged = gr.update()
