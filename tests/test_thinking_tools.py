@@ -327,6 +327,9 @@ def test_tool_requests_the_model_cannot_meet_name_the_field(qwen3, engine):
     with pytest.raises(ChatError, match="does not take tools") as info:
         engine.chat(HI, sampled(), ChatOptions(tools=TOOLS))
     assert info.value.field == "tools"
+    # with tool_choice "none" nothing is to be called: the plain reply, as without tools
+    plain = engine.chat_prompt(HI, sampled(), ChatOptions())
+    assert engine.chat_prompt(HI, sampled(), ChatOptions(tools=TOOLS, tool_choice="none")) == plain
     with pytest.raises(ChatError, match="not among 'tools'") as info:
         qwen3.chat(HI, sampled(), ChatOptions(tools=TOOLS, tool_choice="get_nothing"))
     assert info.value.field == "tool_choice"

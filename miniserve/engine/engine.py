@@ -909,6 +909,10 @@ class Engine(Admitting):
         if not self.has_chat_template:
             raise NoChatTemplate(self.name)
         options = self.chat_options(options)
+        if options.tools and options.tool_choice == "none" and not self.takes_tools:
+            # tools this model's template cannot show, which the reply may not call anyway: a
+            # client that sends its tools with every request gets its plain reply
+            options = dataclasses.replace(options, tools=[])
         tools = self.tool_plan(options)
         trimmed = trim_history(
             self.tokenizer,
