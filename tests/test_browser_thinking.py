@@ -17,7 +17,8 @@ from servers import Server
 pytestmark = pytest.mark.browser
 REPLY_TIMEOUT_MS = 90_000
 LOAD_TIMEOUT_MS = 60_000  # the page's load events, on a busy machine
-BUDGET = 32  # reasoning tokens: a few paints while it streams, a few seconds at most
+BUDGET = 96  # reasoning tokens: several paints while it streams (32 streamed within one paint
+# once in a full run), a few seconds at most
 
 # Records, from the page itself, what the reply's reasoning looked like while it streamed: the
 # spinner and the open text on every change of the chat (so no paint between two polls of a
