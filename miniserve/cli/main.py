@@ -54,7 +54,7 @@ from miniserve.runners.native import summary
 
 def prompt_from_stdin(dash: bool) -> tuple[str, str | None]:
     """The prompt piped in (`--prompt -`, or no --prompt with stdin not a terminal): UTF-8 (a
-    byte-order mark dropped), one final line break dropped as a shell's $(cat) drops it.
+    byte-order mark dropped), one final line break dropped (the one `echo` adds).
     Returns (prompt, None), or ("", why not)."""
     stdin = sys.stdin
     if stdin is None or (not dash and stdin.isatty()):

@@ -486,7 +486,7 @@ def top_k_compact(row: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     if k <= 0 or k >= row.shape[-1]:
         return None
     if _numpy_can_read(row) and row.shape[0] == 1:
-        return _top_k_compact_numpy(row, k)
+        return _top_k_compact_cpu(row, k)
     return _top_k_compact_torch(row, k)
 
 
@@ -505,7 +505,7 @@ def _top_k_compact_torch(row: torch.Tensor, k: int) -> tuple[torch.Tensor, torch
     return top.indices.gather(-1, order), top.values.gather(-1, order)
 
 
-def _top_k_compact_numpy(row: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _top_k_compact_cpu(row: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """top_k_compact for one float32 row on the CPU: decode.cpp's one-pass selection where the
     library is loaded (~15 us over 49,152 logits), else numpy's partition and count (~1/3 of
     torch's topk and comparison, yet ~0.3 ms): the same ids and values, and None in the same

@@ -327,7 +327,7 @@ class Models:
 
     def unload(self, name: str) -> bool:
         with self._lock:
-            gone = [e for e in (self._engines.pop(name, None),) if e is not None]
+            gone = [self._engines.pop(name)] if name in self._engines else []
         found = bool(gone)
         self._close(gone)
         return found

@@ -191,9 +191,7 @@ def _prompt_ids(engine, prompt, checked: Settings, field: str) -> list[int]:
                 field,
             )
     # too long for the context with max_tokens: a ChatError naming the field
-    return engine.prompt_ids(
-        prompt, checked.params, field=field, new_tokens=min(checked.max_tokens, MAX_NEW_TOKENS)
-    )
+    return engine.prompt_ids(prompt, checked.params, field=field, new_tokens=checked.max_tokens)
 
 
 async def _echo(engine, prompt, ids: list[int], top: int | None) -> tuple[str, list]:
