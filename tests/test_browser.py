@@ -108,6 +108,39 @@ def test_a_message_with_html_tags_shows_as_written(page):
     assert shown == typed.replace("`", "")  # (the code span's text, in code type)
 
 
+def test_copy_puts_a_message_on_the_clipboard_as_written(page):
+    """The Chatbot's Copy button copies the text the Chatbot was given, where a tag's "<" is
+    "&lt;": the page undoes that as typed_text does (the same text for each case, code and
+    fences included), and a message copied with its button is the message as typed."""
+    from miniserve.ui.render import shown_text, typed_text
+
+    written = [
+        "a <div> b",
+        "<b>x</b> <<A Title>> <!-- c --> <T> a < b &lt;b> &amp;lt;i>",
+        "`<div>` ``<div>` &lt;p> `a\n\n<div>\n\nb`",
+        "```html\n<div>x</div>\n```\n<p>",
+        "```\r\n<b>\r\n```\r\n<i> ~~~\n<p>",
+        "streaming ```\n```js\n<div>",
+        "x" + "`" * 3000 + " <div>",
+        "<div",
+    ]
+    cases = written + [shown_text(text) for text in written]
+    page.wait_for_function("() => !!window.msTypedText")
+    assert page.evaluate("(xs) => xs.map(window.msTypedText)", cases) == [
+        typed_text(c) for c in cases
+    ]
+    page.context.grant_permissions(["clipboard-read", "clipboard-write"])
+    set_number(page, "Max new tokens", 4)
+    typed = "Is <div> a block, and `<p>`? &lt;b> <b>bold</b>"
+    page.get_by_label("Message", exact=True).fill(typed)
+    page.get_by_role("button", name="Send").click()
+    expect(page.locator("#status")).to_contain_text("tokens/s", timeout=60000)
+    user = page.locator("[data-testid='user']").last
+    user.hover()
+    page.locator("#chatbot").get_by_role("button", name="Copy message").first.click()
+    assert page.evaluate("navigator.clipboard.readText()") == typed
+
+
 def test_factual_preset_moves_the_sliders(page):
     page.get_by_label("Preset").click()
     page.get_by_role("option", name="factual").click()

@@ -56,7 +56,8 @@ CALL_LOG = "not run: the chat runs no tools"
 # HTML tag (or a comment) outside code is written "&lt;", which the Chatbot shows as "<" (and a
 # "&lt;" written before such a tag name as "&amp;lt;", so that it too shows as written); code
 # spans and fenced blocks show their text as it is and are left alone. (Its Copy button copies
-# the row's text, and its edit box shows it: such a "<" appears there as "&lt;".)
+# the row's text: COPY_JS below gives the clipboard the text as written. Its edit box shows the
+# row's text too, where such a "<" appears as "&lt;"; what comes back goes through typed_text.)
 HTML_TAGS = frozenset(  # HTML's and SVG's element names (the Chatbot's own list is of both)
     "a abbr acronym address applet area article aside audio b base basefont bdi bdo big "
     "blockquote body br button canvas caption center cite code col colgroup data datalist dd del "
@@ -135,6 +136,82 @@ def shown_text(text: str) -> str:
 def typed_text(shown: str) -> str:
     """shown_text undone (a message the Chatbot hands back edited)."""
     return _outside_code(shown or "", WRITTEN_TAG, TYPED_AS)
+
+
+# The same undoing in the page, for the Chatbot's Copy button: it copies the text the Chatbot
+# was given, so a copy made inside #chatbot goes to the clipboard as typed_text would write it
+# ("<div>", not "&lt;div>"). The page's window.msTypedText is that function (a test compares it
+# with typed_text); every other copy is left as it is.
+COPY_JS = """
+() => {
+  if (window.msTypedText || !navigator.clipboard) return;
+  const TAGS = new Set(%(tags)s);
+  const WRITTEN = /(&lt;|&amp;lt;)(?=!|\\/?([A-Za-z][A-Za-z0-9]*)(?:[\\s\\/>]|$))/g;
+  const END = "$(?![\\\\s\\\\S])";  // Python's \\Z
+  const FENCE = new RegExp(
+    "^ {0,3}(`{3,}|~{3,})[\\\\s\\\\S]*?(?:\\\\n {0,3}\\\\1[`~]*" +
+    "[ \\\\t]*\\\\r?(?=\\\\n|" + END + ")|" + END + ")",
+    "gm"
+  );
+  const outside = (text, ranges, edit) => {
+    let out = "", at = 0;
+    for (const [start, end] of ranges) {
+      out += edit(text.slice(at, start)) + text.slice(start, end);
+      at = end;
+    }
+    return out + edit(text.slice(at));
+  };
+  const above = (sorted, x, strict) => {  // bisect_right (strict) or bisect_left
+    let lo = 0, hi = sorted.length;
+    while (lo < hi) {
+      const mid = (lo + hi) >> 1;
+      if (strict ? sorted[mid] <= x : sorted[mid] < x) lo = mid + 1;
+      else hi = mid;
+    }
+    return lo;
+  };
+  const codeSpans = (text) => {  // render.code_spans
+    const runs = [...text.matchAll(/`+/g)].map((m) => [m.index, m.index + m[0].length]);
+    const breaks = [...text.matchAll(/\\n[ \\t]*\\r?\\n/g)].map((m) => m.index);
+    const ofLength = new Map();
+    runs.forEach(([start, end], k) => {
+      if (!ofLength.has(end - start)) ofLength.set(end - start, []);
+      ofLength.get(end - start).push(k);
+    });
+    const spans = [];
+    for (let k = 0; k < runs.length; ) {
+      const [start, end] = runs[k];
+      const same = ofLength.get(end - start);
+      const after = above(same, k, true);
+      if (after < same.length) {
+        const close = runs[same[after]];
+        const gap = above(breaks, end, false);
+        if (gap === breaks.length || breaks[gap] >= close[0]) {
+          spans.push([start, close[1]]);
+          k = same[after] + 1;
+          continue;
+        }
+      }
+      k += 1;
+    }
+    return spans;
+  };
+  const swap = (m, written, tag) =>
+    tag === undefined || TAGS.has(tag.toLowerCase()) ? (written === "&lt;" ? "<" : "&lt;") : m;
+  const prose = (part) => outside(part, codeSpans(part), (t) => t.replace(WRITTEN, swap));
+  window.msTypedText = (shown) => {
+    const fences = [...shown.matchAll(FENCE)].map((m) => [m.index, m.index + m[0].length]);
+    return outside(shown, fences, prose);
+  };
+  let chatClick = 0;  // when a click inside the Chatbot last came
+  document.addEventListener("click", (e) => {
+    if (e.target.closest && e.target.closest("#chatbot")) chatClick = Date.now();
+  }, true);
+  const write = navigator.clipboard.writeText.bind(navigator.clipboard);
+  navigator.clipboard.writeText = (text) =>
+    write(Date.now() - chatClick < 2000 ? window.msTypedText(String(text)) : text);
+}
+""" % {"tags": json.dumps(sorted(HTML_TAGS))}  # noqa: UP031 -- JS braces stay plain
 
 
 def thought_title(tokens: int | None, seconds: float | None) -> str:
