@@ -49,6 +49,38 @@ def test_follow_up_turn_reuses_the_prefix_cache(loaded):
 
 
 @same_on_every_cpu
+def test_progress_says_how_far_a_long_prompt_is_read(loaded):
+    """Asked for, chunks without text say how many prompt positions are in the cache: at
+    admission, then after each pass of 24 rows that read a part of the prompt; all before the
+    reply, which is the one given without them. A follow-up turn's count starts where the
+    prefix cache's KV ends."""
+    engine = Engine(loaded, step_tokens=24)
+    try:
+        history = [{"role": "user", "content": "Tell me about the moon. " * 12}]
+        ids = engine.chat_prompt(history, GREEDY)
+        plain = list(engine.complete(ids, GREEDY, reuse_prefix=False))
+        chunks = list(engine.complete(ids, GREEDY, progress=True))
+        read = [c.prompt_read for c in chunks if c.prompt_read is not None]
+        assert len(ids) > 4 * 24 and read == list(range(0, len(ids), 24))
+        assert all(c.prompt_read is None for c in plain)
+        reply = chunks[len(read) :]
+        assert all(c.prompt_read is None and c.stats.prompt_tokens == len(ids) for c in reply)
+        assert [(c.text, c.token_ids) for c in reply] == [(c.text, c.token_ids) for c in plain]
+
+        history += [
+            {"role": "assistant", "content": "".join(c.text for c in reply)},
+            {"role": "user", "content": "And Mars? " * 10},
+        ]
+        follow = engine.chat_prompt(history, GREEDY)
+        chunks = list(engine.complete(follow, GREEDY, progress=True))
+        read = [c.prompt_read for c in chunks if c.prompt_read is not None]
+        reused = chunks[-1].stats.reused_tokens
+        assert reused >= len(ids) - 1 and read == list(range(reused, len(follow), 24))
+    finally:
+        engine.close()
+
+
+@same_on_every_cpu
 def test_prefix_cache_is_bounded(loaded):
     engine = Engine(loaded, prefix_cache_entries=2)
     for i in range(4):

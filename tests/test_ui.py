@@ -15,6 +15,7 @@ import pytest
 
 from miniserve.core.config import ConfigError, Constraint, SamplingParams
 from miniserve.core.samplers import default_order, describe
+from miniserve.engine.engine import Engine
 from miniserve.store.store import open_store
 from miniserve.ui import BenchmarkHandlers, ChatHandlers, CompareHandlers, build_ui
 from miniserve.ui.bench_tab import BENCH_COLUMNS, CONCURRENCY_COLUMNS
@@ -239,10 +240,34 @@ def contents(chatbot):
     return [m["content"] for m in chatbot]
 
 
+def test_a_long_prompt_shows_how_far_it_is_read(loaded, presets):
+    """While a prompt is read (24 rows a pass here), the status says how much of it is in,
+    rising; then "generating…" as the reply streams; then the stats."""
+    engine = Engine(loaded, step_tokens=24)
+    try:
+        chat = ChatHandlers(engine, presets)
+        browser, view = first_visit(chat)
+        updates = list(send(chat, browser, view, "Tell me about the moon. " * 12))
+        statuses = [u[SHOWN.index("status")] for u in updates]
+        reading = [s for s in statuses if s.startswith("reading the prompt: ")]
+        total = updates[-1][SHOWN.index("status")].split(" prompt tokens")[0].split()[-1]
+        counts = [int(s.split()[3].replace(",", "")) for s in reading]
+        assert len(counts) >= 4 and counts == sorted(counts) and counts[0] == 0
+        assert all(s.endswith(f" of {total} tokens…") for s in reading), (reading, total)
+        after = statuses[statuses.index(reading[-1]) + 1 :]
+        assert after[:-1] and set(after[:-1]) == {"generating…"} and "tokens/s" in after[-1]
+    finally:
+        engine.close()
+
+
 def test_send_streams_then_shows_the_stats(chat):
     browser, view = first_visit(chat)
     updates = list(send(chat, browser, view, "Name a colour."))
-    assert updates[1][SHOWN.index("status")] == "generating…"
+    assert updates[0][SHOWN.index("status")] == "generating…"
+    # then how far its prompt is read (unless the prefix cache holds all of it), the reply
+    statuses = [u[SHOWN.index("status")] for u in updates[1:-1]]
+    reading = [s for s in statuses if s.startswith("reading the prompt: ")]
+    assert statuses[len(reading) :] and set(statuses[len(reading) :]) == {"generating…"}
     *shown, box, inspected = updates[-1]
     shown = Shown(*shown)
     assert [m["role"] for m in shown.chatbot] == ["user", "assistant"]

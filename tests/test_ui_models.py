@@ -146,6 +146,17 @@ def test_notebook_greedy_generate_continues_the_text_as_complete_text_does(model
     assert inspected.count('class="ms-tok"') == 12  # the generated part only
 
 
+def test_notebook_says_how_far_its_text_is_read(models, presets):
+    """Before the continuation streams, the status says how much of the text is read."""
+    notebook = NotebookHandlers(models, presets)
+    text = STORY + " It was the third night of the storm."
+    statuses = [status for _, _, status, _ in generate(notebook, text, [], presets)]
+    ids = models.get(None).prompt_ids(text, presets["factual"].replace(max_new_tokens=12))
+    assert statuses[0] == "generating…"
+    assert re.fullmatch(rf"reading the prompt: \d+ of {len(ids)} tokens…", statuses[1])
+    assert set(statuses[2:-1]) == {"generating…"} and "tokens/s" in statuses[-1]
+
+
 def test_notebook_regenerate_and_undo(models, presets):
     notebook = NotebookHandlers(models, presets)
     first, history, *_ = last(generate(notebook, STORY, [], presets, "creative", 10, seed=3))

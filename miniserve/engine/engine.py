@@ -154,6 +154,10 @@ class Chunk:
     reasoning: str = ""  # this piece's reasoning text (a thinking model's, before its answer)
     tool_calls: list = field(default_factory=list)  # OpenAI's delta.tool_calls of this piece
     calls: list = field(default_factory=list)  # the last chunk: the reply's tool calls, whole
+    # a chunk without text that says how far the prompt is read: its positions in the cache
+    # (of stats.prompt_tokens), at admission and after each pass that read a part of it. Sent
+    # only to a request that asked (complete's `progress`).
+    prompt_read: int | None = None
 
 
 @dataclass
@@ -373,6 +377,9 @@ class _Reply:
                 )
             )
             self.pending = []
+
+    def prompt_read(self, positions: int) -> None:
+        self.sink(Chunk("", [], self.stats, prompt_read=positions))
 
     def token(self, token_id: int) -> bool:
         """Take one token; False when a stop string ended the reply."""
@@ -645,8 +652,10 @@ class Engine(Admitting):
         dropped_messages: int = 0,
         plan: ReplyPlan | None = None,
         speculate: bool | None = None,
+        progress: bool = False,
     ) -> Iterator[Chunk]:
-        """Stream a reply to raw prompt ids: text pieces, then a final chunk with stats.
+        """Stream a reply to raw prompt ids: text pieces, then a final chunk with stats; with
+        `progress`, chunks with `prompt_read` too while its prompt is read.
 
         The request joins the scheduler: it advances in the same forward passes as every
         other request. Closing the iterator early (a client went away) cancels it within one
@@ -675,6 +684,7 @@ class Engine(Admitting):
                 dropped_messages,
                 plan,
                 speculate,
+                progress,
             )
         return Stream(drain(out, cancel), cancel)
 
@@ -746,6 +756,7 @@ class Engine(Admitting):
         dropped_messages: int,
         plan: ReplyPlan | None = None,
         speculate: bool | None = None,
+        progress: bool = False,
     ) -> None:
         """Queue sequences for the scheduler: (prompt ids, params, sink) each. Admission
         happens now: a full queue raises EngineBusy, a request too large for the KV budget
@@ -790,6 +801,7 @@ class Engine(Admitting):
                 if speculate is None
                 else speculate and self.can_speculate,
                 sampler=self.sampler_state(len(prompt_ids)),
+                on_prompt=reply.prompt_read if progress else None,
             )
             self.scheduler.check(seq)
             seqs.append(seq)

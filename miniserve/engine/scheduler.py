@@ -47,7 +47,9 @@ class RequestTooLarge(UserError, ValueError):
 @dataclass(eq=False)
 class Sequence:
     """One request in the scheduler. `emit(token_id) -> bool` receives each new token (False:
-    a stop string ended the reply); `finish(error)` is called once at the end."""
+    a stop string ended the reply); `finish(error)` is called once at the end; `on_prompt`, if
+    set, with the prompt positions in the cache while a prompt is read: at admission, then
+    after each pass that read a part of it but not all."""
 
     prompt: list[int]
     params: SamplingParams
@@ -74,6 +76,7 @@ class Sequence:
     drafter: Drafter | None = None
     valid_kv: int | None = None  # while verifying drafts: the cache positions known good
     expect: int | None = None  # while verifying drafts: the draft token at this position
+    on_prompt: Callable[[int], None] | None = None
 
     @property
     def reserve(self) -> int:
@@ -245,6 +248,11 @@ class Scheduler:
                 seq.done_prompt = min(len(seq.prompt), seq.done_prompt + len(chunk))
                 if not seq.prefilling:  # its prompt is in, or it is decoding
                     self._advance_or_fail(seq, seq_logits)
+                elif seq.on_prompt is not None:
+                    try:
+                        seq.on_prompt(seq.done_prompt)
+                    except Exception as e:  # noqa: BLE001 -- as a bad sink in _advance
+                        self._retire(seq, error=e)
 
     def _advance_or_fail(self, seq: Sequence, logits: torch.Tensor) -> None:
         try:
@@ -360,6 +368,8 @@ class Scheduler:
         self.running.append(seq)
         if seq.budget <= 0:  # the prompt fills the context
             self._retire(seq)
+        elif seq.prefilling and seq.on_prompt is not None:
+            seq.on_prompt(seq.done_prompt)
 
     def _advance(self, seq: Sequence, logits: torch.Tensor) -> None:
         """Choose the sequence's next token from its logits, as decode.generate does."""

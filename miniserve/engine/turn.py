@@ -101,7 +101,8 @@ class ChatTurn:
     `history`). Iterate it for the engine's chunks; `text_so_far`, `reasoning_so_far`,
     `calls_so_far`, `last` and `stopped` say where it is. (`cancel` may also be set by the
     caller's own stop button.) `options`: thinking on/off and the reasoning budget (and what
-    else engine.chat takes); None sends none."""
+    else engine.chat takes); None sends none. `progress`: the engine's chunks that say how
+    far the prompt is read too (Chunk.prompt_read)."""
 
     def __init__(
         self,
@@ -115,6 +116,7 @@ class ChatTurn:
         observer=None,
         cancel: threading.Event | None = None,
         options: ChatOptions | None = None,
+        progress: bool = False,
     ):
         self.engine, self.system, self.text, self.preset = engine, system or "", text, preset
         self.params = with_seed(params)
@@ -126,6 +128,8 @@ class ChatTurn:
             system, history, text, reasoning=getattr(engine, "thinks", False)
         )
         extra = {"options": options} if options is not None else {}
+        if progress:  # the local engine's prompt_read chunks (a remote one sends none)
+            extra["progress"] = True
         self.stream = engine.chat(
             self.messages, self.params, cancel=self.cancel, observer=observer, **extra
         )

@@ -25,11 +25,13 @@ from miniserve.store.store import Store, StoreError, open_store
 from miniserve.ui.common import (
     ENGINE_EVENTS,
     STOP_WAIT_S,
+    STREAMING,
     USER_ERRORS,
     Reading,
     Sessions,
     error,
     message_text,
+    streaming_status,
     user_message,
 )
 from miniserve.ui.conversation import SHOWN, Conversations, Shown, new_view, owner_of, strip_marks
@@ -203,6 +205,7 @@ class ChatHandlers:
                         cancel=cancel,
                         observer=inspector.observe if inspector else None,
                         options=options if getattr(engine, "thinks", False) else None,
+                        progress=True,
                     )
                     reply_to = turn.save_question(
                         self.store, owner, cid, under if text is not None else reply_to
@@ -219,7 +222,7 @@ class ChatHandlers:
                     )
                     return
                 view = new_view(cid, reply_to, reply_to if focus_new and text is not None else None)
-                base = self.conversations.show(browser, view, "generating…", query)
+                base = self.conversations.show(browser, view, STREAMING, query)
                 streaming = base._replace(
                     conversations=gr.update(), title=gr.update(), system=gr.update()
                 )
@@ -232,7 +235,8 @@ class ChatHandlers:
                 try:
                     for _ in reading:
                         shown = [*base.chatbot, *self.streamed(turn)]
-                        yield (*streaming._replace(chatbot=shown), kept, "")
+                        now = streaming._replace(chatbot=shown, status=streaming_status(turn.last))
+                        yield (*now, kept, "")
                 except Exception as e:  # noqa: BLE001 -- show it; the user's message is saved
                     yield (
                         *self._show(browser, view, error(f"{type(e).__name__}: {e}"), query),

@@ -25,8 +25,9 @@ ERROR_PREFIX = "**Error:**"
 class Reading:
     """A reply's stream as a tab paints it: iterating gives the text so far, at most every
     PAINT_INTERVAL_S while it streams (not for the last chunk), when a piece of text, of
-    reasoning or of a tool call came; afterwards `text` is all of it and `last` the last
-    chunk (done=True when the reply completed)."""
+    reasoning or of a tool call came, and at each chunk that says how far the prompt is read;
+    afterwards `text` is all of it and `last` the last chunk (done=True when the reply
+    completed)."""
 
     def __init__(self, stream):
         self.stream, self.text, self.last = stream, "", None
@@ -37,6 +38,10 @@ class Reading:
             self.text += self.last.text
             if self.last.done:
                 return
+            if getattr(self.last, "prompt_read", None) is not None:  # one a pass: each shown
+                last_paint = time.perf_counter()
+                yield self.text
+                continue
             grew = (
                 self.last.text
                 or getattr(self.last, "reasoning", "")
@@ -45,6 +50,18 @@ class Reading:
             if grew and time.perf_counter() - last_paint >= PAINT_INTERVAL_S:
                 last_paint = time.perf_counter()
                 yield self.text
+
+
+STREAMING = "generating…"
+
+
+def streaming_status(chunk) -> str:
+    """The status line while a reply streams, from its last chunk: how far its prompt is read
+    (a local engine's Chunk.prompt_read), until the reply starts."""
+    read = getattr(chunk, "prompt_read", None)
+    if read is None:
+        return STREAMING
+    return f"reading the prompt: {read:,} of {chunk.stats.prompt_tokens:,} tokens…"
 
 
 # The events that run the engine (Send, Regenerate, Compare) share one Gradio concurrency group:

@@ -25,11 +25,13 @@ from miniserve.models.registry import Models
 from miniserve.ui.common import (
     ENGINE_EVENTS,
     STOP_WAIT_S,
+    STREAMING,
     UNDO,
     USER_ERRORS,
     Reading,
     Sessions,
     error,
+    streaming_status,
     user_message,
 )
 from miniserve.ui.model_picker import (
@@ -186,6 +188,7 @@ class NotebookHandlers:
                     trim=True,
                     cancel=cancel,
                     observer=inspector.observe if inspector else None,
+                    progress=True,
                 )
             except USER_ERRORS as e:
                 said = user_message(e)
@@ -196,11 +199,11 @@ class NotebookHandlers:
             except Exception as e:  # noqa: BLE001 -- e.g. a remote server that went away
                 yield unchanged, unchanged, error(f"{type(e).__name__}: {e}"), ""
                 return
-            yield start, history, "generating…", ""
+            yield start, history, STREAMING, ""
             reading = Reading(stream)
             try:
                 for written in reading:
-                    yield start + written, history, "generating…", ""
+                    yield start + written, history, streaming_status(reading.last), ""
             except Exception as e:  # noqa: BLE001 -- show it; what was written stays
                 yield start + reading.text, history, error(f"{type(e).__name__}: {e}"), ""
                 return
