@@ -179,6 +179,60 @@ def test_a_tiny_positive_temperature_is_the_argmax_not_nan():
     assert torch.equal(apply_temperature(logits, 0.5), logits / 0.5)  # the usual arithmetic
 
 
+@pytest.mark.parametrize("p", [0.05, 0.5, 0.9, 0.97])
+@pytest.mark.parametrize("case", ["peaked", "wide", "masked", "ties", "one"])
+def test_top_p_compact_keeps_what_the_full_width_filter_keeps(case, p):
+    """One row's top-p ranks only the tokens that can be in the nucleus: the same tokens kept
+    as the full-width filter, their logits unchanged, ids ascending; None (the full-width
+    filter) for a row without a finite logit, with a NaN, or whose nucleus may be wider than
+    TOP_P_RANKED tokens."""
+    gen = torch.Generator().manual_seed(round(p * 100))
+    vocab, scale = {"wide": (12_000, 0.2), "peaked": (50_000, 6.0)}.get(case, (50_000, 4.0))
+    row = torch.randn(1, vocab, generator=gen) * scale
+    if case == "masked":
+        row[0, torch.randperm(vocab, generator=gen)[:49_000]] = float("-inf")
+    elif case == "ties":  # equal logits on either side of the cut-off
+        row = torch.round(row * 2) / 2
+    elif case == "one":
+        row[0, 123] = 40.0
+    got = sampling.top_p_compact(row, p)
+    want = top_p_filter(row, p)
+    assert got is not None
+    ids, values = got
+    assert torch.equal(ids, ids.sort(-1).values) and torch.equal(values, row.gather(-1, ids))
+    if case != "ties":  # tied tokens at the cut-off: either of them is right
+        assert boundary_margin(row, "top_p", p) > 1e-6, "a token sits on the cut-off"
+        assert ids[0].tolist() == kept(want[0]).nonzero().flatten().tolist()
+    else:
+        ties = int((row == row[0, ids[0, -1]]).sum())
+        assert abs(ids.shape[-1] - int(kept(want).sum())) < ties
+    if case == "wide" and p >= 0.5:
+        assert ids.shape[-1] > 5_000  # most of the vocabulary, ranked all the same
+    for bad in (float("nan"), float("inf")):
+        broken = row.clone()
+        broken[0, 7] = bad
+        assert sampling.top_p_compact(broken, p) is None
+    assert sampling.top_p_compact(torch.full((1, 10), float("-inf")), p) is None
+    assert sampling.top_p_compact(row, 1.0) is None
+    assert sampling.top_p_compact(row.repeat(2, 1), p) is None
+    flat = torch.randn(1, 50_000, generator=gen) * 0.2  # ~all of it in the nucleus: the filter
+    assert sampling.top_p_compact(flat, max(p, 0.5)) is None
+
+
+def test_a_top_p_draw_over_the_compact_row_is_the_full_width_draw(monkeypatch):
+    """sample() over one row with top-p and no top-k draws from the compact row: the same
+    tokens, seed for seed, as with the full-width top-p filter."""
+    gen = torch.Generator().manual_seed(5)
+    params = SamplingParams(temperature=0.8, top_k=0, top_p=0.9, min_p=0.01)
+    row = torch.randn(1, 50_000, generator=gen) * 2.5
+    while boundary_margin(row / 0.8, "top_p", 0.9) < 1e-6:  # a token on the cut-off: another
+        row = torch.randn(1, 50_000, generator=gen) * 2.5
+    compact = [int(sample(row, params, generator=make_generator(s))) for s in range(20)]
+    monkeypatch.setitem(sampling.COMPACT, "top_p", lambda row, p: None)
+    wide = [int(sample(row, params, generator=make_generator(s))) for s in range(20)]
+    assert compact == wide and len(set(wide)) > 3
+
+
 @pytest.mark.parametrize("path", ["native", "numpy"])
 @pytest.mark.parametrize("case", ["plain", "masked", "ties", "nan"])
 @pytest.mark.parametrize("k", [1, 40, 999])
