@@ -382,6 +382,19 @@ def test_titles_come_from_the_first_user_message(store):
     assert store.get(A, cid4).title == "Given title"
 
 
+def test_a_search_without_words_finds_its_text_as_written(store):
+    """The index keeps words: a query of punctuation or emoji finds the conversations whose
+    title or messages hold it as written, not every conversation; only the owner's."""
+    smile, _ = chat(store, A, "Say hi 🙂", "Hi there!?!")
+    plain, _ = chat(store, A, "Name a colour", "Blue.")
+    chat(store, B, "Also 🙂", "?!")
+    assert ids(store.conversations(A, "🙂")) == [smile]
+    assert ids(store.conversations(A, " ?! ")) == [smile]
+    assert ids(store.conversations(A, "...")) == []
+    assert ids(store.conversations(A, ".")) == [plain]
+    assert sorted(ids(store.conversations(A, "  "))) == sorted([smile, plain])  # no query
+
+
 def test_rename_and_search_by_title_and_text(store):
     cid, _ = chat(store, A, "Recipe for pancakes", "Flour, eggs, milk")
     store.rename(A, cid, "  Breakfast\n ideas  ")

@@ -288,10 +288,19 @@ class Store:
 
     def conversations(self, owner: str, query: str = "", limit: int = 500) -> list[Summary]:
         """The owner's conversations, most recently updated first; with `query`, those whose
-        title or any message contains every word of it (word prefixes match)."""
-        words = re.findall(r"\w+", clean(query or ""))
+        title or any message contains every word of it (word prefixes match), or, for a query
+        without a word (punctuation, emoji: "?!", "🙂"), contains it as written."""
+        query = clean(query or "").strip()
+        words = re.findall(r"\w+", query)
         with self._lock:
-            if not words:
+            if query and not words:  # the index keeps words only: each text is read
+                rows = self._db.execute(
+                    f"{_SUMMARY} WHERE c.owner = ? AND c.deleted IS NULL AND c.id IN "
+                    f"(SELECT conversation_id FROM search WHERE instr(text, ?) > 0) "
+                    f"ORDER BY c.updated DESC LIMIT ?",
+                    (owner, query, limit),
+                ).fetchall()
+            elif not words:
                 rows = self._db.execute(
                     f"{_SUMMARY} WHERE c.owner = ? AND c.deleted IS NULL "
                     f"ORDER BY c.updated DESC LIMIT ?",
