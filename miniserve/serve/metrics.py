@@ -28,7 +28,9 @@ Counted when a request finishes (the scheduler's `on_finish`, on the engine thre
   e2e_request_latency_seconds         histogram: submitted -> finished
 Every name has the prefix `miniserve:`.
 
-A request is counted just after its last chunk is handed to its client, so a scrape racing
+What the engine runs are choices: a request with n = 3 is counted as 3 requests (running,
+waiting, finished, their latencies), each with the prompt's tokens. A choice is counted just
+after its last chunk is handed to its client, so a scrape racing
 that reply's last byte may not count it yet. The counts live with the engine: a model that is
 unloaded and loaded again starts them from 0 (a counter reset, which Prometheus' rate() reads
 as one). A remote model's tokens and times are its own server's to report.
