@@ -348,6 +348,33 @@ def test_tool_requests_the_model_cannot_meet_name_the_field(qwen3, engine):
     assert info.value.field == "tools"
 
 
+def test_earlier_calls_reach_a_model_without_tools_as_text(qwen3, engine):
+    """A conversation with tool calls, sent to a model whose template cannot show them: each
+    call is written into its message as JSON (name, arguments, id, and its text), as
+    llama.cpp fills them in, not dropped; a template that shows calls gets them as they are."""
+    call = tool_exchange(0)[1]
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {**call, "content": "Let me look."},
+        {"role": "tool", "tool_call_id": "c0", "content": "sunny"},
+        {"role": "user", "content": "And tomorrow?"},
+    ]
+    text = engine.tokenizer.decode(engine.chat_prompt(messages, sampled()))
+    written = json.dumps(
+        {
+            "tool_calls": [
+                {"name": "get_weather", "arguments": {"city": "Paris " * 5, "days": 1}, "id": "c0"}
+            ],
+            "content": "Let me look.",
+        },
+        indent=2,
+    )
+    assert written in text and "sunny" in text
+    assert collect(engine.chat(messages, sampled(tokens=4)))["last"].stats.new_tokens >= 1
+    native = qwen3.tokenizer.decode(qwen3.chat_prompt(messages, sampled()))
+    assert "<tool_call>" in native and '"tool_calls"' not in native
+
+
 def tool_exchange(i: int) -> list[dict]:
     call = {
         "id": f"c{i}",

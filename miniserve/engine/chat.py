@@ -7,6 +7,7 @@ turns go first. The caller is told how many messages were dropped.
 
 from __future__ import annotations
 
+import json
 import secrets
 from dataclasses import dataclass, field
 
@@ -159,6 +160,32 @@ def check_messages(messages, field: str = "messages") -> list[dict]:
         raise ChatError(
             "the message is empty; type something to send", f"{field}[{len(out) - 1}].content"
         )
+    return out
+
+
+def calls_as_text(messages: list[dict]) -> list[dict]:
+    """For a template that cannot show tool calls: each assistant message's tool_calls written
+    into its content as JSON, {"tool_calls": [{"name", "arguments", "id"}], "content"}, as
+    llama.cpp's templates fill them in, so that the model still reads what it called before
+    the tool messages that answer it (a template that drops them leaves an empty turn)."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            calls = []
+            for c in m["tool_calls"]:
+                args = c["function"]["arguments"]
+                if isinstance(args, str):
+                    try:
+                        args = json.loads(args)
+                    except ValueError:  # not JSON: the text as it came
+                        pass
+                calls.append({"name": c["function"]["name"], "arguments": args, "id": c["id"]})
+            body: dict = {"tool_calls": calls}
+            if m.get("content"):
+                body["content"] = m["content"]
+            m = {k: v for k, v in m.items() if k != "tool_calls"}
+            m["content"] = json.dumps(body, ensure_ascii=False, indent=2)
+        out.append(m)
     return out
 
 

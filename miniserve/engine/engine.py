@@ -38,6 +38,7 @@ from miniserve.engine.chat import (
     ChatError,
     ChatOptions,
     NoChatTemplate,
+    calls_as_text,
     check_messages,
     completion_ids,
     has_chat_template,
@@ -926,9 +927,12 @@ class Engine(Admitting):
             # client that sends its tools with every request gets its plain reply
             options = dataclasses.replace(options, tools=[])
         tools = self.tool_plan(options)
+        messages = check_messages(messages)
+        if not self.takes_tools:  # earlier calls as text, else the template drops them
+            messages = calls_as_text(messages)
         trimmed = trim_history(
             self.tokenizer,
-            check_messages(messages),
+            messages,
             self.context_length,
             params.max_new_tokens,
             options,
