@@ -797,6 +797,19 @@ def test_a_reply_cut_by_max_new_tokens_says_its_format_is_incomplete(chat, fmt, 
     assert "finish: length" in shown.status and shown.status.endswith(note), shown.status
 
 
+def test_an_empty_reply_says_why_it_is_empty(chat):
+    """A format that allows only the empty text: the reply's bubble is empty, and the status
+    line says why."""
+    browser, view = first_visit(chat)
+    shown = Shown(*last(send(chat, browser, view, ANIMAL, "Regex", "(x{0})"))[:8])
+    assert contents(shown.chatbot)[-1] == ""
+    assert shown.status.endswith(
+        "empty reply: its first token was the end (the output format allows an empty text)"
+    )
+    normal = Shown(*last(send(chat, browser, view, ANIMAL, max_new_tokens=4))[:8])
+    assert contents(normal.chatbot)[-1] and "empty reply" not in normal.status
+
+
 def test_the_inspector_says_how_much_the_grammar_bent_the_reply(chat):
     shown, inspected = by_schema(chat, json.dumps(SCHEMA), inspect=True)
     steps = int(re.search(r"(\d+) new tokens", shown.status).group(1))

@@ -103,6 +103,23 @@ def chat_status(stats, dropped: int, note: str = "") -> str:
     return stats.summary(" · ") + trimmed + (f" · {note}" if note else "")
 
 
+def empty_note(turn, stats, constraint) -> str:
+    """Why a finished reply has nothing to show ("" when it has text, reasoning or calls, or
+    the user stopped it): its bubble is empty, and the status line says why."""
+    if turn.text_so_far.strip() or turn.reasoning_so_far or turn.calls_so_far or turn.stopped:
+        return ""
+    formatted = constraint is not None
+    why = {
+        "eos": "its first token was the end"
+        + (" (the output format allows an empty text)" if formatted else ""),
+        "stop": "the output format was complete before any text"
+        if formatted
+        else "a stop string came first",
+        "length": "max new tokens ran out before any text",
+    }.get(stats.finish_reason)
+    return "empty reply" + (f": {why}" if why else "")
+
+
 class ChatHandlers:
     """The Chat tab's handlers over the app's models, its presets and the conversation store.
     Handlers that show a conversation take the browser's state and the tab's view
@@ -273,6 +290,7 @@ class ChatHandlers:
                     f"seed {params.seed}",
                     "stopped by you" if stopped else "",
                     format_note(params.constraint, stats.finish_reason),
+                    empty_note(turn, stats, params.constraint),
                 )
                 note = " · ".join(n for n in notes if n)
                 final = self._show(
