@@ -167,6 +167,27 @@ def test_one_row_draws_follow_the_filtered_distribution():
     assert torch.allclose(counts / n, expected, atol=0.015)
 
 
+def test_one_draw_over_blocks_follows_the_probabilities_and_never_picks_a_zero():
+    """draw_one: a block of 1,024 by the blocks' running total, then a token in it. Over a row
+    of 2,500 (a short last block) with its mass spread over every block, some of it tiny, and
+    zeros between: the frequencies match, token by token; a zero is never drawn; a seed draws
+    the same; a row without a positive total (or with a NaN) is left to torch.multinomial."""
+    probs = torch.zeros(1, 2500)
+    chosen = torch.tensor([0, 1023, 1024, 1500, 2047, 2048, 2499])
+    probs[0, chosen] = torch.tensor([0.2, 0.1, 0.15, 0.05, 0.25, 0.1, 0.15])
+    probs[0, 10:20] = 1e-30  # subnormal-sized neighbours: drawn next to never, never a fault
+    g = make_generator(11)
+    n = 20000
+    draws = [int(sampling.draw_one(probs, g)) for _ in range(n)]
+    counts = torch.bincount(torch.tensor(draws), minlength=2500).float()
+    assert set(draws) <= set(chosen.tolist()) | set(range(10, 20))
+    assert torch.allclose(counts / n, probs[0] / probs.sum(), atol=0.012)
+    again = make_generator(11)
+    assert [int(sampling.draw_one(probs, again)) for _ in range(50)] == draws[:50]
+    assert sampling.draw_one(torch.zeros(1, 5), g) is None
+    assert sampling.draw_one(torch.tensor([[0.5, float("nan")]]), g) is None
+
+
 def test_a_tiny_positive_temperature_is_the_argmax_not_nan():
     """A temperature far below any useful one (an API fuzzer sent 2.6e-201) would divide the
     logits past float32's range; it gives the argmax with all the mass, not a server error."""
