@@ -2,13 +2,17 @@
 
 import csv
 import json
+import os
 import re
+import subprocess
+import sys
+import time
 
 import pytest
 
 from miniserve.runners.verify import BOUND_FLOAT32, check_tokens
 
-from command import process, run
+from command import ROOT, process, run
 from conftest import chat_ids, expected_runner
 
 
@@ -99,6 +103,52 @@ def test_chat_through_a_pipe():
     assert out.count("tokens/s") == 2  # both messages got a reply
     assert "presets: factual, conservative, balanced, creative" in out
     assert "SmolLM2-135M-Instruct on cpu" in out or "SmolLM2-135M-Instruct on" in out
+
+
+def test_chat_on_a_terminal_says_how_far_a_long_prompt_is_read():
+    """On a terminal, while a message longer than a pass (512 rows) is read, the reply's line
+    says how far ("(reading the prompt: 512 of N tokens…)", faint), then is cleared back to
+    "bot> " for the reply; in a pipe (above) no such line."""
+    import pty
+    import select
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "miniserve", "chat", *CHEAP],
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        cwd=ROOT,
+    )
+    os.close(slave)
+    out, deadline = b"", time.monotonic() + 180
+
+    def read_until(marker: bytes, count: int) -> None:
+        nonlocal out
+        while out.count(marker) < count and time.monotonic() < deadline:
+            if select.select([master], [], [], 1)[0]:
+                try:
+                    out += os.read(master, 65536)
+                except OSError:  # the process ended
+                    return
+
+    try:
+        read_until(b"you> ", 1)
+        os.write(master, ("The river runs past the old mill. " * 120 + "\n").encode())
+        read_until(b"tokens/s", 1)
+        os.write(master, b"\x04")  # Ctrl-D: leave
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+        os.close(master)
+    text = out.decode(errors="replace")
+    reading = re.findall(r"\(reading the prompt: ([\d,]+) of ([\d,]+) tokens…\)", text)
+    assert len(reading) >= 2, text[-2000:]
+    counts = [int(a.replace(",", "")) for a, _ in reading]
+    assert counts == sorted(counts) and counts[0] == 0 and 512 in counts
+    assert len({total for _, total in reading}) == 1 and int(reading[0][1].replace(",", "")) > 512
+    after = text[text.rindex("tokens…)") :]
+    assert "\r\x1b[Kbot> " in after and "tokens/s" in after
 
 
 CHEAP = ("--max-new-tokens", "4", "--temperature", "0")

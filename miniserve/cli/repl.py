@@ -37,6 +37,7 @@ from miniserve.store.store import Store, StoreError
 
 CLI_OWNER = "cli"  # the store's owner of the terminal chat's conversations
 DIM, PLAIN = "\x1b[2m", "\x1b[0m"  # a terminal's faint text (the reasoning), and back
+ERASE = "\r\x1b[K"  # back to the line's start, and the line cleared
 THINKING = "Thinking: "
 
 HELP = """commands:
@@ -88,6 +89,7 @@ class ChatSession:
         self.thinking: bool | None = None  # /think: None is the model's own default (on)
         self.budget: int | None = None  # /budget: reasoning tokens at most (None: no limit)
         self.out = None
+        self.prefix = ""  # what starts the reply's line ("bot> " on a terminal)
 
     @property
     def engine(self):
@@ -97,10 +99,13 @@ class ChatSession:
         self.out.write(text + end)
         self.out.flush()
 
+    def on_terminal(self) -> bool:
+        isatty = getattr(self.out, "isatty", None)
+        return isatty is not None and isatty()
+
     def dim(self, text: str) -> str:
         """Text printed faint on a terminal (the reasoning); as it is in a pipe or a file."""
-        isatty = getattr(self.out, "isatty", None)
-        return f"{DIM}{text}{PLAIN}" if text and isatty is not None and isatty() else text
+        return f"{DIM}{text}{PLAIN}" if text and self.on_terminal() else text
 
     def thinks(self) -> bool:
         return bool(getattr(self.engine, "thinks", False))
@@ -493,19 +498,34 @@ class ChatSession:
 
     def stream(self, turn: ChatTurn) -> None:
         """Print the reply as it comes: its reasoning after "Thinking:" (dimmed on a
-        terminal), then its answer on a line of its own."""
-        thought = False
-        for chunk in turn:
-            if chunk.reasoning:
-                if not thought:
-                    self.say(self.dim(THINKING), end="")
-                    thought = True
-                self.say(self.dim(chunk.reasoning), end="")
-            if chunk.text:
-                if thought:
-                    self.say()
-                    thought = False
-                self.say(chunk.text, end="")
+        terminal), then its answer on a line of its own. On a terminal, while the prompt is
+        read, a line says how far (erased when the reply starts, or ends, or is stopped)."""
+        thought = reading = False
+        try:
+            for chunk in turn:
+                read = getattr(chunk, "prompt_read", None)
+                if read is not None:
+                    total = chunk.stats.prompt_tokens
+                    line = f"(reading the prompt: {read:,} of {total:,} tokens…)"
+                    self.say(ERASE + self.prefix + self.dim(line), end="")
+                    reading = True
+                    continue
+                if reading:
+                    self.say(ERASE + self.prefix, end="")
+                    reading = False
+                if chunk.reasoning:
+                    if not thought:
+                        self.say(self.dim(THINKING), end="")
+                        thought = True
+                    self.say(self.dim(chunk.reasoning), end="")
+                if chunk.text:
+                    if thought:
+                        self.say()
+                        thought = False
+                    self.say(chunk.text, end="")
+        finally:
+            if reading:
+                self.say(ERASE + self.prefix, end="")
 
     def reply(self, text: str) -> None:
         if self.raw:
@@ -520,6 +540,7 @@ class ChatSession:
                 text=text,
                 preset=self.preset_name,
                 options=self.options(),
+                progress=self.on_terminal(),
             )
         except UserError as e:
             self.say(f"error: {e.describe()}")
@@ -591,8 +612,8 @@ class ChatSession:
                 if not self.command(line.strip()):
                     return 0
                 continue
-            if interactive:
-                self.say("bot> ", end="")
+            self.prefix = "bot> " if interactive else ""
+            self.say(self.prefix, end="")
             self.reply(line)
 
 
