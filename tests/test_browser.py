@@ -123,6 +123,7 @@ def test_copy_puts_a_message_on_the_clipboard_as_written(page):
         "streaming ```\n```js\n<div>",
         "x" + "`" * 3000 + " <div>",
         "<div",
+        "a\r```\n<div> b\u2028```\n<p>",  # a fence starts after "\n" only
     ]
     cases = written + [shown_text(text) for text in written]
     page.wait_for_function("() => !!window.msTypedText")
@@ -131,7 +132,7 @@ def test_copy_puts_a_message_on_the_clipboard_as_written(page):
     ]
     page.context.grant_permissions(["clipboard-read", "clipboard-write"])
     set_number(page, "Max new tokens", 4)
-    typed = "Is <div> a block, and `<p>`? &lt;b> <b>bold</b>"
+    typed = "Is <div> a block, and `<p>`? &lt;b> <b>bold</b>\n```html\n&lt;p>hi&lt;/p>\n```"
     page.get_by_label("Message", exact=True).fill(typed)
     page.get_by_role("button", name="Send").click()
     expect(page.locator("#status")).to_contain_text("tokens/s", timeout=60000)
@@ -139,6 +140,9 @@ def test_copy_puts_a_message_on_the_clipboard_as_written(page):
     user.hover()
     page.locator("#chatbot").get_by_role("button", name="Copy message").first.click()
     assert page.evaluate("navigator.clipboard.readText()") == typed
+    # a code block's own Copy button: its text as the block shows it, left alone
+    user.locator(".copy_code_button").click()
+    assert page.evaluate("navigator.clipboard.readText()") == "&lt;p>hi&lt;/p>"
 
 
 def test_factual_preset_moves_the_sliders(page):

@@ -243,6 +243,8 @@ def test_top_p_compact_keeps_the_smallest_set_reaching_p(case, p):
     ids, values = got
     assert torch.equal(ids, ids.sort(-1).values) and torch.equal(values, row.gather(-1, ids))
     assert ids[0].tolist() == nucleus(row, p)  # ties: the lower id first, as the definition's
+    if case != "ties":  # the full-width filter (the inspector's, the Step view's): the same set
+        assert ids[0].tolist() == kept(top_p_filter(row, p)[0]).nonzero().flatten().tolist()
     if case in ("wide", "flat") and p >= 0.5:
         assert ids.shape[-1] > 5_000  # much of the vocabulary
     for bad in (float("nan"), float("inf")):

@@ -810,6 +810,28 @@ def test_an_empty_reply_says_why_it_is_empty(chat):
     assert contents(normal.chatbot)[-1] and "empty reply" not in normal.status
 
 
+def test_an_empty_replys_note_names_its_cause_and_a_stopped_one_has_none():
+    from miniserve.ui.chat_tab import empty_note
+
+    empty = SimpleNamespace(text_so_far=" \n", reasoning_so_far="", calls_so_far=[])
+    fmt = constraint_from("Regex", "x*")
+    plain, stops = SamplingParams(), SamplingParams(stop=["END"])
+
+    def note(reason, params, turn=empty):
+        return empty_note(turn, SimpleNamespace(finish_reason=reason), params)
+
+    assert note("cancelled", plain) == ""  # Stop: "stopped by you" says it
+    assert note("stop", stops) == "empty reply: a stop string came first"
+    assert note("stop", plain.replace(constraint=fmt)).endswith(
+        "the output format was complete before any text"
+    )
+    assert "a stop string came, or" in note("stop", stops.replace(constraint=fmt))
+    assert note("length", plain) == "empty reply: max new tokens ran out before any text"
+    assert note("eos", plain) == "empty reply: its first token was the end"
+    said = SimpleNamespace(text_so_far="", reasoning_so_far="hmm", calls_so_far=[])
+    assert note("length", plain, said) == ""  # its reasoning shows
+
+
 def test_the_inspector_says_how_much_the_grammar_bent_the_reply(chat):
     shown, inspected = by_schema(chat, json.dumps(SCHEMA), inspect=True)
     steps = int(re.search(r"(\d+) new tokens", shown.status).group(1))

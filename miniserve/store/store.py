@@ -296,9 +296,10 @@ class Store:
             if query and not words:  # the index keeps words only: each text is read
                 rows = self._db.execute(
                     f"{_SUMMARY} WHERE c.owner = ? AND c.deleted IS NULL AND c.id IN "
-                    f"(SELECT conversation_id FROM search WHERE instr(text, ?) > 0) "
+                    f"(SELECT s.conversation_id FROM search s JOIN conversations o "
+                    f"ON o.id = s.conversation_id WHERE o.owner = ? AND instr(s.text, ?) > 0) "
                     f"ORDER BY c.updated DESC LIMIT ?",
-                    (owner, query, limit),
+                    (owner, owner, query, limit),
                 ).fetchall()
             elif not words:
                 rows = self._db.execute(

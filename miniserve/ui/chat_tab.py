@@ -103,21 +103,24 @@ def chat_status(stats, dropped: int, note: str = "") -> str:
     return stats.summary(" · ") + trimmed + (f" · {note}" if note else "")
 
 
-def empty_note(turn, stats, constraint) -> str:
+def empty_note(turn, stats, params) -> str:
     """Why a finished reply has nothing to show ("" when it has text, reasoning or calls, or
-    the user stopped it): its bubble is empty, and the status line says why."""
-    if turn.text_so_far.strip() or turn.reasoning_so_far or turn.calls_so_far or turn.stopped:
+    was stopped): its bubble is empty, and the status line says why."""
+    if turn.text_so_far.strip() or turn.reasoning_so_far or turn.calls_so_far:
         return ""
-    formatted = constraint is not None
+    formatted, stops = params.constraint is not None, bool(params.stop)
     why = {
         "eos": "its first token was the end"
         + (" (the output format allows an empty text)" if formatted else ""),
-        "stop": "the output format was complete before any text"
+        "stop": "a stop string came, or the output format was complete, before any text"
+        if formatted and stops
+        else "the output format was complete before any text"
         if formatted
         else "a stop string came first",
         "length": "max new tokens ran out before any text",
+        "cancelled": "",
     }.get(stats.finish_reason)
-    return "empty reply" + (f": {why}" if why else "")
+    return "" if why == "" else "empty reply" + (f": {why}" if why else "")
 
 
 class ChatHandlers:
@@ -290,7 +293,7 @@ class ChatHandlers:
                     f"seed {params.seed}",
                     "stopped by you" if stopped else "",
                     format_note(params.constraint, stats.finish_reason),
-                    empty_note(turn, stats, params.constraint),
+                    empty_note(turn, stats, params),
                 )
                 note = " · ".join(n for n in notes if n)
                 final = self._show(

@@ -148,10 +148,10 @@ COPY_JS = """
   const TAGS = new Set(%(tags)s);
   const WRITTEN = /(&lt;|&amp;lt;)(?=!|\\/?([A-Za-z][A-Za-z0-9]*)(?:[\\s\\/>]|$))/g;
   const END = "$(?![\\\\s\\\\S])";  // Python's \\Z
-  const FENCE = new RegExp(
-    "^ {0,3}(`{3,}|~{3,})[\\\\s\\\\S]*?(?:\\\\n {0,3}\\\\1[`~]*" +
+  const FENCE = new RegExp(  // Python's "^" with re.M: the start, or after a "\\n" only
+    "(?<![^\\\\n]) {0,3}(`{3,}|~{3,})[\\\\s\\\\S]*?(?:\\\\n {0,3}\\\\1[`~]*" +
     "[ \\\\t]*\\\\r?(?=\\\\n|" + END + ")|" + END + ")",
-    "gm"
+    "g"
   );
   const outside = (text, ranges, edit) => {
     let out = "", at = 0;
@@ -203,13 +203,18 @@ COPY_JS = """
     const fences = [...shown.matchAll(FENCE)].map((m) => [m.index, m.index + m[0].length]);
     return outside(shown, fences, prose);
   };
-  let chatClick = 0;  // when a click inside the Chatbot last came
+  // a message's Copy button, pressed just now (not a code block's: its text is as written)
+  let pressed = 0;
   document.addEventListener("click", (e) => {
-    if (e.target.closest && e.target.closest("#chatbot")) chatClick = Date.now();
+    const button = e.target.closest && e.target.closest("#chatbot button");
+    if (button && button.getAttribute("aria-label") === "Copy message") pressed = Date.now();
   }, true);
   const write = navigator.clipboard.writeText.bind(navigator.clipboard);
-  navigator.clipboard.writeText = (text) =>
-    write(Date.now() - chatClick < 2000 ? window.msTypedText(String(text)) : text);
+  navigator.clipboard.writeText = (text) => {
+    const mine = Date.now() - pressed < 2000;
+    pressed = 0;  // one copy a press
+    return write(mine ? window.msTypedText(String(text)) : text);
+  };
 }
 """ % {"tags": json.dumps(sorted(HTML_TAGS))}  # noqa: UP031 -- JS braces stay plain
 
