@@ -255,7 +255,7 @@ def test_a_long_prompt_shows_how_far_it_is_read(loaded, presets):
         assert len(counts) >= 4 and counts == sorted(counts) and counts[0] == 0
         assert all(s.endswith(f" of {total} tokens…") for s in reading), (reading, total)
         after = statuses[statuses.index(reading[-1]) + 1 :]
-        assert after[:-1] and set(after[:-1]) == {"generating…"} and "tokens/s" in after[-1]
+        assert set(after[:-1]) <= {"generating…"} and "tokens/s" in after[-1]
     finally:
         engine.close()
 

@@ -154,7 +154,7 @@ def test_notebook_says_how_far_its_text_is_read(models, presets):
     ids = models.get(None).prompt_ids(text, presets["factual"].replace(max_new_tokens=12))
     assert statuses[0] == "generating…"
     assert re.fullmatch(rf"reading the prompt: \d+ of {len(ids)} tokens…", statuses[1])
-    assert set(statuses[2:-1]) == {"generating…"} and "tokens/s" in statuses[-1]
+    assert set(statuses[2:-1]) <= {"generating…"} and "tokens/s" in statuses[-1]
 
 
 def test_notebook_regenerate_and_undo(models, presets):

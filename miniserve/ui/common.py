@@ -39,8 +39,7 @@ class Reading:
             if self.last.done:
                 return
             if getattr(self.last, "prompt_read", None) is not None:  # one a pass: each shown
-                last_paint = time.perf_counter()
-                yield self.text
+                yield self.text  # (and the reply's first text is not held back for it)
                 continue
             grew = (
                 self.last.text
