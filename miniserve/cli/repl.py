@@ -503,11 +503,9 @@ class ChatSession:
         thought = reading = False
         try:
             for chunk in turn:
-                read = getattr(chunk, "prompt_read", None)
-                if read is not None:
-                    total = chunk.stats.prompt_tokens
-                    line = f"(reading the prompt: {read:,} of {total:,} tokens…)"
-                    self.say(ERASE + self.prefix + self.dim(line), end="")
+                line = chunk.reading() if hasattr(chunk, "reading") else None
+                if line is not None:
+                    self.say(ERASE + self.prefix + self.dim(f"({line})"), end="")
                     reading = True
                     continue
                 if reading:

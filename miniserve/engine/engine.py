@@ -160,6 +160,12 @@ class Chunk:
     # only to a request that asked (complete's `progress`).
     prompt_read: int | None = None
 
+    def reading(self) -> str | None:
+        """A progress chunk's words ("reading the prompt: 512 of 1,554 tokens…"), else None."""
+        if self.prompt_read is None:
+            return None
+        return f"reading the prompt: {self.prompt_read:,} of {self.stats.prompt_tokens:,} tokens…"
+
 
 @dataclass
 class _Entry:

@@ -248,11 +248,17 @@ class Scheduler:
                 seq.done_prompt = min(len(seq.prompt), seq.done_prompt + len(chunk))
                 if not seq.prefilling:  # its prompt is in, or it is decoding
                     self._advance_or_fail(seq, seq_logits)
-                elif seq.on_prompt is not None:
-                    try:
-                        seq.on_prompt(seq.done_prompt)
-                    except Exception as e:  # noqa: BLE001 -- as a bad sink in _advance
-                        self._retire(seq, error=e)
+                else:
+                    self._prompt_read(seq)
+
+    def _prompt_read(self, seq: Sequence) -> None:
+        """Tell a sequence that asked how far its prompt is read; a failing sink ends it."""
+        if seq.on_prompt is None:
+            return
+        try:
+            seq.on_prompt(seq.done_prompt)
+        except Exception as e:  # noqa: BLE001 -- as a bad sink in _advance
+            self._retire(seq, error=e)
 
     def _advance_or_fail(self, seq: Sequence, logits: torch.Tensor) -> None:
         try:
@@ -368,8 +374,8 @@ class Scheduler:
         self.running.append(seq)
         if seq.budget <= 0:  # the prompt fills the context
             self._retire(seq)
-        elif seq.prefilling and seq.on_prompt is not None:
-            seq.on_prompt(seq.done_prompt)
+        elif seq.prefilling:
+            self._prompt_read(seq)
 
     def _advance(self, seq: Sequence, logits: torch.Tensor) -> None:
         """Choose the sequence's next token from its logits, as decode.generate does."""

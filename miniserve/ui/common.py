@@ -56,11 +56,9 @@ STREAMING = "generating…"
 
 def streaming_status(chunk) -> str:
     """The status line while a reply streams, from its last chunk: how far its prompt is read
-    (a local engine's Chunk.prompt_read), until the reply starts."""
-    read = getattr(chunk, "prompt_read", None)
-    if read is None:
-        return STREAMING
-    return f"reading the prompt: {read:,} of {chunk.stats.prompt_tokens:,} tokens…"
+    (a local engine's Chunk.reading), until the reply starts."""
+    reading = getattr(chunk, "reading", None)
+    return (reading() if reading else None) or STREAMING
 
 
 # The events that run the engine (Send, Regenerate, Compare) share one Gradio concurrency group:
