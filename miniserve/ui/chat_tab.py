@@ -106,21 +106,23 @@ def chat_status(stats, dropped: int, note: str = "") -> str:
 def empty_note(turn, stats, params) -> str:
     """Why a finished reply has nothing to show ("" when it has text, reasoning or calls, or
     was stopped): its bubble is empty, and the status line says why."""
-    if turn.text_so_far.strip() or turn.reasoning_so_far or turn.calls_so_far:
+    shown = turn.text_so_far.strip() or turn.reasoning_so_far or turn.calls_so_far
+    if shown or stats.finish_reason == "cancelled":  # (Stop: "stopped by you" says it)
         return ""
-    formatted, stops = params.constraint is not None, bool(params.stop)
+    formatted = params.constraint is not None
+    if formatted and params.stop:
+        stop = "a stop string came, or the output format was complete, before any text"
+    elif formatted:
+        stop = "the output format was complete before any text"
+    else:
+        stop = "a stop string came first"
     why = {
         "eos": "its first token was the end"
         + (" (the output format allows an empty text)" if formatted else ""),
-        "stop": "a stop string came, or the output format was complete, before any text"
-        if formatted and stops
-        else "the output format was complete before any text"
-        if formatted
-        else "a stop string came first",
+        "stop": stop,
         "length": "max new tokens ran out before any text",
-        "cancelled": "",
     }.get(stats.finish_reason)
-    return "" if why == "" else "empty reply" + (f": {why}" if why else "")
+    return "empty reply" + (f": {why}" if why else "")
 
 
 class ChatHandlers:
