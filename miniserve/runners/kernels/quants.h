@@ -12,11 +12,14 @@
 // AVX2 + FMA, plain loops):
 //   per block b: I = the exact int32 sum of the block's 32 products (q - OFF, or q for the
 //                types with a min, times the activations' q);
-//                acc[(b >> 3) & 1][b & 7] = acc[..][b & 7] + (d_w * d_x) * float(I)
-//                types with a min (Q4_1, Q5_1): ms[(b >> 3) & 1][b & 7] += m_w * s_x
-//   then v[k] = acc[0][k] + acc[1][k], ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7)),
-//   plus the same sum of ms[0][k] + ms[1][k] for the types with a min.
-// That is: lane k of 8 takes blocks 8g + k, groups g alternating between two accumulators.
+//                acc[b & 7] = acc[b & 7] + (d_w * d_x) * float(I)
+//                types with a min (Q4_1, Q5_1): ms[b & 7] = ms[b & 7] + m_w * s_x
+//   then v[k] = acc[k] (+ ms[k] for the types with a min), and
+//   ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7)).
+// That is: lane k of 8 takes blocks 8g + k, one running sum a lane (two for the types with a
+// min). One sum a lane, not two alternating by group, keeps 8 activation rows' sums in
+// registers (16 of AVX-512's 32 vectors with the weights' 8); the chains stay short enough, as
+// a group's integer work is many times an add's latency.
 // The vector loops take a group of 8 blocks at once, block k in int32 lane k: the activations
 // are stored by 4-byte pieces (ms_a8g), and each weight group is unpacked and transposed the
 // same way once for all the activation rows of the call, so 8 integer dot steps (pmaddubsw,
@@ -107,8 +110,8 @@ static inline uint32_t msq_u32(const uint8_t *p) {
     return v;
 }
 
-// The canonical end of a pair's sum: acc[0] + acc[1] lane by lane, then the 8 lanes in one
-// order (decode.cpp's hsum8: halves, pairs, last two).
+// The canonical end of a pair's sum: the 8 lanes in one order (decode.cpp's hsum8: halves,
+// pairs, last two).
 static inline float msq_sum8(const float *v) {
     return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
 }
@@ -261,22 +264,22 @@ static void ms_quantize_a8(const float *x, ms_a8g *y, long n) {
 template <int K>
 static inline float msq_dot_plain(long n, const uint8_t *w, const char *x) {
     typedef MsqT<K> T;
-    float acc[2][8] = {{0.f}}, mins[2][8] = {{0.f}};
+    float acc[8] = {0.f}, mins[8] = {0.f};
     const ms_a8g *g = (const ms_a8g *)x;
     const long nb = n / 32;
     for (long b = 0; b < nb; b++, w += T::BYTES) {
         int q[32];
         msq_ints<K>(w, q);
         const ms_a8g &a = g[b / 8];
-        const int k = (int)(b % 8), h = (int)((b / 8) & 1);
+        const int k = (int)(b % 8);
         int s = 0;
         for (int i = 0; i < 32; i++) s += q[i] * a.qs[msq_at(k, i)];
-        acc[h][k] = acc[h][k] + (msq_h2f(msq_u16(w)) * a.d[k]) * (float)s;
-        if (T::MIN) mins[h][k] = mins[h][k] + msq_h2f(msq_u16(w + 2)) * a.s[k];
+        acc[k] = acc[k] + (msq_h2f(msq_u16(w)) * a.d[k]) * (float)s;
+        if (T::MIN) mins[k] = mins[k] + msq_h2f(msq_u16(w + 2)) * a.s[k];
     }
-    float v[8], m[8];
-    for (int k = 0; k < 8; k++) v[k] = acc[0][k] + acc[1][k], m[k] = mins[0][k] + mins[1][k];
-    return T::MIN ? msq_sum8(v) + msq_sum8(m) : msq_sum8(v);
+    if (T::MIN)
+        for (int k = 0; k < 8; k++) acc[k] = acc[k] + mins[k];
+    return msq_sum8(acc);
 }
 
 // ---------------------------------------------------------------- the vector loops
@@ -454,6 +457,15 @@ static MSQ_INLINE __m256i msq_totals_q8(__m256i acc, const __m256i *w, const __m
 template <int K, int P, class Act>
 static MSQ_INLINE __m256i msq_totals(const __m256i *w, Act act, __m256i acc = _mm256_setzero_si256()) {
 #if defined(MSQ_AVX512)
+    if constexpr (P == 8) {  // two chains, then their sum (integers: the same total)
+        __m256i b = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w[1], act(1));
+        acc = _mm256_dpbusd_epi32(acc, w[0], act(0));
+        for (int i = 2; i < P; i += 2) {
+            acc = _mm256_dpbusd_epi32(acc, w[i], act(i));
+            b = _mm256_dpbusd_epi32(b, w[i + 1], act(i + 1));
+        }
+        return _mm256_add_epi32(acc, b);
+    }
     for (int i = 0; i < P; i++) acc = _mm256_dpbusd_epi32(acc, w[i], act(i));
 #else
     typedef MsqT<K> T;
@@ -469,10 +481,11 @@ static MSQ_INLINE __m256i msq_totals(const __m256i *w, Act act, __m256i acc = _m
     return acc;
 }
 
-// The integer totals of group g (nbg blocks) for NB rows (xs bytes apart): the group's weights
-// unpacked and transposed once for the NB rows.
-template <int K, int NB>
-static MSQ_INLINE void msq_group_totals(const uint8_t *w, const char *x, long xs, long g, int nbg, __m256i *totals) {
+// The integer totals of group g (nbg blocks) for NB rows (xs bytes apart), each handed to
+// use(j, total) as soon as it is known (so that few totals are live at once): the group's
+// weights unpacked and transposed once for the NB rows.
+template <int K, int NB, class Use>
+static MSQ_INLINE void msq_group_totals(const uint8_t *w, const char *x, long xs, long g, int nbg, Use use) {
     typedef MsqT<K> T;
     const uint8_t *wg = w + 8 * g * T::BYTES;
     auto qs = [&](int j) { return ((const ms_a8g *)(x + j * xs) + g)->qs; };
@@ -491,53 +504,64 @@ static MSQ_INLINE void msq_group_totals(const uint8_t *w, const char *x, long xs
                 t = msq_totals_q8(_mm256_setzero_si256(), aq, q, act);
             else
                 t = msq_totals<K, 4>(biased ? aq : q, act);
-            totals[j] = _mm256_add_epi32(t, _mm256_permute2x128_si256(t, t, 0x01));
+            use(j, _mm256_add_epi32(t, _mm256_permute2x128_si256(t, t, 0x01)));
         }
-    } else if constexpr (T::BITS == 8) {  // a half of the pieces at a time: 8 vectors of weights live, not 16
+    } else if constexpr (T::BITS == 8 && !biased) {  // a half of the pieces at a time: 8 vectors of weights live, not 16
+        __m256i totals[NB];
         for (int p = 0; p < 2; p++) {
             __m256i q[4], aq[4];
             msq_quads<K>(wg, nbg, 16 * p, q);
-            for (int i = 0; i < 4; i++)
-                aq[i] = biased ? _mm256_xor_si256(q[i], bias) : _mm256_sign_epi8(q[i], q[i]);
+            for (int i = 0; i < 4; i++) aq[i] = _mm256_sign_epi8(q[i], q[i]);
             for (int j = 0; j < NB; j++) {
                 const int8_t *a = qs(j) + 128 * p;
                 auto act = [&](int i) { return _mm256_loadu_si256((const __m256i *)(a + 32 * i)); };
-                const __m256i acc = p ? totals[j] : _mm256_setzero_si256();
-                if constexpr (biased)
-                    totals[j] = msq_totals<K, 4>(aq, act, acc);
-                else
-                    totals[j] = msq_totals_q8(acc, aq, q, act);
+                totals[j] = msq_totals_q8(p ? totals[j] : _mm256_setzero_si256(), aq, q, act);
+                if (p) use(j, totals[j]);
             }
         }
     } else {
         __m256i q[8];
-        msq_group<K>(wg, nbg, q);
+        if constexpr (T::BITS == 8) {  // biased: the magnitudes' trick needs no second copy
+            msq_quads<K>(wg, nbg, 0, q);
+            msq_quads<K>(wg, nbg, 16, q + 4);
+            for (int i = 0; i < 8; i++) q[i] = _mm256_xor_si256(q[i], bias);
+        } else {
+            msq_group<K>(wg, nbg, q);
+        }
         for (int j = 0; j < NB; j++) {
             const int8_t *a = qs(j);
-            totals[j] = msq_totals<K, 8>(q, [&](int i) { return _mm256_loadu_si256((const __m256i *)(a + 32 * i)); });
+            use(j, msq_totals<K, 8>(q, [&](int i) { return _mm256_loadu_si256((const __m256i *)(a + 32 * i)); }));
         }
     }
 }
 
-// The float part of group g (nbg blocks) for NB rows (xs bytes apart), from their integer
-// totals: the canonical order's accumulators acc / mins [row][g & 1].
-template <int K, int NB>
-static MSQ_INLINE void msq_float(const uint8_t *w, const char *x, long xs, long g, int nbg, const __m256i *totals,
-                             __m256 (*acc)[2], __m256 (*mins)[2]) {
+// The float part of a group for one row (its activations a) from its integer totals (int32
+// lane k: block k) and the weights' scales dw and mins mw: the canonical order's acc and mins.
+template <int K>
+static MSQ_INLINE void msq_float(const ms_a8g *a, __m256i total, __m256 dw, __m256 mw, __m256 &acc, __m256 &mins) {
     typedef MsqT<K> T;
     constexpr int shift = msq_bias_shift<K>();
-    const int h = (int)(g & 1);
-    __m256 dw, mw;
-    msq_scales<K>(w + 8 * g * T::BYTES, nbg, &dw, &mw);
-    for (int j = 0; j < NB; j++) {
-        const ms_a8g *a = (const ms_a8g *)(x + j * xs) + g;
-        __m256i total = totals[j];
-        if constexpr (shift >= 0)
-            total = _mm256_sub_epi32(total, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)a->sum), shift));
-        const __m256 dd = _mm256_mul_ps(dw, _mm256_loadu_ps(a->d));
-        acc[j][h] = _mm256_add_ps(acc[j][h], _mm256_mul_ps(dd, _mm256_cvtepi32_ps(total)));
-        if (T::MIN) mins[j][h] = _mm256_add_ps(mins[j][h], _mm256_mul_ps(mw, _mm256_loadu_ps(a->s)));
-    }
+    if constexpr (shift >= 0)
+        total = _mm256_sub_epi32(total, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)a->sum), shift));
+    const __m256 dd = _mm256_mul_ps(dw, _mm256_loadu_ps(a->d));
+    acc = _mm256_add_ps(acc, _mm256_mul_ps(dd, _mm256_cvtepi32_ps(total)));
+    if (T::MIN) mins = _mm256_add_ps(mins, _mm256_mul_ps(mw, _mm256_loadu_ps(a->s)));
+}
+
+// msq_hsum8 of 8 vectors at once, each row's adds in msq_hsum8's order: halves, pairs, last
+// two (a + b and b + a round alike); r[k] = hsum8(v[k]).
+static MSQ_INLINE void msq_hsum8x8(const __m256 *v, float *r) {
+    __m256 h[4], p[2];
+    for (int i = 0; i < 4; i++)  // [v_2i lo + hi, v_2i+1 lo + hi]
+        h[i] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x20),
+                             _mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x31));
+    for (int i = 0; i < 2; i++)  // lanes 0, 1 of each 128-bit half plus lanes 2, 3
+        p[i] = _mm256_add_ps(_mm256_shuffle_ps(h[2 * i], h[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm256_shuffle_ps(h[2 * i], h[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    // the last two of each row: rows 0, 2, 4, 6 in the low half, 1, 3, 5, 7 in the high one
+    alignas(32) float out[8];
+    _mm256_store_ps(out, _mm256_hadd_ps(p[0], p[1]));
+    for (int k = 0; k < 4; k++) r[2 * k] = out[k], r[2 * k + 1] = out[4 + k];
 }
 
 // NB activation rows (xs bytes apart) against one weight row, a group of 8 blocks at a time.
@@ -545,26 +569,31 @@ template <int K, int NB>
 static inline void msq_dot_vec(long n, const uint8_t *w, const char *x, long xs, float *y, long ys) {
     typedef MsqT<K> T;
     const long nb = n / 32;
-    __m256 acc[NB][2], mins[NB][2];
-    for (int j = 0; j < NB; j++)
-        for (int h = 0; h < 2; h++) acc[j][h] = mins[j][h] = _mm256_setzero_ps();
-    __m256i totals[NB];
+    __m256 acc[NB], mins[NB];
+    for (int j = 0; j < NB; j++) acc[j] = mins[j] = _mm256_setzero_ps();
+    auto group = [&](long g, int nbg) {
+        __m256 dw, mw;
+        msq_scales<K>(w + 8 * g * T::BYTES, nbg, &dw, &mw);
+        msq_group_totals<K, NB>(w, x, xs, g, nbg, [&](int j, __m256i total) {
+            msq_float<K>((const ms_a8g *)(x + j * xs) + g, total, dw, mw, acc[j], mins[j]);
+        });
+    };
     long g = 0;
     for (; 8 * g + 8 <= nb; g++) {  // whole groups (the short one's cases fold away: nbg = 8)
         const uint8_t *wg = w + 8 * g * T::BYTES;
         for (int o = 0; o < 8 * T::BYTES; o += 64)
             _mm_prefetch((const char *)wg + MSQ_PREFETCH + o, _MM_HINT_T0);
-        msq_group_totals<K, NB>(w, x, xs, g, 8, totals);
-        msq_float<K, NB>(w, x, xs, g, 8, totals, acc, mins);
+        group(g, 8);
     }
-    const int nbg = (int)(nb - 8 * g);  // a last, short group: its lanes past nbg are zeros
-    if (nbg > 0) {
-        msq_group_totals<K, NB>(w, x, xs, g, nbg, totals);
-        msq_float<K, NB>(w, x, xs, g, nbg, totals, acc, mins);
-    }
-    for (int j = 0; j < NB; j++) {
-        const float total = msq_hsum8(_mm256_add_ps(acc[j][0], acc[j][1]));
-        y[j * ys] = T::MIN ? total + msq_hsum8(_mm256_add_ps(mins[j][0], mins[j][1])) : total;
+    if (nb > 8 * g) group(g, (int)(nb - 8 * g));  // a last, short group: its lanes past nbg are zeros
+    if (T::MIN)
+        for (int j = 0; j < NB; j++) acc[j] = _mm256_add_ps(acc[j], mins[j]);
+    if constexpr (NB == 8) {
+        float r[8];
+        msq_hsum8x8(acc, r);
+        for (int j = 0; j < NB; j++) y[j * ys] = r[j];
+    } else {
+        for (int j = 0; j < NB; j++) y[j * ys] = msq_hsum8(acc[j]);
     }
 }
 #endif
