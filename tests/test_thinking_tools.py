@@ -3,7 +3,8 @@ tokenizer and chat template, random weights): reasoning split on token ids and k
 switched off, held to a budget; stop strings and output formats on the answer only; prefix
 reuse across thinking turns; tool calls through the engine and the official `openai` client
 (tool_choice required / named / auto / none, streaming accumulated by the SDK's own helpers, a
-call -> result -> answer loop); trimming that never cuts a call from its result.
+call -> result -> answer loop); trimming that never cuts a call from its result; the logprobs
+of a reply a stop string cuts (local and through a remote engine).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from miniserve.core.config import Constraint, SamplingParams
 from miniserve.engine.chat import ChatError, ChatOptions, trim_history
 from miniserve.engine.decode import GenerationStats
 from miniserve.engine.engine import Chunk, _Reply, start_engine
-from miniserve.engine.reply import ReplyParts
+from miniserve.engine.reply import CLOSING, ReplyParts
 
 HI = [{"role": "user", "content": "hi"}]
 WEATHER = {
@@ -177,6 +178,40 @@ def test_the_split_is_on_token_ids_and_utf8_safe(qwen3):
     assert "\ufffd" not in "".join(c.reasoning for c in pieces)
     assert "".join(c.text for c in pieces) == "ok."
     assert sum(len(c.token_ids) for c in pieces) == len(ids)  # every id in some chunk
+
+
+SAID = ["ok", ".", " Done", ",", " STOP", " now"]
+
+
+@pytest.mark.parametrize(
+    "words, stop, answer, kept",
+    [
+        (SAID, ", STOP", "ok. Done", 3),  # "," held back, then cut with " STOP"
+        (SAID, "Don", "ok. ", 3),  # " Done" starts in the answer: its id stays
+        (SAID, "ok", "", 0),  # the answer's first token: the tags before it stay
+        # the second "a" lets the first out but is held back itself, then cut
+        (["ok", "a", "a", "X", "a"], "aXa", "oka", 2),
+    ],
+)
+def test_a_stop_string_leaves_out_the_ids_of_what_it_removed(qwen3, words, stop, answer, kept):
+    """Scripted ids through the reply's parts with a stop string: the chunks carry the ids of
+    the reasoning, the tags and the answer up to the cut, in order (the API's logprobs are
+    theirs); the ids of the text the stop string removed go out in none."""
+    tok = qwen3.tokenizer
+    think, end = tok.convert_tokens_to_ids(["<think>", "</think>"])
+    head = [think, *tok(" hmm")["input_ids"], end, *tok("\n\n")["input_ids"]]
+    ids = [i for w in words for i in tok(w)["input_ids"]]
+    assert len(ids) == len(words)  # a token each
+    parts = ReplyParts(qwen3.reply_plan(HI, ChatOptions(), None), qwen3.eos_ids)
+    chunks: list = []
+    reply = _Reply(tok, SamplingParams(stop=(stop,)), GenerationStats(), chunks.append, parts=parts)
+    for i in [*head, *ids]:
+        parts.accept(i)
+        if not reply.token(i):
+            break
+    reply.finish()
+    assert "".join(c.text for c in chunks) == answer
+    assert [i for c in chunks for i in c.token_ids] == [*head, *ids[:kept]]
 
 
 def test_back_restores_the_parts_exactly(r1):
@@ -535,6 +570,107 @@ def test_reasoning_content_apart_in_both_modes_and_the_switches(r1_client, clien
     on = client.chat.completions.create(**ask, logit_bias=bias, extra_body={"reasoning_budget": 3})
     assert on.usage.completion_tokens_details.reasoning_tokens == 3
     assert on.choices[0].message.model_extra["reasoning_content"]
+
+
+def logprob_text(entries) -> str:
+    return b"".join(bytes(e.bytes) for e in entries).decode()
+
+
+def a_stop_between_tokens(entries, answer: str, others: list[str]) -> str:
+    """Two whole tokens of a reply's answer (past its first three characters) as a stop
+    string: one that first comes in the answer where the first of them starts (the cut falls
+    between tokens) and that no other answer holds."""
+    texts = [bytes(e.bytes).decode() for e in entries]
+    at = len(answer) - len("".join(texts))  # each token's place in the answer
+    for text, following in zip(texts, texts[1:]):
+        stop = text + following
+        if at >= 3 and answer.find(stop) == at and not any(stop in o for o in others):
+            return stop
+        at += len(text)
+    raise AssertionError(f"no stop string between two tokens of {answer!r}")
+
+
+def streamed_parts(chunks) -> dict[int, tuple[str, str, list[str]]]:
+    """Each choice's (reasoning, content, logprob tokens) as a stream gave them."""
+    parts: dict[int, tuple[str, str, list[str]]] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            reasoning, content, tokens = parts.get(choice.index, ("", "", []))
+            delta = choice.delta
+            reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
+            content += delta.content or ""
+            if choice.logprobs and choice.logprobs.content:
+                tokens = tokens + [e.token for e in choice.logprobs.content]
+            parts[choice.index] = (reasoning, content, tokens)
+    return parts
+
+
+def test_logprobs_stop_where_a_stop_string_cuts_the_answer(r1_client, client):
+    """A reply split into reasoning and answer, and one asked with tools: the logprobs cover
+    the tokens of the text returned -- the reasoning's with the tags between it and the answer
+    (vLLM's cover every token generated) and the answer's up to the stop string -- never the
+    stop string's, streamed or not, for each of n choices. Before, they held every token
+    generated, the stop string's included."""
+    ask = dict(model="default", messages=HI, temperature=0.9, seed=7, n=2, max_tokens=30)
+    cases = (
+        (r1_client, {"extra_body": {"reasoning_budget": 5}}, CLOSING),
+        (
+            client,
+            {"tools": TOOLS, "extra_body": {"chat_template_kwargs": {"enable_thinking": False}}},
+            "",
+        ),
+    )
+    for api, extra, between in cases:
+        ask_this = {**ask, **extra, "logprobs": True}
+        full = api.chat.completions.create(**ask_this).choices
+        answers = [c.message.content for c in full]
+        stops = [
+            a_stop_between_tokens(c.logprobs.content, a, answers[:i] + answers[i + 1 :])
+            for i, (c, a) in enumerate(zip(full, answers))
+        ]
+        cut = api.chat.completions.create(**ask_this, stop=stops).choices
+        streamed = streamed_parts(api.chat.completions.create(**ask_this, stop=stops, stream=True))
+        for i, (whole, choice) in enumerate(zip(full, cut)):
+            reasoning = (choice.message.model_extra or {}).get("reasoning_content") or ""
+            content, entries = choice.message.content, choice.logprobs.content
+            assert bool(reasoning) == bool(between)
+            assert choice.finish_reason == "stop"
+            assert content == answers[i][: answers[i].index(stops[i])]
+            assert logprob_text(whole.logprobs.content) == reasoning + between + answers[i]
+            assert logprob_text(entries) == reasoning + between + content
+            assert stops[i] not in logprob_text(entries)[len(reasoning) :]
+            tokens = [e.token for e in entries]
+            assert tokens == [e.token for e in whole.logprobs.content][: len(tokens)]
+            assert streamed[i] == (reasoning, content, tokens)
+
+
+def test_a_remote_thinking_model_passes_its_logprobs_on_as_they_came(r1):
+    """A RemoteEngine in front of the R1 server, served by this API: with a stop string, the
+    logprobs it passes on are the server's, its reasoning's and tags' included, streamed or
+    not. Before, the answer's written characters were counted against the reasoning's tokens
+    too, and most of the entries were left out."""
+    import openai
+
+    from miniserve.models.registry import parse_spec
+    from miniserve.models.remote import RemoteEngine
+    from miniserve.serve.in_thread import serve_in_thread
+
+    ask = dict(model="default", messages=HI, temperature=0.9, seed=7, max_tokens=30)
+    ask.update(logprobs=True, extra_body={"reasoning_budget": 5})
+    with serve_in_thread(r1) as port:
+        there = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        full = there.chat.completions.create(**ask).choices[0]
+        stop = a_stop_between_tokens(full.logprobs.content, full.message.content, [])
+        direct = there.chat.completions.create(**ask, stop=[stop]).choices[0]
+        tokens = [e.token for e in direct.logprobs.content]
+        far = RemoteEngine(parse_spec(f"http://127.0.0.1:{port}/v1"))
+        with serve_in_thread(far) as near:
+            here = openai.OpenAI(base_url=f"http://127.0.0.1:{near}/v1", api_key="x", max_retries=0)
+            whole = here.chat.completions.create(**ask, stop=[stop]).choices[0]
+            streamed = streamed_parts(here.chat.completions.create(**ask, stop=[stop], stream=True))
+    assert whole.message.content == direct.message.content
+    assert [e.token for e in whole.logprobs.content] == tokens and len(tokens) > 8
+    assert streamed[0][2] == tokens
 
 
 def test_tools_on_a_model_whose_template_has_none_is_a_400_naming_it(app_server):

@@ -148,7 +148,7 @@ class Chunk:
     """One streamed piece of a reply. The last one has `done=True`."""
 
     text: str
-    token_ids: list[int]
+    token_ids: list[int]  # the ids of what it holds, in order (see _Reply)
     stats: GenerationStats
     done: bool = False
     dropped_messages: int = 0
@@ -353,7 +353,14 @@ class _Reply:
     """Turns a sequence's token ids into Chunks for its caller: UTF-8-safe text, stop strings,
     a last chunk with the stats. With `parts` (a chat reply's ReplyParts), each token goes to
     its part: reasoning, answer, or a tool call; the tags themselves to none. Stop strings
-    apply to the answer only."""
+    apply to the answer only.
+
+    Each chunk carries the ids of what it holds, so that the ids the chunks carried so far are
+    always the reply's first ones (the API's logprobs are theirs): an answer token goes out
+    with the chunk that lets out the start of its text, and every token after one whose text
+    is held back (it may become a stop string) waits with it; a tag, and a newline the answer's
+    edges drop, go with the next chunk. The ids of the text a stop string removed go out in
+    none."""
 
     def __init__(
         self,
@@ -369,29 +376,59 @@ class _Reply:
         self.detok = Detokenizer(tokenizer)
         self.stops = StopStrings(params.stop)
         self.stats, self.sink, self.dropped = stats, sink, dropped_messages
-        self.pending: list[int] = []
+        # ids not sent yet: (id, where it stands in the answer's text, whether it is the
+        # answer's: its text may be held back or cut)
+        self.pending: list[tuple[int, int, bool]] = []
+        self.fed = 0  # characters of the answer given to the stop strings
+        self.let_out = 0  # of them, those let out (not held back, not cut)
         self.parts = parts if parts is not None and parts.plan.split else None
         self.thought = Detokenizer(tokenizer)
         self.thought_edges, self.answer_edges = _Edges(), _Edges(hold_tail=False)
         self.reasoned = False
         self.calls = CallParts(tokenizer, tool_format) if tool_format is not None else None
 
+    def _ready(self) -> int:
+        """How many pending ids may go out: up to the first answer token whose text starts in
+        what is held back (or cut), and any other token after held-back text."""
+        for n, (_, at, answer) in enumerate(self.pending):
+            if at > self.let_out or (answer and at == self.let_out):
+                return n
+        return len(self.pending)
+
+    def _out(self) -> list[int]:
+        n = self._ready()
+        ids = [i for i, _, _ in self.pending[:n]]
+        del self.pending[:n]
+        return ids
+
     def _send(self, text: str = "", reasoning: str = "", tool_calls=()) -> None:
         if text or reasoning or tool_calls:
             self.sink(
                 Chunk(
-                    text, self.pending, self.stats, reasoning=reasoning, tool_calls=list(tool_calls)
+                    text, self._out(), self.stats, reasoning=reasoning, tool_calls=list(tool_calls)
                 )
             )
-            self.pending = []
+
+    def _answer(self, piece: str) -> str:
+        """The answer's text that may be shown now; where a stop string cuts it, the ids of
+        the text it removed are dropped."""
+        self.fed += len(piece)
+        text = self.stops.feed(piece)
+        self.let_out += len(text)
+        if self.stops.stopped:
+            del self.pending[self._ready() :]
+        return text
 
     def prompt_read(self, positions: int) -> None:
         self.sink(Chunk("", [], self.stats, prompt_read=positions))
 
     def token(self, token_id: int) -> bool:
         """Take one token; False when a stop string ended the reply."""
-        self.pending.append(token_id)
         kind = self.parts.kinds[-1] if self.parts is not None and self.parts.kinds else ANSWER
+        if kind == CALL and self.calls is None:  # no family to read calls by: answer text
+            kind = ANSWER
+        if kind != ANSWER:  # not the answer's: no stop string cuts it
+            self.pending.append((token_id, self.fed, False))
         if kind == REASONING:
             self.reasoned = True
             self._send(reasoning=self.thought_edges.feed(self.thought.push(token_id)))
@@ -401,17 +438,15 @@ class _Reply:
             if kind == CLOSE:
                 self._send(reasoning=self.thought_edges.feed(self.thought.flush()))
             return True
-        if kind == CALL and self.calls is not None:
+        if kind == CALL:
             self._send(tool_calls=self.calls.push(token_id))
             return True
         piece = self.detok.push(token_id)
-        if self.reasoned:
-            piece = self.answer_edges.feed(piece)
-        text = self.stops.feed(piece)
-        if text or self.stops.stopped:
-            if text:
-                self._send(text)
-            self.pending = []
+        text = self.answer_edges.feed(piece) if self.reasoned else piece
+        # a piece the edges drop is the template's, as a tag is; an empty one (a character
+        # not complete yet) is the answer's
+        self.pending.append((token_id, self.fed, bool(text) or not piece))
+        self._send(self._answer(text))
         return not self.stops.stopped
 
     def finish(self, error: BaseException | None = None) -> None:
@@ -422,16 +457,16 @@ class _Reply:
             self.stats.reasoning_tokens = self.parts.reasoning_tokens
         reasoning = self.thought_edges.feed(self.thought.flush())
         deltas, calls, leftover = self.calls.finish() if self.calls is not None else ([], [], "")
-        stopped = self.stops.stopped
-        tail = (
-            "" if stopped else self.stops.feed(self.detok.flush() + leftover) + self.stops.flush()
-        )
+        tail = ""
+        if not self.stops.stopped:
+            tail = self._answer(self.detok.flush() + leftover)
+            tail += self.stops.flush()
         if calls and self.stats.finish_reason in ("eos", "stop"):
             self.stats.finish_reason = "tool_calls"
         self.sink(
             Chunk(
                 tail,
-                [] if stopped else self.pending,
+                [i for i, _, _ in self.pending],  # a stop string dropped those it removed
                 self.stats,
                 done=True,
                 dropped_messages=self.dropped,

@@ -181,11 +181,16 @@ class Inspector:
         )
 
     def add_remote_step(
-        self, text: str, logprob: float | None, top: list[tuple[str, float]] = ()
+        self,
+        text: str,
+        logprob: float | None,
+        top: list[tuple[str, float]] = (),
+        answer: bool = True,
     ) -> None:
         """A remote model's step: the token's text, the server's logprob of it (None when the
         server gave none) and its top alternatives as (text, logprob). No token ids, no filter
-        stages: the server reports probabilities, not what its sampler removed."""
+        stages: the server reports probabilities, not what its sampler removed. (`answer`:
+        whether the token is the answer's; the inspector shows every step alike.)"""
         self.remote = True
         prob = math.exp(logprob) if logprob is not None else None
         self.steps.append(

@@ -192,7 +192,7 @@ class RemoteStream:
                     self.stats.ttft_s = now - self.stats.started
                 self.stats.total_s = now - self.stats.started
                 self.stats.new_tokens += len(steps) or 1
-                self._inspect(text, steps)
+                self._inspect(text, steps, bool(text) or not (reasoning or deltas))
             yield (
                 text if isinstance(text, str) else str(text),
                 choice.get("finish_reason"),
@@ -200,13 +200,19 @@ class RemoteStream:
                 [d for d in deltas if isinstance(d, dict)] if isinstance(deltas, list) else [],
             )
 
-    def _inspect(self, text: str, steps: list) -> None:
+    def _inspect(self, text: str, steps: list, answer: bool) -> None:
+        """Hand the event's steps to the inspector, each marked the answer's or not: with
+        `answer` (the event carries the answer's text), those from the one its text starts
+        with on; the tokens before (a tag, newlines the server left out of the answer) are
+        not, nor any of an event of reasoning or calls."""
         if self.inspector is None:
             return
         if not steps:  # the server gave no logprobs: the text, without probabilities
-            self.inspector.add_remote_step(text, None, [])
+            self.inspector.add_remote_step(text, None, [], answer=answer)
+        started = False
         for token, logprob, top in steps:
-            self.inspector.add_remote_step(token, logprob, top)
+            started = started or (answer and (text.startswith(token) or token.startswith(text)))
+            self.inspector.add_remote_step(token, logprob, top, answer=started)
 
 
 class _Calls:

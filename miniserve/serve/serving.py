@@ -169,15 +169,15 @@ class OpenAIServing:
         recorder = None
         if req.logprobs:
             engine = req.engine
-            # where stop strings may cut the reply, the recorder places each token in its text;
-            # not where a chat's text is split into reasoning and answer (or tool calls)
-            tools = getattr(req.options, "tools", None)
-            plain = req.kind != "chat" or not (getattr(engine, "thinks", False) or tools)
+            remote = engine.capabilities.over_network
+            # a remote reply's chunks carry no token ids: where stop strings may cut it, the
+            # recorder places each token in the answer's text
             recorder = LogprobRecorder(
                 engine.tokenizer,
                 req.top_logprobs,
                 getattr(engine, "eos_ids", frozenset()),
-                places=bool(params.stop) and plain,
+                local=not remote,
+                places=remote and bool(params.stop),
             )
         return req.prompts[prompt], params, recorder
 
@@ -249,6 +249,7 @@ class OpenAIServing:
                             error, req.model, req.engine.capabilities.over_network
                         ) from None
                     if chunk is not None:
+                        took(choices, i, chunk)
                         parts[i].append(chunk.text)
                         thought[i].append(chunk.reasoning)
                         if chunk.done:
@@ -330,6 +331,7 @@ class OpenAIServing:
                         return
                     if chunk is None:
                         continue
+                    took(choices, i, chunk)
                     if chunk.text or chunk.reasoning or chunk.tool_calls:
                         out.append(
                             event(
@@ -345,6 +347,13 @@ class OpenAIServing:
             yield "".join(tail) + "data: [DONE]\n\n"
         finally:
             end(choices, lease)  # the client went away (this generator was cancelled) or done
+
+
+def took(choices: Choices, i: int, chunk) -> None:
+    """Choice i's logprobs may show the tokens of its chunk, now that it is written."""
+    recorder = choices.choices[i].recorder
+    if recorder is not None:
+        recorder.took(chunk)
 
 
 def end(choices: Choices, lease: Lease) -> None:

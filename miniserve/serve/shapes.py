@@ -5,7 +5,6 @@ recorder that collects what a reply's logprobs show.
 
 from __future__ import annotations
 
-import bisect
 import codecs
 import json
 import time
@@ -13,7 +12,7 @@ import uuid
 
 import torch
 
-from miniserve.engine.stream import Detokenizer, token_text
+from miniserve.engine.stream import token_text
 from miniserve.models.registry import Models
 from miniserve.serve.bridge import Choices
 from miniserve.serve.parse import APIRequest
@@ -23,35 +22,52 @@ class LogprobRecorder:
     """Observer for the decode loop: log-probabilities of each chosen token (before filters).
     A remote engine hands it what its server sent instead (add_remote_step).
 
-    `places` (a reply that stop strings may cut): where each token's text starts in the reply,
-    decoded as the engine decodes it, so that only the tokens whose text was written go out
-    (`shown`): those that made a stop string, and the text held back in case it became one,
-    are not in the reply."""
+    Which entries go out (`shown`): from a local engine, those of the ids the reply's chunks
+    carried (`took`): every token of the text returned, whichever part it went to --
+    reasoning, the tags, the answer, tool calls (vLLM's logprobs cover every token too) --
+    and none of the text a stop string removed, or holds back in case it becomes one. A remote
+    engine's chunks carry no ids: with `places` (a reply that stop strings may cut), where each
+    token stands in the answer's text, so that the same go out: an answer token once its text
+    starts being written, any other (reasoning, a call) once the answer before it is."""
 
-    def __init__(self, tokenizer, top: int, ends: frozenset = frozenset(), places=False):
+    def __init__(
+        self, tokenizer, top: int, ends: frozenset = frozenset(), local=True, places=False
+    ):
         self.tokenizer, self.top, self.entries = tokenizer, top, []
         self.ends = ends  # end tokens: they end the reply and are not in its text or usage
-        self.detokenizer = Detokenizer(tokenizer) if places else None
-        self.starts: list[int] = []  # with places: each entry's first character in the reply
-        self.chars = 0
+        self.kept = 0 if local else None  # from a local engine: the ids its chunks carried
+        # with places: each entry's (first character in the answer, whether it is the answer's)
+        self.places: list[tuple[int, bool]] | None = [] if places else None
+        self.chars = 0  # the answer's characters placed so far
+        self.placed = 0  # entries shown so far (the answer written only grows)
+
+    def took(self, chunk) -> None:
+        if self.kept is not None:
+            self.kept += len(chunk.token_ids)
 
     def shown(self, chars: int) -> int:
-        """How many entries the first `chars` characters of the reply hold (a token whose text
-        starts in them counts, though a stop string may cut it): all of them without places."""
-        if self.detokenizer is None:
+        """How many entries go out once the first `chars` characters of the answer are
+        written (a remote token whose text starts in them counts, though a stop string may cut
+        it): from a local engine, those of the ids its chunks carried."""
+        if self.kept is not None:
+            return self.kept
+        if self.places is None:
             return len(self.entries)
-        return bisect.bisect_left(self.starts, chars)
+        while self.placed < len(self.places):
+            at, answer = self.places[self.placed]
+            if at > chars or (answer and at == chars):
+                break
+            self.placed += 1
+        return self.placed
 
-    def _place(self, text: str) -> None:
-        if self.detokenizer is not None:
-            self.starts.append(self.chars)
-            self.chars += len(text)
+    def _place(self, text: str, answer: bool) -> None:
+        if self.places is not None:
+            self.places.append((self.chars, answer))
+            self.chars += len(text) if answer else 0
 
     def observe(self, logits, previous_ids, token_id, allowed=None, state=None):
         if token_id in self.ends:
             return
-        if self.detokenizer is not None:
-            self._place(self.detokenizer.push(token_id))
         logp = torch.log_softmax(logits[0].float(), -1)
         entry = self._item(*token_text(self.tokenizer, token_id), float(logp[token_id]))
         if self.top:
@@ -64,8 +80,10 @@ class LogprobRecorder:
             entry["top_logprobs"] = []
         self.entries.append(entry)
 
-    def add_remote_step(self, text: str, logprob: float, top=()) -> None:
-        self._place(text)
+    def add_remote_step(self, text: str, logprob: float, top=(), answer: bool = True) -> None:
+        """A remote server's step: its token's text, logprob and top alternatives; `answer`:
+        the token is the answer's (not its reasoning's or a tool call's)."""
+        self._place(text, answer)
         entry = self._item(text, text.encode("utf-8"), logprob)
         entry["top_logprobs"] = [
             self._item(t, t.encode("utf-8"), lp) for t, lp in list(top)[: self.top]
