@@ -108,24 +108,27 @@ def test_a_message_with_html_tags_shows_as_written(page):
     assert shown == typed.replace("`", "")  # (the code span's text, in code type)
 
 
+# texts written in a message, for the page's functions against render.py's
+AS_TYPED = [
+    "a <div> b",
+    "<b>x</b> <<A Title>> <!-- c --> <T> a < b &lt;b> &amp;lt;i> &amp;amp;lt;p>",
+    "`<div>` ``<div>` &lt;p> `a\n\n<div>\n\nb`",
+    "```html\n<div>x</div>\n```\n<p>",
+    "```\r\n<b>\r\n```\r\n<i> ~~~\n<p>",
+    "streaming ```\n```js\n<div>",
+    "x" + "`" * 3000 + " <div>",
+    "<div",
+    "a\r```\n<div> b\u2028```\n<p>",  # a fence starts after "\n" only
+]
+
+
 def test_copy_puts_a_message_on_the_clipboard_as_written(page):
     """The Chatbot's Copy button copies the text the Chatbot was given, where a tag's "<" is
     "&lt;": the page undoes that as typed_text does (the same text for each case, code and
     fences included), and a message copied with its button is the message as typed."""
     from miniserve.ui.render import shown_text, typed_text
 
-    written = [
-        "a <div> b",
-        "<b>x</b> <<A Title>> <!-- c --> <T> a < b &lt;b> &amp;lt;i>",
-        "`<div>` ``<div>` &lt;p> `a\n\n<div>\n\nb`",
-        "```html\n<div>x</div>\n```\n<p>",
-        "```\r\n<b>\r\n```\r\n<i> ~~~\n<p>",
-        "streaming ```\n```js\n<div>",
-        "x" + "`" * 3000 + " <div>",
-        "<div",
-        "a\r```\n<div> b\u2028```\n<p>",  # a fence starts after "\n" only
-    ]
-    cases = written + [shown_text(text) for text in written]
+    cases = AS_TYPED + [shown_text(text) for text in AS_TYPED]
     page.wait_for_function("() => !!window.msTypedText")
     assert page.evaluate("(xs) => xs.map(window.msTypedText)", cases) == [
         typed_text(c) for c in cases
@@ -143,6 +146,83 @@ def test_copy_puts_a_message_on_the_clipboard_as_written(page):
     # a code block's own Copy button: its text as the block shows it, left alone
     user.locator(".copy_code_button").click()
     assert page.evaluate("navigator.clipboard.readText()") == "&lt;p>hi&lt;/p>"
+
+
+def export_json(page):
+    """The open conversation as the sidebar's Export writes it (its whole tree, as saved)."""
+    import json
+
+    page.get_by_text("This conversation").click()
+    page.get_by_role("button", name="Export", exact=True).click()
+    link = page.locator("#export-file a").first
+    expect(link).to_be_visible()
+    with page.expect_download() as download:
+        link.click()
+    return json.loads(Path(download.value.path()).read_text(encoding="utf-8"))
+
+
+TO_EDIT = "What does <div> do? &lt;b> is typed, `a<b` is code, &amp;lt;i> is too"
+
+
+def edit_a_message(page):
+    """Send TO_EDIT and open its Edit box: the box."""
+    set_number(page, "Max new tokens", 4)
+    page.get_by_label("Message", exact=True).fill(TO_EDIT)
+    page.get_by_role("button", name="Send").click()
+    expect(page.locator("#status")).to_contain_text("tokens/s", timeout=60000)
+    page.locator("[data-testid='user']").first.hover()
+    page.locator("#chatbot").get_by_role("button", name="Edit").click()
+    return page.locator("#chatbot textarea.edit-textarea")
+
+
+def submit_edit(page, box, text):
+    """Put `text` in the open Edit box and submit it: the user messages saved."""
+    box.fill(text)
+    page.locator("#chatbot").get_by_role("button", name="Submit").click()
+    expect(page.locator("#branches")).to_contain_text("your message #1 (now 2 of 2)")
+    expect(page.locator("#status")).to_contain_text("tokens/s", timeout=60000)
+    return [m["content"] for m in export_json(page)["messages"] if m["role"] == "user"]
+
+
+def test_edit_shows_a_message_as_typed_and_saves_the_box_as_it_is(page):
+    """A message's Edit box holds the message as typed ("<div>", and a typed "&lt;b>" as
+    "&lt;b>", not the "&lt;div>" and "&amp;lt;b>" the Chatbot is given); what the box holds
+    on Submit is what is saved, and it shows as written. The page converts both ways as
+    shown_text and typed_text do (the same text for each case), and back again exactly."""
+    from miniserve.ui.render import shown_text
+
+    page.wait_for_function("() => !!window.msShownText")
+    assert page.evaluate("(xs) => xs.map(window.msShownText)", AS_TYPED) == [
+        shown_text(text) for text in AS_TYPED
+    ]
+    assert page.evaluate("(xs) => xs.map((x) => msTypedText(msShownText(x)))", AS_TYPED) == (
+        AS_TYPED
+    )
+    box = edit_a_message(page)
+    expect(box).to_have_value(TO_EDIT)
+    edited = TO_EDIT.replace("What does", "What do")
+    assert submit_edit(page, box, edited) == [TO_EDIT, edited]
+    user = page.locator("[data-testid='user']").first
+    lines = [line for line in user.inner_text().splitlines() if line.strip()]
+    assert lines == [edited.replace("`", ""), "‹ 2/2 ›"]  # (the code span in code type)
+
+
+def test_edit_without_the_page_script_still_saves_what_was_meant(browser, app_server):
+    """A box the page's script did not convert (opened before it ran; here it never runs)
+    shows the text as the Chatbot was given it, and that is what the server undoes."""
+    from miniserve.ui.render import shown_text
+
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    try:
+        page.add_init_script("window.msTypedText = (text) => text")  # the script then stops
+        page.goto(app_server.url)
+        box = edit_a_message(page)
+        expect(box).to_have_value(shown_text(TO_EDIT))
+        edited = shown_text(TO_EDIT).replace("What does", "What do")
+        saved = submit_edit(page, box, edited)
+        assert saved == [TO_EDIT, TO_EDIT.replace("What does", "What do")]
+    finally:
+        page.close()
 
 
 def test_factual_preset_moves_the_sliders(page):

@@ -29,7 +29,7 @@ from miniserve.ui.common import Sessions
 from miniserve.ui.compare_tab import CompareHandlers, build_compare_tab
 from miniserve.ui.model_picker import ModelHeader, app_header, header, model_header
 from miniserve.ui.notebook_tab import NotebookHandlers, build_notebook_tab
-from miniserve.ui.render import COPY_JS
+from miniserve.ui.render import CHATBOT_JS
 from miniserve.ui.step_tab import CSS as STEP_CSS
 from miniserve.ui.step_tab import build_step_tab
 from miniserve.ui.widgets import install_keys
@@ -140,7 +140,7 @@ def build_ui(
         for wire in app.after_tabs:
             wire()
         install_keys(demo)  # Enter sends in Chat, Ctrl+Enter generates in the Notebook
-        demo.load(None, None, None, js=COPY_JS)  # the Chatbot's Copy: "<div>", not "&lt;div>"
+        demo.load(None, None, None, js=CHATBOT_JS)  # Copy and Edit: "<div>", not "&lt;div>"
     # Gradio runs one event of a listener at a time unless told otherwise: the replies of many
     # browsers would then take turns instead of sharing the engine's forward passes. As many
     # engine events run at once as the engines admit (common.ENGINE_EVENTS: each model's

@@ -446,6 +446,7 @@ class ChatHandlers:
         except StoreError as e:
             yield (*self._show(browser, view, error(str(e)), query), gr.update(), "")
             return
+        # the Chatbot's form of the text, with or without the page's script (render.CHATBOT_JS)
         text = typed_text(strip_marks(message_text(edited.value)))
         if index is None or path[index].role != "user":
             yield (

@@ -54,10 +54,10 @@ CALL_LOG = "not run: the chat runs no tools"
 # "<b>x</b>" typed in prose, or "<<A Title>>" written by a model, would be laid out as markup or
 # vanish (custom tags such as "<T>" it already shows as text). So a "<" that opens a standard
 # HTML tag (or a comment) outside code is written "&lt;", which the Chatbot shows as "<" (and a
-# "&lt;" written before such a tag name as "&amp;lt;", so that it too shows as written); code
-# spans and fenced blocks show their text as it is and are left alone. (Its Copy button copies
-# the row's text: COPY_JS below gives the clipboard the text as written. Its edit box shows the
-# row's text too, where such a "<" appears as "&lt;"; what comes back goes through typed_text.)
+# "&lt;" written before such a tag name as "&amp;lt;", a "&amp;lt;" as "&amp;amp;lt;" and so on,
+# so that each shows as written and no two texts are given alike); code spans and fenced blocks
+# show their text as it is and are left alone. (Its Copy button and its edit box hold the row's
+# text as given: CHATBOT_JS below shows them the text as written.)
 HTML_TAGS = frozenset(  # HTML's and SVG's element names (the Chatbot's own list is of both)
     "a abbr acronym address applet area article aside audio b base basefont bdi bdo big "
     "blockquote body br button canvas caption center cite code col colgroup data datalist dd del "
@@ -70,10 +70,8 @@ HTML_TAGS = frozenset(  # HTML's and SVG's element names (the Chatbot's own list
     "track tt u ul use var video view wbr".split()
 )
 TAG_AHEAD = r"(?=!|/?([A-Za-z][A-Za-z0-9]*)(?:[\s/>]|$))"
-OPENS_TAG = re.compile(r"(<|&lt;)" + TAG_AHEAD)
-WRITTEN_TAG = re.compile(r"(&lt;|&amp;lt;)" + TAG_AHEAD)
-SHOWN_AS = {"<": "&lt;", "&lt;": "&amp;lt;"}
-TYPED_AS = {"&lt;": "<", "&amp;lt;": "&lt;"}
+OPENS_TAG = re.compile(r"(<|&(?:amp;)*lt;)" + TAG_AHEAD)
+WRITTEN_TAG = re.compile(r"(&(?:amp;)*lt;)" + TAG_AHEAD)
 # fenced blocks: to their closing fence, or to the end of a text still streaming
 FENCE = re.compile(
     r"^ {0,3}(?P<fence>`{3,}|~{3,}).*?(?:\n {0,3}(?P=fence)[`~]*[ \t]*\r?(?=\n|\Z)|\Z)",
@@ -116,10 +114,10 @@ def _outside(text: str, ranges, edit) -> str:
     return "".join(out + [edit(text[at:])])
 
 
-def _outside_code(text: str, pattern: re.Pattern, table: dict) -> str:
+def _outside_code(text: str, pattern: re.Pattern, change) -> str:
     def swap(m: re.Match) -> str:
         tag = m.group(2)
-        return table[m.group(1)] if tag is None or tag.lower() in HTML_TAGS else m.group()
+        return change(m.group(1)) if tag is None or tag.lower() in HTML_TAGS else m.group()
 
     def prose(part: str) -> str:
         return _outside(part, code_spans(part), lambda t: pattern.sub(swap, t))
@@ -128,25 +126,44 @@ def _outside_code(text: str, pattern: re.Pattern, table: dict) -> str:
     return _outside(text, fences, prose)
 
 
+def _shown_as(written: str) -> str:  # "<" as "&lt;"; "&lt;", "&amp;lt;"…: one "amp;" more
+    return "&lt;" if written == "<" else "&amp;" + written[1:]
+
+
+def _typed_as(shown: str) -> str:  # _shown_as undone
+    return "<" if shown == "&lt;" else "&" + shown[len("&amp;") :]
+
+
 def shown_text(text: str) -> str:
     """A message's text as the Chatbot is given it, so that it shows as written (above)."""
-    return _outside_code(text or "", OPENS_TAG, SHOWN_AS)
+    return _outside_code(text or "", OPENS_TAG, _shown_as)
 
 
 def typed_text(shown: str) -> str:
     """shown_text undone (a message the Chatbot hands back edited)."""
-    return _outside_code(shown or "", WRITTEN_TAG, TYPED_AS)
+    return _outside_code(shown or "", WRITTEN_TAG, _typed_as)
 
 
-# The same undoing in the page, for the Chatbot's Copy button: it copies the text the Chatbot
-# was given, so a copy made inside #chatbot goes to the clipboard as typed_text would write it
-# ("<div>", not "&lt;div>"). The page's window.msTypedText is that function (a test compares it
-# with typed_text); every other copy is left as it is.
-COPY_JS = """
+# The same two functions in the page, window.msShownText and window.msTypedText (a test
+# compares them with shown_text and typed_text), for the two Chatbot buttons that hold a row's
+# text as the Chatbot was given it:
+# - Copy: a message copied with its Copy button goes to the clipboard as typed ("<div>", not
+#   "&lt;div>"); every other copy is left as it is.
+# - Edit: the box shows the text as typed while it is open, and gets the Chatbot's form back
+#   as its Submit (or Cancel) is pressed: the server is always given the Chatbot's form, which
+#   ChatHandlers.edit undoes with typed_text. So a box this script did not convert (opened
+#   before the script ran) shows "&lt;div>" as before, and its text still arrives as meant;
+#   had the server taken the box's text as typed, such a box would store "&lt;b>" for a "<b>".
+#   The round trip is exact: shown_text writes no two texts alike (a typed "&lt;b>" is given
+#   as "&amp;lt;b>"), and typed_text undoes it.
+JS_NEEDS = {"tags": sorted(HTML_TAGS), "opens": OPENS_TAG.pattern, "written": WRITTEN_TAG.pattern}
+CHATBOT_JS = """
 () => {
-  if (window.msTypedText || !navigator.clipboard) return;
-  const TAGS = new Set(%(tags)s);
-  const WRITTEN = /(&lt;|&amp;lt;)(?=!|\\/?([A-Za-z][A-Za-z0-9]*)(?:[\\s\\/>]|$))/g;
+  if (window.msTypedText) return;
+  const PY = %(py)s;  // HTML_TAGS, OPENS_TAG and WRITTEN_TAG (the same regex syntax in JS)
+  const TAGS = new Set(PY.tags);
+  const OPENS = new RegExp(PY.opens, "g");
+  const WRITTEN = new RegExp(PY.written, "g");
   const END = "$(?![\\\\s\\\\S])";  // Python's \\Z
   const FENCE = new RegExp(  // Python's "^" with re.M: the start, or after a "\\n" only
     "(?<![^\\\\n]) {0,3}(`{3,}|~{3,})[\\\\s\\\\S]*?(?:\\\\n {0,3}\\\\1[`~]*" +
@@ -196,13 +213,47 @@ COPY_JS = """
     }
     return spans;
   };
-  const swap = (m, written, tag) =>
-    tag === undefined || TAGS.has(tag.toLowerCase()) ? (written === "&lt;" ? "<" : "&lt;") : m;
-  const prose = (part) => outside(part, codeSpans(part), (t) => t.replace(WRITTEN, swap));
-  window.msTypedText = (shown) => {
-    const fences = [...shown.matchAll(FENCE)].map((m) => [m.index, m.index + m[0].length]);
-    return outside(shown, fences, prose);
+  const outsideCode = (text, pattern, change) => {  // render._outside_code
+    const swap = (m, written, tag) =>
+      tag === undefined || TAGS.has(tag.toLowerCase()) ? change(written) : m;
+    const prose = (part) => outside(part, codeSpans(part), (t) => t.replace(pattern, swap));
+    const fences = [...text.matchAll(FENCE)].map((m) => [m.index, m.index + m[0].length]);
+    return outside(text, fences, prose);
   };
+  window.msShownText = (text) =>
+    outsideCode(text, OPENS, (w) => (w === "<" ? "&lt;" : "&amp;" + w.slice(1)));
+  window.msTypedText = (shown) =>
+    outsideCode(shown, WRITTEN, (w) => (w === "&lt;" ? "<" : "&" + w.slice(5)));
+  // an edit box, as it opens: its text as typed, marked so (only a marked box is converted
+  // back). Gradio may make an open box again from the text it holds (after a Clear, say): that
+  // text is typed already.
+  let held = null;  // what the open, marked box holds
+  const put = (box, shows, text) => {
+    box.dataset.msShows = shows;
+    box.value = text;
+    box.dispatchEvent(new Event("input", {bubbles: true}));  // the Chatbot's bound value follows
+  };
+  document.addEventListener("input", (e) => {
+    if (e.target.dataset && e.target.dataset.msShows === "typed") held = e.target.value;
+  }, true);
+  new MutationObserver(() => {
+    const opened = "#chatbot textarea.edit-textarea:not([data-ms-shows])";
+    for (const box of document.querySelectorAll(opened)) {
+      put(box, "typed", box.value === held ? held : window.msTypedText(box.value));
+    }
+  }).observe(document.body, {childList: true, subtree: true});
+  // a message's buttons: Edit opens a box from the Chatbot's text; Submit and Cancel (beside
+  // the box's row) give the box the Chatbot's form back before the Chatbot reads it
+  document.addEventListener("click", (e) => {
+    const buttons = e.target.closest && e.target.closest("#chatbot .message-buttons");
+    if (!buttons || !e.target.closest("button")) return;
+    held = null;
+    const row = buttons.previousElementSibling;
+    for (const box of row ? row.querySelectorAll("textarea[data-ms-shows='typed']") : []) {
+      put(box, "shown", window.msShownText(box.value));
+    }
+  }, true);
+  if (!navigator.clipboard) return;  // (only in a secure context: https, or this machine)
   // a message's Copy button, pressed just now (not a code block's: its text is as written)
   let pressed = 0;
   document.addEventListener("click", (e) => {
@@ -216,7 +267,7 @@ COPY_JS = """
     return write(mine ? window.msTypedText(String(text)) : text);
   };
 }
-""" % {"tags": json.dumps(sorted(HTML_TAGS))}  # noqa: UP031 -- JS braces stay plain
+""" % {"py": json.dumps(JS_NEEDS)}  # noqa: UP031 -- JS braces stay plain
 
 
 def thought_title(tokens: int | None, seconds: float | None) -> str:
