@@ -12,14 +12,14 @@
 // AVX2 + FMA, plain loops):
 //   per block b: I = the exact int32 sum of the block's 32 products (q - OFF, or q for the
 //                types with a min, times the activations' q);
-//                acc[b & 7] = acc[b & 7] + (d_w * d_x) * float(I)
-//                types with a min (Q4_1, Q5_1): ms[b & 7] = ms[b & 7] + m_w * s_x
-//   then v[k] = acc[k] (+ ms[k] for the types with a min), and
-//   ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7)).
-// That is: lane k of 8 takes blocks 8g + k, one running sum a lane (two for the types with a
-// min). One sum a lane, not two alternating by group, keeps 8 activation rows' sums in
-// registers (16 of AVX-512's 32 vectors with the weights' 8); the chains stay short enough, as
-// a group's integer work is many times an add's latency.
+//                p = (d_w * d_x) * float(I), plus m_w * s_x for the types with a min
+//                (Q4_1, Q5_1): p = p + m_w * s_x;
+//                acc[b & 7] = acc[b & 7] + p
+//   then ((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) + (acc3 + acc7)).
+// That is: lane k of 8 takes blocks 8g + k, one running sum a lane. One sum a lane (not two
+// alternating by group, nor one more for the mins) keeps 8 activation rows' sums in registers
+// beside the weights' 8 vectors (AVX-512 has 32; AVX2's 16 spill less); the chains stay short
+// enough, as a group's integer work is many times an add's latency.
 // The vector loops take a group of 8 blocks at once, block k in int32 lane k: the activations
 // are stored by 4-byte pieces (ms_a8g), and each weight group is unpacked and transposed the
 // same way once for all the activation rows of the call, so 8 integer dot steps (pmaddubsw,
@@ -71,6 +71,7 @@ static inline int msq_at(int k, int i) { return 32 * (i / 4) + 4 * k + i % 4; } 
 // How far ahead of the weight loads the loops prefetch (bytes), as decode.cpp does; not tuned
 // (the machine measured on was too noisy to tell 1 KB from 4 KB).
 #define MSQ_INLINE inline __attribute__((always_inline))
+#define MSQ_INLINE_LAMBDA __attribute__((always_inline))
 
 #ifndef MSQ_PREFETCH
 #define MSQ_PREFETCH 2048
@@ -264,7 +265,7 @@ static void ms_quantize_a8(const float *x, ms_a8g *y, long n) {
 template <int K>
 static inline float msq_dot_plain(long n, const uint8_t *w, const char *x) {
     typedef MsqT<K> T;
-    float acc[8] = {0.f}, mins[8] = {0.f};
+    float acc[8] = {0.f};
     const ms_a8g *g = (const ms_a8g *)x;
     const long nb = n / 32;
     for (long b = 0; b < nb; b++, w += T::BYTES) {
@@ -274,11 +275,10 @@ static inline float msq_dot_plain(long n, const uint8_t *w, const char *x) {
         const int k = (int)(b % 8);
         int s = 0;
         for (int i = 0; i < 32; i++) s += q[i] * a.qs[msq_at(k, i)];
-        acc[k] = acc[k] + (msq_h2f(msq_u16(w)) * a.d[k]) * (float)s;
-        if (T::MIN) mins[k] = mins[k] + msq_h2f(msq_u16(w + 2)) * a.s[k];
+        float p = (msq_h2f(msq_u16(w)) * a.d[k]) * (float)s;
+        if (T::MIN) p = p + msq_h2f(msq_u16(w + 2)) * a.s[k];
+        acc[k] = acc[k] + p;
     }
-    if (T::MIN)
-        for (int k = 0; k < 8; k++) acc[k] = acc[k] + mins[k];
     return msq_sum8(acc);
 }
 
@@ -536,32 +536,27 @@ static MSQ_INLINE void msq_group_totals(const uint8_t *w, const char *x, long xs
 }
 
 // The float part of a group for one row (its activations a) from its integer totals (int32
-// lane k: block k) and the weights' scales dw and mins mw: the canonical order's acc and mins.
+// lane k: block k) and the weights' scales dw and mins mw, into the row's running sums acc.
 template <int K>
-static MSQ_INLINE void msq_float(const ms_a8g *a, __m256i total, __m256 dw, __m256 mw, __m256 &acc, __m256 &mins) {
+static MSQ_INLINE void msq_float(const ms_a8g *a, __m256i total, __m256 dw, __m256 mw, __m256 &acc) {
     typedef MsqT<K> T;
     constexpr int shift = msq_bias_shift<K>();
     if constexpr (shift >= 0)
         total = _mm256_sub_epi32(total, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)a->sum), shift));
     const __m256 dd = _mm256_mul_ps(dw, _mm256_loadu_ps(a->d));
-    acc = _mm256_add_ps(acc, _mm256_mul_ps(dd, _mm256_cvtepi32_ps(total)));
-    if (T::MIN) mins = _mm256_add_ps(mins, _mm256_mul_ps(mw, _mm256_loadu_ps(a->s)));
+    __m256 p = _mm256_mul_ps(dd, _mm256_cvtepi32_ps(total));
+    if (T::MIN) p = _mm256_add_ps(p, _mm256_mul_ps(mw, _mm256_loadu_ps(a->s)));
+    acc = _mm256_add_ps(acc, p);
 }
 
-// msq_hsum8 of 8 vectors at once, each row's adds in msq_hsum8's order: halves, pairs, last
-// two (a + b and b + a round alike); r[k] = hsum8(v[k]).
-static MSQ_INLINE void msq_hsum8x8(const __m256 *v, float *r) {
-    __m256 h[4], p[2];
-    for (int i = 0; i < 4; i++)  // [v_2i lo + hi, v_2i+1 lo + hi]
-        h[i] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x20),
-                             _mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x31));
-    for (int i = 0; i < 2; i++)  // lanes 0, 1 of each 128-bit half plus lanes 2, 3
-        p[i] = _mm256_add_ps(_mm256_shuffle_ps(h[2 * i], h[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm256_shuffle_ps(h[2 * i], h[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    // the last two of each row: rows 0, 2, 4, 6 in the low half, 1, 3, 5, 7 in the high one
-    alignas(32) float out[8];
-    _mm256_store_ps(out, _mm256_hadd_ps(p[0], p[1]));
-    for (int k = 0; k < 4; k++) r[2 * k] = out[k], r[2 * k + 1] = out[4 + k];
+// Group g (nbg blocks) of NB rows (xs bytes apart) into their running sums acc.
+template <int K, int NB>
+static MSQ_INLINE void msq_group_sums(const uint8_t *w, const char *x, long xs, long g, int nbg, __m256 *acc) {
+    __m256 dw, mw;
+    msq_scales<K>(w + 8 * g * MsqT<K>::BYTES, nbg, &dw, &mw);
+    msq_group_totals<K, NB>(w, x, xs, g, nbg, [&](int j, __m256i total) MSQ_INLINE_LAMBDA {
+        msq_float<K>((const ms_a8g *)(x + j * xs) + g, total, dw, mw, acc[j]);
+    });
 }
 
 // NB activation rows (xs bytes apart) against one weight row, a group of 8 blocks at a time.
@@ -569,32 +564,17 @@ template <int K, int NB>
 static inline void msq_dot_vec(long n, const uint8_t *w, const char *x, long xs, float *y, long ys) {
     typedef MsqT<K> T;
     const long nb = n / 32;
-    __m256 acc[NB], mins[NB];
-    for (int j = 0; j < NB; j++) acc[j] = mins[j] = _mm256_setzero_ps();
-    auto group = [&](long g, int nbg) {
-        __m256 dw, mw;
-        msq_scales<K>(w + 8 * g * T::BYTES, nbg, &dw, &mw);
-        msq_group_totals<K, NB>(w, x, xs, g, nbg, [&](int j, __m256i total) {
-            msq_float<K>((const ms_a8g *)(x + j * xs) + g, total, dw, mw, acc[j], mins[j]);
-        });
-    };
+    __m256 acc[NB];
+    for (int j = 0; j < NB; j++) acc[j] = _mm256_setzero_ps();
     long g = 0;
     for (; 8 * g + 8 <= nb; g++) {  // whole groups (the short one's cases fold away: nbg = 8)
         const uint8_t *wg = w + 8 * g * T::BYTES;
         for (int o = 0; o < 8 * T::BYTES; o += 64)
             _mm_prefetch((const char *)wg + MSQ_PREFETCH + o, _MM_HINT_T0);
-        group(g, 8);
+        msq_group_sums<K, NB>(w, x, xs, g, 8, acc);
     }
-    if (nb > 8 * g) group(g, (int)(nb - 8 * g));  // a last, short group: its lanes past nbg are zeros
-    if (T::MIN)
-        for (int j = 0; j < NB; j++) acc[j] = _mm256_add_ps(acc[j], mins[j]);
-    if constexpr (NB == 8) {
-        float r[8];
-        msq_hsum8x8(acc, r);
-        for (int j = 0; j < NB; j++) y[j * ys] = r[j];
-    } else {
-        for (int j = 0; j < NB; j++) y[j * ys] = msq_hsum8(acc[j]);
-    }
+    if (nb > 8 * g) msq_group_sums<K, NB>(w, x, xs, g, (int)(nb - 8 * g), acc);  // a last, short group: its lanes past nbg are zeros
+    for (int j = 0; j < NB; j++) y[j * ys] = msq_hsum8(acc[j]);
 }
 #endif
 
