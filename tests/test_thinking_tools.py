@@ -214,6 +214,32 @@ def test_a_stop_string_leaves_out_the_ids_of_what_it_removed(qwen3, words, stop,
     assert [i for c in chunks for i in c.token_ids] == [*head, *ids[:kept]]
 
 
+def test_a_stop_string_does_not_reach_across_a_tool_call(qwen3):
+    """Scripted ids with tools: answer text held back in case it becomes a stop string goes
+    out before a call that follows it, and the stop string is not matched across the call
+    ("EN", a call, then "D" is no "END"); every id, the call's included, goes out in order."""
+    tok = qwen3.tokenizer
+    options = ChatOptions(tools=(TIME,), thinking=False)
+    tools = qwen3.tool_plan(options)
+    parts = ReplyParts(qwen3.reply_plan(HI, options, tools), qwen3.eos_ids)
+    call = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    ids = [i for w in ("Sure EN", call, "D tail") for i in tok(w)["input_ids"]]
+    chunks: list = []
+    stop = SamplingParams(stop=("END",))
+    reply = _Reply(
+        tok, stop, GenerationStats(), chunks.append, parts=parts, tool_format=qwen3.tool_format
+    )
+    for i in ids:
+        parts.accept(i)
+        assert reply.token(i)
+    reply.finish()
+    assert "".join(c.text for c in chunks) == "Sure END tail"
+    first_call = next(n for n, c in enumerate(chunks) if c.tool_calls)
+    assert "".join(c.text for c in chunks[:first_call]) == "Sure EN"  # before the call
+    assert [c.name for c in chunks[-1].calls] == ["get_time"]
+    assert [i for c in chunks for i in c.token_ids] == ids
+
+
 def test_back_restores_the_parts_exactly(r1):
     """ReplyParts.rollback (the Step view's Back): taking back tokens and accepting them again
     gives the same kinds, counters and masks."""

@@ -439,6 +439,11 @@ class _Reply:
                 self._send(reasoning=self.thought_edges.feed(self.thought.flush()))
             return True
         if kind == CALL:
+            # no stop string reaches across a call (as none would across the call's own text):
+            # the answer's text held back in case it became one goes out before the call
+            held = self.stops.flush()
+            self.let_out += len(held)
+            self._send(held)
             self._send(tool_calls=self.calls.push(token_id))
             return True
         piece = self.detok.push(token_id)

@@ -69,7 +69,10 @@ HTML_TAGS = frozenset(  # HTML's and SVG's element names (the Chatbot's own list
     "sub summary sup svg table tbody td template text textarea tfoot th thead time title tr "
     "track tt u ul use var video view wbr".split()
 )
-TAG_AHEAD = r"(?=!|/?([A-Za-z][A-Za-z0-9]*)(?:[\s/>]|$))"
+# a tag's name ends where HTML's does (space, tab, newline, form feed, CR, "/" or ">"): spelled
+# out, since Python's \s and the page's differ (\x1c-\x1f, \x85, U+FEFF), and CHATBOT_JS uses
+# these patterns as they are
+TAG_AHEAD = r"(?=!|/?([A-Za-z][A-Za-z0-9]*)(?:[ \t\n\f\r/>]|$))"
 OPENS_TAG = re.compile(r"(<|&(?:amp;)*lt;)" + TAG_AHEAD)
 WRITTEN_TAG = re.compile(r"(&(?:amp;)*lt;)" + TAG_AHEAD)
 # fenced blocks: to their closing fence, or to the end of a text still streaming

@@ -24,8 +24,8 @@
 // are stored by 4-byte pieces (ms_a8g), and each weight group is unpacked and transposed the
 // same way once for all the activation rows of the call, so 8 integer dot steps (pmaddubsw,
 // or vpdpbusd) leave the 8 block totals in the 8 lanes with no sum across lanes; then one
-// convert, two multiplies and one add serve the 8 blocks. A last group short of 8 blocks has
-// zeros in the missing lanes (d = 0, q = 0), which add exact zeros; one of at most 4 blocks
+// convert, two multiplies and one add (a multiply and an add more for a min) serve the 8
+// blocks. A last group short of 8 blocks has zeros in the missing lanes (d = 0, q = 0), which add exact zeros; one of at most 4 blocks
 // takes half the steps (pieces i and i + 4 side by side, the two halves' totals then added). Never a fused multiply-add
 // in the float part (the generic build has none in hardware), so every build rounds alike.
 // (This order replaced one with 8 float lanes a block: 8 blocks now cost the float work 1 did.)
@@ -451,11 +451,12 @@ static MSQ_INLINE __m256i msq_totals_q8(__m256i acc, const __m256i *w, const __m
     return acc;
 }
 
-// The 4- and 5-bit types (and, on AVX-512, Q8_0 as q + 128: msq_bias_shift): `acc` plus the
-// totals (int32 lane k: block k) of P pieces of weights (w[i], unsigned) against the activation
+// The 4- and 5-bit types (and, on AVX-512, Q8_0 as q + 128: msq_bias_shift): the totals
+// (int32 lane k: block k) of P pieces of weights (w[i], unsigned) against the activation
 // pieces act(0) .. act(P - 1).
 template <int K, int P, class Act>
-static MSQ_INLINE __m256i msq_totals(const __m256i *w, Act act, __m256i acc = _mm256_setzero_si256()) {
+static MSQ_INLINE __m256i msq_totals(const __m256i *w, Act act) {
+    __m256i acc = _mm256_setzero_si256();
 #if defined(MSQ_AVX512)
     if constexpr (P == 8) {  // two chains, then their sum (integers: the same total)
         __m256i b = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w[1], act(1));
