@@ -425,3 +425,24 @@ def test_llamacpp_chat_and_completion(llamacpp):
     with pytest.raises(GrammarError, match="cannot hold a reply to a regex"):
         remote.chat(ASK, GREEDY.replace(constraint=Constraint("regex", "[0-9]+")))
     remote.close()
+
+
+def test_a_remote_answer_split_inside_a_character_is_placed_by_its_characters():
+    """The logprob steps a server sends for a character split over two tokens ("bytes:\\xf0\\x9f",
+    then "bytes:\\x98\\x80", as OpenAI writes pieces of one): they start the answer's event and
+    make one character of it, so with a stop string's cut the entries shown are those whose
+    text starts before it. (Before, the pieces were not taken for the answer's start, and the
+    tokens after them were placed a character early.)"""
+    from miniserve.engine.stream import text_bytes
+    from miniserve.models.remote_stream import RemoteStream
+    from miniserve.serve.shapes import LogprobRecorder
+
+    recorder = LogprobRecorder(None, 0, local=False, places=True)
+    stream = RemoteStream.__new__(RemoteStream)
+    stream.inspector = recorder
+    events = [("A", ["A"]), ("😀", ["bytes:\\xf0\\x9f", "bytes:\\x98\\x80"]), (" b", [" b"])]
+    for text, tokens in events:
+        stream._inspect(text, [(t, -0.5, []) for t in tokens], True)
+    assert b"".join(text_bytes(t) for _, ts in events for t in ts).decode() == "A😀 b"
+    assert [recorder.shown(n) for n in (1, 2, 4)] == [1, 3, 4]  # "A", "A😀", "A😀 b"
+    assert text_bytes("bytes: no escapes") == b"bytes: no escapes"  # a token's own words

@@ -11,6 +11,8 @@ text where one appears.
 
 from __future__ import annotations
 
+import re
+
 REPLACEMENT = "\ufffd"
 
 
@@ -138,3 +140,15 @@ def token_text(tokenizer, token_id: int) -> tuple[str, bytes]:
         return raw.decode("utf-8"), raw
     except UnicodeDecodeError:
         return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
+
+
+PIECE = re.compile(r"bytes:((?:\\x[0-9a-f]{2})+)")
+
+
+def text_bytes(text: str) -> bytes:
+    """token_text undone: the bytes a logprob entry's token text stands for ("bytes:\\xf0\\x9f"
+    for a piece of a character, as OpenAI and this server write one; else the text's UTF-8)."""
+    m = PIECE.fullmatch(text)
+    if m is None:
+        return text.encode("utf-8")
+    return bytes(int(h, 16) for h in m.group(1).split("\\x")[1:])

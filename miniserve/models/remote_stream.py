@@ -18,6 +18,7 @@ from miniserve.core.config import ConfigError
 from miniserve.core.toolcalls import ToolCall, new_call_id
 from miniserve.engine.decode import GenerationStats
 from miniserve.engine.engine import Chunk
+from miniserve.engine.stream import text_bytes
 from miniserve.models.remote_http import (
     TIMEOUT,
     RemoteError,
@@ -211,8 +212,18 @@ class RemoteStream:
             self.inspector.add_remote_step(text, None, [], answer=answer)
         started = False
         for token, logprob, top in steps:
-            started = started or (answer and (text.startswith(token) or token.startswith(text)))
+            started = started or (answer and _starts(text, token))
             self.inspector.add_remote_step(token, logprob, top, answer=started)
+
+
+def _starts(text: str, token: str) -> bool:
+    """Whether an event's text starts with a token's: by the whole characters it holds, and a
+    token that holds only a piece of one ("bytes:\\xf0\\x9f") starts a text that opens with a
+    character outside ASCII."""
+    whole = text_bytes(token).decode("utf-8", "ignore")
+    if not whole:
+        return bool(text) and not text[0].isascii()
+    return text.startswith(whole) or whole.startswith(text)
 
 
 class _Calls:

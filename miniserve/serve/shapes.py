@@ -12,7 +12,7 @@ import uuid
 
 import torch
 
-from miniserve.engine.stream import token_text
+from miniserve.engine.stream import text_bytes, token_text
 from miniserve.models.registry import Models
 from miniserve.serve.bridge import Choices
 from miniserve.serve.parse import APIRequest
@@ -39,6 +39,7 @@ class LogprobRecorder:
         # with places: each entry's (first character in the answer, whether it is the answer's)
         self.places: list[tuple[int, bool]] | None = [] if places else None
         self.chars = 0  # the answer's characters placed so far
+        self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")  # of the answer's tokens
         self.placed = 0  # entries shown so far (the answer written only grows)
 
     def took(self, chunk) -> None:
@@ -63,7 +64,8 @@ class LogprobRecorder:
     def _place(self, text: str, answer: bool) -> None:
         if self.places is not None:
             self.places.append((self.chars, answer))
-            self.chars += len(text) if answer else 0
+            if answer:  # a piece of a character adds none; the piece that ends it, one
+                self.chars += len(self.utf8.decode(text_bytes(text)))
 
     def observe(self, logits, previous_ids, token_id, allowed=None, state=None):
         if token_id in self.ends:
