@@ -240,6 +240,32 @@ def test_a_stop_string_does_not_reach_across_a_tool_call(qwen3):
     assert [i for c in chunks for i in c.token_ids] == ids
 
 
+def test_a_call_given_back_as_text_is_cut_by_a_stop_string_with_its_ids(qwen3):
+    """Scripted ids with tools: a call region that does not parse comes back as the answer's
+    text; a stop string inside it cuts the text, and the chunks carry the ids of the tokens
+    whose text starts before the cut only."""
+    tok = qwen3.tokenizer
+    options = ChatOptions(tools=(TIME,), thinking=False)
+    parts = ReplyParts(qwen3.reply_plan(HI, options, qwen3.tool_plan(options)), qwen3.eos_ids)
+    before, region = "Sure ", "<tool_call>\nnot json END more\n</tool_call>"
+    head, call = tok(before)["input_ids"], tok(region)["input_ids"]
+    chunks: list = []
+    stop = SamplingParams(stop=("END",))
+    reply = _Reply(
+        tok, stop, GenerationStats(), chunks.append, parts=parts, tool_format=qwen3.tool_format
+    )
+    for i in [*head, *call]:
+        parts.accept(i)
+        assert reply.token(i)
+    reply.finish()
+    shown = before + region[: region.index("END")]
+    assert "".join(c.text for c in chunks) == shown and not chunks[-1].calls
+    starts = [len(tok.decode(call[:k], skip_special_tokens=False)) for k in range(len(call))]
+    kept = sum(1 for at in starts if at < len(shown) - len(before))
+    assert [i for c in chunks for i in c.token_ids] == [*head, *call[:kept]]
+    assert kept < len(call)
+
+
 def test_back_restores_the_parts_exactly(r1):
     """ReplyParts.rollback (the Step view's Back): taking back tokens and accepting them again
     gives the same kinds, counters and masks."""

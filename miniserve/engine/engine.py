@@ -376,9 +376,12 @@ class _Reply:
         self.detok = Detokenizer(tokenizer)
         self.stops = StopStrings(params.stop)
         self.stats, self.sink, self.dropped = stats, sink, dropped_messages
-        # ids not sent yet: (id, where it stands in the answer's text, whether it is the
-        # answer's: its text may be held back or cut)
-        self.pending: list[tuple[int, int, bool]] = []
+        # ids not sent yet: [id, where it stands in the answer's text, whether it is the
+        # answer's: its text may be held back or cut]
+        self.pending: list[list] = []
+        # the call tokens' entries, with where each token's text starts in the calls' text: a
+        # call that does not parse comes back as the answer's text, and they are placed in it
+        self.call_entries: list[tuple[list, int]] = []
         self.fed = 0  # characters of the answer given to the stop strings
         self.let_out = 0  # of them, those let out (not held back, not cut)
         self.parts = parts if parts is not None and parts.plan.split else None
@@ -428,7 +431,7 @@ class _Reply:
         if kind == CALL and self.calls is None:  # no family to read calls by: answer text
             kind = ANSWER
         if kind != ANSWER:  # not the answer's: no stop string cuts it
-            self.pending.append((token_id, self.fed, False))
+            self.pending.append([token_id, self.fed, False])
         if kind == REASONING:
             self.reasoned = True
             self._send(reasoning=self.thought_edges.feed(self.thought.push(token_id)))
@@ -439,6 +442,7 @@ class _Reply:
                 self._send(reasoning=self.thought_edges.feed(self.thought.flush()))
             return True
         if kind == CALL:
+            self.call_entries.append((self.pending[-1], len(self.calls.raw)))
             # no stop string reaches across a call (as none would across the call's own text):
             # the answer's text held back in case it became one goes out before the call
             held = self.stops.flush()
@@ -450,7 +454,7 @@ class _Reply:
         text = self.answer_edges.feed(piece) if self.reasoned else piece
         # a piece the edges drop is the template's, as a tag is; an empty one (a character
         # not complete yet) is the answer's
-        self.pending.append((token_id, self.fed, bool(text) or not piece))
+        self.pending.append([token_id, self.fed, bool(text) or not piece])
         self._send(self._answer(text))
         return not self.stops.stopped
 
@@ -464,7 +468,11 @@ class _Reply:
         deltas, calls, leftover = self.calls.finish() if self.calls is not None else ([], [], "")
         tail = ""
         if not self.stops.stopped:
-            tail = self._answer(self.detok.flush() + leftover)
+            head = self.detok.flush()
+            if leftover:  # the calls' text, given back as the answer's: their tokens are in it
+                for entry, start in self.call_entries:
+                    entry[1:] = [self.fed + len(head) + start, True]
+            tail = self._answer(head + leftover)
             tail += self.stops.flush()
         if calls and self.stats.finish_reason in ("eos", "stop"):
             self.stats.finish_reason = "tool_calls"
