@@ -490,6 +490,9 @@ def test_two_tabs_chat_at_once_without_mixing(browser, app_server):
         re.compile(r"\w"), timeout=120000
     )
     expect(first.locator("#status")).to_contain_text("generating…", timeout=1000)
+    # Gradio's progress marks the Chatbot only: no other output pulses all through a reply
+    # (the page's repainting would take a share of the cores the model runs on)
+    assert first.locator(".generating:not(#chatbot *)").count() == 0
     expect(first.locator("[data-testid='bot']").last).to_contain_text(
         re.compile(r"\w"), timeout=10000
     )

@@ -92,6 +92,7 @@ def test_notebook_continues_the_text_in_place_and_undo_restores_it(page):
         re.compile(re.escape(STORY) + r".{30,}", re.S), timeout=REPLY_TIMEOUT_MS
     )
     expect(status).to_contain_text("generating…")
+    assert page.locator(".generating:not(#notebook-text *)").count() == 0  # progress: the text's
     page.get_by_role("button", name="Stop").click()
     expect(status).to_contain_text("stopped by you", timeout=REPLY_TIMEOUT_MS)
     expect(status).to_contain_text("tokens/s")

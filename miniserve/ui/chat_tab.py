@@ -702,7 +702,11 @@ def build_chat_tab(app: TabContext, label: str) -> ChatTab:
     q = bar["search"]
     # the handlers' parameters in order; Gradio puts an edit's EditData before the format's
     settings = [system, *sampling.inputs, inspect_on, *output.inputs, model, *thinking.inputs]
-    generating = dict(outputs=[*shown, message, inspector_view], concurrency_id=ENGINE_EVENTS)
+    generating = dict(
+        outputs=[*shown, message, inspector_view],
+        concurrency_id=ENGINE_EVENTS,
+        show_progress_on=chatbot,  # progress on the reply's component only (common.py)
+    )
     runs = [
         # one event for Send and Enter: a second one while its reply runs is dropped by Gradio
         # (an event runs once at a time), and refused_send, an event of its own, says why

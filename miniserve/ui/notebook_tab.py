@@ -291,7 +291,11 @@ def build_notebook_tab(app: TabContext, label: str) -> None:
                 )
                 output = build_output_format()
     settings = [*sampling.sliders, sampling.seed, inspect_on, *output.inputs, model]
-    generating = dict(outputs=[text, history, status, inspector_view], concurrency_id=ENGINE_EVENTS)
+    generating = dict(
+        outputs=[text, history, status, inspector_view],
+        concurrency_id=ENGINE_EVENTS,
+        show_progress_on=text,  # progress on the reply's component only (common.py)
+    )
     runs = [
         generate_btn.click(notebook.generate, [text, history, *settings], **generating),
         regen_btn.click(notebook.regenerate, [text, history, *settings], **generating),
