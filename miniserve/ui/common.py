@@ -21,10 +21,11 @@ from miniserve.core.errors import Unavailable, UserError
 PAINT_INTERVAL_S = 0.08
 ERROR_PREFIX = "**Error:**"
 # An event that streams a reply shows Gradio's progress on the component the reply streams into
-# only (`show_progress_on`). Gradio's default marks every output: the message box,
-# the sidebar, the status line and the inspector pulse all through a reply, and on a 2-core
-# machine the page's repainting takes a share of the cores the model runs on (a Chat reply on the
-# embedded model: a median of 109 against 144 tok/s, BENCHMARKS.md). The status line says what runs.
+# only (`show_progress_on`: the Chatbot, the Notebook's text, Compare's columns, the Step view's
+# text). Gradio's default marks every output: the message box, the sidebar, the status line and
+# the inspector pulsed all through a reply, and on a 2-core machine the page's repainting takes a
+# share of the cores the model runs on (a Chat reply on the embedded model: a median of 109
+# against 144 tok/s, BENCHMARKS.md). The status line says what runs.
 
 
 class Reading:

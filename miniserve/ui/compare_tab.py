@@ -356,6 +356,7 @@ def build_compare_tab(app: TabContext, label: str) -> None:
         [prompt, chosen, seed, tokens, *output.inputs, also_free, chosen_models],
         [status, *(slots[slot] for slot in compare.slots)],
         concurrency_id=ENGINE_EVENTS,
+        show_progress_on=[slots[slot] for slot in compare.slots],  # the replies' (common.py)
     )
     stop_btn.click(compare.stop_pressed, None, None, queue=False)  # not queued behind it
     app.header.refresh_after([run])
