@@ -23,12 +23,12 @@ from miniserve.engine.turn import ChatTurn, history_of
 from miniserve.models.registry import Models
 from miniserve.store.store import Store, StoreError, open_store
 from miniserve.ui.common import (
-    ENGINE_EVENTS,
     STOP_WAIT_S,
     STREAMING,
     USER_ERRORS,
     Reading,
     Sessions,
+    engine_event,
     error,
     message_text,
     streaming_status,
@@ -702,11 +702,7 @@ def build_chat_tab(app: TabContext, label: str) -> ChatTab:
     q = bar["search"]
     # the handlers' parameters in order; Gradio puts an edit's EditData before the format's
     settings = [system, *sampling.inputs, inspect_on, *output.inputs, model, *thinking.inputs]
-    generating = dict(
-        outputs=[*shown, message, inspector_view],
-        concurrency_id=ENGINE_EVENTS,
-        show_progress_on=chatbot,  # progress on the reply's component only (common.py)
-    )
+    generating = engine_event([*shown, message, inspector_view], chatbot)
     runs = [
         # one event for Send and Enter: a second one while its reply runs is dropped by Gradio
         # (an event runs once at a time), and refused_send, an event of its own, says why

@@ -20,12 +20,6 @@ from miniserve.core.errors import Unavailable, UserError
 # repaint costs browser CPU that a 2-core machine would otherwise give to the model.
 PAINT_INTERVAL_S = 0.08
 ERROR_PREFIX = "**Error:**"
-# An event that streams a reply shows Gradio's progress on the component the reply streams into
-# only (`show_progress_on`: the Chatbot, the Notebook's text, Compare's columns, the Step view's
-# text). Gradio's default marks every output: the message box, the sidebar, the status line and
-# the inspector pulsed all through a reply, and on a 2-core machine the page's repainting takes a
-# share of the cores the model runs on (a Chat reply on the embedded model: a median of 109
-# against 144 tok/s, BENCHMARKS.md). The status line says what runs.
 
 
 class Reading:
@@ -72,6 +66,18 @@ def streaming_status(chunk) -> str:
 # so the replies of many browsers advance in the same forward passes; past it they wait their
 # turn in Gradio's queue.
 ENGINE_EVENTS = "engine"
+
+
+def engine_event(outputs: list, streams_into) -> dict:
+    """An event that runs the engine: its outputs, the engine's concurrency group, and Gradio's
+    progress on the component(s) the reply streams into only. Gradio's default marks every
+    output: the Chat's message box, sidebar, status line and inspector pulsed all through a
+    reply, and on a 2-core machine the page's repainting takes a share of the cores the model
+    runs on (a Chat reply on the embedded model: a median of 109 against 144 tok/s,
+    BENCHMARKS.md). The status line says what runs."""
+    return dict(outputs=outputs, concurrency_id=ENGINE_EVENTS, show_progress_on=streams_into)
+
+
 # The benchmarks run one at a time: two at once would measure each other.
 BENCHMARK_EVENTS = "benchmark"
 

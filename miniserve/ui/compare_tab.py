@@ -21,10 +21,10 @@ from miniserve.core.samplers import describe
 from miniserve.engine.engine import Engine
 from miniserve.models.registry import Models
 from miniserve.ui.common import (
-    ENGINE_EVENTS,
     PAINT_INTERVAL_S,
     USER_ERRORS,
     Sessions,
+    engine_event,
     error,
     user_message,
 )
@@ -351,12 +351,11 @@ def build_compare_tab(app: TabContext, label: str) -> None:
                 for m in models.names
                 for free in (False, True)
             }
+    columns = [slots[slot] for slot in compare.slots]
     run = button.click(
         compare.compare,
         [prompt, chosen, seed, tokens, *output.inputs, also_free, chosen_models],
-        [status, *(slots[slot] for slot in compare.slots)],
-        concurrency_id=ENGINE_EVENTS,
-        show_progress_on=[slots[slot] for slot in compare.slots],  # the replies' (common.py)
+        **engine_event([status, *columns], columns),
     )
     stop_btn.click(compare.stop_pressed, None, None, queue=False)  # not queued behind it
     app.header.refresh_after([run])

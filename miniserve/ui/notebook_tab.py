@@ -23,13 +23,13 @@ from miniserve.engine.engine import Engine
 from miniserve.engine.inspector import Inspector
 from miniserve.models.registry import Models
 from miniserve.ui.common import (
-    ENGINE_EVENTS,
     STOP_WAIT_S,
     STREAMING,
     UNDO,
     USER_ERRORS,
     Reading,
     Sessions,
+    engine_event,
     error,
     streaming_status,
     user_message,
@@ -291,11 +291,7 @@ def build_notebook_tab(app: TabContext, label: str) -> None:
                 )
                 output = build_output_format()
     settings = [*sampling.sliders, sampling.seed, inspect_on, *output.inputs, model]
-    generating = dict(
-        outputs=[text, history, status, inspector_view],
-        concurrency_id=ENGINE_EVENTS,
-        show_progress_on=text,  # progress on the reply's component only (common.py)
-    )
+    generating = engine_event([text, history, status, inspector_view], text)
     runs = [
         generate_btn.click(notebook.generate, [text, history, *settings], **generating),
         regen_btn.click(notebook.regenerate, [text, history, *settings], **generating),

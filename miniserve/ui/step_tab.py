@@ -24,9 +24,9 @@ from miniserve.core.config import parse_logit_bias
 from miniserve.engine.step import IDLE_S, TOP, StepError, StepSession, remote_note
 from miniserve.models.registry import Models
 from miniserve.ui.common import (
-    ENGINE_EVENTS,
     USER_ERRORS,
     Sessions,
+    engine_event,
     error,
     session_of,
     user_message,
@@ -439,8 +439,7 @@ def build_step_tab(app: TabContext, label: str) -> None:
                 top = gr.Slider(5, 50, value=TOP, step=1, label="Candidates shown")
     settings = [mode, prompt, *sampling.sliders, sampling.seed, bias, *output.inputs, top, model]
     outs = [text, chart, costs, status]
-    # Run's progress on the text it writes only (common.py)
-    engine = dict(outputs=outs, concurrency_id=ENGINE_EVENTS, show_progress_on=text)
+    engine = engine_event(outs, text)
     # one token is one pass (tens of milliseconds): sent straight rather than through Gradio's
     # queue, whose round trip cost more than the pass (the engine's own queue still admits it)
     one = dict(outputs=outs, queue=False, show_progress="hidden")
