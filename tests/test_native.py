@@ -100,14 +100,15 @@ def test_the_library_builds_here():
 def _rows_for_top_k(n: int):
     """Rows a sampler's top-k meets: logits as a model writes them, ones rising all along
     (every value passes the threshold: the candidates are cut down many times), falling, ties
-    at and around the k-th, -inf masks, a NaN at either end."""
+    at and around the k-th, -inf masks, a NaN at either end and in the middle."""
     gen = torch.Generator().manual_seed(n)
     plain = torch.randn(n, generator=gen) * 3
     rising = torch.arange(n, dtype=torch.float32) / 7
     masked = plain.clone()
     masked[torch.randperm(n, generator=gen)[: n - 30]] = float("-inf")
-    nan_first, nan_last = plain.clone(), plain.clone()
+    nan_first, nan_middle, nan_last = plain.clone(), plain.clone(), plain.clone()
     nan_first[0], nan_last[-1] = float("nan"), float("nan")
+    nan_middle[n // 2 + 3] = float("nan")  # inside a run of 16 the scan would skip
     return {
         "plain": plain,
         "rising": rising,
@@ -116,6 +117,7 @@ def _rows_for_top_k(n: int):
         "coarse": torch.round(plain * 20) / 20,  # a few ties, some at a k-th
         "masked": masked,
         "nan first": nan_first,
+        "nan middle": nan_middle,
         "nan last": nan_last,
     }
 

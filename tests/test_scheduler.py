@@ -7,10 +7,13 @@ fit."""
 import threading
 
 import pytest
+import torch
 
 from miniserve.core.config import SamplingParams
+from miniserve.engine import sampling
 from miniserve.engine.decode import generate
 from miniserve.engine.engine import Engine, EngineBusy, RequestTooLarge
+from miniserve.engine.sampling import NoTokenAllowed, SamplerState, make_generator
 
 from conftest import chat_ids, needs_native, same_on_every_cpu
 from reference import HELD_OUT
@@ -215,3 +218,106 @@ def test_bad_token_ids_and_a_dropped_stream(engine):
     while engine.queue_depth and __import__("time").time() < deadline:
         engine.run_on_worker(lambda: None)
     assert engine.queue_depth == 0
+
+
+# -- a pass's rows sampled together (sampling.sample_rows) -------------------------------------
+
+TOGETHER = [
+    dict(temperature=0.7, top_k=50, top_p=0.95, repetition_penalty=1.1),  # balanced
+    dict(temperature=1.0, top_k=80, top_p=0.98, min_p=0.02, repetition_penalty=1.15),
+    dict(temperature=0.8, top_k=40, top_n_sigma=1.5, typical_p=0.9, logit_bias={3: 2.5, 9: -100}),
+    dict(
+        temperature=0.9,
+        top_k=30,
+        samplers=["top_k", "penalties", "temperature"],
+        repetition_penalty=1.3,
+    ),  # the penalty after top-k: the block widens back
+    dict(temperature=0, repetition_penalty=1.2, logit_bias={0: -100, 1: -100, 2: 4.0}),
+    dict(temperature=0.9, top_k=0, top_p=0.9),  # top-p first: ragged rows, each alone
+]
+
+
+def _rows(seed, rows, width=4096):
+    """Logits as a pass gives them, the ids so far (of different lengths), and now and then a
+    row tied at the 40th token, or one whose only finite logits are ones a bias bans."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, width, generator=gen) * 3
+    if seed % 3 == 0:
+        logits[rows // 2, :45] = 9.0  # ties at the k-th: that row goes the whole-width way
+    if seed % 4 == 1:
+        logits[-1] = float("-inf")
+        logits[-1, 9] = 1.0  # only token 9, which the third setting bans
+    previous = [torch.randint(0, width, (1, 5 + 17 * r), generator=gen) for r in range(rows)]
+    return logits, previous
+
+
+@pytest.mark.parametrize("setting", range(len(TOGETHER)))
+def test_rows_sampled_together_get_the_token_each_gets_alone(monkeypatch, setting):
+    """sample_rows over a block of rows (the scheduler's, for streams sharing their settings)
+    against `sample` on each row alone with the same generator: the same token, or the same
+    NoTokenAllowed, and the generator left in the same state. Rows the block cannot carry
+    (ties at the k-th, top-p's ragged rows) go to `sample` and are counted."""
+    params = SamplingParams(**TOGETHER[setting], seed=1)
+    assert sampling.batch_key(params) is not None
+    handed, sample = [], sampling.sample
+    monkeypatch.setattr(sampling, "sample", lambda *a, **k: handed.append(1) or sample(*a, **k))
+    together_rows = 0
+    for seed in range(12):
+        rows = 1 + seed % 9
+        logits, previous = _rows(seed, rows)
+        alone_gens = [make_generator(100 + r) for r in range(rows)]
+        block_gens = [make_generator(100 + r) for r in range(rows)]
+        want = []
+        for r in range(rows):
+            try:
+                want.append(sample(logits[r : r + 1], params, previous[r], alone_gens[r]))
+            except NoTokenAllowed as e:
+                want.append(e)
+        before = len(handed)
+        got = sampling.sample_rows(
+            logits, params, previous, block_gens, [SamplerState() for _ in range(rows)]
+        )
+        together_rows += rows - (len(handed) - before)
+        for r in range(rows):
+            if isinstance(want[r], NoTokenAllowed):
+                assert isinstance(got[r], NoTokenAllowed), (seed, r)
+            else:
+                assert torch.equal(got[r].reshape(-1), want[r].reshape(-1)), (seed, r)
+            assert torch.equal(block_gens[r].get_state(), alone_gens[r].get_state())
+    if TOGETHER[setting].get("top_k") != 0:
+        assert together_rows > 30  # most rows went through the block
+    else:
+        assert together_rows == 0
+
+
+def test_each_block_stage_gives_a_row_the_numbers_it_gets_alone():
+    """Every stage sample_rows runs over a block (sampling.BLOCK) against its function on each
+    row alone, bit for bit, on full rows and on the few tokens top-k keeps, with removed
+    (-inf) tokens among them: the claim sample_rows rests on, on this CPU's kernels."""
+    settings = dict(
+        logit_bias={5: -100, 7: 1.5},
+        penalties=dict(repetition_penalty=1.3),
+        temperature=dict(temperature=0.7),
+        top_k=dict(top_k=9),
+        top_p=dict(top_p=0.8),
+        min_p=dict(min_p=0.05),
+        top_n_sigma=dict(top_n_sigma=1.0),
+        typ_p=dict(typical_p=0.7),
+    )
+    assert set(sampling.BLOCK) == set(settings)
+    gen = torch.Generator().manual_seed(5)
+    for key, values in settings.items():
+        own = {"logit_bias": values} if key == "logit_bias" else values
+        params = SamplingParams(**{"temperature": 0.9, **own})
+        for rows, width in ((1, 50), (3, 50), (8, 50), (9, 4096), (8, 49152)):
+            x = torch.randn(rows, width, generator=gen) * 4
+            x[torch.rand(rows, width, generator=gen) < 0.1] = float("-inf")
+            previous = [
+                torch.randint(0, width, (1, 3 + 11 * r), generator=gen) for r in range(rows)
+            ]
+            call = sampling.Call(params, None, None, SamplerState(), False)
+            got = sampling.BLOCK[key](x.clone(), call, previous)
+            for r in range(rows):
+                one = sampling.Call(params, previous[r], None, SamplerState(), False)
+                want = sampling.APPLY[key](x[r : r + 1], one)
+                assert torch.equal(got[r : r + 1], want), (key, rows, width, r)

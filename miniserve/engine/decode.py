@@ -218,18 +218,25 @@ def _loop(model, ids, budget, use_cache, cache, cancel, prompt_logits, reply) ->
 
 
 def choose(
-    logits: torch.Tensor, ids: torch.Tensor, reply: Reply
+    logits: torch.Tensor, ids: torch.Tensor, reply: Reply, drawn=None
 ) -> tuple[int | None, torch.Tensor | None]:
     """One step's choice, the same in this loop and in the scheduler: sample (the repetition
     penalty sees every id so far; the grammar's mask is a stage; greedy skips the softmax),
     time it, show it to the observer, advance the grammar. Returns (token id, ids with it
     appended), or (token id, None) for an end token (stats.finish_reason = "eos"), or
     (None, None) when the grammar and the logit bias allow no token
-    (stats.finish_reason = "no_token_allowed")."""
+    (stats.finish_reason = "no_token_allowed"). `drawn`: what sampling.sample_rows gave this
+    row with others (a token, or NoTokenAllowed), where it did."""
     stats, matcher, sampler = reply.stats, reply.matcher, reply.sampler
     allowed = matcher.allowed(logits.shape[-1]) if matcher is not None else None
     try:
-        token = sample(logits, reply.params, ids, reply.generator, allowed, sampler)
+        if isinstance(drawn, NoTokenAllowed):
+            raise drawn
+        token = (
+            drawn
+            if drawn is not None
+            else sample(logits, reply.params, ids, reply.generator, allowed, sampler)
+        )
     except NoTokenAllowed:
         stats.finish_reason = "no_token_allowed"
         return None, None

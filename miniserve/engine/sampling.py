@@ -13,11 +13,17 @@ penalties), no softmax. The grammar mask (miniserve/engine/grammar.py) keeps onl
 that can continue text the grammar accepts; when it and the logit bias leave no token at all,
 `NoTokenAllowed` is raised. XTC's draw comes from the reply's own generator; Mirostat's state
 (mu) lives in the reply's `SamplerState`.
+
+The scheduler samples the rows of a pass that share their settings together (`sample_rows`): the
+stages with a block function (`BLOCK`) run once over the rows, each row's numbers exactly
+those it gets alone, and each row draws from its own generator. A stage declared without one
+(its own draws, a state, Python a row) has its rows sampled one at a time.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -38,6 +44,9 @@ TINY_TEMPERATURE = 1e-30
 
 class NoTokenAllowed(UserError, RuntimeError):
     """The grammar mask and the logit bias together left no token to choose."""
+
+
+NO_TOKEN = "the grammar and the logit bias allow no token"
 
 
 def apply_logit_bias(logits: torch.Tensor, bias: tuple[tuple[int, float], ...]) -> torch.Tensor:
@@ -87,6 +96,22 @@ def apply_repetition_penalty(
     seen = torch.gather(logits, -1, ids)
     seen = torch.where(seen < 0, seen * penalty, seen / penalty)
     return logits.scatter(-1, ids, seen)
+
+
+def repetition_penalty_rows_(
+    logits: torch.Tensor, previous: list[torch.Tensor | None], penalty: float
+) -> torch.Tensor:
+    """apply_repetition_penalty in place on each row of `logits` (B, vocab, contiguous) with
+    its own ids so far (any lengths): the rows as one long row, each row's ids shifted to its
+    place; every logit gets the operation it gets in its row alone."""
+    width = logits.shape[-1]
+    shifted = [ids.reshape(-1) + r * width for r, ids in enumerate(previous) if ids is not None]
+    if penalty == 1.0 or not shifted:
+        return logits
+    flat, ids = logits.view(-1), torch.cat(shifted)
+    seen = flat.gather(0, ids)
+    flat.scatter_(0, ids, torch.where(seen < 0, seen * penalty, seen / penalty))
+    return logits
 
 
 def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -186,13 +211,21 @@ class Call:
 APPLY: dict[str, Callable[[torch.Tensor, Call], torch.Tensor]] = {}
 AFTER_DRAW: dict[str, Callable[[Call, torch.Tensor, int], None]] = {}
 ID_FREE: set[str] = set()  # stages that never read which token a column is
+# Stages that run once over a block of rows sharing their settings (`sample_rows`), each row
+# getting exactly the numbers it gets alone: fn(block, call, each row's ids so far); the block
+# is sample_rows' own, so fn may change it in place.
+BLOCK: dict[str, Callable[[torch.Tensor, Call, list], torch.Tensor]] = {}
 
 
-def applies(key: str, after_draw=None, id_free: bool = False):
+def applies(key: str, after_draw=None, id_free: bool = False, block=None):
     """Attach a function over the logits to the declared stage `key` (and, for a stage with
     state, what it does once the token is drawn: `after_draw(call, final probs, token)`).
     `id_free`: it treats the columns alike whatever tokens they are (temperature, the
-    truncations), so it may run on the few tokens a truncation left (see `sample`)."""
+    truncations), so it may run on the few tokens a truncation left (see `sample`).
+    `block`: True where the function itself takes a block of rows (B, width) and gives each
+    row what it gives the row alone (elementwise work, or reductions along a row), or the
+    block's own function `fn(block, call, previous ids a row)`; None: rows with this stage on
+    are sampled one at a time (a draw, a state, per-row work in Python)."""
 
     def attach(fn):
         APPLY[key] = fn
@@ -200,17 +233,33 @@ def applies(key: str, after_draw=None, id_free: bool = False):
             AFTER_DRAW[key] = after_draw
         if id_free:
             ID_FREE.add(key)
+        if block is True:
+            BLOCK[key] = lambda x, call, previous: fn(x, call)
+        elif block is not None:
+            BLOCK[key] = block
         return fn
 
     return attach
 
 
-@applies("logit_bias")
+def _bias_block(x, call, previous):
+    if not call.params.logit_bias:
+        return x
+    ids, values = _bias_tensors(call.params.logit_bias, x.dtype, x.device)
+    return x.index_add_(-1, ids, values.expand(*x.shape[:-1], -1))
+
+
+@applies("logit_bias", block=_bias_block)
 def _bias(logits, call):
     return apply_logit_bias(logits, call.params.logit_bias)
 
 
-@applies("penalties")
+@applies(
+    "penalties",
+    block=lambda x, call, previous: repetition_penalty_rows_(
+        x, previous, call.params.repetition_penalty
+    ),
+)
 def _penalties(logits, call):
     return apply_repetition_penalty(logits, call.previous_ids, call.params.repetition_penalty)
 
@@ -296,13 +345,14 @@ def top_n_sigma_filter(logits: torch.Tensor, n: float) -> torch.Tensor:
         return logits
     finite = torch.isfinite(logits)
     count = finite.sum(dim=-1, keepdim=True)
-    if int(count.min()) <= 1:
+    if int(count.max()) <= 1:
         return logits
     x = logits.masked_fill(~finite, 0.0)
     mean = x.sum(dim=-1, keepdim=True) / count
     var = ((x - mean) ** 2).masked_fill(~finite, 0.0).sum(dim=-1, keepdim=True) / count
     top = logits.amax(dim=-1, keepdim=True)
-    return logits.masked_fill(logits < top - n * var.sqrt(), NEG_INF)
+    # a row with one finite logit or none keeps what it has (each row decides for itself)
+    return logits.masked_fill((logits < top - n * var.sqrt()) & (count > 1), NEG_INF)
 
 
 def typical_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
@@ -355,9 +405,24 @@ for _key, _fn, _setting in (
     ("top_n_sigma", top_n_sigma_filter, "top_n_sigma"),
     ("typ_p", typical_filter, "typical_p"),
 ):
-    applies(_key, id_free=True)(
+    applies(_key, id_free=True, block=True)(
         lambda logits, call, fn=_fn, setting=_setting: fn(logits, getattr(call.params, setting))
     )
+
+
+def _temperature_block(x, call, previous):
+    """The temperature over a block in place: before top-k it meets every logit of every row,
+    and torch's division of a block that size runs on two threads that wait for a core
+    (see _working_copy); numpy's divides by the same float32 on this thread alone."""
+    t = call.params.temperature
+    if t == 1.0 or t < TINY_TEMPERATURE or not _numpy_can_read(x):
+        return apply_temperature(x, t)
+    a = x.detach().numpy()
+    np.divide(a, np.float32(t), out=a)
+    return x
+
+
+BLOCK["temperature"] = _temperature_block
 
 
 FLOAT_MAX_LOG = 88.7228391  # log(FLT_MAX): llama.cpp caps DRY's exponent there
@@ -619,6 +684,18 @@ def draw_one(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Te
     if not _numpy_can_read(probs):
         return None
     p = probs[0]
+    if p.shape[0] <= DRAW_BLOCK:  # one block (the tokens top-k kept): its running totals in
+        # numpy, where torch's calls over a few dozen numbers cost more than their work
+        a = p.detach().numpy()
+        running = np.cumsum(a, dtype=np.float64)
+        total = float(running[-1])
+        if not (math.isfinite(total) and total > 0):
+            return None
+        x = float(torch.rand((), dtype=torch.float64, generator=generator)) * total
+        i = int(np.searchsorted(running, x, side="right"))
+        if i >= a.shape[0]:  # x rounded onto the total: the last token with a probability
+            i = int(np.flatnonzero(a)[-1])
+        return torch.tensor([i])
     whole = p.shape[0] // DRAW_BLOCK * DRAW_BLOCK
     blocks = p[:whole].view(-1, DRAW_BLOCK).sum(1)
     if whole < p.shape[0]:
@@ -665,7 +742,7 @@ def sample(
         if constrained:  # a row's best is finite unless it has no finite logit (or a NaN)
             best = logits.gather(-1, token.unsqueeze(-1)).reshape(-1).tolist()
             if not all(map(math.isfinite, best)) and not torch.isfinite(logits).any(-1).all():
-                raise NoTokenAllowed("the grammar and the logit bias allow no token")
+                raise NoTokenAllowed(NO_TOKEN)
         return token
     ids, width = None, logits.shape[-1]
     if logits.shape[0] == 1:
@@ -675,15 +752,10 @@ def sample(
     else:
         logits = filter_logits(logits.float(), params, previous_ids, allowed, state, generator, run)
     if constrained and not torch.isfinite(logits).any(dim=-1).all():
-        raise NoTokenAllowed("the grammar and the logit bias allow no token")
+        raise NoTokenAllowed(NO_TOKEN)
     probs = logits.softmax(dim=-1)
-    drawn = draw_one(probs, generator) if probs.shape[0] == 1 else None
-    if drawn is not None:
-        token = drawn
-    elif probs.shape[0] == 1:  # draw among the tokens left: the same distribution, ~10x
-        left = probs[0].nonzero().squeeze(-1)  # cheaper than a draw over all ~50,000 (1 ms)
-        pick = torch.multinomial(probs[0, left], num_samples=1, generator=generator)
-        token = left[pick]
+    if probs.shape[0] == 1:
+        token = _draw_row(probs, generator)
     else:
         token = torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
     if ids is not None:
@@ -693,6 +765,139 @@ def sample(
             probs = torch.zeros(1, width, device=probs.device).scatter(-1, ids, probs)
         after_draw(params, state, probs, int(token.reshape(-1)[0]), previous_ids)
     return token
+
+
+def _draw_row(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """A token from one row of probabilities (1, width), shape (1,): draw_one where it applies."""
+    drawn = draw_one(probs, generator)
+    if drawn is not None:
+        return drawn
+    # draw among the tokens left: the same distribution, ~10x cheaper than a draw over all
+    # ~50,000 (1 ms)
+    left = probs[0].nonzero().squeeze(-1)
+    pick = torch.multinomial(probs[0, left], num_samples=1, generator=generator)
+    return left[pick]
+
+
+def batch_key(params: SamplingParams) -> tuple | None:
+    """What rows must share to be sampled together (`sample_rows`): their settings but the seed
+    (each row draws from its own generator). None where such rows are sampled one at a time: a
+    grammar, or a stage on that has no block function (draws of its own, a state, Python a
+    row: XTC, Mirostat, DRY, presence). The caller also keeps rows with a grammar's mask apart."""
+    if params.constraint is not None:
+        return None
+    for stage in running(params):
+        if stage.key != "grammar" and stage.key not in BLOCK and stage.is_on(params):
+            return None
+    return params.replace(seed=None)._key()
+
+
+def sample_rows(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    previous: list[torch.Tensor | None],
+    generators: list[torch.Generator | None],
+    states: list[SamplerState],
+) -> list[torch.Tensor | NoTokenAllowed]:
+    """`sample` for each row of `logits` (B, vocab), rows whose settings are `params`
+    (batch_key not None) with no grammar's mask, each with its ids so far, generator and state:
+    a token of shape (1,) a row, or the NoTokenAllowed that `sample` would raise for it.
+
+    Each row's token is the one `sample` gives it alone: the stages run once over the block
+    (BLOCK: each row's numbers as alone), top-k keeps each row's tokens as `sample` keeps them
+    (native, a row at a time) and the block goes on over those; each row then draws from its
+    own generator, in row order. A row the block cannot carry on as it would go alone (ties at
+    the k-th token, a top-p before any top-k: ragged rows) is handed to `sample`. At 8 streams
+    a step's sampling costs what one row's did (the stages' work is small; their calls were
+    the cost)."""
+    rows = logits.shape[0]
+    out: list = [None] * rows
+    for state in states:
+        state.draws.clear()
+    run, call = running(params), Call(params, None, None, SamplerState(), False)
+    keep = list(range(rows))  # the rows still in the block
+    x, ids = _working_copy(logits if params.greedy else logits.float()), None
+
+    def alone(rs):
+        for r in rs:
+            try:
+                out[r] = sample(
+                    logits[r : r + 1], params, previous[r], generators[r], None, states[r]
+                )
+            except NoTokenAllowed as e:
+                out[r] = e
+
+    for stage in run:  # as _filtered_row runs them (and filter_logits, for greedy)
+        if ids is not None and stage.key not in ID_FREE:  # widen back
+            x = torch.full((len(keep), logits.shape[-1]), NEG_INF, dtype=x.dtype).scatter(
+                -1, ids, x
+            )
+            ids = None
+        if stage.key == "grammar":
+            continue
+        if not params.greedy and ids is None and stage.key in COMPACT:
+            kept = [
+                COMPACT[stage.key](x[i : i + 1], getattr(params, stage.key))
+                for i in range(len(keep))
+            ]
+            if any(k is not None for k in kept) or (stage.key != "top_k" and stage.is_on(params)):
+                # top-k keeps k tokens a row, or none where it ties at the k-th (then the
+                # whole-width filter, alone); top-p's rows are ragged: every row alone
+                good = [i for i, k in enumerate(kept) if k is not None and stage.key == "top_k"]
+                alone([keep[i] for i in range(len(keep)) if i not in set(good)])
+                if not good:
+                    return out
+                keep = [keep[i] for i in good]
+                ids = torch.cat([kept[i][0] for i in good])
+                x = torch.cat([kept[i][1] for i in good])
+                continue
+        x = BLOCK[stage.key](x, call, [previous[r] for r in keep])
+    constrained = any(s.removes_all and s.is_on(params) for s in run)
+    if params.greedy:  # a row's best is finite unless it has no finite logit (or a NaN)
+        token = argmax(x)
+        finite = [True] * len(keep)
+        if constrained:
+            best = x.gather(-1, token.unsqueeze(-1)).reshape(-1).tolist()
+            finite = [
+                math.isfinite(b) or bool(torch.isfinite(x[i]).any()) for i, b in enumerate(best)
+            ]
+        for i, r in enumerate(keep):
+            out[r] = token[i : i + 1] if finite[i] else NoTokenAllowed(NO_TOKEN)
+        return out
+    finite = torch.isfinite(x).any(dim=-1).tolist() if constrained else [True] * len(keep)
+    probs = x.softmax(dim=-1)
+    for i, r in enumerate(keep):
+        if not finite[i]:
+            out[r] = NoTokenAllowed(NO_TOKEN)
+            continue
+        token = _draw_row(probs[i : i + 1], generators[r])
+        out[r] = ids[i, token] if ids is not None else token
+    return out
+
+
+_SCRATCH = threading.local()
+
+
+def _working_copy(logits: torch.Tensor) -> torch.Tensor:
+    """A copy of a block of logits that sample_rows may change in place, in memory kept for the
+    next step (the thread's own): a fresh megabyte or more a step costs its page faults, which
+    here took longer than the stages' work."""
+    buf = getattr(_SCRATCH, "buf", None)
+    rows, width = logits.shape
+    if (
+        buf is None
+        or buf.shape[0] < rows
+        or buf.shape[1] != width
+        or buf.dtype != logits.dtype
+        or buf.device != logits.device
+    ):
+        rows_kept = max(rows, buf.shape[0] if buf is not None else 0)
+        buf = torch.empty(rows_kept, width, dtype=logits.dtype, device=logits.device)
+        _SCRATCH.buf = buf
+    if _numpy_can_read(logits):  # numpy's copy runs on this thread: torch's, on two, waited
+        np.copyto(buf[:rows].numpy(), logits.detach().numpy())  # for a core the pass's pool
+        return buf[:rows]  # still spun on (~0.25 ms for 8 rows of 49,152 after a pass)
+    return buf[:rows].copy_(logits)
 
 
 def after_draw(

@@ -5,7 +5,10 @@
       each step:  rows = one decode row per running sequence past its prompt
                        + chunks of prompts still being read, up to step_tokens rows in all
                   runner.step(rows) ── one pass over every row
-                  per sequence with a new last row: sample (its params, its generator, its
+                  the new last rows that share their settings (and follow no grammar): one
+                  block through the stages, each drawing from its own generator
+                  (sampling.sample_rows); the others one by one
+                  per sequence with a new last row: its token (its params, its generator, its
                   ids so far, its grammar's mask) ─▶ observer ─▶ emit ─▶ EOS / stop /
                   grammar complete / budget / cancel? ─▶ retire
 
@@ -18,7 +21,8 @@ and leave at any step.
 
 Every sequence yields exactly the tokens `decode.generate` yields for it alone: the native
 runner computes each row in a fixed order whatever shares its pass (kernels/decode.cpp), and
-each sequence samples from its own logits with its own generator, in the loop's order.
+each sequence samples from its own logits with its own generator, in the loop's order (a block
+of rows gives each row the numbers it gets alone: sampling.sample_rows).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import torch
 from miniserve.core.config import KV_BUDGET, MAX_BATCH, STEP_TOKENS, SamplingParams
 from miniserve.core.errors import UserError
 from miniserve.engine.decode import GenerationStats, LogitsObserver, Matcher, choose, crop_cache
-from miniserve.engine.sampling import SamplerState, make_generator
+from miniserve.engine.sampling import SamplerState, batch_key, make_generator, sample_rows
 
 
 class RequestTooLarge(UserError, ValueError):
@@ -77,6 +81,7 @@ class Sequence:
     valid_kv: int | None = None  # while verifying drafts: the cache positions known good
     expect: int | None = None  # while verifying drafts: the draft token at this position
     on_prompt: Callable[[int], None] | None = None
+    sample_key: tuple | None = None  # rows with the same key sample together (batch_key)
 
     @property
     def reserve(self) -> int:
@@ -239,6 +244,7 @@ class Scheduler:
                 seq_logits, seq.pending_logits = seq.pending_logits, None
                 self._advance_or_fail(seq, seq_logits)
             at = 0  # the pass's logits: one row per entry, a row per token for a draft's
+            decoded = []  # (sequence, its row's index) for each row that gives a next token
             for seq, chunk in rows:
                 n = len(chunk) if self._drafting(seq, chunk) else 1
                 seq_logits, at = logits[at : at + n], at + n
@@ -247,9 +253,43 @@ class Scheduler:
                     continue
                 seq.done_prompt = min(len(seq.prompt), seq.done_prompt + len(chunk))
                 if not seq.prefilling:  # its prompt is in, or it is decoding
-                    self._advance_or_fail(seq, seq_logits)
+                    decoded.append((seq, at - 1))
                 else:
                     self._prompt_read(seq)
+            drawn = self._sample_together(logits, decoded)
+            for seq, row in decoded:
+                self._advance_or_fail(seq, logits[row : row + 1], drawn.get(seq))
+
+    def _sample_together(self, logits: torch.Tensor, decoded: list) -> dict:
+        """The tokens of the pass's rows that share their settings (sampling.batch_key) and
+        follow no grammar, sampled a block at a time (sampling.sample_rows: each row's token
+        the one it gets alone); the other rows sample one at a time in `choose`. A block that
+        fails leaves its rows to `choose` too, where each meets its own error."""
+        groups: dict = {}
+        for seq, row in decoded:
+            if seq.sample_key is not None and seq.matcher is None:
+                groups.setdefault(seq.sample_key, []).append((seq, row))
+        drawn = {}
+        for members in groups.values():
+            if len(members) < 2:
+                continue
+            seqs, at = [s for s, _ in members], [r for _, r in members]
+            if at == list(range(at[0], at[0] + len(at))):  # decode rows come first, in order
+                block = logits[at[0] : at[0] + len(at)]
+            else:
+                block = logits[at]
+            try:
+                tokens = sample_rows(
+                    block,
+                    seqs[0].params,
+                    [s.ids for s in seqs],
+                    [s.generator for s in seqs],
+                    [s.sampler for s in seqs],
+                )
+            except Exception:  # noqa: BLE001 -- each row meets it again, alone, in choose
+                continue
+            drawn.update(zip(seqs, tokens))
+        return drawn
 
     def _prompt_read(self, seq: Sequence) -> None:
         """Tell a sequence that asked how far its prompt is read; a failing sink ends it."""
@@ -260,9 +300,9 @@ class Scheduler:
         except Exception as e:  # noqa: BLE001 -- as a bad sink in _advance
             self._retire(seq, error=e)
 
-    def _advance_or_fail(self, seq: Sequence, logits: torch.Tensor) -> None:
+    def _advance_or_fail(self, seq: Sequence, logits: torch.Tensor, drawn=None) -> None:
         try:
-            self._advance(seq, logits)
+            self._advance(seq, logits, drawn)
         except Exception as e:  # noqa: BLE001 -- a bad observer or sink ends its sequence only
             if seq in self.running:
                 self._retire(seq, error=e)
@@ -371,17 +411,19 @@ class Scheduler:
         seq.ids = torch.tensor([seq.prompt], dtype=torch.long, device=self.runner.device)
         if seq.params.seed is not None and not seq.params.greedy:
             seq.generator = make_generator(seq.params.seed, self.runner.device)
+        seq.sample_key = batch_key(seq.params)
         self.running.append(seq)
         if seq.budget <= 0:  # the prompt fills the context
             self._retire(seq)
         elif seq.prefilling:
             self._prompt_read(seq)
 
-    def _advance(self, seq: Sequence, logits: torch.Tensor) -> None:
-        """Choose the sequence's next token from its logits, as decode.generate does."""
+    def _advance(self, seq: Sequence, logits: torch.Tensor, drawn=None) -> None:
+        """Choose the sequence's next token from its logits, as decode.generate does (`drawn`:
+        the token sample_rows gave this row, if it did)."""
         if seq.first_logits is None:  # kept with its cache: not a view of the pass's logits
             seq.first_logits = logits.clone()
-        token_id, ids = choose(logits, seq.ids, seq)
+        token_id, ids = choose(logits, seq.ids, seq, drawn)
         if token_id is not None and token_id == seq.expect:  # a draft accepted (see _verify)
             seq.stats.accepted += 1
             self.spec_accepted += 1

@@ -1782,16 +1782,26 @@ static long top_k(const float *a, long n, long k, int64_t *ids, float *vals) {
         c.emplace_back(a[i], i);
         t = std::min(t, a[i]);
     }
-    for (long i = k; i < n; i++) {
-        if (!(a[i] > t)) {
-            if (a[i] != a[i]) return 0;
-            continue;
+    // 16 at a time: most runs of 16 hold nothing above the threshold (and no NaN), and
+    // one comparison of the 16 (a vector one, compiled) skips them
+    for (long i0 = k; i0 < n; i0 += 16) {
+        const long end = std::min(n, i0 + 16);
+        if (end - i0 == 16) {
+            int above = 0;
+            for (int j = 0; j < 16; j++) above |= !(a[i0 + j] <= t);
+            if (!above) continue;
         }
-        c.emplace_back(a[i], i);
-        if ((long)c.size() == 4 * k) {  // keep the k largest: the threshold is now the k-th
-            std::nth_element(c.begin(), c.begin() + (k - 1), c.end(), greater);
-            c.resize(k);
-            t = c[k - 1].first;
+        for (long i = i0; i < end; i++) {
+            if (!(a[i] > t)) {
+                if (a[i] != a[i]) return 0;
+                continue;
+            }
+            c.emplace_back(a[i], i);
+            if ((long)c.size() == 4 * k) {  // keep the k largest: the threshold is now the k-th
+                std::nth_element(c.begin(), c.begin() + (k - 1), c.end(), greater);
+                c.resize(k);
+                t = c[k - 1].first;
+            }
         }
     }
     std::nth_element(c.begin(), c.begin() + (k - 1), c.end(), greater);
