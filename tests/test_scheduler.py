@@ -79,13 +79,14 @@ def test_eight_streams_get_the_tokens_each_gets_alone(request, which):
     engine = request.getfixturevalue(which)
     prompts = [chat_ids(engine.tokenizer, q) for q in QUESTIONS]
     params = settings(8, new_tokens=16)
-    before = engine.scheduler.widest
+    before, blocks = engine.scheduler.widest, engine.scheduler.sampled_together
     got = together(engine, prompts, params)
     for ids, p, (tokens, last) in zip(prompts, params, got):
         assert tokens == alone(engine, ids, p)
         assert last.stats.finish_reason in ("eos", "length")
-    if engine.runner_name == "native":  # one pass over several sequences did happen
-        assert max(engine.scheduler.widest, before) >= 2
+    if engine.runner_name == "native":  # one pass over several sequences did happen, and
+        assert max(engine.scheduler.widest, before) >= 2  # rows were sampled as a block
+        assert engine.scheduler.sampled_together > blocks
 
 
 @pytest.mark.parametrize("which", ["bf16", "stored"])
@@ -258,7 +259,10 @@ def test_rows_sampled_together_get_the_token_each_gets_alone(monkeypatch, settin
     NoTokenAllowed, and the generator left in the same state. Rows the block cannot carry
     (ties at the k-th, top-p's ragged rows) go to `sample` and are counted."""
     params = SamplingParams(**TOGETHER[setting], seed=1)
-    assert sampling.batch_key(params) is not None
+    key = sampling.batch_key(params)
+    assert key is not None
+    assert sampling.batch_key(params.replace(seed=9, stop=["\n"], max_new_tokens=7)) == key
+    assert sampling.batch_key(params.replace(repetition_penalty=1.01)) != key
     handed, sample = [], sampling.sample
     monkeypatch.setattr(sampling, "sample", lambda *a, **k: handed.append(1) or sample(*a, **k))
     together_rows = 0
@@ -321,3 +325,20 @@ def test_each_block_stage_gives_a_row_the_numbers_it_gets_alone():
                 one = sampling.Call(params, previous[r], None, SamplerState(), False)
                 want = sampling.APPLY[key](x[r : r + 1], one)
                 assert torch.equal(got[r : r + 1], want), (key, rows, width, r)
+
+
+def test_rows_with_draws_or_state_of_their_own_sample_one_at_a_time():
+    """A stage without a block function (its own draw, a state, Python a row) or an output
+    format keeps its rows out of a block: batch_key is None for them."""
+    from miniserve.core.config import Constraint  # noqa: PLC0415
+
+    for own in (
+        dict(xtc_probability=0.5, xtc_threshold=0.1),
+        dict(mirostat=2),
+        dict(dry_multiplier=0.8),
+        dict(presence_penalty=0.5),
+    ):
+        assert sampling.batch_key(SamplingParams(temperature=0.8, **own)) is None, own
+    fmt = SamplingParams(temperature=0.8, constraint=Constraint("json_object"))
+    assert sampling.batch_key(fmt) is None
+    assert sampling.batch_key(SamplingParams(temperature=0.8)) is not None

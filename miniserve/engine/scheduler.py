@@ -186,6 +186,8 @@ class Scheduler:
         self.kept: dict[object, int] = {}
         # draft tokens speculation proposed and accepted, all sequences together (/metrics)
         self.spec_drafted = self.spec_accepted = 0
+        # rows sampled in a block with others (sampling.sample_rows)
+        self.sampled_together = 0
         # called on the engine thread after each sequence's finish, with (sequence, error): each
         # must return at once and never raise (/metrics counts tokens and times there)
         self.on_finish: list[Callable[[Sequence, BaseException | None], None]] = []
@@ -289,6 +291,7 @@ class Scheduler:
             except Exception:  # noqa: BLE001 -- each row meets it again, alone, in choose
                 continue
             drawn.update(zip(seqs, tokens))
+            self.sampled_together += len(seqs)
         return drawn
 
     def _prompt_read(self, seq: Sequence) -> None:
