@@ -234,7 +234,7 @@ TOGETHER = [
         repetition_penalty=1.3,
     ),  # the penalty after top-k: the block widens back
     dict(temperature=0, repetition_penalty=1.2, logit_bias={0: -100, 1: -100, 2: 4.0}),
-    dict(temperature=0.9, top_k=0, top_p=0.9),  # top-p first: ragged rows, each alone
+    dict(temperature=0.9, top_k=0, top_p=0.9, min_p=0.05),  # top-p first: ragged rows
 ]
 
 
@@ -257,15 +257,14 @@ def test_rows_sampled_together_get_the_token_each_gets_alone(monkeypatch, settin
     """sample_rows over a block of rows (the scheduler's, for streams sharing their settings)
     against `sample` on each row alone with the same generator: the same token, or the same
     NoTokenAllowed, and the generator left in the same state. Rows the block cannot carry
-    (ties at the k-th, top-p's ragged rows) go to `sample` and are counted."""
+    (ties at the k-th, top-p's ragged rows) go on by themselves from where the block left
+    them, never from the start again."""
     params = SamplingParams(**TOGETHER[setting], seed=1)
     key = sampling.batch_key(params)
     assert key is not None
     assert sampling.batch_key(params.replace(seed=9, stop=["\n"], max_new_tokens=7)) == key
     assert sampling.batch_key(params.replace(repetition_penalty=1.01)) != key
-    handed, sample = [], sampling.sample
-    monkeypatch.setattr(sampling, "sample", lambda *a, **k: handed.append(1) or sample(*a, **k))
-    together_rows = 0
+    sample = sampling.sample
     for seed in range(12):
         rows = 1 + seed % 9
         logits, previous = _rows(seed, rows)
@@ -277,21 +276,17 @@ def test_rows_sampled_together_get_the_token_each_gets_alone(monkeypatch, settin
                 want.append(sample(logits[r : r + 1], params, previous[r], alone_gens[r]))
             except NoTokenAllowed as e:
                 want.append(e)
-        before = len(handed)
+        monkeypatch.setattr(sampling, "sample", None)  # the block never starts a row over
         got = sampling.sample_rows(
             logits, params, previous, block_gens, [SamplerState() for _ in range(rows)]
         )
-        together_rows += rows - (len(handed) - before)
+        monkeypatch.setattr(sampling, "sample", sample)
         for r in range(rows):
             if isinstance(want[r], NoTokenAllowed):
                 assert isinstance(got[r], NoTokenAllowed), (seed, r)
             else:
                 assert torch.equal(got[r].reshape(-1), want[r].reshape(-1)), (seed, r)
             assert torch.equal(block_gens[r].get_state(), alone_gens[r].get_state())
-    if TOGETHER[setting].get("top_k") != 0:
-        assert together_rows > 30  # most rows went through the block
-    else:
-        assert together_rows == 0
 
 
 def test_each_block_stage_gives_a_row_the_numbers_it_gets_alone():

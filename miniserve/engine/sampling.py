@@ -631,15 +631,17 @@ def top_p_compact(row: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tens
     return ids, row.gather(-1, ids)
 
 
-def _filtered_row(row, params, run, previous_ids, allowed, state, generator):
+def _filtered_row(row, params, run, previous_ids, allowed, state, generator, at=0, kept=None):
     """The stages over one row, as `stages` runs them, but from the first top-k (or a top-p
     before any: COMPACT) on over the tokens it kept only (ids ascending, so the draw sees the
     same vector as over the whole vocabulary); a stage that reads token ids widens the row
-    back first. Returns (ids or None for the whole row, logits)."""
+    back first. Returns (ids or None for the whole row, logits). `at`, `kept`: go on from
+    stage `at` with (ids, logits) as the stages before it left them (sample_rows)."""
     call = Call(params, previous_ids, generator, state, False)
-    state.draws.clear()
-    ids, x = None, row
-    for stage in run:
+    if at == 0:
+        state.draws.clear()
+    ids, x = kept if kept is not None else (None, row)
+    for stage in run[at:]:
         if ids is not None and stage.key not in ID_FREE:
             x = torch.full_like(row, NEG_INF).scatter(-1, ids, x)
             ids = None
@@ -749,22 +751,29 @@ def sample(
         ids, logits = _filtered_row(
             logits.float(), params, run, previous_ids, allowed, state, generator
         )
+        token, probs = _draw_filtered(ids, logits, generator, constrained)
     else:
         logits = filter_logits(logits.float(), params, previous_ids, allowed, state, generator, run)
-    if constrained and not torch.isfinite(logits).any(dim=-1).all():
-        raise NoTokenAllowed(NO_TOKEN)
-    probs = logits.softmax(dim=-1)
-    if probs.shape[0] == 1:
-        token = _draw_row(probs, generator)
-    else:
+        if constrained and not torch.isfinite(logits).any(dim=-1).all():
+            raise NoTokenAllowed(NO_TOKEN)
+        probs = logits.softmax(dim=-1)
         token = torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
-    if ids is not None:
-        token = ids[0, token]
     if any(s.key in AFTER_DRAW for s in run):
         if ids is not None:  # widened: the token's probability where the stage looks
             probs = torch.zeros(1, width, device=probs.device).scatter(-1, ids, probs)
         after_draw(params, state, probs, int(token.reshape(-1)[0]), previous_ids)
     return token
+
+
+def _draw_filtered(ids, logits, generator, constrained) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row's end in `sample`, after its stages (ids: the tokens a compact row holds, or
+    None): no token left (where a stage may remove all) raises NoTokenAllowed; else the
+    softmax and the draw. Returns (the token, shape (1,); the probabilities drawn from)."""
+    if constrained and not torch.isfinite(logits).any(dim=-1).all():
+        raise NoTokenAllowed(NO_TOKEN)
+    probs = logits.softmax(dim=-1)
+    token = _draw_row(probs, generator)
+    return (ids[0, token] if ids is not None else token), probs
 
 
 def _draw_row(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -809,9 +818,10 @@ def sample_rows(
     (BLOCK: each row's numbers as alone), top-k keeps each row's tokens as `sample` keeps them
     (native, a row at a time) and the block goes on over those; each row then draws from its
     own generator, in row order. A row the block cannot carry on as it would go alone (ties at
-    the k-th token, a top-p before any top-k: ragged rows) is handed to `sample`. Over rows of
-    a few dozen tokens, or a few numbers changed in a row, a stage's cost is its calls, not
-    its work: 8 `balanced` rows after a pass took ~2.4 ms this way, ~5 ms one at a time."""
+    the k-th token; a top-p before any top-k keeps as many tokens as each row's mass needs)
+    goes on by itself from that stage, as `sample` would, with what the block gave it. Over
+    rows of a few dozen tokens, or a few numbers changed in a row, a stage's cost is its calls,
+    not its work: 8 `balanced` rows after a pass took ~2.4 ms this way, ~5 ms one at a time."""
     rows = logits.shape[0]
     out: list = [None] * rows
     for state in states:
@@ -820,16 +830,18 @@ def sample_rows(
     keep = list(range(rows))  # the rows still in the block
     x, ids = _working_copy(logits if params.greedy else logits.float()), None
 
-    def alone(rs):
-        for r in rs:
-            try:
-                out[r] = sample(
-                    logits[r : r + 1], params, previous[r], generators[r], None, states[r]
-                )
-            except NoTokenAllowed as e:
-                out[r] = e
+    constrained = any(s.removes_all and s.is_on(params) for s in run)
 
-    for stage in run:  # as _filtered_row runs them (and filter_logits, for greedy)
+    def alone(r, row, at, kept):  # row r (its full width: row) goes on by itself from stage
+        try:  # `at` with (ids, logits) as the block left them, as `sample` would
+            ids_r, x_r = _filtered_row(
+                row, params, run, previous[r], None, states[r], generators[r], at, kept
+            )
+            out[r] = _draw_filtered(ids_r, x_r, generators[r], constrained)[0]
+        except NoTokenAllowed as e:
+            out[r] = e
+
+    for at, stage in enumerate(run):  # as _filtered_row runs them (filter_logits, for greedy)
         if ids is not None and stage.key not in ID_FREE:  # widen back
             x = torch.full(
                 (len(keep), logits.shape[-1]), NEG_INF, dtype=x.dtype, device=x.device
@@ -843,10 +855,15 @@ def sample_rows(
                 for i in range(len(keep))
             ]
             if any(k is not None for k in kept) or (stage.key != "top_k" and stage.is_on(params)):
-                # top-k keeps k tokens a row, or none where it ties at the k-th (then the
-                # whole-width filter, alone); top-p's rows are ragged: every row alone
+                # top-k keeps k tokens a row: those rows go on as a block. A row tied at the
+                # k-th (the whole-width filter), and top-p's rows (as many tokens as their mass
+                # needs), go on by themselves
                 good = [i for i, k in enumerate(kept) if k is not None and stage.key == "top_k"]
-                alone([keep[i] for i in range(len(keep)) if i not in set(good)])
+                for i in [i for i in range(len(keep)) if i not in set(good)]:
+                    if kept[i] is not None:
+                        alone(keep[i], x[i : i + 1], at + 1, kept[i])
+                    else:
+                        alone(keep[i], x[i : i + 1], at, (None, x[i : i + 1]))
                 if not good:
                     return out
                 keep = [keep[i] for i in good]
@@ -854,7 +871,6 @@ def sample_rows(
                 x = torch.cat([kept[i][1] for i in good])
                 continue
         x = BLOCK[stage.key](x, call, [previous[r] for r in keep])
-    constrained = any(s.removes_all and s.is_on(params) for s in run)
     if params.greedy:  # a row's best is finite unless it has no finite logit (or a NaN)
         token = argmax(x)
         finite = [True] * len(keep)

@@ -186,7 +186,7 @@ class Scheduler:
         self.kept: dict[object, int] = {}
         # draft tokens speculation proposed and accepted, all sequences together (/metrics)
         self.spec_drafted = self.spec_accepted = 0
-        # rows sampled in a block with others (sampling.sample_rows)
+        # rows sampled in a block (sampling.sample_rows), one or many
         self.sampled_together = 0
         # called on the engine thread after each sequence's finish, with (sequence, error): each
         # must return at once and never raise (/metrics counts tokens and times there)
@@ -265,16 +265,15 @@ class Scheduler:
     def _sample_together(self, logits: torch.Tensor, decoded: list) -> dict:
         """The tokens of the pass's rows that share their settings (sampling.batch_key) and
         follow no grammar, sampled a block at a time (sampling.sample_rows: each row's token
-        the one it gets alone); the other rows sample one at a time in `choose`. A block that
-        fails leaves its rows to `choose` too, where each meets its own error."""
+        the one it gets alone; a row alone is a block of one); the other rows sample one at a
+        time in `choose`. A block that fails leaves its rows to `choose` too, where each meets
+        its own error."""
         groups: dict = {}
         for seq, row in decoded:
             if seq.sample_key is not None and seq.matcher is None:
                 groups.setdefault(seq.sample_key, []).append((seq, row))
         drawn = {}
-        for members in groups.values():
-            if len(members) < 2:
-                continue
+        for members in groups.values():  # one row too: the block's memory, numpy's division
             seqs, at = [s for s, _ in members], [r for _, r in members]
             if at == list(range(at[0], at[0] + len(at))):  # decode rows come first, in order
                 block = logits[at[0] : at[0] + len(at)]
