@@ -277,10 +277,12 @@ def test_rows_sampled_together_get_the_token_each_gets_alone(monkeypatch, settin
             except NoTokenAllowed as e:
                 want.append(e)
         monkeypatch.setattr(sampling, "sample", None)  # the block never starts a row over
+        before = logits.clone()
         got = sampling.sample_rows(
             logits, params, previous, block_gens, [SamplerState() for _ in range(rows)]
         )
         monkeypatch.setattr(sampling, "sample", sample)
+        assert torch.equal(logits, before)  # the pass's logits (the inspector's) untouched
         for r in range(rows):
             if isinstance(want[r], NoTokenAllowed):
                 assert isinstance(got[r], NoTokenAllowed), (seed, r)

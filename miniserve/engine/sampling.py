@@ -51,10 +51,15 @@ NO_TOKEN = "the grammar and the logit bias allow no token"
 
 def apply_logit_bias(logits: torch.Tensor, bias: tuple[tuple[int, float], ...]) -> torch.Tensor:
     """Add a bias to chosen tokens' logits; -100 bans a token (its logit becomes -inf)."""
+    return add_logit_bias_(logits.clone(), bias) if bias else logits
+
+
+def add_logit_bias_(logits: torch.Tensor, bias: tuple[tuple[int, float], ...]) -> torch.Tensor:
+    """apply_logit_bias in place (sample_rows' own block)."""
     if not bias:
         return logits
     ids, values = _bias_tensors(bias, logits.dtype, logits.device)
-    return logits.index_add(-1, ids, values.expand(*logits.shape[:-1], -1))
+    return logits.index_add_(-1, ids, values.expand(*logits.shape[:-1], -1))
 
 
 _BIAS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -93,9 +98,13 @@ def apply_repetition_penalty(
     if penalty == 1.0 or previous_ids is None or previous_ids.numel() == 0:
         return logits
     ids = previous_ids.reshape(*logits.shape[:-1], -1)
-    seen = torch.gather(logits, -1, ids)
-    seen = torch.where(seen < 0, seen * penalty, seen / penalty)
-    return logits.scatter(-1, ids, seen)
+    return logits.scatter(-1, ids, _penalized(torch.gather(logits, -1, ids), penalty))
+
+
+def _penalized(seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """Seen tokens' logits after the repetition penalty: positive ones divided, negative ones
+    multiplied."""
+    return torch.where(seen < 0, seen * penalty, seen / penalty)
 
 
 def repetition_penalty_rows_(
@@ -109,8 +118,7 @@ def repetition_penalty_rows_(
     if penalty == 1.0 or not shifted:
         return logits
     flat, ids = logits.view(-1), torch.cat(shifted)
-    seen = flat.gather(0, ids)
-    flat.scatter_(0, ids, torch.where(seen < 0, seen * penalty, seen / penalty))
+    flat.scatter_(0, ids, _penalized(flat.gather(0, ids), penalty))
     return logits
 
 
@@ -242,14 +250,7 @@ def applies(key: str, after_draw=None, id_free: bool = False, block=None):
     return attach
 
 
-def _bias_block(x, call, previous):
-    if not call.params.logit_bias:
-        return x
-    ids, values = _bias_tensors(call.params.logit_bias, x.dtype, x.device)
-    return x.index_add_(-1, ids, values.expand(*x.shape[:-1], -1))
-
-
-@applies("logit_bias", block=_bias_block)
+@applies("logit_bias", block=lambda x, call, previous: add_logit_bias_(x, call.params.logit_bias))
 def _bias(logits, call):
     return apply_logit_bias(logits, call.params.logit_bias)
 
@@ -396,20 +397,6 @@ def mirostat_cut(logits: torch.Tensor, mu: float) -> torch.Tensor:
     return logits.masked_fill(drop, NEG_INF)
 
 
-# The stages whose function takes the logits and one of their settings (columns alike).
-for _key, _fn, _setting in (
-    ("temperature", apply_temperature, "temperature"),
-    ("top_k", top_k_filter, "top_k"),
-    ("top_p", top_p_filter, "top_p"),
-    ("min_p", min_p_filter, "min_p"),
-    ("top_n_sigma", top_n_sigma_filter, "top_n_sigma"),
-    ("typ_p", typical_filter, "typical_p"),
-):
-    applies(_key, id_free=True, block=True)(
-        lambda logits, call, fn=_fn, setting=_setting: fn(logits, getattr(call.params, setting))
-    )
-
-
 def _temperature_block(x, call, previous):
     """The temperature over a block in place: before top-k it meets every logit of every row,
     and torch's division of a block that size runs on two threads that wait for a core
@@ -422,7 +409,19 @@ def _temperature_block(x, call, previous):
     return x
 
 
-BLOCK["temperature"] = _temperature_block
+# The stages whose function takes the logits and one of their settings (columns alike), and
+# their block functions (True: the function itself).
+for _key, _fn, _setting, _block in (
+    ("temperature", apply_temperature, "temperature", _temperature_block),
+    ("top_k", top_k_filter, "top_k", True),
+    ("top_p", top_p_filter, "top_p", True),
+    ("min_p", min_p_filter, "min_p", True),
+    ("top_n_sigma", top_n_sigma_filter, "top_n_sigma", True),
+    ("typ_p", typical_filter, "typical_p", True),
+):
+    applies(_key, id_free=True, block=_block)(
+        lambda logits, call, fn=_fn, setting=_setting: fn(logits, getattr(call.params, setting))
+    )
 
 
 FLOAT_MAX_LOG = 88.7228391  # log(FLT_MAX): llama.cpp caps DRY's exponent there
@@ -828,7 +827,8 @@ def sample_rows(
         state.draws.clear()
     run, call = running(params), Call(params, None, None, SamplerState(), False)
     keep = list(range(rows))  # the rows still in the block
-    x, ids = _working_copy(logits if params.greedy else logits.float()), None
+    # x: the pass's logits until a stage changes them; then sample_rows' own block
+    x, ids, own = logits if params.greedy else logits.float(), None, False
 
     constrained = any(s.removes_all and s.is_on(params) for s in run)
 
@@ -846,7 +846,7 @@ def sample_rows(
             x = torch.full(
                 (len(keep), logits.shape[-1]), NEG_INF, dtype=x.dtype, device=x.device
             ).scatter(-1, ids, x)
-            ids = None
+            ids, own = None, True
         if stage.key == "grammar":
             continue
         if not params.greedy and ids is None and stage.key in COMPACT:
@@ -859,7 +859,7 @@ def sample_rows(
                 # k-th (the whole-width filter), and top-p's rows (as many tokens as their mass
                 # needs), go on by themselves
                 good = [i for i, k in enumerate(kept) if k is not None and stage.key == "top_k"]
-                for i in [i for i in range(len(keep)) if i not in set(good)]:
+                for i in sorted(set(range(len(keep))) - set(good)):
                     if kept[i] is not None:
                         alone(keep[i], x[i : i + 1], at + 1, kept[i])
                     else:
@@ -868,8 +868,12 @@ def sample_rows(
                     return out
                 keep = [keep[i] for i in good]
                 ids = torch.cat([kept[i][0] for i in good])
-                x = torch.cat([kept[i][1] for i in good])
+                x, own = torch.cat([kept[i][1] for i in good]), True
                 continue
+        if not stage.is_on(params):  # a stage that is off leaves the logits as they are
+            continue
+        if not own:
+            x, own = _working_copy(x), True
         x = BLOCK[stage.key](x, call, [previous[r] for r in keep])
     if params.greedy:  # a row's best is finite unless it has no finite logit (or a NaN)
         token = argmax(x)
