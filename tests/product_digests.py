@@ -52,12 +52,23 @@ SCALES = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208, 1)}
 BY_ARITHMETIC = ("F16",)
 
 
+# the 32-weight types again over rows whose last group of 8 blocks holds 1 or 2 (the vector
+# loops' quarter-width tail; 43 blocks end in 3: the half-width one): "Q4_0/41" and so on
+SHORT_TAILS = (41, 42)
+
+
+def qtype(name: str):
+    return Q[name.split("/")[0]]
+
+
 def columns(name: str) -> int:
     """17 super-blocks for the K-quants (the AVX-512 loops' pieces of 8 blocks, and one more);
-    43 blocks of 32 for the others (5 groups of 8 and a short one); an odd width for F16 (the
-    n % 32 tail)."""
+    43 blocks of 32 for the others (5 groups of 8 and a short one), or the blocks after the
+    slash; an odd width for F16 (the n % 32 tail)."""
     if name == "F16":
         return 32 * 12 + 7
+    if "/" in name:
+        return 32 * int(name.split("/")[1])
     return 256 * 17 if Q[name] in K_QUANTS else 32 * 43
 
 
@@ -90,8 +101,8 @@ def weights(name: str, seed: int):
         w = np.random.default_rng(seed).standard_normal((WEIGHT_ROWS, cols), dtype=np.float32)
         data = np.ascontiguousarray((w * np.float32(0.1)).astype(np.float16).view(np.uint8))
     else:
-        data = block_weights(Q[name], WEIGHT_ROWS, cols, seed)
-    return StoredMatrix(data.ctypes.data, int(Q[name]), WEIGHT_ROWS, cols, data.nbytes), data
+        data = block_weights(qtype(name), WEIGHT_ROWS, cols, seed)
+    return StoredMatrix(data.ctypes.data, int(qtype(name)), WEIGHT_ROWS, cols, data.nbytes), data
 
 
 def activations(batch: int, cols: int) -> torch.Tensor:
@@ -105,7 +116,8 @@ def arithmetic() -> str:
 
 
 def names() -> list[str]:
-    return [t.name for t in BLOCK_TYPES] + ["F16"]
+    short = [f"{t.name}/{n}" for t in BLOCK_TYPES if t not in K_QUANTS for n in SHORT_TAILS]
+    return [t.name for t in BLOCK_TYPES] + short + ["F16"]
 
 
 def seed(name: str) -> int:
