@@ -25,8 +25,10 @@
 // same way once for all the activation rows of the call, so 8 integer dot steps (pmaddubsw,
 // or vpdpbusd) leave the 8 block totals in the 8 lanes with no sum across lanes; then one
 // convert, two multiplies and one add (a multiply and an add more for a min) serve the 8
-// blocks. A last group short of 8 blocks has zeros in the missing lanes (d = 0, q = 0), which add exact zeros; one of at most 4 blocks
-// takes half the steps (pieces i and i + 4 side by side, the two halves' totals then added). Never a fused multiply-add
+// blocks. A last group short of 8 blocks has zeros in the missing lanes (d = 0, q = 0), which add
+// exact zeros; one of at most 4 (2) blocks takes half (a quarter of) the steps: its pieces are
+// packed into 4 (2) vectors, 2 (4) lanes a block, in the weights as in the activations (whose last group is
+// stored so: msq_span), and each block's lanes are added as integers. Never a fused multiply-add
 // in the float part (the generic build has none in hardware), so every build rounds alike.
 // (This order replaced one with 8 float lanes a block: 8 blocks now cost the float work 1 did.)
 //
@@ -46,6 +48,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && \
     defined(__AVX512VL__)
@@ -61,12 +64,18 @@ struct ms_a8g {  // 8 consecutive blocks of 32 activations
     float d[8];        // scales: x ~= d * qs
     float s[8];        // d * sum(qs), for the weight types with a min
     int32_t sum[8];    // sum(qs), for the types with an offset (Q4_0, Q5_0)
-    // the quants by 4-byte pieces: bytes 32 i + 4 k .. + 4 hold quants 4 i .. 4 i + 3 of block
-    // k, so a 32-byte load i has piece i of the 8 blocks, block k in int32 lane k
+    // the quants by 4-byte pieces (piece p: quants 4 p .. 4 p + 3), in msq_piece_at's places:
+    // in a whole group, a 32-byte load p has piece p of the 8 blocks, block k in int32 lane k
     int8_t qs[256];
 };
 
-static inline int msq_at(int k, int i) { return 32 * (i / 4) + 4 * k + i % 4; }  // quant i of block k
+// The span of a group of nbg blocks: 8 for a whole group (and a last one of 5-7 blocks), 4 or 2
+// for a last group of at most 4 or 2 blocks, whose pieces are packed into 4 or 2 vectors (the
+// vector loops' half- and quarter-width tails). With span S, 32-byte vector p % S holds piece p
+// of block k in int32 lane S (p / S) + k.
+static inline int msq_span(long nbg) { return nbg > 4 ? 8 : nbg > 2 ? 4 : 2; }
+static inline int msq_piece_at(int span, int k, int p) { return 32 * (p % span) + 4 * span * (p / span) + 4 * k; }
+static inline int msq_at(int span, int k, int i) { return msq_piece_at(span, k, i / 4) + i % 4; }  // quant i of block k
 
 // How far ahead of the weight loads the loops prefetch (bytes), as decode.cpp does; not tuned
 // (the machine measured on was too noisy to tell 1 KB from 4 KB).
@@ -175,9 +184,9 @@ static inline void msq_dequant(const void *w, float *y, long n) {
 // x -> int8 blocks: d = amax / 127, q = round-to-nearest-even(x * (1 / d)), s = d * sum(q).
 // The vector paths round with cvtps2dq under the default mode; the plain loop with the
 // 1.5 * 2^23 trick, which rounds the same float the same way (|x / d| <= 127.5 here).
-// Block k of group g; a last partial block (n % 32) is padded with zeros, as are the blocks of
-// a last group past the row's end.
-static inline void msq_quantize_block_plain(const float *x, ms_a8g *g, int k) {
+// Block k of group g, whose span is `span`; a last partial block (n % 32) is padded with zeros,
+// as are the blocks of a last group past the row's end.
+static inline void msq_quantize_block_plain(const float *x, ms_a8g *g, int k, int span) {
     float amax = 0.f;
     for (int i = 0; i < 32; i++) {
         float a = std::fabs(x[i]);
@@ -189,7 +198,7 @@ static inline void msq_quantize_block_plain(const float *x, ms_a8g *g, int k) {
         float v = x[i] * id;
         v = (v + 12582912.f) - 12582912.f;
         int q = (int)v;
-        g->qs[msq_at(k, i)] = (int8_t)q;
+        g->qs[msq_at(span, k, i)] = (int8_t)q;
         sum += q;
     }
     g->d[k] = d;
@@ -197,7 +206,7 @@ static inline void msq_quantize_block_plain(const float *x, ms_a8g *g, int k) {
     g->sum[k] = sum;
 }
 
-static inline void msq_quantize_block(const float *x, ms_a8g *g, int k) {
+static inline void msq_quantize_block(const float *x, ms_a8g *g, int k, int span) {
 #if defined(MSQ_AVX512)
     __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
@@ -208,7 +217,7 @@ static inline void msq_quantize_block(const float *x, ms_a8g *g, int k) {
     alignas(32) int8_t p[32];
     _mm_store_si128((__m128i *)p, _mm512_cvtepi32_epi8(q0));
     _mm_store_si128((__m128i *)(p + 16), _mm512_cvtepi32_epi8(q1));
-    for (int i = 0; i < 8; i++) std::memcpy(g->qs + 32 * i + 4 * k, p + 4 * i, 4);
+    for (int i = 0; i < 8; i++) std::memcpy(g->qs + msq_piece_at(span, k, i), p + 4 * i, 4);
     const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
     g->d[k] = d;
     g->s[k] = d * (float)sum;
@@ -235,7 +244,7 @@ static inline void msq_quantize_block(const float *x, ms_a8g *g, int k) {
     p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     alignas(32) int8_t pb[32];
     _mm256_store_si256((__m256i *)pb, p);
-    for (int i = 0; i < 8; i++) std::memcpy(g->qs + 32 * i + 4 * k, pb + 4 * i, 4);
+    for (int i = 0; i < 8; i++) std::memcpy(g->qs + msq_piece_at(span, k, i), pb + 4 * i, 4);
     __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
     s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
     s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
@@ -244,18 +253,19 @@ static inline void msq_quantize_block(const float *x, ms_a8g *g, int k) {
     g->s[k] = d * (float)total;
     g->sum[k] = total;
 #else
-    msq_quantize_block_plain(x, g, k);
+    msq_quantize_block_plain(x, g, k, span);
 #endif
 }
 
 static void ms_quantize_a8(const float *x, ms_a8g *y, long n) {
     const long full = n / 32, nb = (n + 31) / 32;
     if (nb % 8) std::memset(y + nb / 8, 0, sizeof(ms_a8g));
-    for (long i = 0; i < full; i++) msq_quantize_block(x + 32 * i, y + i / 8, (int)(i % 8));
+    auto span = [&](long i) { return i / 8 == nb / 8 ? msq_span(nb % 8) : 8; };  // block i's group's
+    for (long i = 0; i < full; i++) msq_quantize_block(x + 32 * i, y + i / 8, (int)(i % 8), span(i));
     if (n % 32) {
         float pad[32] = {0};
         for (long i = 0; i < n % 32; i++) pad[i] = x[32 * full + i];
-        msq_quantize_block_plain(pad, y + full / 8, (int)(full % 8));
+        msq_quantize_block_plain(pad, y + full / 8, (int)(full % 8), span(full));
     }
 }
 
@@ -272,9 +282,9 @@ static inline float msq_dot_plain(long n, const uint8_t *w, const char *x) {
         int q[32];
         msq_ints<K>(w, q);
         const ms_a8g &a = g[b / 8];
-        const int k = (int)(b % 8);
+        const int k = (int)(b % 8), span = b / 8 == nb / 8 ? msq_span(nb % 8) : 8;
         int s = 0;
-        for (int i = 0; i < 32; i++) s += q[i] * a.qs[msq_at(k, i)];
+        for (int i = 0; i < 32; i++) s += q[i] * a.qs[msq_at(span, k, i)];
         float p = (msq_h2f(msq_u16(w)) * a.d[k]) * (float)s;
         if (T::MIN) p = p + msq_h2f(msq_u16(w + 2)) * a.s[k];
         acc[k] = acc[k] + p;
@@ -364,8 +374,8 @@ static MSQ_INLINE void msq_group(const uint8_t *wg, int nbg, __m256i *q) {
 }
 
 // A last group of nbg <= 4 blocks, at half the work: q[i] holds piece i of blocks 0 .. 3 in
-// lanes 0 .. 3 and piece i + 4 in lanes 4 .. 7 (Q8_0: signed bytes; else unsigned quants), and
-// msq_tail_act the activations the same way; the totals' two halves are then added.
+// lanes 0 .. 3 and piece i + 4 in lanes 4 .. 7 (Q8_0: signed bytes; else unsigned quants), as
+// the activations of such a group are stored (span 4); the totals' two halves are then added.
 template <int K>
 static MSQ_INLINE void msq_tail(const uint8_t *wg, int nbg, __m256i *q) {
     typedef MsqT<K> T;
@@ -393,9 +403,38 @@ static MSQ_INLINE void msq_tail(const uint8_t *wg, int nbg, __m256i *q) {
     }
 }
 
-static MSQ_INLINE __m256i msq_tail_act(const int8_t *qs, int i) {  // pieces i (lanes 0 .. 3), i + 4
-    return _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(qs + 32 * (i + 4))),
-                            _mm_loadu_si128((const __m128i *)(qs + 32 * i)));
+// A last group of nbg <= 2 blocks, at a quarter of the work: q[v] (v < 2) holds piece 2 m + v
+// of block k in lane 2 m + k (Q8_0: signed bytes; else unsigned quants), as the activations of
+// such a group are stored (span 2); each block's four lanes are then added.
+template <int K>
+static MSQ_INLINE void msq_quarter(const uint8_t *wg, int nbg, __m256i *q) {
+    typedef MsqT<K> T;
+    const uint8_t *b0 = wg + T::QS, *b1 = wg + T::BYTES + T::QS;
+    if (T::BITS == 8) {  // int32 p of a block is its piece p
+        const __m256i y0 = _mm256_loadu_si256((const __m256i *)b0),
+                      y1 = nbg > 1 ? _mm256_loadu_si256((const __m256i *)b1) : _mm256_setzero_si256();
+        const __m256i lo = _mm256_unpacklo_epi32(y0, y1), hi = _mm256_unpackhi_epi32(y0, y1);
+        q[0] = _mm256_unpacklo_epi64(lo, hi);  // pieces 0, 2 | 4, 6 of blocks 0 and 1
+        q[1] = _mm256_unpackhi_epi64(lo, hi);  // pieces 1, 3 | 5, 7
+        return;
+    }
+    // piece p < 4: int32 p's low nibbles; piece p + 4: its high ones
+    const __m128i x0 = _mm_loadu_si128((const __m128i *)b0),
+                  x1 = nbg > 1 ? _mm_loadu_si128((const __m128i *)b1) : _mm_setzero_si128();
+    const __m128i lo = _mm_unpacklo_epi32(x0, x1), hi = _mm_unpackhi_epi32(x0, x1);
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    for (int v = 0; v < 2; v++) {
+        const __m256i r = _mm256_broadcastsi128_si256(v ? _mm_unpackhi_epi64(lo, hi) : _mm_unpacklo_epi64(lo, hi));
+        q[v] = _mm256_and_si256(_mm256_blend_epi32(r, _mm256_srli_epi16(r, 4), 0xf0), m4);
+    }
+    if (T::BITS == 5) {  // lane 2 m + k of q[v] takes block k's qh bits 4 (2 m + v) ..
+        const __m256i qh = msq_words8<K>(wg, T::QS - 4, nbg);
+        const __m256i qh2 = _mm256_permutevar8x32_epi32(qh, _mm256_setr_epi32(0, 1, 0, 1, 0, 1, 0, 1));
+        for (int v = 0; v < 2; v++) {
+            const __m256i by = _mm256_add_epi32(_mm256_setr_epi32(0, 0, 8, 8, 16, 16, 24, 24), _mm256_set1_epi32(4 * v));
+            q[v] = _mm256_or_si256(q[v], msq_fifth(_mm256_srlv_epi32(qh2, by)));
+        }
+    }
 }
 
 // A group's fp16 scales d (and mins m, for the types with a min) as 8 floats, 0 past nbg.
@@ -439,11 +478,11 @@ constexpr int msq_bias_shift() {
     return T::OFF == 8 ? 3 : T::OFF == 16 ? 4 : -1;
 }
 
-// Q8_0 (AVX2): acc plus the products of 4 pieces (w[i]: the weights' magnitudes, sg[i]: their signed
-// bytes) against the activation pieces act(0) .. act(3), int32 lane k for block k.
-template <class Act>
+// Q8_0 (AVX2): acc plus the products of P pieces (w[i]: the weights' magnitudes, sg[i]: their
+// signed bytes) against the activation pieces act(0) .. act(P - 1), int32 lane by lane.
+template <int P, class Act>
 static MSQ_INLINE __m256i msq_totals_q8(__m256i acc, const __m256i *w, const __m256i *sg, Act act) {
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < P; i++) {
         const __m256i a = _mm256_sign_epi8(act(i), sg[i]);
         // pairs of products up to 2 * 128 * 127: into int32 at once
         acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w[i], a), _mm256_set1_epi16(1)));
@@ -492,21 +531,34 @@ static MSQ_INLINE void msq_group_totals(const uint8_t *w, const char *x, long xs
     auto qs = [&](int j) { return ((const ms_a8g *)(x + j * xs) + g)->qs; };
     constexpr bool biased = T::BITS == 8 && msq_bias_shift<K>() >= 0;  // Q8_0 as q + 128
     const __m256i bias = _mm256_set1_epi8((char)0x80);
-    if (nbg <= 4) {  // half the work (msq_tail), the two halves' totals then added
-        __m256i q[4], aq[4];
-        msq_tail<K>(wg, nbg, q);
-        for (int i = 0; T::BITS == 8 && i < 4; i++)
+    // a last group of at most 4 (2) blocks: half (a quarter of) the work, its pieces packed into
+    // 4 (2) vectors as its activations are (msq_span); each block's lanes are then added. Past
+    // nbg, a block's totals are 0 (quarter) or copies (half: lanes 4 .. 7), which meet scales of 0.
+    auto short_group = [&](auto pieces) MSQ_INLINE_LAMBDA {
+        constexpr int P = decltype(pieces)::value;
+        __m256i q[P], aq[P];
+        if constexpr (P == 4) msq_tail<K>(wg, nbg, q);
+        else msq_quarter<K>(wg, nbg, q);
+        for (int i = 0; T::BITS == 8 && i < P; i++)
             aq[i] = biased ? _mm256_xor_si256(q[i], bias) : _mm256_sign_epi8(q[i], q[i]);
         for (int j = 0; j < NB; j++) {
             const int8_t *a = qs(j);
-            auto act = [&](int i) { return msq_tail_act(a, i); };
+            auto act = [&](int i) { return _mm256_loadu_si256((const __m256i *)(a + 32 * i)); };
             __m256i t;
             if constexpr (T::BITS == 8 && !biased)
-                t = msq_totals_q8(_mm256_setzero_si256(), aq, q, act);
+                t = msq_totals_q8<P>(_mm256_setzero_si256(), aq, q, act);
             else
-                t = msq_totals<K, 4>(biased ? aq : q, act);
-            use(j, _mm256_add_epi32(t, _mm256_permute2x128_si256(t, t, 0x01)));
+                t = msq_totals<K, P>(biased ? aq : q, act);
+            t = _mm256_add_epi32(t, _mm256_permute2x128_si256(t, t, 0x01));
+            if constexpr (P == 2)  // lanes 0, 1 (and 4, 5): blocks 0 and 1; 2, 3, 6, 7: 0
+                t = _mm256_blend_epi32(_mm256_setzero_si256(), _mm256_add_epi32(t, _mm256_shuffle_epi32(t, 0x4e)), 0x33);
+            use(j, t);
         }
+    };
+    if (nbg <= 2) {
+        short_group(std::integral_constant<int, 2>());
+    } else if (nbg <= 4) {
+        short_group(std::integral_constant<int, 4>());
     } else if constexpr (T::BITS == 8 && !biased) {  // a half of the pieces at a time: 8 vectors of weights live, not 16
         __m256i totals[NB];
         for (int p = 0; p < 2; p++) {
@@ -516,7 +568,7 @@ static MSQ_INLINE void msq_group_totals(const uint8_t *w, const char *x, long xs
             for (int j = 0; j < NB; j++) {
                 const int8_t *a = qs(j) + 128 * p;
                 auto act = [&](int i) { return _mm256_loadu_si256((const __m256i *)(a + 32 * i)); };
-                totals[j] = msq_totals_q8(p ? totals[j] : _mm256_setzero_si256(), aq, q, act);
+                totals[j] = msq_totals_q8<4>(p ? totals[j] : _mm256_setzero_si256(), aq, q, act);
                 if (p) use(j, totals[j]);
             }
         }
