@@ -1223,6 +1223,35 @@ static void weighted_sum_bh(const uint32_t *w2, long stride, long pairs, const b
     }
 }
 
+// The largest of n floats (NaNs passed over; -inf for none), 16 lanes at a time: the same
+// number as a scalar scan, as max is exact.
+static inline float max_of(const float *p, long n) {
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (long j = 0; j < n; j += 16) {
+        const __mmask16 m = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
+        top = _mm512_max_ps(_mm512_mask_loadu_ps(top, m, p + j), top);  // a NaN loaded: top kept
+    }
+    return _mm512_reduce_max_ps(top);
+}
+
+// p[0 .. n) rounded to bfloat16 (to_bf16's rounding, 16 lanes at a time) into out, padded with
+// a 0 to an even count (positions go in pairs); returns the sum of the rounded numbers, 16
+// running sums (lane i: positions 16 k + i) then reduce1's order.
+static inline float pack_bf16(const float *p, long n, bf16 *out) {
+    __m512 sum = _mm512_setzero_ps();
+    const __m512i ones = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff);
+    const long even = n + n % 2;  // stored through the vector stores only (out may be words)
+    auto lanes = [](long left) { return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1); };
+    for (long j = 0; j < even; j += 16) {
+        const __m512i u = _mm512_castps_si512(_mm512_maskz_loadu_ps(lanes(n - j), p + j));  // 0 past n
+        const __m512i r = _mm512_srli_epi32(
+            _mm512_add_epi32(_mm512_add_epi32(u, half), _mm512_and_si512(_mm512_srli_epi32(u, 16), ones)), 16);
+        _mm256_mask_storeu_epi16(out + j, lanes(even - j), _mm512_cvtepi32_epi16(r));
+        sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(r, 16)));
+    }
+    return reduce1(sum);
+}
+
 // NH heads of attend_block, in bfloat16: the query rounded, scores, the block's softmax
 // numerators rounded to bfloat16 and paired (l is the sum of the rounded ones: the weights that
 // are used sum to the total that divides them). Values come in pairs of positions, so an odd
@@ -1240,19 +1269,10 @@ static void attend_heads_bh(const float *q, const bf16 *kt, const bf16 *v2, long
     block_scores_bh<NH>(q2, kt, t0, to - t0, hd, scale, s);
     for (int h = 0; h < NH; h++) {
         float *p = s + h * BLOCK + skip - odd, *o = part + h * (hd + 2);
-        float top = -INFINITY;
-        for (long j = odd; j < n + odd; j++) top = p[j] > top ? p[j] : top;
-        o[hd + 1] = top;
-        exp_shifted(p + odd, n, top);
+        o[hd + 1] = max_of(p + odd, n);
+        exp_shifted(p + odd, n, o[hd + 1]);
         if (odd) p[0] = 0.f;
-        float total = 0.f;
-        for (long j = 0; j < n + odd; j += 2) {
-            bf16 a = to_bf16(p[j]), b = j + 1 < n + odd ? to_bf16(p[j + 1]) : (bf16)0;
-            total += bf16_to_float(a);
-            total += bf16_to_float(b);
-            w2[h * (BLOCK / 2 + 1) + j / 2] = (uint32_t)a | ((uint32_t)b << 16);
-        }
-        o[hd] = total;
+        o[hd] = pack_bf16(p, n + odd, (bf16 *)(w2 + h * (BLOCK / 2 + 1)));
     }
     weighted_sum_bh<NH>(w2, BLOCK / 2 + 1, pairs, v2 + (from / 2) * hd * 2, hd, part, hd + 2);
 }
