@@ -337,6 +337,30 @@ static inline float exp_shifted(float *s, long n, float top) {
 }
 
 
+// The largest of n floats (NaNs passed over; -inf for none), a vector's lanes at a time: the
+// same number as the scalar scan, as max is exact (and max_ps(v, top) keeps top where v is a NaN,
+// as the scan does).
+static inline float max_of(const float *p, long n) {
+    long j = 0;
+    float top = -INFINITY;
+#if defined(__AVX512F__)
+    __m512 t = _mm512_set1_ps(-INFINITY);
+    for (; j < n; j += 16) {
+        const __mmask16 m = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
+        t = _mm512_max_ps(_mm512_mask_loadu_ps(t, m, p + j), t);
+    }
+    top = _mm512_reduce_max_ps(t);
+#elif defined(__AVX2__)
+    __m256 t = _mm256_set1_ps(-INFINITY);
+    for (; j + 8 <= n; j += 8) t = _mm256_max_ps(_mm256_loadu_ps(p + j), t);
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    top = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+#endif
+    for (; j < n; j++) top = p[j] > top ? p[j] : top;
+    return top;
+}
+
 // ---------------------------------------------------------------- matrix products, many rows
 
 // y[b, r] = sum_c w[r, c] x[b, c]. One canonical order per (weight row, activation row) pair
@@ -1128,8 +1152,7 @@ static void attend_block(const float *q, const T *kt, const T *v, long group, lo
     for (long h = 0; h < group; h++) {  // part, per head: o (hd numbers), l, m
         float *sh = s + h * BLOCK, *o = part + h * (hd + 2), *p = sh + skip;
         block_scores(q + h * hd, kt, t0, to - t0, hd, scale, sh);
-        float top = -INFINITY;
-        for (long j = 0; j < n; j++) top = p[j] > top ? p[j] : top;
+        const float top = max_of(p, n);
         o[hd + 1] = top;
         o[hd] = exp_shifted(p, n, top);
         weighted_sum(p, v + from * hd, n, hd, o);
@@ -1221,17 +1244,6 @@ static void weighted_sum_bh(const uint32_t *w2, long stride, long pairs, const b
         else if (chunk == 2) weighted_bh<NH, 2>(w2, stride, pairs, vc, hd, oc, ostride);
         else weighted_bh<NH, 1>(w2, stride, pairs, vc, hd, oc, ostride);
     }
-}
-
-// The largest of n floats (NaNs passed over; -inf for none), 16 lanes at a time: the same
-// number as a scalar scan, as max is exact.
-static inline float max_of(const float *p, long n) {
-    __m512 top = _mm512_set1_ps(-INFINITY);
-    for (long j = 0; j < n; j += 16) {
-        const __mmask16 m = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
-        top = _mm512_max_ps(_mm512_mask_loadu_ps(top, m, p + j), top);  // a NaN loaded: top kept
-    }
-    return _mm512_reduce_max_ps(top);
 }
 
 // p[0 .. n) rounded to bfloat16 (to_bf16's rounding, 16 lanes at a time) into out, padded with
