@@ -178,6 +178,11 @@ static void parallel(int threads, F &&f) {
 // ---------------------------------------------------------------- vector helpers
 
 #if defined(__AVX512F__)
+// The lanes of a 16-lane step with `left` >= 0 numbers still to go: all 16, or the first `left`.
+static inline __mmask16 lanes16(long left) {
+    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+}
+
 static inline __m512 load16(const bf16 *p) {  // 16 bfloat16 -> 16 float32: widen, shift left
     __m256i h = _mm256_loadu_si256((const __m256i *)p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -309,7 +314,7 @@ static inline float exp_shifted(float *s, long n, float top) {
 #if defined(__AVX512F__)
     __m512 sum = _mm512_setzero_ps(), topv = _mm512_set1_ps(top);
     for (; j < n; j += 16) {
-        __mmask16 m = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
+        __mmask16 m = lanes16(n - j);
         __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), topv));
         _mm512_mask_storeu_ps(s + j, m, e);
         sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, e));
@@ -346,7 +351,7 @@ static inline float max_of(const float *p, long n) {
 #if defined(__AVX512F__)
     __m512 t = _mm512_set1_ps(-INFINITY);
     for (; j < n; j += 16) {
-        const __mmask16 m = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
+        const __mmask16 m = lanes16(n - j);
         t = _mm512_max_ps(_mm512_mask_loadu_ps(t, m, p + j), t);
     }
     top = _mm512_reduce_max_ps(t);
@@ -901,7 +906,7 @@ static void silu_mul(const float *gate, const float *up, float *act, long n) {
 #if defined(__AVX512F__)
     const __m512 one = _mm512_set1_ps(1.f);
     for (; i < n; i += 16) {
-        __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+        __mmask16 m = lanes16(n - i);
         __m512 g = _mm512_maskz_loadu_ps(m, gate + i), u = _mm512_maskz_loadu_ps(m, up + i);
         __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
         _mm512_mask_storeu_ps(act + i, m,
@@ -931,7 +936,7 @@ static void gelu_mul(const float *gate, const float *up, float *act, long n) {
     const __m512 one = _mm512_set1_ps(1.f), c1 = _mm512_set1_ps(GELU_C1),
                  c3 = _mm512_set1_ps(GELU_C3);
     for (; i < n; i += 16) {
-        __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+        __mmask16 m = lanes16(n - i);
         __m512 g = _mm512_maskz_loadu_ps(m, gate + i), u = _mm512_maskz_loadu_ps(m, up + i);
         __m512 g3 = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
         __m512 two_u = _mm512_add_ps(_mm512_mul_ps(c1, g), _mm512_mul_ps(c3, g3));
@@ -1253,12 +1258,11 @@ static inline float pack_bf16(const float *p, long n, bf16 *out) {
     __m512 sum = _mm512_setzero_ps();
     const __m512i ones = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff);
     const long even = n + n % 2;  // stored through the vector stores only (out may be words)
-    auto lanes = [](long left) { return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1); };
     for (long j = 0; j < even; j += 16) {
-        const __m512i u = _mm512_castps_si512(_mm512_maskz_loadu_ps(lanes(n - j), p + j));  // 0 past n
+        const __m512i u = _mm512_castps_si512(_mm512_maskz_loadu_ps(lanes16(n - j), p + j));  // 0 past n
         const __m512i r = _mm512_srli_epi32(
             _mm512_add_epi32(_mm512_add_epi32(u, half), _mm512_and_si512(_mm512_srli_epi32(u, 16), ones)), 16);
-        _mm256_mask_storeu_epi16(out + j, lanes(even - j), _mm512_cvtepi32_epi16(r));
+        _mm256_mask_storeu_epi16(out + j, lanes16(even - j), _mm512_cvtepi32_epi16(r));
         sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(r, 16)));
     }
     return reduce1(sum);
