@@ -129,6 +129,34 @@ def test_the_table_decides_what_each_family_runs(files):
     assert stored_runner(files["qwen3"]).windows == [None, None]
 
 
+@needs_native
+def test_an_moe_token_reads_the_experts_it_uses_not_all_of_them(files):
+    """What the bench's ceiling rests on: per token, of each experts' tensor the K of E
+    experts a token uses, in bytes and in weights; every other matrix whole. Counted here from
+    the file's tensor table, apart from the runner's own sum."""
+    from miniserve.bench.machine import weight_elements
+
+    runner, shape = stored_runner(files["qwen3moe"]), SHAPES["qwen3moe"]
+    tensors = runner.weights.file.tensors
+    share = shape.experts_used / shape.experts
+    want_bytes = want_elements = 0
+    for name, t in tensors.items():
+        if name == "token_embd.weight":  # looked up; the file has its own output matrix
+            continue
+        part = share if "_exps." in name else 1
+        want_bytes += t.nbytes * part
+        want_elements += int(np.prod(t.shape)) * part
+    assert any("_exps." in name for name in tensors) and "output.weight" in tensors
+    assert runner.weight_bytes() == want_bytes
+    assert weight_elements(runner) == want_elements
+    dense = stored_runner(files["qwen3"])  # the same rule leaves a dense file's tensors whole
+    assert weight_elements(dense) == sum(
+        int(np.prod(t.shape))
+        for name, t in dense.weights.file.tensors.items()
+        if name != "token_embd.weight" or "output.weight" not in dense.weights.file.tensors
+    )
+
+
 @pytest.mark.parametrize(
     "name,mistake",
     [

@@ -58,7 +58,10 @@ def largest_weight(runner) -> tuple[str, torch.Tensor] | None:
 
 
 def weight_elements(runner) -> int:
-    """Weight elements read per decoded token: the tensors runner.weight_bytes() counts."""
+    """Weight elements read per decoded token: the tensors runner.weight_bytes() counts (a
+    runner over a file's weights says so itself: of an MoE's experts, the K a token uses)."""
+    if hasattr(runner, "weight_elements"):
+        return runner.weight_elements()
     if hasattr(runner, "layers") and hasattr(runner, "lm_head"):
         tensors = [
             *(x for layer in runner.layers for x in layer.values()),

@@ -386,17 +386,24 @@ class GGUFWeights:
     def weight_bytes(self) -> int:
         """Bytes of weights read per decoded token (the embedding is looked up, not read,
         unless it is also the output layer; of the experts' matrices, the K a token uses)."""
+        return sum(self._per_token(name, t.nbytes) for name, t in self._read_per_token())
+
+    def weight_elements(self) -> int:
+        """Weights multiplied per decoded token: the tensors weight_bytes() counts."""
+        return sum(
+            self._per_token(name, math.prod(t.shape)) for name, t in self._read_per_token()
+        )
+
+    def _read_per_token(self):
         skip = {"token_embd.weight"} if "output.weight" in self.file.tensors else set()
+        return [(name, t) for name, t in self.file.tensors.items() if name not in skip]
+
+    def _per_token(self, name: str, amount: int) -> int:
+        """Of an experts' tensor (E experts), the share of the K a token uses; else all."""
         cfg = self.config
-        total = 0
-        for name, t in self.file.tensors.items():
-            if name in skip:
-                continue
-            if "_exps." in name and cfg.num_experts:
-                total += t.nbytes * cfg.num_experts_per_tok // cfg.num_experts
-            else:
-                total += t.nbytes
-        return total
+        if "_exps." in name and cfg.num_experts:
+            return amount * cfg.num_experts_per_tok // cfg.num_experts
+        return amount
 
     def file_type(self) -> str:
         """What the file's weights are, as llama.cpp names the mix (q4_k_m, q8_0, ...), else
@@ -533,6 +540,9 @@ class StoredRunner(native.CompiledPass):
 
     def weight_bytes(self) -> int:
         return self.weights.weight_bytes()
+
+    def weight_elements(self) -> int:
+        return self.weights.weight_elements()
 
 
 # -- float models quantized at load (--quant q8_0 | q4_0) -------------------------------------
