@@ -1,9 +1,9 @@
 """The native pass alone: the time of one decode pass of R rows (R sequences, one new token each)
-at a fixed number of positions, over the embedded model as stored, with no scheduler, sampling
+at a fixed number of positions, over the embedded model (or --model FILE) as stored, with no scheduler, sampling
 or Python around it -- what the kernels and attention cost, apart from the step's other work.
 Each pass writes its token at the same position again, so every pass reads the same caches.
 
-    .venv/bin/python benchmarks/pass_time.py [--rows 8] [--positions 128] [--passes 300]
+    .venv/bin/python benchmarks/pass_time.py [--rows 8] [--positions 128] [--passes 300] [--model FILE]
 
 Prints the minimum, the 25th percentile and the median in ms (the first 20 passes left out).
 Compare two versions by running each in turn, a few rounds: the machines here are shared.
@@ -33,10 +33,11 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--positions", type=int, default=128)
     ap.add_argument("--passes", type=int, default=300)
+    ap.add_argument("--model", default=None, help="a GGUF file (default: the embedded model)")
     args = ap.parse_args()
     if args.rows < 1 or args.positions < 1 or args.passes <= WARM:
         ap.error(f"--rows and --positions must be >= 1 and --passes > {WARM}")
-    loaded = load_model(None, dtype="stored", progress=lambda m: None)
+    loaded = load_model(args.model, dtype="stored", progress=lambda m: None)
     model = StoredRunner(loaded.model, "auto", loaded.generation_config)
     caches = [model.new_cache(args.positions + 16) for _ in range(args.rows)]
     for i, cache in enumerate(caches):  # a different prompt a row

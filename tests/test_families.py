@@ -228,6 +228,20 @@ def test_a_sequence_of_each_family_gets_the_same_logits_in_a_batch(files, name):
     assert torch.equal(together[3 : 3 + len(ids)], alone)
 
 
+@needs_native
+def test_an_moe_sequence_decoding_alone_gets_the_logits_of_its_rows_in_a_prompt(files):
+    """A pass of one row (a sequence decoding alone: its K experts' products in two parallel
+    regions) against the same rows read as one prompt (the rows grouped by expert), bit for
+    bit, at every position."""
+    runner = stored_runner(files["qwen3moe"])
+    ids = ids_for("qwen3moe")[:12]
+    prompt = runner.step([(ids, runner.new_cache())], all_logits=True)
+    cache = runner.new_cache()
+    decoded = torch.cat([runner.step([([token], cache)]) for token in ids])
+    assert decoded.shape == prompt.shape
+    assert torch.equal(decoded, prompt)
+
+
 @same_on_every_cpu
 def test_an_architecture_outside_the_table_is_one_sentence_naming_what_runs(tmp_path):
     """A file of another architecture: the error (transformers cannot load it either) or the
