@@ -390,9 +390,7 @@ class GGUFWeights:
 
     def weight_elements(self) -> int:
         """Weights multiplied per decoded token: the tensors weight_bytes() counts."""
-        return sum(
-            self._per_token(name, math.prod(t.shape)) for name, t in self._read_per_token()
-        )
+        return sum(self._per_token(name, math.prod(t.shape)) for name, t in self._read_per_token())
 
     def _read_per_token(self):
         skip = {"token_embd.weight"} if "output.weight" in self.file.tensors else set()
