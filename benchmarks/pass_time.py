@@ -1,9 +1,11 @@
 """The native pass alone: the time of one decode pass of R rows (R sequences, one new token each)
-at a fixed number of positions, over the embedded model (or --model FILE) as stored, with no scheduler, sampling
-or Python around it -- what the kernels and attention cost, apart from the step's other work.
+at a fixed number of positions, over the embedded model (or --model FILE) as stored, with no
+scheduler, sampling or Python around it -- what the kernels and attention cost, apart from the
+step's other work.
 Each pass writes its token at the same position again, so every pass reads the same caches.
 
-    .venv/bin/python benchmarks/pass_time.py [--rows 8] [--positions 128] [--passes 300] [--model FILE]
+    .venv/bin/python benchmarks/pass_time.py [--rows 8] [--positions 128] [--passes 300]
+        [--model FILE]
 
 Prints the minimum, the 25th percentile and the median in ms (the first 20 passes left out).
 Compare two versions by running each in turn, a few rounds: the machines here are shared.
