@@ -152,6 +152,52 @@ def test_the_top_k_selection_keeps_what_a_full_sort_keeps(n):
     assert torch.equal(native.top_k(wide, 5)[0], wide.topk(5).indices.sort().values)
 
 
+def _nucleus(row: torch.Tensor, p: float) -> tuple[list[int], float]:
+    """top-p's definition in float64 (the smallest set of the most likely tokens, ties to the
+    lower position, whose probability reaches p), positions ascending; and how close the
+    mass above any token comes to p (a token on the cut-off: float32's exp may decide it)."""
+    probs = row.double().softmax(-1)
+    order = torch.sort(row, descending=True, stable=True).indices
+    above = probs[order].cumsum(0) - probs[order]
+    keep = int((above < p).sum())
+    return sorted(order[: max(keep, 1)].tolist()), float((above - p).abs().min())
+
+
+@pytest.mark.parametrize("n", [61, 49152])  # 61: the vector loops' tails too
+@needs_native
+def test_the_top_p_selection_keeps_the_nucleus_of_the_definition(n):
+    # decode.cpp's top-p (the sampler's, engine/sampling.py top_p_compact) against the float64
+    # definition, for rows peaked to flat, masked, tied and rising; None where the whole row
+    # must be filtered (a NaN, a +inf, no finite logit, p outside (0, 1))
+    assert native.load() is not None
+    gen = torch.Generator().manual_seed(n)
+    rows = {name: row for name, row in _rows_for_top_k(n).items() if "nan" not in name}
+    for scale in (8.0, 1.0, 0.05):
+        rows[f"scale {scale}"] = torch.randn(n, generator=gen) * scale
+    rows["one"] = torch.full((n,), -30.0)
+    rows["one"][n // 3] = 5.0
+    checked = 0
+    for name, row in rows.items():
+        for p in (0.05, 0.5, 0.9, 0.97, 0.999):
+            want, margin = _nucleus(row, p)
+            got = native.top_p(row, p)
+            assert got is not None and got.dtype == torch.int64, (name, p)
+            if margin < 1e-6:  # a token on the cut-off
+                continue
+            assert got.tolist() == want, (name, p)
+            checked += 1
+    assert checked > 40
+    row = torch.randn(n, generator=gen)
+    for bad in (float("nan"), float("inf")):
+        broken = row.clone()
+        broken[n // 2] = bad
+        assert native.top_p(broken, 0.9) is None
+    assert native.top_p(torch.full((n,), float("-inf")), 0.9) is None
+    assert native.top_p(row, 0.0) is None and native.top_p(row, 1.0) is None
+    wide = torch.randn(n, 2)[:, 0]  # a strided view is read as its values
+    assert native.top_p(wide, 0.5).tolist() == _nucleus(wide.contiguous(), 0.5)[0]
+
+
 def round_bf16(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.bfloat16).float()  # round to nearest, ties to even, as decode.cpp does
 

@@ -608,10 +608,18 @@ def top_p_compact(row: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tens
     most likely bucket, the one where the mass above reaches p is the only one whose tokens
     need ranking (ties: the lower id first); every token above it is kept, every one below it
     dropped, as top_p_filter decides: a token stays while the tokens ranked above it hold less
-    than p (the most likely always). ~0.5 ms over 151,936, peaked or flat."""
+    than p (the most likely always). decode.cpp's top_p does this where the library is loaded
+    (~0.1 ms over a model's 49,152 logits, ~0.3 ms over flat ones); else numpy below (~0.3 ms,
+    ~0.5 ms over 151,936, peaked or flat). The two agree but where a token lies on the cut-off
+    to float32's last bits (their exps may differ there)."""
     if not 0.0 < p < 1.0 or row.shape[0] != 1 or not _numpy_can_read(row):
         return None  # (p <= 0: top_p_filter keeps the most likely alone)
+    kept = native.top_p(row[0], p)  # decode.cpp's: the same rule, ~0.1 ms over 49,152
+    if kept is None:
+        return None
     a = row.detach().numpy()[0]
+    if kept is not NotImplemented:  # the logits gathered by numpy, on this thread
+        return kept.unsqueeze(0), torch.from_numpy(a[kept.numpy()]).unsqueeze(0)
     top = a.max()
     if not math.isfinite(top):  # no finite logit (or +inf), or a NaN among them
         return None

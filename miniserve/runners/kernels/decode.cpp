@@ -1852,6 +1852,168 @@ static long top_k(const float *a, long n, long k, int64_t *ids, float *vals) {
     return 1;
 }
 
+// ---------------------------------------------------------------- the sampler's top-p
+
+// exp(x) for x <= 0 (a logit minus the row's largest) in float32, 0 below -86 (and for -inf):
+// 2^n times a degree-6 polynomial of the remainder (Cephes' expf; within ~1 ulp), written
+// without branches so that the loop below vectorizes. Order-preserving to the last ulp or two,
+// which is all top-p asks of it: the tokens are ranked by their logits, not by these.
+static inline float exp_nonpositive(float x) {
+    const bool gone = !(x >= -86.f);  // -inf and NaN too (a NaN row never gets here)
+    x = gone ? -86.f : x;
+    const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round to nearest
+    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    float q = 1.9875691500E-4f;
+    q = q * r + 1.3981999507E-3f;
+    q = q * r + 8.3334519073E-3f;
+    q = q * r + 4.1665795894E-2f;
+    q = q * r + 1.6666665459E-1f;
+    q = q * r + 5.0000001201E-1f;
+    const float y = (q * (r * r) + r) + 1.f;
+    int32_t bits;
+    std::memcpy(&bits, &y, 4);
+    bits += (int32_t)n * (1 << 23);  // n in [-124, 0]: the result stays normal
+    float out;
+    std::memcpy(&out, &bits, 4);
+    return gone ? 0.f : out;
+}
+
+// Top-p over a row of n logits: the tokens kept, their positions ascending in ids (room for
+// n), and how many (at least 1); 0 where the caller filters the whole row (a NaN, a +inf, no
+// finite logit). A token is kept while the tokens ranked above it (larger logit; among equal
+// ones the lower position first) hold less than p of the probability, in float64 sums of the
+// float32 exp(a - max): the rule of engine/sampling.py's top_p_filter, without ranking the
+// row. The probabilities' float32 bits sort as they do: their exponent (an octave) and then
+// the mantissa's top 7 bits (128 buckets an octave) place the one bucket where the mass from
+// the top reaches p; only that bucket's tokens are ranked.
+static long top_p(const float *a, long n, double p, int64_t *ids) {
+    if (n <= 0 || !(p > 0.0) || !(p < 1.0)) return 0;
+    // the largest logit, and whether there is a NaN: 16 lanes apart (the loops vectorize)
+    float lane_top[16];
+    int lane_nan[16];
+    for (int j = 0; j < 16; j++) lane_top[j] = -INFINITY, lane_nan[j] = 0;
+    const long body = n / 16 * 16;
+    for (long i = 0; i < body; i += 16)
+        for (int j = 0; j < 16; j++) {
+            const float v = a[i + j];
+            lane_nan[j] |= v != v;
+            lane_top[j] = v > lane_top[j] ? v : lane_top[j];
+        }
+    float top = -INFINITY;
+    bool nan = false;
+    for (long i = body; i < n; i++) nan |= a[i] != a[i], top = a[i] > top ? a[i] : top;
+    for (int j = 0; j < 16; j++) nan |= lane_nan[j] != 0, top = lane_top[j] > top ? lane_top[j] : top;
+    if (nan || !std::isfinite(top)) return 0;
+    // each token's probability (unnormalized) and its bucket: the float32 bits' top 16
+    static thread_local std::vector<float> e_;
+    static thread_local std::vector<uint16_t> b_;
+    e_.resize(n);
+    b_.resize(n);
+    float *e = e_.data();
+    uint16_t *bucket = b_.data();
+    for (long i = 0; i < n; i++) {
+        const float v = exp_nonpositive(a[i] - top);
+        uint32_t u;
+        std::memcpy(&u, &v, 4);
+        e[i] = v;
+        bucket[i] = (uint16_t)(u >> 16);
+    }
+    // the octaves' masses (4 interleaved tables: no add waits for the one before)
+    double oct[4][256] = {};
+    for (long i = 0; i < n; i++) oct[i & 3][bucket[i] >> 7] += e[i];
+    double mass[256], total = 0.0;
+    for (int o = 255; o >= 0; o--) total += mass[o] = (oct[0][o] + oct[1][o]) + (oct[2][o] + oct[3][o]);
+    const double need = p * total;
+    // the octave where the mass from the top reaches need (its tokens may fall either side)
+    double above = 0.0;
+    int K = -1;
+    for (int o = 255; o >= 0; o--) {
+        if (mass[o] > 0.0) {
+            K = o;
+            if (above + mass[o] >= need) break;
+        }
+        above += mass[o];
+    }
+    if (K < 0) return 0;
+    // within it, the bucket (7 bits more) where it does; the octave's tokens listed
+    static thread_local std::vector<int32_t> in_k_;
+    in_k_.resize(n);
+    int32_t *in_k = in_k_.data();
+    long nk = 0, i0 = 0;
+#if defined(__AVX512BW__)
+    const __m512i want = _mm512_set1_epi16((short)K);
+    for (; i0 + 32 <= n; i0 += 32) {  // 32 buckets a compare: most runs hold none of the octave
+        const __m512i b = _mm512_srli_epi16(_mm512_loadu_si512(bucket + i0), 7);
+        const uint32_t m = _mm512_cmpeq_epi16_mask(b, want);
+        if (!m) continue;
+        const __m512i at = _mm512_add_epi32(_mm512_set1_epi32((int)i0), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+        // compressed in a register and stored whole (a compressing store to memory is
+        // microcoded on Zen 4): nk <= i0, so 16 lanes at nk stay inside the n of in_k
+        _mm512_storeu_si512(in_k + nk, _mm512_maskz_compress_epi32((__mmask16)m, at));
+        nk += __builtin_popcount(m & 0xffff);
+        _mm512_storeu_si512(in_k + nk, _mm512_maskz_compress_epi32((__mmask16)(m >> 16), _mm512_add_epi32(at, _mm512_set1_epi32(16))));
+        nk += __builtin_popcount(m >> 16);
+    }
+#endif
+    for (long i = i0; i < n; i++) {
+        in_k[nk] = (int32_t)i;
+        nk += (bucket[i] >> 7) == K;
+    }
+    double sub[4][128] = {};
+    for (long j = 0; j < nk; j++) sub[j & 3][bucket[in_k[j]] & 127] += e[in_k[j]];
+    for (int t = 0; t < 128; t++) sub[0][t] = (sub[0][t] + sub[1][t]) + (sub[2][t] + sub[3][t]);
+    int S = -1;
+    for (int s = 127; s >= 0; s--) {
+        if (sub[0][s] > 0.0) {
+            S = s;
+            if (above + sub[0][s] >= need) break;
+        }
+        above += sub[0][s];
+    }
+    if (S < 0) return 0;
+    const uint16_t edge = (uint16_t)((K << 7) | S);
+    // that bucket's tokens ranked (larger logit first, then the lower position), kept while
+    // the mass above them is short of need
+    std::vector<std::pair<float, int64_t>> ranked;
+    for (long j = 0; j < nk; j++)
+        if (bucket[in_k[j]] == edge) ranked.emplace_back(a[in_k[j]], in_k[j]);
+    std::sort(ranked.begin(), ranked.end(), [](const std::pair<float, int64_t> &x, const std::pair<float, int64_t> &y) {
+        return x.first > y.first || (x.first == y.first && x.second < y.second);
+    });
+    std::vector<int64_t> inside;
+    for (const auto &t : ranked) {
+        if (!(above < need)) break;
+        above += e[t.second];
+        inside.push_back(t.second);
+    }
+    std::sort(inside.begin(), inside.end());
+    // every token of a bucket above the edge (no branch: the store is undone by not counting
+    // it), then the edge's kept ones merged in, positions ascending
+    long count = 0, i1 = 0;
+#if defined(__AVX512BW__)
+    const __m512i at_edge = _mm512_set1_epi16((short)edge);
+    for (; i1 + 32 <= n; i1 += 32) {  // the positions of 32 buckets, those above the edge kept
+        // (as above: count <= i1, so the 8 lanes stored at count stay inside ids' n)
+        const uint32_t m = _mm512_cmpgt_epu16_mask(_mm512_loadu_si512(bucket + i1), at_edge);
+        if (!m) continue;
+        const __m512i base = _mm512_add_epi64(_mm512_set1_epi64(i1), _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7));
+        for (int q = 0; q < 4; q++) {
+            const __mmask8 part = (__mmask8)(m >> (8 * q));
+            _mm512_storeu_si512(ids + count, _mm512_maskz_compress_epi64(part, _mm512_add_epi64(base, _mm512_set1_epi64(8 * q))));
+            count += __builtin_popcount(part);
+        }
+    }
+#endif
+    for (long i = i1; i < n; i++) {
+        ids[count] = i;
+        count += bucket[i] > edge;
+    }
+    long from = count - 1, in = (long)inside.size() - 1, to = count + (long)inside.size() - 1;
+    for (; in >= 0; to--)
+        ids[to] = from >= 0 && ids[from] > inside[in] ? ids[from--] : inside[in--];
+    return count + (long)inside.size();
+}
+
 extern "C" {
 
 // Every struct ctypes mirrors (miniserve/runners/native.py), as "Struct=size Struct.field=offset
@@ -1928,6 +2090,10 @@ long ms_row_bytes(long type, long cols) { return row_bytes(type, cols); }
 // top_k (above): 1 with the k largest of a[0..n) in ids / vals, 0 where the caller must filter
 // the whole row.
 long ms_top_k(const float *a, long n, long k, int64_t *ids, float *vals) { return top_k(a, n, k, ids, vals); }
+
+// top_p (above): how many tokens top-p keeps of a[0..n), their positions ascending in ids (room
+// for n); 0 where the caller must filter the whole row.
+long ms_top_p(const float *a, long n, double p, int64_t *ids) { return top_p(a, n, p, ids); }
 
 // y (B x w.rows) = x (B x C) w^T, math for float32 / bfloat16 weights: the kernel alone, for
 // tests and measurements.
