@@ -475,7 +475,36 @@ static inline void mskq_dot_k45(long n, const void *w, const void *x, long xstri
     float fa1 = 0.f, fb1 = 0.f;
     for (int j = 0; j < NA; j++) acc[j] = PRE && (phase & 1) ? _mm512_loadu_ps(state + 16 * j) : _mm512_setzero_ps();
     if (NB == 1 && PRE && (phase & 1)) fa1 = state[0], fb1 = state[1];
-    for (long i = 0; i < nb; i++, b += bytes) {
+    long i = 0;
+    if constexpr (NB == 1) {
+        // one row: its super-blocks two at a time, their totals found by one fold (as two
+        // rows' are in the loop below), the float sums kept as [fa x4 | fb x4] and added block
+        // by block in order: the same operations as mskq_k45_float's, a block's at a time
+        __m256 acc1 = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(fa1)), _mm_set1_ps(fb1), 1);
+        for (; i + 2 <= nb; i += 2, b += 2 * bytes) {
+            mskq_u45 ub[2];
+            if (!PRE) {
+                mskq_prefetch(b, 2 * (int)bytes);
+                mskq_unpack45<HI>(b, ub[0]);
+                mskq_unpack45<HI>(b + bytes, ub[1]);
+            }
+            const mskq_u45 &u0 = PRE ? ((const mskq_u45 *)w)[i] : ub[0];
+            const mskq_u45 &u1 = PRE ? ((const mskq_u45 *)w)[i + 1] : ub[1];
+            const uint8_t *x0 = mskq_xblock(x, xstride, 0, i), *x1 = mskq_xblock(x, xstride, 0, i + 1);
+            const __m512i mins = _mm512_inserti64x4(_mm512_castsi256_si512(u0.mins), u1.mins, 1);
+            const __m512i t = mskq_totals2(mskq_lanes(u0.wk, u0.s01, u0.s23, x0),
+                                           mskq_lanes(u1.wk, u1.s01, u1.s23, x1), mskq_bsums2(x0, x1, mins));
+            const __m256 dd0 = _mm256_blend_ps(_mm256_set1_ps(u0.d), _mm256_set1_ps(u0.dmin), 0xF0);
+            const __m256 dd1 = _mm256_blend_ps(_mm256_set1_ps(u1.d), _mm256_set1_ps(u1.dmin), 0xF0);
+            const __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(t),
+                                           mskq_scales2(_mm512_insertf32x8(_mm512_castps256_ps512(dd0), dd1, 1), x0, x1));
+            acc1 = _mm256_add_ps(acc1, _mm512_castps512_ps256(p));
+            acc1 = _mm256_add_ps(acc1, _mm512_extractf32x8_ps(p, 1));
+        }
+        fa1 = _mm256_cvtss_f32(acc1);
+        fb1 = _mm_cvtss_f32(_mm256_extractf128_ps(acc1, 1));
+    }
+    for (; i < nb; i++, b += bytes) {
         mskq_u45 ub;
         if (!PRE) {
             mskq_prefetch(b, (int)bytes);
