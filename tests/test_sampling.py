@@ -270,6 +270,56 @@ def test_a_top_p_draw_over_the_compact_row_is_the_full_width_draw(monkeypatch):
     assert compact == wide and len(set(wide)) > 3
 
 
+@pytest.mark.parametrize("min_p", [0.001, 0.05, 0.3, 1.0])
+@pytest.mark.parametrize("case", ["peaked", "flat", "masked", "ties"])
+def test_min_p_compact_keeps_what_the_full_width_filter_keeps(case, min_p):
+    """One row's min-p as the tokens it keeps (ids ascending, their logits unchanged): the set
+    min_p_filter keeps, away from the cut-off (a token on it may go either way in float32);
+    None for a row without a finite logit, with a NaN or +inf, or min-p off."""
+    gen = torch.Generator().manual_seed(round(min_p * 1000))
+    scale = {"peaked": 6.0, "flat": 0.3}.get(case, 3.0)
+
+    def draw():
+        row = torch.randn(1, 50_000, generator=gen) * scale
+        if case == "masked":
+            row[0, torch.randperm(50_000, generator=gen)[:49_000]] = float("-inf")
+        elif case == "ties":  # equal logits, the largest among them
+            row = torch.round(row)
+        return row
+
+    row = draw()  # (min-p 1 keeps the largest and its ties: no token near that cut-off)
+    while case != "ties" and min_p < 1 and boundary_margin(row, "min_p", min_p=min_p) < 1e-9:
+        row = draw()
+    got = sampling.min_p_compact(row, min_p)
+    assert got is not None
+    ids, values = got
+    assert torch.equal(ids, ids.sort(-1).values) and torch.equal(values, row.gather(-1, ids))
+    assert ids[0].tolist() == kept(min_p_filter(row, min_p)[0]).nonzero().flatten().tolist()
+    if case == "flat" and min_p <= 0.05:
+        assert ids.shape[-1] > 10_000  # much of the vocabulary
+    for bad in (float("nan"), float("inf")):
+        broken = row.clone()
+        broken[0, 7] = bad
+        assert sampling.min_p_compact(broken, min_p) is None
+    assert sampling.min_p_compact(torch.full((1, 10), float("-inf")), min_p) is None
+    assert sampling.min_p_compact(row, 0.0) is None
+    assert sampling.min_p_compact(row.repeat(2, 1), min_p) is None
+
+
+def test_a_min_p_draw_over_the_compact_row_is_the_full_width_draw(monkeypatch):
+    """sample() over one row with min-p and no top-k or top-p draws from the compact row: the
+    same tokens, seed for seed, as with the full-width min-p filter."""
+    gen = torch.Generator().manual_seed(6)
+    params = SamplingParams(temperature=0.8, top_k=0, top_p=1.0, min_p=0.05)
+    row = torch.randn(1, 50_000, generator=gen) * 2.5
+    while boundary_margin(row / 0.8, "min_p", min_p=0.05) < 1e-9:
+        row = torch.randn(1, 50_000, generator=gen) * 2.5
+    compact = [int(sample(row, params, generator=make_generator(s))) for s in range(20)]
+    monkeypatch.delitem(sampling.COMPACT, "min_p")
+    wide = [int(sample(row, params, generator=make_generator(s))) for s in range(20)]
+    assert compact == wide and len(set(wide)) > 3
+
+
 @pytest.mark.parametrize("path", ["native", "numpy"])
 @pytest.mark.parametrize("case", ["plain", "masked", "ties", "nan"])
 @pytest.mark.parametrize("k", [1, 40, 999])
