@@ -639,8 +639,8 @@ def top_p_compact(row: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tens
 
 
 def _filtered_row(row, params, run, previous_ids, allowed, state, generator, at=0, kept=None):
-    """The stages over one row, as `stages` runs them, but from the first top-k (or a top-p
-    before any: COMPACT) on over the tokens it kept only (ids ascending, so the draw sees the
+    """The stages over one row, as `stages` runs them, but from the first top-k (or a top-p or
+    min-p before any: COMPACT) on over the tokens it kept only (ids ascending, so the draw sees the
     same vector as over the whole vocabulary); a stage that reads token ids widens the row
     back first. Returns (ids or None for the whole row, logits). `at`, `kept`: go on from
     stage `at` with (ids, logits) as the stages before it left them (sample_rows)."""
@@ -843,7 +843,7 @@ def sample_rows(
     (BLOCK: each row's numbers as alone), top-k keeps each row's tokens as `sample` keeps them
     (native, a row at a time) and the block goes on over those; each row then draws from its
     own generator, in row order. A row the block cannot carry on as it would go alone (ties at
-    the k-th token; a top-p before any top-k keeps as many tokens as each row's mass needs)
+    the k-th token; a top-p or min-p before any top-k keeps as many tokens as each row needs)
     goes on by itself from that stage, as `sample` would, with what the block gave it. Over
     rows of a few dozen tokens, or a few numbers changed in a row, a stage's cost is its calls,
     not its work: 8 `balanced` rows after a pass took ~2.4 ms this way, ~5 ms one at a time."""
@@ -882,8 +882,8 @@ def sample_rows(
             ]
             if any(k is not None for k in kept) or (stage.key != "top_k" and stage.is_on(params)):
                 # top-k keeps k tokens a row: those rows go on as a block. A row tied at the
-                # k-th (the whole-width filter), and top-p's rows (as many tokens as their mass
-                # needs), go on by themselves
+                # k-th (the whole-width filter), and top-p's and min-p's rows (as many tokens
+                # as each row needs), go on by themselves
                 good = [i for i, k in enumerate(kept) if k is not None and stage.key == "top_k"]
                 for i in sorted(set(range(len(keep))) - set(good)):
                     if kept[i] is not None:
