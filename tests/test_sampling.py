@@ -212,6 +212,18 @@ def nucleus(row: torch.Tensor, p: float) -> list[int]:
     return sorted(order[:n])
 
 
+def refuses_what_it_cannot_keep(compact, row, setting, off):
+    """A compact stage's None, where the full-width filter must run: a NaN or +inf in the row,
+    no finite logit, the stage off, more than one row."""
+    for bad in (float("nan"), float("inf")):
+        broken = row.clone()
+        broken[0, 7] = bad
+        assert compact(broken, setting) is None
+    assert compact(torch.full((1, 10), float("-inf")), setting) is None
+    assert compact(row, off) is None
+    assert compact(row.repeat(2, 1), setting) is None
+
+
 @pytest.mark.parametrize("p", [0.05, 0.5, 0.9, 0.97])
 @pytest.mark.parametrize("case", ["peaked", "wide", "flat", "masked", "ties", "one"])
 def test_top_p_compact_keeps_the_smallest_set_reaching_p(case, p):
@@ -247,13 +259,7 @@ def test_top_p_compact_keeps_the_smallest_set_reaching_p(case, p):
         assert ids[0].tolist() == kept(top_p_filter(row, p)[0]).nonzero().flatten().tolist()
     if case in ("wide", "flat") and p >= 0.5:
         assert ids.shape[-1] > 5_000  # much of the vocabulary
-    for bad in (float("nan"), float("inf")):
-        broken = row.clone()
-        broken[0, 7] = bad
-        assert sampling.top_p_compact(broken, p) is None
-    assert sampling.top_p_compact(torch.full((1, 10), float("-inf")), p) is None
-    assert sampling.top_p_compact(row, 1.0) is None
-    assert sampling.top_p_compact(row.repeat(2, 1), p) is None
+    refuses_what_it_cannot_keep(sampling.top_p_compact, row, p, off=1.0)
 
 
 def test_a_top_p_draw_over_the_compact_row_is_the_full_width_draw(monkeypatch):
@@ -297,13 +303,7 @@ def test_min_p_compact_keeps_what_the_full_width_filter_keeps(case, min_p):
     assert ids[0].tolist() == kept(min_p_filter(row, min_p)[0]).nonzero().flatten().tolist()
     if case == "flat" and min_p <= 0.05:
         assert ids.shape[-1] > 10_000  # much of the vocabulary
-    for bad in (float("nan"), float("inf")):
-        broken = row.clone()
-        broken[0, 7] = bad
-        assert sampling.min_p_compact(broken, min_p) is None
-    assert sampling.min_p_compact(torch.full((1, 10), float("-inf")), min_p) is None
-    assert sampling.min_p_compact(row, 0.0) is None
-    assert sampling.min_p_compact(row.repeat(2, 1), min_p) is None
+    refuses_what_it_cannot_keep(sampling.min_p_compact, row, min_p, off=0.0)
 
 
 def test_a_min_p_draw_over_the_compact_row_is_the_full_width_draw(monkeypatch):
