@@ -224,14 +224,22 @@ def refuses_what_it_cannot_keep(compact, row, setting, off):
     assert compact(row.repeat(2, 1), setting) is None
 
 
+@pytest.mark.parametrize("path", ["native", "numpy"])
 @pytest.mark.parametrize("p", [0.05, 0.5, 0.9, 0.97])
 @pytest.mark.parametrize("case", ["peaked", "wide", "flat", "masked", "ties", "one"])
-def test_top_p_compact_keeps_the_smallest_set_reaching_p(case, p):
-    """One row's top-p without ranking the whole vocabulary: the tokens of the definition (in
-    float64), their logits unchanged, ids ascending, whether the nucleus is a few tokens or
-    most of the vocabulary; None (the full-width filter) for a row without a finite logit or
-    with a NaN. (top_p_filter's float32 running total may stop a token short of p where many
-    small probabilities add up.)"""
+def test_top_p_compact_keeps_the_smallest_set_reaching_p(case, p, path, monkeypatch):
+    """One row's top-p without ranking the whole vocabulary, through decode.cpp's top_p where
+    the library is loaded, else numpy: the tokens of the definition (in float64), their logits
+    unchanged, ids ascending, whether the nucleus is a few tokens or most of the vocabulary;
+    None (the full-width filter) for a row without a finite logit or with a NaN.
+    (top_p_filter's float32 running total may stop a token short of p where many small
+    probabilities add up.)"""
+    from miniserve.runners import native
+
+    if path == "numpy":
+        monkeypatch.setattr(native, "_lib", None)
+    elif native.load() is None:
+        pytest.skip("no native library in this leg (the full leg runs this case)")
     gen = torch.Generator().manual_seed(round(p * 100))
     vocab, scale = {"peaked": (50_000, 6.0), "wide": (50_000, 1.0), "flat": (50_000, 0.1)}.get(
         case, (50_000, 4.0)
