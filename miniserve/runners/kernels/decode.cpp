@@ -1854,68 +1854,32 @@ static long top_k(const float *a, long n, long k, int64_t *ids, float *vals) {
 
 // ---------------------------------------------------------------- the sampler's top-p
 
-// exp(x) for x <= 0 (a logit minus the row's largest) in float32, 0 below -86 (and for -inf):
-// 2^n times a degree-6 polynomial of the remainder (Cephes' expf; within ~1 ulp), written
-// without branches so that the loop below vectorizes. Order-preserving to the last ulp or two,
-// which is all top-p asks of it: the tokens are ranked by their logits, not by these.
-static inline float exp_nonpositive(float x) {
-    const bool gone = !(x >= -86.f);  // -inf and NaN too (a NaN row never gets here)
-    x = gone ? -86.f : x;
-    const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round to nearest
-    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-    float q = 1.9875691500E-4f;
-    q = q * r + 1.3981999507E-3f;
-    q = q * r + 8.3334519073E-3f;
-    q = q * r + 4.1665795894E-2f;
-    q = q * r + 1.6666665459E-1f;
-    q = q * r + 5.0000001201E-1f;
-    const float y = (q * (r * r) + r) + 1.f;
-    int32_t bits;
-    std::memcpy(&bits, &y, 4);
-    bits += (int32_t)n * (1 << 23);  // n in [-124, 0]: the result stays normal
-    float out;
-    std::memcpy(&out, &bits, 4);
-    return gone ? 0.f : out;
-}
-
 // Top-p over a row of n logits: the tokens kept, their positions ascending in ids (room for
 // n), and how many (at least 1); 0 where the caller filters the whole row (a NaN, a +inf, no
 // finite logit). A token is kept while the tokens ranked above it (larger logit; among equal
 // ones the lower position first) hold less than p of the probability, in float64 sums of the
-// float32 exp(a - max): the rule of engine/sampling.py's top_p_filter, without ranking the
-// row. The probabilities' float32 bits sort as they do: their exponent (an octave) and then
-// the mantissa's top 7 bits (128 buckets an octave) place the one bucket where the mass from
-// the top reaches p; only that bucket's tokens are ranked.
+// float32 exp(a - max) (exp_shifted's): the rule of engine/sampling.py's top_p_filter, without
+// ranking the row. The probabilities' float32 bits sort as they do: their exponent (an
+// octave) and then the mantissa's top 7 bits (128 buckets an octave) place the one bucket
+// where the mass from the top reaches p; only that bucket's tokens are ranked.
 static long top_p(const float *a, long n, double p, int64_t *ids) {
     if (n <= 0 || !(p > 0.0) || !(p < 1.0)) return 0;
-    // the largest logit, and whether there is a NaN: 16 lanes apart (the loops vectorize)
-    float lane_top[16];
-    int lane_nan[16];
-    for (int j = 0; j < 16; j++) lane_top[j] = -INFINITY, lane_nan[j] = 0;
-    const long body = n / 16 * 16;
-    for (long i = 0; i < body; i += 16)
-        for (int j = 0; j < 16; j++) {
-            const float v = a[i + j];
-            lane_nan[j] |= v != v;
-            lane_top[j] = v > lane_top[j] ? v : lane_top[j];
-        }
-    float top = -INFINITY;
-    bool nan = false;
-    for (long i = body; i < n; i++) nan |= a[i] != a[i], top = a[i] > top ? a[i] : top;
-    for (int j = 0; j < 16; j++) nan |= lane_nan[j] != 0, top = lane_top[j] > top ? lane_top[j] : top;
+    int nan = 0;
+    for (long i = 0; i < n; i++) nan |= a[i] != a[i];
+    const float top = max_of(a, n);
     if (nan || !std::isfinite(top)) return 0;
-    // each token's probability (unnormalized) and its bucket: the float32 bits' top 16
+    // each token's probability (unnormalized, exp_shifted's as attention's softmax has them)
+    // and its bucket: the float32 bits' top 16
     static thread_local std::vector<float> e_;
     static thread_local std::vector<uint16_t> b_;
-    e_.resize(n);
+    e_.assign(a, a + n);
     b_.resize(n);
     float *e = e_.data();
     uint16_t *bucket = b_.data();
+    exp_shifted(e, n, top);
     for (long i = 0; i < n; i++) {
-        const float v = exp_nonpositive(a[i] - top);
         uint32_t u;
-        std::memcpy(&u, &v, 4);
-        e[i] = v;
+        std::memcpy(&u, e + i, 4);
         bucket[i] = (uint16_t)(u >> 16);
     }
     // the octaves' masses (4 interleaved tables: no add waits for the one before)
