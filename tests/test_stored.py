@@ -527,3 +527,74 @@ def test_header_values_the_runner_cannot_run_are_one_error(tmp_path, monkeypatch
     with pytest.raises(ModelLoadError) as e:
         load_model(str(path), dtype="stored", progress=lambda m: None)
     assert words in str(e.value) and "odd.gguf" in str(e.value)
+
+
+def packs_here() -> bool:
+    """Whether this build lays Q4_K rows out anew (decode.cpp's ms_pack_type): AVX-512 without
+    AMX tiles."""
+    return native.isa() == "avx512" and not native.amx()
+
+
+@pytest.mark.parametrize("rows,blocks", [(48, 3), (16, 1), (80, 8)])
+@needs_native
+def test_q4_k_rows_packed_16_at_a_time_give_the_bits_of_the_rows_as_stored(rows, blocks):
+    """Where the build repacks Q4_K matrices at load (16 rows' super-blocks side by side, the
+    quants still 4-bit), every product -- 1 to 7 activation rows (the strips' own loops), 8 to
+    15 (groups of 8 on the strips, then the rest), 16 and more (widened to tiles) -- is the same
+    bits as over the rows as stored, with the weight rows dealt to the threads in whole strips
+    (48 rows: 32 and 16). Elsewhere no matrix is repacked."""
+    cols = 256 * blocks
+    data = random_blocks(Q.Q4_K, rows, cols, seed=rows + blocks)
+    w = stored(np.ascontiguousarray(data), Q.Q4_K, cols)
+    packed = native.pack(w)
+    if not packs_here():
+        assert packed is None
+        return
+    assert packed is not None and packed[0].type != w.type
+    short = np.ascontiguousarray(data[: rows - 8])  # rows not in whole 16s stay as stored
+    assert native.pack(stored(short, Q.Q4_K, cols)) is None
+    x = torch.randn(64, cols, generator=torch.Generator().manual_seed(rows))
+    for batch in (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 64):
+        assert torch.equal(native.matmul(packed[0], x[:batch]), native.matmul(w, x[:batch])), batch
+
+
+@needs_native
+def test_a_model_with_packed_matrices_gets_the_logits_of_its_rows_as_stored(monkeypatch):
+    """The packing at load, through the runner: a model whose matrices are Q4_K blocks gets the
+    same logits, bit for bit, with its matrices repacked (the default) and as stored
+    (MINISERVE_PACK=0), for a prompt and for decode steps of 1 to 9 sequences at once; and the
+    packed model's rows are the same whatever shares their pass."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(5)
+    config = Qwen3Config(
+        vocab_size=320, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=256,
+    )  # fmt: skip
+    model = native.NativeRunner(Qwen3ForCausalLM(config).eval(), math="float32")
+    kept = []
+    for i, layer in enumerate(model.layers):  # the fused matrices as random Q4_K rows
+        for name in ("wqkv", "wo", "w13", "w2"):
+            rows, cols = layer[name].shape
+            kept.append(np.ascontiguousarray(random_blocks(Q.Q4_K, rows, cols, seed=10 * i + len(kept))))
+            layer[name] = stored(kept[-1], Q.Q4_K, cols)
+    runs = {}
+    for setting in ("0", "1"):
+        monkeypatch.setenv("MINISERVE_PACK", setting)
+        forward = native.NativeForward(model, "float32")
+        assert len(forward.packed) == (8 if setting == "1" and packs_here() else 0)
+        ids = [(13 * i + 5) % 320 for i in range(40)]
+        caches = [forward.new_cache(64) for _ in range(9)]
+        logits = [forward([(ids, caches[0])], all_logits=True)]
+        for c, cache in enumerate(caches[1:]):
+            forward([(ids[: 3 + c], cache)])
+        for n in (1, 4, 9):
+            logits.append(forward([([7 + n], cache) for cache in caches[:n]]))
+        runs[setting] = logits
+        if setting == "1":
+            assert_same_whatever_shares_the_pass(
+                lambda entries, all_logits=False: forward(entries, all_logits),
+                lambda: forward.new_cache(64), ids, logits[0], chunk=11,
+            )  # fmt: skip
+    for a, b in zip(runs["0"], runs["1"]):
+        assert torch.equal(a, b)

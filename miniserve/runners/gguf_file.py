@@ -236,6 +236,21 @@ class GGUFFile:
         until close()."""
         return self.data(name).ctypes.data
 
+    def release(self, address: int, nbytes: int) -> None:
+        """Hands the whole pages of the map within [address, address + nbytes) back (the
+        file's bytes in this process's memory, after a copy of them was made: repacked
+        weights). Nothing is lost: the map is the file's, read-only, and a later read faults
+        the pages in again."""
+        if self._buf is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = address - self._buf.ctypes.data
+        if not 0 <= start <= start + nbytes <= self.size:
+            raise ValueError(f"{self._name}: bytes {start}..{start + nbytes} are not in the file")
+        page = mmap.PAGESIZE
+        first, end = -(-start // page) * page, (start + nbytes) // page * page
+        if end > first:
+            self._mm.madvise(mmap.MADV_DONTNEED, first, end - first)
+
     def check_scales(self, names: Iterable[str] | None = None) -> None:
         """Every quantized block's fp16 scales (d, and m / dmin where the type has them) finite,
         and every value of the small float tensors (fewer than SMALL_FLOATS: norms, biases);

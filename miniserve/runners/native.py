@@ -27,6 +27,7 @@ import shutil
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -325,6 +326,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_isa.restype = ctypes.c_char_p
     lib.ms_amx.argtypes = [I]
     lib.ms_amx.restype = I
+    lib.ms_pack_type.argtypes = [L, L, L]
+    lib.ms_pack_type.restype = L
+    lib.ms_pack.argtypes = [ctypes.POINTER(MsMat), L, P, I]
+    lib.ms_pack.restype = L
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -349,6 +354,25 @@ def amx(on: bool | None = None) -> bool:
     them (the same bits either way: tests compare), None asks."""
     lib = load()
     return bool(lib is not None and lib.ms_amx(-1 if on is None else int(on)))
+
+
+def pack(w: StoredMatrix) -> tuple[StoredMatrix, torch.Tensor] | None:
+    """The matrix repacked for this build's products of few rows, where it has a packed form
+    (decode.cpp's ms_pack_type: Q4_K with rows in whole 16s, in the AVX-512 build where AMX
+    tiles are off or absent): a StoredMatrix of the packed type and the tensor that holds its
+    bytes (keep it alive). Its products are the same bits as the rows' as stored; it takes 2.8%
+    more bytes. None where the matrix stays as stored, and with MINISERVE_PACK=0."""
+    lib = load()
+    if lib is None or os.environ.get("MINISERVE_PACK", "1") == "0":
+        return None
+    packed = lib.ms_pack_type(w.type, w.rows, w.cols)
+    if packed < 0:
+        return None
+    nbytes = w.rows * lib.ms_row_bytes(packed, w.cols)
+    out = torch.empty(nbytes, dtype=torch.uint8)
+    assert out.data_ptr() % 64 == 0  # PyTorch's CPU allocations are
+    lib.ms_pack(ctypes.byref(ms_mat(w)), w.cols, out.data_ptr(), torch.get_num_threads())
+    return StoredMatrix(out.data_ptr(), packed, w.rows, w.cols, nbytes), out
 
 
 def bf16_dot() -> bool:
@@ -502,16 +526,21 @@ class NativeForward:
 
     Holds the model struct (raw pointers of the weights, which never move), float32 copies of
     norm weights and biases (decode.cpp takes them in float32: Gemma's 1 + w is float32
-    whatever the weights' dtype) and a scratch buffer sized by the C side."""
+    whatever the weights' dtype), the layers' matrices that pack() lays out anew for this
+    build (their stored rows' pages then handed to `release`, which a model over a mapped file
+    gives, so that those weights are not resident twice) and a scratch buffer sized by the C
+    side."""
 
-    def __init__(self, model, math: str):
+    def __init__(self, model, math: str, release: Callable[[StoredMatrix], None] | None = None):
         self.lib = load()
+        self._release = release
+        self.packed: list[StoredMatrix] = []  # the matrices pack() laid out anew
         self.model = model
         self.math = math
         cfg = model.config
         self.V = _rows(model.lm_head)
         assert model.head_dim <= 1024
-        self._kept = []  # the float32 norm weights the structs point to
+        self._kept = []  # the float32 norm weights and packed matrices the structs point to
         self._layers = (MsLayer * len(model.layers))(
             *[
                 self._layer(w, *model.layer_tables(i), model.windows[i])
@@ -562,19 +591,32 @@ class NativeForward:
         assert cos.shape[1] == self.model.rot, (cos.shape, self.model.rot)
         return MsLayer(
             attn_norm=self._float32(w["attn_norm"]),
-            qkv=(MsMat * 3)(*(ms_mat(m) for m in qkv + [None] * (3 - len(qkv)))),
+            qkv=(MsMat * 3)(*(self._mat(m) for m in qkv + [None] * (3 - len(qkv)))),
             bqkv=self._float32(w.get("bqkv")),
-            wo=ms_mat(w["wo"]),
+            wo=self._mat(w["wo"]),
             mlp_norm=self._float32(w["mlp_norm"]),
-            gate_up=(MsMat * 2)(*(ms_mat(m) for m in gate_up + [None] * (2 - len(gate_up)))),
-            w2=ms_mat(w.get("w2")),
+            gate_up=(MsMat * 2)(*(self._mat(m) for m in gate_up + [None] * (2 - len(gate_up)))),
+            w2=self._mat(w.get("w2")),
             **{name: self._float32(w.get(name)) for name in NORMS[2:]},
             cos=cos.data_ptr(),
             sin=sin.data_ptr(),
             window=window or 0,
             router=ms_mat(w.get("router")),
-            experts=(MsMat * 3)(*(ms_mat(w.get(n)) for n in ("w1_exps", "w3_exps", "w2_exps"))),
+            experts=(MsMat * 3)(*(self._mat(w.get(n)) for n in ("w1_exps", "w3_exps", "w2_exps"))),
         )
+
+    def _mat(self, w) -> MsMat:
+        """A layer's matrix for the structs: repacked where pack() has a form for it (the copy
+        kept; the stored rows' pages then handed back through `release`, so that the weights
+        are not resident twice), else as ms_mat."""
+        packed = pack(w) if isinstance(w, StoredMatrix) else None
+        if packed is None:
+            return ms_mat(w)
+        self._kept.append(packed[1])
+        self.packed.append(packed[0])
+        if self._release is not None:
+            self._release(w)
+        return ms_mat(packed[0])
 
     def new_cache(self, capacity: int = 256) -> NativeCache:
         m = self.model
