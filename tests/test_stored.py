@@ -531,18 +531,19 @@ def test_header_values_the_runner_cannot_run_are_one_error(tmp_path, monkeypatch
 
 def packs_here() -> bool:
     """Whether this build lays Q4_K rows out anew (decode.cpp's ms_pack_type): AVX-512 without
-    AMX tiles."""
-    return native.isa() == "avx512" and not native.amx()
+    AMX tiles (16 rows a strip), AVX2 (8)."""
+    return native.isa() in ("avx512", "avx2") and not native.amx()
 
 
 @pytest.mark.parametrize("rows,blocks", [(48, 3), (16, 1), (80, 8)])
 @needs_native
 def test_q4_k_rows_packed_16_at_a_time_give_the_bits_of_the_rows_as_stored(rows, blocks):
-    """Where the build repacks Q4_K matrices at load (16 rows' super-blocks side by side, the
-    quants still 4-bit), every product -- 1 to 7 activation rows (the strips' own loops), 8 to
-    15 (groups of 8 on the strips, then the rest), 16 and more (widened to tiles) -- is the same
-    bits as over the rows as stored, with the weight rows dealt to the threads in whole strips
-    (48 rows: 32 and 16). Elsewhere no matrix is repacked."""
+    """Where the build repacks Q4_K matrices at load (16 rows' super-blocks side by side in the
+    AVX-512 build, 8 in the AVX2 one; the quants still 4-bit), every product -- 1 to 7
+    activation rows (the strips' own loops), 8 to 15 (groups of 8 on the strips, then the rest),
+    16 and more (AVX-512: widened to tiles) -- is the same bits as over the rows as stored, with
+    the weight rows dealt to the threads in whole strips (48 rows: 32 and 16). Elsewhere (the
+    plain loops) no matrix is repacked."""
     cols = 256 * blocks
     data = random_blocks(Q.Q4_K, rows, cols, seed=rows + blocks)
     w = stored(np.ascontiguousarray(data), Q.Q4_K, cols)
@@ -551,7 +552,7 @@ def test_q4_k_rows_packed_16_at_a_time_give_the_bits_of_the_rows_as_stored(rows,
         assert packed is None
         return
     assert packed is not None and packed[0].type != w.type
-    short = np.ascontiguousarray(data[: rows - 8])  # rows not in whole 16s stay as stored
+    short = np.ascontiguousarray(data[: rows - 4])  # rows not in whole strips stay as stored
     assert native.pack(stored(short, Q.Q4_K, cols)) is None
     x = torch.randn(64, cols, generator=torch.Generator().manual_seed(rows))
     for batch in (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 64):

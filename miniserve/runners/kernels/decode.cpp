@@ -609,9 +609,9 @@ static inline void round_bf16(const float *x, float *xr, bf16 *xb, long n) {
 enum MsTypeId {
     T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
     T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30,
-    // not a ggml type: a Q4_K matrix repacked at load, 16 rows at a time (kquants.h's mskq_p45;
-    // the AVX-512 build without AMX tiles, ms_pack)
-    T_Q4_K_P16 = 1012
+    // not ggml types: a Q4_K matrix repacked at load (ms_pack), 16 rows at a time for the
+    // AVX-512 build without AMX tiles (kquants.h's mskq_p45), 8 for the AVX2 one (mskq_p45x8)
+    T_Q4_K_P16 = 1012, T_Q4_K_P8 = 1013
 };
 
 // What the activations of a product over weights of a type are: float rows, or quantized.
@@ -698,6 +698,15 @@ static const Kernels *kernels_for(long type) {
         return k;
     }();
     if (type == T_Q4_K_P16) return &q4_k_p16;
+#elif defined(MSKQ_AVX2)
+    // Q4_K packed: strips of 8 rows, every product on them (no tiles in this build)
+    static const Kernels q4_k_p8 = [] {
+        Kernels k = {256, 1184 / 8, ACT_A8K, mskq_dot_p45x8<1>, mskq_dot_p45x8<2>, mskq_dot_p45x8<4>,
+                     mskq_dot_p45x8<8>, nullptr, 0, nullptr, nullptr, nullptr};
+        k.strip = 8;
+        return k;
+    }();
+    if (type == T_Q4_K_P8) return &q4_k_p8;
 #endif
     switch (type) {
         case T_Q4_0: return &q4_0;
@@ -2110,12 +2119,15 @@ int ms_amx(int on) {
 }
 
 // The type a matrix of `rows` x `cols` weights of `type` repacks to for this build (ms_pack),
-// or -1 where it stays as stored: Q4_K with rows in whole 16s, in the AVX-512 build, where
-// many-row products do not run on AMX tiles (those read the rows as stored).
+// or -1 where it stays as stored: Q4_K with rows in whole 16s in the AVX-512 build, where
+// many-row products do not run on AMX tiles (those read the rows as stored), and in whole 8s in
+// the AVX2 build.
 long ms_pack_type(long type, long rows, long cols) {
 #if defined(MSKQ_AVX512)
     if (type == T_Q4_K && rows > 0 && rows % 16 == 0 && cols > 0 && cols % 256 == 0 && ms_amx(-1) == 0)
         return T_Q4_K_P16;
+#elif defined(MSKQ_AVX2)
+    if (type == T_Q4_K && rows > 0 && rows % 8 == 0 && cols > 0 && cols % 256 == 0) return T_Q4_K_P8;
 #endif
     (void)type, (void)rows, (void)cols;
     return -1;
@@ -2127,11 +2139,18 @@ long ms_pack_type(long type, long rows, long cols) {
 long ms_pack(const MsMat *w, long C, void *out, int threads) {
     const long type = ms_pack_type(w->type, w->rows, C);
     if (type < 0) return -1;
-#if defined(MSKQ_AVX512)
-    const long wrow = row_bytes(w->type, C), prow = row_bytes(type, C), strips = w->rows / 16;
+#if defined(MSKQ_AVX512) || defined(MSKQ_AVX2)
+    const long strip = kernels_for(type)->strip, wrow = row_bytes(w->type, C), prow = row_bytes(type, C);
     parallel(threads, [&](int t, int n) {
-        for (long s = t; s < strips; s += n)
-            mskq_pack45_rows(C, (const char *)w->data + 16 * s * wrow, wrow, (char *)out + 16 * s * prow);
+        for (long s = t; s < w->rows / strip; s += n) {
+            const char *rows = (const char *)w->data + strip * s * wrow;
+            char *to = (char *)out + strip * s * prow;
+#if defined(MSKQ_AVX512)
+            mskq_pack45_rows(C, rows, wrow, to);
+#else
+            mskq_pack45x8_rows(C, rows, wrow, to);
+#endif
+        }
     });
 #else
     (void)out, (void)threads;
