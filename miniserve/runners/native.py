@@ -356,22 +356,30 @@ def amx(on: bool | None = None) -> bool:
     return bool(lib is not None and lib.ms_amx(-1 if on is None else int(on)))
 
 
-def pack(w: StoredMatrix) -> tuple[StoredMatrix, torch.Tensor] | None:
-    """The matrix repacked for this build's products of few rows, where it has a packed form
-    (decode.cpp's ms_pack_type: Q4_K with rows in whole 16s, in the AVX-512 build where AMX
-    tiles are off or absent): a StoredMatrix of the packed type and the tensor that holds its
-    bytes (keep it alive). Its products are the same bits as the rows' as stored; it takes 2.8%
-    more bytes. None where the matrix stays as stored, and with MINISERVE_PACK=0."""
+def packed_bytes(w) -> int:
+    """The bytes pack() makes of a matrix (decode.cpp's ms_pack_type: Q4_K with rows in whole
+    16s in the AVX-512 build where AMX tiles are off or absent, in whole 8s in the AVX2 build);
+    0 where it stays as stored, and for all with MINISERVE_PACK=0."""
     lib = load()
-    if lib is None or os.environ.get("MINISERVE_PACK", "1") == "0":
-        return None
+    if lib is None or not isinstance(w, StoredMatrix) or os.environ.get("MINISERVE_PACK", "1") == "0":
+        return 0
     packed = lib.ms_pack_type(w.type, w.rows, w.cols)
-    if packed < 0:
+    return 0 if packed < 0 else w.rows * lib.ms_row_bytes(packed, w.cols)
+
+
+def pack(w: StoredMatrix, out: torch.Tensor | None = None) -> tuple[StoredMatrix, torch.Tensor] | None:
+    """The matrix laid out anew for this build's products, where it has such a form
+    (packed_bytes): 16 (AVX2: 8) rows' super-blocks side by side, so that a product of few
+    activation rows needs no sums across lanes. Returns a StoredMatrix of the packed type and
+    the uint8 tensor holding its bytes (`out`, 64-byte aligned, where given; keep it alive), or
+    None. The products are the same bits as over the rows as stored; 2.8% more bytes."""
+    nbytes = packed_bytes(w)
+    if nbytes == 0:
         return None
-    nbytes = w.rows * lib.ms_row_bytes(packed, w.cols)
-    out = torch.empty(nbytes, dtype=torch.uint8)
-    assert out.data_ptr() % 64 == 0  # PyTorch's CPU allocations are
-    lib.ms_pack(ctypes.byref(ms_mat(w)), w.cols, out.data_ptr(), torch.get_num_threads())
+    lib = load()
+    out = torch.empty(nbytes, dtype=torch.uint8) if out is None else out[:nbytes]
+    assert out.numel() == nbytes and out.data_ptr() % 64 == 0  # (PyTorch's CPU allocations are)
+    packed = lib.ms_pack(ctypes.byref(ms_mat(w)), w.cols, out.data_ptr(), torch.get_num_threads())
     return StoredMatrix(out.data_ptr(), packed, w.rows, w.cols, nbytes), out
 
 
@@ -540,7 +548,12 @@ class NativeForward:
         cfg = model.config
         self.V = _rows(model.lm_head)
         assert model.head_dim <= 1024
-        self._kept = []  # the float32 norm weights and packed matrices the structs point to
+        self._kept = []  # the float32 norm weights the structs point to
+        # the matrices pack() lays out anew, in one allocation (one per matrix would round each
+        # up to whole 2 MiB pages where those back big allocations: +117 MB for Qwen3-1.7B)
+        sizes = [-(-packed_bytes(m) // 64) * 64 for w in model.layers for m in w.values()]
+        self._arena = torch.empty(sum(sizes), dtype=torch.uint8)
+        self._arena_used = 0
         self._layers = (MsLayer * len(model.layers))(
             *[
                 self._layer(w, *model.layer_tables(i), model.windows[i])
@@ -606,13 +619,14 @@ class NativeForward:
         )
 
     def _mat(self, w) -> MsMat:
-        """A layer's matrix for the structs: repacked where pack() has a form for it (the copy
-        kept; the stored rows' pages then handed back through `release`, so that the weights
-        are not resident twice), else as ms_mat."""
-        packed = pack(w) if isinstance(w, StoredMatrix) else None
-        if packed is None:
+        """A layer's matrix for the structs: packed into the arena where pack() has a form for
+        it (the stored rows' pages then handed back through `release`, so that the weights are
+        not resident twice), else as ms_mat."""
+        nbytes = -(-packed_bytes(w) // 64) * 64
+        if nbytes == 0:
             return ms_mat(w)
-        self._kept.append(packed[1])
+        packed = pack(w, self._arena[self._arena_used : self._arena_used + nbytes])
+        self._arena_used += nbytes
         self.packed.append(packed[0])
         if self._release is not None:
             self._release(w)
