@@ -577,7 +577,8 @@ def test_a_model_with_packed_matrices_gets_the_logits_of_its_rows_as_stored(monk
     for i, layer in enumerate(model.layers):  # the fused matrices as random Q4_K rows
         for name in ("wqkv", "wo", "w13", "w2"):
             rows, cols = layer[name].shape
-            kept.append(np.ascontiguousarray(random_blocks(Q.Q4_K, rows, cols, seed=10 * i + len(kept))))
+            blocks = random_blocks(Q.Q4_K, rows, cols, seed=10 * i + len(kept))
+            kept.append(np.ascontiguousarray(blocks))
             layer[name] = stored(kept[-1], Q.Q4_K, cols)
     runs = {}
     for setting in ("0", "1"):
@@ -593,9 +594,6 @@ def test_a_model_with_packed_matrices_gets_the_logits_of_its_rows_as_stored(monk
             logits.append(forward([([7 + n], cache) for cache in caches[:n]]))
         runs[setting] = logits
         if setting == "1":
-            assert_same_whatever_shares_the_pass(
-                lambda entries, all_logits=False: forward(entries, all_logits),
-                lambda: forward.new_cache(64), ids, logits[0], chunk=11,
-            )  # fmt: skip
+            assert_same_whatever_shares_the_pass(forward, forward.new_cache, ids, logits[0], 11)
     for a, b in zip(runs["0"], runs["1"]):
         assert torch.equal(a, b)

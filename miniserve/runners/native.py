@@ -361,13 +361,16 @@ def packed_bytes(w) -> int:
     16s in the AVX-512 build where AMX tiles are off or absent, in whole 8s in the AVX2 build);
     0 where it stays as stored, and for all with MINISERVE_PACK=0."""
     lib = load()
-    if lib is None or not isinstance(w, StoredMatrix) or os.environ.get("MINISERVE_PACK", "1") == "0":
+    off = os.environ.get("MINISERVE_PACK", "1") == "0"
+    if lib is None or off or not isinstance(w, StoredMatrix):
         return 0
     packed = lib.ms_pack_type(w.type, w.rows, w.cols)
     return 0 if packed < 0 else w.rows * lib.ms_row_bytes(packed, w.cols)
 
 
-def pack(w: StoredMatrix, out: torch.Tensor | None = None) -> tuple[StoredMatrix, torch.Tensor] | None:
+def pack(
+    w: StoredMatrix, out: torch.Tensor | None = None
+) -> tuple[StoredMatrix, torch.Tensor] | None:
     """The matrix laid out anew for this build's products, where it has such a form
     (packed_bytes): 16 (AVX2: 8) rows' super-blocks side by side, so that a product of few
     activation rows needs no sums across lanes. Returns a StoredMatrix of the packed type and
