@@ -289,6 +289,25 @@ static inline void mskq_prefetch(const uint8_t *p, int bytes) {
         _mm_prefetch((const char *)p + MSKQ_PREFETCH + o, _MM_HINT_T0);
 }
 
+// S stored Q4_K rows of n weights (w: the first, wrow bytes apart) -> n / 256 packed blocks of
+// type P (mskq_p45: S = 16, lane l holding row mskq_tile_row(l); mskq_p45x8: S = 8, lane r row r).
+template <int S, typename P>
+static void mskq_pack45(long n, const void *w, long wrow, void *out) {
+    const uint8_t *b = (const uint8_t *)w;
+    P *o = (P *)out;
+    for (long i = 0; i < n / 256; i++) {
+        P &p = o[i];
+        for (int l = 0; l < S; l++) {
+            const uint8_t *br = b + (S == 16 ? 4 * (l & 3) + (l >> 2) : l) * wrow + i * 144;
+            uint32_t u[4];
+            mskq_scales(br + 4, u);
+            std::memcpy(&p.d[l], br, 2), std::memcpy(&p.dmin[l], br + 2, 2);
+            for (int s = 0; s < 8; s++) p.sc[s][l] = mskq_byte(u, s), p.mn[s >> 1][2 * l + (s & 1)] = mskq_byte(u, 8 + s);
+            for (int q = 0; q < 4; q++)
+                for (int m = 0; m < 8; m++) std::memcpy(&p.q[q][m][4 * l], br + 16 + 32 * q + 4 * m, 4);
+        }
+    }
+}
 // An activation block's sub-block sums as int16 pairs (the packed rows' mins, AVX-512 and
 // AVX2): dword t = (b_2t, b_2t+1), b_s the sum of
 // sub-block s's 32 activations (bsums[2s] + bsums[2s + 1]; exact in int16: |b_s| <= 32 * 127).
@@ -700,24 +719,7 @@ struct mskq_p45x8 {
     uint16_t d[8], dmin[8];
 };
 static_assert(sizeof(mskq_p45x8) == 1184 && sizeof(mskq_p45x8) % 32 == 0, "packed blocks back to back");
-
-// 8 stored Q4_K rows of n weights (w: the first, wrow bytes apart) -> n / 256 packed blocks.
-static void mskq_pack45x8_rows(long n, const void *w, long wrow, void *out) {
-    const uint8_t *b = (const uint8_t *)w;
-    mskq_p45x8 *o = (mskq_p45x8 *)out;
-    for (long i = 0; i < n / 256; i++) {
-        mskq_p45x8 &p = o[i];
-        for (int r = 0; r < 8; r++) {
-            const uint8_t *br = b + r * wrow + i * 144;
-            uint32_t u[4];
-            mskq_scales(br + 4, u);
-            std::memcpy(&p.d[r], br, 2), std::memcpy(&p.dmin[r], br + 2, 2);
-            for (int s = 0; s < 8; s++) p.sc[s][r] = mskq_byte(u, s), p.mn[s >> 1][2 * r + (s & 1)] = mskq_byte(u, 8 + s);
-            for (int q = 0; q < 4; q++)
-                for (int m = 0; m < 8; m++) std::memcpy(&p.q[q][m][4 * r], br + 16 + 32 * q + 4 * m, 4);
-        }
-    }
-}
+static void mskq_pack45x8_rows(long n, const void *w, long wrow, void *out) { mskq_pack45<8, mskq_p45x8>(n, w, wrow, out); }
 
 // The 8 rows of a packed strip (n / 256 blocks at w) against NB activation rows (xstride bytes
 // apart): y[j * ystride + r] for rows r < 8.
@@ -998,23 +1000,7 @@ struct mskq_p45 {
 };
 static_assert(sizeof(mskq_p45) == 2368 && sizeof(mskq_p45) % 64 == 0, "packed blocks back to back, 64-byte multiples");
 
-// 16 stored Q4_K rows of n weights (w: the first, wrow bytes apart) -> n / 256 packed blocks.
-static void mskq_pack45_rows(long n, const void *w, long wrow, void *out) {
-    const uint8_t *b = (const uint8_t *)w;
-    mskq_p45 *o = (mskq_p45 *)out;
-    for (long i = 0; i < n / 256; i++) {
-        mskq_p45 &p = o[i];
-        for (int l = 0; l < 16; l++) {
-            const uint8_t *br = b + mskq_tile_row(l) * wrow + i * 144;
-            uint32_t u[4];
-            mskq_scales(br + 4, u);
-            std::memcpy(&p.d[l], br, 2), std::memcpy(&p.dmin[l], br + 2, 2);
-            for (int s = 0; s < 8; s++) p.sc[s][l] = mskq_byte(u, s), p.mn[s >> 1][2 * l + (s & 1)] = mskq_byte(u, 8 + s);
-            for (int q = 0; q < 4; q++)
-                for (int m = 0; m < 8; m++) std::memcpy(&p.q[q][m][4 * l], br + 16 + 32 * q + 4 * m, 4);
-        }
-    }
-}
+static void mskq_pack45_rows(long n, const void *w, long wrow, void *out) { mskq_pack45<16, mskq_p45>(n, w, wrow, out); }
 
 // The block 4 ahead of b asked for into L2. From 2 activation rows on, the hardware prefetchers
 // alone leave a strip waiting on memory (one core, 8 rows, from memory: 58-72 GMAC/s without,
