@@ -529,31 +529,46 @@ def test_header_values_the_runner_cannot_run_are_one_error(tmp_path, monkeypatch
     assert words in str(e.value) and "odd.gguf" in str(e.value)
 
 
-def packs_here() -> bool:
-    """Whether this build lays Q4_K rows out anew (decode.cpp's ms_pack_type): AVX-512 without
-    AMX tiles (16 rows a strip), AVX2 (8)."""
-    return native.isa() in ("avx512", "avx2") and not native.amx()
+def packs_here(qtype=Q.Q4_K) -> bool:
+    """Whether this build lays matrices of `qtype` out anew (decode.cpp's ms_pack_type): Q4_K in
+    the AVX-512 build without AMX tiles (16 rows a strip) and the AVX2 one (8); Q4_1 in the
+    AVX-512 build (16)."""
+    if qtype == Q.Q4_1:
+        return native.isa() == "avx512"
+    return qtype == Q.Q4_K and native.isa() in ("avx512", "avx2") and not native.amx()
 
 
-@pytest.mark.parametrize("rows,blocks", [(48, 3), (16, 1), (80, 8)])
+# (type, rows, blocks): Q4_1 rows ending in each kind of last group (576 columns: 8 + 8 + 2
+# blocks, SmolLM2's; 13: 8 + 5; 3: one short group; 48: whole groups)
+PACKED_CASES = [(Q.Q4_K, 48, 3), (Q.Q4_K, 16, 1), (Q.Q4_K, 80, 8)] + [
+    (Q.Q4_1, 48, 18),
+    (Q.Q4_1, 32, 13),
+    (Q.Q4_1, 16, 3),
+    (Q.Q4_1, 64, 48),
+]
+
+
+@pytest.mark.parametrize(
+    "qtype,rows,blocks", PACKED_CASES, ids=lambda v: getattr(v, "name", str(v))
+)
 @needs_native
-def test_q4_k_rows_packed_16_at_a_time_give_the_bits_of_the_rows_as_stored(rows, blocks):
-    """Where the build repacks Q4_K matrices at load (16 rows' super-blocks side by side in the
-    AVX-512 build, 8 in the AVX2 one; the quants still 4-bit), every product -- 1 to 7
-    activation rows (the strips' own loops), 8 to 15 (groups of 8 on the strips, then the rest),
-    16 and more (AVX-512: widened to tiles) -- is the same bits as over the rows as stored, with
-    the weight rows dealt to the threads in whole strips (48 rows: 32 and 16). Elsewhere (the
-    plain loops) no matrix is repacked."""
-    cols = 256 * blocks
-    data = random_blocks(Q.Q4_K, rows, cols, seed=rows + blocks)
-    w = stored(np.ascontiguousarray(data), Q.Q4_K, cols)
+def test_rows_packed_16_at_a_time_give_the_bits_of_the_rows_as_stored(qtype, rows, blocks):
+    """Where the build repacks a type's matrices at load (16 rows' blocks side by side; Q4_K in
+    the AVX2 build 8; the quants still 4-bit), every product -- 1 to 7 activation rows (the
+    strips' own loops), 8 to 15 (groups of 8 on the strips, then the rest), 16 and more (Q4_K on
+    AVX-512: widened to tiles) -- is the same bits as over the rows as stored, with the weight
+    rows dealt to the threads in whole strips (48 rows: 32 and 16). Elsewhere (the plain loops)
+    no matrix is repacked."""
+    cols = (256 if qtype == Q.Q4_K else 32) * blocks
+    data = random_blocks(qtype, rows, cols, seed=rows + blocks)
+    w = stored(np.ascontiguousarray(data), qtype, cols)
     packed = native.pack(w)
-    if not packs_here():
+    if not packs_here(qtype):
         assert packed is None
         return
     assert packed is not None and packed[0].type != w.type
     short = np.ascontiguousarray(data[: rows - 4])  # rows not in whole strips stay as stored
-    assert native.pack(stored(short, Q.Q4_K, cols)) is None
+    assert native.pack(stored(short, qtype, cols)) is None
     x = torch.randn(64, cols, generator=torch.Generator().manual_seed(rows))
     for batch in (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 64):
         assert torch.equal(native.matmul(packed[0], x[:batch]), native.matmul(w, x[:batch])), batch

@@ -356,6 +356,10 @@ def amx(on: bool | None = None) -> bool:
     return bool(lib is not None and lib.ms_amx(-1 if on is None else int(on)))
 
 
+# decode.cpp's packed types (T_Q4_K_P16, T_Q4_K_P8) are numbered from here on, past ggml's
+PACKED_TYPES = 1000
+
+
 def packed_bytes(w) -> int:
     """The bytes pack() makes of a matrix (decode.cpp's ms_pack_type: Q4_K with rows in whole
     16s in the AVX-512 build where AMX tiles are off or absent, in whole 8s in the AVX2 build);
@@ -429,6 +433,7 @@ def matmul(w, x: torch.Tensor, math: str = "float32") -> torch.Tensor:
 
 def dequantize(w: StoredMatrix) -> torch.Tensor:
     """The matrix's rows as float32, as the kernels read its blocks (rows, cols)."""
+    assert w.type < PACKED_TYPES, "a packed matrix has no row decoder: decode the stored one"
     lib = load()
     assert lib is not None
     y = torch.empty(w.rows, w.cols, dtype=torch.float32)

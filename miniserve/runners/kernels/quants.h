@@ -665,6 +665,85 @@ static void ms_dot_q8_0(long n, const void *w, const void *x, long xs, float *y,
     msq_dot<MSQ_Q8_0, NB>(n, w, x, xs, y, ys);
 }
 
+#if defined(MSQ_AVX512)
+// ---------------------------------------------------------------- Q4_1 packed 16 rows at a time
+
+// A Q4_1 matrix laid out anew at load for the AVX-512 build (decode.cpp's T_Q4_1_P16): 16 weight
+// rows' block b in 320 bytes (as stored: 16 x 20), the rows of a 16 one after another, block by
+// block. q[m]'s lane l (row l) holds that row's qs[4m .. 4m + 3]: low nibbles the weights of
+// piece m (quants 4m .. 4m + 3), high nibbles piece m + 4. One vpdpbusd against 4 broadcast
+// activation bytes is 64 products, the block's total for 16 rows in 16 lanes, where the rows as
+// stored are transposed into lanes (8 blocks of one row) at every product. The float part is
+// the canonical order's, lane by lane: p = (d_w * d_x) * float(I) + m_w * s_x, acc[b & 7] += p,
+// then msq_sum8's order -- the same bits as the rows as stored. (A last group's missing blocks
+// add nothing here, where the stored loop adds +0 to a sum that starts at +0: the same bits.)
+struct msq_p41 {
+    uint8_t q[4][64];
+    uint16_t d[16], m[16];  // IEEE halves, as stored
+};
+static_assert(sizeof(msq_p41) == 320 && sizeof(msq_p41) % 64 == 0, "packed blocks back to back");
+
+// 16 stored Q4_1 rows of n weights (w: the first, wrow bytes apart) -> n / 32 packed blocks.
+static void msq_pack41_rows(long n, const void *w, long wrow, void *out) {
+    const uint8_t *rows = (const uint8_t *)w;
+    msq_p41 *o = (msq_p41 *)out;
+    for (long b = 0; b < n / 32; b++)
+        for (int l = 0; l < 16; l++) {
+            const uint8_t *br = rows + l * wrow + b * 20;
+            std::memcpy(&o[b].d[l], br, 2), std::memcpy(&o[b].m[l], br + 2, 2);
+            for (int m = 0; m < 4; m++) std::memcpy(&o[b].q[m][4 * l], br + 4 + 4 * m, 4);
+        }
+}
+
+// The 16 rows of a packed strip (n / 32 blocks at w) against NB activation rows (ms_a8g rows,
+// xs bytes apart): y[j * ys + r] for rows r < 16.
+template <int NB>
+static void msq_dot_p41(long n, const void *w, const void *x, long xs, float *y, long ys) {
+    const msq_p41 *t = (const msq_p41 *)w;
+    const long nb = n / 32;
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    __m512 acc[NB][8];
+    for (int j = 0; j < NB; j++)
+        for (int k = 0; k < 8; k++) acc[j][k] = _mm512_setzero_ps();
+    for (long b = 0; b < nb; b++) {
+        const msq_p41 &u = t[b];
+        if (NB > 1 && b % 4 == 0)  // (as the K-quant strips: from memory the prefetchers alone fall behind)
+            for (int o = 0; o < 4 * (int)sizeof(msq_p41); o += 64) _mm_prefetch((const char *)(t + b + 8) + o, _MM_HINT_T1);
+        const long g = b / 8;
+        const int k = (int)(b % 8), span = msq_span(nb - 8 * g < 8 ? nb - 8 * g : 8);
+        __m512i W[8];
+        for (int m = 0; m < 4; m++) {
+            const __m512i v = _mm512_load_si512((const void *)u.q[m]);
+            W[m] = _mm512_and_si512(v, m4), W[m + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        }
+        const __m512 dw = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)u.d));
+        const __m512 mw = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)u.m));
+        for (int j = 0; j < NB; j++) {
+            const ms_a8g *a = (const ms_a8g *)((const char *)x + j * xs) + g;
+            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+            for (int p = 0; p < 8; p += 2) {  // two chains, then their sum (integers: the same total)
+                int32_t v0, v1;
+                std::memcpy(&v0, a->qs + msq_piece_at(span, k, p), 4);
+                std::memcpy(&v1, a->qs + msq_piece_at(span, k, p + 1), 4);
+                s0 = _mm512_dpbusd_epi32(s0, W[p], _mm512_set1_epi32(v0));
+                s1 = _mm512_dpbusd_epi32(s1, W[p + 1], _mm512_set1_epi32(v1));
+            }
+            const __m512 dd = _mm512_mul_ps(dw, _mm512_set1_ps(a->d[k]));
+            __m512 p = _mm512_mul_ps(dd, _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)));
+            p = _mm512_add_ps(p, _mm512_mul_ps(mw, _mm512_set1_ps(a->s[k])));
+            acc[j][k] = _mm512_add_ps(acc[j][k], p);
+        }
+    }
+    for (int j = 0; j < NB; j++) {  // msq_sum8's order, lane by lane
+        const __m512 lo = _mm512_add_ps(_mm512_add_ps(acc[j][0], acc[j][4]), _mm512_add_ps(acc[j][2], acc[j][6]));
+        const __m512 hi = _mm512_add_ps(_mm512_add_ps(acc[j][1], acc[j][5]), _mm512_add_ps(acc[j][3], acc[j][7]));
+        alignas(64) float v[16];
+        _mm512_store_ps(v, _mm512_add_ps(lo, hi));
+        for (int l = 0; l < 16; l++) y[j * ys + l] = v[l];
+    }
+}
+#endif
+
 static void ms_dequant_q4_0(const void *w, float *y, long n) { msq_dequant<MSQ_Q4_0>(w, y, n); }
 static void ms_dequant_q4_1(const void *w, float *y, long n) { msq_dequant<MSQ_Q4_1>(w, y, n); }
 static void ms_dequant_q5_0(const void *w, float *y, long n) { msq_dequant<MSQ_Q5_0>(w, y, n); }
