@@ -362,8 +362,9 @@ PACKED_TYPES = 1000
 
 def packed_bytes(w) -> int:
     """The bytes pack() makes of a matrix (decode.cpp's ms_pack_type: Q4_K with rows in whole
-    16s in the AVX-512 build where AMX tiles are off or absent, in whole 8s in the AVX2 build);
-    0 where it stays as stored, and for all with MINISERVE_PACK=0."""
+    16s in the AVX-512 build where AMX tiles are off or absent, in whole 8s in the AVX2 build;
+    Q4_1 with rows in whole 16s in the AVX-512 build); 0 where it stays as stored, and for all
+    with MINISERVE_PACK=0."""
     lib = load()
     off = os.environ.get("MINISERVE_PACK", "1") == "0"
     if lib is None or off or not isinstance(w, StoredMatrix):
@@ -376,10 +377,10 @@ def pack(
     w: StoredMatrix, out: torch.Tensor | None = None
 ) -> tuple[StoredMatrix, torch.Tensor] | None:
     """The matrix laid out anew for this build's products, where it has such a form
-    (packed_bytes): 16 (AVX2: 8) rows' super-blocks side by side, so that a product of few
-    activation rows needs no sums across lanes. Returns a StoredMatrix of the packed type and
-    the uint8 tensor holding its bytes (`out`, 64-byte aligned, where given; keep it alive), or
-    None. The products are the same bits as over the rows as stored; 2.8% more bytes."""
+    (packed_bytes): 16 (AVX2: 8) rows' blocks side by side, so that a product of few activation
+    rows needs no sums across lanes. Returns a StoredMatrix of the packed type and the uint8
+    tensor holding its bytes (`out`, 64-byte aligned, where given; keep it alive), or None. The
+    products are the same bits as over the rows as stored; Q4_K takes 2.8% more bytes."""
     nbytes = packed_bytes(w)
     if nbytes == 0:
         return None
