@@ -611,8 +611,8 @@ enum MsTypeId {
     T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30,
     // not ggml types: a matrix repacked at load (ms_pack). Q4_K 16 rows at a time for the
     // AVX-512 build without AMX tiles (kquants.h's mskq_p45), 8 for the AVX2 one (mskq_p45x8);
-    // Q4_1 16 rows at a time for the AVX-512 build (quants.h's msq_p41)
-    T_Q4_1_P16 = 1003, T_Q4_K_P16 = 1012, T_Q4_K_P8 = 1013
+    // Q4_0, Q4_1 and Q8_0 16 rows at a time for the AVX-512 build (quants.h's MsqPacked)
+    T_Q4_0_P16 = 1002, T_Q4_1_P16 = 1003, T_Q8_0_P16 = 1008, T_Q4_K_P16 = 1012, T_Q4_K_P8 = 1013
 };
 
 // What the activations of a product over weights of a type are: float rows, or quantized.
@@ -700,15 +700,20 @@ static const Kernels *kernels_for(long type) {
         return k;
     }();
     if (type == T_Q4_K_P16) return &q4_k_p16;
-    // Q4_1 packed: strips of 16 rows, every product on them (8 activation rows of SmolLM2's
-    // 1536 x 576 matrix, one core, in cache: 131 against 82 GMAC/s as stored)
-    static const Kernels q4_1_p16 = [] {
-        Kernels k = {32, 320 / 16, ACT_A8, msq_dot_p41<1>, msq_dot_p41<2>, msq_dot_p41<4>, msq_dot_p41<8>,
-                     nullptr, 0, nullptr, nullptr, nullptr};
-        k.strip = 16;
-        return k;
-    }();
+    // Q4_0, Q4_1, Q8_0 packed: strips of 16 rows, every product on them (8 activation rows of
+    // SmolLM2's 1536 x 576 Q4_1 matrix, one core, in cache: 131 against 82 GMAC/s as stored)
+#define MS_KERNELS_P16(K, bytes)                                                                   \
+    [] {                                                                                           \
+        Kernels k = {32, bytes, ACT_A8, msq_dot_packed<K, 1>, msq_dot_packed<K, 2>, msq_dot_packed<K, 4>, \
+                     msq_dot_packed<K, 8>, nullptr, 0, nullptr, nullptr, nullptr};                 \
+        k.strip = 16;                                                                              \
+        return k;                                                                                  \
+    }()
+    static const Kernels q4_0_p16 = MS_KERNELS_P16(MSQ_Q4_0, 18), q4_1_p16 = MS_KERNELS_P16(MSQ_Q4_1, 20),
+                         q8_0_p16 = MS_KERNELS_P16(MSQ_Q8_0, 34);
+    if (type == T_Q4_0_P16) return &q4_0_p16;
     if (type == T_Q4_1_P16) return &q4_1_p16;
+    if (type == T_Q8_0_P16) return &q8_0_p16;
 #elif defined(MSKQ_AVX2)
     // Q4_K packed: strips of 8 rows, every product on them (no tiles in this build)
     static const Kernels q4_k_p8 = [] {
@@ -2132,12 +2137,14 @@ int ms_amx(int on) {
 // The type a matrix of `rows` x `cols` weights of `type` repacks to for this build (ms_pack),
 // or -1 where it stays as stored: Q4_K with rows in whole 16s in the AVX-512 build, where
 // many-row products do not run on AMX tiles (those read the rows as stored), and in whole 8s in
-// the AVX2 build; Q4_1 with rows in whole 16s in the AVX-512 build.
+// the AVX2 build; Q4_0, Q4_1 and Q8_0 with rows in whole 16s in the AVX-512 build.
 long ms_pack_type(long type, long rows, long cols) {
 #if defined(MSKQ_AVX512)
     if (type == T_Q4_K && rows > 0 && rows % 16 == 0 && cols > 0 && cols % 256 == 0 && ms_amx(-1) == 0)
         return T_Q4_K_P16;
-    if (type == T_Q4_1 && rows > 0 && rows % 16 == 0 && cols > 0 && cols % 32 == 0) return T_Q4_1_P16;
+    if ((type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0) && rows > 0 && rows % 16 == 0 && cols > 0 &&
+        cols % 32 == 0)
+        return type + 1000;  // T_Q4_0_P16, T_Q4_1_P16, T_Q8_0_P16
 #elif defined(MSKQ_AVX2)
     if (type == T_Q4_K && rows > 0 && rows % 8 == 0 && cols > 0 && cols % 256 == 0) return T_Q4_K_P8;
 #endif
@@ -2158,8 +2165,12 @@ long ms_pack(const MsMat *w, long C, void *out, int threads) {
             const char *rows = (const char *)w->data + strip * s * wrow;
             char *to = (char *)out + strip * s * prow;
 #if defined(MSKQ_AVX512)
-            if (type == T_Q4_1_P16)
-                msq_pack41_rows(C, rows, wrow, to);
+            if (type == T_Q4_0_P16)
+                msq_pack_rows<MSQ_Q4_0>(C, rows, wrow, to);
+            else if (type == T_Q4_1_P16)
+                msq_pack_rows<MSQ_Q4_1>(C, rows, wrow, to);
+            else if (type == T_Q8_0_P16)
+                msq_pack_rows<MSQ_Q8_0>(C, rows, wrow, to);
             else
                 mskq_pack45_rows(C, rows, wrow, to);
 #else

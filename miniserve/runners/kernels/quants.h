@@ -666,58 +666,85 @@ static void ms_dot_q8_0(long n, const void *w, const void *x, long xs, float *y,
 }
 
 #if defined(MSQ_AVX512)
-// ---------------------------------------------------------------- Q4_1 packed 16 rows at a time
+// ---------------------------------------------------------------- packed 16 rows at a time
 
-// A Q4_1 matrix laid out anew at load for the AVX-512 build (decode.cpp's T_Q4_1_P16): 16 weight
-// rows' block b in 320 bytes (as stored: 16 x 20), the rows of a 16 one after another, block by
-// block. q[m]'s lane l (row l) holds that row's qs[4m .. 4m + 3]: low nibbles the weights of
-// piece m (quants 4m .. 4m + 3), high nibbles piece m + 4. One vpdpbusd against 4 broadcast
-// activation bytes is 64 products, the block's total for 16 rows in 16 lanes, where the rows as
-// stored are transposed into lanes (8 blocks of one row) at every product. The float part is
-// the canonical order's, lane by lane: p = (d_w * d_x) * float(I) + m_w * s_x, acc[b & 7] += p,
-// then msq_sum8's order -- the same bits as the rows as stored. (A last group's missing blocks
-// add nothing here, where the stored loop adds +0 to a sum that starts at +0: the same bits.)
-struct msq_p41 {
-    uint8_t q[4][64];
-    uint16_t d[16], m[16];  // IEEE halves, as stored
+// A Q4_0, Q4_1 or Q8_0 matrix laid out anew at load for the AVX-512 build (decode.cpp's
+// T_Q4_0_P16, T_Q4_1_P16, T_Q8_0_P16): 16 weight rows' block b in 16 x the stored block's bytes,
+// the rows of a 16 one after another, block by block. q[v]'s lane l (row l) holds 4 bytes of
+// that row's quants: for the 4-bit types qs[4v .. 4v + 3] (low nibbles: piece v, quants 4v ..
+// 4v + 3; high nibbles: piece v + 4); for Q8_0 piece v itself, stored as q + 128 (the unsigned
+// bytes the AVX-512 loop gives vpdpbusd, msq_bias_shift). Then d[16] (and Q4_1's m[16]) as
+// stored. One vpdpbusd against 4 broadcast activation bytes is 64 products, the block's total
+// for 16 rows in 16 lanes, where the rows as stored are transposed into lanes (8 blocks of one
+// row) at every product. The float part is the canonical order's, lane by lane: the offset's
+// sum taken out of the total as msq_float does, p = (d_w * d_x) * float(I) (+ m_w * s_x),
+// acc[b & 7] += p, then msq_sum8's order -- the same bits as the rows as stored. (A last
+// group's missing blocks add nothing here, where the stored loop adds +0 to a sum that starts
+// at +0: the same bits.)
+template <int K>
+struct MsqPacked {
+    static constexpr int QV = MsqT<K>::BITS == 8 ? 8 : 4;  // quant vectors a block
+    uint8_t q[QV][64];
+    uint16_t d[16];
+    uint16_t m[MsqT<K>::MIN ? 16 : 0];
 };
-static_assert(sizeof(msq_p41) == 320 && sizeof(msq_p41) % 64 == 0, "packed blocks back to back");
+static_assert(sizeof(MsqPacked<MSQ_Q4_1>) == 16 * 20 && sizeof(MsqPacked<MSQ_Q4_0>) == 16 * 18 &&
+                  sizeof(MsqPacked<MSQ_Q8_0>) == 16 * 34,
+              "a packed block is its 16 stored blocks' size");
 
-// 16 stored Q4_1 rows of n weights (w: the first, wrow bytes apart) -> n / 32 packed blocks.
-static void msq_pack41_rows(long n, const void *w, long wrow, void *out) {
+// 16 stored rows of n weights (w: the first, wrow bytes apart) -> n / 32 packed blocks.
+template <int K>
+static void msq_pack_rows(long n, const void *w, long wrow, void *out) {
+    typedef MsqT<K> T;
+    typedef MsqPacked<K> P;
     const uint8_t *rows = (const uint8_t *)w;
-    msq_p41 *o = (msq_p41 *)out;
-    for (long b = 0; b < n / 32; b++)
+    uint8_t *o = (uint8_t *)out;
+    for (long b = 0; b < n / 32; b++) {
+        P p;
         for (int l = 0; l < 16; l++) {
-            const uint8_t *br = rows + l * wrow + b * 20;
-            std::memcpy(&o[b].d[l], br, 2), std::memcpy(&o[b].m[l], br + 2, 2);
-            for (int m = 0; m < 4; m++) std::memcpy(&o[b].q[m][4 * l], br + 4 + 4 * m, 4);
+            const uint8_t *br = rows + l * wrow + b * T::BYTES;
+            std::memcpy(&p.d[l], br, 2);
+            if constexpr (T::MIN) std::memcpy(&p.m[l], br + 2, 2);
+            for (int v = 0; v < P::QV; v++) {
+                std::memcpy(&p.q[v][4 * l], br + T::QS + 4 * v, 4);
+                if (T::BITS == 8)
+                    for (int e = 0; e < 4; e++) p.q[v][4 * l + e] ^= 0x80;  // q + 128
+            }
         }
+        std::memcpy(o + b * sizeof(P), &p, sizeof(P));
+    }
 }
 
 // The 16 rows of a packed strip (n / 32 blocks at w) against NB activation rows (ms_a8g rows,
 // xs bytes apart): y[j * ys + r] for rows r < 16.
-template <int NB>
-static void msq_dot_p41(long n, const void *w, const void *x, long xs, float *y, long ys) {
-    const msq_p41 *t = (const msq_p41 *)w;
+template <int K, int NB>
+static void msq_dot_packed(long n, const void *w, const void *x, long xs, float *y, long ys) {
+    typedef MsqT<K> T;
+    typedef MsqPacked<K> P;
+    constexpr int shift = msq_bias_shift<K>();
+    const uint8_t *t = (const uint8_t *)w;
     const long nb = n / 32;
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     __m512 acc[NB][8];
     for (int j = 0; j < NB; j++)
         for (int k = 0; k < 8; k++) acc[j][k] = _mm512_setzero_ps();
     for (long b = 0; b < nb; b++) {
-        const msq_p41 &u = t[b];
+        const P &u = *(const P *)(t + b * sizeof(P));
         if (NB > 1 && b % 4 == 0)  // (as the K-quant strips: from memory the prefetchers alone fall behind)
-            for (int o = 0; o < 4 * (int)sizeof(msq_p41); o += 64) _mm_prefetch((const char *)(t + b + 8) + o, _MM_HINT_T1);
+            for (int o = 0; o < 4 * (int)sizeof(P); o += 64) _mm_prefetch((const char *)(t + (b + 8) * sizeof(P)) + o, _MM_HINT_T1);
         const long g = b / 8;
         const int k = (int)(b % 8), span = msq_span(nb - 8 * g < 8 ? nb - 8 * g : 8);
         __m512i W[8];
-        for (int m = 0; m < 4; m++) {
-            const __m512i v = _mm512_load_si512((const void *)u.q[m]);
-            W[m] = _mm512_and_si512(v, m4), W[m + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        for (int v = 0; v < P::QV; v++) {
+            const __m512i q = _mm512_loadu_si512((const void *)u.q[v]);
+            if constexpr (T::BITS == 8)
+                W[v] = q;
+            else
+                W[v] = _mm512_and_si512(q, m4), W[v + 4] = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
         }
-        const __m512 dw = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)u.d));
-        const __m512 mw = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)u.m));
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)u.d));
+        __m512 mw = _mm512_setzero_ps();
+        if constexpr (T::MIN) mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)u.m));
         for (int j = 0; j < NB; j++) {
             const ms_a8g *a = (const ms_a8g *)((const char *)x + j * xs) + g;
             __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
@@ -728,9 +755,11 @@ static void msq_dot_p41(long n, const void *w, const void *x, long xs, float *y,
                 s0 = _mm512_dpbusd_epi32(s0, W[p], _mm512_set1_epi32(v0));
                 s1 = _mm512_dpbusd_epi32(s1, W[p + 1], _mm512_set1_epi32(v1));
             }
+            __m512i total = _mm512_add_epi32(s0, s1);
+            if constexpr (shift >= 0) total = _mm512_sub_epi32(total, _mm512_set1_epi32((int32_t)((uint32_t)a->sum[k] << shift)));
             const __m512 dd = _mm512_mul_ps(dw, _mm512_set1_ps(a->d[k]));
-            __m512 p = _mm512_mul_ps(dd, _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)));
-            p = _mm512_add_ps(p, _mm512_mul_ps(mw, _mm512_set1_ps(a->s[k])));
+            __m512 p = _mm512_mul_ps(dd, _mm512_cvtepi32_ps(total));
+            if constexpr (T::MIN) p = _mm512_add_ps(p, _mm512_mul_ps(mw, _mm512_set1_ps(a->s[k])));
             acc[j][k] = _mm512_add_ps(acc[j][k], p);
         }
     }
