@@ -373,6 +373,11 @@ def packed_bytes(w) -> int:
     return 0 if packed < 0 else w.rows * lib.ms_row_bytes(packed, w.cols)
 
 
+def _line_multiple(nbytes: int) -> int:
+    """nbytes rounded up to whole 64-byte lines (where the next packed matrix may start)."""
+    return -(-nbytes // 64) * 64
+
+
 def pack(
     w: StoredMatrix, out: torch.Tensor | None = None
 ) -> tuple[StoredMatrix, torch.Tensor] | None:
@@ -560,7 +565,7 @@ class NativeForward:
         self._kept = []  # the float32 norm weights the structs point to
         # the matrices pack() lays out anew, in one allocation (one per matrix would round each
         # up to whole 2 MiB pages where those back big allocations: +117 MB for Qwen3-1.7B)
-        sizes = [-(-packed_bytes(m) // 64) * 64 for w in model.layers for m in w.values()]
+        sizes = [_line_multiple(packed_bytes(m)) for w in model.layers for m in w.values()]
         self._arena = torch.empty(sum(sizes), dtype=torch.uint8)
         self._arena_used = 0
         self._layers = (MsLayer * len(model.layers))(
@@ -631,7 +636,7 @@ class NativeForward:
         """A layer's matrix for the structs: packed into the arena where pack() has a form for
         it (the stored rows' pages then handed back through `release`, so that the weights are
         not resident twice), else as ms_mat."""
-        nbytes = -(-packed_bytes(w) // 64) * 64
+        nbytes = _line_multiple(packed_bytes(w))
         if nbytes == 0:
             return ms_mat(w)
         packed = pack(w, self._arena[self._arena_used : self._arena_used + nbytes])

@@ -652,6 +652,9 @@ struct Kernels {
     // the strip (row r's strip at r * bytes-a-row, as for the rows as stored). Such a type has
     // no row decoder (dequant): only a layer's matrices are packed, never a looked-up table.
     long strip = 1;
+    // a packed type's packer: a strip's stored rows (the first at w, wrow bytes apart, n weights
+    // each) into its packed blocks (ms_pack)
+    TileFn pack = nullptr;
 };
 
 #define MS_KERNELS(block, bytes, act, t) \
@@ -697,6 +700,7 @@ static const Kernels *kernels_for(long type) {
                      nullptr, 0, nullptr, nullptr, nullptr, nullptr, mskq_tile_p45, (long)sizeof(mskq_t45),
                      mskq_tile45_dot<1>, mskq_tile45_dot<4>, mskq_tile45_dot<8>, 16};
         k.strip = 16;
+        k.pack = mskq_pack45_rows;
         return k;
     }();
     if (type == T_Q4_K_P16) return &q4_k_p16;
@@ -707,6 +711,7 @@ static const Kernels *kernels_for(long type) {
         Kernels k = {32, bytes, ACT_A8, msq_dot_packed<K, 1>, msq_dot_packed<K, 2>, msq_dot_packed<K, 4>, \
                      msq_dot_packed<K, 8>, nullptr, 0, nullptr, nullptr, nullptr};                 \
         k.strip = 16;                                                                              \
+        k.pack = msq_pack_rows<K>;                                                                 \
         return k;                                                                                  \
     }()
     static const Kernels q4_0_p16 = MS_KERNELS_P16(MSQ_Q4_0, 18), q4_1_p16 = MS_KERNELS_P16(MSQ_Q4_1, 20),
@@ -720,6 +725,7 @@ static const Kernels *kernels_for(long type) {
         Kernels k = {256, 1184 / 8, ACT_A8K, mskq_dot_p45x8<1>, mskq_dot_p45x8<2>, mskq_dot_p45x8<4>,
                      mskq_dot_p45x8<8>, nullptr, 0, nullptr, nullptr, nullptr};
         k.strip = 8;
+        k.pack = mskq_pack45x8_rows;
         return k;
     }();
     if (type == T_Q4_K_P8) return &q4_k_p8;
@@ -2158,29 +2164,12 @@ long ms_pack_type(long type, long rows, long cols) {
 long ms_pack(const MsMat *w, long C, void *out, int threads) {
     const long type = ms_pack_type(w->type, w->rows, C);
     if (type < 0) return -1;
-#if defined(MSKQ_AVX512) || defined(MSKQ_AVX2)
-    const long strip = kernels_for(type)->strip, wrow = row_bytes(w->type, C), prow = row_bytes(type, C);
+    const Kernels *k = kernels_for(type);
+    const long wrow = row_bytes(w->type, C), prow = row_bytes(type, C);
     parallel(threads, [&](int t, int n) {
-        for (long s = t; s < w->rows / strip; s += n) {
-            const char *rows = (const char *)w->data + strip * s * wrow;
-            char *to = (char *)out + strip * s * prow;
-#if defined(MSKQ_AVX512)
-            if (type == T_Q4_0_P16)
-                msq_pack_rows<MSQ_Q4_0>(C, rows, wrow, to);
-            else if (type == T_Q4_1_P16)
-                msq_pack_rows<MSQ_Q4_1>(C, rows, wrow, to);
-            else if (type == T_Q8_0_P16)
-                msq_pack_rows<MSQ_Q8_0>(C, rows, wrow, to);
-            else
-                mskq_pack45_rows(C, rows, wrow, to);
-#else
-            mskq_pack45x8_rows(C, rows, wrow, to);
-#endif
-        }
+        for (long s = t; s < w->rows / k->strip; s += n)
+            k->pack(C, (const char *)w->data + k->strip * s * wrow, wrow, (char *)out + k->strip * s * prow);
     });
-#else
-    (void)out, (void)threads;
-#endif
     return type;
 }
 

@@ -289,6 +289,10 @@ static inline void mskq_prefetch(const uint8_t *p, int bytes) {
         _mm_prefetch((const char *)p + MSKQ_PREFETCH + o, _MM_HINT_T0);
 }
 
+// Which of 16 rows lane l of a tile (mskq_t45, mskq_t6) or a 16-row strip (mskq_p45) holds: the
+// order a 4 x 4 dword transpose leaves.
+static inline int mskq_tile_row(int l) { return 4 * (l & 3) + (l >> 2); }
+
 // S stored Q4_K rows of n weights (w: the first, wrow bytes apart) -> n / 256 packed blocks of
 // type P (mskq_p45: S = 16, lane l holding row mskq_tile_row(l); mskq_p45x8: S = 8, lane r row r).
 template <int S, typename P>
@@ -298,7 +302,7 @@ static void mskq_pack45(long n, const void *w, long wrow, void *out) {
     for (long i = 0; i < n / 256; i++) {
         P &p = o[i];
         for (int l = 0; l < S; l++) {
-            const uint8_t *br = b + (S == 16 ? 4 * (l & 3) + (l >> 2) : l) * wrow + i * 144;
+            const uint8_t *br = b + (S == 16 ? mskq_tile_row(l) : l) * wrow + i * 144;
             uint32_t u[4];
             mskq_scales(br + 4, u);
             std::memcpy(&p.d[l], br, 2), std::memcpy(&p.dmin[l], br + 2, 2);
@@ -308,6 +312,7 @@ static void mskq_pack45(long n, const void *w, long wrow, void *out) {
         }
     }
 }
+
 // An activation block's sub-block sums as int16 pairs (the packed rows' mins, AVX-512 and
 // AVX2): dword t = (b_2t, b_2t+1), b_s the sum of
 // sub-block s's 32 activations (bsums[2s] + bsums[2s + 1]; exact in int16: |b_s| <= 32 * 127).
@@ -828,7 +833,6 @@ struct mskq_t45 {
 };
 static_assert(sizeof(mskq_t45) % 64 == 0 && alignof(mskq_t45) == 64, "tiles back to back, aligned");
 
-static inline int mskq_tile_row(int l) { return 4 * (l & 3) + (l >> 2); }
 
 // 4 activation bytes at p as one int32, broadcast to 16 lanes.
 static inline __m512i mskq_bcast4(const uint8_t *p) {
