@@ -71,7 +71,9 @@ def test_step_pick_back_and_run_to_the_end(tab):
     expect(top_bar).not_to_have_attribute("data-p", before, timeout=TIMEOUT_MS)
     expect(chips).to_have_count(5)
     expect(chart).to_have_attribute("data-position", "5")
-    # a smaller top-k (typed: the box's change re-runs the stages too) cuts the tail: ✕ marks
+    # a smaller top-k (typed: the box's change re-runs the stages too) cuts the tail: ✕ marks;
+    # typed twice at once, the second value is the one drawn (typing fires no release)
+    set_number(tab, "Top-k", 30)
     set_number(tab, "Top-k", 12)
     expect(tab.locator("#step-chart [data-removed='top-k']").first).to_be_visible(
         timeout=TIMEOUT_MS

@@ -975,7 +975,7 @@ def test_gradio_hands_the_request_to_every_handler_that_takes_one(engine, preset
         wanting.append(fn.name)
         args, *_ = special_args(fn.fn, [None] * len(fn.inputs), request)
         assert request in args, fn.name
-    assert {"step", "restage", "restage_live", "act", "run_to_end", "closed"} <= set(wanting)
+    assert {"step", "restage", "act", "run_to_end", "closed"} <= set(wanting)
 
 
 def test_a_handler_with_no_outputs_returns_nothing(engine, presets):

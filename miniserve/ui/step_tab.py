@@ -46,7 +46,6 @@ if TYPE_CHECKING:
 
 CHAT, RAW = "Chat (template)", "Completion (no template)"
 STEP = "step"  # the kind of run (common.Sessions) Stop ends
-RESTAGE_EVERY_S = 0.1  # while a slider is dragged, the stages re-run at most this often
 RUN_PAINT_S = 0.25  # Run repaints at most this often
 REAP_EVERY_S = 30.0
 
@@ -68,7 +67,6 @@ class _Held:
 
     def __init__(self, session: StepSession, key: tuple, shown: str):
         self.session, self.key, self.shown = session, key, shown
-        self.restaged = 0.0  # when the stages last re-ran while a slider moved
         self.said = False  # the idle release was shown on the status line
 
 
@@ -222,16 +220,6 @@ class StepHandlers:
         if held is None or not held.session.positions or held.session.released:
             return gr.update(), gr.update(), gr.update(), gr.update()
         return self._act(settings, request, lambda s, top: None)
-
-    def restage_live(self, *settings, request: gr.Request | None = None):
-        """While a slider is dragged: at most every RESTAGE_EVERY_S (its release redraws the
-        last value in any case)."""
-        held = self._get(request)
-        now = time.monotonic()
-        if held is None or now - held.restaged < RESTAGE_EVERY_S:
-            return gr.update(), gr.update(), gr.update(), gr.update()
-        held.restaged = now
-        return self.restage(*settings, request=request)
 
     def act(self, action, *settings, request: gr.Request | None = None):
         """A click in the page: "pick:ID" (a candidate row), "back:I" (a token chip)."""
@@ -443,7 +431,7 @@ def build_step_tab(app: TabContext, label: str) -> None:
     # one token is one pass (tens of milliseconds): sent straight rather than through Gradio's
     # queue, whose round trip cost more than the pass (the engine's own queue still admits it)
     one = dict(outputs=outs, queue=False, show_progress="hidden")
-    step, back, act, take_text, restage, restage_live, run, run_to_end = (
+    step, back, act, take_text, restage, run, run_to_end = (
         with_request(fn)
         for fn in (
             handlers.step,
@@ -451,7 +439,6 @@ def build_step_tab(app: TabContext, label: str) -> None:
             handlers.act,
             handlers.take_text,
             handlers.restage,
-            handlers.restage_live,
             handlers.run,
             handlers.run_to_end,
         )
@@ -473,8 +460,11 @@ def build_step_tab(app: TabContext, label: str) -> None:
     quiet = dict(outputs=outs, show_progress="hidden", queue=False)
     for slider in [*sampling.shaping, top]:  # max new tokens changes no distribution
         if isinstance(slider, gr.Slider):
+            # dragged or typed: each input re-runs the stages; the page holds the newest
+            # while one runs (always_last), so a drag redraws at the pace of the round trip
+            # and the last value is always drawn (typing fires no release)
+            slider.input(restage, settings, trigger_mode="always_last", **quiet)
             slider.release(restage, settings, **quiet)
-            slider.input(restage_live, settings, trigger_mode="always_last", **quiet)
         elif isinstance(slider, gr.Textbox):  # typed: once done, not at each key
             slider.submit(restage, settings, **quiet)
             slider.blur(restage, settings, **quiet)
