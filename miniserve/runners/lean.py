@@ -81,6 +81,23 @@ def _supports_gemma3(cfg) -> bool:
     )
 
 
+HUGE_PAGE = 2 << 20
+
+
+def huge_page_memory(nbytes: int) -> torch.Tensor | None:
+    """nbytes of memory (uint8) starting on a 2 MB boundary, which Linux backs with 2 MB pages
+    where it can (transparent huge pages, asked for with madvise before any page is touched, so
+    that each fault maps a 2 MB page: private anonymous memory, as shared memory has huge pages
+    of its own setting); None where that cannot be asked. See WeightArena for what it gains."""
+    if not nbytes or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return None
+    buffer = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buffer.madvise(mmap.MADV_HUGEPAGE)
+    base = torch.frombuffer(buffer, dtype=torch.uint8)  # keeps the map alive
+    start = -base.data_ptr() % HUGE_PAGE
+    return base[start : start + nbytes]
+
+
 class WeightArena:
     """One block of memory for a model's weight matrices, which the kernel backs with 2 MB pages
     where it can (Linux's transparent huge pages, asked for with madvise; elsewhere, or on a GPU,
@@ -93,23 +110,13 @@ class WeightArena:
     file pages stay mapped, clean, until the system wants them back), and the kernel may first
     have to compact memory to find 2 MB pages -- up to ~1 s for 540 MB here, once a model."""
 
-    HUGE_PAGE = 2 << 20
     LINE = 64
 
     def __init__(self, tensors, device):
         self.device = device
         self.offset = 0
         nbytes = sum(self._size(t.shape, t.dtype) for t in tensors)
-        self.base = None
-        if device.type == "cpu" and nbytes and hasattr(mmap, "MADV_HUGEPAGE"):
-            # private anonymous memory (shared memory has huge pages of its own setting), the
-            # advice given before any page is touched, so that each fault maps a 2 MB page
-            buffer = mmap.mmap(
-                -1, nbytes + self.HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-            )
-            buffer.madvise(mmap.MADV_HUGEPAGE)
-            self.base = torch.frombuffer(buffer, dtype=torch.uint8)
-            self.offset = -self.base.data_ptr() % self.HUGE_PAGE
+        self.base = huge_page_memory(nbytes) if device.type == "cpu" else None
 
     def _size(self, shape, dtype) -> int:  # with room to start anywhere in a cache line
         return torch.Size(shape).numel() * dtype.itemsize + self.LINE

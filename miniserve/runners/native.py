@@ -37,7 +37,7 @@ from miniserve.core import platform as platform_info
 from miniserve.core.config import MATHS
 from miniserve.core.paths import cache_root
 from miniserve.runners.base import KVCache
-from miniserve.runners.lean import LeanRunner
+from miniserve.runners.lean import LeanRunner, huge_page_memory
 
 SOURCE = Path(__file__).parent / "kernels" / "decode.cpp"
 KERNEL_FILES = sorted(SOURCE.parent.glob("*.h")) + [SOURCE]  # the headers decode.cpp includes
@@ -564,9 +564,12 @@ class NativeForward:
         assert model.head_dim <= 1024
         self._kept = []  # the float32 norm weights the structs point to
         # the matrices pack() lays out anew, in one allocation (one per matrix would round each
-        # up to whole 2 MiB pages where those back big allocations: +117 MB for Qwen3-1.7B)
-        sizes = [_line_multiple(packed_bytes(m)) for w in model.layers for m in w.values()]
-        self._arena = torch.empty(sum(sizes), dtype=torch.uint8)
+        # up to whole 2 MiB pages: +117 MB for Qwen3-1.7B), backed by 2 MB pages where the
+        # system gives them (lean.huge_page_memory: a decoded token streams every matrix once,
+        # and with 4 KB pages its address translations cost much of that stream)
+        total = sum(_line_multiple(packed_bytes(m)) for w in model.layers for m in w.values())
+        arena = huge_page_memory(total)
+        self._arena = arena if arena is not None else torch.empty(total, dtype=torch.uint8)
         self._arena_used = 0
         self._layers = (MsLayer * len(model.layers))(
             *[
