@@ -6,6 +6,7 @@ in a batch, bit for bit; the real models' teacher-forced logits against float64;
 
 from __future__ import annotations
 
+import mmap
 import os
 
 import gguf
@@ -600,6 +601,10 @@ def test_a_model_with_packed_matrices_gets_the_logits_of_its_rows_as_stored(monk
         monkeypatch.setenv("MINISERVE_PACK", setting)
         forward = native.NativeForward(model, "float32")
         assert len(forward.packed) == (8 if setting == "1" and packs_here() else 0)
+        if forward.packed and hasattr(mmap, "MADV_HUGEPAGE"):  # one block, 2 MB pages asked for
+            base = forward._arena.data_ptr()
+            assert base % (2 << 20) == 0
+            assert all(0 <= m.address - base < len(forward._arena) for m in forward.packed)
         ids = [(13 * i + 5) % 320 for i in range(40)]
         caches = [forward.new_cache(64) for _ in range(9)]
         logits = [forward([(ids, caches[0])], all_logits=True)]
