@@ -53,6 +53,24 @@ def summary(times: list[float]) -> str:
     )
 
 
+def decode_passes(made: dict, rows: int, positions: int, passes: int) -> dict[str, list[float]]:
+    """Each runner's decode passes of `rows` sequences (one new token each, at `positions`
+    positions), the runners' passes alternating; seconds a pass, by runner name."""
+    caches, times = {}, {name: [] for name in made}
+    for name, r in made.items():
+        caches[name] = [r.new_cache(positions + 16) for _ in range(rows)]
+        for i, c in enumerate(caches[name]):
+            r.step([(list(range(100 + i, 100 + i + positions)), c)])
+    for n in range(passes):
+        for name in made if n % 2 else reversed(list(made)):
+            for c in caches[name]:
+                c.length = positions  # the next token overwrites the same position
+            started = time.perf_counter()
+            made[name].step([([7 + n % 50], c) for c in caches[name]])
+            times[name].append(time.perf_counter() - started)
+    return times
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model")
@@ -68,18 +86,7 @@ def main() -> None:
     P = args.positions
     with torch.inference_mode():
         for rows in [int(r) for r in args.rows.split(",") if r]:
-            caches, times = {}, {name: [] for name in made}
-            for name, r in made.items():
-                caches[name] = [r.new_cache(P + 16) for _ in range(rows)]
-                for i, c in enumerate(caches[name]):
-                    r.step([(list(range(100 + i, 100 + i + P)), c)])
-            for n in range(args.passes):
-                for name in made if n % 2 else reversed(list(made)):
-                    for c in caches[name]:
-                        c.length = P  # the next token overwrites the same position
-                    started = time.perf_counter()
-                    made[name].step([([7 + n % 50], c) for c in caches[name]])
-                    times[name].append(time.perf_counter() - started)
+            times = decode_passes(made, rows, P, args.passes)
             for name in made:
                 print(f"{rows} rows a pass, {name:6s}: {summary(times[name][WARM:])}")
         for length in [int(n) for n in args.prompts.split(",") if n]:
