@@ -580,7 +580,9 @@ def test_a_model_with_packed_matrices_gets_the_logits_of_its_rows_as_stored(monk
     """The packing at load, through the runner: a model whose matrices are Q4_K blocks gets the
     same logits, bit for bit, with its matrices repacked (the default) and as stored
     (MINISERVE_PACK=0), for a prompt and for decode steps of 1 to 9 sequences at once; and the
-    packed model's rows are the same whatever shares their pass."""
+    packed model's rows are the same whatever shares their pass. Its output layer is tied to
+    the embedding, as SmolLM2's and Qwen3's are: packed, while the tokens' rows are still
+    looked up in the stored blocks."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(5)
@@ -596,11 +598,13 @@ def test_a_model_with_packed_matrices_gets_the_logits_of_its_rows_as_stored(monk
             blocks = random_blocks(Q.Q4_K, rows, cols, seed=10 * i + len(kept))
             kept.append(np.ascontiguousarray(blocks))
             layer[name] = stored(kept[-1], Q.Q4_K, cols)
+    kept.append(np.ascontiguousarray(random_blocks(Q.Q4_K, 320, 256, seed=99)))
+    model.embed = model.lm_head = stored(kept[-1], Q.Q4_K, 256)
     runs = {}
     for setting in ("0", "1"):
         monkeypatch.setenv("MINISERVE_PACK", setting)
         forward = native.NativeForward(model, "float32")
-        assert len(forward.packed) == (8 if setting == "1" and packs_here() else 0)
+        assert len(forward.packed) == (9 if setting == "1" and packs_here() else 0)
         if forward.packed and hasattr(mmap, "MADV_HUGEPAGE"):  # one block, 2 MB pages asked for
             base = forward._arena.data_ptr()
             assert base % (2 << 20) == 0

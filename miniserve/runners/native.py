@@ -548,10 +548,10 @@ class NativeForward:
 
     Holds the model struct (raw pointers of the weights, which never move), float32 copies of
     norm weights and biases (decode.cpp takes them in float32: Gemma's 1 + w is float32
-    whatever the weights' dtype), the layers' matrices that pack() lays out anew for this
-    build (their stored rows' pages then handed to `release`, which a model over a mapped file
-    gives, so that those weights are not resident twice) and a scratch buffer sized by the C
-    side."""
+    whatever the weights' dtype), the layers' and the output layer's matrices that pack() lays
+    out anew for this build (their stored rows' pages then handed to `release`, which a model
+    over a mapped file gives, so that those weights are not resident twice) and a scratch
+    buffer sized by the C side."""
 
     def __init__(self, model, math: str, release: Callable[[StoredMatrix], None] | None = None):
         self.lib = load()
@@ -568,6 +568,7 @@ class NativeForward:
         # system gives them (lean.huge_page_memory: a decoded token streams every matrix once,
         # and with 4 KB pages its address translations cost much of that stream)
         total = sum(_line_multiple(packed_bytes(m)) for w in model.layers for m in w.values())
+        total += _line_multiple(packed_bytes(model.lm_head))
         arena = huge_page_memory(total)
         self._arena = arena if arena is not None else torch.empty(total, dtype=torch.uint8)
         self._arena_used = 0
@@ -586,7 +587,10 @@ class NativeForward:
             I=cfg.intermediate_size,
             V=self.V,
             embed=ms_mat(model.embed),
-            lm_head=ms_mat(model.lm_head),
+            # packed too where its type packs (the output layer meets every row of a pass); a
+            # tied embedding keeps looking its rows up in the stored ones, whose pages handed
+            # back by `release` fault in again as tokens are looked up
+            lm_head=self._mat(model.lm_head),
             final_norm=self._float32(model.final_norm),
             layer=self._layers,
             eps=float(model.eps),
