@@ -4,25 +4,25 @@
         [--new-tokens 32] [--prompt-tokens 64] [--threads 2] [--json OUT.json]
 
 vs_llamacpp.py starts a fresh process for every measurement, and its rounds are minutes apart;
-on a shared VM whose memory gives 20 GB/s one minute and 45 the next, the rounds' ratios then
-move more than the engines differ (0.91-1.23x for one file in one afternoon). Here each engine
-loads the file once, in its own process, and the two take turns: one reply of --new-tokens
-greedy tokens after a --prompt-tokens prompt (the same filler prompt as vs_llamacpp.py,
-tokenized by each engine), then the other's, A B then B A. The waiting process is blocked on
-its pipe, so each engine runs alone while it runs. A reply's decode rate is vs_llamacpp.py's:
-the tokens after the first over their time (ours: the engine's own stats, through the
-scheduler, as `miniserve bench` measures it; llama.cpp: llama-cpp-python's generate loop, its
-repacked buffers on, AMX refused as there). Each pair of turns, seconds apart, gives one ratio;
-the table shows the pairs' median and quartiles and the engines' median rates.
+on a shared VM whose memory gives 30 GB/s one minute and 45 the next, the rounds' ratios then
+move more than the engines differ (0.91-1.23x for the Llama 1B shape in one afternoon). Here
+each engine loads the file once, in its own process, and the two take turns: one reply of
+--new-tokens greedy tokens after a --prompt-tokens prompt (the same filler prompt as vs_llamacpp.py,
+tokenized by each engine), then the other's, A B then B A. The waiting process is blocked on its
+pipe, so each engine runs alone while it runs. A reply's decode rate is vs_llamacpp.py's: the
+tokens after the first over their time (ours: the engine's own stats, through the scheduler, as
+`miniserve bench` measures it; llama.cpp: llama-cpp-python's generate loop, its repacked buffers
+on, AMX refused as there). Each pair of turns, seconds apart, gives one ratio; the table shows
+the pairs' median and quartiles and the engines' median rates.
 
-Before each pair, a memory probe (the faster of two 2-thread sums over 512 MB, while neither
-engine runs) reads what the machine's memory gives that moment; the last column is the pairs'
-median ratio apart for the pairs after a probe above and at or below --split-gb-s (45 GB/s:
-this VM's memory reads ~30 GB/s most minutes and 45-57 in some).
+Before each pair, a memory probe (the faster of two sums over 512 MB on --threads threads, while
+neither engine runs) reads what the machine's memory gives that moment; the last column is the
+pairs' median ratio apart for the pairs after a probe above and at or below --split-gb-s (45
+GB/s: this VM's memory reads ~30 GB/s most minutes and 45-57 in some).
 
-Both processes hold their weights at once (llama.cpp's RSS plus ours: vs_llamacpp.py's table
-has each alone), and either may find the other's pages in the caches it shares: the same for
-both, turn by turn.
+Both processes hold their weights at once (llama.cpp's RSS plus ours: vs_llamacpp.py's table has
+each alone), and either may find the other's pages in the caches it shares: the same for both,
+turn by turn.
 """
 
 from __future__ import annotations
@@ -132,7 +132,10 @@ def start(engine: str, path: Path, args) -> subprocess.Popen:
 def turn(proc: subprocess.Popen) -> dict:
     proc.stdin.write("go\n")
     proc.stdin.flush()
-    out = json.loads(proc.stdout.readline())
+    line = proc.stdout.readline()
+    if not line:
+        raise SystemExit(f"an engine's process ended mid-turn (exit {proc.wait()})")
+    out = json.loads(line)
     out["decode_tok_s"] = (out["tokens"] - 1) / out["decode_s"] if out["tokens"] > 1 else 0.0
     return out
 
@@ -163,6 +166,10 @@ class MemoryProbe:
         return self.block.numel() * 4 / best / 1e9
 
 
+def median_or_none(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
 def run_file(path: Path, args, probe: MemoryProbe) -> dict:
     procs = {e: start(e, path, args) for e in ENGINES}
     turns = {e: [] for e in ENGINES}
@@ -173,9 +180,16 @@ def run_file(path: Path, args, probe: MemoryProbe) -> dict:
             for e in ENGINES if n % 2 == 0 else reversed(ENGINES):
                 turns[e].append(turn(procs[e]))
     finally:
+        for p in procs.values():  # every child told to end before any is waited for
+            try:
+                p.stdin.close()
+            except OSError:
+                pass
         for p in procs.values():
-            p.stdin.close()
-            p.wait(timeout=60)
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
     rates = {e: [t["decode_tok_s"] for t in turns[e]] for e in ENGINES}
     ratios = [o / c for o, c in zip(rates["ours"], rates["llamacpp"], strict=True)]
     # the pairs split by what the memory probe read before them
@@ -192,8 +206,8 @@ def run_file(path: Path, args, probe: MemoryProbe) -> dict:
         "memory_gb_s": memory,
         "memory_split": {
             "cut_gb_s": cut,
-            "above": {"pairs": len(fast), "median_ratio": fast and statistics.median(fast)},
-            "below": {"pairs": len(slow), "median_ratio": slow and statistics.median(slow)},
+            "above": {"pairs": len(fast), "median_ratio": median_or_none(fast)},
+            "below": {"pairs": len(slow), "median_ratio": median_or_none(slow)},
         },
     }
 

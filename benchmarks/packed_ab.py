@@ -1,8 +1,9 @@
-"""Packed against stored Q4_K rows in one process: two runners over the same GGUF file, one with
-its Q4_K matrices packed at load (the default where the build packs: AVX-512 without AMX, or
-AVX2) and one with MINISERVE_PACK=0, their passes alternating so that a slow minute of the
-machine costs both alike. Decode passes of R rows (R sequences, one new token each, at a fixed
-number of positions), then prompts of N tokens from an empty cache.
+"""Packed against stored rows in one process: two runners over the same GGUF file, one with its
+matrices packed at load where the build packs their type (the default: Q4_K on AVX-512 without
+AMX and on AVX2; Q4_0, Q4_1 and Q8_0 on AVX-512) and one with MINISERVE_PACK=0, their passes
+alternating so that a slow minute of the machine costs both alike. Decode passes of R rows (R
+sequences, one new token each, at a fixed number of positions), then prompts of N tokens from an
+empty cache.
 
     .venv/bin/python benchmarks/packed_ab.py FILE.gguf [--rows 1,4,8] [--positions 128]
         [--passes 300] [--prompts 64,512] [--prompt-runs 6]

@@ -13,7 +13,13 @@ import torch
 
 from miniserve.bench import peer, prompts, runs, streams
 from miniserve.bench.concurrency import run_concurrency
-from miniserve.bench.machine import ceiling_tokens_per_s, product_kernel, weight_elements
+from miniserve.bench.machine import (
+    as_run,
+    ceiling_tokens_per_s,
+    largest_weight,
+    product_kernel,
+    weight_elements,
+)
 from miniserve.bench.options import ConcurrencyConfig, concurrency_params
 from miniserve.bench.prompts import stream_prompt
 from miniserve.bench.report import format_concurrency_table, to_dict, write_csv, write_json
@@ -118,6 +124,9 @@ def test_concurrency_rows_are_consistent(engine, tmp_path):
     assert c["bandwidth_gb_s"] > 0 and c["gflops"] > 0 and c["method"]
     assert c["weight_bytes"] == engine.runner.weight_bytes()
     assert c["weight_elements"] == weight_elements(engine.runner)
+    # measured on the matrix as the passes read it: packed at load where this build packs it
+    largest = largest_weight(engine.runner)[1]
+    assert ("packed" in c["matrix"]) == (as_run(engine.runner, largest) is not largest)
     for r in result.rows:
         assert r.asked_tokens == r.concurrency * config.new_tokens
         assert 1 <= r.min_stream_tokens and r.produced_tokens <= r.asked_tokens

@@ -549,6 +549,37 @@ PACKED_CASES = (
 )
 
 
+@needs_native
+def test_a_tied_output_layer_packed_at_load_still_looks_its_tokens_up_in_the_file(
+    tmp_path, monkeypatch
+):
+    """A GGUF whose output layer is its embedding, Q8_0 (as the embedded SmolLM2's): packed at
+    load where this build packs Q8_0, the file pages of its stored rows then handed back, and
+    every token's row still looked up in them (the pages fault in again): the same logits, bit
+    for bit, as with MINISERVE_PACK=0, for a prompt of tokens from across the table."""
+    from miniserve.bench import synthetic
+    from miniserve.runners.loader import load_model
+    from miniserve.runners.stored import StoredRunner
+
+    path = tmp_path / "tied.gguf"
+    shape = synthetic.Shape("llama", 64, 96, 1, 4, 2, 16, 1e4, 1e-5, tied=True)
+    synthetic.write_shape(path, shape, "tied", vocab=4096, quant="q8_0")
+    ids = [(397 * i + 11) % 4096 for i in range(48)]
+    logits = {}
+    for setting in ("0", "1"):
+        monkeypatch.setenv("MINISERVE_PACK", setting)
+        model = load_model(str(path), dtype="stored", progress=lambda m: None).model
+        runner = StoredRunner(model, "float32")
+        assert runner.lm_head is runner.embed and runner.lm_head.type == Q.Q8_0
+        packed = id(runner.lm_head) in runner.native.as_run
+        assert packed == (setting == "1" and packs_here(Q.Q8_0))
+        with torch.inference_mode():
+            logits[setting] = runner.forward(
+                torch.tensor([ids]), runner.new_cache(64), all_logits=True
+            )
+    assert torch.equal(logits["0"], logits["1"])
+
+
 @pytest.mark.parametrize(
     "qtype,rows,blocks", PACKED_CASES, ids=lambda v: getattr(v, "name", str(v))
 )

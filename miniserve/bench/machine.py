@@ -77,6 +77,13 @@ def weight_elements(runner) -> int:
     return total if tied else total - embed.numel()
 
 
+def as_run(runner, w):
+    """The matrix as the runner's passes read it: the form the native runner packed it into at
+    load where it did (its stored rows' pages were handed back), else itself."""
+    forward = getattr(runner, "native", None)
+    return getattr(forward, "as_run", {}).get(id(w), w)
+
+
 def _bytes(w) -> int:
     return w.nbytes if isinstance(w, native.StoredMatrix) else w.numel() * w.element_size()
 
@@ -123,7 +130,8 @@ def measure_ceiling(engine: Engine, math: str = "") -> dict:
     found = largest_weight(runner)
     if found is None:
         return {}
-    name, w = found
+    name, stored = found
+    w = as_run(runner, stored)
     math = math or engine.info().get("compute_dtype", "float32")
 
     def measure():
@@ -135,7 +143,7 @@ def measure_ceiling(engine: Engine, math: str = "") -> dict:
             t1 = _best_time(lambda: product(x1))
             tb = _best_time(lambda: product(xb))
         kind = (
-            _type_name(w.type)
+            _type_name(stored.type) + (", packed" if w is not stored else "")
             if isinstance(w, native.StoredMatrix)
             else str(w.dtype).removeprefix("torch.")
         )

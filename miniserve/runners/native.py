@@ -557,6 +557,7 @@ class NativeForward:
         self.lib = load()
         self._release = release
         self.packed: list[StoredMatrix] = []  # the matrices pack() laid out anew
+        self.as_run: dict[int, StoredMatrix] = {}  # id(a model's matrix) -> its packed form
         self.model = model
         self.math = math
         cfg = model.config
@@ -640,15 +641,16 @@ class NativeForward:
         )
 
     def _mat(self, w) -> MsMat:
-        """A layer's matrix for the structs: packed into the arena where pack() has a form for
-        it (the stored rows' pages then handed back through `release`, so that the weights are
-        not resident twice), else as ms_mat."""
+        """A matrix for the structs (a layer's, the output layer): packed into the arena where
+        pack() has a form for it (the stored rows' pages then handed back through `release`,
+        so that the weights are not resident twice), else as ms_mat."""
         nbytes = _line_multiple(packed_bytes(w))
         if nbytes == 0:
             return ms_mat(w)
         packed = pack(w, self._arena[self._arena_used : self._arena_used + nbytes])
         self._arena_used += nbytes
         self.packed.append(packed[0])
+        self.as_run[id(w)] = packed[0]
         if self._release is not None:
             self._release(w)
         return ms_mat(packed[0])

@@ -650,7 +650,8 @@ struct Kernels {
     // weight rows a dot call covers: 1, or a packed type's strip (16, AVX2: 8), whose dot1 ..
     // dot8 take a strip's rows (y[j * ystride + r], r < strip), addressed only at multiples of
     // the strip (row r's strip at r * bytes-a-row, as for the rows as stored). Such a type has
-    // no row decoder (dequant): only a layer's matrices are packed, never a looked-up table.
+    // no row decoder (dequant): only matrices that are multiplied are packed (a layer's, the
+    // output layer), never a looked-up table (a tied embedding's rows stay as stored).
     long strip = 1;
     // a packed type's packer: a strip's stored rows (the first at w, wrow bytes apart, n weights
     // each) into its packed blocks (ms_pack)
