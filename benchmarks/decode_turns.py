@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from vs_llamacpp import cpu_description, filler_ids  # noqa: E402
+from vs_llamacpp import cpu_description, filler_ids, llamacpp_greedy  # noqa: E402
 
 ENGINES = ("llamacpp", "ours")
 
@@ -61,18 +61,7 @@ def _llamacpp_reply(path: str, threads: int, prompt_tokens: int, context: int):
     )
 
     def reply(n: int) -> dict:
-        llm.reset()
-        tokens, first = [], None
-        start = time.perf_counter()
-        for token in llm.generate(
-            ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True
-        ):
-            if first is None:
-                first = time.perf_counter() - start
-            tokens.append(token)
-            if len(tokens) >= n:
-                break
-        total = time.perf_counter() - start
+        tokens, first, total = llamacpp_greedy(llm, ids, n)
         return {"tokens": len(tokens), "ttft_s": first, "decode_s": total - first}
 
     return reply

@@ -272,6 +272,23 @@ def llamacpp_params(extra_bufts: bool):
     return params
 
 
+def llamacpp_greedy(llm, ids: list[int], n: int) -> tuple[list[int], float, float]:
+    """n greedy tokens after `ids` from an empty context (end tokens too: exactly n): (the
+    tokens, seconds to the first, seconds in all)."""
+    llm.reset()  # else generate() reuses the previous call's KV prefix
+    tokens, first = [], None
+    start = time.perf_counter()
+    for token in llm.generate(
+        ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True
+    ):
+        if first is None:
+            first = time.perf_counter() - start
+        tokens.append(token)
+        if len(tokens) >= n:
+            break
+    return tokens, first, time.perf_counter() - start
+
+
 def child_llamacpp_single(
     path: str, threads: int, prompts: list[int], new_tokens: int, extra_bufts: bool
 ) -> dict:
@@ -302,18 +319,7 @@ def child_llamacpp_single(
         return llm.tokenize(text.encode(), add_bos=False, special=False)
 
     def run(ids: list[int], n: int):
-        llm.reset()  # else generate() reuses the previous call's KV prefix
-        tokens, first = [], None
-        start = time.perf_counter()
-        for token in llm.generate(
-            ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True
-        ):
-            if first is None:
-                first = time.perf_counter() - start
-            tokens.append(token)  # end tokens too: exactly n tokens a run
-            if len(tokens) >= n:
-                break
-        total = time.perf_counter() - start
+        tokens, first, total = llamacpp_greedy(llm, ids, n)
         decode = (len(tokens) - 1) / (total - first) if len(tokens) > 1 else 0.0
         return {
             "prompt_tokens": len(ids),

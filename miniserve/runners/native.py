@@ -556,7 +556,6 @@ class NativeForward:
     def __init__(self, model, math: str, release: Callable[[StoredMatrix], None] | None = None):
         self.lib = load()
         self._release = release
-        self.packed: list[StoredMatrix] = []  # the matrices pack() laid out anew
         self.as_run: dict[int, StoredMatrix] = {}  # id(a model's matrix) -> its packed form
         self.model = model
         self.math = math
@@ -649,11 +648,15 @@ class NativeForward:
             return ms_mat(w)
         packed = pack(w, self._arena[self._arena_used : self._arena_used + nbytes])
         self._arena_used += nbytes
-        self.packed.append(packed[0])
         self.as_run[id(w)] = packed[0]
         if self._release is not None:
             self._release(w)
         return ms_mat(packed[0])
+
+    @property
+    def packed(self) -> list[StoredMatrix]:
+        """The matrices pack() laid out anew."""
+        return list(self.as_run.values())
 
     def new_cache(self, capacity: int = 256) -> NativeCache:
         m = self.model
