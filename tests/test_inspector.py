@@ -1,5 +1,6 @@
 """The token inspector's numbers, checked against a softmax computed here (float64)."""
 
+import html
 import math
 
 import torch
@@ -145,3 +146,32 @@ def test_greedy_chart_shows_the_argmax_taking_all_the_mass(loaded, engine):
         assert bars[0].after == 1.0 and all(
             b.after == 0 and b.removed_by == "greedy" for b in bars[1:]
         )
+
+
+def test_a_reply_that_ends_on_the_end_token_shows_it_as_its_last_step(loaded, engine):
+    """The inspector keeps the step that chose the end token (its probability is why the text
+    stopped) after the new tokens, which do not count it; the page shows it last."""
+    from miniserve.engine.decode import GenerationStats
+
+    params = SamplingParams(temperature=0, max_new_tokens=64)
+    inspector = Inspector(loaded.tokenizer, params)
+    stats = GenerationStats()
+    tokens = list(
+        generate(
+            loaded.model,
+            chat_ids(loaded.tokenizer, "Say hello."),
+            params,
+            eos_ids=engine.eos_ids,
+            observer=inspector.observe,
+            stats=stats,
+        )
+    )
+    assert stats.finish_reason == "eos", "the greedy reply should end within 64 tokens"
+    assert stats.new_tokens == len(tokens)  # the end token is not yielded
+    assert len(inspector.steps) == len(tokens) + 1
+    assert [s.token_id for s in inspector.steps[:-1]] == tokens
+    last = inspector.steps[-1]
+    assert last.token_id in engine.eos_ids
+    assert last.text == loaded.tokenizer.decode([last.token_id], skip_special_tokens=False)
+    spans = inspector.as_html().split('class="ms-tok"')[1:]
+    assert len(spans) == len(tokens) + 1 and ">" + html.escape(last.text) in spans[-1]
