@@ -533,9 +533,9 @@ def test_header_values_the_runner_cannot_run_are_one_error(tmp_path, monkeypatch
 def packs_here(qtype=Q.Q4_K) -> bool:
     """Whether this build lays matrices of `qtype` out anew (decode.cpp's ms_pack_type): Q4_K in
     the AVX-512 build without AMX tiles (16 rows a strip) and the AVX2 one (8); Q4_0, Q4_1 and
-    Q8_0 in the AVX-512 build (16)."""
+    Q8_0 in the AVX-512 build (16) and the AVX2 one (8)."""
     if qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
-        return native.isa() == "avx512"
+        return native.isa() in ("avx512", "avx2")
     return qtype == Q.Q4_K and native.isa() in ("avx512", "avx2") and not native.amx()
 
 
@@ -585,9 +585,9 @@ def test_a_tied_output_layer_packed_at_load_still_looks_its_tokens_up_in_the_fil
 )
 @needs_native
 def test_rows_packed_16_at_a_time_give_the_bits_of_the_rows_as_stored(qtype, rows, blocks):
-    """Where the build repacks a type's matrices at load (16 rows' blocks side by side; Q4_K in
-    the AVX2 build 8; the quants as stored), every product -- 1 to 7 activation rows (the
-    strips' own loops), 8 to 15 (groups of 8 on the strips, then the rest), 16 and more (Q4_K on
+    """Where the build repacks a type's matrices at load (16 rows' blocks side by side, 8 in the
+    AVX2 build; the quants as stored), every product -- 1 to 7 activation rows (the strips' own
+    loops), 8 to 15 (groups of 8 on the strips, then the rest), 16 and more (Q4_K on
     AVX-512: widened to tiles) -- is the same bits as over the rows as stored, with the weight
     rows dealt to the threads in whole strips (48 rows: 32 and 16). Elsewhere (the plain loops)
     no matrix is repacked."""

@@ -611,8 +611,10 @@ enum MsTypeId {
     T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30,
     // not ggml types: a matrix repacked at load (ms_pack). Q4_K 16 rows at a time for the
     // AVX-512 build without AMX tiles (kquants.h's mskq_p45), 8 for the AVX2 one (mskq_p45x8);
-    // Q4_0, Q4_1 and Q8_0 16 rows at a time for the AVX-512 build (quants.h's MsqPacked)
-    T_Q4_0_P16 = 1002, T_Q4_1_P16 = 1003, T_Q8_0_P16 = 1008, T_Q4_K_P16 = 1012, T_Q4_K_P8 = 1013
+    // Q4_0, Q4_1 and Q8_0 16 rows at a time for the AVX-512 build (quants.h's MsqPacked), 8 for
+    // the AVX2 one (MsqPacked8)
+    T_Q4_0_P16 = 1002, T_Q4_1_P16 = 1003, T_Q8_0_P16 = 1008, T_Q4_K_P16 = 1012, T_Q4_K_P8 = 1013,
+    T_Q4_0_P8 = 2002, T_Q4_1_P8 = 2003, T_Q8_0_P8 = 2008
 };
 
 // What the activations of a product over weights of a type are: float rows, or quantized.
@@ -730,6 +732,20 @@ static const Kernels *kernels_for(long type) {
         return k;
     }();
     if (type == T_Q4_K_P8) return &q4_k_p8;
+    // Q4_0, Q4_1, Q8_0 packed: strips of 8 rows, every product on them
+#define MS_KERNELS_P8(K, bytes)                                                                    \
+    [] {                                                                                           \
+        Kernels k = {32, bytes, ACT_A8, msq_dot_packed8<K, 1>, msq_dot_packed8<K, 2>, msq_dot_packed8<K, 4>, \
+                     msq_dot_packed8<K, 8>, nullptr, 0, nullptr, nullptr, nullptr};                \
+        k.strip = 8;                                                                               \
+        k.pack = msq_pack8_rows<K>;                                                                \
+        return k;                                                                                  \
+    }()
+    static const Kernels q4_0_p8 = MS_KERNELS_P8(MSQ_Q4_0, 18), q4_1_p8 = MS_KERNELS_P8(MSQ_Q4_1, 20),
+                         q8_0_p8 = MS_KERNELS_P8(MSQ_Q8_0, 34);
+    if (type == T_Q4_0_P8) return &q4_0_p8;
+    if (type == T_Q4_1_P8) return &q4_1_p8;
+    if (type == T_Q8_0_P8) return &q8_0_p8;
 #endif
     switch (type) {
         case T_Q4_0: return &q4_0;
@@ -2144,7 +2160,8 @@ int ms_amx(int on) {
 // The type a matrix of `rows` x `cols` weights of `type` repacks to for this build (ms_pack),
 // or -1 where it stays as stored: Q4_K with rows in whole 16s in the AVX-512 build, where
 // many-row products do not run on AMX tiles (those read the rows as stored), and in whole 8s in
-// the AVX2 build; Q4_0, Q4_1 and Q8_0 with rows in whole 16s in the AVX-512 build.
+// the AVX2 build; Q4_0, Q4_1 and Q8_0 with rows in whole 16s in the AVX-512 build, 8s in the
+// AVX2 one.
 long ms_pack_type(long type, long rows, long cols) {
 #if defined(MSKQ_AVX512)
     if (type == T_Q4_K && rows > 0 && rows % 16 == 0 && cols > 0 && cols % 256 == 0 && ms_amx(-1) == 0)
@@ -2154,6 +2171,9 @@ long ms_pack_type(long type, long rows, long cols) {
         return type + 1000;  // T_Q4_0_P16, T_Q4_1_P16, T_Q8_0_P16
 #elif defined(MSKQ_AVX2)
     if (type == T_Q4_K && rows > 0 && rows % 8 == 0 && cols > 0 && cols % 256 == 0) return T_Q4_K_P8;
+    if ((type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0) && rows > 0 && rows % 8 == 0 && cols > 0 &&
+        cols % 32 == 0)
+        return type + 2000;  // T_Q4_0_P8, T_Q4_1_P8, T_Q8_0_P8
 #endif
     (void)type, (void)rows, (void)cols;
     return -1;

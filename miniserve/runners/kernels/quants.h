@@ -74,7 +74,20 @@ struct ms_a8g {  // 8 consecutive blocks of 32 activations
 // vector loops' half- and quarter-width tails). With span S, 32-byte vector p % S holds piece p
 // of block k in int32 lane S (p / S) + k.
 static inline int msq_span(long nbg) { return nbg > 4 ? 8 : nbg > 2 ? 4 : 2; }
-static inline int msq_piece_at(int span, int k, int p) { return 32 * (p % span) + 4 * span * (p / span) + 4 * k; }
+// f(std::integral_constant<int, span>()) for a span of 8, 4 or 2: code with the offsets fixed
+template <class F>
+static inline __attribute__((always_inline)) void msq_with_span(int span, F &&f) {
+    if (span == 8)
+        f(std::integral_constant<int, 8>());
+    else if (span == 4)
+        f(std::integral_constant<int, 4>());
+    else
+        f(std::integral_constant<int, 2>());
+}
+static inline int msq_piece_at(int span, int k, int p) {  // (span a power of two: shifts, not divisions)
+    const int sh = span == 8 ? 3 : span == 4 ? 2 : 1;
+    return 32 * (p & (span - 1)) + 4 * span * (p >> sh) + 4 * k;
+}
 static inline int msq_at(int span, int k, int i) { return msq_piece_at(span, k, i / 4) + i % 4; }  // quant i of block k
 
 // How far ahead of the weight loads the loops prefetch (bytes), as decode.cpp does; not tuned
@@ -733,7 +746,7 @@ static void msq_dot_packed(long n, const void *w, const void *x, long xs, float 
         if (NB > 1 && b % 4 == 0)  // (as the K-quant strips: from memory the prefetchers alone fall behind)
             for (int o = 0; o < 4 * (int)sizeof(P); o += 64) _mm_prefetch((const char *)(t + (b + 8) * sizeof(P)) + o, _MM_HINT_T1);
         const long g = b / 8;
-        const int k = (int)(b % 8), span = msq_span(nb - 8 * g < 8 ? nb - 8 * g : 8);
+        const int k = (int)(b % 8);
         __m512i W[8];
         for (int v = 0; v < P::QV; v++) {
             const __m512i q = _mm512_loadu_si512((const void *)u.q[v]);
@@ -745,23 +758,27 @@ static void msq_dot_packed(long n, const void *w, const void *x, long xs, float 
         const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)u.d));
         __m512 mw = _mm512_setzero_ps();
         if constexpr (T::MIN) mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)u.m));
-        for (int j = 0; j < NB; j++) {
-            const ms_a8g *a = (const ms_a8g *)((const char *)x + j * xs) + g;
-            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-            for (int p = 0; p < 8; p += 2) {  // two chains, then their sum (integers: the same total)
-                int32_t v0, v1;
-                std::memcpy(&v0, a->qs + msq_piece_at(span, k, p), 4);
-                std::memcpy(&v1, a->qs + msq_piece_at(span, k, p + 1), 4);
-                s0 = _mm512_dpbusd_epi32(s0, W[p], _mm512_set1_epi32(v0));
-                s1 = _mm512_dpbusd_epi32(s1, W[p + 1], _mm512_set1_epi32(v1));
+        auto rows = [&](auto sp) MSQ_INLINE_LAMBDA {  // the group's span a constant: fixed offsets
+            constexpr int span = decltype(sp)::value;
+            for (int j = 0; j < NB; j++) {
+                const ms_a8g *a = (const ms_a8g *)((const char *)x + j * xs) + g;
+                __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+                for (int p = 0; p < 8; p += 2) {  // two chains, then their sum (integers: the same total)
+                    int32_t v0, v1;
+                    std::memcpy(&v0, a->qs + msq_piece_at(span, k, p), 4);
+                    std::memcpy(&v1, a->qs + msq_piece_at(span, k, p + 1), 4);
+                    s0 = _mm512_dpbusd_epi32(s0, W[p], _mm512_set1_epi32(v0));
+                    s1 = _mm512_dpbusd_epi32(s1, W[p + 1], _mm512_set1_epi32(v1));
+                }
+                __m512i total = _mm512_add_epi32(s0, s1);
+                if constexpr (shift >= 0) total = _mm512_sub_epi32(total, _mm512_set1_epi32((int32_t)((uint32_t)a->sum[k] << shift)));
+                const __m512 dd = _mm512_mul_ps(dw, _mm512_set1_ps(a->d[k]));
+                __m512 p = _mm512_mul_ps(dd, _mm512_cvtepi32_ps(total));
+                if constexpr (T::MIN) p = _mm512_add_ps(p, _mm512_mul_ps(mw, _mm512_set1_ps(a->s[k])));
+                acc[j][k] = _mm512_add_ps(acc[j][k], p);
             }
-            __m512i total = _mm512_add_epi32(s0, s1);
-            if constexpr (shift >= 0) total = _mm512_sub_epi32(total, _mm512_set1_epi32((int32_t)((uint32_t)a->sum[k] << shift)));
-            const __m512 dd = _mm512_mul_ps(dw, _mm512_set1_ps(a->d[k]));
-            __m512 p = _mm512_mul_ps(dd, _mm512_cvtepi32_ps(total));
-            if constexpr (T::MIN) p = _mm512_add_ps(p, _mm512_mul_ps(mw, _mm512_set1_ps(a->s[k])));
-            acc[j][k] = _mm512_add_ps(acc[j][k], p);
-        }
+        };
+        msq_with_span(msq_span(nb - 8 * g < 8 ? nb - 8 * g : 8), rows);
     }
     for (int j = 0; j < NB; j++) {  // msq_sum8's order, lane by lane
         const __m512 lo = _mm512_add_ps(_mm512_add_ps(acc[j][0], acc[j][4]), _mm512_add_ps(acc[j][2], acc[j][6]));
@@ -769,6 +786,120 @@ static void msq_dot_packed(long n, const void *w, const void *x, long xs, float 
         alignas(64) float v[16];
         _mm512_store_ps(v, _mm512_add_ps(lo, hi));
         for (int l = 0; l < 16; l++) y[j * ys + l] = v[l];
+    }
+}
+#endif
+
+#if defined(MSQ_AVX2)
+// ---------------------------------------------------------------- packed 8 rows at a time (AVX2)
+
+// A Q4_0, Q4_1 or Q8_0 matrix laid out anew at load for the AVX2 build (decode.cpp's
+// T_Q4_0_P8, T_Q4_1_P8, T_Q8_0_P8), as MsqPacked with 8 lanes: 8 weight rows' block b in 8 x
+// the stored block's bytes; q[v]'s lane l (row l) holds 4 bytes of that row's quants (the
+// 4-bit types: qs[4v .. 4v + 3], low nibbles piece v, high nibbles piece v + 4; Q8_0: piece v,
+// signed as stored), then d[8] (and Q4_1's m[8]) as stored. pmaddubsw against 4 broadcast
+// activation bytes gives each row's pairs: a block's 8 pieces of nibbles (|pair| <= 2 * 15 *
+// 128, 8 of them < 2^15) add as int16 and one pmaddwd makes the row's int32 total; Q8_0 keeps
+// the stored loop's sign trick (pairs up to 2 * 128 * 127: into int32 at once). The integer
+// totals and the float part (p = (d_w * d_x) * float(I) (+ m_w * s_x), acc[b & 7] += p, then
+// msq_sum8's order) are the stored loop's, lane by lane: the same bits.
+template <int K>
+struct MsqPacked8 {
+    static constexpr int QV = MsqT<K>::BITS == 8 ? 8 : 4;  // quant vectors a block
+    uint8_t q[QV][32];
+    uint16_t d[8];
+    uint16_t m[MsqT<K>::MIN ? 8 : 0];
+};
+static_assert(sizeof(MsqPacked8<MSQ_Q4_1>) == 8 * 20 && sizeof(MsqPacked8<MSQ_Q4_0>) == 8 * 18 &&
+                  sizeof(MsqPacked8<MSQ_Q8_0>) == 8 * 34,
+              "a packed block is its 8 stored blocks' size");
+
+// 8 stored rows of n weights (w: the first, wrow bytes apart) -> n / 32 packed blocks.
+template <int K>
+static void msq_pack8_rows(long n, const void *w, long wrow, void *out) {
+    typedef MsqT<K> T;
+    typedef MsqPacked8<K> P;
+    const uint8_t *rows = (const uint8_t *)w;
+    uint8_t *o = (uint8_t *)out;
+    for (long b = 0; b < n / 32; b++) {
+        P p;
+        for (int l = 0; l < 8; l++) {
+            const uint8_t *br = rows + l * wrow + b * T::BYTES;
+            std::memcpy(&p.d[l], br, 2);
+            if constexpr (T::MIN) std::memcpy(&p.m[l], br + 2, 2);
+            for (int v = 0; v < P::QV; v++) std::memcpy(&p.q[v][4 * l], br + T::QS + 4 * v, 4);
+        }
+        std::memcpy(o + b * sizeof(P), &p, sizeof(P));
+    }
+}
+
+// The 8 rows of a packed strip (n / 32 blocks at w) against NB activation rows (ms_a8g rows,
+// xs bytes apart): y[j * ys + r] for rows r < 8.
+template <int K, int NB>
+static void msq_dot_packed8(long n, const void *w, const void *x, long xs, float *y, long ys) {
+    typedef MsqT<K> T;
+    typedef MsqPacked8<K> P;
+    constexpr int shift = msq_bias_shift<K>();
+    const uint8_t *t = (const uint8_t *)w;
+    const long nb = n / 32;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 acc[NB][8];
+    for (int j = 0; j < NB; j++)
+        for (int k = 0; k < 8; k++) acc[j][k] = _mm256_setzero_ps();
+    for (long b = 0; b < nb; b++) {
+        const P &u = *(const P *)(t + b * sizeof(P));
+        if (NB > 1 && b % 4 == 0)  // (as the 16-row strips)
+            for (int o = 0; o < 4 * (int)sizeof(P); o += 64) _mm_prefetch((const char *)(t + (b + 8) * sizeof(P)) + o, _MM_HINT_T1);
+        const long g = b / 8;
+        const int k = (int)(b % 8);
+        __m256i W[8], S[T::BITS == 8 ? 8 : 1];
+        for (int v = 0; v < P::QV; v++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)u.q[v]);
+            if constexpr (T::BITS == 8)
+                S[v] = q, W[v] = _mm256_sign_epi8(q, q);
+            else
+                W[v] = _mm256_and_si256(q, m4), W[v + 4] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+        }
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)u.d));
+        __m256 mw = _mm256_setzero_ps();
+        if constexpr (T::MIN) mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)u.m));
+        auto rows = [&](auto sp) MSQ_INLINE_LAMBDA {  // the group's span a constant: fixed offsets
+            constexpr int span = decltype(sp)::value;
+            for (int j = 0; j < NB; j++) {
+                const ms_a8g *a = (const ms_a8g *)((const char *)x + j * xs) + g;
+                auto act = [&](int p) MSQ_INLINE_LAMBDA {
+                    int32_t v;
+                    std::memcpy(&v, a->qs + msq_piece_at(span, k, p), 4);
+                    return _mm256_set1_epi32(v);
+                };
+                __m256i total;
+                if constexpr (T::BITS == 8) {
+                    total = _mm256_setzero_si256();
+                    for (int p = 0; p < 8; p++)
+                        total = _mm256_add_epi32(total, _mm256_madd_epi16(_mm256_maddubs_epi16(W[p], _mm256_sign_epi8(act(p), S[p])), ones));
+                } else {
+                    __m256i s0 = _mm256_maddubs_epi16(W[0], act(0)), s1 = _mm256_maddubs_epi16(W[1], act(1));
+                    for (int p = 2; p < 8; p += 2) {  // two chains of int16 (exact: see above)
+                        s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(W[p], act(p)));
+                        s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(W[p + 1], act(p + 1)));
+                    }
+                    total = _mm256_madd_epi16(_mm256_add_epi16(s0, s1), ones);
+                }
+                if constexpr (shift >= 0) total = _mm256_sub_epi32(total, _mm256_set1_epi32((int32_t)((uint32_t)a->sum[k] << shift)));
+                const __m256 dd = _mm256_mul_ps(dw, _mm256_set1_ps(a->d[k]));
+                __m256 p = _mm256_mul_ps(dd, _mm256_cvtepi32_ps(total));
+                if constexpr (T::MIN) p = _mm256_add_ps(p, _mm256_mul_ps(mw, _mm256_set1_ps(a->s[k])));
+                acc[j][k] = _mm256_add_ps(acc[j][k], p);
+            }
+        };
+        msq_with_span(msq_span(nb - 8 * g < 8 ? nb - 8 * g : 8), rows);
+    }
+    for (int j = 0; j < NB; j++) {  // msq_sum8's order, lane by lane
+        const __m256 lo = _mm256_add_ps(_mm256_add_ps(acc[j][0], acc[j][4]), _mm256_add_ps(acc[j][2], acc[j][6]));
+        const __m256 hi = _mm256_add_ps(_mm256_add_ps(acc[j][1], acc[j][5]), _mm256_add_ps(acc[j][3], acc[j][7]));
+        alignas(32) float v[8];
+        _mm256_store_ps(v, _mm256_add_ps(lo, hi));
+        for (int l = 0; l < 8; l++) y[j * ys + l] = v[l];
     }
 }
 #endif
