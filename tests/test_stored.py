@@ -532,9 +532,9 @@ def test_header_values_the_runner_cannot_run_are_one_error(tmp_path, monkeypatch
 
 def packs_here(qtype=Q.Q4_K) -> bool:
     """Whether this build lays matrices of `qtype` out anew (decode.cpp's ms_pack_type): Q4_K in
-    the AVX-512 build without AMX tiles (16 rows a strip) and the AVX2 one (8); Q4_0, Q4_1 and
-    Q8_0 in the AVX-512 build (16) and the AVX2 one (8)."""
-    if qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
+    the AVX-512 build without AMX tiles (16 rows a strip) and the AVX2 one (8); the 32-weight
+    types in the AVX-512 build (16) and the AVX2 one (8)."""
+    if qtype in LEGACY:
         return native.isa() in ("avx512", "avx2")
     return qtype == Q.Q4_K and native.isa() in ("avx512", "avx2") and not native.amx()
 
@@ -544,8 +544,9 @@ def packs_here(qtype=Q.Q4_K) -> bool:
 PACKED_CASES = (
     [(Q.Q4_K, 48, 3), (Q.Q4_K, 16, 1), (Q.Q4_K, 80, 8)]
     + [(Q.Q4_1, 48, 18), (Q.Q4_1, 32, 13), (Q.Q4_1, 16, 3), (Q.Q4_1, 64, 48)]
-    + [(t, 48, 18) for t in (Q.Q4_0, Q.Q8_0)]
-    + [(t, 32, 13) for t in (Q.Q4_0, Q.Q8_0)]
+    + [(t, 48, 18) for t in (Q.Q4_0, Q.Q5_0, Q.Q5_1, Q.Q8_0)]
+    + [(t, 32, 13) for t in (Q.Q4_0, Q.Q5_0, Q.Q5_1, Q.Q8_0)]
+    + [(t, 16, 3) for t in (Q.Q5_0, Q.Q5_1)]
 )
 
 

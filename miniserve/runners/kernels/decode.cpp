@@ -611,10 +611,11 @@ enum MsTypeId {
     T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30,
     // not ggml types: a matrix repacked at load (ms_pack). Q4_K 16 rows at a time for the
     // AVX-512 build without AMX tiles (kquants.h's mskq_p45), 8 for the AVX2 one (mskq_p45x8);
-    // Q4_0, Q4_1 and Q8_0 16 rows at a time for the AVX-512 build (quants.h's MsqPacked), 8 for
+    // the 32-weight types 16 rows at a time for the AVX-512 build (quants.h's MsqPacked), 8 for
     // the AVX2 one (MsqPacked8)
-    T_Q4_0_P16 = 1002, T_Q4_1_P16 = 1003, T_Q8_0_P16 = 1008, T_Q4_K_P16 = 1012, T_Q4_K_P8 = 1013,
-    T_Q4_0_P8 = 2002, T_Q4_1_P8 = 2003, T_Q8_0_P8 = 2008
+    T_Q4_0_P16 = 1002, T_Q4_1_P16 = 1003, T_Q5_0_P16 = 1006, T_Q5_1_P16 = 1007, T_Q8_0_P16 = 1008,
+    T_Q4_K_P16 = 1012, T_Q4_K_P8 = 1013,
+    T_Q4_0_P8 = 2002, T_Q4_1_P8 = 2003, T_Q5_0_P8 = 2006, T_Q5_1_P8 = 2007, T_Q8_0_P8 = 2008
 };
 
 // What the activations of a product over weights of a type are: float rows, or quantized.
@@ -707,7 +708,7 @@ static const Kernels *kernels_for(long type) {
         return k;
     }();
     if (type == T_Q4_K_P16) return &q4_k_p16;
-    // Q4_0, Q4_1, Q8_0 packed: strips of 16 rows, every product on them (8 activation rows of
+    // the 32-weight types packed: strips of 16 rows, every product on them (8 activation rows of
     // SmolLM2's 1536 x 576 Q4_1 matrix, one core, in cache: 131 against 82 GMAC/s as stored)
 #define MS_KERNELS_P16(K, bytes)                                                                   \
     [] {                                                                                           \
@@ -718,9 +719,12 @@ static const Kernels *kernels_for(long type) {
         return k;                                                                                  \
     }()
     static const Kernels q4_0_p16 = MS_KERNELS_P16(MSQ_Q4_0, 18), q4_1_p16 = MS_KERNELS_P16(MSQ_Q4_1, 20),
+                         q5_0_p16 = MS_KERNELS_P16(MSQ_Q5_0, 22), q5_1_p16 = MS_KERNELS_P16(MSQ_Q5_1, 24),
                          q8_0_p16 = MS_KERNELS_P16(MSQ_Q8_0, 34);
     if (type == T_Q4_0_P16) return &q4_0_p16;
     if (type == T_Q4_1_P16) return &q4_1_p16;
+    if (type == T_Q5_0_P16) return &q5_0_p16;
+    if (type == T_Q5_1_P16) return &q5_1_p16;
     if (type == T_Q8_0_P16) return &q8_0_p16;
 #elif defined(MSKQ_AVX2)
     // Q4_K packed: strips of 8 rows, every product on them (no tiles in this build)
@@ -732,7 +736,7 @@ static const Kernels *kernels_for(long type) {
         return k;
     }();
     if (type == T_Q4_K_P8) return &q4_k_p8;
-    // Q4_0, Q4_1, Q8_0 packed: strips of 8 rows, every product on them
+    // the 32-weight types packed: strips of 8 rows, every product on them
 #define MS_KERNELS_P8(K, bytes)                                                                    \
     [] {                                                                                           \
         Kernels k = {32, bytes, ACT_A8, msq_dot_packed8<K, 1>, msq_dot_packed8<K, 2>, msq_dot_packed8<K, 4>, \
@@ -742,9 +746,12 @@ static const Kernels *kernels_for(long type) {
         return k;                                                                                  \
     }()
     static const Kernels q4_0_p8 = MS_KERNELS_P8(MSQ_Q4_0, 18), q4_1_p8 = MS_KERNELS_P8(MSQ_Q4_1, 20),
+                         q5_0_p8 = MS_KERNELS_P8(MSQ_Q5_0, 22), q5_1_p8 = MS_KERNELS_P8(MSQ_Q5_1, 24),
                          q8_0_p8 = MS_KERNELS_P8(MSQ_Q8_0, 34);
     if (type == T_Q4_0_P8) return &q4_0_p8;
     if (type == T_Q4_1_P8) return &q4_1_p8;
+    if (type == T_Q5_0_P8) return &q5_0_p8;
+    if (type == T_Q5_1_P8) return &q5_1_p8;
     if (type == T_Q8_0_P8) return &q8_0_p8;
 #endif
     switch (type) {
@@ -2160,20 +2167,20 @@ int ms_amx(int on) {
 // The type a matrix of `rows` x `cols` weights of `type` repacks to for this build (ms_pack),
 // or -1 where it stays as stored: Q4_K with rows in whole 16s in the AVX-512 build, where
 // many-row products do not run on AMX tiles (those read the rows as stored), and in whole 8s in
-// the AVX2 build; Q4_0, Q4_1 and Q8_0 with rows in whole 16s in the AVX-512 build, 8s in the
-// AVX2 one.
+// the AVX2 build; the 32-weight types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) with rows in whole 16s in
+// the AVX-512 build, 8s in the AVX2 one.
 long ms_pack_type(long type, long rows, long cols) {
 #if defined(MSKQ_AVX512)
     if (type == T_Q4_K && rows > 0 && rows % 16 == 0 && cols > 0 && cols % 256 == 0 && ms_amx(-1) == 0)
         return T_Q4_K_P16;
-    if ((type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0) && rows > 0 && rows % 16 == 0 && cols > 0 &&
+    if ((type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q5_1 || type == T_Q8_0) && rows > 0 && rows % 16 == 0 && cols > 0 &&
         cols % 32 == 0)
-        return type + 1000;  // T_Q4_0_P16, T_Q4_1_P16, T_Q8_0_P16
+        return type + 1000;  // T_Q4_0_P16 ... T_Q8_0_P16
 #elif defined(MSKQ_AVX2)
     if (type == T_Q4_K && rows > 0 && rows % 8 == 0 && cols > 0 && cols % 256 == 0) return T_Q4_K_P8;
-    if ((type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0) && rows > 0 && rows % 8 == 0 && cols > 0 &&
+    if ((type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q5_1 || type == T_Q8_0) && rows > 0 && rows % 8 == 0 && cols > 0 &&
         cols % 32 == 0)
-        return type + 2000;  // T_Q4_0_P8, T_Q4_1_P8, T_Q8_0_P8
+        return type + 2000;  // T_Q4_0_P8 ... T_Q8_0_P8
 #endif
     (void)type, (void)rows, (void)cols;
     return -1;

@@ -678,16 +678,29 @@ static void ms_dot_q8_0(long n, const void *w, const void *x, long xs, float *y,
     msq_dot<MSQ_Q8_0, NB>(n, w, x, xs, y, ys);
 }
 
+#if defined(MSQ_AVX512) || defined(MSQ_AVX2)
+// A 5-bit block's high bits (qh: bit i is weight i's) rearranged for the packed layouts: byte
+// i's bit p is weight 4p + i's, so that piece p's 4 high bits reach bit 4 of its 4 bytes with
+// one shift and one mask (msq_high_bits).
+static inline uint32_t msq_pack_high_bits(const uint8_t *block_qh) {
+    const uint32_t qh = msq_u32(block_qh);
+    uint32_t hb = 0;
+    for (int i = 0; i < 4; i++)
+        for (int p = 0; p < 8; p++) hb |= ((qh >> (4 * p + i)) & 1u) << (8 * i + p);
+    return hb;
+}
+#endif
+
 #if defined(MSQ_AVX512)
 // ---------------------------------------------------------------- packed 16 rows at a time
 
-// A Q4_0, Q4_1 or Q8_0 matrix laid out anew at load for the AVX-512 build (decode.cpp's
-// T_Q4_0_P16, T_Q4_1_P16, T_Q8_0_P16): 16 weight rows' block b in 16 x the stored block's bytes,
+// A Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 matrix laid out anew at load for the AVX-512 build (decode.cpp's
+// T_Q4_0_P16 ... T_Q8_0_P16): 16 weight rows' block b in 16 x the stored block's bytes,
 // the rows of a 16 one after another, block by block. q[v]'s lane l (row l) holds 4 bytes of
 // that row's quants: for the 4-bit types qs[4v .. 4v + 3] (low nibbles: piece v, quants 4v ..
-// 4v + 3; high nibbles: piece v + 4); for Q8_0 piece v itself, stored as q + 128 (the unsigned
-// bytes the AVX-512 loop gives vpdpbusd, msq_bias_shift). Then d[16] (and Q4_1's m[16]) as
-// stored. One vpdpbusd against 4 broadcast activation bytes is 64 products, the block's total
+// 4v + 3; high nibbles: piece v + 4; the 5-bit types' fifth bits in h, msq_pack_high_bits);
+// for Q8_0 piece v itself, stored as q + 128 (the unsigned bytes the AVX-512 loop gives
+// vpdpbusd, msq_bias_shift). Then d[16] (and the min types' m[16]) as stored. One vpdpbusd against 4 broadcast activation bytes is 64 products, the block's total
 // for 16 rows in 16 lanes, where the rows as stored are transposed into lanes (8 blocks of one
 // row) at every product. The float part is the canonical order's, lane by lane: the offset's
 // sum taken out of the total as msq_float does, p = (d_w * d_x) * float(I) (+ m_w * s_x),
@@ -698,10 +711,12 @@ template <int K>
 struct MsqPacked {
     static constexpr int QV = MsqT<K>::BITS == 8 ? 8 : 4;  // quant vectors a block
     uint8_t q[QV][64];
+    uint32_t h[MsqT<K>::BITS == 5 ? 16 : 0];
     uint16_t d[16];
     uint16_t m[MsqT<K>::MIN ? 16 : 0];
 };
 static_assert(sizeof(MsqPacked<MSQ_Q4_1>) == 16 * 20 && sizeof(MsqPacked<MSQ_Q4_0>) == 16 * 18 &&
+                  sizeof(MsqPacked<MSQ_Q5_0>) == 16 * 22 && sizeof(MsqPacked<MSQ_Q5_1>) == 16 * 24 &&
                   sizeof(MsqPacked<MSQ_Q8_0>) == 16 * 34,
               "a packed block is its 16 stored blocks' size");
 
@@ -718,6 +733,7 @@ static void msq_pack_rows(long n, const void *w, long wrow, void *out) {
             const uint8_t *br = rows + l * wrow + b * T::BYTES;
             std::memcpy(&p.d[l], br, 2);
             if constexpr (T::MIN) std::memcpy(&p.m[l], br + 2, 2);
+            if constexpr (T::BITS == 5) p.h[l] = msq_pack_high_bits(br + T::QS - 4);
             for (int v = 0; v < P::QV; v++) {
                 std::memcpy(&p.q[v][4 * l], br + T::QS + 4 * v, 4);
                 if (T::BITS == 8)
@@ -754,6 +770,11 @@ static void msq_dot_packed(long n, const void *w, const void *x, long xs, float 
                 W[v] = q;
             else
                 W[v] = _mm512_and_si512(q, m4), W[v + 4] = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
+        }
+        if constexpr (T::BITS == 5) {  // piece p's fifth bits: bit p of each byte of h, to bit 4
+            const __m512i h = _mm512_loadu_si512((const void *)u.h), b4 = _mm512_set1_epi8(0x10);
+            for (int p = 0; p < 8; p++)
+                W[p] = _mm512_or_si512(W[p], _mm512_and_si512(p <= 4 ? _mm512_slli_epi32(h, 4 - p) : _mm512_srli_epi32(h, p - 4), b4));
         }
         const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)u.d));
         __m512 mw = _mm512_setzero_ps();
@@ -793,24 +814,28 @@ static void msq_dot_packed(long n, const void *w, const void *x, long xs, float 
 #if defined(MSQ_AVX2)
 // ---------------------------------------------------------------- packed 8 rows at a time (AVX2)
 
-// A Q4_0, Q4_1 or Q8_0 matrix laid out anew at load for the AVX2 build (decode.cpp's
-// T_Q4_0_P8, T_Q4_1_P8, T_Q8_0_P8), as MsqPacked with 8 lanes: 8 weight rows' block b in 8 x
+// A Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 matrix laid out anew at load for the AVX2 build (decode.cpp's
+// T_Q4_0_P8 ... T_Q8_0_P8), as MsqPacked with 8 lanes: 8 weight rows' block b in 8 x
 // the stored block's bytes; q[v]'s lane l (row l) holds 4 bytes of that row's quants (the
 // 4-bit types: qs[4v .. 4v + 3], low nibbles piece v, high nibbles piece v + 4; Q8_0: piece v,
-// signed as stored), then d[8] (and Q4_1's m[8]) as stored. pmaddubsw against 4 broadcast
-// activation bytes gives each row's pairs: a block's 8 pieces of nibbles (|pair| <= 2 * 15 *
-// 128, 8 of them < 2^15) add as int16 and one pmaddwd makes the row's int32 total; Q8_0 keeps
-// the stored loop's sign trick (pairs up to 2 * 128 * 127: into int32 at once). The integer
+// signed as stored; the 5-bit types' fifth bits in h, msq_pack_high_bits), then d[8] (and the
+// min types' m[8]) as stored. pmaddubsw against 4 broadcast activation bytes gives each row's
+// pairs: a 4-bit block's 8 pieces (|pair| <= 2 * 15 * 128, 8 of them < 2^15) add as int16 and
+// one pmaddwd makes the row's int32 total; a 5-bit block's in two chains of 4 (4 * 2 * 31 * 128
+// < 2^15), a pmaddwd each; Q8_0 keeps the stored loop's sign trick (pairs up to 2 * 128 * 127:
+// into int32 at once). The integer
 // totals and the float part (p = (d_w * d_x) * float(I) (+ m_w * s_x), acc[b & 7] += p, then
 // msq_sum8's order) are the stored loop's, lane by lane: the same bits.
 template <int K>
 struct MsqPacked8 {
     static constexpr int QV = MsqT<K>::BITS == 8 ? 8 : 4;  // quant vectors a block
     uint8_t q[QV][32];
+    uint32_t h[MsqT<K>::BITS == 5 ? 8 : 0];
     uint16_t d[8];
     uint16_t m[MsqT<K>::MIN ? 8 : 0];
 };
 static_assert(sizeof(MsqPacked8<MSQ_Q4_1>) == 8 * 20 && sizeof(MsqPacked8<MSQ_Q4_0>) == 8 * 18 &&
+                  sizeof(MsqPacked8<MSQ_Q5_0>) == 8 * 22 && sizeof(MsqPacked8<MSQ_Q5_1>) == 8 * 24 &&
                   sizeof(MsqPacked8<MSQ_Q8_0>) == 8 * 34,
               "a packed block is its 8 stored blocks' size");
 
@@ -827,6 +852,7 @@ static void msq_pack8_rows(long n, const void *w, long wrow, void *out) {
             const uint8_t *br = rows + l * wrow + b * T::BYTES;
             std::memcpy(&p.d[l], br, 2);
             if constexpr (T::MIN) std::memcpy(&p.m[l], br + 2, 2);
+            if constexpr (T::BITS == 5) p.h[l] = msq_pack_high_bits(br + T::QS - 4);
             for (int v = 0; v < P::QV; v++) std::memcpy(&p.q[v][4 * l], br + T::QS + 4 * v, 4);
         }
         std::memcpy(o + b * sizeof(P), &p, sizeof(P));
@@ -860,6 +886,11 @@ static void msq_dot_packed8(long n, const void *w, const void *x, long xs, float
             else
                 W[v] = _mm256_and_si256(q, m4), W[v + 4] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
         }
+        if constexpr (T::BITS == 5) {  // piece p's fifth bits: bit p of each byte of h, to bit 4
+            const __m256i h = _mm256_loadu_si256((const __m256i *)u.h), b4 = _mm256_set1_epi8(0x10);
+            for (int p = 0; p < 8; p++)
+                W[p] = _mm256_or_si256(W[p], _mm256_and_si256(p <= 4 ? _mm256_slli_epi32(h, 4 - p) : _mm256_srli_epi32(h, p - 4), b4));
+        }
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)u.d));
         __m256 mw = _mm256_setzero_ps();
         if constexpr (T::MIN) mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)u.m));
@@ -883,7 +914,10 @@ static void msq_dot_packed8(long n, const void *w, const void *x, long xs, float
                         s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(W[p], act(p)));
                         s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(W[p + 1], act(p + 1)));
                     }
-                    total = _mm256_madd_epi16(_mm256_add_epi16(s0, s1), ones);
+                    if constexpr (T::BITS == 5)  // each chain to int32 on its own
+                        total = _mm256_add_epi32(_mm256_madd_epi16(s0, ones), _mm256_madd_epi16(s1, ones));
+                    else
+                        total = _mm256_madd_epi16(_mm256_add_epi16(s0, s1), ones);
                 }
                 if constexpr (shift >= 0) total = _mm256_sub_epi32(total, _mm256_set1_epi32((int32_t)((uint32_t)a->sum[k] << shift)));
                 const __m256 dd = _mm256_mul_ps(dw, _mm256_set1_ps(a->d[k]));
