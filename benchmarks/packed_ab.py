@@ -1,6 +1,6 @@
 """Packed against stored rows in one process: two runners over the same GGUF file, one with its
 matrices packed at load where the build packs their type (the default: Q4_K on AVX-512 without
-AMX and on AVX2; Q4_0, Q4_1 and Q8_0 on AVX-512 and AVX2) and one with MINISERVE_PACK=0, their
+AMX and on AVX2; the 32-weight types on AVX-512 and AVX2) and one with MINISERVE_PACK=0, their
 passes alternating so that a slow minute of the machine costs both alike. Decode passes of R rows (R
 sequences, one new token each, at a fixed number of positions), then prompts of N tokens from an
 empty cache.

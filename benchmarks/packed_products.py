@@ -1,11 +1,11 @@
-"""One matrix of a 32-weight type (Q4_0, Q4_1, Q8_0), packed and as stored, in one process:
+"""One matrix of a 32-weight type (Q4_0 ... Q8_0), packed and as stored, in one process:
 native.matmul against 1, 4 and 8 activation rows, the two layouts alternating, on the threads
 given (default 1). The matrix is random weights quantized by gguf's own quantizer; its default
 size (1,536 x 576: SmolLM2's up and gate) stays in L2, so the figures are the kernels' arithmetic,
 not the memory's. GFLOPS = 2 x rows x columns x activation rows / time (median of 10 runs of
 200 products).
 
-    .venv/bin/python benchmarks/packed_products.py [--types Q4_1,Q8_0] [--rows 1536]
+    .venv/bin/python benchmarks/packed_products.py [--types Q4_1,Q5_0] [--rows 1536]
         [--cols 576] [--threads 1]
 
 MINISERVE_NATIVE_ARCH=x86-64-v3 measures the AVX2 build.
@@ -42,7 +42,7 @@ def timed(m: StoredMatrix, x: torch.Tensor) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--types", default="Q4_0,Q4_1,Q8_0")
+    ap.add_argument("--types", default="Q4_0,Q4_1,Q5_0,Q5_1,Q8_0")
     ap.add_argument("--rows", type=int, default=1536)
     ap.add_argument("--cols", type=int, default=576)
     ap.add_argument("--threads", type=int, default=1)
