@@ -90,3 +90,51 @@ def test_the_tokenizer_metadata_is_what_transformers_reads():
 
     for path in (embedded_gguf(), known_model_path("gemma-3-270m", install=False)):
         assert _tokenizer_metadata(path) == get_gguf_tokenizer(str(path)), path.name
+
+
+def test_a_cached_tokenizer_reads_back_as_from_pretrained_reads_it(tmp_path):
+    """The cache's tokenizer read back by cached_tokenizer (one parse of tokenizer.json) is
+    the tokenizer transformers' from_pretrained reads from the same folder: the same class,
+    vocabulary, special tokens, chat template, ids (with and without the special tokens, for
+    text with spaces, emoji, CJK and the templates' own tokens) and decoded text; for a BPE
+    vocabulary (the embedded model) and a sentencepiece one (Gemma 3 270M)."""
+    from transformers import PreTrainedTokenizerFast
+
+    from miniserve.runners.loader import (
+        _gguf_tokenizer,
+        cached_tokenizer,
+        embedded_gguf,
+        known_model_path,
+    )
+
+    texts = [
+        "Hello, world!",
+        "  two spaces\tand a tab\n\nlines",
+        "émoji 🤖, CJK 你好, e\u0301",
+        "<|im_start|>user\nhi<|im_end|><bos><start_of_turn>model",
+        "def f(x):\n    return x ** 2  # ok",
+    ]
+    templates = 0
+    for path in (embedded_gguf(), known_model_path("gemma-3-270m", install=False)):
+        folder = tmp_path / path.stem
+        _gguf_tokenizer(path).save_pretrained(str(folder))
+        ours, theirs = cached_tokenizer(folder), PreTrainedTokenizerFast.from_pretrained(folder)
+        assert type(ours) is type(theirs) and len(ours) == len(theirs), path.name
+        assert ours.get_vocab() == theirs.get_vocab() and ours.chat_template == theirs.chat_template
+        assert ours.special_tokens_map == theirs.special_tokens_map
+        assert ours.get_added_vocab() == theirs.get_added_vocab()
+        for text in texts:
+            for special in (True, False):
+                ids = theirs.encode(text, add_special_tokens=special)
+                assert ours.encode(text, add_special_tokens=special) == ids, (path.name, text)
+                for skip in (True, False):
+                    assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(
+                        ids, skip_special_tokens=skip
+                    )
+        chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+        if theirs.chat_template:  # (where the file carries one; the engine has its own too)
+            templates += 1
+            assert ours.apply_chat_template(chat, tokenize=False) == theirs.apply_chat_template(
+                chat, tokenize=False
+            )
+    assert templates  # the embedded model's, at least, was compared
