@@ -356,7 +356,8 @@ def amx(on: bool | None = None) -> bool:
     return bool(lib is not None and lib.ms_amx(-1 if on is None else int(on)))
 
 
-# decode.cpp's packed types (T_Q4_0_P16 ... T_Q8_0_P8) are numbered from here on, past ggml's
+# decode.cpp's packed types (T_Q4_K_P16, T_Q4_K_P8, T_PACKED_32 + a 32-weight type's id) are
+# numbered from here on, past ggml's
 PACKED_TYPES = 1000
 
 

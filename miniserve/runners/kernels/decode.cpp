@@ -611,11 +611,9 @@ enum MsTypeId {
     T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30,
     // not ggml types: a matrix repacked at load (ms_pack). Q4_K 16 rows at a time for the
     // AVX-512 build without AMX tiles (kquants.h's mskq_p45), 8 for the AVX2 one (mskq_p45x8);
-    // the 32-weight types 16 rows at a time for the AVX-512 build (quants.h's MsqPacked), 8 for
-    // the AVX2 one (MsqPacked8)
-    T_Q4_0_P16 = 1002, T_Q4_1_P16 = 1003, T_Q5_0_P16 = 1006, T_Q5_1_P16 = 1007, T_Q8_0_P16 = 1008,
-    T_Q4_K_P16 = 1012, T_Q4_K_P8 = 1013,
-    T_Q4_0_P8 = 2002, T_Q4_1_P8 = 2003, T_Q5_0_P8 = 2006, T_Q5_1_P8 = 2007, T_Q8_0_P8 = 2008
+    // a 32-weight type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) T_PACKED_32 + its own id, MSQ_STRIP rows
+    // at a time: 16 in the AVX-512 build (quants.h's MsqPacked), 8 in the AVX2 one (MsqPacked8)
+    T_Q4_K_P16 = 1012, T_Q4_K_P8 = 1013, T_PACKED_32 = 2000
 };
 
 // What the activations of a product over weights of a type are: float rows, or quantized.
@@ -708,24 +706,6 @@ static const Kernels *kernels_for(long type) {
         return k;
     }();
     if (type == T_Q4_K_P16) return &q4_k_p16;
-    // the 32-weight types packed: strips of 16 rows, every product on them (8 activation rows of
-    // SmolLM2's 1536 x 576 Q4_1 matrix, one core, in cache: 131 against 82 GMAC/s as stored)
-#define MS_KERNELS_P16(K, bytes)                                                                   \
-    [] {                                                                                           \
-        Kernels k = {32, bytes, ACT_A8, msq_dot_packed<K, 1>, msq_dot_packed<K, 2>, msq_dot_packed<K, 4>, \
-                     msq_dot_packed<K, 8>, nullptr, 0, nullptr, nullptr, nullptr};                 \
-        k.strip = 16;                                                                              \
-        k.pack = msq_pack_rows<K>;                                                                 \
-        return k;                                                                                  \
-    }()
-    static const Kernels q4_0_p16 = MS_KERNELS_P16(MSQ_Q4_0, 18), q4_1_p16 = MS_KERNELS_P16(MSQ_Q4_1, 20),
-                         q5_0_p16 = MS_KERNELS_P16(MSQ_Q5_0, 22), q5_1_p16 = MS_KERNELS_P16(MSQ_Q5_1, 24),
-                         q8_0_p16 = MS_KERNELS_P16(MSQ_Q8_0, 34);
-    if (type == T_Q4_0_P16) return &q4_0_p16;
-    if (type == T_Q4_1_P16) return &q4_1_p16;
-    if (type == T_Q5_0_P16) return &q5_0_p16;
-    if (type == T_Q5_1_P16) return &q5_1_p16;
-    if (type == T_Q8_0_P16) return &q8_0_p16;
 #elif defined(MSKQ_AVX2)
     // Q4_K packed: strips of 8 rows, every product on them (no tiles in this build)
     static const Kernels q4_k_p8 = [] {
@@ -736,23 +716,30 @@ static const Kernels *kernels_for(long type) {
         return k;
     }();
     if (type == T_Q4_K_P8) return &q4_k_p8;
-    // the 32-weight types packed: strips of 8 rows, every product on them
-#define MS_KERNELS_P8(K, bytes)                                                                    \
+#endif
+#if defined(MSQ_AVX512) || defined(MSQ_AVX2)
+    // the 32-weight types packed: strips of MSQ_STRIP rows, every product on them (8 activation
+    // rows of SmolLM2's 1536 x 576 Q4_1 matrix, one core, in cache, AVX-512: 131 against 82
+    // GMAC/s as stored)
+#define MS_KERNELS_STRIP(K, bytes)                                                                 \
     [] {                                                                                           \
-        Kernels k = {32, bytes, ACT_A8, msq_dot_packed8<K, 1>, msq_dot_packed8<K, 2>, msq_dot_packed8<K, 4>, \
-                     msq_dot_packed8<K, 8>, nullptr, 0, nullptr, nullptr, nullptr};                \
-        k.strip = 8;                                                                               \
-        k.pack = msq_pack8_rows<K>;                                                                \
+        Kernels k = {32, bytes, ACT_A8, msq_dot_strip<K, 1>, msq_dot_strip<K, 2>, msq_dot_strip<K, 4>, \
+                     msq_dot_strip<K, 8>, nullptr, 0, nullptr, nullptr, nullptr};                 \
+        k.strip = MSQ_STRIP;                                                                       \
+        k.pack = msq_pack_strip<K, MSQ_STRIP>;                                                     \
         return k;                                                                                  \
     }()
-    static const Kernels q4_0_p8 = MS_KERNELS_P8(MSQ_Q4_0, 18), q4_1_p8 = MS_KERNELS_P8(MSQ_Q4_1, 20),
-                         q5_0_p8 = MS_KERNELS_P8(MSQ_Q5_0, 22), q5_1_p8 = MS_KERNELS_P8(MSQ_Q5_1, 24),
-                         q8_0_p8 = MS_KERNELS_P8(MSQ_Q8_0, 34);
-    if (type == T_Q4_0_P8) return &q4_0_p8;
-    if (type == T_Q4_1_P8) return &q4_1_p8;
-    if (type == T_Q5_0_P8) return &q5_0_p8;
-    if (type == T_Q5_1_P8) return &q5_1_p8;
-    if (type == T_Q8_0_P8) return &q8_0_p8;
+    static const Kernels q4_0_p = MS_KERNELS_STRIP(MSQ_Q4_0, 18), q4_1_p = MS_KERNELS_STRIP(MSQ_Q4_1, 20),
+                         q5_0_p = MS_KERNELS_STRIP(MSQ_Q5_0, 22), q5_1_p = MS_KERNELS_STRIP(MSQ_Q5_1, 24),
+                         q8_0_p = MS_KERNELS_STRIP(MSQ_Q8_0, 34);
+    switch (type - T_PACKED_32) {
+        case T_Q4_0: return &q4_0_p;
+        case T_Q4_1: return &q4_1_p;
+        case T_Q5_0: return &q5_0_p;
+        case T_Q5_1: return &q5_1_p;
+        case T_Q8_0: return &q8_0_p;
+        default: break;
+    }
 #endif
     switch (type) {
         case T_Q4_0: return &q4_0;
@@ -2173,14 +2160,13 @@ long ms_pack_type(long type, long rows, long cols) {
 #if defined(MSKQ_AVX512)
     if (type == T_Q4_K && rows > 0 && rows % 16 == 0 && cols > 0 && cols % 256 == 0 && ms_amx(-1) == 0)
         return T_Q4_K_P16;
-    if ((type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q5_1 || type == T_Q8_0) && rows > 0 && rows % 16 == 0 && cols > 0 &&
-        cols % 32 == 0)
-        return type + 1000;  // T_Q4_0_P16 ... T_Q8_0_P16
 #elif defined(MSKQ_AVX2)
     if (type == T_Q4_K && rows > 0 && rows % 8 == 0 && cols > 0 && cols % 256 == 0) return T_Q4_K_P8;
-    if ((type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q5_1 || type == T_Q8_0) && rows > 0 && rows % 8 == 0 && cols > 0 &&
-        cols % 32 == 0)
-        return type + 2000;  // T_Q4_0_P8 ... T_Q8_0_P8
+#endif
+#if defined(MSQ_AVX512) || defined(MSQ_AVX2)
+    if ((type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q5_1 || type == T_Q8_0) && rows > 0 &&
+        rows % MSQ_STRIP == 0 && cols > 0 && cols % 32 == 0)
+        return T_PACKED_32 + type;
 #endif
     (void)type, (void)rows, (void)cols;
     return -1;

@@ -689,13 +689,52 @@ static inline uint32_t msq_pack_high_bits(const uint8_t *block_qh) {
         for (int p = 0; p < 8; p++) hb |= ((qh >> (4 * p + i)) & 1u) << (8 * i + p);
     return hb;
 }
+
+// A packed block of S weight rows (AVX-512: MsqPacked, S = 16; AVX2: MsqPacked8, S = 8): q[v]'s
+// lane l (row l) holds 4 bytes of that row's quants, the 5-bit types' fifth bits in h
+// (msq_pack_high_bits), then d[S] (and the min types' m[S]) as stored: S x the stored block's
+// bytes.
+template <int K, int S>
+struct MsqStrip {
+    static constexpr int QV = MsqT<K>::BITS == 8 ? 8 : 4;  // quant vectors a block
+    uint8_t q[QV][4 * S];
+    uint32_t h[MsqT<K>::BITS == 5 ? S : 0];
+    uint16_t d[S];
+    uint16_t m[MsqT<K>::MIN ? S : 0];
+};
+
+// S stored rows of n weights (w: the first, wrow bytes apart) -> n / 32 packed blocks; Q8_0's
+// quants as q + 128 where this build's loop takes them so (msq_bias_shift), else as stored.
+template <int K, int S>
+static void msq_pack_strip(long n, const void *w, long wrow, void *out) {
+    typedef MsqT<K> T;
+    typedef MsqStrip<K, S> P;
+    constexpr bool biased = T::BITS == 8 && msq_bias_shift<K>() >= 0;
+    const uint8_t *rows = (const uint8_t *)w;
+    uint8_t *o = (uint8_t *)out;
+    for (long b = 0; b < n / 32; b++) {
+        P p;
+        for (int l = 0; l < S; l++) {
+            const uint8_t *br = rows + l * wrow + b * T::BYTES;
+            std::memcpy(&p.d[l], br, 2);
+            if constexpr (T::MIN) std::memcpy(&p.m[l], br + 2, 2);
+            if constexpr (T::BITS == 5) p.h[l] = msq_pack_high_bits(br + T::QS - 4);
+            for (int v = 0; v < P::QV; v++) {
+                std::memcpy(&p.q[v][4 * l], br + T::QS + 4 * v, 4);
+                if constexpr (biased)
+                    for (int e = 0; e < 4; e++) p.q[v][4 * l + e] ^= 0x80;  // q + 128
+            }
+        }
+        std::memcpy(o + b * sizeof(P), &p, sizeof(P));
+    }
+}
 #endif
 
 #if defined(MSQ_AVX512)
 // ---------------------------------------------------------------- packed 16 rows at a time
 
 // A Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 matrix laid out anew at load for the AVX-512 build (decode.cpp's
-// T_Q4_0_P16 ... T_Q8_0_P16): 16 weight rows' block b in 16 x the stored block's bytes,
+// T_PACKED_32): 16 weight rows' block b in 16 x the stored block's bytes,
 // the rows of a 16 one after another, block by block. q[v]'s lane l (row l) holds 4 bytes of
 // that row's quants: for the 4-bit types qs[4v .. 4v + 3] (low nibbles: piece v, quants 4v ..
 // 4v + 3; high nibbles: piece v + 4; the 5-bit types' fifth bits in h, msq_pack_high_bits);
@@ -708,41 +747,12 @@ static inline uint32_t msq_pack_high_bits(const uint8_t *block_qh) {
 // group's missing blocks add nothing here, where the stored loop adds +0 to a sum that starts
 // at +0: the same bits.)
 template <int K>
-struct MsqPacked {
-    static constexpr int QV = MsqT<K>::BITS == 8 ? 8 : 4;  // quant vectors a block
-    uint8_t q[QV][64];
-    uint32_t h[MsqT<K>::BITS == 5 ? 16 : 0];
-    uint16_t d[16];
-    uint16_t m[MsqT<K>::MIN ? 16 : 0];
-};
+using MsqPacked = MsqStrip<K, 16>;
+constexpr int MSQ_STRIP = 16;  // weight rows a packed strip holds in this build
 static_assert(sizeof(MsqPacked<MSQ_Q4_1>) == 16 * 20 && sizeof(MsqPacked<MSQ_Q4_0>) == 16 * 18 &&
                   sizeof(MsqPacked<MSQ_Q5_0>) == 16 * 22 && sizeof(MsqPacked<MSQ_Q5_1>) == 16 * 24 &&
                   sizeof(MsqPacked<MSQ_Q8_0>) == 16 * 34,
               "a packed block is its 16 stored blocks' size");
-
-// 16 stored rows of n weights (w: the first, wrow bytes apart) -> n / 32 packed blocks.
-template <int K>
-static void msq_pack_rows(long n, const void *w, long wrow, void *out) {
-    typedef MsqT<K> T;
-    typedef MsqPacked<K> P;
-    const uint8_t *rows = (const uint8_t *)w;
-    uint8_t *o = (uint8_t *)out;
-    for (long b = 0; b < n / 32; b++) {
-        P p;
-        for (int l = 0; l < 16; l++) {
-            const uint8_t *br = rows + l * wrow + b * T::BYTES;
-            std::memcpy(&p.d[l], br, 2);
-            if constexpr (T::MIN) std::memcpy(&p.m[l], br + 2, 2);
-            if constexpr (T::BITS == 5) p.h[l] = msq_pack_high_bits(br + T::QS - 4);
-            for (int v = 0; v < P::QV; v++) {
-                std::memcpy(&p.q[v][4 * l], br + T::QS + 4 * v, 4);
-                if (T::BITS == 8)
-                    for (int e = 0; e < 4; e++) p.q[v][4 * l + e] ^= 0x80;  // q + 128
-            }
-        }
-        std::memcpy(o + b * sizeof(P), &p, sizeof(P));
-    }
-}
 
 // The 16 rows of a packed strip (n / 32 blocks at w) against NB activation rows (ms_a8g rows,
 // xs bytes apart): y[j * ys + r] for rows r < 16.
@@ -815,7 +825,7 @@ static void msq_dot_packed(long n, const void *w, const void *x, long xs, float 
 // ---------------------------------------------------------------- packed 8 rows at a time (AVX2)
 
 // A Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 matrix laid out anew at load for the AVX2 build (decode.cpp's
-// T_Q4_0_P8 ... T_Q8_0_P8), as MsqPacked with 8 lanes: 8 weight rows' block b in 8 x
+// T_PACKED_32), as MsqPacked with 8 lanes: 8 weight rows' block b in 8 x
 // the stored block's bytes; q[v]'s lane l (row l) holds 4 bytes of that row's quants (the
 // 4-bit types: qs[4v .. 4v + 3], low nibbles piece v, high nibbles piece v + 4; Q8_0: piece v,
 // signed as stored; the 5-bit types' fifth bits in h, msq_pack_high_bits), then d[8] (and the
@@ -827,37 +837,12 @@ static void msq_dot_packed(long n, const void *w, const void *x, long xs, float 
 // totals and the float part (p = (d_w * d_x) * float(I) (+ m_w * s_x), acc[b & 7] += p, then
 // msq_sum8's order) are the stored loop's, lane by lane: the same bits.
 template <int K>
-struct MsqPacked8 {
-    static constexpr int QV = MsqT<K>::BITS == 8 ? 8 : 4;  // quant vectors a block
-    uint8_t q[QV][32];
-    uint32_t h[MsqT<K>::BITS == 5 ? 8 : 0];
-    uint16_t d[8];
-    uint16_t m[MsqT<K>::MIN ? 8 : 0];
-};
+using MsqPacked8 = MsqStrip<K, 8>;
+constexpr int MSQ_STRIP = 8;  // weight rows a packed strip holds in this build
 static_assert(sizeof(MsqPacked8<MSQ_Q4_1>) == 8 * 20 && sizeof(MsqPacked8<MSQ_Q4_0>) == 8 * 18 &&
                   sizeof(MsqPacked8<MSQ_Q5_0>) == 8 * 22 && sizeof(MsqPacked8<MSQ_Q5_1>) == 8 * 24 &&
                   sizeof(MsqPacked8<MSQ_Q8_0>) == 8 * 34,
               "a packed block is its 8 stored blocks' size");
-
-// 8 stored rows of n weights (w: the first, wrow bytes apart) -> n / 32 packed blocks.
-template <int K>
-static void msq_pack8_rows(long n, const void *w, long wrow, void *out) {
-    typedef MsqT<K> T;
-    typedef MsqPacked8<K> P;
-    const uint8_t *rows = (const uint8_t *)w;
-    uint8_t *o = (uint8_t *)out;
-    for (long b = 0; b < n / 32; b++) {
-        P p;
-        for (int l = 0; l < 8; l++) {
-            const uint8_t *br = rows + l * wrow + b * T::BYTES;
-            std::memcpy(&p.d[l], br, 2);
-            if constexpr (T::MIN) std::memcpy(&p.m[l], br + 2, 2);
-            if constexpr (T::BITS == 5) p.h[l] = msq_pack_high_bits(br + T::QS - 4);
-            for (int v = 0; v < P::QV; v++) std::memcpy(&p.q[v][4 * l], br + T::QS + 4 * v, 4);
-        }
-        std::memcpy(o + b * sizeof(P), &p, sizeof(P));
-    }
-}
 
 // The 8 rows of a packed strip (n / 32 blocks at w) against NB activation rows (ms_a8g rows,
 // xs bytes apart): y[j * ys + r] for rows r < 8.
@@ -935,6 +920,18 @@ static void msq_dot_packed8(long n, const void *w, const void *x, long xs, float
         _mm256_store_ps(v, _mm256_add_ps(lo, hi));
         for (int l = 0; l < 8; l++) y[j * ys + l] = v[l];
     }
+}
+#endif
+
+#if defined(MSQ_AVX512) || defined(MSQ_AVX2)
+// The products on this build's packed strips (MSQ_STRIP rows), for decode.cpp's table.
+template <int K, int NB>
+static void msq_dot_strip(long n, const void *w, const void *x, long xs, float *y, long ys) {
+#if defined(MSQ_AVX512)
+    msq_dot_packed<K, NB>(n, w, x, xs, y, ys);
+#else
+    msq_dot_packed8<K, NB>(n, w, x, xs, y, ys);
+#endif
 }
 #endif
 
