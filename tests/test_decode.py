@@ -230,8 +230,7 @@ def broken(loaded, how: str):
     if how == "rope base 10000":  # the model's is 100000
         inv = 1.0 / (10000.0 ** (torch.arange(0, model.head_dim, 2).float() / model.head_dim))
         freqs = torch.outer(torch.arange(model.cos.shape[0], dtype=torch.float32), inv)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        model.cos, model.sin = emb.cos().contiguous(), emb.sin().contiguous()
+        model.cos, model.sin = freqs.cos().to(model.cos.dtype), freqs.sin().to(model.sin.dtype)
     elif how == "one MLP residual branch dropped":
         model.layers[5]["w2"] = torch.zeros_like(model.layers[5]["w2"])
     elif how == "bfloat16 weights in a float32 model":

@@ -197,16 +197,18 @@ def _plus_one(norm) -> torch.Tensor:
 
 
 def _rope_tables(theta, head_dim, positions, dtype, device):
-    """cos and sin of every position's angles, (positions, head_dim) each, as transformers
-    computes them (float32), then in `dtype`."""
+    """cos and sin of every position's angles, (positions, head_dim / 2) each, one number an
+    angle (the native pass reads them so; _rope doubles a slice of them for transformers'
+    halves), as transformers computes them (float32), then in `dtype`."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     freqs = torch.outer(torch.arange(positions, dtype=torch.float32), inv_freq)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype).to(device), emb.sin().to(dtype).to(device)
+    return freqs.cos().to(dtype).to(device), freqs.sin().to(dtype).to(device)
 
 
 def _rope(x, cos, sin, rot):
-    """RoPE on the first `rot` dimensions of each head (all of them but for partial rotary)."""
+    """RoPE on the first `rot` dimensions of each head (all of them but for partial rotary);
+    cos and sin (T, rot / 2), an angle each, turn dimensions i and i + rot / 2."""
+    cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
     if rot == x.shape[-1]:
         return x * cos + _rotate_half(x) * sin
     turned, kept = x[..., :rot], x[..., rot:]
@@ -380,7 +382,7 @@ class LeanRunner:
         start = cache.length if cache is not None else 0
         if cache is not None:
             cache.reserve(start + T)
-        cos, sin = self.cos[start : start + T], self.sin[start : start + T]  # (T, hd)
+        cos, sin = self.cos[start : start + T], self.sin[start : start + T]  # (T, rot / 2)
         x = torch.nn.functional.embedding(input_ids, self.embed)  # (1, T, D)
         if self.gemma:
             x = x * self.embed_scale

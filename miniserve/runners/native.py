@@ -623,7 +623,7 @@ class NativeForward:
         qkv = [w["wqkv"]] if "wqkv" in w else [w["wq"], w["wk"], w["wv"]]
         gate_up = [w["w13"]] if "w13" in w else [w.get("w1"), w.get("w3")]
         assert cos.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
-        assert cos.shape[1] == self.model.rot, (cos.shape, self.model.rot)
+        assert cos.shape[1] == self.model.rot // 2, (cos.shape, self.model.rot)  # an angle each
         return MsLayer(
             attn_norm=self._float32(w["attn_norm"]),
             qkv=(MsMat * 3)(*(self._mat(m) for m in qkv + [None] * (3 - len(qkv)))),

@@ -933,31 +933,19 @@ static void rms_norm(const float *x, const float *weight, float eps, float *out,
 
 // In place: v = v * cos + rotate_half(v) * sin, for `heads` vectors of head_dim numbers, of
 // which the first `rot` turn (partial rotary, Phi-3's: the rest pass as they are); cos and sin
-// hold `rot` numbers a position. With `pairs`, each adjacent pair (2i, 2i + 1) rotated by its
-// angle (cos and sin then hold each angle twice, side by side): the layout of a GGUF llama
-// file's q and k rows, whose converter permuted them from halves to pairs; else NeoX's halves,
-// i with i + rot / 2.
+// hold one number an angle, rot / 2 a position. With `pairs`, each adjacent pair (2i, 2i + 1)
+// rotated by angle i: the layout of a GGUF llama file's q and k rows, whose converter permuted
+// them from halves to pairs; else NeoX's halves, i with i + rot / 2.
 static void rope(float *v, long heads, long hd, long rot, const float *cos, const float *sin,
                  bool pairs = false) {
     long half = rot / 2;
-    float tmp[1024];
-    if (pairs) {
-        for (long h = 0; h < heads; h++) {
-            float *p = v + h * hd;
-            for (long i = 0; i < rot; i += 2) {
-                float a = p[i], b = p[i + 1];
-                p[i] = a * cos[i] - b * sin[i];
-                p[i + 1] = b * cos[i + 1] + a * sin[i + 1];
-            }
-        }
-        return;
-    }
     for (long h = 0; h < heads; h++) {
         float *p = v + h * hd;
-        std::memcpy(tmp, p, rot * sizeof(float));
-        for (long i = 0; i < rot; i++) {
-            float rotated = i < half ? -tmp[i + half] : tmp[i - half];
-            p[i] = tmp[i] * cos[i] + rotated * sin[i];
+        for (long i = 0; i < half; i++) {
+            float *x = pairs ? p + 2 * i : p + i, *y = pairs ? p + 2 * i + 1 : p + i + half;
+            float a = *x, b = *y;
+            *x = a * cos[i] - b * sin[i];
+            *y = b * cos[i] + a * sin[i];
         }
     }
 }
@@ -1408,7 +1396,7 @@ struct MsLayer {
     MsMat w2;
     const float *q_norm, *k_norm;              // Gemma: per head, before RoPE; else null
     const float *attn_out_norm, *mlp_out_norm;  // Gemma: on each branch's output; else null
-    const float *cos, *sin;  // this layer's RoPE tables, (max positions, rot)
+    const float *cos, *sin;  // this layer's RoPE tables: (max positions, rot / 2), an angle each
     long window;             // a local layer's window (q - k < window); 0 = every position
     // experts (Qwen3 MoE) instead of gate_up / w2: the router (E rows), and the gate, up and
     // down matrices of all E experts one after another (E x F rows of D, E x D rows of F)
@@ -1660,7 +1648,7 @@ static void attention(const MsModel *m, const MsRows *r, long layer, Scratch *sc
     for_rows(m->threads, r->n, [&](long b) {
         const long cap = r->cap[b], p = r->pos[b], at = layer * KV * cap * hd;
         float *q = sc->qkv + b * QKV, *k = q + H * hd, *v = k + KV * hd;
-        const float *cos = w.cos + p * m->rot, *sin = w.sin + p * m->rot;
+        const float *cos = w.cos + p * (m->rot / 2), *sin = w.sin + p * (m->rot / 2);
         if (w.q_norm != nullptr) {  // Gemma: each head's query and key, before RoPE
             for (long h = 0; h < H; h++) rms_norm(q + h * hd, w.q_norm, m->eps, q + h * hd, hd);
             for (long g = 0; g < KV; g++) rms_norm(k + g * hd, w.k_norm, m->eps, k + g * hd, hd);
