@@ -140,27 +140,39 @@ def test_wide_k_quant_rows_against_many_activation_rows(qtype, rows, blocks):
         assert torch.equal(together[i], native.matmul(w, x[i : i + 1])[0]), i
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K], ids=lambda t: t.name)
+@pytest.mark.parametrize(
+    "qtype,packed",
+    [(Q.Q4_K, False), (Q.Q5_K, False), (Q.Q4_K, True)],
+    ids=["Q4_K", "Q5_K", "Q4_K-packed"],
+)
 @pytest.mark.parametrize("rows,blocks,batch", [(37, 17, 29), (16, 1, 8), (53, 8, 64)])
 @needs_native
-def test_amx_tiles_give_the_bits_of_the_avx512_loops(qtype, rows, blocks, batch):
-    """Where the CPU has AMX (kernels/amx.h), Q4_K / Q5_K products of 8 or more activation rows
-    run on its tiles: the same bits as the AVX-512 loops (switched in one process), with
+def test_amx_tiles_give_the_bits_of_the_avx512_loops(qtype, packed, rows, blocks, batch):
+    """Where the CPU has AMX (kernels/amx.h), Q4_K / Q5_K products of 16 or more activation
+    rows run on its tiles: the same bits as the AVX-512 loops (switched in one process), with
     groups of activation rows and chunks of weight rows short of 16 (37 x 29), one super-block,
-    and the prompt's shape. Without AMX the loops are what runs, and this compares nothing."""
+    and the prompt's shape; a Q4_K matrix packed 16 rows a strip (its rows rounded up to whole
+    16s) unpacked for the tiles from its strips, the same bits as its rows as stored on the
+    tiles and in the loops. Without AMX the loops are what runs, and this compares nothing."""
     if not native.amx():
         pytest.skip("no AMX tiles on this CPU (or not granted by the kernel): nothing to compare")
+    rows = -(-rows // 16) * 16 if packed else rows
     cols = 256 * blocks
     data = random_blocks(qtype, rows, cols, seed=rows * blocks)
     w = stored(np.ascontiguousarray(data), qtype, cols)
+    made = native.pack(w) if packed else None
+    assert not packed or made is not None, "a Q4_K matrix of whole 16 rows packs in this build"
+    m = made[0] if made else w
     x = torch.randn(batch, cols, generator=torch.Generator().manual_seed(rows))
     try:
-        tiles = native.matmul(w, x)
+        tiles = native.matmul(m, x)
         native.amx(False)
-        loops = native.matmul(w, x)
+        loops = native.matmul(m, x)
+        stored_loops = native.matmul(w, x)
     finally:
         native.amx(True)
     assert torch.equal(tiles, loops)
+    assert torch.equal(tiles, stored_loops)
 
 
 @pytest.mark.parametrize("name", product_digests.names())
@@ -532,11 +544,9 @@ def test_header_values_the_runner_cannot_run_are_one_error(tmp_path, monkeypatch
 
 def packs_here(qtype=Q.Q4_K) -> bool:
     """Whether this build lays matrices of `qtype` out anew (decode.cpp's ms_pack_type): Q4_K in
-    the AVX-512 build without AMX tiles (16 rows a strip) and the AVX2 one (8); the 32-weight
-    types in the AVX-512 build (16) and the AVX2 one (8)."""
-    if qtype in LEGACY:
-        return native.isa() in ("avx512", "avx2")
-    return qtype == Q.Q4_K and native.isa() in ("avx512", "avx2") and not native.amx()
+    the AVX-512 build, with AMX tiles or without (16 rows a strip), and the AVX2 one (8); the
+    32-weight types in the AVX-512 build (16) and the AVX2 one (8)."""
+    return (qtype in LEGACY or qtype == Q.Q4_K) and native.isa() in ("avx512", "avx2")
 
 
 # (type, rows, blocks): the 32-weight types' rows ending in each kind of last group (576

@@ -363,7 +363,7 @@ PACKED_TYPES = 1000
 
 def packed_bytes(w) -> int:
     """The bytes pack() makes of a matrix (decode.cpp's ms_pack_type: Q4_K with rows in whole
-    16s in the AVX-512 build where AMX tiles are off or absent, in whole 8s in the AVX2 build;
+    16s in the AVX-512 build (AMX tiles unpack the strips), in whole 8s in the AVX2 build;
     the 32-weight types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) with rows in whole 16s in the AVX-512
     build, 8s in the AVX2 one); 0 where it stays as stored, and for all with MINISERVE_PACK=0."""
     lib = load()

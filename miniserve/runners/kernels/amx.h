@@ -16,8 +16,9 @@
 //
 // Activation rows are laid out once per product (amx_k45_group: per 16 rows and super-block,
 // 4 B tiles of 16 x 64 bytes in the order tdpbusd reads them, the sub-block sums as int16
-// pairs, the 16 scales); a thread's weight rows, 16 at a time, are unpacked (amx_unpack_k45)
-// and meet every group of 16 activation rows. A group short of 16 rows is padded with zeros, a
+// pairs, the 16 scales); a thread's weight rows, 16 at a time, are unpacked (amx_unpack_k45;
+// a Q4_K matrix packed at load, 16 rows a strip, by amx_unpack_p45 from its strips) and meet
+// every group of 16 activation rows. A group short of 16 rows is padded with zeros, a
 // chunk short of 16 weight rows likewise; their results are not written.
 //
 // Linux only: the process asks the kernel for the tiles' state once (arch_prctl
@@ -128,9 +129,36 @@ static inline void amx_unpack_k45(const uint8_t *b, uint8_t *o, int32_t *mins, f
     dd[0] = u.d, dd[1] = u.dmin;
 }
 
+// A packed Q4_K strip's super-block (kquants.h's mskq_p45: 16 rows side by side, the quants
+// still 4-bit) as amx_unpack_k45 lays out each of its rows: row mskq_tile_row(l) from lane l,
+// at ab + row * arow; its mins and d, dmin at mins[(row * nb + i) * 4], dd[(row * nb + i) * 2].
+// The same bytes and numbers as from the 16 rows as stored.
+static inline void amx_unpack_p45(const mskq_p45 &u, uint8_t *ab, long arow, long nb, long i,
+                                  int32_t *mins, float *dd) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), at = _mm256_setr_epi32(0, 64, 128, 192, 256, 320, 384, 448);
+    for (int l = 0; l < 16; l++) {
+        const long m = mskq_tile_row(l);
+        uint8_t *o = ab + m * arow + i * 512;
+        for (int p = 0; p < 4; p++) {  // q[p][0..7]'s lane l: sub-blocks 2p (low nibbles), 2p + 1
+            const __m256i v = _mm256_i32gather_epi32((const int *)&u.q[p][0][4 * l], at, 1);
+            const __m512i q0 = _mm512_cvtepu8_epi16(_mm256_and_si256(v, m4));
+            const __m512i q1 = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
+            const int s0 = u.sc[2 * p][l], s1 = u.sc[2 * p + 1][l];
+            _mm256_storeu_si256((__m256i *)(o + 64 * p), _mm512_cvtepi16_epi8(_mm512_mullo_epi16(q0, _mm512_set1_epi16((short)(s0 & 15)))));
+            _mm256_storeu_si256((__m256i *)(o + 64 * p + 32), _mm512_cvtepi16_epi8(_mm512_mullo_epi16(q1, _mm512_set1_epi16((short)(s1 & 15)))));
+            _mm256_storeu_si256((__m256i *)(o + 256 + 64 * p), _mm512_cvtepi16_epi8(_mm512_mullo_epi16(q0, _mm512_set1_epi16((short)(s0 >> 4)))));
+            _mm256_storeu_si256((__m256i *)(o + 256 + 64 * p + 32), _mm512_cvtepi16_epi8(_mm512_mullo_epi16(q1, _mm512_set1_epi16((short)(s1 >> 4)))));
+            mins[(m * nb + i) * 4 + p] = (int32_t)(u.mn[p][2 * l] | (uint32_t)u.mn[p][2 * l + 1] << 16);
+        }
+        dd[(m * nb + i) * 2] = mskq_half((const uint8_t *)&u.d[l]);
+        dd[(m * nb + i) * 2 + 1] = mskq_half((const uint8_t *)&u.dmin[l]);
+    }
+}
+
 // Weight rows [r0, r1) of a Q4_K (HI false) or Q5_K matrix against the laid-out activations
-// (`acts`, B rows), into y[b * ldy + r].
-template <bool HI>
+// (`acts`, B rows), into y[b * ldy + r]; P16: a Q4_K matrix packed 16 rows a strip (wrow its
+// packed row's bytes; r0 and r1 whole 16s), each strip's blocks unpacked by amx_unpack_p45.
+template <bool HI, bool P16 = false>
 static void amx_k45_rows(const char *w, long wrow, const char *acts, long B, long nb, float *y,
                          long ldy, long r0, long r1) {
     static thread_local std::vector<uint8_t> abuf;
@@ -146,7 +174,11 @@ static void amx_k45_rows(const char *w, long wrow, const char *acts, long B, lon
     alignas(64) int32_t cbuf[2][16][16];
     for (long c0 = r0; c0 < r1; c0 += 16) {
         const long rows = std::min(16L, r1 - c0);
-        for (long m = 0; m < 16; m++) {
+        if constexpr (P16) {
+            const mskq_p45 *t = (const mskq_p45 *)(w + c0 * wrow);
+            for (long i = 0; i < nb; i++) amx_unpack_p45(t[i], ab, arow, nb, i, mins.data(), dd.data());
+        }
+        for (long m = 0; m < 16 && !P16; m++) {
             uint8_t *a = ab + m * arow;
             if (m >= rows) {
                 std::memset(a, 0, arow);

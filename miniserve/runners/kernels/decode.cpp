@@ -1494,6 +1494,8 @@ static void amx_linear(const MsModel *m, const MsMat &p, const char *xq, long xs
             const long r1 = std::min(r0 + chunk, p.rows);
             if (p.type == T_Q5_K)
                 amx_k45_rows<true>((const char *)p.data, wrow, acts, B, nb, yp, R, r0, r1);
+            else if (p.type == T_Q4_K_P16)
+                amx_k45_rows<false, true>((const char *)p.data, wrow, acts, B, nb, yp, R, r0, r1);
             else
                 amx_k45_rows<false>((const char *)p.data, wrow, acts, B, nb, yp, R, r0, r1);
         }
@@ -1554,7 +1556,7 @@ static void linear(const MsModel *m, const MsMat *parts, int nparts, const float
             }
             const long wrow = row_bytes(p.type, C);
 #if defined(MS_AMX)
-            if ((p.type == T_Q4_K || p.type == T_Q5_K) && B >= AMX_ROWS && amx_on()) {
+            if ((p.type == T_Q4_K || p.type == T_Q4_K_P16 || p.type == T_Q5_K) && B >= AMX_ROWS && amx_on()) {
                 amx_linear(m, p, xq, xs, wrow, B, C, yp, R);
                 col += p.rows;
                 continue;
@@ -2140,13 +2142,14 @@ int ms_amx(int on) {
 }
 
 // The type a matrix of `rows` x `cols` weights of `type` repacks to for this build (ms_pack),
-// or -1 where it stays as stored: Q4_K with rows in whole 16s in the AVX-512 build, where
-// many-row products do not run on AMX tiles (those read the rows as stored), and in whole 8s in
-// the AVX2 build; the 32-weight types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) with rows in whole 16s in
-// the AVX-512 build, 8s in the AVX2 one.
+// or -1 where it stays as stored: Q4_K with rows in whole 16s in the AVX-512 build (with AMX
+// tiles too: those unpack the strips, amx_unpack_p45; a Q4_K row as stored read one row at a
+// time measured 15-20% slower a decoded token on a Xeon with AMX), and in whole 8s in the AVX2
+// build; the 32-weight types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) with rows in whole 16s in the
+// AVX-512 build, 8s in the AVX2 one.
 long ms_pack_type(long type, long rows, long cols) {
 #if defined(MSKQ_AVX512)
-    if (type == T_Q4_K && rows > 0 && rows % 16 == 0 && cols > 0 && cols % 256 == 0 && ms_amx(-1) == 0)
+    if (type == T_Q4_K && rows > 0 && rows % 16 == 0 && cols > 0 && cols % 256 == 0)
         return T_Q4_K_P16;
 #elif defined(MSKQ_AVX2)
     if (type == T_Q4_K && rows > 0 && rows % 8 == 0 && cols > 0 && cols % 256 == 0) return T_Q4_K_P8;
