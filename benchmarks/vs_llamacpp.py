@@ -370,7 +370,7 @@ def child_llamacpp_batch(
 
     if "miniserve.runners.loader" not in sys.modules:
         stub = types.ModuleType("miniserve.runners.loader")
-        stub.cache_root = stub.file_key = None
+        stub.cache_root = stub.file_key = stub.size_text = None
         sys.modules["miniserve.runners.loader"] = stub
     from miniserve.bench.peer import LlamaCppBatch
 
