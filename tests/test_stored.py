@@ -545,7 +545,9 @@ def test_header_values_the_runner_cannot_run_are_one_error(tmp_path, monkeypatch
 def packs_here(qtype=Q.Q4_K) -> bool:
     """Whether this build lays matrices of `qtype` out anew (decode.cpp's ms_pack_type): Q4_K in
     the AVX-512 build, with AMX tiles or without (16 rows a strip), and the AVX2 one (8); the
-    32-weight types in the AVX-512 build (16) and the AVX2 one (8)."""
+    32-weight types in the AVX-512 build (16) and the AVX2 one (8); Q6_K in the AVX-512 build."""
+    if qtype == Q.Q6_K:
+        return native.isa() == "avx512"
     return (qtype in LEGACY or qtype == Q.Q4_K) and native.isa() in ("avx512", "avx2")
 
 
@@ -553,6 +555,7 @@ def packs_here(qtype=Q.Q4_K) -> bool:
 # columns: 8 + 8 + 2 blocks, SmolLM2's; 13: 8 + 5; 3: one short group; 48: whole groups)
 PACKED_CASES = (
     [(Q.Q4_K, 48, 3), (Q.Q4_K, 16, 1), (Q.Q4_K, 80, 8)]
+    + [(Q.Q6_K, 48, 3), (Q.Q6_K, 16, 1), (Q.Q6_K, 32, 8)]
     + [(Q.Q4_1, 48, 18), (Q.Q4_1, 32, 13), (Q.Q4_1, 16, 3), (Q.Q4_1, 64, 48)]
     + [(t, 48, 18) for t in (Q.Q4_0, Q.Q5_0, Q.Q5_1, Q.Q8_0)]
     + [(t, 32, 13) for t in (Q.Q4_0, Q.Q5_0, Q.Q5_1, Q.Q8_0)]
@@ -599,10 +602,10 @@ def test_rows_packed_16_at_a_time_give_the_bits_of_the_rows_as_stored(qtype, row
     """Where the build repacks a type's matrices at load (16 rows' blocks side by side, 8 in the
     AVX2 build; the quants as stored), every product -- 1 to 7 activation rows (the strips' own
     loops), 8 to 15 (groups of 8 on the strips, then the rest), 16 and more (Q4_K on
-    AVX-512: widened to tiles) -- is the same bits as over the rows as stored, with the weight
+    AVX-512, Q6_K: widened to tiles) -- is the same bits as over the rows as stored, with the weight
     rows dealt to the threads in whole strips (48 rows: 32 and 16). Elsewhere (the plain loops)
     no matrix is repacked."""
-    cols = (256 if qtype == Q.Q4_K else 32) * blocks
+    cols = (256 if qtype in (Q.Q4_K, Q.Q6_K) else 32) * blocks
     data = random_blocks(qtype, rows, cols, seed=rows + blocks)
     w = stored(np.ascontiguousarray(data), qtype, cols)
     packed = native.pack(w)

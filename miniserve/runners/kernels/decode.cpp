@@ -613,7 +613,7 @@ enum MsTypeId {
     // AVX-512 build without AMX tiles (kquants.h's mskq_p45), 8 for the AVX2 one (mskq_p45x8);
     // a 32-weight type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) T_PACKED_32 + its own id, MSQ_STRIP rows
     // at a time: 16 in the AVX-512 build (quants.h's MsqPacked), 8 in the AVX2 one (MsqPacked8)
-    T_Q4_K_P16 = 1012, T_Q4_K_P8 = 1013, T_PACKED_32 = 2000
+    T_Q4_K_P16 = 1012, T_Q4_K_P8 = 1013, T_Q6_K_P16 = 1014, T_PACKED_32 = 2000
 };
 
 // What the activations of a product over weights of a type are: float rows, or quantized.
@@ -706,6 +706,19 @@ static const Kernels *kernels_for(long type) {
         return k;
     }();
     if (type == T_Q4_K_P16) return &q4_k_p16;
+    // Q6_K packed: strips of 16 rows; from 16 activation rows widened to tiles once per chunk,
+    // as the rows as stored are (a 1B Q4_K_M shape's one-row pass, its Q6_K output layer,
+    // down projections and values among it, on a Xeon: 41.7-46.8 -> 37.4-40.8 ms; 8 rows
+    // 72-82 -> 81-86 ms, the strips' loop a little slower there than the stored rows')
+    static const Kernels q6_k_p16 = [] {
+        Kernels k = {256, 3392 / 16, ACT_A8K, mskq_dot_p6<1>, mskq_dot_p6<2>, mskq_dot_p6<4>, mskq_dot_p6<8>,
+                     nullptr, 0, nullptr, nullptr, nullptr, nullptr, mskq_tile_p6, (long)sizeof(mskq_t6),
+                     mskq_tile6_dot<1>, mskq_tile6_dot<4>, mskq_tile6_dot<8>, 16};
+        k.strip = 16;
+        k.pack = mskq_pack6_rows;
+        return k;
+    }();
+    if (type == T_Q6_K_P16) return &q6_k_p16;
 #elif defined(MSKQ_AVX2)
     // Q4_K packed: strips of 8 rows, every product on them (no tiles in this build)
     static const Kernels q4_k_p8 = [] {
@@ -2145,12 +2158,13 @@ int ms_amx(int on) {
 // or -1 where it stays as stored: Q4_K with rows in whole 16s in the AVX-512 build (with AMX
 // tiles too: those unpack the strips, amx_unpack_p45; a Q4_K row as stored read one row at a
 // time measured 15-20% slower a decoded token on a Xeon with AMX), and in whole 8s in the AVX2
-// build; the 32-weight types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) with rows in whole 16s in the
+// build; Q6_K with rows in whole 16s in the AVX-512 build; the 32-weight types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) with rows in whole 16s in the
 // AVX-512 build, 8s in the AVX2 one.
 long ms_pack_type(long type, long rows, long cols) {
 #if defined(MSKQ_AVX512)
     if (type == T_Q4_K && rows > 0 && rows % 16 == 0 && cols > 0 && cols % 256 == 0)
         return T_Q4_K_P16;
+    if (type == T_Q6_K && rows > 0 && rows % 16 == 0 && cols > 0 && cols % 256 == 0) return T_Q6_K_P16;
 #elif defined(MSKQ_AVX2)
     if (type == T_Q4_K && rows > 0 && rows % 8 == 0 && cols > 0 && cols % 256 == 0) return T_Q4_K_P8;
 #endif

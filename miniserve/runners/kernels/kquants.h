@@ -1293,6 +1293,164 @@ static void ms_dotu_q6_K(long n, const void *w, const void *x, long xstride, flo
 #endif
 
 #if defined(MSKQ_AVX512)
+// ---------------------------------------------------------------- Q6_K packed 16 rows at a time
+
+// A Q6_K matrix repacked once at load for the AVX-512 build (decode.cpp's T_Q6_K_P16): 16
+// weight rows' super-block i in 3,392 bytes (the 16 blocks as stored: 3,360), lane r holding
+// row r. ql[hh][j][m]'s lane r holds that row's ql[64hh + 32j + 4m .. +4) (low nibbles: weights
+// 128hh + 32j + 4m .., high nibbles: 64 further), qh[hh][m]'s lane r its qh[32hh + 4m .. +4)
+// (bits 2k, 2k + 1: the high bits of weight 128hh + 32k + 4m ..): each 64 weights of 16 rows
+// are a mask, a shift and an or away, and one vpdpbusd against 4 broadcast activation bytes
+// makes 64 products with nothing to fold across lanes (as stored, a row's 256 weights take an
+// unpacking and two permutes of its scales). The integers are the stored loop's per lane
+// (a[l] + a[l + 8] - 32 m[l], mskq_lane6's lanes; the plain loop's reference in mskq_dot_q6),
+// and the float steps the same, lane by lane: the same bits as the rows as stored.
+struct mskq_p6 {
+    uint8_t ql[2][2][8][64];
+    uint8_t qh[2][8][64];
+    int8_t sc[16][16];  // [group][row]
+    uint16_t d[16];     // IEEE halves, as stored
+    uint16_t pad[16];   // to whole 64-byte lines
+};
+static_assert(sizeof(mskq_p6) == 3392 && sizeof(mskq_p6) % 64 == 0, "packed blocks back to back, 64-byte multiples");
+
+// 16 stored Q6_K rows of n weights (w: the first, wrow bytes apart) -> n / 256 packed blocks.
+static void mskq_pack6_rows(long n, const void *w, long wrow, void *out) {
+    const uint8_t *b = (const uint8_t *)w;
+    mskq_p6 *o = (mskq_p6 *)out;
+    for (long i = 0; i < n / 256; i++) {
+        mskq_p6 &p = o[i];
+        std::memset(p.pad, 0, sizeof(p.pad));
+        for (int r = 0; r < 16; r++) {
+            const uint8_t *br = b + r * wrow + i * 210;
+            for (int hh = 0; hh < 2; hh++)
+                for (int m = 0; m < 8; m++) {
+                    for (int j = 0; j < 2; j++) std::memcpy(&p.ql[hh][j][m][4 * r], br + 64 * hh + 32 * j + 4 * m, 4);
+                    std::memcpy(&p.qh[hh][m][4 * r], br + 128 + 32 * hh + 4 * m, 4);
+                }
+            for (int g = 0; g < 16; g++) p.sc[g][r] = (int8_t)br[192 + g];
+            std::memcpy(&p.d[r], br + 208, 2);
+        }
+    }
+}
+
+// The 16 rows of a packed strip (n / 256 blocks at w) against NB activation rows (xstride bytes
+// apart): y[j * ystride + r] for rows r < 16. Per block and activation row: 8 integer lanes a
+// row (the stored loop's l = 0..7), each 8 weights' vpdpbusd pair times its group's scale, less
+// 32 x the scales against the activations' group sums; then fa[l] += (float)T[l] * (d * dx).
+// Each byte shifted left by S bits (right for S < 0), what crosses in from a neighbouring byte
+// left for the caller to mask or override: with VBMI, vpmultishiftqb (byte i of a qword takes
+// the 8 bits from bit 8i - S, rotating), which runs on port 5; else 16-bit shifts, which 512-bit
+// code runs on port 0 only, as it does vpdpbusd.
+template <int S>
+static inline __m512i mskq_shift_bytes(__m512i v) {
+#if defined(__AVX512VBMI__)
+    unsigned long long c = 0;
+    for (int i = 0; i < 8; i++) c |= (unsigned long long)((8 * i - S) & 63) << (8 * i);
+    return _mm512_multishift_epi64_epi8(_mm512_set1_epi64((long long)c), v);
+#else
+    if constexpr (S > 0) return _mm512_slli_epi16(v, S);
+    return _mm512_srli_epi16(v, -S);
+#endif
+}
+
+// The 4 weight registers (k = 0..3: weights 128hh + 32k + 4m .. + 4 of each lane's row, 0..63)
+// of a packed block's ql / qh m-th 4 bytes in half hh: bits 0-3 from the ql nibble, 4-5 from
+// qh's pair, 6-7 zero. qh is masked to the pairs of k = 0, 2 (bits 0-1, 4-5) or of k = 1, 3
+// (2-3, 6-7) so that no shift brings a neighbour into bits 4-7; vpternlogd 0xE4 takes bits 0-3
+// from the first operand, the rest from the second.
+static inline void mskq_p6_weights(const mskq_p6 &u, int hh, int m, __m512i *W) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m33 = _mm512_set1_epi8(0x33), mcc = _mm512_set1_epi8((char)0xCC);
+    const __m512i h = _mm512_load_si512((const void *)u.qh[hh][m]);
+    const __m512i l0 = _mm512_load_si512((const void *)u.ql[hh][0][m]);
+    const __m512i l1 = _mm512_load_si512((const void *)u.ql[hh][1][m]);
+    const __m512i ha = _mm512_and_si512(h, m33), hb = _mm512_and_si512(h, mcc);
+    W[0] = _mm512_ternarylogic_epi32(l0, mskq_shift_bytes<4>(ha), m4, 0xE4);
+    W[1] = _mm512_ternarylogic_epi32(l1, mskq_shift_bytes<2>(hb), m4, 0xE4);
+    W[2] = _mm512_ternarylogic_epi32(mskq_shift_bytes<-4>(l0), ha, m4, 0xE4);
+    W[3] = _mm512_ternarylogic_epi32(mskq_shift_bytes<-4>(l1), mskq_shift_bytes<-2>(hb), m4, 0xE4);
+}
+
+template <int NB>
+static void mskq_dot_p6(long n, const void *w, const void *x, long xstride, float *y, long ystride) {
+    const mskq_p6 *t = (const mskq_p6 *)w;
+    // vpshufb: each dword's low int16 into its high half (the pairs for vpdpwssd)
+    const __m512i up = _mm512_broadcast_i32x4(_mm_setr_epi32(0x01008080, 0x05048080, 0x09088080, 0x0D0C8080));
+    __m512 fa[NB][8];
+    for (int j = 0; j < NB; j++)
+        for (int l = 0; l < 8; l++) fa[j][l] = _mm512_setzero_ps();
+    // from 2 activation rows, a block's 64 weight registers are made once into `wb` (L1) and
+    // read back for each row
+    alignas(64) __m512i wb[NB > 1 ? 2 * 4 * 2 * 4 : 1];
+    alignas(64) __m512i sp[16];  // each group's scale as an int16 pair (s, s) a row
+    for (long i = 0; i < n / 256; i++) {
+        const mskq_p6 &u = t[i];
+        if constexpr (NB > 1) {
+            const char *p = (const char *)(t + i + 4);
+            for (int o = 0; o < (int)sizeof(mskq_p6); o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
+        } else {
+            mskq_prefetch((const uint8_t *)(t + i), (int)sizeof(mskq_p6));
+        }
+#pragma GCC unroll 16
+        for (int g = 0; g < 16; g++) {
+            const __m128i s8 = _mm_load_si128((const __m128i *)u.sc[g]);
+            sp[g] = _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(s8, s8), _mm_unpacklo_epi8(s8, s8)));
+        }
+        auto weights = [&](int hh, int m, __m512i *W) { mskq_p6_weights(u, hh, m, W); };
+        if constexpr (NB > 1)
+            for (int hh = 0; hh < 2; hh++)
+                for (int m = 0; m < 8; m++) weights(hh, m, &wb[(hh * 8 + m) * 4]);
+        const __m512 d = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)u.d));
+        for (int j = 0; j < NB; j++) {
+            const uint8_t *xb = mskq_xblock(x, xstride, j, i);
+            __m512i I[8];
+            for (int l = 0; l < 8; l++) I[l] = _mm512_setzero_si512();
+#pragma GCC unroll 2
+            for (int hh = 0; hh < 2; hh++)
+#pragma GCC unroll 4
+                for (int mp = 0; mp < 4; mp++) {  // weights 8mp .. 8mp + 8 of each 32 (m = 2mp, 2mp + 1)
+                    __m512i W0[4], W1[4];
+                    const __m512i *w0 = W0, *w1 = W1;
+                    if constexpr (NB > 1) {
+                        w0 = &wb[(hh * 8 + 2 * mp) * 4], w1 = &wb[(hh * 8 + 2 * mp + 1) * 4];
+                    } else {
+                        weights(hh, 2 * mp, W0), weights(hh, 2 * mp + 1, W1);
+                    }
+#pragma GCC unroll 4
+                    for (int k = 0; k < 4; k++) {  // weights 128hh + 32k + 8mp ..: group g, lane l
+                        const int g = 8 * hh + 2 * k + (mp >> 1), l = 4 * (mp >> 1) + 2 * (k >> 1) + (mp & 1);
+                        const uint8_t *xq = xb + 4 + 128 * hh + 32 * k + 8 * mp;
+                        // each 4 products' sum fits int16 (|.| <= 4 x 63 x 128): the pair's two
+                        // sums as (low, high) int16 of a dword, times the group's scale pair
+                        const __m512i a0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w0[k], mskq_bcast4(xq));
+                        const __m512i a1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w1[k], mskq_bcast4(xq + 4));
+                        const __m512i pr = _mm512_mask_blend_epi16(0xAAAAAAAA, a0, _mm512_shuffle_epi8(a1, up));
+                        I[l] = _mm512_dpwssd_epi32(I[l], pr, sp[g]);
+                    }
+                }
+            float dx;
+            std::memcpy(&dx, xb, 4);
+            const __m512 da = _mm512_mul_ps(d, _mm512_set1_ps(dx));
+#pragma GCC unroll 8
+            for (int l = 0; l < 8; l++) {  // m[l] = sc[2l] bsums[2l] + sc[2l + 1] bsums[2l + 1]
+                const __m512i pr = _mm512_mask_blend_epi16(0xAAAAAAAA, sp[2 * l], sp[2 * l + 1]);
+                const __m512i mm = _mm512_dpwssd_epi32(_mm512_setzero_si512(), pr, mskq_bcast4(xb + 260 + 4 * l));
+                const __m512i tt = _mm512_sub_epi32(I[l], _mm512_slli_epi32(mm, 5));
+                fa[j][l] = _mm512_add_ps(fa[j][l], _mm512_mul_ps(_mm512_cvtepi32_ps(tt), da));
+            }
+        }
+    }
+    for (int j = 0; j < NB; j++) {  // mskq_tree8, 16 rows at once
+        const __m512 c0 = _mm512_add_ps(fa[j][0], fa[j][4]), c1 = _mm512_add_ps(fa[j][1], fa[j][5]);
+        const __m512 c2 = _mm512_add_ps(fa[j][2], fa[j][6]), c3 = _mm512_add_ps(fa[j][3], fa[j][7]);
+        alignas(64) float v[16];
+        _mm512_store_ps(v, _mm512_add_ps(_mm512_add_ps(c0, c2), _mm512_add_ps(c1, c3)));
+        for (int r = 0; r < 16; r++) y[j * ystride + r] = v[r];
+    }
+}
+#endif
+
+#if defined(MSKQ_AVX512)
 // 16 Q6_K rows' super-block laid out as a tile (as mskq_t45: lane l holds row mskq_tile_row(l)).
 // The A8 lanes of the order above come out as the same integers per row (lane l's 4 group
 // halves, each dot product times its scale), so the float part, lane by lane, is the same.
@@ -1342,6 +1500,34 @@ static void ms_tile_q6_K(long n, const void *w, long wrow, void *out) {
     for (long i = 0; i < n / 256; i++) {
         mskq_tile_prefetch(b + 16 * wrow + i * 210, wrow, 210);
         mskq_tile6(b + i * 210, wrow, o[i]);
+    }
+}
+
+// A packed Q6_K strip (n / 256 blocks at w) as the tiles many activation rows meet (mskq_t6,
+// whose lane l holds row mskq_tile_row(l): each register's rows permuted into that order).
+static void mskq_tile_p6(long n, const void *w, long, void *out) {
+    const mskq_p6 *t = (const mskq_p6 *)w;
+    mskq_t6 *o = (mskq_t6 *)out;
+    alignas(64) int32_t order[16];
+    for (int l = 0; l < 16; l++) order[l] = mskq_tile_row(l);
+    const __m512i idx = _mm512_load_si512((const void *)order);
+    for (long i = 0; i < n / 256; i++) {
+        const mskq_p6 &u = t[i];
+        mskq_t6 &g = o[i];
+        const char *p = (const char *)(t + i + 4);
+        for (int b = 0; b < (int)sizeof(mskq_p6); b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
+        for (int hh = 0; hh < 2; hh++)
+            for (int m = 0; m < 8; m++) {  // weights 128hh + 32k + 4m ..: group 8hh + 2k + m / 4
+                __m512i W[4];
+                mskq_p6_weights(u, hh, m, W);
+                for (int k = 0; k < 4; k++) g.q[8 * hh + 2 * k + (m >> 2)][m & 3] = _mm512_permutexvar_epi32(idx, W[k]);
+            }
+        for (int s = 0; s < 16; s++)
+            g.sc[s] = _mm512_permutexvar_epi32(idx, _mm512_cvtepi8_epi32(_mm_load_si128((const __m128i *)u.sc[s])));
+        for (int q = 0; q < 8; q++)
+            g.scp[q] = _mm512_or_si512(_mm512_and_si512(g.sc[2 * q], _mm512_set1_epi32(0xFFFF)),
+                                       _mm512_slli_epi32(g.sc[2 * q + 1], 16));
+        g.d = _mm512_permutexvar_ps(idx, _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)u.d)));
     }
 }
 
