@@ -304,7 +304,7 @@ class LeanRunner:
             )
             self.cos, self.sin = _rope_tables(
                 theta, self.rot, positions, table_dtype, self.device_
-            )  # (max_pos, rotary dims) each
+            )  # (max_pos, rotary dims / 2) each
             self.windows = [None] * len(self.layers)
             self.attn_scale = None  # SDPA's default, head_dim^-0.5
         self.generation_config = hf_model.generation_config

@@ -49,7 +49,7 @@ from miniserve.core.architectures import (
 from miniserve.runners import native
 from miniserve.runners.gguf_file import GGUFFile, GGUFFileError
 
-# positions the RoPE tables cover at most (cos and sin: positions x head_dim float32 each)
+# positions the RoPE tables cover at most (cos and sin: positions x rotary dims / 2 float32 each)
 MAX_POSITIONS = 32768
 F32, F16, BF16 = 0, 1, 30
 FLOAT_TYPES = {F32: "float32", F16: "float16", BF16: "bfloat16"}  # torch's dtype names

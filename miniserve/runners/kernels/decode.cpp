@@ -610,7 +610,8 @@ enum MsTypeId {
     T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
     T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30,
     // not ggml types: a matrix repacked at load (ms_pack). Q4_K 16 rows at a time for the
-    // AVX-512 build without AMX tiles (kquants.h's mskq_p45), 8 for the AVX2 one (mskq_p45x8);
+    // AVX-512 build (kquants.h's mskq_p45), 8 for the AVX2 one (mskq_p45x8); Q6_K 16 rows at a
+    // time for the AVX-512 build (mskq_p6);
     // a 32-weight type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) T_PACKED_32 + its own id, MSQ_STRIP rows
     // at a time: 16 in the AVX-512 build (quants.h's MsqPacked), 8 in the AVX2 one (MsqPacked8)
     T_Q4_K_P16 = 1012, T_Q4_K_P8 = 1013, T_Q6_K_P16 = 1014, T_PACKED_32 = 2000

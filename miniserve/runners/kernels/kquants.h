@@ -1349,8 +1349,10 @@ static inline __m512i mskq_shift_bytes(__m512i v) {
     for (int i = 0; i < 8; i++) c |= (unsigned long long)((8 * i - S) & 63) << (8 * i);
     return _mm512_multishift_epi64_epi8(_mm512_set1_epi64((long long)c), v);
 #else
-    if constexpr (S > 0) return _mm512_slli_epi16(v, S);
-    return _mm512_srli_epi16(v, -S);
+    if constexpr (S > 0)
+        return _mm512_slli_epi16(v, S);
+    else
+        return _mm512_srli_epi16(v, -S);
 #endif
 }
 
