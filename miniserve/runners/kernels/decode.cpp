@@ -710,7 +710,7 @@ static const Kernels *kernels_for(long type) {
     // Q6_K packed: strips of 16 rows; from 16 activation rows widened to tiles once per chunk,
     // as the rows as stored are (a 1B Q4_K_M shape's one-row pass, its Q6_K output layer,
     // down projections and values among it, on a Xeon: 41.7-46.8 -> 37.4-40.8 ms; 8 rows
-    // 72-82 -> 81-86 ms, the strips' loop a little slower there than the stored rows')
+    // 72-82 -> 81-83 ms: there the strips' loop no faster than the stored rows')
     static const Kernels q6_k_p16 = [] {
         Kernels k = {256, 3392 / 16, ACT_A8K, mskq_dot_p6<1>, mskq_dot_p6<2>, mskq_dot_p6<4>, mskq_dot_p6<8>,
                      nullptr, 0, nullptr, nullptr, nullptr, nullptr, mskq_tile_p6, (long)sizeof(mskq_t6),
