@@ -177,17 +177,18 @@ static void amx_k45_rows(const char *w, long wrow, const char *acts, long B, lon
         if constexpr (P16) {
             const mskq_p45 *t = (const mskq_p45 *)(w + c0 * wrow);
             for (long i = 0; i < nb; i++) amx_unpack_p45(t[i], ab, arow, nb, i, mins.data(), dd.data());
-        }
-        for (long m = 0; m < 16 && !P16; m++) {
-            uint8_t *a = ab + m * arow;
-            if (m >= rows) {
-                std::memset(a, 0, arow);
-                for (long i = 0; i < 2 * nb; i++) dd[m * nb * 2 + i] = 0.f;
-                for (long i = 0; i < 4 * nb; i++) mins[m * nb * 4 + i] = 0;
-                continue;
+        } else {
+            for (long m = 0; m < 16; m++) {
+                uint8_t *a = ab + m * arow;
+                if (m >= rows) {
+                    std::memset(a, 0, arow);
+                    for (long i = 0; i < 2 * nb; i++) dd[m * nb * 2 + i] = 0.f;
+                    for (long i = 0; i < 4 * nb; i++) mins[m * nb * 4 + i] = 0;
+                    continue;
+                }
+                const uint8_t *b = (const uint8_t *)(w + (c0 + m) * wrow);
+                for (long i = 0; i < nb; i++) amx_unpack_k45<HI>(b + i * (HI ? 176 : 144), a + i * 512, &mins[(m * nb + i) * 4], &dd[(m * nb + i) * 2]);
             }
-            const uint8_t *b = (const uint8_t *)(w + (c0 + m) * wrow);
-            for (long i = 0; i < nb; i++) amx_unpack_k45<HI>(b + i * (HI ? 176 : 144), a + i * 512, &mins[(m * nb + i) * 4], &dd[(m * nb + i) * 2]);
         }
         for (long g = 0; g < groups; g++) {
             alignas(64) float fa[16][16], fb[16][16];

@@ -695,30 +695,27 @@ static const Kernels *kernels_for(long type) {
                          q6_k = MS_KERNELS_T(256, 210, ACT_A8K, q6_K, mskq_u6, mskq_t6, mskq_tile6_dot, 16),
                          f16 = MS_KERNELS(1, 2, ACT_FLOAT, f16);
 #if defined(MSKQ_AVX512)
-    // Q4_K packed: strips of 16 rows; from 16 activation rows the strips are widened to tiles
-    // once per chunk (fewer: each strip meets its rows as packed; at 8 rows of Qwen3-1.7B's
-    // gate matrices, 2 threads: 13.0 ms packed against 18.6 as stored, at 64 rows 81 and 81)
-    static const Kernels q4_k_p16 = [] {
-        Kernels k = {256, 2368 / 16, ACT_A8K, mskq_dot_p45<1>, mskq_dot_p45<2>, mskq_dot_p45<4>, mskq_dot_p45<8>,
-                     nullptr, 0, nullptr, nullptr, nullptr, nullptr, mskq_tile_p45, (long)sizeof(mskq_t45),
-                     mskq_tile45_dot<1>, mskq_tile45_dot<4>, mskq_tile45_dot<8>, 16};
-        k.strip = 16;
-        k.pack = mskq_pack45_rows;
-        return k;
-    }();
+    // A K-quant packed 16 rows a strip (struct P, its products dot<NB>); from 16 activation
+    // rows the strips are widened to tiles (struct T, products tdot<NB>) once per chunk
+#define MS_KERNELS_P16(P, dot, tile, T, tdot, packer)                                              \
+    [] {                                                                                           \
+        Kernels k = {256, (long)sizeof(P) / 16, ACT_A8K, dot<1>, dot<2>, dot<4>, dot<8>, nullptr, 0, \
+                     nullptr, nullptr, nullptr, nullptr, tile, (long)sizeof(T), tdot<1>, tdot<4>,   \
+                     tdot<8>, 16};                                                                 \
+        k.strip = 16;                                                                              \
+        k.pack = packer;                                                                           \
+        return k;                                                                                  \
+    }()
+    // Q4_K: fewer than 16 activation rows meet the strips as packed (at 8 rows of Qwen3-1.7B's
+    // gate matrices, 2 threads: 13.0 ms packed against 18.6 as stored, at 64 rows 81 and 81).
+    // Q6_K: a 1B Q4_K_M shape's one-row pass, its Q6_K output layer, down projections and
+    // values among it, on a Xeon: 41.7-46.8 -> 37.4-40.8 ms; 8 rows 72-82 -> 81-83 ms: there
+    // the strips' loop no faster than the stored rows'.
+    static const Kernels q4_k_p16 = MS_KERNELS_P16(mskq_p45, mskq_dot_p45, mskq_tile_p45, mskq_t45,
+                                                   mskq_tile45_dot, mskq_pack45_rows),
+                         q6_k_p16 = MS_KERNELS_P16(mskq_p6, mskq_dot_p6, mskq_tile_p6, mskq_t6, mskq_tile6_dot,
+                                                   mskq_pack6_rows);
     if (type == T_Q4_K_P16) return &q4_k_p16;
-    // Q6_K packed: strips of 16 rows; from 16 activation rows widened to tiles once per chunk,
-    // as the rows as stored are (a 1B Q4_K_M shape's one-row pass, its Q6_K output layer,
-    // down projections and values among it, on a Xeon: 41.7-46.8 -> 37.4-40.8 ms; 8 rows
-    // 72-82 -> 81-83 ms: there the strips' loop no faster than the stored rows')
-    static const Kernels q6_k_p16 = [] {
-        Kernels k = {256, 3392 / 16, ACT_A8K, mskq_dot_p6<1>, mskq_dot_p6<2>, mskq_dot_p6<4>, mskq_dot_p6<8>,
-                     nullptr, 0, nullptr, nullptr, nullptr, nullptr, mskq_tile_p6, (long)sizeof(mskq_t6),
-                     mskq_tile6_dot<1>, mskq_tile6_dot<4>, mskq_tile6_dot<8>, 16};
-        k.strip = 16;
-        k.pack = mskq_pack6_rows;
-        return k;
-    }();
     if (type == T_Q6_K_P16) return &q6_k_p16;
 #elif defined(MSKQ_AVX2)
     // Q4_K packed: strips of 8 rows, every product on them (no tiles in this build)

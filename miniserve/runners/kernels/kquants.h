@@ -1011,9 +1011,11 @@ static void mskq_pack45_rows(long n, const void *w, long wrow, void *out) { mskq
 // 126-131 with; in cache 120-137). One row asks MSKQ_PREFETCH bytes ahead into L1, as the
 // stored rows do (that way 2 threads' worst passes were no slower than the stored rows', the
 // best 13% faster; L2 4 blocks ahead was slower for one row).
-static inline void mskq_p45_prefetch(const mskq_p45 *b) {
+// (Q4_K's strips, mskq_p45, and Q6_K's, mskq_p6.)
+template <typename P>
+static inline void mskq_strip_prefetch(const P *b) {
     const char *p = (const char *)(b + 4);
-    for (int o = 0; o < (int)sizeof(mskq_p45); o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
+    for (int o = 0; o < (int)sizeof(P); o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
 }
 
 // The 16 rows of a packed strip (n / 256 blocks at w) against NB activation rows (xstride bytes
@@ -1027,7 +1029,7 @@ static void mskq_dot_p45(long n, const void *w, const void *x, long xstride, flo
     for (long i = 0; i < n / 256; i++) {
         const mskq_p45 &u = t[i];
         if constexpr (NB > 1)
-            mskq_p45_prefetch(t + i);
+            mskq_strip_prefetch(t + i);
         else
             mskq_prefetch((const uint8_t *)(t + i), (int)sizeof(mskq_p45));
         __m512i A[NB];
@@ -1082,7 +1084,7 @@ static void mskq_tile_p45(long n, const void *w, long, void *out) {
     for (long i = 0; i < n / 256; i++) {
         const mskq_p45 &u = t[i];
         mskq_t45 &g = o[i];
-        mskq_p45_prefetch(t + i);
+        mskq_strip_prefetch(t + i);
         for (int p = 0; p < 4; p++)
             for (int m = 0; m < 8; m++) {
                 const __m512i v = _mm512_load_si512((const void *)u.q[p][m]);
@@ -1387,21 +1389,18 @@ static void mskq_dot_p6(long n, const void *w, const void *x, long xstride, floa
     alignas(64) __m512i sp[16];  // each group's scale as an int16 pair (s, s) a row
     for (long i = 0; i < n / 256; i++) {
         const mskq_p6 &u = t[i];
-        if constexpr (NB > 1) {
-            const char *p = (const char *)(t + i + 4);
-            for (int o = 0; o < (int)sizeof(mskq_p6); o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
-        } else {
+        if constexpr (NB > 1)
+            mskq_strip_prefetch(t + i);
+        else
             mskq_prefetch((const uint8_t *)(t + i), (int)sizeof(mskq_p6));
-        }
 #pragma GCC unroll 16
         for (int g = 0; g < 16; g++) {
             const __m128i s8 = _mm_load_si128((const __m128i *)u.sc[g]);
             sp[g] = _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(s8, s8), _mm_unpacklo_epi8(s8, s8)));
         }
-        auto weights = [&](int hh, int m, __m512i *W) { mskq_p6_weights(u, hh, m, W); };
         if constexpr (NB > 1)
             for (int hh = 0; hh < 2; hh++)
-                for (int m = 0; m < 8; m++) weights(hh, m, &wb[(hh * 8 + m) * 4]);
+                for (int m = 0; m < 8; m++) mskq_p6_weights(u, hh, m, &wb[(hh * 8 + m) * 4]);
         const __m512 d = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)u.d));
         for (int j = 0; j < NB; j++) {
             const uint8_t *xb = mskq_xblock(x, xstride, j, i);
@@ -1416,7 +1415,7 @@ static void mskq_dot_p6(long n, const void *w, const void *x, long xstride, floa
                     if constexpr (NB > 1) {
                         w0 = &wb[(hh * 8 + 2 * mp) * 4], w1 = &wb[(hh * 8 + 2 * mp + 1) * 4];
                     } else {
-                        weights(hh, 2 * mp, W0), weights(hh, 2 * mp + 1, W1);
+                        mskq_p6_weights(u, hh, 2 * mp, W0), mskq_p6_weights(u, hh, 2 * mp + 1, W1);
                     }
 #pragma GCC unroll 4
                     for (int k = 0; k < 4; k++) {  // weights 128hh + 32k + 8mp ..: group g, lane l
@@ -1514,8 +1513,7 @@ static void mskq_tile_p6(long n, const void *w, long, void *out) {
     for (long i = 0; i < n / 256; i++) {
         const mskq_p6 &u = t[i];
         mskq_t6 &g = o[i];
-        const char *p = (const char *)(t + i + 4);
-        for (int b = 0; b < (int)sizeof(mskq_p6); b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
+        mskq_strip_prefetch(t + i);
         for (int hh = 0; hh < 2; hh++)
             for (int m = 0; m < 8; m++) {  // weights 128hh + 32k + 4m ..: group 8hh + 2k + m / 4
                 __m512i W[4];
