@@ -198,17 +198,22 @@ def _plus_one(norm) -> torch.Tensor:
 
 def _rope_tables(theta, head_dim, positions, dtype, device):
     """cos and sin of every position's angles, (positions, head_dim / 2) each, one number an
-    angle (the native pass reads them so; _rope doubles a slice of them for transformers'
+    angle (the native pass reads them so; _positions doubles a pass's rows for transformers'
     halves), as transformers computes them (float32), then in `dtype`."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     freqs = torch.outer(torch.arange(positions, dtype=torch.float32), inv_freq)
     return freqs.cos().to(dtype).to(device), freqs.sin().to(dtype).to(device)
 
 
+def _positions(cos, sin, start: int, count: int):
+    """The tables' rows for positions start .. start + count, each angle twice (i and i + rot /
+    2, transformers' halves): (count, rot) each, once for a pass's layers."""
+    cos, sin = cos[start : start + count], sin[start : start + count]
+    return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+
+
 def _rope(x, cos, sin, rot):
-    """RoPE on the first `rot` dimensions of each head (all of them but for partial rotary);
-    cos and sin (T, rot / 2), an angle each, turn dimensions i and i + rot / 2."""
-    cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+    """RoPE on the first `rot` dimensions of each head (all of them but for partial rotary)."""
     if rot == x.shape[-1]:
         return x * cos + _rotate_half(x) * sin
     turned, kept = x[..., :rot], x[..., rot:]
@@ -382,7 +387,7 @@ class LeanRunner:
         start = cache.length if cache is not None else 0
         if cache is not None:
             cache.reserve(start + T)
-        cos, sin = self.cos[start : start + T], self.sin[start : start + T]  # (T, rot / 2)
+        cos, sin = _positions(self.cos, self.sin, start, T)  # (T, rot)
         x = torch.nn.functional.embedding(input_ids, self.embed)  # (1, T, D)
         if self.gemma:
             x = x * self.embed_scale
@@ -407,7 +412,7 @@ class LeanRunner:
         """A Gemma 3 layer: as Llama's, with each branch's output RMS-normed before it is added
         to the residual stream, GELU (tanh) for SiLU, and this layer's RoPE tables."""
         T = x.shape[1]
-        cos, sin = (t[start : start + T] for t in self.layer_tables(layer))
+        cos, sin = _positions(*self.layer_tables(layer), start, T)
         out = self._attention(
             _gemma_norm(x, w["attn_norm"], self.eps), w, layer, cache, start, cos, sin
         )
