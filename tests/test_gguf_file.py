@@ -213,9 +213,10 @@ def test_duplicate_tensor_name(tmp_path, reader, original):
 
 
 def test_nan_and_inf_scales(tmp_path, reader, original):
-    """A non-finite d or m in one block of a Q4_1 matrix, d in the Q8_0 embeddings, a NaN in a
-    norm: check_scales names the tensor, the block and the field; the largest finite scales
-    pass."""
+    """A non-finite d or m in one block of a Q4_1 matrix, d in the Q8_0 embeddings (in its
+    first and a later chunk of blocks), a NaN in a norm: check_scales names the tensor, the
+    block and the field, also when it hands each chunk's pages back as it goes; the largest
+    finite scales pass."""
     q41 = next(t for t in reader.tensors if t.name == "blk.3.attn_q.weight")
     q80 = next(t for t in reader.tensors if t.name == "token_embd.weight")
     norm = next(t for t in reader.tensors if t.name == "blk.2.ffn_norm.weight")
@@ -233,6 +234,7 @@ def test_nan_and_inf_scales(tmp_path, reader, original):
             (q80.data_offset + 9 * 34, nan),
             ["'token_embd.weight' (Q8_0, 49152 x 576)", "block 9 ", "d = NaN"],
         ),
+        ((q80.data_offset + 700_000 * 34, inf), ["'token_embd.weight'", "block 700,000 "]),
         (
             (norm.data_offset + 4 * 3, struct.pack("<f", float("nan"))),
             ["'blk.2.ffn_norm.weight' (F32, 576)", "element 3 is NaN"],
@@ -240,6 +242,10 @@ def test_nan_and_inf_scales(tmp_path, reader, original):
     ]:
         message = refused(patched(tmp_path, patch), *words, scales=True)
         assert f"byte {patch[0]:,}" in message
+        with pytest.raises(GGUFFileError) as again:  # pages handed back as read: the same find
+            with GGUFFile(patched(tmp_path, patch)) as f:
+                f.check_scales(release=True)
+        assert str(again.value) == message
         with GGUFFile(patched(tmp_path, patch)) as f:  # the table itself is fine
             f.check_scales(["blk.0.attn_q.weight"])
 

@@ -594,17 +594,57 @@ def test_a_tied_output_layer_packed_at_load_still_looks_its_tokens_up_in_the_fil
     assert torch.equal(logits["0"], logits["1"])
 
 
+@same_on_every_cpu
+@needs_native
+def test_a_load_reserves_the_packed_arena_ahead_and_hands_it_over_once(tmp_path):
+    """The loader's weights reserve the native runner's arena before reading the tokenizer
+    (its pages faulted in on another thread meanwhile, native.fault_in: the bytes written
+    before stay as they were): the first runner packs into that memory, a second one over
+    the same weights gets an arena of its own, and both give the same logits as weights
+    loaded without a reservation."""
+    from miniserve.bench import synthetic
+    from miniserve.runners import lean
+    from miniserve.runners.loader import load_model
+    from miniserve.runners.stored import GGUFWeights, StoredRunner
+
+    memory = lean.huge_page_memory(3 << 20)
+    memory = torch.empty(3 << 20, dtype=torch.uint8) if memory is None else memory
+    memory[:: 1 << 12] = torch.arange(768, dtype=torch.uint8)  # a byte a page, the rest unset
+    native.fault_in(memory).join()
+    assert torch.equal(memory[:: 1 << 12], torch.arange(768, dtype=torch.uint8))
+
+    path = tmp_path / "reserve.gguf"
+    shape = synthetic.Shape("llama", 64, 96, 2, 4, 2, 16, 1e4, 1e-5, tied=True)
+    synthetic.write_shape(path, shape, "reserve", vocab=4096, quant="q8_0")
+    weights = load_model(str(path), dtype="stored", progress=lambda m: None).model
+    reserved = weights._arena
+    assert (reserved is not None) == (packs_here(Q.Q8_0) and hasattr(mmap, "MADV_HUGEPAGE"))
+    first, second = StoredRunner(weights, "float32"), StoredRunner(weights, "float32")
+    assert weights.take_arena() is None
+    if reserved is not None:
+        assert first.native._arena.data_ptr() == reserved.data_ptr()
+        assert second.native._arena.data_ptr() != reserved.data_ptr()
+    plain = StoredRunner(GGUFWeights(path, lambda m: None), "float32")
+    ids = torch.tensor([[(397 * i + 11) % 4096 for i in range(24)]])
+    with torch.inference_mode():
+        logits = [r.forward(ids, r.new_cache(32), all_logits=True) for r in (first, second, plain)]
+    assert torch.equal(logits[0], logits[2]) and torch.equal(logits[1], logits[2])
+
+
 @pytest.mark.parametrize(
     "qtype,rows,blocks", PACKED_CASES, ids=lambda v: getattr(v, "name", str(v))
 )
 @needs_native
-def test_rows_packed_16_at_a_time_give_the_bits_of_the_rows_as_stored(qtype, rows, blocks):
+def test_rows_packed_16_at_a_time_give_the_bits_of_the_rows_as_stored(
+    qtype, rows, blocks, monkeypatch
+):
     """Where the build repacks a type's matrices at load (16 rows' blocks side by side, 8 in the
     AVX2 build; the quants as stored), every product -- 1 to 7 activation rows (the strips' own
     loops), 8 to 15 (groups of 8 on the strips, then the rest), 16 and more (Q4_K on
     AVX-512, Q6_K: widened to tiles) -- is the same bits as over the rows as stored, with the weight
-    rows dealt to the threads in whole strips (48 rows: 32 and 16). Elsewhere (the plain loops)
-    no matrix is repacked."""
+    rows dealt to the threads in whole strips (48 rows: 32 and 16). Laid out a share of the
+    rows at a time, each share's stored rows handed back once done (as a load does), the bytes
+    are the same as laid out at once. Elsewhere (the plain loops) no matrix is repacked."""
     cols = (256 if qtype in (Q.Q4_K, Q.Q6_K) else 32) * blocks
     data = random_blocks(qtype, rows, cols, seed=rows + blocks)
     w = stored(np.ascontiguousarray(data), qtype, cols)
@@ -613,6 +653,14 @@ def test_rows_packed_16_at_a_time_give_the_bits_of_the_rows_as_stored(qtype, row
         assert packed is None
         return
     assert packed is not None and packed[0].type != w.type
+    monkeypatch.setattr(native, "PACK_BYTES", 1)  # the smallest share: 16 rows a call
+    shares = []
+    again = native.pack(w, release=shares.append)
+    assert torch.equal(again[1], packed[1]) and again[0].type == packed[0].type
+    row = w.nbytes // rows
+    assert [(s.address, s.rows, s.nbytes) for s in shares] == [
+        (w.address + r * row, 16, 16 * row) for r in range(0, rows, 16)
+    ]
     short = np.ascontiguousarray(data[: rows - 4])  # rows not in whole strips stay as stored
     assert native.pack(stored(short, qtype, cols)) is None
     x = torch.randn(64, cols, generator=torch.Generator().manual_seed(rows))

@@ -21,7 +21,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -251,20 +251,34 @@ class GGUFFile:
         if end > first:
             self._mm.madvise(mmap.MADV_DONTNEED, first, end - first)
 
-    def check_scales(self, names: Iterable[str] | None = None) -> None:
+    def check_scales(self, names: Iterable[str] | None = None, release: bool = False) -> None:
         """Every quantized block's fp16 scales (d, and m / dmin where the type has them) finite,
         and every value of the small float tensors (fewer than SMALL_FLOATS: norms, biases);
         else GGUFFileError naming the first bad tensor and block. All tensors, or `names`.
-        Strided numpy views over the map: one pass over the weights' pages."""
+        Strided numpy views over the map: one pass over the weights' pages; with `release`,
+        those pages are handed back (release()) a chunk at a time as they are read, so that
+        the pass does not leave the file resident."""
         if self._buf is None:
             raise ValueError(f"{self._name} is closed")
         chosen = self.tensors.values() if names is None else [self._tensor(n) for n in names]
+        base = self._buf.ctypes.data
         for t in chosen:
             size = GGML_QUANT_SIZES[t.type][1]
             if t.type in _SCALES:
                 start, fields = _SCALES[t.type]
+
+                def done(first: int, n: int, t=t, size=size) -> None:  # a chunk of blocks read
+                    self.release(base + t.offset + first * size, n * size)
+
                 found = _first_non_finite(
-                    self._buf, t.offset + start, t.nbytes // size, size, len(fields), _F16, _F16_INF
+                    self._buf,
+                    t.offset + start,
+                    t.nbytes // size,
+                    size,
+                    len(fields),
+                    _F16,
+                    _F16_INF,
+                    done if release else None,
                 )
                 if found is not None:
                     index, field = found
@@ -287,6 +301,8 @@ class GGUFFile:
                         f"{self._float_text(at, t.type)} (at byte {at:,}): the file "
                         "is damaged; download it again"
                     )
+            if release:  # (the pages between a quantized tensor's chunks too)
+                self.release(base + t.offset, t.nbytes)
 
     def close(self) -> None:
         self._buf = None
@@ -684,13 +700,21 @@ def _read_strings(mm, buf: np.ndarray, pos: int, count: int) -> list[str]:
 
 
 def _first_non_finite(
-    buf: np.ndarray, start: int, rows: int, stride: int, width: int, dtype: np.dtype, inf: int
+    buf: np.ndarray,
+    start: int,
+    rows: int,
+    stride: int,
+    width: int,
+    dtype: np.dtype,
+    inf: int,
+    done: Callable[[int, int], None] | None = None,
 ) -> tuple[int, int] | None:
     """(row, column) of the first of `rows` groups of `width` (1, or 2 for fp16 pairs) values,
     `stride` bytes apart from byte `start`, that is inf or NaN: its bits without the sign at
     least `inf`'s; None if none. Chunks of _SCAN_ROWS through one preallocated buffer: a
     pair of fp16 is tested as one uint32 (the exponent's low bit added carries into the sign
-    bit only when the exponent is all ones), a single value by the maximum of its bits."""
+    bit only when the exponent is all ones), a single value by the maximum of its bits.
+    done(first row, rows) after each chunk found clean."""
     pairs = width == 2
     wide = np.dtype("<u4") if pairs else dtype
     scratch = np.empty(min(rows, _SCAN_ROWS), wide)
@@ -712,4 +736,6 @@ def _first_non_finite(
             view = np.ndarray((n, width), dtype, buf, offset, (stride, dtype.itemsize))
             flat = int(np.argmax(((view & (inf | (inf - 1))) >= inf).reshape(-1)))
             return first + flat // width, flat % width
+        if done is not None:
+            done(first, n)
     return None

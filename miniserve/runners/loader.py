@@ -505,7 +505,7 @@ def _load_stored(source: str | None, path: Path, progress: Progress | None) -> L
         return_freed_memory()  # the parse's garbage: ~100 MiB for a 150k vocabulary
 
     try:
-        weights = GGUFWeights(path, progress, first=read_tokenizer)
+        weights = GGUFWeights(path, progress, first=read_tokenizer, reserve=True)
     except StoredModelError as e:
         raise ModelLoadError(str(e)) from None
     tokenizer = read["tokenizer"]

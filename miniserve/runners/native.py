@@ -330,6 +330,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_pack_type.restype = L
     lib.ms_pack.argtypes = [ctypes.POINTER(MsMat), L, P, I]
     lib.ms_pack.restype = L
+    lib.ms_fault_in.argtypes = [P, L, L]
+    lib.ms_fault_in.restype = None
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -380,21 +382,86 @@ def _line_multiple(nbytes: int) -> int:
     return -(-nbytes // 64) * 64
 
 
+def arena_bytes(layers: list[dict], lm_head) -> int:
+    """The bytes of NativeForward's arena for these matrices: each one's packed_bytes, whole
+    64-byte lines."""
+    total = sum(_line_multiple(packed_bytes(m)) for w in layers for m in w.values())
+    return total + _line_multiple(packed_bytes(lm_head))
+
+
+def fault_in(memory: torch.Tensor) -> threading.Thread | None:
+    """Starts a thread that maps every page of `memory` (decode.cpp's ms_fault_in, a touch
+    every 4 KB, outside the GIL, at the lowest priority): the kernel clears each 2 MB page as
+    it maps it (~1 GB/s on some VMs), and this lets that run on a core the caller leaves idle
+    (a load reads its tokenizer meanwhile). It changes no byte, so writers may use the memory
+    at once: a page it has not reached yet faults in at their write, as without it. None
+    where the library is not there or the memory is empty."""
+    lib = load()
+    nbytes = memory.numel() * memory.element_size()
+    if lib is None or nbytes == 0:
+        return None
+
+    def run(memory=memory):  # holds the memory until done
+        try:  # (Linux: this thread alone) below the caller's work
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (AttributeError, OSError):
+            pass
+        lib.ms_fault_in(memory.data_ptr(), nbytes, 4096)  # (a 2 MB page at its first)
+
+    thread = threading.Thread(target=run, name="fault-in", daemon=True)
+    thread.start()
+    return thread
+
+
+def reserve_arena(layers: list[dict], lm_head) -> torch.Tensor | None:
+    """NativeForward's arena for these matrices, made now, with its pages being faulted in on
+    another thread (fault_in), so that a load can do other work (read its tokenizer)
+    while the kernel clears them; None where nothing packs or 2 MB pages cannot be asked."""
+    total = arena_bytes(layers, lm_head)
+    arena = huge_page_memory(total) if total else None
+    if arena is not None:
+        fault_in(arena)
+    return arena
+
+
+PACK_BYTES = 16 << 20  # stored bytes a call of ms_pack where pack() hands them back as it goes
+
+
 def pack(
-    w: StoredMatrix, out: torch.Tensor | None = None
+    w: StoredMatrix,
+    out: torch.Tensor | None = None,
+    release: Callable[[StoredMatrix], None] | None = None,
 ) -> tuple[StoredMatrix, torch.Tensor] | None:
     """The matrix laid out anew for this build's products, where it has such a form
     (packed_bytes): 16 (AVX2: 8) rows' blocks side by side, so that a product of few activation
     rows needs no sums across lanes. Returns a StoredMatrix of the packed type and the uint8
     tensor holding its bytes (`out`, 64-byte aligned, where given; keep it alive), or None. The
-    products are the same bits as over the rows as stored; Q4_K takes 2.8% more bytes, Q6_K 1%."""
+    products are the same bits as over the rows as stored; Q4_K takes 2.8% more bytes, Q6_K 1%.
+
+    release(rows as stored), where given, gets the stored rows ~PACK_BYTES at a time once they
+    are laid out (a strip's rows are laid out together, each strip where its first row's
+    share of `out` starts), so that a large matrix (a 255 MB output layer) is never resident
+    twice."""
     nbytes = packed_bytes(w)
     if nbytes == 0:
         return None
     lib = load()
     out = torch.empty(nbytes, dtype=torch.uint8) if out is None else out[:nbytes]
     assert out.numel() == nbytes and out.data_ptr() % 64 == 0  # (PyTorch's CPU allocations are)
-    packed = lib.ms_pack(ctypes.byref(ms_mat(w)), w.cols, out.data_ptr(), torch.get_num_threads())
+    wrow, prow = w.nbytes // w.rows, nbytes // w.rows
+    step = w.rows if release is None else max(16, PACK_BYTES // wrow // 16 * 16)  # whole strips
+    for first in range(0, w.rows, step):
+        rows = min(step, w.rows - first)
+        part = StoredMatrix(w.address + first * wrow, w.type, rows, w.cols, rows * wrow)
+        packed = lib.ms_pack(
+            ctypes.byref(ms_mat(part)),
+            w.cols,
+            out.data_ptr() + first * prow,
+            torch.get_num_threads(),
+        )
+        assert packed >= 0  # (the type of every whole-strip share of the rows)
+        if release is not None:
+            release(part)
     return StoredMatrix(out.data_ptr(), packed, w.rows, w.cols, nbytes), out
 
 
@@ -555,7 +622,15 @@ class NativeForward:
     over a mapped file gives, so that those weights are not resident twice) and a scratch
     buffer sized by the C side."""
 
-    def __init__(self, model, math: str, release: Callable[[StoredMatrix], None] | None = None):
+    def __init__(
+        self,
+        model,
+        math: str,
+        release: Callable[[StoredMatrix], None] | None = None,
+        arena: torch.Tensor | None = None,
+    ):
+        """`arena`: reserve_arena's memory for this model's packed matrices, where the caller
+        reserved it ahead (used only if it is arena_bytes long)."""
         self.lib = load()
         self._release = release
         self.as_run: dict[int, StoredMatrix] = {}  # id(a model's matrix) -> its packed form
@@ -569,9 +644,9 @@ class NativeForward:
         # up to whole 2 MiB pages: +117 MB for Qwen3-1.7B), backed by 2 MB pages where the
         # system gives them (lean.huge_page_memory: a decoded token streams every matrix once,
         # and with 4 KB pages its address translations cost much of that stream)
-        total = sum(_line_multiple(packed_bytes(m)) for w in model.layers for m in w.values())
-        total += _line_multiple(packed_bytes(model.lm_head))
-        arena = huge_page_memory(total)
+        total = arena_bytes(model.layers, model.lm_head)
+        if arena is None or arena.numel() != total:
+            arena = huge_page_memory(total)
         self._arena = arena if arena is not None else torch.empty(total, dtype=torch.uint8)
         self._arena_used = 0
         self._layers = (MsLayer * len(model.layers))(
@@ -648,10 +723,10 @@ class NativeForward:
         nbytes = _line_multiple(packed_bytes(w))
         if nbytes == 0:
             return ms_mat(w)
-        packed = pack(w, self._arena[self._arena_used : self._arena_used + nbytes])
+        packed = pack(w, self._arena[self._arena_used : self._arena_used + nbytes], self._release)
         self._arena_used += nbytes
         self.as_run[id(w)] = packed[0]
-        if self._release is not None:
+        if self._release is not None:  # (the pages across two shares' rows too)
             self._release(w)
         return ms_mat(packed[0])
 

@@ -109,10 +109,17 @@ class GGUFWeights:
     """A GGUF file's model: its configuration and its tensors, where they lie (a runner is made
     from it by StoredRunner). Raises StoredModelError for a file it cannot run."""
 
-    def __init__(self, path: Path, progress: Progress | None = None, first=None):
-        """first(self), when given, runs once the header and configuration are read and
-        before any weight's page is: the loader reads the tokenizer there, so that the
-        parse's freed memory is handed back before the file's pages come in (the peak)."""
+    def __init__(
+        self, path: Path, progress: Progress | None = None, first=None, reserve: bool = False
+    ):
+        """first(self), when given, runs once the header, configuration and tensor table are
+        read and before the weights' pages are: the loader reads the tokenizer there, so that
+        the parse's freed memory is handed back before the file's pages come in (the peak).
+
+        reserve: the native runner's arena for the packed matrices is made before first()
+        and its pages faulted in on another core meanwhile (native.reserve_arena; taken by
+        take_arena), and the scales' check hands each tensor's pages back once read, so that
+        the arena and the file are not resident together (packing reads them back)."""
         self.path = Path(path)
         try:
             self.file = GGUFFile(self.path)
@@ -135,17 +142,18 @@ class GGUFWeights:
         self._kept: list = []  # float32 copies the runner points to
         self.converted: list[str] = []  # tensors dequantized at load (types not run in place)
         names = self._names()
-        if first is not None:
-            first(self)
-        try:
-            f.check_scales([n for n in names.values() if n in f.tensors])
-        except GGUFFileError as e:
-            raise StoredModelError(str(e)) from None
         cfg = self.config
-        model = self._tensors("")
+        model = self._tensors("")  # where the matrices lie: no page of theirs is read yet
         self.embed, self.final_norm = model["embed"], model["final_norm"]
         self.lm_head = model.get("lm_head", self.embed)  # absent: tied to the embedding
         self.layers = [self._layer(i) for i in range(cfg.num_hidden_layers)]
+        self._arena = native.reserve_arena(self.layers, self.lm_head) if reserve else None
+        if first is not None:
+            first(self)
+        try:
+            f.check_scales([n for n in names.values() if n in f.tensors], release=reserve)
+        except GGUFFileError as e:
+            raise StoredModelError(str(e)) from None
         if self.converted:
             _say(
                 progress,
@@ -153,6 +161,11 @@ class GGUFWeights:
                 f"do not run in place were dequantized to float32 at load "
                 f"({', '.join(sorted(set(self.converted)))})",
             )
+
+    def take_arena(self):
+        """The arena reserved at load (reserve=True), once: the next caller gets None."""
+        arena, self._arena = self._arena, None
+        return arena
 
     # -- configuration ---------------------------------------------------------------------
     def _meta(self, key: str, default=None, required: bool = True):
@@ -517,7 +530,10 @@ class StoredRunner(native.CompiledPass):
         self.embed_scale = torch.tensor(float(cfg.hidden_size) ** 0.5) if spec.embed_scale else None
         self.attn_scale = weights.scores_scale()
         self.native = native.NativeForward(
-            self, self.math, release=lambda m: weights.file.release(m.address, m.nbytes)
+            self,
+            self.math,
+            release=lambda m: weights.file.release(m.address, m.nbytes),
+            arena=weights.take_arena(),
         )
 
     def _rope_factors(self, positions: int) -> tuple[torch.Tensor | None, float]:

@@ -2190,6 +2190,15 @@ long ms_pack(const MsMat *w, long C, void *out, int threads) {
     return type;
 }
 
+// Maps each page of [p, p + n) (`page` bytes apart) as a write to it would, changing no byte: an
+// atomic add of 0 to one byte a page, so that other threads may write the memory meanwhile (a
+// load faults its packed arena in on a thread of its own while it reads the tokenizer). Plain
+// page faults, which the kernel serves under the one mapping's lock, where madvise's
+// MADV_POPULATE_WRITE holds the process's map lock, stalling every mmap of the other threads.
+void ms_fault_in(void *p, long n, long page) {
+    for (long i = 0; i < n; i += page) __atomic_fetch_add((char *)p + i, (char)0, __ATOMIC_RELAXED);
+}
+
 // y (w.rows x C) = the matrix's rows as float32 (what the kernels read the blocks as).
 void ms_dequant(const MsMat *w, long C, float *y) {
     for (long r = 0; r < w->rows; r++) matrix_row(*w, r, C, 1.f, y + r * C);
