@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import mmap
 import os
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -15,6 +16,7 @@ import product_digests
 import pytest
 import torch
 
+from miniserve.bench.synthetic import Shape
 from miniserve.runners import native
 from miniserve.runners.native import StoredMatrix
 from miniserve.runners.verify import BOUND_STORED_RELATIVE
@@ -594,6 +596,14 @@ def test_a_tied_output_layer_packed_at_load_still_looks_its_tokens_up_in_the_fil
     assert torch.equal(logits["0"], logits["1"])
 
 
+def _anon_kib(status: Path) -> int | None:
+    """This process's anonymous resident memory (KiB), where Linux says it."""
+    if not status.exists():
+        return None
+    line = next(x for x in status.read_text().splitlines() if x.startswith("RssAnon:"))
+    return int(line.split()[1])
+
+
 @same_on_every_cpu
 @needs_native
 def test_a_load_reserves_the_packed_arena_ahead_and_hands_it_over_once(tmp_path):
@@ -607,18 +617,23 @@ def test_a_load_reserves_the_packed_arena_ahead_and_hands_it_over_once(tmp_path)
     from miniserve.runners.loader import load_model
     from miniserve.runners.stored import GGUFWeights, StoredRunner
 
-    memory = lean.huge_page_memory(3 << 20)
-    memory = torch.empty(3 << 20, dtype=torch.uint8) if memory is None else memory
-    memory[:: 1 << 12] = torch.arange(768, dtype=torch.uint8)  # a byte a page, the rest unset
+    memory = lean.huge_page_memory(64 << 20)
+    memory = torch.empty(64 << 20, dtype=torch.uint8) if memory is None else memory
+    memory[: 1 << 20 : 1 << 12] = torch.arange(256, dtype=torch.uint8)  # the first MB's pages
+    status = Path("/proc/self/status")
+    before = _anon_kib(status)
     native.fault_in(memory).join()
-    assert torch.equal(memory[:: 1 << 12], torch.arange(768, dtype=torch.uint8))
+    assert torch.equal(memory[: 1 << 20 : 1 << 12], torch.arange(256, dtype=torch.uint8))
+    if before is not None:  # the 63 MB untouched before are this process's now (not zero pages)
+        assert _anon_kib(status) - before > 56 << 10
 
     path = tmp_path / "reserve.gguf"
     shape = synthetic.Shape("llama", 64, 96, 2, 4, 2, 16, 1e4, 1e-5, tied=True)
     synthetic.write_shape(path, shape, "reserve", vocab=4096, quant="q8_0")
     weights = load_model(str(path), dtype="stored", progress=lambda m: None).model
     reserved = weights._arena
-    assert (reserved is not None) == (packs_here(Q.Q8_0) and hasattr(mmap, "MADV_HUGEPAGE"))
+    packs = native.packed_bytes(weights.lm_head) > 0  # (the library's answer, MINISERVE_PACK's)
+    assert (reserved is not None) == (packs and hasattr(mmap, "MADV_HUGEPAGE"))
     first, second = StoredRunner(weights, "float32"), StoredRunner(weights, "float32")
     assert weights.take_arena() is None
     if reserved is not None:
@@ -629,6 +644,51 @@ def test_a_load_reserves_the_packed_arena_ahead_and_hands_it_over_once(tmp_path)
     with torch.inference_mode():
         logits = [r.forward(ids, r.new_cache(32), all_logits=True) for r in (first, second, plain)]
     assert torch.equal(logits[0], logits[2]) and torch.equal(logits[1], logits[2])
+
+
+# The architecture table's kinds of matrices, Q8_0: fused q|k|v and gate|up (phi3), per-head
+# norms (qwen3), q/k/v biases (qwen2), Gemma's, and 3-D expert tensors (qwen3moe)
+RESERVED_SHAPES = {
+    "qwen3": Shape("qwen3", 64, 96, 2, 4, 2, 32, 1e6, 1e-6, tied=False),
+    "phi3": Shape("phi3", 64, 96, 2, 4, 2, 32, 1e4, 1e-5, tied=False, rotary=24),
+    "qwen2": Shape("qwen2", 64, 96, 2, 4, 2, 16, 1e6, 1e-6, qkv_bias=True),
+    "gemma3": Shape("gemma3", 64, 96, 2, 4, 1, 32, 1e6, 1e-6, window=8),
+    "qwen3moe": Shape(
+        "qwen3moe",
+        64,
+        96,
+        2,
+        4,
+        2,
+        32,
+        1e6,
+        1e-6,
+        tied=False,
+        experts=16,
+        experts_used=4,
+        expert_ffn=32,
+    ),  # fmt: skip
+}
+
+
+@same_on_every_cpu
+@needs_native
+@pytest.mark.parametrize("name", sorted(RESERVED_SHAPES))
+def test_the_arena_reserved_from_the_tensor_table_is_the_one_the_runner_packs_into(tmp_path, name):
+    """The arena a load reserves before its layers are made (sized from the tensor table
+    alone) is the size the native runner's packed matrices need, for every kind of matrix the
+    architecture table declares: the runner packs into it rather than into one of its own."""
+    from miniserve.bench import synthetic
+    from miniserve.runners.loader import load_model
+    from miniserve.runners.stored import StoredRunner
+
+    path = tmp_path / f"{name}.gguf"
+    synthetic.write_shape(path, RESERVED_SHAPES[name], name, vocab=4096, quant="q8_0")
+    weights = load_model(str(path), dtype="stored", progress=lambda m: None).model
+    reserved = weights._arena
+    runner = StoredRunner(weights, "float32")
+    assert (reserved is not None) == (bool(runner.native.packed) and hasattr(mmap, "MADV_HUGEPAGE"))
+    assert reserved is None or runner.native._arena.data_ptr() == reserved.data_ptr()
 
 
 @pytest.mark.parametrize(

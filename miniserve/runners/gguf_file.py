@@ -21,7 +21,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -251,13 +251,15 @@ class GGUFFile:
         if end > first:
             self._mm.madvise(mmap.MADV_DONTNEED, first, end - first)
 
-    def check_scales(self, names: Iterable[str] | None = None, release: bool = False) -> None:
+    def check_scales(
+        self, names: Iterable[str] | None = None, release: Collection[str] = ()
+    ) -> None:
         """Every quantized block's fp16 scales (d, and m / dmin where the type has them) finite,
         and every value of the small float tensors (fewer than SMALL_FLOATS: norms, biases);
         else GGUFFileError naming the first bad tensor and block. All tensors, or `names`.
-        Strided numpy views over the map: one pass over the weights' pages; with `release`,
-        those pages are handed back (release()) a chunk at a time as they are read, so that
-        the pass does not leave the file resident."""
+        Strided numpy views over the map: one pass over the weights' pages; those of the
+        tensors named in `release` are handed back (release()) a chunk at a time as they are
+        read, so that the pass does not leave them resident."""
         if self._buf is None:
             raise ValueError(f"{self._name} is closed")
         chosen = self.tensors.values() if names is None else [self._tensor(n) for n in names]
@@ -278,7 +280,7 @@ class GGUFFile:
                     len(fields),
                     _F16,
                     _F16_INF,
-                    done if release else None,
+                    done if t.name in release else None,
                 )
                 if found is not None:
                     index, field = found
@@ -301,7 +303,7 @@ class GGUFFile:
                         f"{self._float_text(at, t.type)} (at byte {at:,}): the file "
                         "is damaged; download it again"
                     )
-            if release:  # (the pages between a quantized tensor's chunks too)
+            if t.name in release:  # (the pages between its chunks too)
                 self.release(base + t.offset, t.nbytes)
 
     def close(self) -> None:

@@ -116,10 +116,11 @@ class GGUFWeights:
         read and before the weights' pages are: the loader reads the tokenizer there, so that
         the parse's freed memory is handed back before the file's pages come in (the peak).
 
-        reserve: the native runner's arena for the packed matrices is made before first()
-        and its pages faulted in on another core meanwhile (native.reserve_arena; taken by
-        take_arena), and the scales' check hands each tensor's pages back once read, so that
-        the arena and the file are not resident together (packing reads them back)."""
+        reserve: the native runner's arena for the packed matrices is made before first(),
+        sized from the tensor table (_run_in_place), and its pages faulted in on another core
+        meanwhile (native.reserve_arena; taken by take_arena), and the scales' check hands the
+        pages of the matrices to be packed back as it reads them, so that the arena and those
+        matrices as stored are not resident together (packing reads them back)."""
         self.path = Path(path)
         try:
             self.file = GGUFFile(self.path)
@@ -142,18 +143,23 @@ class GGUFWeights:
         self._kept: list = []  # float32 copies the runner points to
         self.converted: list[str] = []  # tensors dequantized at load (types not run in place)
         names = self._names()
-        cfg = self.config
-        model = self._tensors("")  # where the matrices lie: no page of theirs is read yet
-        self.embed, self.final_norm = model["embed"], model["final_norm"]
-        self.lm_head = model.get("lm_head", self.embed)  # absent: tied to the embedding
-        self.layers = [self._layer(i) for i in range(cfg.num_hidden_layers)]
-        self._arena = native.reserve_arena(self.layers, self.lm_head) if reserve else None
+        packed: set[str] = set()
+        self._arena = None
+        if reserve:
+            plan = self._run_in_place()
+            packed = {name for name, m in plan.items() if native.packed_bytes(m)}
+            self._arena = native.reserve_arena([plan], None)
         if first is not None:
             first(self)
         try:
-            f.check_scales([n for n in names.values() if n in f.tensors], release=reserve)
+            f.check_scales([n for n in names.values() if n in f.tensors], release=packed)
         except GGUFFileError as e:
             raise StoredModelError(str(e)) from None
+        cfg = self.config
+        model = self._tensors("")
+        self.embed, self.final_norm = model["embed"], model["final_norm"]
+        self.lm_head = model.get("lm_head", self.embed)  # absent: tied to the embedding
+        self.layers = [self._layer(i) for i in range(cfg.num_hidden_layers)]
         if self.converted:
             _say(
                 progress,
@@ -161,6 +167,31 @@ class GGUFWeights:
                 f"do not run in place were dequantized to float32 at load "
                 f"({', '.join(sorted(set(self.converted)))})",
             )
+
+    def _run_in_place(self) -> dict[str, native.StoredMatrix]:
+        """The matrices the runner reads as stored and so may pack (the layers' and the output
+        layer's, which is the embedding where none is stored), from the tensor table alone, as
+        matrix() will make them (address 0): file name -> StoredMatrix. What matrix() refuses
+        or converts is left out; its error comes when the layers are made."""
+        shape, out = self.shape(), {}
+        head = next(t for t in MODEL_TENSORS if t.role == "lm_head")
+        if head.suffix not in self.file.tensors:
+            head = next(t for t in MODEL_TENSORS if t.role == "embed")
+        wanted = [(head.suffix, shape.dims(head))] + [
+            (f"blk.{i}.{t.suffix}", shape.dims(t))
+            for i in range(self.config.num_hidden_layers)
+            for t in self.spec.layer
+        ]
+        for name, dims in wanted:
+            info = self.file.tensors.get(name)
+            if info is None or len(dims) < 2 or tuple(info.shape) != tuple(dims):
+                continue
+            if info.type in FLOAT_TYPES and info.type != F16:
+                continue
+            rows, cols = math.prod(dims[:-1]), dims[-1]
+            if native.row_bytes(info.type, cols) * rows == info.nbytes:
+                out[name] = native.StoredMatrix(0, info.type, rows, cols, info.nbytes)
+        return out
 
     def take_arena(self):
         """The arena reserved at load (reserve=True), once: the next caller gets None."""

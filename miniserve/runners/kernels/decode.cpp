@@ -2195,8 +2195,16 @@ long ms_pack(const MsMat *w, long C, void *out, int threads) {
 // load faults its packed arena in on a thread of its own while it reads the tokenizer). Plain
 // page faults, which the kernel serves under the one mapping's lock, where madvise's
 // MADV_POPULATE_WRITE holds the process's map lock, stalling every mmap of the other threads.
+// (An atomic add of 0 whose result is unused, compilers may turn into a load, which maps the
+// shared zero page: x86 gets the instruction written out, elsewhere a volatile atomic.)
 void ms_fault_in(void *p, long n, long page) {
-    for (long i = 0; i < n; i += page) __atomic_fetch_add((char *)p + i, (char)0, __ATOMIC_RELAXED);
+    for (long i = 0; i < n; i += page) {
+#if defined(__x86_64__) || defined(__i386__)
+        __asm__ __volatile__("lock orb $0, %0" : "+m"(*((char *)p + i)) : : "memory");
+#else
+        __atomic_fetch_or((volatile char *)p + i, (char)0, __ATOMIC_RELAXED);
+#endif
+    }
 }
 
 // y (w.rows x C) = the matrix's rows as float32 (what the kernels read the blocks as).
