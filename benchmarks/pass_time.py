@@ -5,9 +5,13 @@ step's other work.
 Each pass writes its token at the same position again, so every pass reads the same caches.
 
     .venv/bin/python benchmarks/pass_time.py [--rows 8] [--positions 128] [--passes 300]
-        [--model FILE]
+        [--model FILE] [--per-layer]
 
 Prints the minimum, the 25th percentile and the median in ms (the first 20 passes left out).
+--per-layer: also the output layer's product of the rows alone, from memory (the bench
+ceiling's way: twice the largest cache written over before each of 20 runs, the best kept),
+and the rest of the median pass over the layers -- what a layer takes, where the output layer
+is a larger share of a file cut to a few layers (the Qwen3-30B-A3B shape's 12 of 48).
 Compare two versions by running each in turn, a few rounds: the machines here are shared.
 """
 
@@ -23,7 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from miniserve.bench.machine import as_run, last_cache_bytes  # noqa: E402
 from miniserve.core.platform import cpu_model  # noqa: E402
+from miniserve.runners import native  # noqa: E402
 from miniserve.runners.loader import load_model  # noqa: E402
 from miniserve.runners.stored import StoredRunner  # noqa: E402
 
@@ -36,6 +42,7 @@ def main() -> None:
     ap.add_argument("--positions", type=int, default=128)
     ap.add_argument("--passes", type=int, default=300)
     ap.add_argument("--model", default=None, help="a GGUF file (default: the embedded model)")
+    ap.add_argument("--per-layer", action="store_true", help="the output layer apart, a layer")
     args = ap.parse_args()
     if args.rows < 1 or args.positions < 1 or args.passes <= WARM:
         ap.error(f"--rows and --positions must be >= 1 and --passes > {WARM}")
@@ -58,6 +65,22 @@ def main() -> None:
         f"min {min(times) * 1e3:.3f}  p25 {statistics.quantiles(times, n=4)[0] * 1e3:.3f}  "
         f"median {statistics.median(times) * 1e3:.3f} ms a pass"
     )
+    if args.per_layer:
+        head = as_run(model, model.lm_head)
+        x = torch.randn(args.rows, head.shape[1])
+        evict = torch.empty(2 * last_cache_bytes(), dtype=torch.uint8)
+        with torch.inference_mode():
+            best = float("inf")
+            for _ in range(20):
+                evict.fill_(1)
+                started = time.perf_counter()
+                native.matmul(head, x, model.math)
+                best = min(best, time.perf_counter() - started)
+        layers = len(model.layers)
+        print(
+            f"output layer ({head.shape[0]} x {head.shape[1]}) {best * 1e3:.3f} ms; the "
+            f"{layers} layers {(statistics.median(times) - best) / layers * 1e3:.3f} ms each"
+        )
 
 
 if __name__ == "__main__":

@@ -37,6 +37,18 @@ buffers off (peer.py's setting). A llama.cpp process that crashes is rerun once 
 buffers off, and the JSON says so. End tokens do not stop llama.cpp (every run makes exactly the
 asked tokens).
 
+The AVX2 row with both engines built for AVX2 (what a CPU without AVX-512 runs), on an AVX-512
+machine: llama-cpp-python built from source into a folder of its own, put first on PYTHONPATH
+(the llama.cpp children import it from there; ours has nothing of that name), and our
+x86-64-v3 build:
+
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF" \
+        .venv/bin/python -m pip install --no-cache-dir --no-deps --no-binary llama-cpp-python \
+        --target DIR llama-cpp-python==0.3.36
+    PYTHONPATH=DIR MINISERVE_NATIVE_ARCH=x86-64-v3 .venv/bin/python benchmarks/vs_llamacpp.py ...
+
+(the JSON's llama.cpp system_info then reads AVX2 without AVX512).
+
 Before a file's first round, our one-stream command runs once unmeasured (--no-prime: not),
 so that a first start's one-off work (the loader's dequantized-weights cache) is not in the
 load times. The default commands are `python -m miniserve bench --no-check`: the bench's own
