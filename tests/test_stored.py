@@ -596,6 +596,49 @@ def test_a_tied_output_layer_packed_at_load_still_looks_its_tokens_up_in_the_fil
     assert torch.equal(logits["0"], logits["1"])
 
 
+def _mapped_pages(address: int, nbytes: int) -> int | None:
+    """How many pages of [address, address + nbytes) this process has mapped now (the present
+    bit of /proc/self/pagemap), where Linux says it."""
+    pagemap = Path("/proc/self/pagemap")
+    if not pagemap.exists():
+        return None
+    first, end = address // mmap.PAGESIZE, -(-(address + nbytes) // mmap.PAGESIZE)
+    with pagemap.open("rb") as f:
+        f.seek(first * 8)
+        entries = np.frombuffer(f.read((end - first) * 8), dtype=np.uint64)
+    return int(((entries >> np.uint64(63)) & np.uint64(1)).sum())
+
+
+@same_on_every_cpu
+@needs_native
+def test_the_rows_a_pass_looks_up_in_a_mapped_embedding_are_handed_back_after_it(tmp_path):
+    """A GGUF's embedding is looked up where it lies in the mapped file, and each lookup maps
+    the pages around its row (the kernel's fault-around): after every pass the runner hands
+    the table's pages back, so that a session's tokens do not pile up as resident memory; the
+    next pass reads the same bytes again (the same logits)."""
+    from miniserve.bench import synthetic
+    from miniserve.runners.loader import load_model
+    from miniserve.runners.stored import StoredRunner
+
+    path = tmp_path / "lookups.gguf"
+    shape = Shape("llama", 64, 96, 1, 4, 2, 16, 1e4, 1e-5, tied=False)
+    synthetic.write_shape(path, shape, "lookups", vocab=4096, quant="q8_0")
+    runner = StoredRunner(load_model(str(path), dtype="stored", progress=lambda m: None).model)
+    embed = runner.embed
+    ids = torch.tensor([[(397 * i + 11) % 4096 for i in range(64)]])  # rows across the table
+    with torch.inference_mode():
+        first = runner.forward(ids, runner.new_cache(80), all_logits=True)
+        if _mapped_pages(embed.address, embed.nbytes) is not None:
+            assert _mapped_pages(embed.address, embed.nbytes) <= 2  # (the pages at its ends
+            # hold its neighbours' bytes too: not handed back)
+            int(
+                np.frombuffer(runner.weights.file.data("token_embd.weight"), np.uint8)[::4096].sum()
+            )
+            assert _mapped_pages(embed.address, embed.nbytes) > 8  # (reads do map them)
+        again = runner.forward(ids, runner.new_cache(80), all_logits=True)
+    assert torch.equal(first, again)
+
+
 def _anon_kib(status: Path) -> int | None:
     """This process's anonymous resident memory (KiB), where Linux says it."""
     if not status.exists():
