@@ -251,6 +251,12 @@ class GGUFFile:
         if end > first:
             self._mm.madvise(mmap.MADV_DONTNEED, first, end - first)
 
+    def release_header(self) -> None:
+        """Hands back the pages of the header (metadata and tensor table: read at open, and
+        by a tokenizer built from it), whole pages before the first tensor's."""
+        if self._buf is not None:
+            self.release(self._buf.ctypes.data, min(self._data_start, self.size))
+
     def check_scales(
         self, names: Iterable[str] | None = None, release: Collection[str] = ()
     ) -> None:

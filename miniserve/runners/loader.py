@@ -524,6 +524,7 @@ def _load_stored(source: str | None, path: Path, progress: Progress | None) -> L
     )
     name = gguf_name(path, source)
     context = weights.config.max_position_embeddings
+    weights.file.release_header()  # (read: a later look faults in what it reads again)
     _say(
         progress,
         f"Loaded {name} on cpu as {weights.file_type()} as stored (the file's "

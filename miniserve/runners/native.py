@@ -236,7 +236,10 @@ class MsModel(ctypes.Structure):
         ("final_norm", ctypes.c_void_p),
         ("layer", ctypes.POINTER(MsLayer)),
         *((name, ctypes.c_float) for name in ("eps", "embed_scale", "attn_scale")),
-        *((name, ctypes.c_int) for name in ("gelu", "rope_pairs", "math", "threads", "kv_half")),
+        *(
+            (name, ctypes.c_int)
+            for name in ("gelu", "rope_pairs", "math", "threads", "kv_half", "embed_mapped")
+        ),
     ]
 
 
@@ -644,12 +647,12 @@ class NativeForward:
         # up to whole 2 MiB pages: +117 MB for Qwen3-1.7B), backed by 2 MB pages where the
         # system gives them (lean.huge_page_memory: a decoded token streams every matrix once,
         # and with 4 KB pages its address translations cost much of that stream)
-        # an embedding looked up where it lies in a mapped file: its pages handed back after
-        # each pass (`release`), so that the tokens' rows do not pile up as resident memory
-        # (each lookup maps the ~64 KB around its row: the kernel's fault-around; 38 MiB after
-        # 700 lookups in Qwen3-1.7B's 255 MB table). An empty range takes ~10 us to hand back.
-        embed = model.embed
-        self._embed_pages = embed if release and isinstance(embed, StoredMatrix) else None
+        # an embedding looked up where it lies in a mapped file (a model over one gives
+        # `release`): its pages handed back by the pass once it has looked its rows up
+        # (decode.cpp's embed_hand_back), so that the tokens' rows do not pile up as resident
+        # memory (each lookup maps the ~64 KB around its row, the kernel's fault-around: 38 MiB
+        # after 700 lookups in Qwen3-1.7B's 255 MB table). ~10 us a pass.
+        embed_mapped = release is not None and isinstance(model.embed, StoredMatrix)
         total = arena_bytes(model.layers, model.lm_head)
         if arena is None or arena.numel() != total:
             arena = huge_page_memory(total)
@@ -688,6 +691,7 @@ class NativeForward:
             math=MATH_CODES[math],
             threads=torch.get_num_threads(),
             kv_half=int(kv_half(model)),
+            embed_mapped=int(embed_mapped),
         )
         self.max_positions = model.cos.shape[0]
         self.scratch = torch.empty(0, dtype=torch.float32)
@@ -778,8 +782,6 @@ class NativeForward:
         if self.scratch.numel() < need:
             self.scratch = torch.empty(need, dtype=torch.float32)
         self.lib.ms_forward(ctypes.byref(self.struct), ctypes.byref(rows), self.scratch.data_ptr())
-        if self._embed_pages is not None:
-            self._release(self._embed_pages)
         for ids, cache in entries:
             cache.length += len(ids)
         return logits
