@@ -9,7 +9,7 @@ Each pass writes its token at the same position again, so every pass reads the s
 
 Prints the minimum, the 25th percentile and the median in ms (the first 20 passes left out).
 --per-layer: also the output layer's product of the rows alone, from memory (the bench
-ceiling's way: twice the largest cache written over before each of 20 runs, the best kept),
+ceiling's way: bench.machine.time_from_memory),
 and the rest of the median pass over the layers -- what a layer takes, where the output layer
 is a larger share of a file cut to a few layers (the Qwen3-30B-A3B shape's 12 of 48).
 Compare two versions by running each in turn, a few rounds: the machines here are shared.
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from miniserve.bench.machine import as_run, last_cache_bytes  # noqa: E402
+from miniserve.bench.machine import as_run, time_from_memory  # noqa: E402
 from miniserve.core.platform import cpu_model  # noqa: E402
 from miniserve.runners import native  # noqa: E402
 from miniserve.runners.loader import load_model  # noqa: E402
@@ -68,14 +68,8 @@ def main() -> None:
     if args.per_layer:
         head = as_run(model, model.lm_head)
         x = torch.randn(args.rows, head.shape[1])
-        evict = torch.empty(2 * last_cache_bytes(), dtype=torch.uint8)
         with torch.inference_mode():
-            best = float("inf")
-            for _ in range(20):
-                evict.fill_(1)
-                started = time.perf_counter()
-                native.matmul(head, x, model.math)
-                best = min(best, time.perf_counter() - started)
+            best = time_from_memory(lambda: native.matmul(head, x, model.math))
         layers = len(model.layers)
         print(
             f"output layer ({head.shape[0]} x {head.shape[1]}) {best * 1e3:.3f} ms; the "

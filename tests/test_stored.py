@@ -15,8 +15,8 @@ import numpy as np
 import product_digests
 import pytest
 import torch
+from test_families import SHAPES as FAMILY_SHAPES
 
-from miniserve.bench.synthetic import Shape
 from miniserve.runners import native
 from miniserve.runners.native import StoredMatrix
 from miniserve.runners.verify import BOUND_STORED_RELATIVE
@@ -621,7 +621,7 @@ def test_the_rows_a_pass_looks_up_in_a_mapped_embedding_are_handed_back_after_it
     from miniserve.runners.stored import StoredRunner
 
     path = tmp_path / "lookups.gguf"
-    shape = Shape("llama", 64, 96, 1, 4, 2, 16, 1e4, 1e-5, tied=False)
+    shape = synthetic.Shape("llama", 64, 96, 1, 4, 2, 16, 1e4, 1e-5, tied=False)
     synthetic.write_shape(path, shape, "lookups", vocab=4096, quant="q8_0")
     runner = StoredRunner(load_model(str(path), dtype="stored", progress=lambda m: None).model)
     embed = runner.embed
@@ -689,28 +689,11 @@ def test_a_load_reserves_the_packed_arena_ahead_and_hands_it_over_once(tmp_path)
     assert torch.equal(logits[0], logits[2]) and torch.equal(logits[1], logits[2])
 
 
-# The architecture table's kinds of matrices, Q8_0: fused q|k|v and gate|up (phi3), per-head
-# norms (qwen3), q/k/v biases (qwen2), Gemma's, and 3-D expert tensors (qwen3moe)
+# The architecture table's kinds of matrices (test_families.py's tiny shapes, here as Q8_0):
+# per-head norms (qwen3), fused q|k|v and gate|up (phi3), q/k/v biases (qwen2), Gemma's, and
+# 3-D expert tensors (qwen3moe)
 RESERVED_SHAPES = {
-    "qwen3": Shape("qwen3", 64, 96, 2, 4, 2, 32, 1e6, 1e-6, tied=False),
-    "phi3": Shape("phi3", 64, 96, 2, 4, 2, 32, 1e4, 1e-5, tied=False, rotary=24),
-    "qwen2": Shape("qwen2", 64, 96, 2, 4, 2, 16, 1e6, 1e-6, qkv_bias=True),
-    "gemma3": Shape("gemma3", 64, 96, 2, 4, 1, 32, 1e6, 1e-6, window=8),
-    "qwen3moe": Shape(
-        "qwen3moe",
-        64,
-        96,
-        2,
-        4,
-        2,
-        32,
-        1e6,
-        1e-6,
-        tied=False,
-        experts=16,
-        experts_used=4,
-        expert_ffn=32,
-    ),  # fmt: skip
+    name: FAMILY_SHAPES[name] for name in ("qwen3", "phi3", "qwen2", "gemma3-4b", "qwen3moe")
 }
 
 

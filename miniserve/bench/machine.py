@@ -128,6 +128,13 @@ def _best_time(
     return best
 
 
+def time_from_memory(fn) -> float:
+    """The best time of fn() over up to 20 runs, twice the largest cache written over before
+    each, so that what it reads (a weight matrix that would fit there) comes from memory."""
+    evict = torch.empty(2 * last_cache_bytes(), dtype=torch.uint8)
+    return _best_time(fn, max_reps=20, before=lambda: evict.fill_(1))
+
+
 def last_cache_bytes() -> int:
     """The CPU's largest cache (Linux: sysfs; elsewhere, or unreadable: 64 MiB)."""
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -160,9 +167,8 @@ def measure_ceiling(engine: Engine, math: str = "") -> dict:
         rows, cols = w.shape
         x1 = torch.randn(1, cols, dtype=torch.float32)
         xb = torch.randn(CEILING_BATCH, cols, dtype=torch.float32)
-        evict = torch.empty(2 * last_cache_bytes(), dtype=torch.uint8)
         with torch.inference_mode():
-            t1 = _best_time(lambda: product(x1), max_reps=20, before=lambda: evict.fill_(1))
+            t1 = time_from_memory(lambda: product(x1))
             tb = _best_time(lambda: product(xb))
         kind = (
             _type_name(stored.type) + (", packed" if w is not stored else "")

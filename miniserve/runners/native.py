@@ -643,16 +643,16 @@ class NativeForward:
         self.V = _rows(model.lm_head)
         assert model.head_dim <= 1024
         self._kept = []  # the float32 norm weights the structs point to
-        # the matrices pack() lays out anew, in one allocation (one per matrix would round each
-        # up to whole 2 MiB pages: +117 MB for Qwen3-1.7B), backed by 2 MB pages where the
-        # system gives them (lean.huge_page_memory: a decoded token streams every matrix once,
-        # and with 4 KB pages its address translations cost much of that stream)
         # an embedding looked up where it lies in a mapped file (a model over one gives
         # `release`): its pages handed back by the pass once it has looked its rows up
         # (decode.cpp's embed_hand_back), so that the tokens' rows do not pile up as resident
         # memory (each lookup maps the ~64 KB around its row, the kernel's fault-around: 38 MiB
         # after 700 lookups in Qwen3-1.7B's 255 MB table). ~10 us a pass.
         embed_mapped = release is not None and isinstance(model.embed, StoredMatrix)
+        # the matrices pack() lays out anew, in one allocation (one per matrix would round each
+        # up to whole 2 MiB pages: +117 MB for Qwen3-1.7B), backed by 2 MB pages where the
+        # system gives them (lean.huge_page_memory: a decoded token streams every matrix once,
+        # and with 4 KB pages its address translations cost much of that stream)
         total = arena_bytes(model.layers, model.lm_head)
         if arena is None or arena.numel() != total:
             arena = huge_page_memory(total)

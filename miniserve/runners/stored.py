@@ -186,11 +186,9 @@ class GGUFWeights:
             info = self.file.tensors.get(name)
             if info is None or len(dims) < 2 or tuple(info.shape) != tuple(dims):
                 continue
-            if info.type in FLOAT_TYPES and info.type != F16:
-                continue
-            rows, cols = math.prod(dims[:-1]), dims[-1]
-            if native.row_bytes(info.type, cols) * rows == info.nbytes:
-                out[name] = native.StoredMatrix(0, info.type, rows, cols, info.nbytes)
+            stored = _in_place(info, dims)
+            if stored is not None:
+                out[name] = stored
         return out
 
     def take_arena(self):
@@ -383,8 +381,9 @@ class GGUFWeights:
             t = _tensor_view(self.file.data(name), dtype).view(shape)
             self._kept.append(t)  # bfloat16 / float32 where they lie
             return t
-        if native.row_bytes(info.type, cols) * rows == info.nbytes:
-            return native.StoredMatrix(self.file.address(name), info.type, rows, cols, info.nbytes)
+        stored = _in_place(info, shape, self.file.address(name))
+        if stored is not None:
+            return stored
         self.converted.append(info.type_name)
         return self._dequantized(name, info, shape)
 
@@ -470,6 +469,18 @@ class GGUFWeights:
         in the cache, without reading the weights."""
         with open(self.path, "rb") as f:
             return hashlib.sha256(f.read(self.file.header_bytes)).hexdigest()[:16]
+
+
+def _in_place(info, dims, address: int = 0) -> native.StoredMatrix | None:
+    """A matrix of `dims` (experts: E x F rows one after another) as the kernels read it where
+    it lies -- F16, or blocks whose rows fill the tensor's bytes -- at `address`; else None
+    (bfloat16 and float32 are viewed as they are, other types dequantized: GGUFWeights.matrix)."""
+    rows, cols = math.prod(dims[:-1]), dims[-1]
+    if info.type in FLOAT_TYPES and info.type != F16:
+        return None
+    if native.row_bytes(info.type, cols) * rows != info.nbytes:
+        return None
+    return native.StoredMatrix(address, info.type, rows, cols, info.nbytes)
 
 
 def _tensor_view(data: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
