@@ -1214,12 +1214,102 @@ static inline void weighted_sum(const float *p, const T *v, long n, long hd, flo
     for (long j = 0; j < n; j++) axpy(o, p[j], v + j * hd, hd);
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// AVX2: the NH heads of a kv group at once, so that each key and value vector is loaded (and
+// widened from float16) once for all of them, where a head at a time did it once a head: with
+// SmolLM2's 3 heads a group, a third of the loads and conversions. Where the keys and values
+// are in the cache -- a prompt's rows share them -- that is the work: a 1,024-token SmolLM2
+// prompt 4% faster, a 2,048-token Gemma 3 270M one (4 heads a group, 256 dimensions) 9%; a
+// decode row reads them from memory, at the same speed either way. Each score and each sum is
+// the one a head alone makes -- the same fused multiply-adds from 0, in the same order -- so
+// no bit changes. Registers: NH x NT x 2 (scores) or NH x NV (sums) accumulators, at most 12.
+
+// NH heads' scores against NT tiles of 16 keys (k0: the first tile; q: the heads hd apart; s:
+// the heads' scores BLOCK apart).
+template <int NH, int NT, typename T>
+static inline void scores_heads8(const float *q, long hd, const T *k0, __m256 scale, float *s) {
+    __m256 acc[NH][NT][2];
+    for (int h = 0; h < NH; h++)
+        for (int t = 0; t < NT; t++) acc[h][t][0] = acc[h][t][1] = _mm256_setzero_ps();
+    for (long d = 0; d < hd; d++) {
+        __m256 kv[NT][2];
+        for (int t = 0; t < NT; t++) {
+            kv[t][0] = kv8(k0 + (t * hd + d) * 16);
+            kv[t][1] = kv8(k0 + (t * hd + d) * 16 + 8);
+        }
+        for (int h = 0; h < NH; h++) {
+            const __m256 qd = _mm256_set1_ps(q[h * hd + d]);
+            for (int t = 0; t < NT; t++)
+                for (int i = 0; i < 2; i++) acc[h][t][i] = _mm256_fmadd_ps(qd, kv[t][i], acc[h][t][i]);
+        }
+    }
+    for (int h = 0; h < NH; h++)
+        for (int t = 0; t < NT; t++)
+            for (int i = 0; i < 2; i++)
+                _mm256_storeu_ps(s + h * BLOCK + t * 16 + i * 8, _mm256_mul_ps(acc[h][t][i], scale));
+}
+
+// o_h (NV x 8 numbers from column 0 of v's rows, hd apart) = sum_j p_h[j] v[j] for NH heads:
+// weighted_sum's products and order (p: the heads' weights BLOCK apart; o: ostride apart).
+template <int NH, int NV, typename T>
+static inline void weighted_heads8(const float *p, const T *v, long n, long hd, float *o,
+                                   long ostride) {
+    __m256 acc[NH][NV];
+    for (int h = 0; h < NH; h++)
+        for (int c = 0; c < NV; c++) acc[h][c] = _mm256_setzero_ps();
+    for (long j = 0; j < n; j++) {
+        __m256 vv[NV];
+        for (int c = 0; c < NV; c++) vv[c] = kv8(v + j * hd + c * 8);
+        for (int h = 0; h < NH; h++) {
+            const __m256 pj = _mm256_set1_ps(p[h * BLOCK + j]);
+            for (int c = 0; c < NV; c++) acc[h][c] = _mm256_fmadd_ps(pj, vv[c], acc[h][c]);
+        }
+    }
+    for (int h = 0; h < NH; h++)
+        for (int c = 0; c < NV; c++) _mm256_storeu_ps(o + h * ostride + c * 8, acc[h][c]);
+}
+
+// attend_block's numbers for NH (2 to 4) heads, hd a multiple of 8.
+template <int NH, typename T>
+static void attend_heads8(const float *q, const T *kt, const T *v, long from, long to, long hd,
+                          float scale, float *s, float *part) {
+    constexpr int NT = NH == 2 ? 2 : 1, NV = NH == 2 ? 4 : 2;
+    const long t0 = from / 16 * 16, skip = from - t0, n = to - from, tiles = (to - t0 + 15) / 16;
+    const T *base = kt + (t0 / 16) * hd * 16;
+    const __m256 sc = _mm256_set1_ps(scale);
+    long t = 0;
+    for (; t + NT <= tiles; t += NT) scores_heads8<NH, NT>(q, hd, base + t * hd * 16, sc, s + t * 16);
+    for (; t < tiles; t++) scores_heads8<NH, 1>(q, hd, base + t * hd * 16, sc, s + t * 16);
+    for (int h = 0; h < NH; h++) {  // part, per head: o (hd numbers), l, m
+        float *p = s + h * BLOCK + skip, *o = part + h * (hd + 2);
+        o[hd + 1] = max_of(p, n);
+        o[hd] = exp_shifted(p, n, o[hd + 1]);
+    }
+    long c = 0;
+    for (; c + 8 * NV <= hd; c += 8 * NV)
+        weighted_heads8<NH, NV>(s + skip, v + from * hd + c, n, hd, part + c, hd + 2);
+    for (; c < hd; c += 8) weighted_heads8<NH, 1>(s + skip, v + from * hd + c, n, hd, part + c, hd + 2);
+}
+#endif
+
 template <typename T>
 static void attend_block(const float *q, const T *kt, const T *v, long group, long from,
                          long to, long hd, float scale, float *s, float *part) {
     // scores from the tile of 16 that holds `from` (tiles are whole), used from `from` on
     const long t0 = from / 16 * 16, skip = from - t0, n = to - from;
-    for (long h = 0; h < group; h++) {  // part, per head: o (hd numbers), l, m
+    long h = 0;
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+    for (; hd % 8 == 0 && group - h >= 2; h += 4) {  // 2 to 4 heads at once; a last one alone
+        const float *qh = q + h * hd;
+        float *sh = s + h * BLOCK, *ph = part + h * (hd + 2);
+        switch (group - h < 4 ? group - h : 4) {
+            case 2: attend_heads8<2>(qh, kt, v, from, to, hd, scale, sh, ph); break;
+            case 3: attend_heads8<3>(qh, kt, v, from, to, hd, scale, sh, ph); break;
+            default: attend_heads8<4>(qh, kt, v, from, to, hd, scale, sh, ph);
+        }
+    }
+#endif
+    for (; h < group; h++) {  // part, per head: o (hd numbers), l, m
         float *sh = s + h * BLOCK, *o = part + h * (hd + 2), *p = sh + skip;
         block_scores(q + h * hd, kt, t0, to - t0, hd, scale, sh);
         const float top = max_of(p, n);
