@@ -769,7 +769,10 @@ static void msq_dot_packed(long n, const void *w, const void *x, long xs, float 
         for (int k = 0; k < 8; k++) acc[j][k] = _mm512_setzero_ps();
     for (long b = 0; b < nb; b++) {
         const P &u = *(const P *)(t + b * sizeof(P));
-        if (NB > 1 && b % 4 == 0)  // (as the K-quant strips: from memory the prefetchers alone fall behind)
+        // (as the K-quant strips: from memory the prefetchers alone fall behind); one row too:
+        // SmolLM2's one-row pass on a Xeon 5.3-5.6 -> 3.9-4.0 ms (the AVX2 build's: 6.1-6.3 ->
+        // 5.0-5.2), where the K-quants' one-row strips are faster without (kquants.h)
+        if (b % 4 == 0)
             for (int o = 0; o < 4 * (int)sizeof(P); o += 64) _mm_prefetch((const char *)(t + (b + 8) * sizeof(P)) + o, _MM_HINT_T1);
         const long g = b / 8;
         const int k = (int)(b % 8);
@@ -859,7 +862,7 @@ static void msq_dot_packed8(long n, const void *w, const void *x, long xs, float
         for (int k = 0; k < 8; k++) acc[j][k] = _mm256_setzero_ps();
     for (long b = 0; b < nb; b++) {
         const P &u = *(const P *)(t + b * sizeof(P));
-        if (NB > 1 && b % 4 == 0)  // (as the 16-row strips)
+        if (b % 4 == 0)  // (as the 16-row strips, one row too)
             for (int o = 0; o < 4 * (int)sizeof(P); o += 64) _mm_prefetch((const char *)(t + (b + 8) * sizeof(P)) + o, _MM_HINT_T1);
         const long g = b / 8;
         const int k = (int)(b % 8);
