@@ -1,7 +1,7 @@
 # make run   -- create .venv, install, start the web app on http://127.0.0.1:7860
 # make test  -- same install, then the whole test suite (browser tests included), then the
-#               engine tests again as other CPUs run them: AVX2 only, the native pass's plain
-#               loops, no native pass (the first two on x86-64 only)
+#               engine tests again as other CPUs run them: AVX2 only, AVX2 with AVX-VNNI, the
+#               native pass's plain loops, no native pass (the first three on x86-64 only)
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -15,7 +15,8 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 ENGINE_TESTS := tests/test_decode.py tests/test_native.py tests/test_engine.py \
 	tests/test_scheduler.py tests/test_stored.py tests/test_families.py
 # The AVX2 and generic legs imitate x86-64 CPUs; elsewhere (ARM) only the last leg runs.
-LEGS := $(if $(filter x86_64 amd64,$(shell uname -m)),test-avx2 test-generic) test-no-native
+LEGS := $(if $(filter x86_64 amd64,$(shell uname -m)),test-avx2 test-avx2-vnni test-generic) \
+	test-no-native
 # A CPU without AVX-512 (AMD Zen 2/3, most Intel desktops and laptops): ATen's kernels
 # (softmax, attention) and oneDNN's (bfloat16 matrix products) capped to AVX2, the native
 # step compiled for x86-64-v3 (AVX2 + FMA). Measured: these two switches change results; MKL's
@@ -24,13 +25,19 @@ LEGS := $(if $(filter x86_64 amd64,$(shell uname -m)),test-avx2 test-generic) te
 # (tests/test_native.py::test_this_leg_runs_the_kernels_it_names).
 AVX2_LEG := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
 	MINISERVE_NATIVE_ARCH=x86-64-v3 MINISERVE_EXPECT_ISA=avx2
+# Intel's desktops and laptops from Alder Lake (AVX2 and AVX-VNNI, no AVX-512): the int8
+# products by vpdpbusd, the same bits as the AVX2 leg's (the digests in tests/test_stored.py).
+# A CPU without AVX-VNNI cannot run that build: there the leg says so and runs nothing.
+AVX2_VNNI_LEG := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
+	MINISERVE_NATIVE_ARCH=x86-64-v3-vnni MINISERVE_EXPECT_ISA=avx2+vnni
 # The native pass's plain loops (what a compiler makes of them for baseline x86-64: SSE2),
 # ATen's kernels without vector code; oneDNN at AVX2 (it has no lower setting that keeps its
 # bf16 products).
 GENERIC_LEG := ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=AVX2 \
 	MINISERVE_NATIVE_ARCH=generic MINISERVE_EXPECT_ISA=generic
 
-.PHONY: install run test lint package test-fast test-avx2 test-generic test-no-native bench bench-peer \
+.PHONY: install run test lint package test-fast test-avx2 test-avx2-vnni test-generic test-no-native \
+	bench bench-peer \
 	soak chromium compiler models tokenizer-qwen3 test-peers clean
 
 install: $(STAMP)
@@ -113,6 +120,12 @@ test-fast: install compiler tokenizer-qwen3
 # (the tests marked same_on_every_cpu check behaviour, not arithmetic: the full suite has them)
 test-avx2: install compiler
 	$(AVX2_LEG) $(PY) -m pytest -q -m "not same_on_every_cpu" $(ENGINE_TESTS)
+
+test-avx2-vnni: install compiler
+	@if grep -qw avx_vnni /proc/cpuinfo; then \
+		$(AVX2_VNNI_LEG) $(PY) -m pytest -q -m "not same_on_every_cpu" tests/test_native.py \
+			tests/test_stored.py tests/test_families.py; \
+	else echo "test-avx2-vnni: no AVX-VNNI on this CPU (/proc/cpuinfo): its build cannot run here"; fi
 
 test-generic: install compiler
 	$(GENERIC_LEG) $(PY) -m pytest -q -m "not same_on_every_cpu" tests/test_native.py \

@@ -43,6 +43,7 @@ from reference import (
 ISA_NEEDS = {
     "avx512": {"avx512f"},
     "avx2": {"avx2", "fma"},
+    "avx2+vnni": {"avx2", "fma", "avx_vnni"},
     "generic": set(),
     "generic+neon": set(),
 }
@@ -54,13 +55,15 @@ def expected_isa(target: str, features: set[str], machine: str) -> str:
     plain = "generic+neon" if machine.lower() in ("arm64", "aarch64") else "generic"
     if target == "x86-64-v3":
         return "avx2"
+    if target == "x86-64-v3-vnni":
+        return "avx2+vnni"
     if target == "generic":
         return plain
     assert target == "native", target
     if "avx512f" in features:
         return "avx512"
     if {"avx2", "fma"} <= features:
-        return "avx2"
+        return "avx2+vnni" if "avx_vnni" in features else "avx2"
     return plain
 
 

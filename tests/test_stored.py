@@ -550,7 +550,7 @@ def packs_here(qtype=Q.Q4_K) -> bool:
     32-weight types in the AVX-512 build (16) and the AVX2 one (8); Q6_K in the AVX-512 build."""
     if qtype == Q.Q6_K:  # the AVX-512 build's K-quant loops (with VNNI): asked of the library
         return native.packed_bytes(StoredMatrix(0, int(Q.Q6_K), 16, 256, 16 * 210)) > 0
-    return (qtype in LEGACY or qtype == Q.Q4_K) and native.isa() in ("avx512", "avx2")
+    return (qtype in LEGACY or qtype == Q.Q4_K) and native.isa() in ("avx512", "avx2", "avx2+vnni")
 
 
 # (type, rows, blocks): the 32-weight types' rows ending in each kind of last group (576

@@ -16,6 +16,7 @@ FEATURES = (
     "avx512f",
     "avx512_bf16",
     "avx512_vnni",
+    "avx_vnni",
     "amx_tile",
     "amx_bf16",
     "asimd",

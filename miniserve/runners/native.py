@@ -63,10 +63,13 @@ X86_64 = platform.machine().lower() in ("x86_64", "amd64")
 #   native:    this CPU. -march=native: AVX-512 where the CPU has it; -mcpu=native: what Apple's
 #              clang takes on arm64; none: portable loops the compiler vectorizes as it can.
 #   x86-64-v3: AVX2 + FMA, as on most x86 CPUs of the last ten years (the AVX2 loops).
+#   x86-64-v3-vnni: the same with AVX-VNNI (Intel's desktops and laptops from Alder Lake: no
+#              AVX-512, one instruction for 4 int8 products), as -march=native builds there.
 #   generic:   the plain loops, for the architecture's baseline (SSE2 on x86-64).
 TARGETS = {
     "native": [["-march=native"], ["-mcpu=native"], []],
     "x86-64-v3": [["-march=x86-64-v3"]],
+    "x86-64-v3-vnni": [["-march=x86-64-v3", "-mavxvnni"]],
     "generic": [["-march=x86-64", "-mtune=generic"]] if X86_64 else [[]],
 }
 
@@ -175,8 +178,9 @@ def kernels_label() -> str | None:
 
 
 def isa() -> str | None:
-    """Which inner loops the library was compiled with: "avx512", "avx2" (with FMA) or
-    "generic" (plain loops; "generic+neon" on ARM); None where there is no library."""
+    """Which inner loops the library was compiled with: "avx512", "avx2" (with FMA;
+    "avx2+vnni" with AVX-VNNI's int8 products) or "generic" (plain loops; "generic+neon" on
+    ARM); None where there is no library."""
     lib = load()
     return lib.ms_isa().decode() if lib is not None else None
 

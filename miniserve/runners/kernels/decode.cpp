@@ -2195,11 +2195,14 @@ const char *ms_layout(void) {
     return layout.c_str();
 }
 
-// Which inner loops were compiled: "avx512", "avx2" (with FMA) or "generic" (plain loops;
-// "generic+neon" where the compiler could use NEON for them).
+// Which inner loops were compiled: "avx512", "avx2" (with FMA; "avx2+vnni" with AVX-VNNI's
+// int8 products) or "generic" (plain loops; "generic+neon" where the compiler could use NEON
+// for them).
 const char *ms_isa(void) {
 #if defined(__AVX512F__)
     return "avx512";
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__AVXVNNI__)
+    return "avx2+vnni";
 #elif defined(__AVX2__) && defined(__FMA__)
     return "avx2";
 #elif defined(__ARM_NEON)

@@ -892,6 +892,23 @@ static void msq_dot_packed8(long n, const void *w, const void *x, long xs, float
                     return _mm256_set1_epi32(v);
                 };
                 __m256i total;
+#if defined(__AVXVNNI__)
+                // AVX-VNNI (Intel from Alder Lake, AMD from Zen 5): one vpdpbusd adds each lane's
+                // 4 products into its int32 total, where vpmaddubsw + vpmaddwd take two steps
+                // through int16. The sums above never reach int16's limits, so the totals, and
+                // the bits, are the same either way.
+                if constexpr (T::BITS == 8) {
+                    total = _mm256_setzero_si256();
+                    for (int p = 0; p < 8; p++) total = _mm256_dpbusd_avx_epi32(total, W[p], _mm256_sign_epi8(act(p), S[p]));
+                } else {
+                    __m256i t0 = _mm256_setzero_si256(), t1 = t0;
+                    for (int p = 0; p < 8; p += 2) {  // two chains, as below
+                        t0 = _mm256_dpbusd_avx_epi32(t0, W[p], act(p));
+                        t1 = _mm256_dpbusd_avx_epi32(t1, W[p + 1], act(p + 1));
+                    }
+                    total = _mm256_add_epi32(t0, t1);
+                }
+#else
                 if constexpr (T::BITS == 8) {
                     total = _mm256_setzero_si256();
                     for (int p = 0; p < 8; p++)
@@ -907,6 +924,7 @@ static void msq_dot_packed8(long n, const void *w, const void *x, long xs, float
                     else
                         total = _mm256_madd_epi16(_mm256_add_epi16(s0, s1), ones);
                 }
+#endif
                 if constexpr (shift >= 0) total = _mm256_sub_epi32(total, _mm256_set1_epi32((int32_t)((uint32_t)a->sum[k] << shift)));
                 const __m256 dd = _mm256_mul_ps(dw, _mm256_set1_ps(a->d[k]));
                 __m256 p = _mm256_mul_ps(dd, _mm256_cvtepi32_ps(total));
