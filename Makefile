@@ -122,7 +122,7 @@ test-avx2: install compiler
 	$(AVX2_LEG) $(PY) -m pytest -q -m "not same_on_every_cpu" $(ENGINE_TESTS)
 
 test-avx2-vnni: install compiler
-	@if grep -qw avx_vnni /proc/cpuinfo; then \
+	@if grep -qsw avx_vnni /proc/cpuinfo; then \
 		$(AVX2_VNNI_LEG) $(PY) -m pytest -q -m "not same_on_every_cpu" tests/test_native.py \
 			tests/test_stored.py tests/test_families.py; \
 	else echo "test-avx2-vnni: no AVX-VNNI on this CPU (/proc/cpuinfo): its build cannot run here"; fi

@@ -13,8 +13,8 @@ Build: the system C++ compiler (`$CXX`, else `c++`), `-O3` for the target that
 `MINISERVE_NATIVE_ARCH` names (TARGETS below; `native` by default: this CPU, AVX-512 where it
 has it), a few seconds, once; the library is kept in the user cache folder, keyed by the
 source, the compiler, this CPU and the compiler flags. `isa()` says which inner loops the
-library holds (avx512, avx2 or generic). Where there is no compiler, the lean PyTorch step runs
-instead and `unavailable_reason()` says why: nothing else changes.
+library holds (avx512, avx2, avx2+vnni or generic). Where there is no compiler, the lean
+PyTorch step runs instead and `unavailable_reason()` says why: nothing else changes.
 """
 
 from __future__ import annotations

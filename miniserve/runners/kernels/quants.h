@@ -893,10 +893,10 @@ static void msq_dot_packed8(long n, const void *w, const void *x, long xs, float
                 };
                 __m256i total;
 #if defined(__AVXVNNI__)
-                // AVX-VNNI (Intel from Alder Lake, AMD from Zen 5): one vpdpbusd adds each lane's
-                // 4 products into its int32 total, where vpmaddubsw + vpmaddwd take two steps
-                // through int16. The sums above never reach int16's limits, so the totals, and
-                // the bits, are the same either way.
+                // AVX-VNNI (Intel's desktops and laptops from Alder Lake: no AVX-512): one
+                // vpdpbusd adds each lane's 4 products into its int32 total, where vpmaddubsw +
+                // vpmaddwd take two steps through int16. The sums above never reach int16's
+                // limits, so the totals, and the bits, are the same either way.
                 if constexpr (T::BITS == 8) {
                     total = _mm256_setzero_si256();
                     for (int p = 0; p < 8; p++) total = _mm256_dpbusd_avx_epi32(total, W[p], _mm256_sign_epi8(act(p), S[p]));
