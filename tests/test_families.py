@@ -56,7 +56,7 @@ SHAPES = {
     "llama": S("llama", 64, 96, 2, 10, 2, 16, 1e4, 1e-5, tied=False),
     # groups of 3 (SmolLM2's), 24 dimensions: the AVX2 attention's 3 heads at once, its sums
     # 16 and then 8 columns at a time
-    "qwen2": S("qwen2", 64, 96, 2, 6, 2, 24, 1e6, 1e-6, qkv_bias=True),
+    "qwen2": S("qwen2", 64, 96, 2, 12, 4, 24, 1e6, 1e-6, qkv_bias=True),
 }
 LENGTH = {"gemma3-1b": 600}
 # the embedded tokenizer's first 4096 tokens and the merges among them (synthetic.py): a whole
