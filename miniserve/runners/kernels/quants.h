@@ -491,14 +491,34 @@ constexpr int msq_bias_shift() {
     return T::OFF == 8 ? 3 : T::OFF == 16 ? 4 : -1;
 }
 
+// vpdpbusd on 256 bits where the build has it: AVX-512 (VL + VNNI), or AVX-VNNI (Intel's
+// desktops and laptops from Alder Lake: no AVX-512). It adds each lane's 4 unsigned x signed
+// byte products into its int32 total in one step, where AVX2 alone takes vpmaddubsw + vpmaddwd
+// through int16; the int16 sums below never saturate, so the totals, and the bits, are the
+// same either way.
+#if defined(MSQ_AVX512) || defined(__AVXVNNI__)
+#define MSQ_DPBUSD 1
+static MSQ_INLINE __m256i msq_dpbusd(__m256i acc, __m256i u, __m256i s) {
+#if defined(MSQ_AVX512)
+    return _mm256_dpbusd_epi32(acc, u, s);
+#else
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#endif
+}
+#endif
+
 // Q8_0 (AVX2): acc plus the products of P pieces (w[i]: the weights' magnitudes, sg[i]: their
 // signed bytes) against the activation pieces act(0) .. act(P - 1), int32 lane by lane.
 template <int P, class Act>
 static MSQ_INLINE __m256i msq_totals_q8(__m256i acc, const __m256i *w, const __m256i *sg, Act act) {
     for (int i = 0; i < P; i++) {
         const __m256i a = _mm256_sign_epi8(act(i), sg[i]);
+#if defined(MSQ_DPBUSD)
+        acc = msq_dpbusd(acc, w[i], a);
+#else
         // pairs of products up to 2 * 128 * 127: into int32 at once
         acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w[i], a), _mm256_set1_epi16(1)));
+#endif
     }
     return acc;
 }
@@ -509,17 +529,17 @@ static MSQ_INLINE __m256i msq_totals_q8(__m256i acc, const __m256i *w, const __m
 template <int K, int P, class Act>
 static MSQ_INLINE __m256i msq_totals(const __m256i *w, Act act) {
     __m256i acc = _mm256_setzero_si256();
-#if defined(MSQ_AVX512)
+#if defined(MSQ_DPBUSD)
     if constexpr (P == 8) {  // two chains, then their sum (integers: the same total)
-        __m256i b = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w[1], act(1));
-        acc = _mm256_dpbusd_epi32(acc, w[0], act(0));
+        __m256i b = msq_dpbusd(_mm256_setzero_si256(), w[1], act(1));
+        acc = msq_dpbusd(acc, w[0], act(0));
         for (int i = 2; i < P; i += 2) {
-            acc = _mm256_dpbusd_epi32(acc, w[i], act(i));
-            b = _mm256_dpbusd_epi32(b, w[i + 1], act(i + 1));
+            acc = msq_dpbusd(acc, w[i], act(i));
+            b = msq_dpbusd(b, w[i + 1], act(i + 1));
         }
         return _mm256_add_epi32(acc, b);
     }
-    for (int i = 0; i < P; i++) acc = _mm256_dpbusd_epi32(acc, w[i], act(i));
+    for (int i = 0; i < P; i++) acc = msq_dpbusd(acc, w[i], act(i));
 #else
     typedef MsqT<K> T;
     const __m256i ones = _mm256_set1_epi16(1);
@@ -856,7 +876,7 @@ static void msq_dot_packed8(long n, const void *w, const void *x, long xs, float
     constexpr int shift = msq_bias_shift<K>();
     const uint8_t *t = (const uint8_t *)w;
     const long nb = n / 32;
-    const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
     __m256 acc[NB][8];
     for (int j = 0; j < NB; j++)
         for (int k = 0; k < 8; k++) acc[j][k] = _mm256_setzero_ps();
@@ -892,39 +912,10 @@ static void msq_dot_packed8(long n, const void *w, const void *x, long xs, float
                     return _mm256_set1_epi32(v);
                 };
                 __m256i total;
-#if defined(__AVXVNNI__)
-                // AVX-VNNI (Intel's desktops and laptops from Alder Lake: no AVX-512): one
-                // vpdpbusd adds each lane's 4 products into its int32 total, where vpmaddubsw +
-                // vpmaddwd take two steps through int16. The sums above never reach int16's
-                // limits, so the totals, and the bits, are the same either way.
-                if constexpr (T::BITS == 8) {
-                    total = _mm256_setzero_si256();
-                    for (int p = 0; p < 8; p++) total = _mm256_dpbusd_avx_epi32(total, W[p], _mm256_sign_epi8(act(p), S[p]));
-                } else {
-                    __m256i t0 = _mm256_setzero_si256(), t1 = t0;
-                    for (int p = 0; p < 8; p += 2) {  // two chains, as below
-                        t0 = _mm256_dpbusd_avx_epi32(t0, W[p], act(p));
-                        t1 = _mm256_dpbusd_avx_epi32(t1, W[p + 1], act(p + 1));
-                    }
-                    total = _mm256_add_epi32(t0, t1);
-                }
-#else
-                if constexpr (T::BITS == 8) {
-                    total = _mm256_setzero_si256();
-                    for (int p = 0; p < 8; p++)
-                        total = _mm256_add_epi32(total, _mm256_madd_epi16(_mm256_maddubs_epi16(W[p], _mm256_sign_epi8(act(p), S[p])), ones));
-                } else {
-                    __m256i s0 = _mm256_maddubs_epi16(W[0], act(0)), s1 = _mm256_maddubs_epi16(W[1], act(1));
-                    for (int p = 2; p < 8; p += 2) {  // two chains of int16 (exact: see above)
-                        s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(W[p], act(p)));
-                        s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(W[p + 1], act(p + 1)));
-                    }
-                    if constexpr (T::BITS == 5)  // each chain to int32 on its own
-                        total = _mm256_add_epi32(_mm256_madd_epi16(s0, ones), _mm256_madd_epi16(s1, ones));
-                    else
-                        total = _mm256_madd_epi16(_mm256_add_epi16(s0, s1), ones);
-                }
-#endif
+                if constexpr (T::BITS == 8)
+                    total = msq_totals_q8<8>(_mm256_setzero_si256(), W, S, act);
+                else
+                    total = msq_totals<K, 8>(W, act);
                 if constexpr (shift >= 0) total = _mm256_sub_epi32(total, _mm256_set1_epi32((int32_t)((uint32_t)a->sum[k] << shift)));
                 const __m256 dd = _mm256_mul_ps(dw, _mm256_set1_ps(a->d[k]));
                 __m256 p = _mm256_mul_ps(dd, _mm256_cvtepi32_ps(total));
