@@ -476,21 +476,6 @@ static MSQ_INLINE void msq_scales(const uint8_t *wg, int nbg, __m256 *d, __m256 
     *m = _mm256_setzero_ps();
 }
 
-// What msq_float takes out of a group's integer totals: the activations' sums times 1 << shift
-// (-1: nothing). Q4_0 and Q5_0 enter as their unsigned stored quants (OFF = 8, 16). On AVX-512,
-// Q8_0's signed quants enter vpdpbusd as the unsigned bytes q + 128 (one xor a group, for all
-// the activation rows), so sum((q + 128) a) - 128 sum(a): the same integer, without the sign
-// trick's instruction a row. (AVX2's pmaddubsw would saturate on the pairs of (q + 128) a; it
-// keeps the sign trick.)
-template <int K>
-constexpr int msq_bias_shift() {
-    typedef MsqT<K> T;
-#if defined(MSQ_AVX512)
-    if (T::BITS == 8) return 7;
-#endif
-    return T::OFF == 8 ? 3 : T::OFF == 16 ? 4 : -1;
-}
-
 // vpdpbusd on 256 bits where the build has it: AVX-512 (VL + VNNI), or AVX-VNNI (Intel's
 // desktops and laptops from Alder Lake: no AVX-512). It adds each lane's 4 unsigned x signed
 // byte products into its int32 total in one step, where AVX2 alone takes vpmaddubsw + vpmaddwd
@@ -507,18 +492,31 @@ static MSQ_INLINE __m256i msq_dpbusd(__m256i acc, __m256i u, __m256i s) {
 }
 #endif
 
-// Q8_0 (AVX2): acc plus the products of P pieces (w[i]: the weights' magnitudes, sg[i]: their
-// signed bytes) against the activation pieces act(0) .. act(P - 1), int32 lane by lane.
+
+// What msq_float takes out of a group's integer totals: the activations' sums times 1 << shift
+// (-1: nothing). Q4_0 and Q5_0 enter as their unsigned stored quants (OFF = 8, 16). Where the
+// build has vpdpbusd (AVX-512, or AVX-VNNI), Q8_0's signed quants enter it as the unsigned bytes
+// q + 128 (one xor a group, for all the activation rows), so sum((q + 128) a) - 128 sum(a): the
+// same integer, without the sign trick's instruction a piece and row. (AVX2's pmaddubsw would
+// saturate on the pairs of (q + 128) a; without AVX-VNNI it keeps the sign trick.)
+template <int K>
+constexpr int msq_bias_shift() {
+    typedef MsqT<K> T;
+#if defined(MSQ_DPBUSD)
+    if (T::BITS == 8) return 7;
+#endif
+    return T::OFF == 8 ? 3 : T::OFF == 16 ? 4 : -1;
+}
+
+// Q8_0 (AVX2 without AVX-VNNI): acc plus the products of P pieces (w[i]: the weights'
+// magnitudes, sg[i]: their signed bytes) against the activation pieces act(0) .. act(P - 1),
+// int32 lane by lane.
 template <int P, class Act>
 static MSQ_INLINE __m256i msq_totals_q8(__m256i acc, const __m256i *w, const __m256i *sg, Act act) {
     for (int i = 0; i < P; i++) {
         const __m256i a = _mm256_sign_epi8(act(i), sg[i]);
-#if defined(MSQ_DPBUSD)
-        acc = msq_dpbusd(acc, w[i], a);
-#else
         // pairs of products up to 2 * 128 * 127: into int32 at once
         acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w[i], a), _mm256_set1_epi16(1)));
-#endif
     }
     return acc;
 }
@@ -851,12 +849,14 @@ static void msq_dot_packed(long n, const void *w, const void *x, long xs, float 
 // T_PACKED_32), as MsqPacked with 8 lanes: 8 weight rows' block b in 8 x
 // the stored block's bytes; q[v]'s lane l (row l) holds 4 bytes of that row's quants (the
 // 4-bit types: qs[4v .. 4v + 3], low nibbles piece v, high nibbles piece v + 4; Q8_0: piece v,
-// signed as stored; the 5-bit types' fifth bits in h, msq_pack_high_bits), then d[8] (and the
+// signed as stored, or as q + 128 with AVX-VNNI (msq_bias_shift); the 5-bit types' fifth bits
+// in h, msq_pack_high_bits), then d[8] (and the
 // min types' m[8]) as stored. pmaddubsw against 4 broadcast activation bytes gives each row's
 // pairs: a 4-bit block's 8 pieces (|pair| <= 2 * 15 * 128, 8 of them < 2^15) add as int16 and
 // one pmaddwd makes the row's int32 total; a 5-bit block's in two chains of 4 (4 * 2 * 31 * 128
 // < 2^15), a pmaddwd each; Q8_0 keeps the stored loop's sign trick (pairs up to 2 * 128 * 127:
-// into int32 at once). The integer
+// into int32 at once). With AVX-VNNI, vpdpbusd takes every piece straight into int32 (Q8_0's as
+// q + 128, its sum taken out after). The integer
 // totals and the float part (p = (d_w * d_x) * float(I) (+ m_w * s_x), acc[b & 7] += p, then
 // msq_sum8's order) are the stored loop's, lane by lane: the same bits.
 template <int K>
@@ -886,10 +886,13 @@ static void msq_dot_packed8(long n, const void *w, const void *x, long xs, float
             for (int o = 0; o < 4 * (int)sizeof(P); o += 64) _mm_prefetch((const char *)(t + (b + 8) * sizeof(P)) + o, _MM_HINT_T1);
         const long g = b / 8;
         const int k = (int)(b % 8);
+        constexpr bool biased = T::BITS == 8 && shift >= 0;  // Q8_0 packed as q + 128
         __m256i W[8], S[T::BITS == 8 ? 8 : 1];
         for (int v = 0; v < P::QV; v++) {
             const __m256i q = _mm256_loadu_si256((const __m256i *)u.q[v]);
-            if constexpr (T::BITS == 8)
+            if constexpr (biased)
+                W[v] = q;
+            else if constexpr (T::BITS == 8)
                 S[v] = q, W[v] = _mm256_sign_epi8(q, q);
             else
                 W[v] = _mm256_and_si256(q, m4), W[v + 4] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
@@ -912,7 +915,7 @@ static void msq_dot_packed8(long n, const void *w, const void *x, long xs, float
                     return _mm256_set1_epi32(v);
                 };
                 __m256i total;
-                if constexpr (T::BITS == 8)
+                if constexpr (T::BITS == 8 && !biased)
                     total = msq_totals_q8<8>(_mm256_setzero_si256(), W, S, act);
                 else
                     total = msq_totals<K, 8>(W, act);
