@@ -306,7 +306,7 @@ static inline float msq_dot_plain(long n, const uint8_t *w, const char *x) {
 }
 
 // ---------------------------------------------------------------- the vector loops
-// AVX2, and the AVX-512 build (whose 256-bit vpdpbusd replaces pmaddubsw + pmaddwd).
+// AVX2, and the AVX-512 and AVX-VNNI builds (whose 256-bit vpdpbusd replaces pmaddubsw + pmaddwd).
 
 #if defined(MSQ_AVX512) || defined(MSQ_AVX2)
 static inline float msq_hsum8(__m256 v) {  // msq_sum8's order
@@ -521,7 +521,7 @@ static MSQ_INLINE __m256i msq_totals_q8(__m256i acc, const __m256i *w, const __m
     return acc;
 }
 
-// The 4- and 5-bit types (and, on AVX-512, Q8_0 as q + 128: msq_bias_shift): the totals
+// The 4- and 5-bit types (and, where the build has vpdpbusd, Q8_0 as q + 128: msq_bias_shift): the totals
 // (int32 lane k: block k) of P pieces of weights (w[i], unsigned) against the activation
 // pieces act(0) .. act(P - 1).
 template <int K, int P, class Act>
