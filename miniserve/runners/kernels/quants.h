@@ -814,11 +814,14 @@ static void msq_dot_packed(long n, const void *w, const void *x, long xs, float 
             constexpr int span = decltype(sp)::value;
             for (int j = 0; j < NB; j++) {
                 const ms_a8g *a = (const ms_a8g *)((const char *)x + j * xs) + g;
+                // block k's pieces: a constant offset each from its first (an address's own
+                // displacement, not a sum a piece)
+                const int8_t *ak = a->qs + msq_piece_at(span, k, 0);
                 __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
                 for (int p = 0; p < 8; p += 2) {  // two chains, then their sum (integers: the same total)
                     int32_t v0, v1;
-                    std::memcpy(&v0, a->qs + msq_piece_at(span, k, p), 4);
-                    std::memcpy(&v1, a->qs + msq_piece_at(span, k, p + 1), 4);
+                    std::memcpy(&v0, ak + msq_piece_at(span, 0, p), 4);
+                    std::memcpy(&v1, ak + msq_piece_at(span, 0, p + 1), 4);
                     s0 = _mm512_dpbusd_epi32(s0, W[p], _mm512_set1_epi32(v0));
                     s1 = _mm512_dpbusd_epi32(s1, W[p + 1], _mm512_set1_epi32(v1));
                 }
@@ -909,9 +912,10 @@ static void msq_dot_packed8(long n, const void *w, const void *x, long xs, float
             constexpr int span = decltype(sp)::value;
             for (int j = 0; j < NB; j++) {
                 const ms_a8g *a = (const ms_a8g *)((const char *)x + j * xs) + g;
+                const int8_t *ak = a->qs + msq_piece_at(span, k, 0);  // (as msq_dot_packed)
                 auto act = [&](int p) MSQ_INLINE_LAMBDA {
                     int32_t v;
-                    std::memcpy(&v, a->qs + msq_piece_at(span, k, p), 4);
+                    std::memcpy(&v, ak + msq_piece_at(span, 0, p), 4);
                     return _mm256_set1_epi32(v);
                 };
                 __m256i total;
