@@ -492,7 +492,6 @@ static MSQ_INLINE __m256i msq_dpbusd(__m256i acc, __m256i u, __m256i s) {
 }
 #endif
 
-
 // What msq_float takes out of a group's integer totals: the activations' sums times 1 << shift
 // (-1: nothing). Q4_0 and Q5_0 enter as their unsigned stored quants (OFF = 8, 16). Where the
 // build has vpdpbusd (AVX-512, or AVX-VNNI), Q8_0's signed quants enter it as the unsigned bytes
@@ -506,6 +505,13 @@ constexpr int msq_bias_shift() {
     if (T::BITS == 8) return 7;
 #endif
     return T::OFF == 8 ? 3 : T::OFF == 16 ? 4 : -1;
+}
+
+// Whether this build takes Q8_0 as q + 128 (msq_bias_shift): its stored rows are xored once a
+// group, its packed strips stored so.
+template <int K>
+constexpr bool msq_biased() {
+    return MsqT<K>::BITS == 8 && msq_bias_shift<K>() >= 0;
 }
 
 // Q8_0 (AVX2 without AVX-VNNI): acc plus the products of P pieces (w[i]: the weights'
@@ -560,7 +566,7 @@ static MSQ_INLINE void msq_group_totals(const uint8_t *w, const char *x, long xs
     typedef MsqT<K> T;
     const uint8_t *wg = w + 8 * g * T::BYTES;
     auto qs = [&](int j) { return ((const ms_a8g *)(x + j * xs) + g)->qs; };
-    constexpr bool biased = T::BITS == 8 && msq_bias_shift<K>() >= 0;  // Q8_0 as q + 128
+    constexpr bool biased = msq_biased<K>();  // Q8_0 as q + 128
     const __m256i bias = _mm256_set1_epi8((char)0x80);
     // a last group of at most 4 (2) blocks: half (a quarter of) the work, its pieces packed into
     // 4 (2) vectors as its activations are (msq_span); each block's lanes are then added. Past
@@ -727,7 +733,7 @@ template <int K, int S>
 static void msq_pack_strip(long n, const void *w, long wrow, void *out) {
     typedef MsqT<K> T;
     typedef MsqStrip<K, S> P;
-    constexpr bool biased = T::BITS == 8 && msq_bias_shift<K>() >= 0;
+    constexpr bool biased = msq_biased<K>();
     const uint8_t *rows = (const uint8_t *)w;
     uint8_t *o = (uint8_t *)out;
     for (long b = 0; b < n / 32; b++) {
@@ -889,7 +895,7 @@ static void msq_dot_packed8(long n, const void *w, const void *x, long xs, float
             for (int o = 0; o < 4 * (int)sizeof(P); o += 64) _mm_prefetch((const char *)(t + (b + 8) * sizeof(P)) + o, _MM_HINT_T1);
         const long g = b / 8;
         const int k = (int)(b % 8);
-        constexpr bool biased = T::BITS == 8 && shift >= 0;  // Q8_0 packed as q + 128
+        constexpr bool biased = msq_biased<K>();  // Q8_0 packed as q + 128
         __m256i W[8], S[T::BITS == 8 ? 8 : 1];
         for (int v = 0; v < P::QV; v++) {
             const __m256i q = _mm256_loadu_si256((const __m256i *)u.q[v]);
