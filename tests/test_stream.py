@@ -37,6 +37,29 @@ def test_deltas_on_generated_ids(engine):
     assert "".join(c.text for c in chunks) == engine.tokenizer.decode(ids, skip_special_tokens=True)
 
 
+@pytest.mark.parametrize("skip_special", [True, False])
+def test_the_fast_decode_gives_the_pieces_transformers_decode_gives(tokenizer, skip_special):
+    """The Detokenizer calls the fast tokenizer's own decode where transformers' decode adds
+    nothing to it: the same pieces as through transformers, special tokens kept or skipped;
+    a tokenizer class with a decode of its own goes through that decode."""
+    ids = [tokenizer.bos_token_id or 0]
+    for text in TEXTS:
+        ids += tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids += [tokenizer.eos_token_id]
+    fast, slow = Detokenizer(tokenizer, skip_special), Detokenizer(tokenizer, skip_special)
+    assert fast._backend is not None
+    slow._backend = None
+    pieces = [(fast.push(i), slow.push(i)) for i in ids] + [(fast.flush(), slow.flush())]
+    assert all(a == b for a, b in pieces)
+    assert "".join(a for a, _ in pieces) == tokenizer.decode(ids, skip_special_tokens=skip_special)
+
+    class Own(type(tokenizer)):
+        def decode(self, token_ids, **kwargs):
+            return "own"
+
+    assert Detokenizer(Own.__new__(Own), skip_special)._backend is None
+
+
 def test_incomplete_character_at_the_end_is_flushed(tokenizer):
     ids = tokenizer("ok 🎉", add_special_tokens=False)["input_ids"]
     detok = Detokenizer(tokenizer)

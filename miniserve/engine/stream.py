@@ -16,6 +16,28 @@ import re
 REPLACEMENT = "\ufffd"
 
 
+def _backend_decode(tokenizer):
+    """The fast tokenizer's own decode where transformers' decode, without its clean-up, is
+    only that call (TokenizersBackend's, not overridden): the same text without the wrapper's
+    conversions, which cost as much as the decoding itself twice a token and stream. None
+    elsewhere (a slow or custom tokenizer goes through its decode)."""
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # pragma: no cover -- transformers without the fast backend
+        return None
+    kind = type(tokenizer)
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if (
+        isinstance(tokenizer, TokenizersBackend)
+        and kind.decode is PreTrainedTokenizerBase.decode
+        and kind._decode is TokenizersBackend._decode
+        and hasattr(backend, "decode")
+    ):
+        return backend.decode
+    return None
+
+
 class Detokenizer:
     """Incremental decoding: `push(id)` returns the new text (possibly "")."""
 
@@ -25,8 +47,11 @@ class Detokenizer:
         self.ids: list[int] = []
         self.prefix_offset = 0  # decode from here, so context-dependent spacing is right
         self.read_offset = 0  # text of ids[:read_offset] has been emitted
+        self._backend = _backend_decode(tokenizer)
 
     def _decode(self, ids: list[int]) -> str:
+        if self._backend is not None:
+            return self._backend(ids, skip_special_tokens=self.skip_special)
         return self.tokenizer.decode(
             ids, skip_special_tokens=self.skip_special, clean_up_tokenization_spaces=False
         )
