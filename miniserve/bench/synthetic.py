@@ -135,6 +135,8 @@ SHAPES = {
     "gemma-3-1b": Shape(
         "gemma3", 1152, 6912, 26, 4, 1, 256, 1000000.0, 1e-6, real_vocab=262144, window=512
     ),
+    # HuggingFaceTB/SmolLM2-1.7B-Instruct: a kv head for every query head (no grouping)
+    "smollm2-1.7b": Shape("llama", 2048, 8192, 24, 32, 32, 64, 130000.0, 1e-5, real_vocab=49152),
 }
 
 # quant name -> llama.cpp's file type (enum llama_ftype), as llama_model_quantize takes it

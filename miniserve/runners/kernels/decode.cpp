@@ -1130,6 +1130,9 @@ static void block_scores(const float *q, const T *kt, long p0, long n, long hd, 
         for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
         const T *k0 = base + t * hd * 16;
         for (long d = 0; d < hd; d++) {
+            // the next four tiles' row d (as the AVX-512 loop above: a head alone, as with a kv
+            // head a query head, reads its keys from memory)
+            for (int i = 4; i < 8; i++) _mm_prefetch((const char *)(k0 + (i * hd + d) * 16), _MM_HINT_T0);
             __m256 qd = _mm256_set1_ps(q[d]);
             for (int i = 0; i < 8; i++)
                 a[i] = _mm256_fmadd_ps(qd, kv8(k0 + ((i / 2) * hd + d) * 16 + (i % 2) * 8), a[i]);
@@ -1181,6 +1184,8 @@ static inline void weighted_sum_regs8(const float *p, const T *v, long n, long h
     __m256 acc[NV];
     for (int k = 0; k < NV; k++) acc[k] = _mm256_setzero_ps();
     for (long j = 0; j < n; j++) {
+        for (int k = 0; k < NV; k += 64 / (8 * (int)sizeof(T)))  // a line each: the row 16 ahead
+            _mm_prefetch((const char *)(v + (j + 16) * hd + k * 8), _MM_HINT_T0);
         __m256 pj = _mm256_set1_ps(p[j]);
         for (int k = 0; k < NV; k++)
             acc[k] = _mm256_fmadd_ps(pj, kv8(v + j * hd + k * 8), acc[k]);
