@@ -547,8 +547,9 @@ def test_header_values_the_runner_cannot_run_are_one_error(tmp_path, monkeypatch
 def packs_here(qtype=Q.Q4_K) -> bool:
     """Whether this build lays matrices of `qtype` out anew (decode.cpp's ms_pack_type): Q4_K in
     the AVX-512 build, with AMX tiles or without (16 rows a strip), and the AVX2 one (8); the
-    32-weight types in the AVX-512 build (16) and the AVX2 one (8); Q6_K in the AVX-512 build."""
-    if qtype == Q.Q6_K:  # the AVX-512 build's K-quant loops (with VNNI): asked of the library
+    32-weight types in the AVX-512 build (16) and the AVX2 one (8); Q6_K in the AVX-512 build
+    (16) and the AVX2 one (8)."""
+    if qtype == Q.Q6_K:  # the AVX-512 build's K-quant loops need VNNI: asked of the library
         return native.packed_bytes(StoredMatrix(0, int(Q.Q6_K), 16, 256, 16 * 210)) > 0
     return (qtype in LEGACY or qtype == Q.Q4_K) and native.isa() in ("avx512", "avx2", "avx2+vnni")
 

@@ -1459,6 +1459,136 @@ static void mskq_dot_p6(long n, const void *w, const void *x, long xstride, floa
 }
 #endif
 
+#if defined(MSKQ_AVX2)
+// ---------------------------------------------------------------- Q6_K packed 8 rows at a time (AVX2)
+
+// A Q6_K matrix repacked once at load for the AVX2 build (decode.cpp's T_Q6_K_P8), as mskq_p6
+// for AVX-512 with 8 lanes: 8 weight rows' super-block i in 1,696 bytes (the 8 blocks as
+// stored: 1,680), lane r holding row r. ql[hh][j][m]'s lane r holds that row's ql[64hh + 32j +
+// 4m .. +4), qh[hh][m]'s its qh[32hh + 4m .. +4). Each 32 weights of 8 rows are a mask, a shift
+// and an or away, and one vpmaddubsw against 4 broadcast activation bytes makes 32 products
+// with nothing to fold across lanes (as stored, a row's 256 weights take their scales shuffled
+// into place and the lanes paired with vphaddd). The integer lanes are mskq_p6's (the stored
+// loop's a[l] + a[l + 8] - 32 m[l]), the float steps the same, lane by lane: the same bits as
+// the rows as stored.
+struct mskq_p6x8 {
+    uint8_t ql[2][2][8][32];
+    uint8_t qh[2][8][32];
+    int8_t sc[16][8];  // [group][row]
+    uint16_t d[8];     // IEEE halves, as stored
+    uint16_t pad[8];   // to whole 32-byte vectors
+};
+static_assert(sizeof(mskq_p6x8) == 1696 && sizeof(mskq_p6x8) % 32 == 0, "packed blocks back to back, 32-byte multiples");
+
+// 8 stored Q6_K rows of n weights (w: the first, wrow bytes apart) -> n / 256 packed blocks.
+static void mskq_pack6x8_rows(long n, const void *w, long wrow, void *out) {
+    const uint8_t *b = (const uint8_t *)w;
+    mskq_p6x8 *o = (mskq_p6x8 *)out;
+    for (long i = 0; i < n / 256; i++) {
+        mskq_p6x8 &p = o[i];
+        std::memset(p.pad, 0, sizeof(p.pad));
+        for (int r = 0; r < 8; r++) {
+            const uint8_t *br = b + r * wrow + i * 210;
+            for (int hh = 0; hh < 2; hh++)
+                for (int m = 0; m < 8; m++) {
+                    for (int j = 0; j < 2; j++) std::memcpy(&p.ql[hh][j][m][4 * r], br + 64 * hh + 32 * j + 4 * m, 4);
+                    std::memcpy(&p.qh[hh][m][4 * r], br + 128 + 32 * hh + 4 * m, 4);
+                }
+            for (int g = 0; g < 16; g++) p.sc[g][r] = (int8_t)br[192 + g];
+            std::memcpy(&p.d[r], br + 208, 2);
+        }
+    }
+}
+
+// The 8 rows of a packed strip (n / 256 blocks at w) against NB activation rows (xstride bytes
+// apart): y[j * ystride + r] for rows r < 8. A lane at a time (8 int32 lanes of 8 rows would
+// not leave registers for the rest): lane l's 8 pieces of 4 weights -- halves hh, k = 2c and
+// 2c + 1 (c = bit 1 of l), m = 2mp and 2mp + 1 (mp = 2 (l >> 2) + (l & 1)) -- each vpmaddubsw'd
+// against its 4 activation bytes and vpmaddwd'd by its group's scale pair, then less 32 x the
+// scales against the activations' group sums, then fa[l] += (float)T * (d * dx); mskq_tree8's
+// order at the end.
+template <int NB>
+static void mskq_dot_p6x8(long n, const void *w, const void *x, long xstride, float *y, long ystride) {
+    const mskq_p6x8 *t = (const mskq_p6x8 *)w;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    __m256 fa[NB][8];
+    for (int j = 0; j < NB; j++)
+        for (int l = 0; l < 8; l++) fa[j][l] = _mm256_setzero_ps();
+    for (long i = 0; i < n / 256; i++) {
+        const mskq_p6x8 &u = t[i];
+        // read ahead from 2 rows (the 1B Q4_K_M shape, 8 rows: 103-106 -> 95-98 ms a pass); one
+        // row streams faster on the hardware prefetchers alone (35.3-36.0 against 38.4-39.4 ms)
+        if constexpr (NB > 1) mskq_prefetch((const uint8_t *)(t + i), (int)sizeof(mskq_p6x8));
+        const __m256 d = _mm256_cvtph_ps(_mm_load_si128((const __m128i *)u.d));
+        __m256 da[NB];
+        for (int j = 0; j < NB; j++) {
+            float dx;
+            std::memcpy(&dx, mskq_xblock(x, xstride, j, i), 4);
+            da[j] = _mm256_mul_ps(d, _mm256_set1_ps(dx));
+        }
+        auto pair = [&](int g) {  // group g's scale as an int16 pair (s, s) a row
+            const __m128i s8 = _mm_loadl_epi64((const __m128i *)u.sc[g]);
+            return _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(s8, s8));
+        };
+#pragma GCC unroll 8
+        for (int l = 0; l < 8; l++) {
+            const int c = (l >> 1) & 1, mp = 2 * (l >> 2) + (l & 1);
+            __m256i I[NB];
+            for (int j = 0; j < NB; j++) I[j] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+            for (int hh = 0; hh < 2; hh++)
+#pragma GCC unroll 2
+                for (int e = 0; e < 2; e++) {  // m = 2mp + e
+                    const int m = 2 * mp + e;
+                    const __m256i h = _mm256_load_si256((const __m256i *)u.qh[hh][m]);
+                    const __m256i l0 = _mm256_load_si256((const __m256i *)u.ql[hh][0][m]);
+                    const __m256i l1 = _mm256_load_si256((const __m256i *)u.ql[hh][1][m]);
+                    __m256i W[2];  // k = 2c, 2c + 1: the low nibbles and qh bits 0-3, or the high and 4-7
+                    if (c == 0) {
+                        W[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(h, 4), m30));
+                        W[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(h, 2), m30));
+                    } else {
+                        W[0] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(h, m30));
+                        W[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                               _mm256_and_si256(_mm256_srli_epi16(h, 2), m30));
+                    }
+#pragma GCC unroll 2
+                    for (int kk = 0; kk < 2; kk++) {
+                        const int k = 2 * c + kk, g = 8 * hh + 2 * k + (mp >> 1);
+                        const __m256i sp = pair(g);
+                        for (int j = 0; j < NB; j++) {
+                            int32_t a;
+                            std::memcpy(&a, mskq_xblock(x, xstride, j, i) + 4 + 128 * hh + 32 * k + 4 * m, 4);
+                            const __m256i p = _mm256_maddubs_epi16(W[kk], _mm256_set1_epi32(a));
+#if defined(__AVXVNNI__)
+                            I[j] = _mm256_dpwssd_avx_epi32(I[j], p, sp);
+#else
+                            I[j] = _mm256_add_epi32(I[j], _mm256_madd_epi16(p, sp));
+#endif
+                        }
+                    }
+                }
+            // m[l] = sc[2l] bsums[2l] + sc[2l + 1] bsums[2l + 1]
+            const __m256i pr = _mm256_blend_epi16(pair(2 * l), pair(2 * l + 1), 0xAA);
+            for (int j = 0; j < NB; j++) {
+                int32_t bs;
+                std::memcpy(&bs, mskq_xblock(x, xstride, j, i) + 260 + 4 * l, 4);
+                const __m256i mm = _mm256_madd_epi16(pr, _mm256_set1_epi32(bs));
+                const __m256i tt = _mm256_sub_epi32(I[j], _mm256_slli_epi32(mm, 5));
+                fa[j][l] = _mm256_add_ps(fa[j][l], _mm256_mul_ps(_mm256_cvtepi32_ps(tt), da[j]));
+            }
+        }
+    }
+    for (int j = 0; j < NB; j++) {  // mskq_tree8, 8 rows at once
+        const __m256 c0 = _mm256_add_ps(fa[j][0], fa[j][4]), c1 = _mm256_add_ps(fa[j][1], fa[j][5]);
+        const __m256 c2 = _mm256_add_ps(fa[j][2], fa[j][6]), c3 = _mm256_add_ps(fa[j][3], fa[j][7]);
+        alignas(32) float v[8];
+        _mm256_store_ps(v, _mm256_add_ps(_mm256_add_ps(c0, c2), _mm256_add_ps(c1, c3)));
+        for (int r = 0; r < 8; r++) y[j * ystride + r] = v[r];
+    }
+}
+#endif
+
 #if defined(MSKQ_AVX512)
 // 16 Q6_K rows' super-block laid out as a tile (as mskq_t45: lane l holds row mskq_tile_row(l)).
 // The A8 lanes of the order above come out as the same integers per row (lane l's 4 group
