@@ -640,6 +640,31 @@ def test_the_rows_a_pass_looks_up_in_a_mapped_embedding_are_handed_back_after_it
     assert torch.equal(first, again)
 
 
+@same_on_every_cpu
+@needs_native
+def test_norms_and_biases_are_copied_out_of_the_map(tmp_path):
+    """A file's small tensors (norms, biases; float32 ones too) are copies in the process's own
+    memory: a pass reads them every step, and a read in the map maps the file's pages around
+    it (recent kernels' large page-cache folios: up to 2 MB of the next matrix a vector, ~120
+    MiB a pass for Qwen3-1.7B's norms, resident beside the packed copies of those matrices)."""
+    from miniserve.bench import synthetic
+    from miniserve.runners.stored import GGUFWeights
+
+    path = tmp_path / "vectors.gguf"
+    shape = synthetic.Shape("qwen2", 64, 96, 2, 4, 2, 16, 1e4, 1e-5, qkv_bias=True)
+    synthetic.write_shape(path, shape, "vectors", vocab=4096, quant="q8_0")
+    weights = GGUFWeights(path)
+    name = "token_embd.weight"
+    start = weights.file.address(name) - weights.file.tensors[name].offset  # the map's first byte
+    end = start + weights.file.size
+    vectors = [weights.final_norm] + [
+        t for layer in weights.layers for t in layer.values() if isinstance(t, torch.Tensor)
+    ]
+    assert len(vectors) == 1 + 3 * shape.layers  # both norms and the q/k/v biases a layer
+    for v in vectors:
+        assert v.dtype == torch.float32 and not start <= v.data_ptr() < end
+
+
 def _anon_kib(status: Path) -> int | None:
     """This process's anonymous resident memory (KiB), where Linux says it."""
     if not status.exists():
