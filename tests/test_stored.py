@@ -752,9 +752,10 @@ def test_rows_packed_16_at_a_time_give_the_bits_of_the_rows_as_stored(
 ):
     """Where the build repacks a type's matrices at load (16 rows' blocks side by side, 8 in the
     AVX2 build; the quants as stored), every product -- 1 to 7 activation rows (the strips' own
-    loops), 8 to 15 (groups of 8 on the strips, then the rest), 16 and more (Q4_K on
-    AVX-512, Q6_K: widened to tiles) -- is the same bits as over the rows as stored, with the weight
-    rows dealt to the threads in whole strips (48 rows: 32 and 16). Laid out a share of the
+    loops), 8 to 15 (groups of 8 on the strips, then the rest), 16 and more (Q4_K and Q6_K
+    on AVX-512: widened to tiles; AVX2: on the strips) -- is the same bits as over the rows as
+    stored, with the weight rows dealt to the threads in whole strips (48 rows: 32 and 16).
+    Laid out a share of the
     rows at a time, each share's stored rows handed back once done (as a load does), the bytes
     are the same as laid out at once. Elsewhere (the plain loops) no matrix is repacked."""
     cols = (256 if qtype in (Q.Q4_K, Q.Q6_K) else 32) * blocks

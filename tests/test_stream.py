@@ -1,5 +1,7 @@
 """Streaming text: deltas join to the full decode, no U+FFFD halves, stop strings."""
 
+import copy
+
 import pytest
 
 from miniserve.engine.stream import REPLACEMENT, Detokenizer, StopStrings
@@ -53,11 +55,20 @@ def test_the_fast_decode_gives_the_pieces_transformers_decode_gives(tokenizer, s
     assert all(a == b for a, b in pieces)
     assert "".join(a for a, _ in pieces) == tokenizer.decode(ids, skip_special_tokens=skip_special)
 
-    class Own(type(tokenizer)):
+    class OwnDecode(type(tokenizer)):
         def decode(self, token_ids, **kwargs):
             return "own"
 
-    assert Detokenizer(Own.__new__(Own), skip_special)._backend is None
+    class OwnPart(type(tokenizer)):
+        def _decode(self, token_ids, **kwargs):
+            return "own"
+
+    for kind in (OwnDecode, OwnPart):
+        own = copy.copy(tokenizer)  # the same tokenizer, its class one with a decode of its own
+        own.__class__ = kind
+        detok = Detokenizer(own, skip_special)
+        detok.push(ids[1])
+        assert detok._backend is None and detok.text == "own"
 
 
 def test_incomplete_character_at_the_end_is_flushed(tokenizer):

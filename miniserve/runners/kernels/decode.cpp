@@ -722,23 +722,19 @@ static const Kernels *kernels_for(long type) {
     if (type == T_Q4_K_P16) return &q4_k_p16;
     if (type == T_Q6_K_P16) return &q6_k_p16;
 #elif defined(MSKQ_AVX2)
-    // Q4_K packed: strips of 8 rows, every product on them (no tiles in this build)
-    static const Kernels q4_k_p8 = [] {
-        Kernels k = {256, 1184 / 8, ACT_A8K, mskq_dot_p45x8<1>, mskq_dot_p45x8<2>, mskq_dot_p45x8<4>,
-                     mskq_dot_p45x8<8>, nullptr, 0, nullptr, nullptr, nullptr};
-        k.strip = 8;
-        k.pack = mskq_pack45x8_rows;
-        return k;
-    }();
+    // Q4_K and Q6_K packed: strips of 8 rows (struct P), every product on them (no tiles in
+    // this build)
+#define MS_KERNELS_P8(P, dot, packer)                                                              \
+    [] {                                                                                           \
+        Kernels k = {256, (long)sizeof(P) / 8, ACT_A8K, dot<1>, dot<2>, dot<4>, dot<8>, nullptr, 0,   \
+                     nullptr, nullptr, nullptr};                                                   \
+        k.strip = 8;                                                                               \
+        k.pack = packer;                                                                           \
+        return k;                                                                                  \
+    }()
+    static const Kernels q4_k_p8 = MS_KERNELS_P8(mskq_p45x8, mskq_dot_p45x8, mskq_pack45x8_rows),
+                         q6_k_p8 = MS_KERNELS_P8(mskq_p6x8, mskq_dot_p6x8, mskq_pack6x8_rows);
     if (type == T_Q4_K_P8) return &q4_k_p8;
-    // Q6_K packed: strips of 8 rows, every product on them (no tiles in this build either)
-    static const Kernels q6_k_p8 = [] {
-        Kernels k = {256, (long)sizeof(mskq_p6x8) / 8, ACT_A8K, mskq_dot_p6x8<1>, mskq_dot_p6x8<2>,
-                     mskq_dot_p6x8<4>, mskq_dot_p6x8<8>, nullptr, 0, nullptr, nullptr, nullptr};
-        k.strip = 8;
-        k.pack = mskq_pack6x8_rows;
-        return k;
-    }();
     if (type == T_Q6_K_P8) return &q6_k_p8;
 #endif
 #if defined(MSQ_AVX512) || defined(MSQ_AVX2)

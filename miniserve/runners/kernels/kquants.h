@@ -43,7 +43,8 @@
 //     integers, so the bits are the same.
 //   AVX2 + FMA: 32 weights a register; vpmaddubsw (pairs, no saturation: 2*63*127 < 2^15), then
 //     vpmaddwd by the scales, as llama.cpp does; the 4-weight sums paired into the A lanes with
-//     vphaddd.
+//     vphaddd. Matrices packed at load 8 rows a strip (Q4_K: mskq_p45x8, Q6_K: mskq_p6x8) hold
+//     a row a lane instead: 4 weights of each of 8 rows a register, nothing to pair.
 //   otherwise: plain integer loops over the unpacked quants.
 
 #ifndef MINISERVE_KQUANTS_H
@@ -1304,6 +1305,28 @@ static void ms_dotu_q6_K(long n, const void *w, const void *x, long xstride, flo
 }
 #endif
 
+// S stored Q6_K rows of n weights (w: the first, wrow bytes apart) -> n / 256 packed blocks of
+// type P (mskq_p6: S = 16; mskq_p6x8: S = 8), lane r holding row r.
+template <int S, typename P>
+static void mskq_pack6(long n, const void *w, long wrow, void *out) {
+    const uint8_t *b = (const uint8_t *)w;
+    P *o = (P *)out;
+    for (long i = 0; i < n / 256; i++) {
+        P &p = o[i];
+        std::memset(p.pad, 0, sizeof(p.pad));
+        for (int r = 0; r < S; r++) {
+            const uint8_t *br = b + r * wrow + i * 210;
+            for (int hh = 0; hh < 2; hh++)
+                for (int m = 0; m < 8; m++) {
+                    for (int j = 0; j < 2; j++) std::memcpy(&p.ql[hh][j][m][4 * r], br + 64 * hh + 32 * j + 4 * m, 4);
+                    std::memcpy(&p.qh[hh][m][4 * r], br + 128 + 32 * hh + 4 * m, 4);
+                }
+            for (int g = 0; g < 16; g++) p.sc[g][r] = (int8_t)br[192 + g];
+            std::memcpy(&p.d[r], br + 208, 2);
+        }
+    }
+}
+
 #if defined(MSKQ_AVX512)
 // ---------------------------------------------------------------- Q6_K packed 16 rows at a time
 
@@ -1326,25 +1349,7 @@ struct mskq_p6 {
 };
 static_assert(sizeof(mskq_p6) == 3392 && sizeof(mskq_p6) % 64 == 0, "packed blocks back to back, 64-byte multiples");
 
-// 16 stored Q6_K rows of n weights (w: the first, wrow bytes apart) -> n / 256 packed blocks.
-static void mskq_pack6_rows(long n, const void *w, long wrow, void *out) {
-    const uint8_t *b = (const uint8_t *)w;
-    mskq_p6 *o = (mskq_p6 *)out;
-    for (long i = 0; i < n / 256; i++) {
-        mskq_p6 &p = o[i];
-        std::memset(p.pad, 0, sizeof(p.pad));
-        for (int r = 0; r < 16; r++) {
-            const uint8_t *br = b + r * wrow + i * 210;
-            for (int hh = 0; hh < 2; hh++)
-                for (int m = 0; m < 8; m++) {
-                    for (int j = 0; j < 2; j++) std::memcpy(&p.ql[hh][j][m][4 * r], br + 64 * hh + 32 * j + 4 * m, 4);
-                    std::memcpy(&p.qh[hh][m][4 * r], br + 128 + 32 * hh + 4 * m, 4);
-                }
-            for (int g = 0; g < 16; g++) p.sc[g][r] = (int8_t)br[192 + g];
-            std::memcpy(&p.d[r], br + 208, 2);
-        }
-    }
-}
+static void mskq_pack6_rows(long n, const void *w, long wrow, void *out) { mskq_pack6<16, mskq_p6>(n, w, wrow, out); }
 
 // Each byte shifted left by S bits (right for S < 0), what crosses in from a neighbouring byte
 // left for the caller to mask or override: with VBMI, vpmultishiftqb (byte i of a qword takes
@@ -1480,25 +1485,7 @@ struct mskq_p6x8 {
 };
 static_assert(sizeof(mskq_p6x8) == 1696 && sizeof(mskq_p6x8) % 32 == 0, "packed blocks back to back, 32-byte multiples");
 
-// 8 stored Q6_K rows of n weights (w: the first, wrow bytes apart) -> n / 256 packed blocks.
-static void mskq_pack6x8_rows(long n, const void *w, long wrow, void *out) {
-    const uint8_t *b = (const uint8_t *)w;
-    mskq_p6x8 *o = (mskq_p6x8 *)out;
-    for (long i = 0; i < n / 256; i++) {
-        mskq_p6x8 &p = o[i];
-        std::memset(p.pad, 0, sizeof(p.pad));
-        for (int r = 0; r < 8; r++) {
-            const uint8_t *br = b + r * wrow + i * 210;
-            for (int hh = 0; hh < 2; hh++)
-                for (int m = 0; m < 8; m++) {
-                    for (int j = 0; j < 2; j++) std::memcpy(&p.ql[hh][j][m][4 * r], br + 64 * hh + 32 * j + 4 * m, 4);
-                    std::memcpy(&p.qh[hh][m][4 * r], br + 128 + 32 * hh + 4 * m, 4);
-                }
-            for (int g = 0; g < 16; g++) p.sc[g][r] = (int8_t)br[192 + g];
-            std::memcpy(&p.d[r], br + 208, 2);
-        }
-    }
-}
+static void mskq_pack6x8_rows(long n, const void *w, long wrow, void *out) { mskq_pack6<8, mskq_p6x8>(n, w, wrow, out); }
 
 // The 8 rows of a packed strip (n / 256 blocks at w) against NB activation rows (xstride bytes
 // apart): y[j * ystride + r] for rows r < 8. A lane at a time (8 int32 lanes of 8 rows would
