@@ -1305,10 +1305,23 @@ static void ms_dotu_q6_K(long n, const void *w, const void *x, long xstride, flo
 }
 #endif
 
-// S stored Q6_K rows of n weights (w: the first, wrow bytes apart) -> n / 256 packed blocks of
-// type P (mskq_p6: S = 16; mskq_p6x8: S = 8), lane r holding row r.
-template <int S, typename P>
+// A Q6_K super-block of S weight rows packed (mskq_p6: S = 16, AVX-512; mskq_p6x8: S = 8,
+// AVX2), lane r holding row r: ql[hh][j][m]'s lane r holds that row's ql[64hh + 32j + 4m .. +4),
+// qh[hh][m]'s its qh[32hh + 4m .. +4); the scales and d as stored, a row each; pad to whole
+// vectors (64 bytes, 32).
+template <int S>
+struct mskq_p6s {
+    uint8_t ql[2][2][8][4 * S];
+    uint8_t qh[2][8][4 * S];
+    int8_t sc[16][S];  // [group][row]
+    uint16_t d[S];     // IEEE halves, as stored
+    uint16_t pad[S];
+};
+
+// S stored Q6_K rows of n weights (w: the first, wrow bytes apart) -> n / 256 packed blocks.
+template <int S>
 static void mskq_pack6(long n, const void *w, long wrow, void *out) {
+    typedef mskq_p6s<S> P;
     const uint8_t *b = (const uint8_t *)w;
     P *o = (P *)out;
     for (long i = 0; i < n / 256; i++) {
@@ -1340,16 +1353,10 @@ static void mskq_pack6(long n, const void *w, long wrow, void *out) {
 // row's 256 weights take an unpacking and two permutes of its scales). The integers are the stored loop's per lane
 // (a[l] + a[l + 8] - 32 m[l], mskq_lane6's lanes; the plain loop's reference in mskq_dot_q6),
 // and the float steps the same, lane by lane: the same bits as the rows as stored.
-struct mskq_p6 {
-    uint8_t ql[2][2][8][64];
-    uint8_t qh[2][8][64];
-    int8_t sc[16][16];  // [group][row]
-    uint16_t d[16];     // IEEE halves, as stored
-    uint16_t pad[16];   // to whole 64-byte lines
-};
+using mskq_p6 = mskq_p6s<16>;
 static_assert(sizeof(mskq_p6) == 3392 && sizeof(mskq_p6) % 64 == 0, "packed blocks back to back, 64-byte multiples");
 
-static void mskq_pack6_rows(long n, const void *w, long wrow, void *out) { mskq_pack6<16, mskq_p6>(n, w, wrow, out); }
+static void mskq_pack6_rows(long n, const void *w, long wrow, void *out) { mskq_pack6<16>(n, w, wrow, out); }
 
 // Each byte shifted left by S bits (right for S < 0), what crosses in from a neighbouring byte
 // left for the caller to mask or override: with VBMI, vpmultishiftqb (byte i of a qword takes
@@ -1468,24 +1475,17 @@ static void mskq_dot_p6(long n, const void *w, const void *x, long xstride, floa
 // ---------------------------------------------------------------- Q6_K packed 8 rows at a time (AVX2)
 
 // A Q6_K matrix repacked once at load for the AVX2 build (decode.cpp's T_Q6_K_P8), as mskq_p6
-// for AVX-512 with 8 lanes: 8 weight rows' super-block i in 1,696 bytes (the 8 blocks as
-// stored: 1,680), lane r holding row r. ql[hh][j][m]'s lane r holds that row's ql[64hh + 32j +
-// 4m .. +4), qh[hh][m]'s its qh[32hh + 4m .. +4). Each 32 weights of 8 rows are a mask, a shift
+// for AVX-512 with 8 lanes (mskq_p6s): 8 weight rows' super-block i in 1,696 bytes (the 8
+// blocks as stored: 1,680), lane r holding row r. Each 32 weights of 8 rows are a mask, a shift
 // and an or away, and one vpmaddubsw against 4 broadcast activation bytes makes 32 products
 // with nothing to fold across lanes (as stored, a row's 256 weights take their scales shuffled
 // into place and the lanes paired with vphaddd). The integer lanes are mskq_p6's (the stored
 // loop's a[l] + a[l + 8] - 32 m[l]), the float steps the same, lane by lane: the same bits as
 // the rows as stored.
-struct mskq_p6x8 {
-    uint8_t ql[2][2][8][32];
-    uint8_t qh[2][8][32];
-    int8_t sc[16][8];  // [group][row]
-    uint16_t d[8];     // IEEE halves, as stored
-    uint16_t pad[8];   // to whole 32-byte vectors
-};
+using mskq_p6x8 = mskq_p6s<8>;
 static_assert(sizeof(mskq_p6x8) == 1696 && sizeof(mskq_p6x8) % 32 == 0, "packed blocks back to back, 32-byte multiples");
 
-static void mskq_pack6x8_rows(long n, const void *w, long wrow, void *out) { mskq_pack6<8, mskq_p6x8>(n, w, wrow, out); }
+static void mskq_pack6x8_rows(long n, const void *w, long wrow, void *out) { mskq_pack6<8>(n, w, wrow, out); }
 
 // The 8 rows of a packed strip (n / 256 blocks at w) against NB activation rows (xstride bytes
 // apart): y[j * ystride + r] for rows r < 8. A lane at a time (8 int32 lanes of 8 rows would
