@@ -2298,8 +2298,9 @@ int ms_amx(int on) {
 // tiles too: those unpack the strips, amx_unpack_p45; a Q4_K row as stored read one row at a
 // time measured 15-20% slower a decoded token on a Xeon with AMX), and in whole 8s in the AVX2
 // build; Q6_K with rows in whole 16s in the AVX-512 build, in whole 8s in the AVX2 one (the
-// Llama 3.2 1B Q4_K_M shape's one-row pass on a Xeon, x86-64-v3: 45.9-46.5 -> 35.3-36.0 ms); the 32-weight types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) with rows in whole 16s in the
-// AVX-512 build, 8s in the AVX2 one.
+// Llama 3.2 1B Q4_K_M shape's one-row pass on a Xeon, x86-64-v3: 45.9-46.5 -> 35.3-36.0 ms);
+// the 32-weight types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) with rows in whole 16s in the AVX-512
+// build, 8s in the AVX2 one.
 long ms_pack_type(long type, long rows, long cols) {
 #if defined(MSKQ_AVX512)
     if (type == T_Q4_K && rows > 0 && rows % 16 == 0 && cols > 0 && cols % 256 == 0)
