@@ -144,8 +144,8 @@ def test_wide_k_quant_rows_against_many_activation_rows(qtype, rows, blocks):
 
 @pytest.mark.parametrize(
     "qtype,packed",
-    [(Q.Q4_K, False), (Q.Q5_K, False), (Q.Q4_K, True)],
-    ids=["Q4_K", "Q5_K", "Q4_K-packed"],
+    [(Q.Q4_K, False), (Q.Q5_K, False), (Q.Q4_K, True), (Q.Q5_K, True)],
+    ids=["Q4_K", "Q5_K", "Q4_K-packed", "Q5_K-packed"],
 )
 @pytest.mark.parametrize("rows,blocks,batch", [(37, 17, 29), (16, 1, 8), (53, 8, 64)])
 @needs_native
@@ -153,9 +153,9 @@ def test_amx_tiles_give_the_bits_of_the_avx512_loops(qtype, packed, rows, blocks
     """Where the CPU has AMX (kernels/amx.h), Q4_K / Q5_K products of 16 or more activation
     rows run on its tiles: the same bits as the AVX-512 loops (switched in one process), with
     groups of activation rows and chunks of weight rows short of 16 (37 x 29), one super-block,
-    and the prompt's shape; a Q4_K matrix packed 16 rows a strip (its rows rounded up to whole
-    16s) unpacked for the tiles from its strips, the same bits as its rows as stored on the
-    tiles and in the loops. Without AMX the loops are what runs, and this compares nothing."""
+    and the prompt's shape; a Q4_K or Q5_K matrix packed 16 rows a strip (its rows rounded up to
+    whole 16s) unpacked for the tiles from its strips, the same bits as its rows as stored on
+    the tiles and in the loops. Without AMX the loops are what runs, and this compares nothing."""
     if not native.amx():
         pytest.skip("no AMX tiles on this CPU (or not granted by the kernel): nothing to compare")
     rows = -(-rows // 16) * 16 if packed else rows
@@ -163,7 +163,9 @@ def test_amx_tiles_give_the_bits_of_the_avx512_loops(qtype, packed, rows, blocks
     data = random_blocks(qtype, rows, cols, seed=rows * blocks)
     w = stored(np.ascontiguousarray(data), qtype, cols)
     made = native.pack(w) if packed else None
-    assert not packed or made is not None, "a Q4_K matrix of whole 16 rows packs in this build"
+    assert not packed or made is not None, (
+        f"a {qtype.name} matrix of whole 16 rows packs in this build"
+    )
     m = made[0] if made else w
     x = torch.randn(batch, cols, generator=torch.Generator().manual_seed(rows))
     try:
@@ -546,11 +548,12 @@ def test_header_values_the_runner_cannot_run_are_one_error(tmp_path, monkeypatch
 
 def packs_here(qtype=Q.Q4_K) -> bool:
     """Whether this build lays matrices of `qtype` out anew (decode.cpp's ms_pack_type): Q4_K in
-    the AVX-512 build, with AMX tiles or without (16 rows a strip), and the AVX2 one (8); the
-    32-weight types in the AVX-512 build (16) and the AVX2 one (8); Q6_K in the AVX-512 build
-    (16) and the AVX2 one (8)."""
-    if qtype == Q.Q6_K:  # the AVX-512 build's K-quant loops need VNNI: asked of the library
-        return native.packed_bytes(StoredMatrix(0, int(Q.Q6_K), 16, 256, 16 * 210)) > 0
+    the AVX-512 build, with AMX tiles or without (16 rows a strip), and the AVX2 one (8); Q5_K in
+    the AVX-512 build (16); the 32-weight types in the AVX-512 build (16) and the AVX2 one (8);
+    Q6_K in the AVX-512 build (16) and the AVX2 one (8)."""
+    if qtype in (Q.Q5_K, Q.Q6_K):  # the AVX-512 build's K-quant loops need VNNI: asked
+        bytes_ = {Q.Q5_K: 176, Q.Q6_K: 210}[qtype]
+        return native.packed_bytes(StoredMatrix(0, int(qtype), 16, 256, 16 * bytes_)) > 0
     return (qtype in LEGACY or qtype == Q.Q4_K) and native.isa() in ("avx512", "avx2", "avx2+vnni")
 
 
@@ -558,6 +561,7 @@ def packs_here(qtype=Q.Q4_K) -> bool:
 # columns: 8 + 8 + 2 blocks, SmolLM2's; 13: 8 + 5; 3: one short group; 48: whole groups)
 PACKED_CASES = (
     [(Q.Q4_K, 48, 3), (Q.Q4_K, 16, 1), (Q.Q4_K, 80, 8)]
+    + [(Q.Q5_K, 48, 3), (Q.Q5_K, 16, 1), (Q.Q5_K, 32, 8)]
     + [(Q.Q6_K, 48, 3), (Q.Q6_K, 16, 1), (Q.Q6_K, 32, 8)]
     + [(Q.Q4_1, 48, 18), (Q.Q4_1, 32, 13), (Q.Q4_1, 16, 3), (Q.Q4_1, 64, 48)]
     + [(t, 48, 18) for t in (Q.Q4_0, Q.Q5_0, Q.Q5_1, Q.Q8_0)]
@@ -758,7 +762,7 @@ def test_rows_packed_16_at_a_time_give_the_bits_of_the_rows_as_stored(
     Laid out a share of the
     rows at a time, each share's stored rows handed back once done (as a load does), the bytes
     are the same as laid out at once. Elsewhere (the plain loops) no matrix is repacked."""
-    cols = (256 if qtype in (Q.Q4_K, Q.Q6_K) else 32) * blocks
+    cols = (256 if qtype in K_QUANTS else 32) * blocks
     data = random_blocks(qtype, rows, cols, seed=rows + blocks)
     w = stored(np.ascontiguousarray(data), qtype, cols)
     packed = native.pack(w)
@@ -779,6 +783,15 @@ def test_rows_packed_16_at_a_time_give_the_bits_of_the_rows_as_stored(
     x = torch.randn(64, cols, generator=torch.Generator().manual_seed(rows))
     for batch in (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 64):
         assert torch.equal(native.matmul(packed[0], x[:batch]), native.matmul(w, x[:batch])), batch
+    # activations of one sign and near their block's largest: a lane's integer sums near their
+    # largest (Q5_K's int16 pairs in the AVX2 loops), also against float64
+    ax = 1 + 0.05 * x[:9]
+    got = native.matmul(packed[0], ax)
+    assert torch.equal(got, native.matmul(w, ax))
+    want_w = gguf.quants.dequantize(data, qtype).astype(np.float64)
+    exact = ax.double().numpy() @ want_w.T
+    bound = activation_bound(want_w, ax.double().numpy(), 256 if qtype in K_QUANTS else 32)
+    assert (np.abs(got.double().numpy() - exact) <= bound).all()
 
 
 @needs_native

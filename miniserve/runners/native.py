@@ -365,15 +365,16 @@ def amx(on: bool | None = None) -> bool:
     return bool(lib is not None and lib.ms_amx(-1 if on is None else int(on)))
 
 
-# decode.cpp's packed types (T_Q4_K_P16, T_Q4_K_P8, T_Q6_K_P16, T_Q6_K_P8, T_PACKED_32 + a 32-weight
-# type's id) are numbered from here on, past ggml's
+# decode.cpp's packed types (T_Q4_K_P16, T_Q4_K_P8, T_Q5_K_P16, T_Q6_K_P16, T_Q6_K_P8,
+# T_PACKED_32 + a 32-weight type's id) are numbered from here on, past ggml's
 PACKED_TYPES = 1000
 
 
 def packed_bytes(w) -> int:
     """The bytes pack() makes of a matrix (decode.cpp's ms_pack_type: Q4_K with rows in whole
-    16s in the AVX-512 build (AMX tiles unpack the strips), in whole 8s in the AVX2 build; Q6_K
-    with rows in whole 16s in the AVX-512 build, in whole 8s in the AVX2 one;
+    16s in the AVX-512 build (AMX tiles unpack the strips), in whole 8s in the AVX2 build; Q5_K
+    with rows in whole 16s in the AVX-512 build; Q6_K with rows in whole 16s in the AVX-512
+    build, in whole 8s in the AVX2 one;
     the 32-weight types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) with rows in whole 16s in the AVX-512
     build, 8s in the AVX2 one); 0 where it stays as stored, and for all with MINISERVE_PACK=0."""
     lib = load()
@@ -443,7 +444,8 @@ def pack(
     (packed_bytes): 16 (AVX2: 8) rows' blocks side by side, so that a product of few activation
     rows needs no sums across lanes. Returns a StoredMatrix of the packed type and the uint8
     tensor holding its bytes (`out`, 64-byte aligned, where given; keep it alive), or None. The
-    products are the same bits as over the rows as stored; Q4_K takes 2.8% more bytes, Q6_K 1%.
+    products are the same bits as over the rows as stored; Q4_K takes 2.8% more bytes, Q5_K
+    2.3%, Q6_K 1%.
 
     release(rows as stored), where given, gets the stored rows ~PACK_BYTES at a time once they
     are laid out (a strip's rows are laid out together, each strip where its first row's

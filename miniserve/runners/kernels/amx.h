@@ -129,25 +129,31 @@ static inline void amx_unpack_k45(const uint8_t *b, uint8_t *o, int32_t *mins, f
     dd[0] = u.d, dd[1] = u.dmin;
 }
 
-// A packed Q4_K strip's super-block (kquants.h's mskq_p45: 16 rows side by side, the quants
-// still 4-bit) as amx_unpack_k45 lays out each of its rows: row mskq_tile_row(l) from lane l,
-// at ab + row * arow; its mins and d, dmin at mins[(row * nb + i) * 4], dd[(row * nb + i) * 2].
-// The same bytes and numbers as from the 16 rows as stored.
-static inline void amx_unpack_p45(const mskq_p45 &u, uint8_t *ab, long arow, long nb, long i,
+// A packed Q4_K (HI false) or Q5_K strip's super-block (kquants.h's mskq_p45s: 16 rows side by
+// side, the quants still 4-bit, Q5_K's fifth bits apart) as amx_unpack_k45 lays out each of its
+// rows: row mskq_tile_row(l) from lane l, at ab + row * arow; its mins and d, dmin at
+// mins[(row * nb + i) * 4], dd[(row * nb + i) * 2]. The same bytes and numbers as from the 16
+// rows as stored.
+template <bool HI>
+static inline void amx_unpack_p45(const mskq_p45s<16, HI> &u, uint8_t *ab, long arow, long nb, long i,
                                   int32_t *mins, float *dd) {
     const __m256i m4 = _mm256_set1_epi8(0x0F), at = _mm256_setr_epi32(0, 64, 128, 192, 256, 320, 384, 448);
+    const int shift = HI ? 3 : 4, low = (1 << shift) - 1;
     for (int l = 0; l < 16; l++) {
         const long m = mskq_tile_row(l);
         uint8_t *o = ab + m * arow + i * 512;
+        __m256i h = _mm256_setzero_si256();
+        if constexpr (HI) h = _mm256_i32gather_epi32((const int *)&u.h[0][4 * l], at, 1);  // the row's qh
         for (int p = 0; p < 4; p++) {  // q[p][0..7]'s lane l: sub-blocks 2p (low nibbles), 2p + 1
             const __m256i v = _mm256_i32gather_epi32((const int *)&u.q[p][0][4 * l], at, 1);
-            const __m512i q0 = _mm512_cvtepu8_epi16(_mm256_and_si256(v, m4));
-            const __m512i q1 = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
+            __m256i v0 = _mm256_and_si256(v, m4), v1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            if constexpr (HI) v0 = _mm256_or_si256(v0, mskq_fifth(h, 2 * p)), v1 = _mm256_or_si256(v1, mskq_fifth(h, 2 * p + 1));
+            const __m512i q0 = _mm512_cvtepu8_epi16(v0), q1 = _mm512_cvtepu8_epi16(v1);
             const int s0 = u.sc[2 * p][l], s1 = u.sc[2 * p + 1][l];
-            _mm256_storeu_si256((__m256i *)(o + 64 * p), _mm512_cvtepi16_epi8(_mm512_mullo_epi16(q0, _mm512_set1_epi16((short)(s0 & 15)))));
-            _mm256_storeu_si256((__m256i *)(o + 64 * p + 32), _mm512_cvtepi16_epi8(_mm512_mullo_epi16(q1, _mm512_set1_epi16((short)(s1 & 15)))));
-            _mm256_storeu_si256((__m256i *)(o + 256 + 64 * p), _mm512_cvtepi16_epi8(_mm512_mullo_epi16(q0, _mm512_set1_epi16((short)(s0 >> 4)))));
-            _mm256_storeu_si256((__m256i *)(o + 256 + 64 * p + 32), _mm512_cvtepi16_epi8(_mm512_mullo_epi16(q1, _mm512_set1_epi16((short)(s1 >> 4)))));
+            _mm256_storeu_si256((__m256i *)(o + 64 * p), _mm512_cvtepi16_epi8(_mm512_mullo_epi16(q0, _mm512_set1_epi16((short)(s0 & low)))));
+            _mm256_storeu_si256((__m256i *)(o + 64 * p + 32), _mm512_cvtepi16_epi8(_mm512_mullo_epi16(q1, _mm512_set1_epi16((short)(s1 & low)))));
+            _mm256_storeu_si256((__m256i *)(o + 256 + 64 * p), _mm512_cvtepi16_epi8(_mm512_mullo_epi16(q0, _mm512_set1_epi16((short)(s0 >> shift)))));
+            _mm256_storeu_si256((__m256i *)(o + 256 + 64 * p + 32), _mm512_cvtepi16_epi8(_mm512_mullo_epi16(q1, _mm512_set1_epi16((short)(s1 >> shift)))));
             mins[(m * nb + i) * 4 + p] = (int32_t)(u.mn[p][2 * l] | (uint32_t)u.mn[p][2 * l + 1] << 16);
         }
         dd[(m * nb + i) * 2] = mskq_half((const uint8_t *)&u.d[l]);
@@ -156,7 +162,7 @@ static inline void amx_unpack_p45(const mskq_p45 &u, uint8_t *ab, long arow, lon
 }
 
 // Weight rows [r0, r1) of a Q4_K (HI false) or Q5_K matrix against the laid-out activations
-// (`acts`, B rows), into y[b * ldy + r]; P16: a Q4_K matrix packed 16 rows a strip (wrow its
+// (`acts`, B rows), into y[b * ldy + r]; P16: the matrix packed 16 rows a strip (wrow its
 // packed row's bytes; r0 and r1 whole 16s), each strip's blocks unpacked by amx_unpack_p45.
 template <bool HI, bool P16 = false>
 static void amx_k45_rows(const char *w, long wrow, const char *acts, long B, long nb, float *y,
@@ -175,7 +181,7 @@ static void amx_k45_rows(const char *w, long wrow, const char *acts, long B, lon
     for (long c0 = r0; c0 < r1; c0 += 16) {
         const long rows = std::min(16L, r1 - c0);
         if constexpr (P16) {
-            const mskq_p45 *t = (const mskq_p45 *)(w + c0 * wrow);
+            const mskq_p45s<16, HI> *t = (const mskq_p45s<16, HI> *)(w + c0 * wrow);
             for (long i = 0; i < nb; i++) amx_unpack_p45(t[i], ab, arow, nb, i, mins.data(), dd.data());
         } else {
             for (long m = 0; m < 16; m++) {

@@ -614,11 +614,13 @@ enum MsTypeId {
     T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
     T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30,
     // not ggml types: a matrix repacked at load (ms_pack). Q4_K 16 rows at a time for the
-    // AVX-512 build (kquants.h's mskq_p45), 8 for the AVX2 one (mskq_p45x8); Q6_K 16 rows at a
-    // time for the AVX-512 build (mskq_p6), 8 for the AVX2 one (mskq_p6x8);
+    // AVX-512 build (kquants.h's mskq_p45), 8 for the AVX2 one (mskq_p45x8); Q5_K 16 rows at a
+    // time for the AVX-512 build (mskq_p5); Q6_K 16 rows at a time for the AVX-512 build
+    // (mskq_p6), 8 for the AVX2 one (mskq_p6x8);
     // a 32-weight type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) T_PACKED_32 + its own id, MSQ_STRIP rows
     // at a time: 16 in the AVX-512 build (quants.h's MsqPacked), 8 in the AVX2 one (MsqPacked8)
-    T_Q4_K_P16 = 1012, T_Q4_K_P8 = 1013, T_Q6_K_P16 = 1014, T_Q6_K_P8 = 1015, T_PACKED_32 = 2000
+    T_Q4_K_P16 = 1012, T_Q4_K_P8 = 1013, T_Q6_K_P16 = 1014, T_Q6_K_P8 = 1015, T_Q5_K_P16 = 1016,
+    T_PACKED_32 = 2000
 };
 
 // What the activations of a product over weights of a type are: float rows, or quantized.
@@ -715,11 +717,14 @@ static const Kernels *kernels_for(long type) {
     // Q6_K: a 1B Q4_K_M shape's one-row pass, its Q6_K output layer, down projections and
     // values among it, on a Xeon: 41.7-46.8 -> 37.4-40.8 ms; 8 rows 72-82 -> 81-83 ms: there
     // the strips' loop no faster than the stored rows'.
-    static const Kernels q4_k_p16 = MS_KERNELS_P16(mskq_p45, mskq_dot_p45, mskq_tile_p45, mskq_t45,
+    static const Kernels q4_k_p16 = MS_KERNELS_P16(mskq_p45, mskq_dot_p45, mskq_tile_p45<false>, mskq_t45,
                                                    mskq_tile45_dot, mskq_pack45_rows),
+                         q5_k_p16 = MS_KERNELS_P16(mskq_p5, mskq_dot_p5, mskq_tile_p45<true>, mskq_t45,
+                                                   mskq_tile45_dot, mskq_pack5_rows),
                          q6_k_p16 = MS_KERNELS_P16(mskq_p6, mskq_dot_p6, mskq_tile_p6, mskq_t6, mskq_tile6_dot,
                                                    mskq_pack6_rows);
     if (type == T_Q4_K_P16) return &q4_k_p16;
+    if (type == T_Q5_K_P16) return &q5_k_p16;
     if (type == T_Q6_K_P16) return &q6_k_p16;
 #elif defined(MSKQ_AVX2)
     // Q4_K and Q6_K packed: strips of 8 rows (struct P), every product on them (no tiles in
@@ -1642,6 +1647,8 @@ static void amx_linear(const MsModel *m, const MsMat &p, const char *xq, long xs
             const long r1 = std::min(r0 + chunk, p.rows);
             if (p.type == T_Q5_K)
                 amx_k45_rows<true>((const char *)p.data, wrow, acts, B, nb, yp, R, r0, r1);
+            else if (p.type == T_Q5_K_P16)
+                amx_k45_rows<true, true>((const char *)p.data, wrow, acts, B, nb, yp, R, r0, r1);
             else if (p.type == T_Q4_K_P16)
                 amx_k45_rows<false, true>((const char *)p.data, wrow, acts, B, nb, yp, R, r0, r1);
             else
@@ -1704,7 +1711,8 @@ static void linear(const MsModel *m, const MsMat *parts, int nparts, const float
             }
             const long wrow = row_bytes(p.type, C);
 #if defined(MS_AMX)
-            if ((p.type == T_Q4_K || p.type == T_Q4_K_P16 || p.type == T_Q5_K) && B >= AMX_ROWS && amx_on()) {
+            if ((p.type == T_Q4_K || p.type == T_Q4_K_P16 || p.type == T_Q5_K || p.type == T_Q5_K_P16) && B >= AMX_ROWS &&
+                amx_on()) {
                 amx_linear(m, p, xq, xs, wrow, B, C, yp, R);
                 col += p.rows;
                 continue;
@@ -2299,12 +2307,16 @@ int ms_amx(int on) {
 // time measured 15-20% slower a decoded token on a Xeon with AMX), and in whole 8s in the AVX2
 // build; Q6_K with rows in whole 16s in the AVX-512 build, in whole 8s in the AVX2 one (the
 // Llama 3.2 1B Q4_K_M shape's one-row pass on a Xeon, x86-64-v3: 45.9-46.5 -> 35.3-36.0 ms);
+// Q5_K with rows in whole 16s in the AVX-512 build (the 1B Q5_K_M shape on a Xeon: one row
+// 41.5-43.0 -> 35.4-35.8 ms, 8 rows 76.5-78.5 -> 63.1-63.8), not in the AVX2 one (8 rows
+// a strip: 8 rows 118 -> 95 ms, but one row 35.3 -> 38-39: its rows as stored stream faster);
 // the 32-weight types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) with rows in whole 16s in the AVX-512
 // build, 8s in the AVX2 one.
 long ms_pack_type(long type, long rows, long cols) {
 #if defined(MSKQ_AVX512)
     if (type == T_Q4_K && rows > 0 && rows % 16 == 0 && cols > 0 && cols % 256 == 0)
         return T_Q4_K_P16;
+    if (type == T_Q5_K && rows > 0 && rows % 16 == 0 && cols > 0 && cols % 256 == 0) return T_Q5_K_P16;
     if (type == T_Q6_K && rows > 0 && rows % 16 == 0 && cols > 0 && cols % 256 == 0) return T_Q6_K_P16;
 #elif defined(MSKQ_AVX2)
     if (type == T_Q4_K && rows > 0 && rows % 8 == 0 && cols > 0 && cols % 256 == 0) return T_Q4_K_P8;

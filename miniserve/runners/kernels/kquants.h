@@ -294,24 +294,59 @@ static inline void mskq_prefetch(const uint8_t *p, int bytes) {
 // order a 4 x 4 dword transpose leaves.
 static inline int mskq_tile_row(int l) { return 4 * (l & 3) + (l >> 2); }
 
-// S stored Q4_K rows of n weights (w: the first, wrow bytes apart) -> n / 256 packed blocks of
-// type P (mskq_p45: S = 16, lane l holding row mskq_tile_row(l); mskq_p45x8: S = 8, lane r row r).
-template <int S, typename P>
+// A Q4_K (HI false) or Q5_K super-block of S rows side by side, repacked at load (mskq_p45 /
+// mskq_p5: S = 16 for the AVX-512 build; mskq_p45x8: S = 8, Q4_K only, for the AVX2 one; their
+// comments say how the loops read them). q[p][m]'s lane holds its row's qs[32p + 4m .. +4]
+// (low nibbles: sub-block 2p's weights 4m .. 4m + 3; high: sub-block 2p + 1's); Q5_K's h[m]'s
+// lane its row's qh[4m .. +4] (byte e's bit s: sub-block s's weight 4m + e's fifth bit); the
+// 6-bit scales and mins, d and dmin as stored.
+template <int S, bool HI>
+struct mskq_p45s {
+    uint8_t q[4][8][4 * S];
+    uint8_t h[HI ? 8 : 0][4 * S];
+    uint8_t sc[8][S];      // [sub-block s][lane]
+    uint8_t mn[4][2 * S];  // [t][2 lane + e]: min 2t + e (vpmovzxbw: int16 pairs)
+    uint16_t d[S], dmin[S];
+};
+
+// S stored Q4_K (HI false) or Q5_K rows of n weights (w: the first, wrow bytes apart) -> n / 256
+// packed blocks mskq_p45s<S, HI> (S = 16: lane l holding row mskq_tile_row(l); S = 8: lane r row r).
+template <int S, bool HI>
 static void mskq_pack45(long n, const void *w, long wrow, void *out) {
     const uint8_t *b = (const uint8_t *)w;
-    P *o = (P *)out;
+    mskq_p45s<S, HI> *o = (mskq_p45s<S, HI> *)out;
+    const int bytes = HI ? 176 : 144, qs = HI ? 48 : 16;
     for (long i = 0; i < n / 256; i++) {
-        P &p = o[i];
+        mskq_p45s<S, HI> &p = o[i];
         for (int l = 0; l < S; l++) {
-            const uint8_t *br = b + (S == 16 ? mskq_tile_row(l) : l) * wrow + i * 144;
+            const uint8_t *br = b + (S == 16 ? mskq_tile_row(l) : l) * wrow + i * bytes;
             uint32_t u[4];
             mskq_scales(br + 4, u);
             std::memcpy(&p.d[l], br, 2), std::memcpy(&p.dmin[l], br + 2, 2);
             for (int s = 0; s < 8; s++) p.sc[s][l] = mskq_byte(u, s), p.mn[s >> 1][2 * l + (s & 1)] = mskq_byte(u, 8 + s);
             for (int q = 0; q < 4; q++)
-                for (int m = 0; m < 8; m++) std::memcpy(&p.q[q][m][4 * l], br + 16 + 32 * q + 4 * m, 4);
+                for (int m = 0; m < 8; m++) std::memcpy(&p.q[q][m][4 * l], br + qs + 32 * q + 4 * m, 4);
+            if constexpr (HI)
+                for (int m = 0; m < 8; m++) std::memcpy(&p.h[m][4 * l], br + 16 + 4 * m, 4);
         }
     }
+}
+
+// Sub-block s's fifth bits from a Q5_K strip's h vector (bit s of each byte), at bit 4 of each
+// byte (a 16-bit shift: the bit moved stays in its byte), to or into its masked nibbles.
+template <typename V>
+static inline V mskq_fifth(V h, int s);
+#if defined(MSKQ_AVX512)
+template <>
+inline __m512i mskq_fifth(__m512i h, int s) {
+    const __m512i v = s <= 4 ? _mm512_slli_epi16(h, (unsigned)(4 - s)) : _mm512_srli_epi16(h, (unsigned)(s - 4));
+    return _mm512_and_si512(v, _mm512_set1_epi8(0x10));
+}
+#endif
+template <>
+inline __m256i mskq_fifth(__m256i h, int s) {
+    const __m256i v = s <= 4 ? _mm256_slli_epi16(h, 4 - s) : _mm256_srli_epi16(h, s - 4);
+    return _mm256_and_si256(v, _mm256_set1_epi8(0x10));
 }
 
 // An activation block's sub-block sums as int16 pairs (the packed rows' mins, AVX-512 and
@@ -718,14 +753,9 @@ static void ms_dot8r_q5_K(long n, const void *w, long wrow, const void *x, long 
 // each row's pairs; a sub-block's 8 such (|sum| <= 8 * 2 * 15 * 127 < 2^15) add as int16, one
 // vpmaddwd makes the row's int32 sum. The same integers A, B and float operations as
 // mskq_dot_k45: the same bits.
-struct mskq_p45x8 {
-    uint8_t q[4][8][32];
-    uint8_t sc[8][8];    // [sub-block s][row]
-    uint8_t mn[4][16];   // [t][2 row + e]: min 2t + e
-    uint16_t d[8], dmin[8];
-};
+using mskq_p45x8 = mskq_p45s<8, false>;
 static_assert(sizeof(mskq_p45x8) == 1184 && sizeof(mskq_p45x8) % 32 == 0, "packed blocks back to back");
-static void mskq_pack45x8_rows(long n, const void *w, long wrow, void *out) { mskq_pack45<8, mskq_p45x8>(n, w, wrow, out); }
+static void mskq_pack45x8_rows(long n, const void *w, long wrow, void *out) { mskq_pack45<8, false>(n, w, wrow, out); }
 
 // The 8 rows of a packed strip (n / 256 blocks at w) against NB activation rows (xstride bytes
 // apart): y[j * ystride + r] for rows r < 8.
@@ -1007,15 +1037,16 @@ static void ms_tile_q5_K(long n, const void *w, long wrow, void *out) { mskq_til
 // lane fold for every 256 (one core, weights in cache: ~58 against ~20 GB/s). A and B are the
 // same exact integers as in mskq_dot_k45 and the float part is mskq_k45_float lane by lane: the
 // same bits as the stored rows.
-struct mskq_p45 {
-    uint8_t q[4][8][64];  // [sub-block pair p][m]: see above
-    uint8_t sc[8][16];    // [sub-block s][lane]: the 6-bit scales
-    uint8_t mn[4][32];    // [t][2 lane + e]: min 2t + e of the lane's row (vpmovzxbw: int16 pairs)
-    uint16_t d[16], dmin[16];  // IEEE halves, as stored
-};
-static_assert(sizeof(mskq_p45) == 2368 && sizeof(mskq_p45) % 64 == 0, "packed blocks back to back, 64-byte multiples");
+// Q5_K likewise (T_Q5_K_P16, mskq_p5: 2,880 bytes, as stored 2,816), its fifth bits in h[m]
+// (mskq_pack45) or-ed into the masked nibbles.
+using mskq_p45 = mskq_p45s<16, false>;
+using mskq_p5 = mskq_p45s<16, true>;
+static_assert(sizeof(mskq_p45) == 2368 && sizeof(mskq_p45) % 64 == 0 && sizeof(mskq_p5) == 2880 &&
+                  sizeof(mskq_p5) % 64 == 0,
+              "packed blocks back to back, 64-byte multiples");
 
-static void mskq_pack45_rows(long n, const void *w, long wrow, void *out) { mskq_pack45<16, mskq_p45>(n, w, wrow, out); }
+static void mskq_pack45_rows(long n, const void *w, long wrow, void *out) { mskq_pack45<16, false>(n, w, wrow, out); }
+static void mskq_pack5_rows(long n, const void *w, long wrow, void *out) { mskq_pack45<16, true>(n, w, wrow, out); }
 
 // The block 4 ahead of b asked for into L2. From 2 activation rows on, the hardware prefetchers
 // alone leave a strip waiting on memory (one core, 8 rows, from memory: 58-72 GMAC/s without,
@@ -1029,20 +1060,21 @@ static inline void mskq_strip_prefetch(const P *b) {
     for (int o = 0; o < (int)sizeof(P); o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
 }
 
-// The 16 rows of a packed strip (n / 256 blocks at w) against NB activation rows (xstride bytes
-// apart): y[j * ystride + r] for rows r < 16.
-template <int NB>
+// The 16 rows of a packed Q4_K (HI false) or Q5_K strip (n / 256 blocks at w) against NB
+// activation rows (xstride bytes apart): y[j * ystride + r] for rows r < 16.
+template <int NB, bool HI = false>
 static void mskq_dot_p45(long n, const void *w, const void *x, long xstride, float *y, long ystride) {
-    const mskq_p45 *t = (const mskq_p45 *)w;
+    typedef mskq_p45s<16, HI> P;
+    const P *t = (const P *)w;
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     __m512 fa[NB], fb[NB];
     for (int j = 0; j < NB; j++) fa[j] = fb[j] = _mm512_setzero_ps();
     for (long i = 0; i < n / 256; i++) {
-        const mskq_p45 &u = t[i];
+        const P &u = t[i];
         if constexpr (NB > 1)
             mskq_strip_prefetch(t + i);
         else
-            mskq_prefetch((const uint8_t *)(t + i), (int)sizeof(mskq_p45));
+            mskq_prefetch((const uint8_t *)(t + i), (int)sizeof(P));
         __m512i A[NB];
         for (int j = 0; j < NB; j++) A[j] = _mm512_setzero_si512();
         for (int p = 0; p < 4; p++) {
@@ -1050,7 +1082,11 @@ static void mskq_dot_p45(long n, const void *w, const void *x, long xstride, flo
             for (int j = 0; j < NB; j++) lo[j] = hi[j] = _mm512_setzero_si512();
             for (int m = 0; m < 8; m++) {
                 const __m512i v = _mm512_load_si512((const void *)u.q[p][m]);
-                const __m512i wl = _mm512_and_si512(v, m4), wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                __m512i wl = _mm512_and_si512(v, m4), wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                if constexpr (HI) {
+                    const __m512i h = _mm512_load_si512((const void *)u.h[m]);
+                    wl = _mm512_or_si512(wl, mskq_fifth(h, 2 * p)), wh = _mm512_or_si512(wh, mskq_fifth(h, 2 * p + 1));
+                }
                 for (int j = 0; j < NB; j++) {
                     const uint8_t *xq = mskq_xblock(x, xstride, j, i) + 4 + 64 * p + 4 * m;
                     lo[j] = _mm512_dpbusd_epi32(lo[j], wl, mskq_bcast4(xq));
@@ -1086,14 +1122,22 @@ static void mskq_dot_p45(long n, const void *w, const void *x, long xstride, flo
     }
 }
 
-// A packed strip (n / 256 blocks at w) as the tiles many activation rows meet (mskq_t45): the
-// nibbles masked apart, the scales and mins widened. (The stored rows' layout also transposes.)
+template <int NB>
+static void mskq_dot_p5(long n, const void *w, const void *x, long xstride, float *y, long ystride) {
+    mskq_dot_p45<NB, true>(n, w, x, xstride, y, ystride);
+}
+
+// A packed Q4_K (HI false) or Q5_K strip (n / 256 blocks at w) as the tiles many activation
+// rows meet (mskq_t45): the nibbles masked apart (Q5_K's fifth bits or-ed in), the scales and
+// mins widened. (The stored rows' layout also transposes.)
+template <bool HI = false>
 static void mskq_tile_p45(long n, const void *w, long, void *out) {
-    const mskq_p45 *t = (const mskq_p45 *)w;
+    typedef mskq_p45s<16, HI> P;
+    const P *t = (const P *)w;
     mskq_t45 *o = (mskq_t45 *)out;
     const __m512i m4 = _mm512_set1_epi8(0x0F), lo16 = _mm512_set1_epi32(0xFFFF);
     for (long i = 0; i < n / 256; i++) {
-        const mskq_p45 &u = t[i];
+        const P &u = t[i];
         mskq_t45 &g = o[i];
         mskq_strip_prefetch(t + i);
         for (int p = 0; p < 4; p++)
@@ -1101,6 +1145,11 @@ static void mskq_tile_p45(long n, const void *w, long, void *out) {
                 const __m512i v = _mm512_load_si512((const void *)u.q[p][m]);
                 g.q[2 * p][m] = _mm512_and_si512(v, m4);
                 g.q[2 * p + 1][m] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                if constexpr (HI) {
+                    const __m512i h = _mm512_load_si512((const void *)u.h[m]);
+                    g.q[2 * p][m] = _mm512_or_si512(g.q[2 * p][m], mskq_fifth(h, 2 * p));
+                    g.q[2 * p + 1][m] = _mm512_or_si512(g.q[2 * p + 1][m], mskq_fifth(h, 2 * p + 1));
+                }
             }
         for (int s = 0; s < 8; s++) g.sc[s] = _mm512_cvtepu8_epi32(_mm_load_si128((const __m128i *)u.sc[s]));
         for (int k = 0; k < 4; k++) {
