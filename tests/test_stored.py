@@ -756,8 +756,9 @@ def test_rows_packed_16_at_a_time_give_the_bits_of_the_rows_as_stored(
 ):
     """Where the build repacks a type's matrices at load (16 rows' blocks side by side, 8 in the
     AVX2 build; the quants as stored), every product -- 1 to 7 activation rows (the strips' own
-    loops), 8 to 15 (groups of 8 on the strips, then the rest), 16 and more (Q4_K and Q6_K
-    on AVX-512: widened to tiles; AVX2: on the strips) -- is the same bits as over the rows as
+    loops), 8 to 15 (groups of 8 on the strips, then the rest), 16 and more (the K-quants on
+    AVX-512: widened to tiles, or Q4_K / Q5_K unpacked for AMX where the CPU has it; AVX2: on
+    the strips) -- is the same bits as over the rows as
     stored, with the weight rows dealt to the threads in whole strips (48 rows: 32 and 16).
     Laid out a share of the
     rows at a time, each share's stored rows handed back once done (as a load does), the bytes
@@ -783,8 +784,9 @@ def test_rows_packed_16_at_a_time_give_the_bits_of_the_rows_as_stored(
     x = torch.randn(64, cols, generator=torch.Generator().manual_seed(rows))
     for batch in (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 64):
         assert torch.equal(native.matmul(packed[0], x[:batch]), native.matmul(w, x[:batch])), batch
-    # activations of one sign and near their block's largest: a lane's integer sums near their
-    # largest (Q5_K's int16 pairs in the AVX2 loops), also against float64
+    # activations of one sign and near their block's largest: every integer sum near its
+    # largest (one kept in 16 bits that overflows fails here: tried with 5-bit quants in the
+    # AVX2 strips), also against float64
     ax = 1 + 0.05 * x[:9]
     got = native.matmul(packed[0], ax)
     assert torch.equal(got, native.matmul(w, ax))

@@ -17,7 +17,7 @@
 // Activation rows are laid out once per product (amx_k45_group: per 16 rows and super-block,
 // 4 B tiles of 16 x 64 bytes in the order tdpbusd reads them, the sub-block sums as int16
 // pairs, the 16 scales); a thread's weight rows, 16 at a time, are unpacked (amx_unpack_k45;
-// a Q4_K matrix packed at load, 16 rows a strip, by amx_unpack_p45 from its strips) and meet
+// a Q4_K or Q5_K matrix packed at load, 16 rows a strip, by amx_unpack_p45 from its strips) and meet
 // every group of 16 activation rows. A group short of 16 rows is padded with zeros, a
 // chunk short of 16 weight rows likewise; their results are not written.
 //

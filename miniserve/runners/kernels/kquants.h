@@ -290,7 +290,7 @@ static inline void mskq_prefetch(const uint8_t *p, int bytes) {
         _mm_prefetch((const char *)p + MSKQ_PREFETCH + o, _MM_HINT_T0);
 }
 
-// Which of 16 rows lane l of a tile (mskq_t45, mskq_t6) or a 16-row strip (mskq_p45) holds: the
+// Which of 16 rows lane l of a tile (mskq_t45, mskq_t6) or a 16-row strip (mskq_p45s) holds: the
 // order a 4 x 4 dword transpose leaves.
 static inline int mskq_tile_row(int l) { return 4 * (l & 3) + (l >> 2); }
 
@@ -1025,7 +1025,7 @@ static void mskq_tile45_dot(long n, const void *tiles, const void *x, long xstri
 static void ms_tile_q4_K(long n, const void *w, long wrow, void *out) { mskq_tile45_rows<false>(n, w, wrow, out); }
 static void ms_tile_q5_K(long n, const void *w, long wrow, void *out) { mskq_tile45_rows<true>(n, w, wrow, out); }
 
-// ---------------------------------------------------------------- Q4_K packed 16 rows at a time
+// ---------------------------------------------------------------- Q4_K and Q5_K packed 16 rows at a time
 
 // A Q4_K matrix repacked once at load for the AVX-512 build (decode.cpp's T_Q4_K_P16): 16
 // weight rows' super-block i in 2,368 bytes (the 16 blocks as stored: 2,304), the rows of a
@@ -1053,7 +1053,7 @@ static void mskq_pack5_rows(long n, const void *w, long wrow, void *out) { mskq_
 // 126-131 with; in cache 120-137). One row asks MSKQ_PREFETCH bytes ahead into L1, as the
 // stored rows do (that way 2 threads' worst passes were no slower than the stored rows', the
 // best 13% faster; L2 4 blocks ahead was slower for one row).
-// (Q4_K's strips, mskq_p45, and Q6_K's, mskq_p6.)
+// (Q4_K's and Q5_K's strips, mskq_p45 and mskq_p5, and Q6_K's, mskq_p6.)
 template <typename P>
 static inline void mskq_strip_prefetch(const P *b) {
     const char *p = (const char *)(b + 4);
