@@ -612,7 +612,7 @@ static inline void round_bf16(const float *x, float *xr, bf16 *xb, long n) {
 
 enum MsTypeId {
     T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
-    T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30,
+    T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30,
     // not ggml types: a matrix repacked at load (ms_pack). Q4_K 16 rows at a time for the
     // AVX-512 build (kquants.h's mskq_p45), 8 for the AVX2 one (mskq_p45x8); Q5_K 16 rows at a
     // time for the AVX-512 build (mskq_p5); Q6_K 16 rows at a time for the AVX-512 build
@@ -699,6 +699,7 @@ static const Kernels *kernels_for(long type) {
                          q4_k = MS_KERNELS_T(256, 144, ACT_A8K, q4_K, mskq_u45, mskq_t45, mskq_tile45_dot, 8),
                          q5_k = MS_KERNELS_T(256, 176, ACT_A8K, q5_K, mskq_u45, mskq_t45, mskq_tile45_dot, 8),
                          q6_k = MS_KERNELS_T(256, 210, ACT_A8K, q6_K, mskq_u6, mskq_t6, mskq_tile6_dot, 16),
+                         q3_k = MS_KERNELS(256, 110, ACT_A8K, q3_K),
                          f16 = MS_KERNELS(1, 2, ACT_FLOAT, f16);
 #if defined(MSKQ_AVX512)
     // A K-quant packed 16 rows a strip (struct P, its products dot<NB>); from 16 activation
@@ -775,6 +776,7 @@ static const Kernels *kernels_for(long type) {
         case T_Q4_K: return &q4_k;
         case T_Q5_K: return &q5_k;
         case T_Q6_K: return &q6_k;
+        case T_Q3_K: return &q3_k;
         case T_F16: return &f16;
         default: return nullptr;
     }

@@ -1762,4 +1762,116 @@ static void mskq_tile6_dot(long n, const void *tiles, const void *x, long xstrid
 }
 #endif
 
+// ---------------------------------------------------------------- Q3_K
+// Q3_K, 110 bytes: {u8 hmask[32]; u8 qs[64]; u8 scales[12]; fp16 d}: 16 groups of 16 weights,
+// w = d * (sc[g] - 32) * q, q in -4..3. Weight 128n + 32k + l (n < 2, k < 4, l < 32): its low
+// two bits are qs[32n + l] >> 2k, its third bit (weight = low - 4 where it is 0) bit 4n + k of
+// hmask[l]; its group 8n + 2k + (l >> 4). The scales' 6 bits: groups 0-7's low 4 bits are
+// bytes 0-7's low nibbles, groups 8-15's their high nibbles; bits 4-5 are bytes 8-11's pairs.
+//
+// A dot product, in every build (one total a super-block, as Q4_K's A): with u = q + 4 (0..7)
+// and sc = the 6-bit scale - 32, exactly A = sum over groups g of sc[g] * (u . xq over g), B = sum
+// over g of sc[g] * bsums[g], I = A - 4 B; then fa = fa + (float)I * (d * dx), y = fa.
+
+// The 16 scales, minus 32.
+static inline void mskq_scales3(const uint8_t *s, int *sc) {
+    for (int g = 0; g < 16; g++) {
+        const int lo = g < 8 ? s[g] & 15 : s[g - 8] >> 4;
+        const int hi = (s[8 + (g & 3)] >> (2 * (g >> 2))) & 3;
+        sc[g] = (lo | hi << 4) - 32;
+    }
+}
+
+// A super-block's 256 quants plus 4 (0..7), weight order.
+static inline void mskq_unpack3_plain(const uint8_t *b, uint8_t *u) {
+    for (int n = 0; n < 2; n++)
+        for (int k = 0; k < 4; k++)
+            for (int l = 0; l < 32; l++)
+                u[128 * n + 32 * k + l] = (uint8_t)(((b[32 + 32 * n + l] >> (2 * k)) & 3) | ((b[l] >> (4 * n + k)) & 1) << 2);
+}
+
+static void ms_dequant_q3_K(const void *w, float *y, long n) {
+    const uint8_t *b = (const uint8_t *)w;
+    for (long i = 0; i < n / 256; i++, b += 110, y += 256) {
+        const float d = mskq_half(b + 108);
+        int sc[16];
+        uint8_t u[256];
+        mskq_scales3(b + 96, sc);
+        mskq_unpack3_plain(b, u);
+        for (int g = 0; g < 16; g++) {
+            const float dg = d * (float)sc[g];
+            for (int l = 0; l < 16; l++) y[16 * g + l] = dg * (float)((int)u[16 * g + l] - 4);
+        }
+    }
+}
+
+// One weight row (n / 256 super-blocks at w) against NB activation rows (xstride bytes apart):
+// y[j * ystride] (the order above).
+template <int NB>
+static void ms_dot_q3_K(long n, const void *w, const void *x, long xstride, float *y, long ystride) {
+    const uint8_t *b = (const uint8_t *)w;
+    float fa[NB];
+    for (int j = 0; j < NB; j++) fa[j] = 0.f;
+    for (long i = 0; i < n / 256; i++, b += 110) {
+        int sc[16];
+        mskq_scales3(b + 96, sc);
+        const float d = mskq_half(b + 108);
+#if defined(MSKQ_SIMD)
+        mskq_prefetch(b, 110);
+        // 8 vectors of 32 weights (128n + 32k ..): two groups each, u . xq as vpmaddubsw pairs
+        // (< 2^15: 2 x 7 x 127), then vpmaddwd by the group's scale (8 words each)
+        const __m256i hm = _mm256_loadu_si256((const __m256i *)b), three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+        __m256i W[8], S[8];
+        for (int nn = 0; nn < 2; nn++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 32 + 32 * nn));
+            for (int k = 0; k < 4; k++) {
+                const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(q, 2 * k), three);
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(hm, 4 * nn + k), one);
+                W[4 * nn + k] = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 2));
+                const int g = 8 * nn + 2 * k;
+                S[4 * nn + k] = _mm256_setr_m128i(_mm_set1_epi16((short)sc[g]), _mm_set1_epi16((short)sc[g + 1]));
+            }
+        }
+        alignas(32) int16_t sc16[16];
+        for (int g = 0; g < 16; g++) sc16[g] = (int16_t)sc[g];
+        const __m256i scv = _mm256_load_si256((const __m256i *)sc16);
+        for (int j = 0; j < NB; j++) {
+            const uint8_t *xb = mskq_xblock(x, xstride, j, i);
+            __m256i acc = _mm256_setzero_si256();
+            for (int c = 0; c < 8; c++) {
+                const __m256i xq = _mm256_loadu_si256((const __m256i *)(xb + 4 + 32 * c));
+                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(W[c], xq), S[c]));
+            }
+            const __m256i bs = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(xb + 260)), scv);
+            const __m256i t = _mm256_sub_epi32(acc, _mm256_slli_epi32(bs, 2));  // A - 4B, lane by lane
+            __m128i h = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+            h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+            h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
+            float dx;
+            std::memcpy(&dx, xb, 4);
+            fa[j] = fa[j] + (float)_mm_cvtsi128_si32(h) * (d * dx);
+        }
+#else
+        uint8_t u[256];
+        mskq_unpack3_plain(b, u);
+        for (int j = 0; j < NB; j++) {
+            const uint8_t *xb = mskq_xblock(x, xstride, j, i);
+            const int8_t *xq = (const int8_t *)(xb + 4);
+            int16_t bsums[16];
+            std::memcpy(bsums, xb + 260, 32);
+            int32_t total = 0;
+            for (int g = 0; g < 16; g++) {
+                int32_t dot = 0;
+                for (int l = 0; l < 16; l++) dot += (int32_t)u[16 * g + l] * xq[16 * g + l];
+                total += sc[g] * (dot - 4 * bsums[g]);
+            }
+            float dx;
+            std::memcpy(&dx, xb, 4);
+            fa[j] = fa[j] + (float)total * (d * dx);
+        }
+#endif
+    }
+    for (int j = 0; j < NB; j++) y[j * ystride] = fa[j];
+}
+
 #endif  // MINISERVE_KQUANTS_H
