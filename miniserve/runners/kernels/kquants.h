@@ -1773,13 +1773,15 @@ static void mskq_tile6_dot(long n, const void *tiles, const void *x, long xstrid
 // and sc = the 6-bit scale - 32, exactly A = sum over groups g of sc[g] * (u . xq over g), B = sum
 // over g of sc[g] * bsums[g], I = A - 4 B; then fa = fa + (float)I * (d * dx), y = fa.
 
-// The 16 scales, minus 32.
+// The 16 scales, minus 32 (ggml's word-at-a-time unpacking: 4 bytes a step).
 static inline void mskq_scales3(const uint8_t *s, int *sc) {
-    for (int g = 0; g < 16; g++) {
-        const int lo = g < 8 ? s[g] & 15 : s[g - 8] >> 4;
-        const int hi = (s[8 + (g & 3)] >> (2 * (g >> 2))) & 3;
-        sc[g] = (lo | hi << 4) - 32;
-    }
+    uint32_t a[3], u[4];
+    std::memcpy(a, s, 12);
+    u[0] = (a[0] & 0x0f0f0f0fu) | ((a[2] & 0x03030303u) << 4);
+    u[1] = (a[1] & 0x0f0f0f0fu) | (((a[2] >> 2) & 0x03030303u) << 4);
+    u[2] = ((a[0] >> 4) & 0x0f0f0f0fu) | (((a[2] >> 4) & 0x03030303u) << 4);
+    u[3] = ((a[1] >> 4) & 0x0f0f0f0fu) | (((a[2] >> 6) & 0x03030303u) << 4);
+    for (int g = 0; g < 16; g++) sc[g] = (int)mskq_byte(u, g) - 32;
 }
 
 // A super-block's 256 quants plus 4 (0..7), weight order.
