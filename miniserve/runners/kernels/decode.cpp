@@ -600,8 +600,8 @@ static inline void round_bf16(const float *x, float *xr, bf16 *xb, long n) {
 
 // A GGUF file's tensors are used in place, in their own block formats (ggml's type ids; the
 // block layouts are ggml-common.h's): quants.h holds the types of 32-weight blocks (Q4_0, Q4_1,
-// Q5_0, Q5_1, Q8_0) and F16, kquants.h the K-quants of 256-weight super-blocks (Q4_K, Q5_K,
-// Q6_K). Each activation row entering such a product is quantized once per product to int8
+// Q5_0, Q5_1, Q8_0) and F16, kquants.h the K-quants of 256-weight super-blocks (Q3_K, Q4_K,
+// Q5_K, Q6_K). Each activation row entering such a product is quantized once per product to int8
 // blocks (ms_a8g groups for the 32-weight types, ms_a8k for the K-quants), then every weight row is an
 // integer dot product per block, the blocks' results combined in one fixed order. That order
 // is the same whichever number of activation rows (1, 4 or 8) a kernel call takes, so a row's

@@ -1,5 +1,5 @@
 // K-quant weight rows (ggml's Q4_K, Q5_K, Q6_K super-blocks of 256 weights, as stored in GGUF
-// files) against activation rows quantized to int8 (ms_a8k, llama.cpp's block_q8_K): the
+// files; Q3_K's, its own section at the end, in one simpler order) against activation rows quantized to int8 (ms_a8k, llama.cpp's block_q8_K): the
 // activation quantizer, one-row dequantizers, and dot products of one weight row against NB
 // activation rows.
 //
@@ -46,6 +46,7 @@
 //     vphaddd. Matrices packed at load 8 rows a strip (Q4_K: mskq_p45x8, Q6_K: mskq_p6x8) hold
 //     a row a lane instead: 4 weights of each of 8 rows a register, nothing to pair.
 //   otherwise: plain integer loops over the unpacked quants.
+// (Q3_K: one total a super-block, vpmaddubsw + vpmaddwd in both vector builds; see its section.)
 
 #ifndef MINISERVE_KQUANTS_H
 #define MINISERVE_KQUANTS_H
