@@ -42,12 +42,12 @@ Q = gguf.GGMLQuantizationType
 PATH = Path(__file__).parent / "data" / "product_digests.json"
 ROWS = (1, 3, 5, 7, 8, 16, 64)
 WEIGHT_ROWS = 37  # not a multiple of the threads' shares
-BLOCK_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
-K_QUANTS = {Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
+BLOCK_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+K_QUANTS = {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
 # where each K-quant keeps its fp16 scales in a block: (offset, count) -- random bytes there
 # are replaced by finite scales of a sane size; the other bytes (quants, 6-bit scales) stay
 # random
-SCALES = {Q.Q3_K: (108, 1), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208, 1)}
+SCALES = {Q.Q2_K: (80, 2), Q.Q3_K: (108, 1), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208, 1)}
 # the weight type whose products fuse multiply and add in the vector builds only
 BY_ARITHMETIC = ("F16",)
 

@@ -25,7 +25,7 @@ from conftest import assert_same_whatever_shares_the_pass, needs_native, same_on
 
 Q = gguf.GGMLQuantizationType
 LEGACY = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]
-K_QUANTS = [Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+K_QUANTS = [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 
 
 def random_blocks(qtype, rows: int, cols: int, seed: int) -> np.ndarray:
@@ -199,7 +199,9 @@ def test_each_types_products_are_the_committed_bits_on_this_build(name):
     assert not wrong, f"{native.kernels_label()} build: {wrong} differ from the committed digests"
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q3_K, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize(
+    "qtype", [Q.Q4_0, Q.Q4_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name
+)
 @needs_native
 @same_on_every_cpu
 def test_a_broken_unpacking_is_caught(qtype):
@@ -217,6 +219,8 @@ def test_a_broken_unpacking_is_caught(qtype):
         if qtype == Q.Q6_K
         else slice(32, 96)
         if qtype == Q.Q3_K
+        else slice(16, 80)
+        if qtype == Q.Q2_K
         else slice(size - 16, size)
     )
     q = swapped[:, :, quants]
@@ -234,7 +238,7 @@ def test_the_row_sizes_of_every_type_are_ggmls():
         block, size = gguf.GGML_QUANT_SIZES[qtype]
         assert native.row_bytes(int(qtype), 4 * 256) == 4 * 256 // block * size
     assert native.row_bytes(int(Q.Q4_K), 100) == -1  # not whole blocks
-    assert native.row_bytes(int(Q.Q2_K), 256) == -1  # not run in place
+    assert native.row_bytes(int(Q.IQ4_NL), 256) == -1  # not run in place
 
 
 # -- the real model as stored -------------------------------------------------------------------

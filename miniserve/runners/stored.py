@@ -15,7 +15,7 @@ once; the products are the same bits. What is read at start: the header and tens
 (miniserve/runners/gguf_file.py, checked before any native code sees a byte), the tokenizer
 (built by transformers from the file once, then kept in the cache folder keyed by the header's
 hash), and small float32 tensors (norms, biases) copied out. A tensor of a type the kernels do
-not run in place (Q2_K, IQ*, ...) is dequantized to float32 at load by the gguf package,
+not run in place (IQ*, ...) is dequantized to float32 at load by the gguf package,
 and the load says so.
 
 Architectures: those of miniserve/core/architectures.py, each one declaration (its tensors,
@@ -53,9 +53,9 @@ from miniserve.runners.gguf_file import GGUFFile, GGUFFileError
 MAX_POSITIONS = 32768
 F32, F16, BF16 = 0, 1, 30
 FLOAT_TYPES = {F32: "float32", F16: "float16", BF16: "bfloat16"}  # torch's dtype names
-# the matrix types the kernels run in place (a file of others -- Q2_K, IQ* -- loads
+# the matrix types the kernels run in place (a file of others -- IQ* -- loads
 # dequantized by default: as stored they would become float32 copies at every start)
-IN_PLACE = {F32, F16, BF16, 2, 3, 6, 7, 8, 11, 12, 13, 14}
+IN_PLACE = {F32, F16, BF16, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14}
 
 Progress = Callable[[str], None]
 

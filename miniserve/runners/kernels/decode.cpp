@@ -600,8 +600,8 @@ static inline void round_bf16(const float *x, float *xr, bf16 *xb, long n) {
 
 // A GGUF file's tensors are used in place, in their own block formats (ggml's type ids; the
 // block layouts are ggml-common.h's): quants.h holds the types of 32-weight blocks (Q4_0, Q4_1,
-// Q5_0, Q5_1, Q8_0) and F16, kquants.h the K-quants of 256-weight super-blocks (Q3_K, Q4_K,
-// Q5_K, Q6_K). Each activation row entering such a product is quantized once per product to int8
+// Q5_0, Q5_1, Q8_0) and F16, kquants.h the K-quants of 256-weight super-blocks (Q2_K, Q3_K,
+// Q4_K, Q5_K, Q6_K). Each activation row entering such a product is quantized once per product to int8
 // blocks (ms_a8g groups for the 32-weight types, ms_a8k for the K-quants), then every weight row is an
 // integer dot product per block, the blocks' results combined in one fixed order. That order
 // is the same whichever number of activation rows (1, 4 or 8) a kernel call takes, so a row's
@@ -612,7 +612,7 @@ static inline void round_bf16(const float *x, float *xr, bf16 *xb, long n) {
 
 enum MsTypeId {
     T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
-    T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30,
+    T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30,
     // not ggml types: a matrix repacked at load (ms_pack). Q4_K 16 rows at a time for the
     // AVX-512 build (kquants.h's mskq_p45), 8 for the AVX2 one (mskq_p45x8); Q5_K 16 rows at a
     // time for the AVX-512 build (mskq_p5); Q6_K 16 rows at a time for the AVX-512 build
@@ -700,6 +700,7 @@ static const Kernels *kernels_for(long type) {
                          q5_k = MS_KERNELS_T(256, 176, ACT_A8K, q5_K, mskq_u45, mskq_t45, mskq_tile45_dot, 8),
                          q6_k = MS_KERNELS_T(256, 210, ACT_A8K, q6_K, mskq_u6, mskq_t6, mskq_tile6_dot, 16),
                          q3_k = MS_KERNELS(256, 110, ACT_A8K, q3_K),
+                         q2_k = MS_KERNELS(256, 84, ACT_A8K, q2_K),
                          f16 = MS_KERNELS(1, 2, ACT_FLOAT, f16);
 #if defined(MSKQ_AVX512)
     // A K-quant packed 16 rows a strip (struct P, its products dot<NB>); from 16 activation
@@ -777,6 +778,7 @@ static const Kernels *kernels_for(long type) {
         case T_Q5_K: return &q5_k;
         case T_Q6_K: return &q6_k;
         case T_Q3_K: return &q3_k;
+        case T_Q2_K: return &q2_k;
         case T_F16: return &f16;
         default: return nullptr;
     }

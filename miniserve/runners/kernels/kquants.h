@@ -1,5 +1,5 @@
 // K-quant weight rows (ggml's Q4_K, Q5_K, Q6_K super-blocks of 256 weights, as stored in GGUF
-// files; Q3_K's, its own section at the end, in one simpler order) against activation rows quantized to int8 (ms_a8k, llama.cpp's block_q8_K): the
+// files; Q3_K's and Q2_K's, their own sections at the end, in simpler orders) against activation rows quantized to int8 (ms_a8k, llama.cpp's block_q8_K): the
 // activation quantizer, one-row dequantizers, and dot products of one weight row against NB
 // activation rows.
 //
@@ -46,7 +46,8 @@
 //     vphaddd. Matrices packed at load 8 rows a strip (Q4_K: mskq_p45x8, Q6_K: mskq_p6x8) hold
 //     a row a lane instead: 4 weights of each of 8 rows a register, nothing to pair.
 //   otherwise: plain integer loops over the unpacked quants.
-// (Q3_K: one total a super-block, vpmaddubsw + vpmaddwd in both vector builds; see its section.)
+// (Q3_K, Q2_K: one or two totals a super-block, vpmaddubsw + vpmaddwd in both vector builds; see
+// their sections.)
 
 #ifndef MINISERVE_KQUANTS_H
 #define MINISERVE_KQUANTS_H
@@ -1875,6 +1876,98 @@ static void ms_dot_q3_K(long n, const void *w, const void *x, long xstride, floa
 #endif
     }
     for (int j = 0; j < NB; j++) y[j * ystride] = fa[j];
+}
+
+// ---------------------------------------------------------------- Q2_K
+// Q2_K, 84 bytes: {u8 scales[16]; u8 qs[64]; fp16 d, dmin}: 16 groups of 16 weights, w = d *
+// (scales[g] & 15) * q - dmin * (scales[g] >> 4), q in 0..3. Weight 128n + 32k + l (n < 2, k < 4,
+// l < 32) is qs[32n + l] >> 2k (two bits), in group 8n + 2k + (l >> 4), as Q3_K's low bits.
+//
+// A dot product, in every build, as Q4_K's (mskq_k45_float): exactly A = sum over groups g of
+// (scales[g] & 15) * (q . xq over g), B = sum over g of (scales[g] >> 4) * bsums[g]; then
+// fa = fa + (float)A * (d * dx), fb = fb + (float)B * (dmin * dx), y = fa - fb.
+
+static void ms_dequant_q2_K(const void *w, float *y, long n) {
+    const uint8_t *b = (const uint8_t *)w;
+    for (long i = 0; i < n / 256; i++, b += 84, y += 256) {
+        const float d = mskq_half(b + 80), dmin = mskq_half(b + 82);
+        for (int nn = 0; nn < 2; nn++)
+            for (int k = 0; k < 4; k++)
+                for (int h = 0; h < 2; h++) {
+                    const int g = 8 * nn + 2 * k + h;
+                    const float dl = d * (float)(b[g] & 15), ml = dmin * (float)(b[g] >> 4);
+                    for (int l = 16 * h; l < 16 * h + 16; l++)
+                        y[128 * nn + 32 * k + l] = dl * (float)((b[16 + 32 * nn + l] >> (2 * k)) & 3) - ml;
+                }
+    }
+}
+
+// One weight row (n / 256 super-blocks at w) against NB activation rows (xstride bytes apart):
+// y[j * ystride] (the order above).
+template <int NB>
+static void ms_dot_q2_K(long n, const void *w, const void *x, long xstride, float *y, long ystride) {
+    const uint8_t *b = (const uint8_t *)w;
+    float fa[NB], fb[NB];
+    for (int j = 0; j < NB; j++) fa[j] = fb[j] = 0.f;
+    for (long i = 0; i < n / 256; i++, b += 84) {
+        const float d = mskq_half(b + 80), dmin = mskq_half(b + 82);
+#if defined(MSKQ_SIMD)
+        mskq_prefetch(b, 84);
+        // 8 vectors of 32 weights (128n + 32k ..), two groups each: q . xq as vpmaddubsw pairs,
+        // then vpmaddwd by the groups' scales (8 words each); the mins against the group sums
+        const __m256i three = _mm256_set1_epi8(3);
+        __m256i W[8], S[8];
+        for (int nn = 0; nn < 2; nn++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * nn));
+            for (int k = 0; k < 4; k++) {
+                const int g = 8 * nn + 2 * k;
+                W[4 * nn + k] = _mm256_and_si256(_mm256_srli_epi16(q, 2 * k), three);
+                S[4 * nn + k] = _mm256_setr_m128i(_mm_set1_epi16((short)(b[g] & 15)), _mm_set1_epi16((short)(b[g + 1] & 15)));
+            }
+        }
+        const __m256i mins = _mm256_cvtepu8_epi16(_mm_srli_epi16(_mm_and_si128(_mm_loadu_si128((const __m128i *)b), _mm_set1_epi8((char)0xF0)), 4));
+        for (int j = 0; j < NB; j++) {
+            const uint8_t *xb = mskq_xblock(x, xstride, j, i);
+            __m256i acc = _mm256_setzero_si256();
+            for (int c = 0; c < 8; c++) {
+                const __m256i xq = _mm256_loadu_si256((const __m256i *)(xb + 4 + 32 * c));
+                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(W[c], xq), S[c]));
+            }
+            const __m256i bs = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(xb + 260)), mins);
+            __m128i ha = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+            __m128i hb = _mm_add_epi32(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+            ha = _mm_add_epi32(ha, _mm_shuffle_epi32(ha, 0x4e)), hb = _mm_add_epi32(hb, _mm_shuffle_epi32(hb, 0x4e));
+            ha = _mm_add_epi32(ha, _mm_shuffle_epi32(ha, 0xb1)), hb = _mm_add_epi32(hb, _mm_shuffle_epi32(hb, 0xb1));
+            float dx;
+            std::memcpy(&dx, xb, 4);
+            fa[j] = fa[j] + (float)_mm_cvtsi128_si32(ha) * (d * dx);
+            fb[j] = fb[j] + (float)_mm_cvtsi128_si32(hb) * (dmin * dx);
+        }
+#else
+        for (int j = 0; j < NB; j++) {
+            const uint8_t *xb = mskq_xblock(x, xstride, j, i);
+            const int8_t *xq = (const int8_t *)(xb + 4);
+            int16_t bsums[16];
+            std::memcpy(bsums, xb + 260, 32);
+            int32_t A = 0, B = 0;
+            for (int nn = 0; nn < 2; nn++)
+                for (int k = 0; k < 4; k++)
+                    for (int h = 0; h < 2; h++) {
+                        const int g = 8 * nn + 2 * k + h;
+                        int32_t dot = 0;
+                        for (int l = 16 * h; l < 16 * h + 16; l++)
+                            dot += (int32_t)((b[16 + 32 * nn + l] >> (2 * k)) & 3) * xq[128 * nn + 32 * k + l];
+                        A += (b[g] & 15) * dot;
+                        B += (b[g] >> 4) * bsums[g];
+                    }
+            float dx;
+            std::memcpy(&dx, xb, 4);
+            fa[j] = fa[j] + (float)A * (d * dx);
+            fb[j] = fb[j] + (float)B * (dmin * dx);
+        }
+#endif
+    }
+    for (int j = 0; j < NB; j++) y[j * ystride] = fa[j] - fb[j];
 }
 
 #endif  // MINISERVE_KQUANTS_H
