@@ -1809,6 +1809,33 @@ static void ms_dequant_q3_K(const void *w, float *y, long n) {
     }
 }
 
+#if defined(MSKQ_SIMD)
+// Q3_K's and Q2_K's vector loops. The 8 int32 lane sums of one activation row (xb: its ms_a8k
+// block) against a super-block's 256 weights as 8 vectors of 32 (W[c]: weights 32c .., 0..7,
+// unsigned; groups 2c and 2c + 1), each group's products times its scale (S[c]: 8 words of
+// each): vpmaddubsw pairs (< 2^15: 2 x 7 x 127), then vpmaddwd.
+static inline __m256i mskq_dot16_scaled(const __m256i *W, const __m256i *S, const uint8_t *xb) {
+    __m256i acc = _mm256_setzero_si256();
+    for (int c = 0; c < 8; c++) {
+        const __m256i xq = _mm256_loadu_si256((const __m256i *)(xb + 4 + 32 * c));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(W[c], xq), S[c]));
+    }
+    return acc;
+}
+
+// S[c] for groups g and g + 1: g's scale in the low 8 words, g + 1's in the high.
+static inline __m256i mskq_scale_pair(int s0, int s1) {
+    return _mm256_setr_m128i(_mm_set1_epi16((short)s0), _mm_set1_epi16((short)s1));
+}
+
+static inline int32_t mskq_hsum_epi32(__m256i v) {  // exact: integers
+    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
+    return _mm_cvtsi128_si32(h);
+}
+#endif
+
 // One weight row (n / 256 super-blocks at w) against NB activation rows (xstride bytes apart):
 // y[j * ystride] (the order above).
 template <int NB>
@@ -1822,8 +1849,7 @@ static void ms_dot_q3_K(long n, const void *w, const void *x, long xstride, floa
         const float d = mskq_half(b + 108);
 #if defined(MSKQ_SIMD)
         mskq_prefetch(b, 110);
-        // 8 vectors of 32 weights (128n + 32k ..): two groups each, u . xq as vpmaddubsw pairs
-        // (< 2^15: 2 x 7 x 127), then vpmaddwd by the group's scale (8 words each)
+        // 8 vectors of 32 weights (128n + 32k ..), two groups each (mskq_dot16_scaled)
         const __m256i hm = _mm256_loadu_si256((const __m256i *)b), three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
         __m256i W[8], S[8];
         for (int nn = 0; nn < 2; nn++) {
@@ -1833,7 +1859,7 @@ static void ms_dot_q3_K(long n, const void *w, const void *x, long xstride, floa
                 const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(hm, 4 * nn + k), one);
                 W[4 * nn + k] = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 2));
                 const int g = 8 * nn + 2 * k;
-                S[4 * nn + k] = _mm256_setr_m128i(_mm_set1_epi16((short)sc[g]), _mm_set1_epi16((short)sc[g + 1]));
+                S[4 * nn + k] = mskq_scale_pair(sc[g], sc[g + 1]);
             }
         }
         alignas(32) int16_t sc16[16];
@@ -1841,19 +1867,12 @@ static void ms_dot_q3_K(long n, const void *w, const void *x, long xstride, floa
         const __m256i scv = _mm256_load_si256((const __m256i *)sc16);
         for (int j = 0; j < NB; j++) {
             const uint8_t *xb = mskq_xblock(x, xstride, j, i);
-            __m256i acc = _mm256_setzero_si256();
-            for (int c = 0; c < 8; c++) {
-                const __m256i xq = _mm256_loadu_si256((const __m256i *)(xb + 4 + 32 * c));
-                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(W[c], xq), S[c]));
-            }
             const __m256i bs = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(xb + 260)), scv);
-            const __m256i t = _mm256_sub_epi32(acc, _mm256_slli_epi32(bs, 2));  // A - 4B, lane by lane
-            __m128i h = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
-            h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
-            h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
+            // A - 4B, lane by lane
+            const __m256i t = _mm256_sub_epi32(mskq_dot16_scaled(W, S, xb), _mm256_slli_epi32(bs, 2));
             float dx;
             std::memcpy(&dx, xb, 4);
-            fa[j] = fa[j] + (float)_mm_cvtsi128_si32(h) * (d * dx);
+            fa[j] = fa[j] + (float)mskq_hsum_epi32(t) * (d * dx);
         }
 #else
         uint8_t u[256];
@@ -1913,8 +1932,8 @@ static void ms_dot_q2_K(long n, const void *w, const void *x, long xstride, floa
         const float d = mskq_half(b + 80), dmin = mskq_half(b + 82);
 #if defined(MSKQ_SIMD)
         mskq_prefetch(b, 84);
-        // 8 vectors of 32 weights (128n + 32k ..), two groups each: q . xq as vpmaddubsw pairs,
-        // then vpmaddwd by the groups' scales (8 words each); the mins against the group sums
+        // 8 vectors of 32 weights (128n + 32k ..), two groups each (mskq_dot16_scaled); the mins
+        // against the group sums
         const __m256i three = _mm256_set1_epi8(3);
         __m256i W[8], S[8];
         for (int nn = 0; nn < 2; nn++) {
@@ -1922,26 +1941,18 @@ static void ms_dot_q2_K(long n, const void *w, const void *x, long xstride, floa
             for (int k = 0; k < 4; k++) {
                 const int g = 8 * nn + 2 * k;
                 W[4 * nn + k] = _mm256_and_si256(_mm256_srli_epi16(q, 2 * k), three);
-                S[4 * nn + k] = _mm256_setr_m128i(_mm_set1_epi16((short)(b[g] & 15)), _mm_set1_epi16((short)(b[g + 1] & 15)));
+                S[4 * nn + k] = mskq_scale_pair(b[g] & 15, b[g + 1] & 15);
             }
         }
         const __m256i mins = _mm256_cvtepu8_epi16(_mm_srli_epi16(_mm_and_si128(_mm_loadu_si128((const __m128i *)b), _mm_set1_epi8((char)0xF0)), 4));
         for (int j = 0; j < NB; j++) {
             const uint8_t *xb = mskq_xblock(x, xstride, j, i);
-            __m256i acc = _mm256_setzero_si256();
-            for (int c = 0; c < 8; c++) {
-                const __m256i xq = _mm256_loadu_si256((const __m256i *)(xb + 4 + 32 * c));
-                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(W[c], xq), S[c]));
-            }
-            const __m256i bs = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(xb + 260)), mins);
-            __m128i ha = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
-            __m128i hb = _mm_add_epi32(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
-            ha = _mm_add_epi32(ha, _mm_shuffle_epi32(ha, 0x4e)), hb = _mm_add_epi32(hb, _mm_shuffle_epi32(hb, 0x4e));
-            ha = _mm_add_epi32(ha, _mm_shuffle_epi32(ha, 0xb1)), hb = _mm_add_epi32(hb, _mm_shuffle_epi32(hb, 0xb1));
+            const int32_t A = mskq_hsum_epi32(mskq_dot16_scaled(W, S, xb));
+            const int32_t B = mskq_hsum_epi32(_mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(xb + 260)), mins));
             float dx;
             std::memcpy(&dx, xb, 4);
-            fa[j] = fa[j] + (float)_mm_cvtsi128_si32(ha) * (d * dx);
-            fb[j] = fb[j] + (float)_mm_cvtsi128_si32(hb) * (dmin * dx);
+            fa[j] = fa[j] + (float)A * (d * dx);
+            fb[j] = fb[j] + (float)B * (dmin * dx);
         }
 #else
         for (int j = 0; j < NB; j++) {
