@@ -42,12 +42,16 @@ Q = gguf.GGMLQuantizationType
 PATH = Path(__file__).parent / "data" / "product_digests.json"
 ROWS = (1, 3, 5, 7, 8, 16, 64)
 WEIGHT_ROWS = 37  # not a multiple of the threads' shares
-BLOCK_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
-K_QUANTS = {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
-# where each K-quant keeps its fp16 scales in a block: (offset, count) -- random bytes there
-# are replaced by finite scales of a sane size; the other bytes (quants, 6-bit scales) stay
-# random
+BLOCK_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL]
+BLOCK_TYPES += [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS]
+# the types of 256-weight super-blocks (the K-quants' activations, kernels/kquants.h)
+K_QUANTS = {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS}
+# the types whose weights are random block bytes (gguf has no quantizer for them, or the bytes
+# reach cases its quantizer would not), and where such a block keeps its fp16 scales: (offset,
+# count) -- random bytes there are replaced by finite scales of a sane size; the other bytes
+# (quants, 6-bit scales) stay random
 SCALES = {Q.Q2_K: (80, 2), Q.Q3_K: (108, 1), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208, 1)}
+SCALES |= {Q.IQ4_XS: (0, 1), Q.IQ4_NL: (0, 1)}
 # the weight type whose products fuse multiply and add in the vector builds only
 BY_ARITHMETIC = ("F16",)
 
@@ -74,7 +78,7 @@ def columns(name: str) -> int:
 
 def block_weights(qtype, rows: int, cols: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
-    if qtype not in K_QUANTS:
+    if qtype not in SCALES:
         w = rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(0.05)
         w[:, :32] += np.float32(0.3)  # a block with an offset: the types with a min
         return np.ascontiguousarray(gguf.quants.quantize(w, qtype))
@@ -82,8 +86,9 @@ def block_weights(qtype, rows: int, cols: int, seed: int) -> np.ndarray:
 
 
 def k_quant_blocks(rng, qtype, rows: int, cols: int) -> np.ndarray:
-    """K-quant weights as random block bytes (every byte pattern is a valid block) with finite
-    fp16 scales of a sane size: (rows, bytes per row) uint8."""
+    """Weights of a type in SCALES (the K-quants, IQ4_NL, IQ4_XS) as random block bytes (every
+    byte pattern is a valid block) with finite fp16 scales of a sane size: (rows, bytes per
+    row) uint8."""
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     data = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
     offset, count = SCALES[qtype]

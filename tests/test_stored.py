@@ -24,17 +24,17 @@ from miniserve.runners.verify import BOUND_STORED_RELATIVE
 from conftest import assert_same_whatever_shares_the_pass, needs_native, same_on_every_cpu
 
 Q = gguf.GGMLQuantizationType
-LEGACY = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]
-K_QUANTS = [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+LEGACY = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL]  # 32-weight blocks
+K_QUANTS = [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS]  # 256-weight super-blocks
 
 
 def random_blocks(qtype, rows: int, cols: int, seed: int) -> np.ndarray:
     """Weights of `qtype` as the file holds them: (rows, bytes per row) uint8. The 32-weight
-    types quantized from random floats by gguf's own quantizer; the K-quants as random block
-    bytes (every byte pattern is a valid block) with finite fp16 scales
+    types quantized from random floats by gguf's own quantizer; the K-quants and the IQ4 types
+    as random block bytes (every byte pattern is a valid block) with finite fp16 scales
     (product_digests.k_quant_blocks)."""
     rng = np.random.default_rng(seed)
-    if qtype in LEGACY:
+    if qtype not in product_digests.SCALES:
         w = rng.standard_normal((rows, cols)).astype(np.float32) * 0.05
         w[:, :32] += 0.3  # a block with an offset: Q4_1 / Q5_1's minimum matters
         return gguf.quants.quantize(w, qtype)
@@ -200,7 +200,9 @@ def test_each_types_products_are_the_committed_bits_on_this_build(name):
 
 
 @pytest.mark.parametrize(
-    "qtype", [Q.Q4_0, Q.Q4_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name
+    "qtype",
+    [Q.Q4_0, Q.Q4_1, Q.IQ4_NL, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q6_K, Q.IQ4_XS],
+    ids=lambda t: t.name,
 )
 @needs_native
 @same_on_every_cpu
@@ -221,6 +223,8 @@ def test_a_broken_unpacking_is_caught(qtype):
         if qtype == Q.Q3_K
         else slice(16, 80)
         if qtype == Q.Q2_K
+        else slice(8, size)
+        if qtype == Q.IQ4_XS
         else slice(size - 16, size)
     )
     q = swapped[:, :, quants]
@@ -238,7 +242,7 @@ def test_the_row_sizes_of_every_type_are_ggmls():
         block, size = gguf.GGML_QUANT_SIZES[qtype]
         assert native.row_bytes(int(qtype), 4 * 256) == 4 * 256 // block * size
     assert native.row_bytes(int(Q.Q4_K), 100) == -1  # not whole blocks
-    assert native.row_bytes(int(Q.IQ4_NL), 256) == -1  # not run in place
+    assert native.row_bytes(int(Q.IQ2_XXS), 256) == -1  # not run in place
 
 
 # -- the real model as stored -------------------------------------------------------------------
@@ -572,7 +576,8 @@ PACKED_CASES = (
     + [(Q.Q4_1, 48, 18), (Q.Q4_1, 32, 13), (Q.Q4_1, 16, 3), (Q.Q4_1, 64, 48)]
     + [(t, 48, 18) for t in (Q.Q4_0, Q.Q5_0, Q.Q5_1, Q.Q8_0)]
     + [(t, 32, 13) for t in (Q.Q4_0, Q.Q5_0, Q.Q5_1, Q.Q8_0)]
-    + [(t, 16, 3) for t in (Q.Q5_0, Q.Q5_1)]
+    + [(t, 16, 3) for t in (Q.Q5_0, Q.Q5_1, Q.IQ4_NL)]
+    + [(Q.IQ4_NL, 48, 18), (Q.IQ4_NL, 32, 13)]
 )
 
 

@@ -154,6 +154,8 @@ FTYPES = {
     "q5_0": 8,
     "q5_1": 9,
     "q4_1": 3,
+    "iq4_xs": 30,
+    "iq4_nl": 25,
 }
 NUMPY_QUANTS = ("q8_0", "q4_0")  # what the fallback (gguf's numpy quantizers) makes
 

@@ -53,9 +53,10 @@ from miniserve.runners.gguf_file import GGUFFile, GGUFFileError
 MAX_POSITIONS = 32768
 F32, F16, BF16 = 0, 1, 30
 FLOAT_TYPES = {F32: "float32", F16: "float16", BF16: "bfloat16"}  # torch's dtype names
-# the matrix types the kernels run in place (a file of others -- IQ* -- loads
-# dequantized by default: as stored they would become float32 copies at every start)
-IN_PLACE = {F32, F16, BF16, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14}
+# the matrix types the kernels run in place (a file of others -- the IQ types but IQ4_NL and
+# IQ4_XS -- loads dequantized by default: as stored they would become float32 copies at every
+# start)
+IN_PLACE = {F32, F16, BF16, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23}
 
 Progress = Callable[[str], None]
 

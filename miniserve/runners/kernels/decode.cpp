@@ -600,8 +600,8 @@ static inline void round_bf16(const float *x, float *xr, bf16 *xb, long n) {
 
 // A GGUF file's tensors are used in place, in their own block formats (ggml's type ids; the
 // block layouts are ggml-common.h's): quants.h holds the types of 32-weight blocks (Q4_0, Q4_1,
-// Q5_0, Q5_1, Q8_0) and F16, kquants.h the K-quants of 256-weight super-blocks (Q2_K, Q3_K,
-// Q4_K, Q5_K, Q6_K). Each activation row entering such a product is quantized once per product to int8
+// Q5_0, Q5_1, Q8_0, IQ4_NL) and F16, kquants.h the K-quants of 256-weight super-blocks (Q2_K, Q3_K,
+// Q4_K, Q5_K, Q6_K) and IQ4_XS. Each activation row entering such a product is quantized once per product to int8
 // blocks (ms_a8g groups for the 32-weight types, ms_a8k for the K-quants), then every weight row is an
 // integer dot product per block, the blocks' results combined in one fixed order. That order
 // is the same whichever number of activation rows (1, 4 or 8) a kernel call takes, so a row's
@@ -612,12 +612,13 @@ static inline void round_bf16(const float *x, float *xr, bf16 *xb, long n) {
 
 enum MsTypeId {
     T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
-    T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30,
+    T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20, T_IQ4_XS = 23,
+    T_BF16 = 30,
     // not ggml types: a matrix repacked at load (ms_pack). Q4_K 16 rows at a time for the
     // AVX-512 build (kquants.h's mskq_p45), 8 for the AVX2 one (mskq_p45x8); Q5_K 16 rows at a
     // time for the AVX-512 build (mskq_p5); Q6_K 16 rows at a time for the AVX-512 build
     // (mskq_p6), 8 for the AVX2 one (mskq_p6x8);
-    // a 32-weight type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) T_PACKED_32 + its own id, MSQ_STRIP rows
+    // a 32-weight type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) T_PACKED_32 + its own id, MSQ_STRIP rows
     // at a time: 16 in the AVX-512 build (quants.h's MsqPacked), 8 in the AVX2 one (MsqPacked8)
     T_Q4_K_P16 = 1012, T_Q4_K_P8 = 1013, T_Q6_K_P16 = 1014, T_Q6_K_P8 = 1015, T_Q5_K_P16 = 1016,
     T_PACKED_32 = 2000
@@ -701,6 +702,8 @@ static const Kernels *kernels_for(long type) {
                          q6_k = MS_KERNELS_T(256, 210, ACT_A8K, q6_K, mskq_u6, mskq_t6, mskq_tile6_dot, 16),
                          q3_k = MS_KERNELS(256, 110, ACT_A8K, q3_K),
                          q2_k = MS_KERNELS(256, 84, ACT_A8K, q2_K),
+                         iq4_nl = MS_KERNELS(32, 18, ACT_A8, iq4_nl),
+                         iq4_xs = MS_KERNELS(256, 136, ACT_A8K, iq4_xs),
                          f16 = MS_KERNELS(1, 2, ACT_FLOAT, f16);
 #if defined(MSKQ_AVX512)
     // A K-quant packed 16 rows a strip (struct P, its products dot<NB>); from 16 activation
@@ -758,13 +761,14 @@ static const Kernels *kernels_for(long type) {
     }()
     static const Kernels q4_0_p = MS_KERNELS_STRIP(MSQ_Q4_0, 18), q4_1_p = MS_KERNELS_STRIP(MSQ_Q4_1, 20),
                          q5_0_p = MS_KERNELS_STRIP(MSQ_Q5_0, 22), q5_1_p = MS_KERNELS_STRIP(MSQ_Q5_1, 24),
-                         q8_0_p = MS_KERNELS_STRIP(MSQ_Q8_0, 34);
+                         q8_0_p = MS_KERNELS_STRIP(MSQ_Q8_0, 34), iq4_nl_p = MS_KERNELS_STRIP(MSQ_IQ4_NL, 18);
     switch (type - T_PACKED_32) {
         case T_Q4_0: return &q4_0_p;
         case T_Q4_1: return &q4_1_p;
         case T_Q5_0: return &q5_0_p;
         case T_Q5_1: return &q5_1_p;
         case T_Q8_0: return &q8_0_p;
+        case T_IQ4_NL: return &iq4_nl_p;
         default: break;
     }
 #endif
@@ -779,6 +783,8 @@ static const Kernels *kernels_for(long type) {
         case T_Q6_K: return &q6_k;
         case T_Q3_K: return &q3_k;
         case T_Q2_K: return &q2_k;
+        case T_IQ4_NL: return &iq4_nl;
+        case T_IQ4_XS: return &iq4_xs;
         case T_F16: return &f16;
         default: return nullptr;
     }
@@ -2314,7 +2320,7 @@ int ms_amx(int on) {
 // Q5_K with rows in whole 16s in the AVX-512 build (the 1B Q5_K_M shape on a Xeon: one row
 // 41.5-43.0 -> 35.4-35.8 ms, 8 rows 76.5-78.5 -> 63.1-63.8), not in the AVX2 one (8 rows
 // a strip: 8 rows 118 -> 95 ms, but one row 35.3 -> 38-39: its rows as stored stream faster);
-// the 32-weight types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) with rows in whole 16s in the AVX-512
+// the 32-weight types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) with rows in whole 16s in the AVX-512
 // build, 8s in the AVX2 one.
 long ms_pack_type(long type, long rows, long cols) {
 #if defined(MSKQ_AVX512)
@@ -2327,7 +2333,7 @@ long ms_pack_type(long type, long rows, long cols) {
     if (type == T_Q6_K && rows > 0 && rows % 8 == 0 && cols > 0 && cols % 256 == 0) return T_Q6_K_P8;
 #endif
 #if defined(MSQ_AVX512) || defined(MSQ_AVX2)
-    if ((type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q5_1 || type == T_Q8_0) && rows > 0 &&
+    if ((type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q5_1 || type == T_Q8_0 || type == T_IQ4_NL) && rows > 0 &&
         rows % MSQ_STRIP == 0 && cols > 0 && cols % 32 == 0)
         return T_PACKED_32 + type;
 #endif

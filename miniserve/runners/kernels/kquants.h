@@ -46,8 +46,8 @@
 //     vphaddd. Matrices packed at load 8 rows a strip (Q4_K: mskq_p45x8, Q6_K: mskq_p6x8) hold
 //     a row a lane instead: 4 weights of each of 8 rows a register, nothing to pair.
 //   otherwise: plain integer loops over the unpacked quants.
-// (Q3_K, Q2_K: one or two totals a super-block, vpmaddubsw + vpmaddwd in both vector builds; see
-// their sections.)
+// (Q3_K, Q2_K: one or two totals a super-block, vpmaddubsw + vpmaddwd in both vector builds;
+// IQ4_XS, one total, the magnitudes' trick; see their sections.)
 
 #ifndef MINISERVE_KQUANTS_H
 #define MINISERVE_KQUANTS_H
@@ -55,6 +55,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+
+#include "quants.h"  // msq_iq4nl: IQ4_XS's values are IQ4_NL's
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && \
     defined(__AVX512VL__)
@@ -1979,6 +1981,138 @@ static void ms_dot_q2_K(long n, const void *w, const void *x, long xstride, floa
 #endif
     }
     for (int j = 0; j < NB; j++) y[j * ystride] = fa[j] - fb[j];
+}
+
+// ---------------------------------------------------------------- IQ4_XS
+// IQ4_XS, 136 bytes: {fp16 d; u16 scales_h; u8 scales_l[4]; u8 qs[128]}: 8 sub-blocks of 32
+// weights, w = d * (ls[s] - 32) * v[q], v = IQ4_NL's 16 values (msq_iq4nl, -127..113), q a
+// 4-bit index: weight 32s + l's is qs[16s + l]'s low nibble (l < 16) or qs[16s + l - 16]'s
+// high one. Sub-block s's 6-bit ls: its low 4 bits are scales_l[s / 2]'s nibble s % 2, its
+// high 2 bits scales_h's bits 2s, 2s + 1.
+//
+// A dot product, in every build (one total a super-block, as Q3_K's): with sc = ls - 32,
+// exactly I = sum over sub-blocks s of sc[s] * (v . xq over s); then fa = fa + (float)I * (d *
+// dx), y = fa. The vector builds: |v| . (xq with v's signs) by vpmaddubsw (pairs < 2^15: 2 x
+// 127 x 127), then times the scale into int32 lanes: AVX-512, two sub-blocks a register and
+// vpdpwssd (the signs by a masked subtract: no 512-bit vpsignb); AVX2, one and vpmaddwd, as
+// llama.cpp's AVX2 loop.
+
+// The 8 sub-blocks' scales, minus 32.
+static inline void mskq_scales_iq4xs(const uint8_t *b, int *sc) {
+    const uint16_t h = (uint16_t)(b[2] | b[3] << 8);
+    for (int s = 0; s < 8; s++) sc[s] = (int)(((b[4 + s / 2] >> (4 * (s % 2))) & 15) | (((h >> (2 * s)) & 3) << 4)) - 32;
+}
+
+static void ms_dequant_iq4_xs(const void *w, float *y, long n) {
+    const uint8_t *b = (const uint8_t *)w;
+    for (long i = 0; i < n / 256; i++, b += 136, y += 256) {
+        const float d = mskq_half(b);
+        int sc[8];
+        mskq_scales_iq4xs(b, sc);
+        for (int s = 0; s < 8; s++) {
+            const float dl = d * (float)sc[s];
+            const uint8_t *q = b + 8 + 16 * s;
+            for (int l = 0; l < 16; l++) {
+                y[32 * s + l] = dl * (float)msq_iq4nl[q[l] & 15];
+                y[32 * s + 16 + l] = dl * (float)msq_iq4nl[q[l] >> 4];
+            }
+        }
+    }
+}
+
+// One weight row (n / 256 super-blocks at w) against NB activation rows (xstride bytes apart):
+// y[j * ystride] (the order above).
+template <int NB>
+static void ms_dot_iq4_xs(long n, const void *w, const void *x, long xstride, float *y, long ystride) {
+    const uint8_t *b = (const uint8_t *)w;
+    float fa[NB];
+    for (int j = 0; j < NB; j++) fa[j] = 0.f;
+#if defined(MSKQ_AVX512)
+    const __m512i values = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)msq_iq4nl));
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+#elif defined(MSKQ_SIMD)
+    const __m256i values = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)msq_iq4nl));
+    const __m128i m4 = _mm_set1_epi8(0x0f);
+#endif
+    for (long i = 0; i < n / 256; i++, b += 136) {
+        int sc[8];
+        mskq_scales_iq4xs(b, sc);
+        const float d = mskq_half(b);
+#if defined(MSKQ_AVX512)
+        mskq_prefetch(b, 136);
+        // sub-blocks 2t and 2t + 1 as 64 signed values in weight order: their magnitudes (M),
+        // where they are negative (N), the two scales (S: 16 words each)
+        __m512i M[4], S[4];
+        __mmask64 N[4];
+        for (int t = 0; t < 4; t++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 8 + 32 * t));
+            const __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+            // [lo 2t | lo 2t+1 | hi 2t | hi 2t+1] -> [lo 2t | hi 2t | lo 2t+1 | hi 2t+1]
+            const __m512i idx = _mm512_shuffle_i64x2(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1),
+                                                     _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), 0xd8);
+            const __m512i v = _mm512_shuffle_epi8(values, idx);
+            M[t] = _mm512_abs_epi8(v);
+            N[t] = _mm512_movepi8_mask(v);
+            S[t] = _mm512_inserti64x4(_mm512_set1_epi16((short)sc[2 * t]), _mm256_set1_epi16((short)sc[2 * t + 1]), 1);
+        }
+        for (int j = 0; j < NB; j++) {
+            const uint8_t *xb = mskq_xblock(x, xstride, j, i);
+            __m512i acc = _mm512_setzero_si512();
+            for (int t = 0; t < 4; t++) {
+                const __m512i xq = _mm512_loadu_si512((const void *)(xb + 4 + 64 * t));
+                const __m512i xs = _mm512_mask_sub_epi8(xq, N[t], _mm512_setzero_si512(), xq);
+                acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(M[t], xs), S[t]);
+            }
+            float dx;
+            std::memcpy(&dx, xb, 4);
+            fa[j] = fa[j] + (float)_mm512_reduce_add_epi32(acc) * (d * dx);
+        }
+#elif defined(MSKQ_SIMD)
+        mskq_prefetch(b, 136);
+        // sub-block s as 32 signed values in weight order (V), their magnitudes (M), its scale (S)
+        __m256i V[8], M[8], S[8];
+        for (int s = 0; s < 8; s++) {
+            const __m128i q = _mm_loadu_si128((const __m128i *)(b + 8 + 16 * s));
+            const __m256i idx = _mm256_setr_m128i(_mm_and_si128(q, m4), _mm_and_si128(_mm_srli_epi16(q, 4), m4));
+            V[s] = _mm256_shuffle_epi8(values, idx);
+            M[s] = _mm256_sign_epi8(V[s], V[s]);
+            S[s] = _mm256_set1_epi16((short)sc[s]);
+        }
+        for (int j = 0; j < NB; j++) {
+            const uint8_t *xb = mskq_xblock(x, xstride, j, i);
+            __m256i acc = _mm256_setzero_si256();
+            for (int s = 0; s < 8; s++) {
+                const __m256i xq = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xb + 4 + 32 * s)), V[s]);
+                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(M[s], xq), S[s]));
+            }
+            float dx;
+            std::memcpy(&dx, xb, 4);
+            fa[j] = fa[j] + (float)mskq_hsum_epi32(acc) * (d * dx);
+        }
+#else
+        int8_t v[256];
+        for (int s = 0; s < 8; s++)
+            for (int l = 0; l < 16; l++) {
+                const uint8_t q = b[8 + 16 * s + l];
+                v[32 * s + l] = msq_iq4nl[q & 15];
+                v[32 * s + 16 + l] = msq_iq4nl[q >> 4];
+            }
+        for (int j = 0; j < NB; j++) {
+            const uint8_t *xb = mskq_xblock(x, xstride, j, i);
+            const int8_t *xq = (const int8_t *)(xb + 4);
+            int32_t total = 0;
+            for (int s = 0; s < 8; s++) {
+                int32_t dot = 0;
+                for (int l = 0; l < 32; l++) dot += (int32_t)v[32 * s + l] * xq[32 * s + l];
+                total += sc[s] * dot;
+            }
+            float dx;
+            std::memcpy(&dx, xb, 4);
+            fa[j] = fa[j] + (float)total * (d * dx);
+        }
+#endif
+    }
+    for (int j = 0; j < NB; j++) y[j * ystride] = fa[j];
 }
 
 #endif  // MINISERVE_KQUANTS_H

@@ -1,5 +1,5 @@
 // Dot products and row decoders for ggml's 32-weight block types (Q4_0, Q4_1, Q5_0, Q5_1,
-// Q8_0) and for F16 weights, as stored in GGUF files (ggml-common.h's layouts), for decode.cpp.
+// Q8_0, IQ4_NL) and for F16 weights, as stored in GGUF files (ggml-common.h's layouts), for decode.cpp.
 //
 // Activations: each row entering a product is quantized once to int8 blocks of 32 (x ~= d q,
 // q in [-127, 127]), kept in groups of 8 blocks (ms_a8g: the 8 scales, the 8 sums d sum(q) and
@@ -11,7 +11,7 @@
 // same for every NB and every position j, and the same in the three builds (AVX-512 + VNNI,
 // AVX2 + FMA, plain loops):
 //   per block b: I = the exact int32 sum of the block's 32 products (q - OFF, or q for the
-//                types with a min, times the activations' q);
+//                types with a min, or IQ4_NL's table value of q, times the activations' q);
 //                p = (d_w * d_x) * float(I), plus m_w * s_x for the types with a min
 //                (Q4_1, Q5_1): p = p + m_w * s_x;
 //                acc[b & 7] = acc[b & 7] + p
@@ -143,14 +143,28 @@ static inline float msq_sum8(const float *v) {
 
 // What tells the 32-weight types apart. BYTES: a block's size; QS: where its nibbles / bytes
 // start; OFF: what is subtracted from the stored unsigned quant (0 for Q8_0, whose quants are
-// signed, and for the types with a min); MIN: w = d q + m; BITS: 4, 5 or 8.
-enum MsqKind { MSQ_Q4_0, MSQ_Q4_1, MSQ_Q5_0, MSQ_Q5_1, MSQ_Q8_0 };
+// signed, and for the types with a min); MIN: w = d q + m; BITS: 4, 5 or 8; LUT: the 4-bit
+// index picks the weight's integer from a table (IQ4_NL: w = d * msq_iq4nl[q], signed values
+// that the loops take as Q8_0's signed quants once looked up: msq_signed8).
+enum MsqKind { MSQ_Q4_0, MSQ_Q4_1, MSQ_Q5_0, MSQ_Q5_1, MSQ_Q8_0, MSQ_IQ4_NL };
 template <int K> struct MsqT;
-template <> struct MsqT<MSQ_Q4_0> { static const int BYTES = 18, QS = 2, OFF = 8, MIN = 0, BITS = 4; };
-template <> struct MsqT<MSQ_Q4_1> { static const int BYTES = 20, QS = 4, OFF = 0, MIN = 1, BITS = 4; };
-template <> struct MsqT<MSQ_Q5_0> { static const int BYTES = 22, QS = 6, OFF = 16, MIN = 0, BITS = 5; };
-template <> struct MsqT<MSQ_Q5_1> { static const int BYTES = 24, QS = 8, OFF = 0, MIN = 1, BITS = 5; };
-template <> struct MsqT<MSQ_Q8_0> { static const int BYTES = 34, QS = 2, OFF = 0, MIN = 0, BITS = 8; };
+template <> struct MsqT<MSQ_Q4_0> { static const int BYTES = 18, QS = 2, OFF = 8, MIN = 0, BITS = 4, LUT = 0; };
+template <> struct MsqT<MSQ_Q4_1> { static const int BYTES = 20, QS = 4, OFF = 0, MIN = 1, BITS = 4, LUT = 0; };
+template <> struct MsqT<MSQ_Q5_0> { static const int BYTES = 22, QS = 6, OFF = 16, MIN = 0, BITS = 5, LUT = 0; };
+template <> struct MsqT<MSQ_Q5_1> { static const int BYTES = 24, QS = 8, OFF = 0, MIN = 1, BITS = 5, LUT = 0; };
+template <> struct MsqT<MSQ_Q8_0> { static const int BYTES = 34, QS = 2, OFF = 0, MIN = 0, BITS = 8, LUT = 0; };
+template <> struct MsqT<MSQ_IQ4_NL> { static const int BYTES = 18, QS = 2, OFF = 0, MIN = 0, BITS = 4, LUT = 1; };
+
+// IQ4_NL's 16 weight values (ggml-common.h's kvalues_iq4nl; IQ4_XS uses them too, kquants.h).
+alignas(16) static const int8_t msq_iq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                                 1,    13,   25,  38,  53,  69,  89,  113};
+
+// Whether a type's integers, as the dot products take them, are signed bytes: Q8_0's stored
+// quants, IQ4_NL's looked-up values (|q| <= 127 either way).
+template <int K>
+constexpr bool msq_signed8() {
+    return MsqT<K>::BITS == 8 || MsqT<K>::LUT;
+}
 
 // A block's 32 weights as the integers the dot product uses: q - OFF (signed types), q (types
 // with a min), in the natural order (weight i at index i).
@@ -169,12 +183,14 @@ static inline void msq_ints(const uint8_t *b, int *q) {
             lo |= (int)((qh >> i) & 1u) << 4;
             hi |= (int)((qh >> (i + 16)) & 1u) << 4;
         }
+        if (T::LUT) lo = msq_iq4nl[lo], hi = msq_iq4nl[hi];
         q[i] = lo - T::OFF;
         q[i + 16] = hi - T::OFF;
     }
 }
 
-// One row of n weights to floats: d * (q - OFF), or d * q + m (gguf's own arithmetic).
+// One row of n weights to floats: d * (q - OFF), d * q + m, or d * the looked-up value (gguf's
+// own arithmetic).
 template <int K>
 static inline void msq_dequant(const void *w, float *y, long n) {
     typedef MsqT<K> T;
@@ -502,7 +518,7 @@ template <int K>
 constexpr int msq_bias_shift() {
     typedef MsqT<K> T;
 #if defined(MSQ_DPBUSD)
-    if (T::BITS == 8) return 7;
+    if (msq_signed8<K>()) return 7;  // IQ4_NL likewise: its table's values + 128 (msq_lut)
 #endif
     return T::OFF == 8 ? 3 : T::OFF == 16 ? 4 : -1;
 }
@@ -511,7 +527,16 @@ constexpr int msq_bias_shift() {
 // group, its packed strips stored so.
 template <int K>
 constexpr bool msq_biased() {
-    return MsqT<K>::BITS == 8 && msq_bias_shift<K>() >= 0;
+    return msq_signed8<K>() && msq_bias_shift<K>() >= 0;
+}
+
+// IQ4_NL: 4-bit indices (bytes 0..15) to their values, as this build's loops take them: + 128
+// where it takes signed bytes biased (msq_biased), else signed.
+template <int K>
+static MSQ_INLINE __m256i msq_lut(__m256i idx) {
+    const __m128i t = _mm_load_si128((const __m128i *)msq_iq4nl);
+    const __m128i tb = msq_biased<K>() ? _mm_xor_si128(t, _mm_set1_epi8((char)0x80)) : t;
+    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(tb), idx);
 }
 
 // Q8_0 (AVX2 without AVX-VNNI): acc plus the products of P pieces (w[i]: the weights'
@@ -576,13 +601,14 @@ static MSQ_INLINE void msq_group_totals(const uint8_t *w, const char *x, long xs
         __m256i q[P], aq[P];
         if constexpr (P == 4) msq_tail<K>(wg, nbg, q);
         else msq_quarter<K>(wg, nbg, q);
-        for (int i = 0; T::BITS == 8 && i < P; i++)
-            aq[i] = biased ? _mm256_xor_si256(q[i], bias) : _mm256_sign_epi8(q[i], q[i]);
+        for (int i = 0; T::LUT && i < P; i++) q[i] = msq_lut<K>(q[i]);  // biased already where so
+        for (int i = 0; msq_signed8<K>() && i < P; i++)
+            aq[i] = biased ? (T::LUT ? q[i] : _mm256_xor_si256(q[i], bias)) : _mm256_sign_epi8(q[i], q[i]);
         for (int j = 0; j < NB; j++) {
             const int8_t *a = qs(j);
             auto act = [&](int i) { return _mm256_loadu_si256((const __m256i *)(a + 32 * i)); };
             __m256i t;
-            if constexpr (T::BITS == 8 && !biased)
+            if constexpr (msq_signed8<K>() && !biased)
                 t = msq_totals_q8<P>(_mm256_setzero_si256(), aq, q, act);
             else
                 t = msq_totals<K, P>(biased ? aq : q, act);
@@ -596,6 +622,14 @@ static MSQ_INLINE void msq_group_totals(const uint8_t *w, const char *x, long xs
         short_group(std::integral_constant<int, 2>());
     } else if (nbg <= 4) {
         short_group(std::integral_constant<int, 4>());
+    } else if constexpr (T::LUT && !biased) {  // IQ4_NL, signed: the magnitudes' trick, as Q8_0's
+        __m256i q[8], aq[8];
+        msq_group<K>(wg, nbg, q);
+        for (int i = 0; i < 8; i++) q[i] = msq_lut<K>(q[i]), aq[i] = _mm256_sign_epi8(q[i], q[i]);
+        for (int j = 0; j < NB; j++) {
+            const int8_t *a = qs(j);
+            use(j, msq_totals_q8<8>(_mm256_setzero_si256(), aq, q, [&](int i) { return _mm256_loadu_si256((const __m256i *)(a + 32 * i)); }));
+        }
     } else if constexpr (T::BITS == 8 && !biased) {  // a half of the pieces at a time: 8 vectors of weights live, not 16
         __m256i totals[NB];
         for (int p = 0; p < 2; p++) {
@@ -617,6 +651,7 @@ static MSQ_INLINE void msq_group_totals(const uint8_t *w, const char *x, long xs
             for (int i = 0; i < 8; i++) q[i] = _mm256_xor_si256(q[i], bias);
         } else {
             msq_group<K>(wg, nbg, q);
+            for (int i = 0; T::LUT && i < 8; i++) q[i] = msq_lut<K>(q[i]);  // IQ4_NL's values + 128
         }
         for (int j = 0; j < NB; j++) {
             const int8_t *a = qs(j);
@@ -701,6 +736,10 @@ template <int NB>
 static void ms_dot_q8_0(long n, const void *w, const void *x, long xs, float *y, long ys) {
     msq_dot<MSQ_Q8_0, NB>(n, w, x, xs, y, ys);
 }
+template <int NB>
+static void ms_dot_iq4_nl(long n, const void *w, const void *x, long xs, float *y, long ys) {
+    msq_dot<MSQ_IQ4_NL, NB>(n, w, x, xs, y, ys);
+}
 
 #if defined(MSQ_AVX512) || defined(MSQ_AVX2)
 // A 5-bit block's high bits (qh: bit i is weight i's) rearranged for the packed layouts: byte
@@ -745,7 +784,7 @@ static void msq_pack_strip(long n, const void *w, long wrow, void *out) {
             if constexpr (T::BITS == 5) p.h[l] = msq_pack_high_bits(br + T::QS - 4);
             for (int v = 0; v < P::QV; v++) {
                 std::memcpy(&p.q[v][4 * l], br + T::QS + 4 * v, 4);
-                if constexpr (biased)
+                if constexpr (biased && T::BITS == 8)
                     for (int e = 0; e < 4; e++) p.q[v][4 * l + e] ^= 0x80;  // q + 128
             }
         }
@@ -775,7 +814,7 @@ using MsqPacked = MsqStrip<K, 16>;
 constexpr int MSQ_STRIP = 16;  // weight rows a packed strip holds in this build
 static_assert(sizeof(MsqPacked<MSQ_Q4_1>) == 16 * 20 && sizeof(MsqPacked<MSQ_Q4_0>) == 16 * 18 &&
                   sizeof(MsqPacked<MSQ_Q5_0>) == 16 * 22 && sizeof(MsqPacked<MSQ_Q5_1>) == 16 * 24 &&
-                  sizeof(MsqPacked<MSQ_Q8_0>) == 16 * 34,
+                  sizeof(MsqPacked<MSQ_Q8_0>) == 16 * 34 && sizeof(MsqPacked<MSQ_IQ4_NL>) == 16 * 18,
               "a packed block is its 16 stored blocks' size");
 
 // The 16 rows of a packed strip (n / 32 blocks at w) against NB activation rows (ms_a8g rows,
@@ -812,6 +851,10 @@ static void msq_dot_packed(long n, const void *w, const void *x, long xs, float 
             const __m512i h = _mm512_loadu_si512((const void *)u.h), b4 = _mm512_set1_epi8(0x10);
             for (int p = 0; p < 8; p++)
                 W[p] = _mm512_or_si512(W[p], _mm512_and_si512(p <= 4 ? _mm512_slli_epi32(h, 4 - p) : _mm512_srli_epi32(h, p - 4), b4));
+        }
+        if constexpr (T::LUT) {  // IQ4_NL: the indices' values + 128 (msq_lut)
+            const __m512i lut = _mm512_broadcast_i32x4(_mm_xor_si128(_mm_load_si128((const __m128i *)msq_iq4nl), _mm_set1_epi8((char)0x80)));
+            for (int p = 0; p < 8; p++) W[p] = _mm512_shuffle_epi8(lut, W[p]);
         }
         const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)u.d));
         __m512 mw = _mm512_setzero_ps();
@@ -873,7 +916,7 @@ using MsqPacked8 = MsqStrip<K, 8>;
 constexpr int MSQ_STRIP = 8;  // weight rows a packed strip holds in this build
 static_assert(sizeof(MsqPacked8<MSQ_Q4_1>) == 8 * 20 && sizeof(MsqPacked8<MSQ_Q4_0>) == 8 * 18 &&
                   sizeof(MsqPacked8<MSQ_Q5_0>) == 8 * 22 && sizeof(MsqPacked8<MSQ_Q5_1>) == 8 * 24 &&
-                  sizeof(MsqPacked8<MSQ_Q8_0>) == 8 * 34,
+                  sizeof(MsqPacked8<MSQ_Q8_0>) == 8 * 34 && sizeof(MsqPacked8<MSQ_IQ4_NL>) == 8 * 18,
               "a packed block is its 8 stored blocks' size");
 
 // The 8 rows of a packed strip (n / 32 blocks at w) against NB activation rows (ms_a8g rows,
@@ -896,10 +939,10 @@ static void msq_dot_packed8(long n, const void *w, const void *x, long xs, float
         const long g = b / 8;
         const int k = (int)(b % 8);
         constexpr bool biased = msq_biased<K>();  // Q8_0 packed as q + 128
-        __m256i W[8], S[T::BITS == 8 ? 8 : 1];
+        __m256i W[8], S[msq_signed8<K>() ? 8 : 1];
         for (int v = 0; v < P::QV; v++) {
             const __m256i q = _mm256_loadu_si256((const __m256i *)u.q[v]);
-            if constexpr (biased)
+            if constexpr (biased && T::BITS == 8)
                 W[v] = q;
             else if constexpr (T::BITS == 8)
                 S[v] = q, W[v] = _mm256_sign_epi8(q, q);
@@ -910,6 +953,12 @@ static void msq_dot_packed8(long n, const void *w, const void *x, long xs, float
             const __m256i h = _mm256_loadu_si256((const __m256i *)u.h), b4 = _mm256_set1_epi8(0x10);
             for (int p = 0; p < 8; p++)
                 W[p] = _mm256_or_si256(W[p], _mm256_and_si256(p <= 4 ? _mm256_slli_epi32(h, 4 - p) : _mm256_srli_epi32(h, p - 4), b4));
+        }
+        if constexpr (T::LUT) {  // IQ4_NL: the indices' values (+ 128 where biased: msq_lut)
+            for (int p = 0; p < 8; p++) {
+                W[p] = msq_lut<K>(W[p]);
+                if constexpr (!biased) S[p] = W[p], W[p] = _mm256_sign_epi8(W[p], W[p]);
+            }
         }
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)u.d));
         __m256 mw = _mm256_setzero_ps();
@@ -925,7 +974,7 @@ static void msq_dot_packed8(long n, const void *w, const void *x, long xs, float
                     return _mm256_set1_epi32(v);
                 };
                 __m256i total;
-                if constexpr (T::BITS == 8 && !biased)
+                if constexpr (msq_signed8<K>() && !biased)
                     total = msq_totals_q8<8>(_mm256_setzero_si256(), W, S, act);
                 else
                     total = msq_totals<K, 8>(W, act);
@@ -965,6 +1014,7 @@ static void ms_dequant_q4_1(const void *w, float *y, long n) { msq_dequant<MSQ_Q
 static void ms_dequant_q5_0(const void *w, float *y, long n) { msq_dequant<MSQ_Q5_0>(w, y, n); }
 static void ms_dequant_q5_1(const void *w, float *y, long n) { msq_dequant<MSQ_Q5_1>(w, y, n); }
 static void ms_dequant_q8_0(const void *w, float *y, long n) { msq_dequant<MSQ_Q8_0>(w, y, n); }
+static void ms_dequant_iq4_nl(const void *w, float *y, long n) { msq_dequant<MSQ_IQ4_NL>(w, y, n); }
 
 // ---------------------------------------------------------------- F16 weights
 
