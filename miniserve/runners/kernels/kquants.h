@@ -2115,4 +2115,95 @@ static void ms_dot_iq4_xs(long n, const void *w, const void *x, long xstride, fl
     for (int j = 0; j < NB; j++) y[j * ystride] = fa[j];
 }
 
+#if defined(MSKQ_AVX512)
+// IQ4_XS packed at load, 16 rows a strip (decode.cpp's T_IQ4_XS_P16, AVX-512): per super-block,
+// sub-block s's quants of the 16 rows in MsqStrip's 4-bit layout (q[s][v]: lane l holds bytes
+// 4v .. 4v + 3 of row l's 16 bytes of sub-block s -- low nibbles weights 4v .., high nibbles
+// 16 + 4v ..), then the rows' scales minus 32 (sc[s][l]) and their d as stored: 16 x the stored
+// super-block's bytes, plus 32. One vpdpbusd of 16 rows' 4 values (+ 128, as IQ4_NL's: msq_lut)
+// against 4 broadcast activation bytes is 64 products; per sub-block and lane (a row), T = the
+// 32 products less 128 x the sub-block's activation sum (bsums), I = I + sc x T (vpmulld): the
+// rows as stored's exact total, then their float step lane by lane -- the same bits.
+struct mskq_pxs {
+    uint8_t q[8][4][64];
+    int8_t sc[8][16];
+    uint16_t d[16];
+};
+static_assert(sizeof(mskq_pxs) == 16 * 136 + 32, "16 stored super-blocks and 16 scales' bytes");
+
+// 16 stored rows of n weights (the first at w, wrow bytes apart) -> n / 256 packed blocks.
+static void mskq_pack_xs_rows(long n, const void *w, long wrow, void *out) {
+    const uint8_t *rows = (const uint8_t *)w;
+    for (long i = 0; i < n / 256; i++) {
+        mskq_pxs p;
+        for (int l = 0; l < 16; l++) {
+            const uint8_t *b = rows + l * wrow + i * 136;
+            int sc[8];
+            mskq_scales_iq4xs(b, sc);
+            std::memcpy(&p.d[l], b, 2);
+            for (int s = 0; s < 8; s++) {
+                p.sc[s][l] = (int8_t)sc[s];
+                for (int v = 0; v < 4; v++) std::memcpy(&p.q[s][v][4 * l], b + 8 + 16 * s + 4 * v, 4);
+            }
+        }
+        std::memcpy((char *)out + i * sizeof(mskq_pxs), &p, sizeof p);
+    }
+}
+
+// The 16 rows of a packed strip (n / 256 blocks at w) against NB activation rows (ms_a8k rows,
+// xstride bytes apart): y[j * ystride + r] for rows r < 16.
+template <int NB>
+static void mskq_dot_pxs(long n, const void *w, const void *x, long xstride, float *y, long ystride) {
+    const mskq_pxs *u = (const mskq_pxs *)w;
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    const __m512i lut = _mm512_broadcast_i32x4(_mm_xor_si128(_mm_load_si128((const __m128i *)msq_iq4nl), _mm_set1_epi8((char)0x80)));
+    __m512 fa[NB];
+    for (int j = 0; j < NB; j++) fa[j] = _mm512_setzero_ps();
+    const long nb = n / 256;
+    for (long i = 0; i < nb; i++) {
+        const mskq_pxs &p = u[i];
+        if (i + 1 < nb)  // (as the 32-weight strips: from memory the prefetchers alone fall behind)
+            for (int o = 0; o < (int)sizeof(mskq_pxs); o += 64) _mm_prefetch((const char *)(u + i + 1) + o, _MM_HINT_T0);
+        __m512i I[NB];
+        for (int j = 0; j < NB; j++) I[j] = _mm512_setzero_si512();
+        for (int s = 0; s < 8; s++) {
+            __m512i W[8];
+            for (int v = 0; v < 4; v++) {
+                const __m512i q = _mm512_loadu_si512((const void *)p.q[s][v]);
+                W[v] = _mm512_shuffle_epi8(lut, _mm512_and_si512(q, m4));
+                W[v + 4] = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(q, 4), m4));
+            }
+            const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p.sc[s]));
+            for (int j = 0; j < NB; j++) {
+                const uint8_t *xb = mskq_xblock(x, xstride, j, i);
+                const uint8_t *xq = xb + 4 + 32 * s;  // piece pp (W[pp]): weights 4 pp .. of the sub-block
+                __m512i t0 = _mm512_setzero_si512(), t1 = _mm512_setzero_si512();
+                for (int pp = 0; pp < 8; pp += 2) {  // two chains, then their sum (integers: the same total)
+                    int32_t a0, a1;
+                    std::memcpy(&a0, xq + 4 * pp, 4);
+                    std::memcpy(&a1, xq + 4 * pp + 4, 4);
+                    t0 = _mm512_dpbusd_epi32(t0, W[pp], _mm512_set1_epi32(a0));
+                    t1 = _mm512_dpbusd_epi32(t1, W[pp + 1], _mm512_set1_epi32(a1));
+                }
+                int16_t bs[2];
+                std::memcpy(bs, xb + 260 + 4 * s, 4);
+                const __m512i t = _mm512_sub_epi32(_mm512_add_epi32(t0, t1), _mm512_set1_epi32(((int32_t)bs[0] + bs[1]) * 128));
+                I[j] = _mm512_add_epi32(I[j], _mm512_mullo_epi32(t, sc));
+            }
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p.d));
+        for (int j = 0; j < NB; j++) {
+            float dx;
+            std::memcpy(&dx, mskq_xblock(x, xstride, j, i), 4);
+            fa[j] = _mm512_add_ps(fa[j], _mm512_mul_ps(_mm512_cvtepi32_ps(I[j]), _mm512_mul_ps(d, _mm512_set1_ps(dx))));
+        }
+    }
+    for (int j = 0; j < NB; j++) {
+        alignas(64) float v[16];
+        _mm512_store_ps(v, fa[j]);
+        for (int r = 0; r < 16; r++) y[j * ystride + r] = v[r];
+    }
+}
+#endif
+
 #endif  // MINISERVE_KQUANTS_H
