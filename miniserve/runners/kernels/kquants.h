@@ -1,5 +1,5 @@
 // K-quant weight rows (ggml's Q4_K, Q5_K, Q6_K super-blocks of 256 weights, as stored in GGUF
-// files; Q3_K's and Q2_K's, their own sections at the end, in simpler orders) against activation rows quantized to int8 (ms_a8k, llama.cpp's block_q8_K): the
+// files; Q3_K's, Q2_K's and IQ4_XS's, their own sections at the end, in simpler orders) against activation rows quantized to int8 (ms_a8k, llama.cpp's block_q8_K): the
 // activation quantizer, one-row dequantizers, and dot products of one weight row against NB
 // activation rows.
 //
