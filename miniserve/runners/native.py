@@ -376,7 +376,8 @@ def packed_bytes(w) -> int:
     with rows in whole 16s in the AVX-512 build; Q6_K with rows in whole 16s in the AVX-512
     build, in whole 8s in the AVX2 one; IQ4_XS with rows in whole 16s in the AVX-512 build;
     the 32-weight types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) with rows in whole 16s in the
-    AVX-512 build, 8s in the AVX2 one); 0 where it stays as stored, and for all with MINISERVE_PACK=0."""
+    AVX-512 build, 8s in the AVX2 one); 0 where it stays as stored, and for all with
+    MINISERVE_PACK=0."""
     lib = load()
     off = os.environ.get("MINISERVE_PACK", "1") == "0"
     if lib is None or off or not isinstance(w, StoredMatrix):
