@@ -1899,6 +1899,118 @@ static void ms_dot_q3_K(long n, const void *w, const void *x, long xstride, floa
     for (int j = 0; j < NB; j++) y[j * ystride] = fa[j];
 }
 
+#if defined(MSKQ_AVX512)
+// Q3_K packed at load, 16 rows a strip (decode.cpp's T_Q3_K_P16, AVX-512). Per super-block, for
+// the 16 rows (lane r: row r's 4 bytes): q[n][p] = qs[32n + 4p .. 4p + 3] (the low bit pairs of
+// weights 128n + 32k + 4p .., k = 0..3, at bits 2k), h[p] = hmask[4p .. 4p + 3] (their third bits at
+// bit 4n + k); the group pairs' scales minus 32 as bytes, row by row (sc[c][2r], sc[c][2r + 1]:
+// groups 2c and 2c + 1 of row r); the rows' d as stored: 16 x the stored bytes, plus 64. A
+// chunk of 32 weights (n, k) is groups 2c, 2c + 1 (c = 4n + k): u = q + 4 (0..7) by two shifts
+// and masks a piece, then per activation row one vpdpbusd a piece against 4 broadcast bytes;
+// each group's total less 4 x its activation sum fits 16 bits (|.| < 2^15), the pair is packed
+// to int16 pairs and vpdpwssd by its two scales adds sc . (u . xq - 4 bsum) into the lane's
+// exact total I, as the rows as stored's; then their float step lane by lane: the same bits.
+// A 16-row strip's float steps for super-block i from NB activation rows' exact totals I (a row
+// a lane) and the rows' d as stored: fa = fa + (float)I * (d * dx), lane by lane, as the rows as
+// stored take them; then the 16 rows' results out.
+template <int NB>
+static inline void mskq_strip_float(const uint16_t *d16, const __m512i *I, const void *x, long xstride, long i,
+                                    __m512 *fa) {
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)d16));
+    for (int j = 0; j < NB; j++) {
+        float dx;
+        std::memcpy(&dx, mskq_xblock(x, xstride, j, i), 4);
+        fa[j] = _mm512_add_ps(fa[j], _mm512_mul_ps(_mm512_cvtepi32_ps(I[j]), _mm512_mul_ps(d, _mm512_set1_ps(dx))));
+    }
+}
+template <int NB>
+static inline void mskq_strip_store(const __m512 *fa, float *y, long ystride) {
+    for (int j = 0; j < NB; j++) {
+        alignas(64) float v[16];
+        _mm512_store_ps(v, fa[j]);
+        for (int r = 0; r < 16; r++) y[j * ystride + r] = v[r];
+    }
+}
+
+struct mskq_p3 {
+    uint8_t q[2][8][64];
+    uint8_t h[8][64];
+    int8_t sc[8][32];
+    uint16_t d[16];
+};
+static_assert(sizeof(mskq_p3) == 16 * 110 + 64, "16 stored super-blocks and 16 scales' bytes");
+
+// 16 stored rows of n weights (the first at w, wrow bytes apart) -> n / 256 packed blocks.
+static void mskq_pack3_rows(long n, const void *w, long wrow, void *out) {
+    const uint8_t *rows = (const uint8_t *)w;
+    for (long i = 0; i < n / 256; i++) {
+        mskq_p3 p;
+        for (int r = 0; r < 16; r++) {
+            const uint8_t *b = rows + r * wrow + i * 110;
+            int sc[16];
+            mskq_scales3(b + 96, sc);
+            std::memcpy(&p.d[r], b + 108, 2);
+            for (int c = 0; c < 8; c++) p.sc[c][2 * r] = (int8_t)sc[2 * c], p.sc[c][2 * r + 1] = (int8_t)sc[2 * c + 1];
+            for (int pc = 0; pc < 8; pc++) {
+                std::memcpy(&p.h[pc][4 * r], b + 4 * pc, 4);
+                for (int nn = 0; nn < 2; nn++) std::memcpy(&p.q[nn][pc][4 * r], b + 32 + 32 * nn + 4 * pc, 4);
+            }
+        }
+        std::memcpy((char *)out + i * sizeof(mskq_p3), &p, sizeof p);
+    }
+}
+
+// The 16 rows of a packed strip (n / 256 blocks at w) against NB activation rows (ms_a8k rows,
+// xstride bytes apart): y[j * ystride + r] for rows r < 16.
+template <int NB>
+static void mskq_dot_p3(long n, const void *w, const void *x, long xstride, float *y, long ystride) {
+    const mskq_p3 *u = (const mskq_p3 *)w;
+    const __m512i three = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4);
+    __m512 fa[NB];
+    for (int j = 0; j < NB; j++) fa[j] = _mm512_setzero_ps();
+    const long nb = n / 256;
+    for (long i = 0; i < nb; i++) {
+        const mskq_p3 &p = u[i];
+        if (i + 1 < nb)  // (as the other strips: from memory the prefetchers alone fall behind)
+            for (int o = 0; o < (int)sizeof(mskq_p3); o += 64) _mm_prefetch((const char *)(u + i + 1) + o, _MM_HINT_T0);
+        __m512i I[NB];
+        for (int j = 0; j < NB; j++) I[j] = _mm512_setzero_si512();
+        for (int nn = 0; nn < 2; nn++)
+            for (int k = 0; k < 4; k++) {
+                const int c = 4 * nn + k, hb = 4 * nn + k;  // groups 2c, 2c + 1; the third bits' place
+                __m512i W[8];
+                for (int pc = 0; pc < 8; pc++) {
+                    const __m512i lo = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512((const void *)p.q[nn][pc]), 2 * k), three);
+                    const __m512i h = _mm512_loadu_si512((const void *)p.h[pc]);
+                    const __m512i hi = _mm512_and_si512(hb >= 2 ? _mm512_srli_epi16(h, hb - 2) : _mm512_slli_epi16(h, 2 - hb), four);
+                    W[pc] = _mm512_or_si512(lo, hi);
+                }
+                const __m512i sc = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p.sc[c]));
+                for (int j = 0; j < NB; j++) {
+                    const uint8_t *xb = mskq_xblock(x, xstride, j, i);
+                    const uint8_t *xq = xb + 4 + 32 * c;  // piece pc: weights 32c + 4pc ..
+                    __m512i t0 = _mm512_setzero_si512(), t1 = _mm512_setzero_si512();
+                    for (int pc = 0; pc < 4; pc++) {  // group 2c: pieces 0..3; 2c + 1: 4..7
+                        int32_t a0, a1;
+                        std::memcpy(&a0, xq + 4 * pc, 4);
+                        std::memcpy(&a1, xq + 16 + 4 * pc, 4);
+                        t0 = _mm512_dpbusd_epi32(t0, W[pc], _mm512_set1_epi32(a0));
+                        t1 = _mm512_dpbusd_epi32(t1, W[pc + 4], _mm512_set1_epi32(a1));
+                    }
+                    int16_t bs[2];
+                    std::memcpy(bs, xb + 260 + 4 * c, 4);
+                    t0 = _mm512_sub_epi32(t0, _mm512_set1_epi32(4 * (int32_t)bs[0]));
+                    t1 = _mm512_sub_epi32(t1, _mm512_set1_epi32(4 * (int32_t)bs[1]));
+                    const __m512i pair = _mm512_mask_blend_epi16(0xAAAAAAAAu, t0, _mm512_slli_epi32(t1, 16));
+                    I[j] = _mm512_dpwssd_epi32(I[j], pair, sc);
+                }
+            }
+        mskq_strip_float<NB>(p.d, I, x, xstride, i, fa);
+    }
+    mskq_strip_store<NB>(fa, y, ystride);
+}
+#endif
+
 // ---------------------------------------------------------------- Q2_K
 // Q2_K, 84 bytes: {u8 scales[16]; u8 qs[64]; fp16 d, dmin}: 16 groups of 16 weights, w = d *
 // (scales[g] & 15) * q - dmin * (scales[g] >> 4), q in 0..3. Weight 128n + 32k + l (n < 2, k < 4,
@@ -2191,18 +2303,9 @@ static void mskq_dot_pxs(long n, const void *w, const void *x, long xstride, flo
                 I[j] = _mm512_add_epi32(I[j], _mm512_mullo_epi32(t, sc));
             }
         }
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p.d));
-        for (int j = 0; j < NB; j++) {
-            float dx;
-            std::memcpy(&dx, mskq_xblock(x, xstride, j, i), 4);
-            fa[j] = _mm512_add_ps(fa[j], _mm512_mul_ps(_mm512_cvtepi32_ps(I[j]), _mm512_mul_ps(d, _mm512_set1_ps(dx))));
-        }
+        mskq_strip_float<NB>(p.d, I, x, xstride, i, fa);
     }
-    for (int j = 0; j < NB; j++) {
-        alignas(64) float v[16];
-        _mm512_store_ps(v, fa[j]);
-        for (int r = 0; r < 16; r++) y[j * ystride + r] = v[r];
-    }
+    mskq_strip_store<NB>(fa, y, ystride);
 }
 #endif
 
