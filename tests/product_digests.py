@@ -57,8 +57,9 @@ BY_ARITHMETIC = ("F16",)
 
 
 # the 32-weight types again over rows whose last group of 8 blocks holds 1 or 2 (the vector
-# loops' quarter-width tail; 43 blocks end in 3: the half-width one): "Q4_0/41" and so on
-SHORT_TAILS = (41, 42)
+# loops' quarter-width tail; 43 blocks end in 3: the half-width one) or 5 (the whole-group loop
+# with zero lanes): "Q4_0/41" and so on
+SHORT_TAILS = (41, 42, 45)
 
 
 def qtype(name: str):

@@ -46,8 +46,9 @@
 //     vphaddd. Matrices packed at load 8 rows a strip (Q4_K: mskq_p45x8, Q6_K: mskq_p6x8) hold
 //     a row a lane instead: 4 weights of each of 8 rows a register, nothing to pair.
 //   otherwise: plain integer loops over the unpacked quants.
-// (Q3_K, Q2_K: one or two totals a super-block, vpmaddubsw + vpmaddwd in both vector builds;
-// IQ4_XS, one total, the magnitudes' trick; see their sections.)
+// (Q3_K, Q2_K, IQ4_XS: one or two totals a super-block, vpmaddubsw + vpmaddwd on their rows as
+// stored; Q3_K and IQ4_XS packed 16 rows a strip in the AVX-512 build, vpdpbusd; see their
+// sections.)
 
 #ifndef MINISERVE_KQUANTS_H
 #define MINISERVE_KQUANTS_H
@@ -1900,16 +1901,6 @@ static void ms_dot_q3_K(long n, const void *w, const void *x, long xstride, floa
 }
 
 #if defined(MSKQ_AVX512)
-// Q3_K packed at load, 16 rows a strip (decode.cpp's T_Q3_K_P16, AVX-512). Per super-block, for
-// the 16 rows (lane r: row r's 4 bytes): q[n][p] = qs[32n + 4p .. 4p + 3] (the low bit pairs of
-// weights 128n + 32k + 4p .., k = 0..3, at bits 2k), h[p] = hmask[4p .. 4p + 3] (their third bits at
-// bit 4n + k); the group pairs' scales minus 32 as bytes, row by row (sc[c][2r], sc[c][2r + 1]:
-// groups 2c and 2c + 1 of row r); the rows' d as stored: 16 x the stored bytes, plus 64. A
-// chunk of 32 weights (n, k) is groups 2c, 2c + 1 (c = 4n + k): u = q + 4 (0..7) by two shifts
-// and masks a piece, then per activation row one vpdpbusd a piece against 4 broadcast bytes;
-// each group's total less 4 x its activation sum fits 16 bits (|.| < 2^15), the pair is packed
-// to int16 pairs and vpdpwssd by its two scales adds sc . (u . xq - 4 bsum) into the lane's
-// exact total I, as the rows as stored's; then their float step lane by lane: the same bits.
 // A 16-row strip's float steps for super-block i from NB activation rows' exact totals I (a row
 // a lane) and the rows' d as stored: fa = fa + (float)I * (d * dx), lane by lane, as the rows as
 // stored take them; then the 16 rows' results out.
@@ -1932,6 +1923,16 @@ static inline void mskq_strip_store(const __m512 *fa, float *y, long ystride) {
     }
 }
 
+// Q3_K packed at load, 16 rows a strip (decode.cpp's T_Q3_K_P16, AVX-512). Per super-block, for
+// the 16 rows (lane r: row r's 4 bytes): q[n][p] = qs[32n + 4p .. 4p + 3] (the low bit pairs of
+// weights 128n + 32k + 4p .., k = 0..3, at bits 2k), h[p] = hmask[4p .. 4p + 3] (their third bits at
+// bit 4n + k); the group pairs' scales minus 32 as bytes, row by row (sc[c][2r], sc[c][2r + 1]:
+// groups 2c and 2c + 1 of row r); the rows' d as stored: 16 x the stored bytes, plus 64. A
+// chunk of 32 weights (n, k) is groups 2c, 2c + 1 (c = 4n + k): u = q + 4 (0..7) by two shifts
+// and masks a piece, then per activation row one vpdpbusd a piece against 4 broadcast bytes;
+// each group's total less 4 x its activation sum fits 16 bits (|.| < 2^15), the pair is packed
+// to int16 pairs and vpdpwssd by its two scales adds sc . (u . xq - 4 bsum) into the lane's
+// exact total I, as the rows as stored's; then their float step lane by lane: the same bits.
 struct mskq_p3 {
     uint8_t q[2][8][64];
     uint8_t h[8][64];

@@ -160,7 +160,7 @@ alignas(16) static const int8_t msq_iq4nl[16] = {-127, -104, -83, -65, -49, -35,
                                                  1,    13,   25,  38,  53,  69,  89,  113};
 
 // Whether a type's integers, as the dot products take them, are signed bytes: Q8_0's stored
-// quants, IQ4_NL's looked-up values (|q| <= 127 either way).
+// quants (-128 .. 127), IQ4_NL's looked-up values (-127 .. 113).
 template <int K>
 constexpr bool msq_signed8() {
     return MsqT<K>::BITS == 8 || MsqT<K>::LUT;
@@ -523,8 +523,8 @@ constexpr int msq_bias_shift() {
     return T::OFF == 8 ? 3 : T::OFF == 16 ? 4 : -1;
 }
 
-// Whether this build takes Q8_0 as q + 128 (msq_bias_shift): its stored rows are xored once a
-// group, its packed strips stored so.
+// Whether this build takes the signed-byte types as q + 128 (msq_bias_shift): Q8_0's stored rows
+// are xored once a group, its packed strips stored so; IQ4_NL's table is biased (msq_lut).
 template <int K>
 constexpr bool msq_biased() {
     return msq_signed8<K>() && msq_bias_shift<K>() >= 0;
@@ -571,6 +571,7 @@ static MSQ_INLINE __m256i msq_totals(const __m256i *w, Act act) {
     for (int i = 0; i < P; i++) acc = msq_dpbusd(acc, w[i], act(i));
 #else
     typedef MsqT<K> T;
+    static_assert(!msq_signed8<K>(), "signed bytes take msq_totals_q8 here: their pairs reach 2^15");
     const __m256i ones = _mm256_set1_epi16(1);
     // 4-bit weights: up to 8 pieces' pairs in int16 (|sum| <= 8 * 2 * 15 * 127); 5-bit: 4 at a time
     const int run = T::BITS == 4 ? 8 : 4;
@@ -796,8 +797,9 @@ static void msq_pack_strip(long n, const void *w, long wrow, void *out) {
 #if defined(MSQ_AVX512)
 // ---------------------------------------------------------------- packed 16 rows at a time
 
-// A Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 matrix laid out anew at load for the AVX-512 build (decode.cpp's
-// T_PACKED_32): 16 weight rows' block b in 16 x the stored block's bytes,
+// A Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 or IQ4_NL matrix laid out anew at load for the AVX-512 build
+// (decode.cpp's T_PACKED_32; IQ4_NL's indices as stored, looked up as biased values in the loop,
+// msq_lut): 16 weight rows' block b in 16 x the stored block's bytes,
 // the rows of a 16 one after another, block by block. q[v]'s lane l (row l) holds 4 bytes of
 // that row's quants: for the 4-bit types qs[4v .. 4v + 3] (low nibbles: piece v, quants 4v ..
 // 4v + 3; high nibbles: piece v + 4; the 5-bit types' fifth bits in h, msq_pack_high_bits);
@@ -897,8 +899,9 @@ static void msq_dot_packed(long n, const void *w, const void *x, long xs, float 
 #if defined(MSQ_AVX2)
 // ---------------------------------------------------------------- packed 8 rows at a time (AVX2)
 
-// A Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 matrix laid out anew at load for the AVX2 build (decode.cpp's
-// T_PACKED_32), as MsqPacked with 8 lanes: 8 weight rows' block b in 8 x
+// A Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 or IQ4_NL matrix laid out anew at load for the AVX2 build
+// (decode.cpp's T_PACKED_32; IQ4_NL's indices as stored, looked up in the loop and then taken as
+// Q8_0's signed bytes are, msq_lut), as MsqPacked with 8 lanes: 8 weight rows' block b in 8 x
 // the stored block's bytes; q[v]'s lane l (row l) holds 4 bytes of that row's quants (the
 // 4-bit types: qs[4v .. 4v + 3], low nibbles piece v, high nibbles piece v + 4; Q8_0: piece v,
 // signed as stored, or as q + 128 with AVX-VNNI (msq_bias_shift); the 5-bit types' fifth bits
