@@ -560,10 +560,10 @@ def packs_here(qtype=Q.Q4_K) -> bool:
     """Whether this build lays matrices of `qtype` out anew (decode.cpp's ms_pack_type): Q4_K in
     the AVX-512 build, with AMX tiles or without (16 rows a strip), and the AVX2 one (8); Q5_K in
     the AVX-512 build (16); the 32-weight types in the AVX-512 build (16) and the AVX2 one (8);
-    Q6_K in the AVX-512 build (16) and the AVX2 one (8); IQ4_XS and Q3_K in the AVX-512 build
-    (16)."""
-    if qtype in (Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.Q3_K):  # the AVX-512 loops need VNNI: asked
-        bytes_ = {Q.Q5_K: 176, Q.Q6_K: 210, Q.IQ4_XS: 136, Q.Q3_K: 110}[qtype]
+    Q6_K in the AVX-512 build (16) and the AVX2 one (8); IQ4_XS, Q3_K and Q2_K in the AVX-512
+    build (16)."""
+    if qtype in (Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.Q3_K, Q.Q2_K):  # the AVX-512 loops need VNNI
+        bytes_ = {Q.Q5_K: 176, Q.Q6_K: 210, Q.IQ4_XS: 136, Q.Q3_K: 110, Q.Q2_K: 84}[qtype]
         return native.packed_bytes(StoredMatrix(0, int(qtype), 16, 256, 16 * bytes_)) > 0
     return (qtype in LEGACY or qtype == Q.Q4_K) and native.isa() in ("avx512", "avx2", "avx2+vnni")
 
@@ -581,6 +581,7 @@ PACKED_CASES = (
     + [(Q.IQ4_NL, 48, 18), (Q.IQ4_NL, 32, 13)]
     + [(Q.IQ4_XS, 48, 3), (Q.IQ4_XS, 16, 1), (Q.IQ4_XS, 32, 8)]
     + [(Q.Q3_K, 48, 3), (Q.Q3_K, 16, 1), (Q.Q3_K, 32, 8)]
+    + [(Q.Q2_K, 48, 3), (Q.Q2_K, 16, 1), (Q.Q2_K, 32, 8)]
 )
 
 

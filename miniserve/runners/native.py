@@ -374,9 +374,9 @@ def packed_bytes(w) -> int:
     """The bytes pack() makes of a matrix (decode.cpp's ms_pack_type: Q4_K with rows in whole
     16s in the AVX-512 build (AMX tiles unpack the strips), in whole 8s in the AVX2 build; Q5_K
     with rows in whole 16s in the AVX-512 build; Q6_K with rows in whole 16s in the AVX-512
-    build, in whole 8s in the AVX2 one; IQ4_XS and Q3_K with rows in whole 16s in the AVX-512 build;
-    the 32-weight types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) with rows in whole 16s in the
-    AVX-512 build, 8s in the AVX2 one); 0 where it stays as stored, and for all with
+    build, in whole 8s in the AVX2 one; IQ4_XS, Q3_K and Q2_K with rows in whole 16s in the
+    AVX-512 build; the 32-weight types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) with rows in whole
+    16s in the AVX-512 build, 8s in the AVX2 one); 0 where it stays as stored, and for all with
     MINISERVE_PACK=0."""
     lib = load()
     off = os.environ.get("MINISERVE_PACK", "1") == "0"

@@ -8,15 +8,15 @@ lies in its own block format (Q4_K, Q6_K, Q8_0, Q4_1, ...) by the native forward
 Nothing is dequantized at start and nothing is written to disk for the weights: the pages are
 the file's, shared with every other process that maps it, read in as the first passes touch
 them. One exception, in memory: where the build has a packed form of a type (Q4_K and Q6_K, 16
-rows' blocks side by side in the AVX-512 build, 8 in the AVX2 one; Q5_K, IQ4_XS and Q3_K in
-the AVX-512 build; the 32-weight types, IQ4_NL among them; native.pack), a layer's matrices of it
-are laid out anew at load (~0.3 s for Qwen3-1.7B's 0.7 GB) and their file pages handed back, so
-that they are resident once; the products are the same bits. What is read at start: the header
-and tensor table (miniserve/runners/gguf_file.py, checked before any native code sees a byte),
-the tokenizer (built by transformers from the file once, then kept in the cache folder keyed by
-the header's hash), and small float32 tensors (norms, biases) copied out. A tensor of a type
-the kernels do not run in place (IQ1/IQ2/IQ3's types, ...) is dequantized to float32 at load by
-the gguf package, and the load says so.
+rows' blocks side by side in the AVX-512 build, 8 in the AVX2 one; Q5_K, IQ4_XS, Q3_K and Q2_K
+in the AVX-512 build; the 32-weight types, IQ4_NL among them; native.pack), a layer's matrices
+of it are laid out anew at load (~0.3 s for Qwen3-1.7B's 0.7 GB) and their file pages handed
+back, so that they are resident once; the products are the same bits. What is read at start:
+the header and tensor table (miniserve/runners/gguf_file.py, checked before any native code
+sees a byte), the tokenizer (built by transformers from the file once, then kept in the cache
+folder keyed by the header's hash), and small float32 tensors (norms, biases) copied out. A
+tensor of a type the kernels do not run in place (IQ1/IQ2/IQ3's types, ...) is dequantized to
+float32 at load by the gguf package, and the load says so.
 
 Architectures: those of miniserve/core/architectures.py, each one declaration (its tensors,
 norms, RoPE, windows, activation, ...) that this file reads. llama files hold q and k rows

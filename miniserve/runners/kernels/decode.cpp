@@ -617,12 +617,12 @@ enum MsTypeId {
     // not ggml types: a matrix repacked at load (ms_pack). Q4_K 16 rows at a time for the
     // AVX-512 build (kquants.h's mskq_p45), 8 for the AVX2 one (mskq_p45x8); Q5_K 16 rows at a
     // time for the AVX-512 build (mskq_p5); Q6_K 16 rows at a time for the AVX-512 build
-    // (mskq_p6), 8 for the AVX2 one (mskq_p6x8); IQ4_XS and Q3_K 16 rows at a time for the
-    // AVX-512 build (mskq_pxs, mskq_p3);
+    // (mskq_p6), 8 for the AVX2 one (mskq_p6x8); IQ4_XS, Q3_K and Q2_K 16 rows at a time for the
+    // AVX-512 build (mskq_pxs, mskq_p3, mskq_p2);
     // a 32-weight type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) T_PACKED_32 + its own id, MSQ_STRIP rows
     // at a time: 16 in the AVX-512 build (quants.h's MsqPacked), 8 in the AVX2 one (MsqPacked8)
     T_Q4_K_P16 = 1012, T_Q4_K_P8 = 1013, T_Q6_K_P16 = 1014, T_Q6_K_P8 = 1015, T_Q5_K_P16 = 1016,
-    T_IQ4_XS_P16 = 1017, T_Q3_K_P16 = 1018,
+    T_IQ4_XS_P16 = 1017, T_Q3_K_P16 = 1018, T_Q2_K_P16 = 1019,
     T_PACKED_32 = 2000
 };
 
@@ -741,11 +741,13 @@ static const Kernels *kernels_for(long type) {
                                                    mskq_tile45_dot, mskq_pack5_rows),
                          q6_k_p16 = MS_KERNELS_P16(mskq_p6, mskq_dot_p6, mskq_tile_p6, mskq_t6, mskq_tile6_dot,
                                                    mskq_pack6_rows);
-    // IQ4_XS, Q3_K: their strips' own loops for every product (no tiles)
+    // IQ4_XS, Q3_K, Q2_K: their strips' own loops for every product (no tiles)
     static const Kernels iq4_xs_p16 = MS_KERNELS_STRIPS(mskq_pxs, 16, mskq_dot_pxs, mskq_pack_xs_rows),
-                         q3_k_p16 = MS_KERNELS_STRIPS(mskq_p3, 16, mskq_dot_p3, mskq_pack3_rows);
+                         q3_k_p16 = MS_KERNELS_STRIPS(mskq_p3, 16, mskq_dot_p3, mskq_pack3_rows),
+                         q2_k_p16 = MS_KERNELS_STRIPS(mskq_p2, 16, mskq_dot_p2, mskq_pack2_rows);
     if (type == T_IQ4_XS_P16) return &iq4_xs_p16;
     if (type == T_Q3_K_P16) return &q3_k_p16;
+    if (type == T_Q2_K_P16) return &q2_k_p16;
     if (type == T_Q4_K_P16) return &q4_k_p16;
     if (type == T_Q5_K_P16) return &q5_k_p16;
     if (type == T_Q6_K_P16) return &q6_k_p16;
@@ -2331,7 +2333,7 @@ int ms_amx(int on) {
 // 41.5-43.0 -> 35.4-35.8 ms, 8 rows 76.5-78.5 -> 63.1-63.8), not in the AVX2 one (8 rows
 // a strip: 8 rows 118 -> 95 ms, but one row 35.3 -> 38-39: its rows as stored stream faster);
 // the 32-weight types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) with rows in whole 16s in the AVX-512
-// build, 8s in the AVX2 one; IQ4_XS and Q3_K with rows in whole 16s in the AVX-512 build (the
+// build, 8s in the AVX2 one; IQ4_XS, Q3_K and Q2_K with rows in whole 16s in the AVX-512 build (the
 // 1B IQ4_XS shape on a Xeon: 64 rows 738 -> 347 ms, 8 rows 94 -> 60, one row 29.6 -> 27.4; the
 // 1B Q3_K_M shape: 64 rows 611 -> 326 ms, 8 rows 85 -> 54, one row 33.6 -> 27.5).
 long ms_pack_type(long type, long rows, long cols) {
@@ -2342,6 +2344,7 @@ long ms_pack_type(long type, long rows, long cols) {
     if (type == T_Q6_K && rows > 0 && rows % 16 == 0 && cols > 0 && cols % 256 == 0) return T_Q6_K_P16;
     if (type == T_IQ4_XS && rows > 0 && rows % 16 == 0 && cols > 0 && cols % 256 == 0) return T_IQ4_XS_P16;
     if (type == T_Q3_K && rows > 0 && rows % 16 == 0 && cols > 0 && cols % 256 == 0) return T_Q3_K_P16;
+    if (type == T_Q2_K && rows > 0 && rows % 16 == 0 && cols > 0 && cols % 256 == 0) return T_Q2_K_P16;
 #elif defined(MSKQ_AVX2)
     if (type == T_Q4_K && rows > 0 && rows % 8 == 0 && cols > 0 && cols % 256 == 0) return T_Q4_K_P8;
     if (type == T_Q6_K && rows > 0 && rows % 8 == 0 && cols > 0 && cols % 256 == 0) return T_Q6_K_P8;

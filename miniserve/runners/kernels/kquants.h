@@ -47,8 +47,8 @@
 //     a row a lane instead: 4 weights of each of 8 rows a register, nothing to pair.
 //   otherwise: plain integer loops over the unpacked quants.
 // (Q3_K, Q2_K, IQ4_XS: one or two totals a super-block, vpmaddubsw + vpmaddwd on their rows as
-// stored; Q3_K and IQ4_XS packed 16 rows a strip in the AVX-512 build, vpdpbusd; see their
-// sections.)
+// stored; Q3_K, Q2_K and IQ4_XS packed 16 rows a strip in the AVX-512 build, vpdpbusd; see
+// their sections.)
 
 #ifndef MINISERVE_KQUANTS_H
 #define MINISERVE_KQUANTS_H
@@ -1914,6 +1914,25 @@ static inline void mskq_strip_float(const uint16_t *d16, const __m512i *I, const
         fa[j] = _mm512_add_ps(fa[j], _mm512_mul_ps(_mm512_cvtepi32_ps(I[j]), _mm512_mul_ps(d, _mm512_set1_ps(dx))));
     }
 }
+// One activation row (xb: its ms_a8k block) against chunk c of a 16-row strip (W[pc]: 16 rows'
+// 4 weights 32c + 4pc .. as bytes): the totals of groups 2c (pieces 0..3, t0) and 2c + 1 (4..7,
+// t1), a row a lane, one vpdpbusd a piece against 4 broadcast activation bytes.
+static inline void mskq_group_pair(const __m512i *W, const uint8_t *xb, int c, __m512i &t0, __m512i &t1) {
+    const uint8_t *xq = xb + 4 + 32 * c;
+    t0 = _mm512_setzero_si512(), t1 = _mm512_setzero_si512();
+    for (int pc = 0; pc < 4; pc++) {  // two chains
+        int32_t a0, a1;
+        std::memcpy(&a0, xq + 4 * pc, 4);
+        std::memcpy(&a1, xq + 16 + 4 * pc, 4);
+        t0 = _mm512_dpbusd_epi32(t0, W[pc], _mm512_set1_epi32(a0));
+        t1 = _mm512_dpbusd_epi32(t1, W[pc + 4], _mm512_set1_epi32(a1));
+    }
+}
+// Two lanes' values below 2^15 in magnitude as an int16 pair a lane (t0 low, t1 high), for
+// vpdpwssd by a pair of scales.
+static inline __m512i mskq_int16_pairs(__m512i t0, __m512i t1) {
+    return _mm512_mask_blend_epi16(0xAAAAAAAAu, t0, _mm512_slli_epi32(t1, 16));
+}
 template <int NB>
 static inline void mskq_strip_store(const __m512 *fa, float *y, long ystride) {
     for (int j = 0; j < NB; j++) {
@@ -1989,21 +2008,13 @@ static void mskq_dot_p3(long n, const void *w, const void *x, long xstride, floa
                 const __m512i sc = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p.sc[c]));
                 for (int j = 0; j < NB; j++) {
                     const uint8_t *xb = mskq_xblock(x, xstride, j, i);
-                    const uint8_t *xq = xb + 4 + 32 * c;  // piece pc: weights 32c + 4pc ..
-                    __m512i t0 = _mm512_setzero_si512(), t1 = _mm512_setzero_si512();
-                    for (int pc = 0; pc < 4; pc++) {  // group 2c: pieces 0..3; 2c + 1: 4..7
-                        int32_t a0, a1;
-                        std::memcpy(&a0, xq + 4 * pc, 4);
-                        std::memcpy(&a1, xq + 16 + 4 * pc, 4);
-                        t0 = _mm512_dpbusd_epi32(t0, W[pc], _mm512_set1_epi32(a0));
-                        t1 = _mm512_dpbusd_epi32(t1, W[pc + 4], _mm512_set1_epi32(a1));
-                    }
+                    __m512i t0, t1;
+                    mskq_group_pair(W, xb, c, t0, t1);
                     int16_t bs[2];
                     std::memcpy(bs, xb + 260 + 4 * c, 4);
                     t0 = _mm512_sub_epi32(t0, _mm512_set1_epi32(4 * (int32_t)bs[0]));
                     t1 = _mm512_sub_epi32(t1, _mm512_set1_epi32(4 * (int32_t)bs[1]));
-                    const __m512i pair = _mm512_mask_blend_epi16(0xAAAAAAAAu, t0, _mm512_slli_epi32(t1, 16));
-                    I[j] = _mm512_dpwssd_epi32(I[j], pair, sc);
+                    I[j] = _mm512_dpwssd_epi32(I[j], mskq_int16_pairs(t0, t1), sc);
                 }
             }
         mskq_strip_float<NB>(p.d, I, x, xstride, i, fa);
@@ -2095,6 +2106,82 @@ static void ms_dot_q2_K(long n, const void *w, const void *x, long xstride, floa
     }
     for (int j = 0; j < NB; j++) y[j * ystride] = fa[j] - fb[j];
 }
+
+#if defined(MSKQ_AVX512)
+// Q2_K packed at load, 16 rows a strip (decode.cpp's T_Q2_K_P16, AVX-512): per super-block, for
+// the 16 rows (lane r: row r's 4 bytes), q[n][p] = qs[32n + 4p .. 4p + 3] (the bit pairs of
+// weights 128n + 32k + 4p .., k = 0..3, at bits 2k, as mskq_p3's); the group pairs' scale bytes
+// as stored, row by row (sm[c][2r], sm[c][2r + 1]: groups 2c and 2c + 1 of row r, scale in the
+// low nibble, min in the high); the rows' d and dmin as stored: 16 x the stored bytes. A chunk
+// of 32 weights (n, k) is groups 2c, 2c + 1 (c = 4n + k): q by a shift and a mask a piece, one
+// vpdpbusd a piece against 4 broadcast activation bytes; each group's total fits 16 bits (<= 16
+// x 3 x 127), the pair is packed to int16 pairs and vpdpwssd by the two scales adds it into the
+// lane's A, and vpdpwssd of the two mins by the groups' activation sums into its B: the rows as
+// stored's exact totals, then their float steps lane by lane (y = fa - fb): the same bits.
+struct mskq_p2 {
+    uint8_t q[2][8][64];
+    uint8_t sm[8][32];
+    uint16_t d[16], dmin[16];
+};
+static_assert(sizeof(mskq_p2) == 16 * 84, "16 stored super-blocks");
+
+// 16 stored rows of n weights (the first at w, wrow bytes apart) -> n / 256 packed blocks.
+static void mskq_pack2_rows(long n, const void *w, long wrow, void *out) {
+    const uint8_t *rows = (const uint8_t *)w;
+    for (long i = 0; i < n / 256; i++) {
+        mskq_p2 p;
+        for (int r = 0; r < 16; r++) {
+            const uint8_t *b = rows + r * wrow + i * 84;
+            std::memcpy(&p.d[r], b + 80, 2);
+            std::memcpy(&p.dmin[r], b + 82, 2);
+            for (int c = 0; c < 8; c++) p.sm[c][2 * r] = b[2 * c], p.sm[c][2 * r + 1] = b[2 * c + 1];
+            for (int pc = 0; pc < 8; pc++)
+                for (int nn = 0; nn < 2; nn++) std::memcpy(&p.q[nn][pc][4 * r], b + 16 + 32 * nn + 4 * pc, 4);
+        }
+        std::memcpy((char *)out + i * sizeof(mskq_p2), &p, sizeof p);
+    }
+}
+
+// The 16 rows of a packed strip (n / 256 blocks at w) against NB activation rows (ms_a8k rows,
+// xstride bytes apart): y[j * ystride + r] for rows r < 16.
+template <int NB>
+static void mskq_dot_p2(long n, const void *w, const void *x, long xstride, float *y, long ystride) {
+    const mskq_p2 *u = (const mskq_p2 *)w;
+    const __m512i three = _mm512_set1_epi8(3), m15 = _mm512_set1_epi16(15);
+    __m512 fa[NB], fb[NB];
+    for (int j = 0; j < NB; j++) fa[j] = fb[j] = _mm512_setzero_ps();
+    const long nb = n / 256;
+    for (long i = 0; i < nb; i++) {
+        const mskq_p2 &p = u[i];
+        if (i + 1 < nb)  // (as the other strips: from memory the prefetchers alone fall behind)
+            for (int o = 0; o < (int)sizeof(mskq_p2); o += 64) _mm_prefetch((const char *)(u + i + 1) + o, _MM_HINT_T0);
+        __m512i A[NB], B[NB];
+        for (int j = 0; j < NB; j++) A[j] = B[j] = _mm512_setzero_si512();
+        for (int nn = 0; nn < 2; nn++)
+            for (int k = 0; k < 4; k++) {
+                const int c = 4 * nn + k;  // groups 2c, 2c + 1
+                __m512i W[8];
+                for (int pc = 0; pc < 8; pc++)
+                    W[pc] = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512((const void *)p.q[nn][pc]), 2 * k), three);
+                const __m512i sm = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p.sm[c]));
+                const __m512i sc = _mm512_and_si512(sm, m15), mn = _mm512_srli_epi16(sm, 4);
+                for (int j = 0; j < NB; j++) {
+                    const uint8_t *xb = mskq_xblock(x, xstride, j, i);
+                    __m512i t0, t1;
+                    mskq_group_pair(W, xb, c, t0, t1);
+                    A[j] = _mm512_dpwssd_epi32(A[j], mskq_int16_pairs(t0, t1), sc);
+                    int32_t bs;  // the two groups' activation sums, an int16 pair
+                    std::memcpy(&bs, xb + 260 + 4 * c, 4);
+                    B[j] = _mm512_dpwssd_epi32(B[j], mn, _mm512_set1_epi32(bs));
+                }
+            }
+        mskq_strip_float<NB>(p.d, A, x, xstride, i, fa);
+        mskq_strip_float<NB>(p.dmin, B, x, xstride, i, fb);
+    }
+    for (int j = 0; j < NB; j++) fa[j] = _mm512_sub_ps(fa[j], fb[j]);
+    mskq_strip_store<NB>(fa, y, ystride);
+}
+#endif
 
 // ---------------------------------------------------------------- IQ4_XS
 // IQ4_XS, 136 bytes: {fp16 d; u16 scales_h; u8 scales_l[4]; u8 qs[128]}: 8 sub-blocks of 32
