@@ -1914,6 +1914,18 @@ static inline void mskq_strip_float(const uint16_t *d16, const __m512i *I, const
         fa[j] = _mm512_add_ps(fa[j], _mm512_mul_ps(_mm512_cvtepi32_ps(I[j]), _mm512_mul_ps(d, _mm512_set1_ps(dx))));
     }
 }
+// A 16-row strip type P's packer: for each of the n / 256 super-blocks, fill(p, r, b) puts row
+// r's stored super-block b (STORED bytes) into the packed block p.
+template <class P, int STORED, class Fill>
+static inline void mskq_pack16(long n, const void *w, long wrow, void *out, Fill fill) {
+    const uint8_t *rows = (const uint8_t *)w;
+    for (long i = 0; i < n / 256; i++) {
+        P p;
+        for (int r = 0; r < 16; r++) fill(p, r, rows + r * wrow + i * STORED);
+        std::memcpy((char *)out + i * sizeof(P), &p, sizeof p);
+    }
+}
+
 // One activation row (xb: its ms_a8k block) against chunk c of a 16-row strip (W[pc]: 16 rows'
 // 4 weights 32c + 4pc .. as bytes): the totals of groups 2c (pieces 0..3, t0) and 2c + 1 (4..7,
 // t1), a row a lane, one vpdpbusd a piece against 4 broadcast activation bytes.
@@ -1962,22 +1974,16 @@ static_assert(sizeof(mskq_p3) == 16 * 110 + 64, "16 stored super-blocks and 16 s
 
 // 16 stored rows of n weights (the first at w, wrow bytes apart) -> n / 256 packed blocks.
 static void mskq_pack3_rows(long n, const void *w, long wrow, void *out) {
-    const uint8_t *rows = (const uint8_t *)w;
-    for (long i = 0; i < n / 256; i++) {
-        mskq_p3 p;
-        for (int r = 0; r < 16; r++) {
-            const uint8_t *b = rows + r * wrow + i * 110;
-            int sc[16];
-            mskq_scales3(b + 96, sc);
-            std::memcpy(&p.d[r], b + 108, 2);
-            for (int c = 0; c < 8; c++) p.sc[c][2 * r] = (int8_t)sc[2 * c], p.sc[c][2 * r + 1] = (int8_t)sc[2 * c + 1];
-            for (int pc = 0; pc < 8; pc++) {
-                std::memcpy(&p.h[pc][4 * r], b + 4 * pc, 4);
-                for (int nn = 0; nn < 2; nn++) std::memcpy(&p.q[nn][pc][4 * r], b + 32 + 32 * nn + 4 * pc, 4);
-            }
+    mskq_pack16<mskq_p3, 110>(n, w, wrow, out, [](mskq_p3 &p, int r, const uint8_t *b) {
+        int sc[16];
+        mskq_scales3(b + 96, sc);
+        std::memcpy(&p.d[r], b + 108, 2);
+        for (int c = 0; c < 8; c++) p.sc[c][2 * r] = (int8_t)sc[2 * c], p.sc[c][2 * r + 1] = (int8_t)sc[2 * c + 1];
+        for (int pc = 0; pc < 8; pc++) {
+            std::memcpy(&p.h[pc][4 * r], b + 4 * pc, 4);
+            for (int nn = 0; nn < 2; nn++) std::memcpy(&p.q[nn][pc][4 * r], b + 32 + 32 * nn + 4 * pc, 4);
         }
-        std::memcpy((char *)out + i * sizeof(mskq_p3), &p, sizeof p);
-    }
+    });
 }
 
 // The 16 rows of a packed strip (n / 256 blocks at w) against NB activation rows (ms_a8k rows,
@@ -2127,19 +2133,13 @@ static_assert(sizeof(mskq_p2) == 16 * 84, "16 stored super-blocks");
 
 // 16 stored rows of n weights (the first at w, wrow bytes apart) -> n / 256 packed blocks.
 static void mskq_pack2_rows(long n, const void *w, long wrow, void *out) {
-    const uint8_t *rows = (const uint8_t *)w;
-    for (long i = 0; i < n / 256; i++) {
-        mskq_p2 p;
-        for (int r = 0; r < 16; r++) {
-            const uint8_t *b = rows + r * wrow + i * 84;
-            std::memcpy(&p.d[r], b + 80, 2);
-            std::memcpy(&p.dmin[r], b + 82, 2);
-            for (int c = 0; c < 8; c++) p.sm[c][2 * r] = b[2 * c], p.sm[c][2 * r + 1] = b[2 * c + 1];
-            for (int pc = 0; pc < 8; pc++)
-                for (int nn = 0; nn < 2; nn++) std::memcpy(&p.q[nn][pc][4 * r], b + 16 + 32 * nn + 4 * pc, 4);
-        }
-        std::memcpy((char *)out + i * sizeof(mskq_p2), &p, sizeof p);
-    }
+    mskq_pack16<mskq_p2, 84>(n, w, wrow, out, [](mskq_p2 &p, int r, const uint8_t *b) {
+        std::memcpy(&p.d[r], b + 80, 2);
+        std::memcpy(&p.dmin[r], b + 82, 2);
+        for (int c = 0; c < 8; c++) p.sm[c][2 * r] = b[2 * c], p.sm[c][2 * r + 1] = b[2 * c + 1];
+        for (int pc = 0; pc < 8; pc++)
+            for (int nn = 0; nn < 2; nn++) std::memcpy(&p.q[nn][pc][4 * r], b + 16 + 32 * nn + 4 * pc, 4);
+    });
 }
 
 // The 16 rows of a packed strip (n / 256 blocks at w) against NB activation rows (ms_a8k rows,
@@ -2333,21 +2333,15 @@ static_assert(sizeof(mskq_pxs) == 16 * 136 + 32, "16 stored super-blocks and 16 
 
 // 16 stored rows of n weights (the first at w, wrow bytes apart) -> n / 256 packed blocks.
 static void mskq_pack_xs_rows(long n, const void *w, long wrow, void *out) {
-    const uint8_t *rows = (const uint8_t *)w;
-    for (long i = 0; i < n / 256; i++) {
-        mskq_pxs p;
-        for (int l = 0; l < 16; l++) {
-            const uint8_t *b = rows + l * wrow + i * 136;
-            int sc[8];
-            mskq_scales_iq4xs(b, sc);
-            std::memcpy(&p.d[l], b, 2);
-            for (int s = 0; s < 8; s++) {
-                p.sc[s][l] = (int8_t)sc[s];
-                for (int v = 0; v < 4; v++) std::memcpy(&p.q[s][v][4 * l], b + 8 + 16 * s + 4 * v, 4);
-            }
+    mskq_pack16<mskq_pxs, 136>(n, w, wrow, out, [](mskq_pxs &p, int l, const uint8_t *b) {
+        int sc[8];
+        mskq_scales_iq4xs(b, sc);
+        std::memcpy(&p.d[l], b, 2);
+        for (int s = 0; s < 8; s++) {
+            p.sc[s][l] = (int8_t)sc[s];
+            for (int v = 0; v < 4; v++) std::memcpy(&p.q[s][v][4 * l], b + 8 + 16 * s + 4 * v, 4);
         }
-        std::memcpy((char *)out + i * sizeof(mskq_pxs), &p, sizeof p);
-    }
+    });
 }
 
 // The 16 rows of a packed strip (n / 256 blocks at w) against NB activation rows (ms_a8k rows,
