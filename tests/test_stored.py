@@ -563,7 +563,7 @@ def packs_here(qtype=Q.Q4_K) -> bool:
     Q6_K in the AVX-512 build (16) and the AVX2 one (8); IQ4_XS, Q3_K and Q2_K in the AVX-512
     build (16)."""
     if qtype in (Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.Q3_K, Q.Q2_K):  # the AVX-512 loops need VNNI
-        bytes_ = {Q.Q5_K: 176, Q.Q6_K: 210, Q.IQ4_XS: 136, Q.Q3_K: 110, Q.Q2_K: 84}[qtype]
+        bytes_ = gguf.GGML_QUANT_SIZES[qtype][1]  # a super-block's
         return native.packed_bytes(StoredMatrix(0, int(qtype), 16, 256, 16 * bytes_)) > 0
     return (qtype in LEGACY or qtype == Q.Q4_K) and native.isa() in ("avx512", "avx2", "avx2+vnni")
 
