@@ -44,14 +44,20 @@ ROWS = (1, 3, 5, 7, 8, 16, 64)
 WEIGHT_ROWS = 37  # not a multiple of the threads' shares
 BLOCK_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL]
 BLOCK_TYPES += [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS]
+# the lattice types (kquants.h's MskqIq decoders)
+IQ_LATTICE = [Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M]
+BLOCK_TYPES += IQ_LATTICE
 # the types of 256-weight super-blocks (the K-quants' activations, kernels/kquants.h)
-K_QUANTS = {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS}
+K_QUANTS = {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, *IQ_LATTICE}
 # the types whose weights are random block bytes (gguf has no quantizer for them, or the bytes
 # reach cases its quantizer would not), and where such a block keeps its fp16 scales: (offset,
 # count) -- random bytes there are replaced by finite scales of a sane size; the other bytes
 # (quants, 6-bit scales) stay random
 SCALES = {Q.Q2_K: (80, 2), Q.Q3_K: (108, 1), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208, 1)}
 SCALES |= {Q.IQ4_XS: (0, 1), Q.IQ4_NL: (0, 1)}
+SCALES |= {t: (0, 1) for t in IQ_LATTICE if t != Q.IQ1_M}
+# IQ1_M's fp16 d is the top nibbles of its 4 scale words (bytes 48-55, word 0's the lowest)
+SCALES |= {Q.IQ1_M: (48, 0)}
 # the weight type whose products fuse multiply and add in the vector builds only
 BY_ARITHMETIC = ("F16",)
 
@@ -93,6 +99,13 @@ def k_quant_blocks(rng, qtype, rows: int, cols: int) -> np.ndarray:
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     data = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
     offset, count = SCALES[qtype]
+    if qtype == Q.IQ1_M:
+        d = (rng.random((rows, cols // block)) * 0.01 + 0.001).astype(np.float16).view(np.uint16)
+        words = data[:, :, offset : offset + 8].copy().view("<u2")  # (rows, blocks, 4)
+        for t in range(4):
+            words[..., t] = (words[..., t] & 0x0FFF) | (((d >> (4 * t)) & 15) << 12)
+        data[:, :, offset : offset + 8] = words.view(np.uint8)
+        return data.reshape(rows, -1)
     scales = (rng.random((rows, cols // block, count)) * 0.01 + 0.001).astype(np.float16)
     data[:, :, offset : offset + 2 * count] = scales.view(np.uint8).reshape(
         rows, cols // block, 2 * count

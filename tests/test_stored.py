@@ -25,7 +25,8 @@ from conftest import assert_same_whatever_shares_the_pass, needs_native, same_on
 
 Q = gguf.GGMLQuantizationType
 LEGACY = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL]  # 32-weight blocks
-K_QUANTS = [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS]  # 256-weight super-blocks
+# 256-weight super-blocks (the K-quants, IQ4_XS and the lattice types)
+K_QUANTS = [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS] + product_digests.IQ_LATTICE
 
 
 def random_blocks(qtype, rows: int, cols: int, seed: int) -> np.ndarray:
@@ -235,6 +236,16 @@ def test_a_broken_unpacking_is_caught(qtype):
     assert (np.abs(x @ wrong.T - x @ right.T) > bound).any()
 
 
+@same_on_every_cpu
+def test_the_lattice_tables_the_kernels_index_are_ggufs():
+    """kernels/iqgrids.h (IQ1/IQ2/IQ3's grids and sign bytes) is what tests/iq_grids.py writes
+    from the gguf package's tables today: a table edited by hand, or one gguf changed, fails
+    here, before any product over it (the dequantizers equal gguf's decoder besides)."""
+    import iq_grids
+
+    assert iq_grids.HEADER.read_text() == iq_grids.text(), "run `python tests/iq_grids.py --write`"
+
+
 @needs_native
 @same_on_every_cpu
 def test_the_row_sizes_of_every_type_are_ggmls():
@@ -242,7 +253,7 @@ def test_the_row_sizes_of_every_type_are_ggmls():
         block, size = gguf.GGML_QUANT_SIZES[qtype]
         assert native.row_bytes(int(qtype), 4 * 256) == 4 * 256 // block * size
     assert native.row_bytes(int(Q.Q4_K), 100) == -1  # not whole blocks
-    assert native.row_bytes(int(Q.IQ2_XXS), 256) == -1  # not run in place
+    assert native.row_bytes(int(Q.TQ2_0), 256) == -1  # not run in place
 
 
 # -- the real model as stored -------------------------------------------------------------------

@@ -15,7 +15,7 @@ back, so that they are resident once; the products are the same bits. What is re
 the header and tensor table (miniserve/runners/gguf_file.py, checked before any native code
 sees a byte), the tokenizer (built by transformers from the file once, then kept in the cache
 folder keyed by the header's hash), and small float32 tensors (norms, biases) copied out. A
-tensor of a type the kernels do not run in place (IQ1/IQ2/IQ3's types, ...) is dequantized to
+tensor of a type the kernels do not run in place (the ternary TQ1_0 / TQ2_0) is dequantized to
 float32 at load by the gguf package, and the load says so.
 
 Architectures: those of miniserve/core/architectures.py, each one declaration (its tensors,
@@ -53,10 +53,10 @@ from miniserve.runners.gguf_file import GGUFFile, GGUFFileError
 MAX_POSITIONS = 32768
 F32, F16, BF16 = 0, 1, 30
 FLOAT_TYPES = {F32: "float32", F16: "float16", BF16: "bfloat16"}  # torch's dtype names
-# the matrix types the kernels run in place (a file of others -- the IQ types but IQ4_NL and
-# IQ4_XS -- loads dequantized by default: as stored they would become float32 copies at every
-# start)
-IN_PLACE = {F32, F16, BF16, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23}
+# the matrix types the kernels run in place: every ggml block type a GGUF of these families
+# holds but the ternary TQ1_0 / TQ2_0 (a file of those loads dequantized by default: as stored
+# they would become float32 copies at every start)
+IN_PLACE = {F32, F16, BF16, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 16, 17, 18, 19, 20, 21, 22, 23, 29}
 
 Progress = Callable[[str], None]
 

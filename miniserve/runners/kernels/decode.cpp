@@ -601,7 +601,8 @@ static inline void round_bf16(const float *x, float *xr, bf16 *xb, long n) {
 // A GGUF file's tensors are used in place, in their own block formats (ggml's type ids; the
 // block layouts are ggml-common.h's): quants.h holds the types of 32-weight blocks (Q4_0, Q4_1,
 // Q5_0, Q5_1, Q8_0, IQ4_NL) and F16, kquants.h the K-quants of 256-weight super-blocks (Q2_K, Q3_K,
-// Q4_K, Q5_K, Q6_K) and IQ4_XS. Each activation row entering such a product is quantized once per product to int8
+// Q4_K, Q5_K, Q6_K), IQ4_XS and the lattice types (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS,
+// IQ3_S). Each activation row entering such a product is quantized once per product to int8
 // blocks (ms_a8g groups for the 32-weight types, ms_a8k for the K-quants), then every weight row is an
 // integer dot product per block, the blocks' results combined in one fixed order. That order
 // is the same whichever number of activation rows (1, 4 or 8) a kernel call takes, so a row's
@@ -613,6 +614,7 @@ static inline void round_bf16(const float *x, float *xr, bf16 *xb, long n) {
 enum MsTypeId {
     T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
     T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20, T_IQ4_XS = 23,
+    T_IQ2_XXS = 16, T_IQ2_XS = 17, T_IQ3_XXS = 18, T_IQ1_S = 19, T_IQ3_S = 21, T_IQ2_S = 22, T_IQ1_M = 29,
     T_BF16 = 30,
     // not ggml types: a matrix repacked at load (ms_pack). Q4_K 16 rows at a time for the
     // AVX-512 build (kquants.h's mskq_p45), 8 for the AVX2 one (mskq_p45x8); Q5_K 16 rows at a
@@ -717,6 +719,10 @@ static const Kernels *kernels_for(long type) {
                          q2_k = MS_KERNELS(256, 84, ACT_A8K, q2_K),
                          iq4_nl = MS_KERNELS(32, 18, ACT_A8, iq4_nl),
                          iq4_xs = MS_KERNELS(256, 136, ACT_A8K, iq4_xs),
+                         iq2_xxs = MS_KERNELS(256, 66, ACT_A8K, iq2_xxs), iq2_xs = MS_KERNELS(256, 74, ACT_A8K, iq2_xs),
+                         iq2_s = MS_KERNELS(256, 82, ACT_A8K, iq2_s), iq3_xxs = MS_KERNELS(256, 98, ACT_A8K, iq3_xxs),
+                         iq3_s = MS_KERNELS(256, 110, ACT_A8K, iq3_s), iq1_s = MS_KERNELS(256, 50, ACT_A8K, iq1_s),
+                         iq1_m = MS_KERNELS(256, 56, ACT_A8K, iq1_m),
                          f16 = MS_KERNELS(1, 2, ACT_FLOAT, f16);
 #if defined(MSKQ_AVX512)
     // A K-quant packed 16 rows a strip (struct P, its products dot<NB>); from 16 activation
@@ -797,6 +803,13 @@ static const Kernels *kernels_for(long type) {
         case T_Q2_K: return &q2_k;
         case T_IQ4_NL: return &iq4_nl;
         case T_IQ4_XS: return &iq4_xs;
+        case T_IQ2_XXS: return &iq2_xxs;
+        case T_IQ2_XS: return &iq2_xs;
+        case T_IQ2_S: return &iq2_s;
+        case T_IQ3_XXS: return &iq3_xxs;
+        case T_IQ3_S: return &iq3_s;
+        case T_IQ1_S: return &iq1_s;
+        case T_IQ1_M: return &iq1_m;
         case T_F16: return &f16;
         default: return nullptr;
     }

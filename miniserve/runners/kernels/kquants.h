@@ -48,7 +48,8 @@
 //   otherwise: plain integer loops over the unpacked quants.
 // (Q3_K, Q2_K, IQ4_XS: one or two totals a super-block, vpmaddubsw + vpmaddwd on their rows as
 // stored; Q3_K, Q2_K and IQ4_XS packed 16 rows a strip in the AVX-512 build, vpdpbusd; see
-// their sections.)
+// their sections. The lattice types IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S:
+// each super-block decoded to signed bytes and scales, then one total, the last section.)
 
 #ifndef MINISERVE_KQUANTS_H
 #define MINISERVE_KQUANTS_H
@@ -2390,5 +2391,276 @@ static void mskq_dot_pxs(long n, const void *w, const void *x, long xstride, flo
     mskq_strip_store<NB>(fa, y, ystride);
 }
 #endif
+
+// ---------------------------------------------------------------- IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S
+// The lattice types (ggml-common.h's layouts): 8 or 4 weights' magnitudes at a time are an
+// entry of a table (iqgrids.h), their signs are bits beside it, and a small odd integer scales
+// each 16 or 32 weights. Every weight of a super-block is then exactly
+//     dc * sc[i / 16] * v[i],
+// v a signed integer (|v| <= 62), sc an odd integer <= 31 and dc the fp16 d times a power of
+// two (IQ2: 1/8, d * (0.5 + ls) * 0.25 = d * (2 ls + 1) / 8; IQ3_XXS: 1/4; IQ3_S: 1; IQ1:
+// 1/8, the grid's -1 / 0 / 1 plus a delta of +-1/8 being v = 8 g +- 1). A type's decoder
+// (mskq_iq_<type>) writes one super-block so (MskqIq); then one loop serves them all, as
+// IQ4_XS's: I = sum over the 16s of sc * (v . xq), exact, and fa = fa + (float)I * (dc * dx)
+// in every build (the vector builds take v as magnitudes and signs, vpmaddubsw, then the scales
+// by vpmaddwd, 256 bits wide in the AVX-512 build too). The dequantized weights are (d * sc * c) * v, c the power of two:
+// gguf's float32 bits (d * (0.5 + ls) * 0.25 rounds as d * (2 ls + 1) / 8 does).
+#include "iqgrids.h"
+
+struct MskqIq {
+    alignas(64) int8_t v[256];
+    alignas(32) int16_t sc[16];
+    float d;  // the fp16 d (as float)
+};
+
+// 8 bits -> 8 bytes, 0xff where the bit is set (bit i, byte i)
+struct MskqSignBytes {
+    uint64_t m[256];
+    constexpr MskqSignBytes() : m() {
+        for (int s = 0; s < 256; s++)
+            for (int i = 0; i < 8; i++)
+                if ((s >> i) & 1) m[s] |= (uint64_t)0xff << (8 * i);
+    }
+};
+static constexpr MskqSignBytes mskq_sign_bytes{};
+
+// 8 magnitudes (bytes of g, each 1..127) with the signs of `signs` (bit i: byte i negative),
+// written to v as int8: -g = (g ^ 0xff) + 1 byte by byte, which carries into no neighbour
+// while no magnitude is 0
+static inline void mskq_iq_signed8(int8_t *v, uint64_t g, uint8_t signs) {
+    const uint64_t m = mskq_sign_bytes.m[signs];
+    const uint64_t r = (g ^ m) + (m & 0x0101010101010101ull);
+    std::memcpy(v, &r, 8);  // byte i weight i: little-endian, as the tables are written
+}
+
+static inline uint32_t mskq_u32(const uint8_t *p) {
+    uint32_t u;
+    std::memcpy(&u, p, 4);
+    return u;
+}
+static inline uint16_t mskq_u16(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
+
+// IQ2_XS's and IQ2_S's 16 scales: 8 bytes, byte s's low nibble ls scaling weights 32s ..
+// 32s + 15 by 2 ls + 1, its high one the next 16
+static inline void mskq_iq_nibble_scales(const uint8_t *s8, int16_t *sc) {
+    for (int s = 0; s < 8; s++) {
+        sc[2 * s] = (int16_t)(2 * (s8[s] & 15) + 1);
+        sc[2 * s + 1] = (int16_t)(2 * (s8[s] >> 4) + 1);
+    }
+}
+
+// IQ2_XXS, 66 bytes: {fp16 d; u32 pairs[8][2]}: a pair serves 32 weights: its first word's
+// bytes index 4 entries of iq2xxs_grid (8 weights each), its second's bits 7l .. 7l + 6 the
+// sign bytes (mskq_ksigns) of entry l, bits 28-31 ls (scale 2 ls + 1).
+struct MskqIq2xxs {
+    static constexpr int BYTES = 66;
+    static constexpr float C = 0.125f;
+    static void decode(const uint8_t *b, MskqIq &q) {
+        q.d = mskq_half(b);
+        for (int s = 0; s < 8; s++) {
+            const uint32_t a0 = mskq_u32(b + 2 + 8 * s), a1 = mskq_u32(b + 6 + 8 * s);
+            q.sc[2 * s] = q.sc[2 * s + 1] = (int16_t)(2 * (a1 >> 28) + 1);
+            for (int l = 0; l < 4; l++)
+                mskq_iq_signed8(q.v + 32 * s + 8 * l, mskq_iq2xxs_grid[(a0 >> (8 * l)) & 255],
+                                mskq_ksigns[(a1 >> (7 * l)) & 127]);
+        }
+    }
+};
+
+// IQ2_XS, 74 bytes: {fp16 d; u16 qs[32]; u8 scales[8]}: qs[k]'s low 9 bits index iq2xs_grid
+// (weights 8k .. 8k + 7), its high 7 the sign byte; scales: mskq_iq_nibble_scales.
+struct MskqIq2xs {
+    static constexpr int BYTES = 74;
+    static constexpr float C = 0.125f;
+    static void decode(const uint8_t *b, MskqIq &q) {
+        q.d = mskq_half(b);
+        mskq_iq_nibble_scales(b + 66, q.sc);
+        for (int k = 0; k < 32; k++) {
+            const uint16_t u = mskq_u16(b + 2 + 2 * k);
+            mskq_iq_signed8(q.v + 8 * k, mskq_iq2xs_grid[u & 511], mskq_ksigns[u >> 9]);
+        }
+    }
+};
+
+// IQ2_S, 82 bytes: {fp16 d; u8 qs[32]; u8 signs[32]; u8 qh[8]; u8 scales[8]}: entry k of
+// iq2s_grid is qs[k] | (qh[k / 4]'s bits 2 (k % 4), + 1) << 8, its signs signs[k] (bit i:
+// weight 8k + i); scales as IQ2_XS's.
+struct MskqIq2s {
+    static constexpr int BYTES = 82;
+    static constexpr float C = 0.125f;
+    static void decode(const uint8_t *b, MskqIq &q) {
+        q.d = mskq_half(b);
+        mskq_iq_nibble_scales(b + 74, q.sc);
+        for (int k = 0; k < 32; k++) {
+            const int idx = b[2 + k] | ((b[66 + k / 4] >> (2 * (k % 4))) & 3) << 8;
+            mskq_iq_signed8(q.v + 8 * k, mskq_iq2s_grid[idx], b[34 + k]);
+        }
+    }
+};
+
+// IQ3_XXS, 98 bytes: {fp16 d; u8 qs[64]; u32 scales_and_signs[8]}: qs[k] indexes iq3xxs_grid
+// (weights 4k .. 4k + 3); word s serves weights 32s .. 32s + 31: bits 7l .. 7l + 6 the sign
+// byte of its weights 8l .. 8l + 7, bits 28-31 ls (d * (0.5 + ls) * 0.5: 2 ls + 1, 1/4).
+struct MskqIq3xxs {
+    static constexpr int BYTES = 98;
+    static constexpr float C = 0.25f;
+    static void decode(const uint8_t *b, MskqIq &q) {
+        q.d = mskq_half(b);
+        for (int s = 0; s < 8; s++) {
+            const uint32_t a = mskq_u32(b + 66 + 4 * s);
+            q.sc[2 * s] = q.sc[2 * s + 1] = (int16_t)(2 * (a >> 28) + 1);
+            for (int l = 0; l < 4; l++) {
+                const int k = 8 * s + 2 * l;
+                const uint64_t g = mskq_iq3xxs_grid[b[2 + k]] | (uint64_t)mskq_iq3xxs_grid[b[3 + k]] << 32;
+                mskq_iq_signed8(q.v + 4 * k, g, mskq_ksigns[(a >> (7 * l)) & 127]);
+            }
+        }
+    }
+};
+
+// IQ3_S, 110 bytes: {fp16 d; u8 qs[64]; u8 qh[8]; u8 signs[32]; u8 scales[4]}: entry k of
+// iq3s_grid is qs[k] | (qh[k / 8]'s bit k % 8) << 8 (weights 4k .. 4k + 3); signs[j] bit i:
+// weight 8j + i; scales[t]'s low nibble s scales weights 64t .. 64t + 31 by 2 s + 1, its high
+// one the next 32 (d * (1 + 2 s): c = 1).
+struct MskqIq3s {
+    static constexpr int BYTES = 110;
+    static constexpr float C = 1.f;
+    static void decode(const uint8_t *b, MskqIq &q) {
+        q.d = mskq_half(b);
+        for (int t = 0; t < 4; t++) {
+            const int16_t lo = (int16_t)(2 * (b[106 + t] & 15) + 1), hi = (int16_t)(2 * (b[106 + t] >> 4) + 1);
+            q.sc[4 * t] = q.sc[4 * t + 1] = lo;
+            q.sc[4 * t + 2] = q.sc[4 * t + 3] = hi;
+        }
+        for (int j = 0; j < 32; j++) {
+            const int k0 = 2 * j, k1 = 2 * j + 1;
+            const int i0 = b[2 + k0] | ((b[66 + k0 / 8] >> (k0 % 8)) & 1) << 8;
+            const int i1 = b[2 + k1] | ((b[66 + k1 / 8] >> (k1 % 8)) & 1) << 8;
+            const uint64_t g = mskq_iq3s_grid[i0] | (uint64_t)mskq_iq3s_grid[i1] << 32;
+            mskq_iq_signed8(q.v + 8 * j, g, b[74 + j]);
+        }
+    }
+};
+
+// 8 of IQ1's grid values (bytes -1 / 0 / 1) plus the delta: 8 g + delta (delta +-1), int8
+static inline void mskq_iq1_values(int8_t *v, uint64_t g, int delta) {
+    for (int i = 0; i < 8; i++) v[i] = (int8_t)(8 * (int8_t)(uint8_t)(g >> (8 * i)) + delta);
+}
+
+// IQ1_S, 50 bytes: {fp16 d; u8 qs[32]; u16 qh[8]}: qh[s] serves weights 32s .. 32s + 31: entry
+// l (weights 8l ..) of iq1s_grid is qs[4s + l] | (qh's bits 3l .. 3l + 2) << 8, bits 12-14 ls
+// (d * (2 ls + 1)), bit 15 the delta's sign (set: -1/8).
+struct MskqIq1s {
+    static constexpr int BYTES = 50;
+    static constexpr float C = 0.125f;
+    static void decode(const uint8_t *b, MskqIq &q) {
+        q.d = mskq_half(b);
+        for (int s = 0; s < 8; s++) {
+            const uint16_t h = mskq_u16(b + 34 + 2 * s);
+            q.sc[2 * s] = q.sc[2 * s + 1] = (int16_t)(2 * ((h >> 12) & 7) + 1);
+            const int delta = (h & 0x8000) ? -1 : 1;
+            for (int l = 0; l < 4; l++)
+                mskq_iq1_values(q.v + 32 * s + 8 * l, mskq_iq1s_grid[b[2 + 4 * s + l] | ((h >> (3 * l)) & 7) << 8], delta);
+        }
+    }
+};
+
+// IQ1_M, 56 bytes: {u8 qs[32]; u8 qh[16]; u16 scales[4]}: the fp16 d is the 4 scale words'
+// top nibbles (word 0's the lowest); word w's 12 low bits are 4 scales of 3 bits (weights 64w +
+// 16k ..: d * (2 s + 1)). Entry k of iq1s_grid is qs[k] | (qh[k / 2]'s nibble k % 2, low 3 bits)
+// << 8, that nibble's bit 3 its delta's sign.
+struct MskqIq1m {
+    static constexpr int BYTES = 56;
+    static constexpr float C = 0.125f;
+    static void decode(const uint8_t *b, MskqIq &q) {
+        uint16_t w[4];
+        for (int t = 0; t < 4; t++) w[t] = mskq_u16(b + 48 + 2 * t);
+        const uint16_t dh = (uint16_t)((w[0] >> 12) | ((w[1] >> 8) & 0x00f0) | ((w[2] >> 4) & 0x0f00) | (w[3] & 0xf000));
+        uint8_t db[2] = {(uint8_t)dh, (uint8_t)(dh >> 8)};
+        q.d = mskq_half(db);
+        for (int k = 0; k < 16; k++) q.sc[k] = (int16_t)(2 * ((w[k / 4] >> (3 * (k % 4))) & 7) + 1);
+        for (int k = 0; k < 32; k++) {
+            const int nib = (b[32 + k / 2] >> (4 * (k % 2))) & 15;
+            mskq_iq1_values(q.v + 8 * k, mskq_iq1s_grid[b[k] | (nib & 7) << 8], (nib & 8) ? -1 : 1);
+        }
+    }
+};
+
+template <class D>
+static void mskq_dequant_iq(const void *w, float *y, long n) {
+    const uint8_t *b = (const uint8_t *)w;
+    MskqIq q;
+    for (long i = 0; i < n / 256; i++, b += D::BYTES, y += 256) {
+        D::decode(b, q);
+        for (int s = 0; s < 16; s++) {
+            const float dl = q.d * (float)q.sc[s] * D::C;
+            for (int l = 0; l < 16; l++) y[16 * s + l] = dl * (float)q.v[16 * s + l];
+        }
+    }
+}
+
+// One decoded super-block against one activation block's 256 int8 (xq): the exact total
+// sum over the 16s of sc * (v . xq).
+static inline int32_t mskq_iq_total(const MskqIq &q, const int8_t *xq) {
+#if defined(MSKQ_SIMD)
+    // (the AVX-512 build too: 32 weights a register) |v| by xq with v's signs (vpmaddubsw: pairs
+    // <= 2 x 62 x 127), then each 16's 8 pairs times its scale (vpmaddwd)
+    __m256i acc = _mm256_setzero_si256();
+    for (int s = 0; s < 8; s++) {
+        const __m256i v = _mm256_load_si256((const __m256i *)(q.v + 32 * s));
+        const __m256i x = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xq + 32 * s)), v);
+        const __m256i sc = _mm256_setr_m128i(_mm_set1_epi16(q.sc[2 * s]), _mm_set1_epi16(q.sc[2 * s + 1]));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(v, v), x), sc));
+    }
+    return mskq_hsum_epi32(acc);
+#else
+    int32_t total = 0;
+    for (int s = 0; s < 16; s++) {
+        int32_t dot = 0;
+        for (int l = 0; l < 16; l++) dot += (int32_t)q.v[16 * s + l] * xq[16 * s + l];
+        total += q.sc[s] * dot;
+    }
+    return total;
+#endif
+}
+
+// One weight row (n / 256 super-blocks at w) against NB activation rows (xstride bytes apart):
+// y[j * ystride] (the order above).
+template <class D, int NB>
+static void mskq_dot_iq(long n, const void *w, const void *x, long xstride, float *y, long ystride) {
+    const uint8_t *b = (const uint8_t *)w;
+    float fa[NB];
+    for (int j = 0; j < NB; j++) fa[j] = 0.f;
+    MskqIq q;
+    for (long i = 0; i < n / 256; i++, b += D::BYTES) {
+#if defined(MSKQ_SIMD)
+        mskq_prefetch(b, D::BYTES);
+#endif
+        D::decode(b, q);
+        const float dc = q.d * D::C;
+        for (int j = 0; j < NB; j++) {
+            const uint8_t *xb = mskq_xblock(x, xstride, j, i);
+            float dx;
+            std::memcpy(&dx, xb, 4);
+            fa[j] = fa[j] + (float)mskq_iq_total(q, (const int8_t *)(xb + 4)) * (dc * dx);
+        }
+    }
+    for (int j = 0; j < NB; j++) y[j * ystride] = fa[j];
+}
+
+#define MSKQ_IQ_TYPE(t, D)                                                                         \
+    static void ms_dequant_##t(const void *w, float *y, long n) { mskq_dequant_iq<D>(w, y, n); }      \
+    template <int NB>                                                                              \
+    static void ms_dot_##t(long n, const void *w, const void *x, long xs, float *y, long ys) {     \
+        mskq_dot_iq<D, NB>(n, w, x, xs, y, ys);                                                    \
+    }
+MSKQ_IQ_TYPE(iq2_xxs, MskqIq2xxs)
+MSKQ_IQ_TYPE(iq2_xs, MskqIq2xs)
+MSKQ_IQ_TYPE(iq2_s, MskqIq2s)
+MSKQ_IQ_TYPE(iq3_xxs, MskqIq3xxs)
+MSKQ_IQ_TYPE(iq3_s, MskqIq3s)
+MSKQ_IQ_TYPE(iq1_s, MskqIq1s)
+MSKQ_IQ_TYPE(iq1_m, MskqIq1m)
+
 
 #endif  // MINISERVE_KQUANTS_H
