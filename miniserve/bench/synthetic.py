@@ -156,6 +156,10 @@ FTYPES = {
     "q4_1": 3,
     "iq4_xs": 30,
     "iq4_nl": 25,
+    # (IQ3_XXS, IQ2_* and IQ1_* need an importance matrix, which llama_model_quantize takes only
+    # from C++)
+    "iq3_s": 26,
+    "iq3_m": 27,
 }
 NUMPY_QUANTS = ("q8_0", "q4_0")  # what the fallback (gguf's numpy quantizers) makes
 

@@ -2408,8 +2408,8 @@ static void mskq_dot_pxs(long n, const void *w, const void *x, long xstride, flo
 #include "iqgrids.h"
 
 struct MskqIq {
-    alignas(64) int8_t v[256];
-    alignas(32) int16_t sc[16];
+    uint64_t e[32];  // v: entry k weights 8k .. 8k + 7, byte i weight 8k + i's (int8)
+    int32_t sc[16];
     float d;  // the fp16 d (as float)
 };
 
@@ -2425,12 +2425,11 @@ struct MskqSignBytes {
 static constexpr MskqSignBytes mskq_sign_bytes{};
 
 // 8 magnitudes (bytes of g, each 1..127) with the signs of `signs` (bit i: byte i negative),
-// written to v as int8: -g = (g ^ 0xff) + 1 byte by byte, which carries into no neighbour
-// while no magnitude is 0
-static inline void mskq_iq_signed8(int8_t *v, uint64_t g, uint8_t signs) {
+// as 8 int8: -g = (g ^ 0xff) + 1 byte by byte, which carries into no neighbour while no
+// magnitude is 0
+static inline uint64_t mskq_iq_signed8(uint64_t g, uint8_t signs) {
     const uint64_t m = mskq_sign_bytes.m[signs];
-    const uint64_t r = (g ^ m) + (m & 0x0101010101010101ull);
-    std::memcpy(v, &r, 8);  // byte i weight i: little-endian, as the tables are written
+    return (g ^ m) + (m & 0x0101010101010101ull);
 }
 
 static inline uint32_t mskq_u32(const uint8_t *p) {
@@ -2442,10 +2441,10 @@ static inline uint16_t mskq_u16(const uint8_t *p) { return (uint16_t)(p[0] | p[1
 
 // IQ2_XS's and IQ2_S's 16 scales: 8 bytes, byte s's low nibble ls scaling weights 32s ..
 // 32s + 15 by 2 ls + 1, its high one the next 16
-static inline void mskq_iq_nibble_scales(const uint8_t *s8, int16_t *sc) {
+static inline void mskq_iq_nibble_scales(const uint8_t *s8, int32_t *sc) {
     for (int s = 0; s < 8; s++) {
-        sc[2 * s] = (int16_t)(2 * (s8[s] & 15) + 1);
-        sc[2 * s + 1] = (int16_t)(2 * (s8[s] >> 4) + 1);
+        sc[2 * s] = 2 * (s8[s] & 15) + 1;
+        sc[2 * s + 1] = 2 * (s8[s] >> 4) + 1;
     }
 }
 
@@ -2459,10 +2458,9 @@ struct MskqIq2xxs {
         q.d = mskq_half(b);
         for (int s = 0; s < 8; s++) {
             const uint32_t a0 = mskq_u32(b + 2 + 8 * s), a1 = mskq_u32(b + 6 + 8 * s);
-            q.sc[2 * s] = q.sc[2 * s + 1] = (int16_t)(2 * (a1 >> 28) + 1);
+            q.sc[2 * s] = q.sc[2 * s + 1] = (int32_t)(2 * (a1 >> 28) + 1);
             for (int l = 0; l < 4; l++)
-                mskq_iq_signed8(q.v + 32 * s + 8 * l, mskq_iq2xxs_grid[(a0 >> (8 * l)) & 255],
-                                mskq_ksigns[(a1 >> (7 * l)) & 127]);
+                q.e[4 * s + l] = mskq_iq_signed8(mskq_iq2xxs_grid[(a0 >> (8 * l)) & 255], mskq_ksigns[(a1 >> (7 * l)) & 127]);
         }
     }
 };
@@ -2477,7 +2475,7 @@ struct MskqIq2xs {
         mskq_iq_nibble_scales(b + 66, q.sc);
         for (int k = 0; k < 32; k++) {
             const uint16_t u = mskq_u16(b + 2 + 2 * k);
-            mskq_iq_signed8(q.v + 8 * k, mskq_iq2xs_grid[u & 511], mskq_ksigns[u >> 9]);
+            q.e[k] = mskq_iq_signed8(mskq_iq2xs_grid[u & 511], mskq_ksigns[u >> 9]);
         }
     }
 };
@@ -2493,7 +2491,7 @@ struct MskqIq2s {
         mskq_iq_nibble_scales(b + 74, q.sc);
         for (int k = 0; k < 32; k++) {
             const int idx = b[2 + k] | ((b[66 + k / 4] >> (2 * (k % 4))) & 3) << 8;
-            mskq_iq_signed8(q.v + 8 * k, mskq_iq2s_grid[idx], b[34 + k]);
+            q.e[k] = mskq_iq_signed8(mskq_iq2s_grid[idx], b[34 + k]);
         }
     }
 };
@@ -2508,11 +2506,11 @@ struct MskqIq3xxs {
         q.d = mskq_half(b);
         for (int s = 0; s < 8; s++) {
             const uint32_t a = mskq_u32(b + 66 + 4 * s);
-            q.sc[2 * s] = q.sc[2 * s + 1] = (int16_t)(2 * (a >> 28) + 1);
+            q.sc[2 * s] = q.sc[2 * s + 1] = (int32_t)(2 * (a >> 28) + 1);
             for (int l = 0; l < 4; l++) {
                 const int k = 8 * s + 2 * l;
                 const uint64_t g = mskq_iq3xxs_grid[b[2 + k]] | (uint64_t)mskq_iq3xxs_grid[b[3 + k]] << 32;
-                mskq_iq_signed8(q.v + 4 * k, g, mskq_ksigns[(a >> (7 * l)) & 127]);
+                q.e[4 * s + l] = mskq_iq_signed8(g, mskq_ksigns[(a >> (7 * l)) & 127]);
             }
         }
     }
@@ -2528,23 +2526,31 @@ struct MskqIq3s {
     static void decode(const uint8_t *b, MskqIq &q) {
         q.d = mskq_half(b);
         for (int t = 0; t < 4; t++) {
-            const int16_t lo = (int16_t)(2 * (b[106 + t] & 15) + 1), hi = (int16_t)(2 * (b[106 + t] >> 4) + 1);
+            const int32_t lo = 2 * (b[106 + t] & 15) + 1, hi = 2 * (b[106 + t] >> 4) + 1;
             q.sc[4 * t] = q.sc[4 * t + 1] = lo;
             q.sc[4 * t + 2] = q.sc[4 * t + 3] = hi;
         }
-        for (int j = 0; j < 32; j++) {
-            const int k0 = 2 * j, k1 = 2 * j + 1;
-            const int i0 = b[2 + k0] | ((b[66 + k0 / 8] >> (k0 % 8)) & 1) << 8;
-            const int i1 = b[2 + k1] | ((b[66 + k1 / 8] >> (k1 % 8)) & 1) << 8;
-            const uint64_t g = mskq_iq3s_grid[i0] | (uint64_t)mskq_iq3s_grid[i1] << 32;
-            mskq_iq_signed8(q.v + 8 * j, g, b[74 + j]);
+        for (int h = 0; h < 8; h++) {  // qh[h]: the high bits of entries 8h .. 8h + 7
+            const uint32_t hb = b[66 + h];
+            for (int e = 0; e < 8; e += 2) {
+                const uint32_t i0 = b[2 + 8 * h + e] | ((hb >> e) & 1) << 8;
+                const uint32_t i1 = b[3 + 8 * h + e] | ((hb >> (e + 1)) & 1) << 8;
+                const uint64_t g = mskq_iq3s_grid[i0] | (uint64_t)mskq_iq3s_grid[i1] << 32;
+                q.e[4 * h + e / 2] = mskq_iq_signed8(g, b[74 + 4 * h + e / 2]);
+            }
         }
     }
 };
 
-// 8 of IQ1's grid values (bytes -1 / 0 / 1) plus the delta: 8 g + delta (delta +-1), int8
-static inline void mskq_iq1_values(int8_t *v, uint64_t g, int delta) {
-    for (int i = 0; i < 8; i++) v[i] = (int8_t)(8 * (int8_t)(uint8_t)(g >> (8 * i)) + delta);
+// 8 of IQ1's grid values g (bytes -1 / 0 / 1: 0xff, 0, 1) plus the delta (+1, or -1 where
+// `minus`), as 8 int8 8 g + delta, byte by byte: 8 g is g << 3 with the bits each byte pushed
+// into the next masked off; + 1 sets its low bit; - 1 is ~(8 (-g)) (-x - 1 = ~x), -g swapping
+// 0xff and 1. No branch: the delta's sign is a coin toss for the predictor.
+static inline uint64_t mskq_iq1_values(uint64_t g, bool minus) {
+    constexpr uint64_t ones = 0x0101010101010101ull, high5 = 0xf8f8f8f8f8f8f8f8ull;
+    const uint64_t plus = ((g << 3) & high5) | ones, less = ~(((g ^ ((g & ones) * 0xfe)) << 3) & high5);
+    const uint64_t pick = (uint64_t)0 - (uint64_t)minus;
+    return plus ^ ((plus ^ less) & pick);
 }
 
 // IQ1_S, 50 bytes: {fp16 d; u8 qs[32]; u16 qh[8]}: qh[s] serves weights 32s .. 32s + 31: entry
@@ -2557,10 +2563,9 @@ struct MskqIq1s {
         q.d = mskq_half(b);
         for (int s = 0; s < 8; s++) {
             const uint16_t h = mskq_u16(b + 34 + 2 * s);
-            q.sc[2 * s] = q.sc[2 * s + 1] = (int16_t)(2 * ((h >> 12) & 7) + 1);
-            const int delta = (h & 0x8000) ? -1 : 1;
+            q.sc[2 * s] = q.sc[2 * s + 1] = 2 * ((h >> 12) & 7) + 1;
             for (int l = 0; l < 4; l++)
-                mskq_iq1_values(q.v + 32 * s + 8 * l, mskq_iq1s_grid[b[2 + 4 * s + l] | ((h >> (3 * l)) & 7) << 8], delta);
+                q.e[4 * s + l] = mskq_iq1_values(mskq_iq1s_grid[b[2 + 4 * s + l] | ((h >> (3 * l)) & 7) << 8], h >> 15);
         }
     }
 };
@@ -2578,13 +2583,15 @@ struct MskqIq1m {
         const uint16_t dh = (uint16_t)((w[0] >> 12) | ((w[1] >> 8) & 0x00f0) | ((w[2] >> 4) & 0x0f00) | (w[3] & 0xf000));
         uint8_t db[2] = {(uint8_t)dh, (uint8_t)(dh >> 8)};
         q.d = mskq_half(db);
-        for (int k = 0; k < 16; k++) q.sc[k] = (int16_t)(2 * ((w[k / 4] >> (3 * (k % 4))) & 7) + 1);
+        for (int k = 0; k < 16; k++) q.sc[k] = 2 * ((w[k / 4] >> (3 * (k % 4))) & 7) + 1;
         for (int k = 0; k < 32; k++) {
             const int nib = (b[32 + k / 2] >> (4 * (k % 2))) & 15;
-            mskq_iq1_values(q.v + 8 * k, mskq_iq1s_grid[b[k] | (nib & 7) << 8], (nib & 8) ? -1 : 1);
+            q.e[k] = mskq_iq1_values(mskq_iq1s_grid[b[k] | (nib & 7) << 8], nib >> 3);
         }
     }
 };
+
+static inline int mskq_iq_value(const MskqIq &q, int i) { return (int8_t)(uint8_t)(q.e[i / 8] >> (8 * (i % 8))); }
 
 template <class D>
 static void mskq_dequant_iq(const void *w, float *y, long n) {
@@ -2594,38 +2601,16 @@ static void mskq_dequant_iq(const void *w, float *y, long n) {
         D::decode(b, q);
         for (int s = 0; s < 16; s++) {
             const float dl = q.d * (float)q.sc[s] * D::C;
-            for (int l = 0; l < 16; l++) y[16 * s + l] = dl * (float)q.v[16 * s + l];
+            for (int l = 0; l < 16; l++) y[16 * s + l] = dl * (float)mskq_iq_value(q, 16 * s + l);
         }
     }
 }
 
-// One decoded super-block against one activation block's 256 int8 (xq): the exact total
-// sum over the 16s of sc * (v . xq).
-static inline int32_t mskq_iq_total(const MskqIq &q, const int8_t *xq) {
-#if defined(MSKQ_SIMD)
-    // (the AVX-512 build too: 32 weights a register) |v| by xq with v's signs (vpmaddubsw: pairs
-    // <= 2 x 62 x 127), then each 16's 8 pairs times its scale (vpmaddwd)
-    __m256i acc = _mm256_setzero_si256();
-    for (int s = 0; s < 8; s++) {
-        const __m256i v = _mm256_load_si256((const __m256i *)(q.v + 32 * s));
-        const __m256i x = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xq + 32 * s)), v);
-        const __m256i sc = _mm256_setr_m128i(_mm_set1_epi16(q.sc[2 * s]), _mm_set1_epi16(q.sc[2 * s + 1]));
-        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(v, v), x), sc));
-    }
-    return mskq_hsum_epi32(acc);
-#else
-    int32_t total = 0;
-    for (int s = 0; s < 16; s++) {
-        int32_t dot = 0;
-        for (int l = 0; l < 16; l++) dot += (int32_t)q.v[16 * s + l] * xq[16 * s + l];
-        total += q.sc[s] * dot;
-    }
-    return total;
-#endif
-}
-
 // One weight row (n / 256 super-blocks at w) against NB activation rows (xstride bytes apart):
-// y[j * ystride] (the order above).
+// y[j * ystride] (the order above). The vector builds (the AVX-512 one too, 32 weights a
+// register) take |v| by xq with v's signs (vpmaddubsw: pairs <= 2 x 62 x 127), then each 16's
+// 8 pairs times its scale (vpmaddwd); a super-block's registers are built once from the
+// decoded entries (8 bytes each: no wider load of narrower stores) for all NB rows.
 template <class D, int NB>
 static void mskq_dot_iq(long n, const void *w, const void *x, long xstride, float *y, long ystride) {
     const uint8_t *b = (const uint8_t *)w;
@@ -2633,17 +2618,43 @@ static void mskq_dot_iq(long n, const void *w, const void *x, long xstride, floa
     for (int j = 0; j < NB; j++) fa[j] = 0.f;
     MskqIq q;
     for (long i = 0; i < n / 256; i++, b += D::BYTES) {
-#if defined(MSKQ_SIMD)
-        mskq_prefetch(b, D::BYTES);
-#endif
         D::decode(b, q);
         const float dc = q.d * D::C;
+#if defined(MSKQ_SIMD)
+        mskq_prefetch(b, D::BYTES);
+        __m256i V[8], M[8], S[8];
+        for (int s = 0; s < 8; s++) {
+            V[s] = _mm256_set_epi64x((long long)q.e[4 * s + 3], (long long)q.e[4 * s + 2], (long long)q.e[4 * s + 1],
+                                     (long long)q.e[4 * s]);
+            M[s] = _mm256_sign_epi8(V[s], V[s]);
+            S[s] = _mm256_setr_m128i(_mm_set1_epi16((short)q.sc[2 * s]), _mm_set1_epi16((short)q.sc[2 * s + 1]));
+        }
         for (int j = 0; j < NB; j++) {
             const uint8_t *xb = mskq_xblock(x, xstride, j, i);
+            __m256i acc = _mm256_setzero_si256();
+            for (int s = 0; s < 8; s++) {
+                const __m256i xq = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xb + 4 + 32 * s)), V[s]);
+                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(M[s], xq), S[s]));
+            }
             float dx;
             std::memcpy(&dx, xb, 4);
-            fa[j] = fa[j] + (float)mskq_iq_total(q, (const int8_t *)(xb + 4)) * (dc * dx);
+            fa[j] = fa[j] + (float)mskq_hsum_epi32(acc) * (dc * dx);
         }
+#else
+        for (int j = 0; j < NB; j++) {
+            const uint8_t *xb = mskq_xblock(x, xstride, j, i);
+            const int8_t *xq = (const int8_t *)(xb + 4);
+            int32_t total = 0;
+            for (int s = 0; s < 16; s++) {
+                int32_t dot = 0;
+                for (int l = 0; l < 16; l++) dot += mskq_iq_value(q, 16 * s + l) * xq[16 * s + l];
+                total += q.sc[s] * dot;
+            }
+            float dx;
+            std::memcpy(&dx, xb, 4);
+            fa[j] = fa[j] + (float)total * (dc * dx);
+        }
+#endif
     }
     for (int j = 0; j < NB; j++) y[j * ystride] = fa[j];
 }
