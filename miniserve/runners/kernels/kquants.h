@@ -2448,12 +2448,55 @@ static inline void mskq_iq_nibble_scales(const uint8_t *s8, int32_t *sc) {
     }
 }
 
+#if defined(MSKQ_SIMD)
+// The vector builds' form of a group of 32 weights (MskqIq's dot): G their magnitudes (u8), S
+// their signs as bytes 0xff (negative) or 0x01, SC the scales of its two 16s as 8 int16 each;
+// a row's products are then vpmaddubsw(G, vpsignb(xq, S)) by SC (vpmaddwd). Built straight
+// from the block, with no store between: the types' `group` functions.
+struct MskqIqGroup {
+    __m256i G, S, SC;
+};
+
+// A 32-bit sign word (bit p: weight p negative) as S (0xff / 0x01 a byte)
+static inline __m256i mskq_iq_signs32(uint32_t bits) {
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3,
+                                            3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
+    const __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), spread), bit);
+    return _mm256_or_si256(_mm256_cmpeq_epi8(v, bit), _mm256_set1_epi8(1));
+}
+
+static inline __m256i mskq_iq_scales2(int lo, int hi) {
+    return _mm256_setr_m128i(_mm_set1_epi16((short)lo), _mm_set1_epi16((short)hi));
+}
+
+// 4 of IQ2_XXS / IQ2_XS / IQ3_XXS's 7-bit sign indices (bits 7l of a, or the words' high 7)
+// as one 32-bit sign word
+static inline uint32_t mskq_ksigns4(uint32_t k0, uint32_t k1, uint32_t k2, uint32_t k3) {
+    return (uint32_t)mskq_ksigns[k0 & 127] | (uint32_t)mskq_ksigns[k1 & 127] << 8 | (uint32_t)mskq_ksigns[k2 & 127] << 16 |
+           (uint32_t)mskq_ksigns[k3 & 127] << 24;
+}
+#endif
+
 // IQ2_XXS, 66 bytes: {fp16 d; u32 pairs[8][2]}: a pair serves 32 weights: its first word's
 // bytes index 4 entries of iq2xxs_grid (8 weights each), its second's bits 7l .. 7l + 6 the
 // sign bytes (mskq_ksigns) of entry l, bits 28-31 ls (scale 2 ls + 1).
 struct MskqIq2xxs {
     static constexpr int BYTES = 66;
     static constexpr float C = 0.125f;
+#if defined(MSKQ_SIMD)
+    static constexpr bool GROUPS = true;
+    struct Prep {};
+    static void prepare(const uint8_t *, Prep &) {}
+    static MskqIqGroup group(const uint8_t *b, const Prep &, int s) {
+        const uint32_t a1 = mskq_u32(b + 6 + 8 * s);
+        const int sc = (int)(2 * (a1 >> 28) + 1);
+        const uint8_t *k = b + 2 + 8 * s;  // (a0's bytes)
+        return {_mm256_set_epi64x((long long)mskq_iq2xxs_grid[k[3]], (long long)mskq_iq2xxs_grid[k[2]],
+                                  (long long)mskq_iq2xxs_grid[k[1]], (long long)mskq_iq2xxs_grid[k[0]]),
+                mskq_iq_signs32(mskq_ksigns4(a1, a1 >> 7, a1 >> 14, a1 >> 21)), mskq_iq_scales2(sc, sc)};
+    }
+#endif
     static void decode(const uint8_t *b, MskqIq &q) {
         q.d = mskq_half(b);
         for (int s = 0; s < 8; s++) {
@@ -2470,6 +2513,19 @@ struct MskqIq2xxs {
 struct MskqIq2xs {
     static constexpr int BYTES = 74;
     static constexpr float C = 0.125f;
+#if defined(MSKQ_SIMD)
+    static constexpr bool GROUPS = true;
+    struct Prep {};
+    static void prepare(const uint8_t *, Prep &) {}
+    static MskqIqGroup group(const uint8_t *b, const Prep &, int s) {
+        const uint32_t u0 = mskq_u16(b + 2 + 8 * s), u1 = mskq_u16(b + 4 + 8 * s), u2 = mskq_u16(b + 6 + 8 * s),
+                       u3 = mskq_u16(b + 8 + 8 * s);
+        return {_mm256_set_epi64x((long long)mskq_iq2xs_grid[u3 & 511], (long long)mskq_iq2xs_grid[u2 & 511],
+                                  (long long)mskq_iq2xs_grid[u1 & 511], (long long)mskq_iq2xs_grid[u0 & 511]),
+                mskq_iq_signs32(mskq_ksigns4(u0 >> 9, u1 >> 9, u2 >> 9, u3 >> 9)),
+                mskq_iq_scales2(2 * (b[66 + s] & 15) + 1, 2 * (b[66 + s] >> 4) + 1)};
+    }
+#endif
     static void decode(const uint8_t *b, MskqIq &q) {
         q.d = mskq_half(b);
         mskq_iq_nibble_scales(b + 66, q.sc);
@@ -2486,6 +2542,21 @@ struct MskqIq2xs {
 struct MskqIq2s {
     static constexpr int BYTES = 82;
     static constexpr float C = 0.125f;
+#if defined(MSKQ_SIMD)
+    static constexpr bool GROUPS = true;
+    struct Prep {};
+    static void prepare(const uint8_t *, Prep &) {}
+    static MskqIqGroup group(const uint8_t *b, const Prep &, int s) {
+        const uint32_t h = b[66 + s];
+        const uint8_t *qs = b + 2 + 4 * s;
+        return {_mm256_set_epi64x((long long)mskq_iq2s_grid[qs[3] | (h << 2 & 0x300)],
+                                  (long long)mskq_iq2s_grid[qs[2] | (h << 4 & 0x300)],
+                                  (long long)mskq_iq2s_grid[qs[1] | (h << 6 & 0x300)],
+                                  (long long)mskq_iq2s_grid[qs[0] | (h << 8 & 0x300)]),
+                mskq_iq_signs32(mskq_u32(b + 34 + 4 * s)),
+                mskq_iq_scales2(2 * (b[74 + s] & 15) + 1, 2 * (b[74 + s] >> 4) + 1)};
+    }
+#endif
     static void decode(const uint8_t *b, MskqIq &q) {
         q.d = mskq_half(b);
         mskq_iq_nibble_scales(b + 74, q.sc);
@@ -2502,6 +2573,20 @@ struct MskqIq2s {
 struct MskqIq3xxs {
     static constexpr int BYTES = 98;
     static constexpr float C = 0.25f;
+#if defined(MSKQ_SIMD)
+    static constexpr bool GROUPS = true;
+    struct Prep {};
+    static void prepare(const uint8_t *, Prep &) {}
+    static MskqIqGroup group(const uint8_t *b, const Prep &, int s) {
+        const uint8_t *qs = b + 2 + 8 * s;
+        const uint32_t a = mskq_u32(b + 66 + 4 * s);
+        const int sc = (int)(2 * (a >> 28) + 1);
+        return {_mm256_setr_epi32((int)mskq_iq3xxs_grid[qs[0]], (int)mskq_iq3xxs_grid[qs[1]], (int)mskq_iq3xxs_grid[qs[2]],
+                                  (int)mskq_iq3xxs_grid[qs[3]], (int)mskq_iq3xxs_grid[qs[4]], (int)mskq_iq3xxs_grid[qs[5]],
+                                  (int)mskq_iq3xxs_grid[qs[6]], (int)mskq_iq3xxs_grid[qs[7]]),
+                mskq_iq_signs32(mskq_ksigns4(a, a >> 7, a >> 14, a >> 21)), mskq_iq_scales2(sc, sc)};
+    }
+#endif
     static void decode(const uint8_t *b, MskqIq &q) {
         q.d = mskq_half(b);
         for (int s = 0; s < 8; s++) {
@@ -2523,6 +2608,32 @@ struct MskqIq3xxs {
 struct MskqIq3s {
     static constexpr int BYTES = 110;
     static constexpr float C = 1.f;
+#if defined(MSKQ_SIMD)
+    static constexpr bool GROUPS = true;
+    // The 64 entries' 9-bit indices, 16 a vector: qs's bytes widened, qh's bit k (a 16-bit word
+    // broadcast, each lane's own bit tested) to bit 8
+    struct Prep {
+        alignas(32) uint16_t idx[64];
+    };
+    static void prepare(const uint8_t *b, Prep &p) {
+        const __m256i bit = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+                                              (short)0x8000);
+        for (int t = 0; t < 4; t++) {
+            const __m256i lo = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * t)));
+            const __m256i h = _mm256_and_si256(_mm256_set1_epi16((short)mskq_u16(b + 66 + 2 * t)), bit);
+            const __m256i hi = _mm256_and_si256(_mm256_cmpeq_epi16(h, bit), _mm256_set1_epi16(256));
+            _mm256_store_si256((__m256i *)(p.idx + 16 * t), _mm256_or_si256(lo, hi));
+        }
+    }
+    static MskqIqGroup group(const uint8_t *b, const Prep &p, int s) {
+        const uint16_t *k = p.idx + 8 * s;
+        const int sc = 2 * ((b[106 + s / 2] >> (4 * (s % 2))) & 15) + 1;
+        return {_mm256_setr_epi32((int)mskq_iq3s_grid[k[0]], (int)mskq_iq3s_grid[k[1]], (int)mskq_iq3s_grid[k[2]],
+                                  (int)mskq_iq3s_grid[k[3]], (int)mskq_iq3s_grid[k[4]], (int)mskq_iq3s_grid[k[5]],
+                                  (int)mskq_iq3s_grid[k[6]], (int)mskq_iq3s_grid[k[7]]),
+                mskq_iq_signs32(mskq_u32(b + 74 + 4 * s)), mskq_iq_scales2(sc, sc)};
+    }
+#endif
     static void decode(const uint8_t *b, MskqIq &q) {
         q.d = mskq_half(b);
         for (int t = 0; t < 4; t++) {
@@ -2559,6 +2670,7 @@ static inline uint64_t mskq_iq1_values(uint64_t g, bool minus) {
 struct MskqIq1s {
     static constexpr int BYTES = 50;
     static constexpr float C = 0.125f;
+    static constexpr bool GROUPS = false;  // (signed values: decode, then their magnitudes and signs)
     static void decode(const uint8_t *b, MskqIq &q) {
         q.d = mskq_half(b);
         for (int s = 0; s < 8; s++) {
@@ -2577,6 +2689,7 @@ struct MskqIq1s {
 struct MskqIq1m {
     static constexpr int BYTES = 56;
     static constexpr float C = 0.125f;
+    static constexpr bool GROUPS = false;  // (signed values: decode, then their magnitudes and signs)
     static void decode(const uint8_t *b, MskqIq &q) {
         uint16_t w[4];
         for (int t = 0; t < 4; t++) w[t] = mskq_u16(b + 48 + 2 * t);
@@ -2611,6 +2724,19 @@ static void mskq_dequant_iq(const void *w, float *y, long n) {
 // register) take |v| by xq with v's signs (vpmaddubsw: pairs <= 2 x 62 x 127), then each 16's
 // 8 pairs times its scale (vpmaddwd); a super-block's registers are built once from the
 // decoded entries (8 bytes each: no wider load of narrower stores) for all NB rows.
+#if defined(MSKQ_SIMD)
+// what a type's groups read that prepare() works out once a super-block (none for the types
+// without groups)
+template <class D, bool G>
+struct MskqIqPrep {
+    struct type {};
+};
+template <class D>
+struct MskqIqPrep<D, true> {
+    typedef typename D::Prep type;
+};
+#endif
+
 template <class D, int NB>
 static void mskq_dot_iq(long n, const void *w, const void *x, long xstride, float *y, long ystride) {
     const uint8_t *b = (const uint8_t *)w;
@@ -2618,29 +2744,38 @@ static void mskq_dot_iq(long n, const void *w, const void *x, long xstride, floa
     for (int j = 0; j < NB; j++) fa[j] = 0.f;
     MskqIq q;
     for (long i = 0; i < n / 256; i++, b += D::BYTES) {
-        D::decode(b, q);
-        const float dc = q.d * D::C;
 #if defined(MSKQ_SIMD)
+        if constexpr (!D::GROUPS) D::decode(b, q);
+        const float dc = (D::GROUPS ? mskq_half(b) : q.d) * D::C;
         mskq_prefetch(b, D::BYTES);
-        __m256i V[8], M[8], S[8];
+        // group by group, each meeting every row as it is built (the rows' sums in registers)
+        __m256i acc[NB];
+        for (int j = 0; j < NB; j++) acc[j] = _mm256_setzero_si256();
+        [[maybe_unused]] typename MskqIqPrep<D, D::GROUPS>::type prep;
+        if constexpr (D::GROUPS) D::prepare(b, prep);
         for (int s = 0; s < 8; s++) {
-            V[s] = _mm256_set_epi64x((long long)q.e[4 * s + 3], (long long)q.e[4 * s + 2], (long long)q.e[4 * s + 1],
-                                     (long long)q.e[4 * s]);
-            M[s] = _mm256_sign_epi8(V[s], V[s]);
-            S[s] = _mm256_setr_m128i(_mm_set1_epi16((short)q.sc[2 * s]), _mm_set1_epi16((short)q.sc[2 * s + 1]));
+            MskqIqGroup g;
+            if constexpr (D::GROUPS) {
+                g = D::group(b, prep, s);
+            } else {
+                const __m256i v = _mm256_set_epi64x((long long)q.e[4 * s + 3], (long long)q.e[4 * s + 2],
+                                                    (long long)q.e[4 * s + 1], (long long)q.e[4 * s]);
+                g = {_mm256_sign_epi8(v, v), _mm256_or_si256(v, _mm256_set1_epi8(1)), mskq_iq_scales2(q.sc[2 * s], q.sc[2 * s + 1])};
+            }
+            for (int j = 0; j < NB; j++) {
+                const uint8_t *xb = mskq_xblock(x, xstride, j, i);
+                const __m256i xq = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xb + 4 + 32 * s)), g.S);
+                acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(_mm256_maddubs_epi16(g.G, xq), g.SC));
+            }
         }
         for (int j = 0; j < NB; j++) {
-            const uint8_t *xb = mskq_xblock(x, xstride, j, i);
-            __m256i acc = _mm256_setzero_si256();
-            for (int s = 0; s < 8; s++) {
-                const __m256i xq = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xb + 4 + 32 * s)), V[s]);
-                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(M[s], xq), S[s]));
-            }
             float dx;
-            std::memcpy(&dx, xb, 4);
-            fa[j] = fa[j] + (float)mskq_hsum_epi32(acc) * (dc * dx);
+            std::memcpy(&dx, mskq_xblock(x, xstride, j, i), 4);
+            fa[j] = fa[j] + (float)mskq_hsum_epi32(acc[j]) * (dc * dx);
         }
 #else
+        D::decode(b, q);
+        const float dc = q.d * D::C;
         for (int j = 0; j < NB; j++) {
             const uint8_t *xb = mskq_xblock(x, xstride, j, i);
             const int8_t *xq = (const int8_t *)(xb + 4);
