@@ -2794,7 +2794,85 @@ static void mskq_dot_iq(long n, const void *w, const void *x, long xstride, floa
     for (int j = 0; j < NB; j++) y[j * ystride] = fa[j];
 }
 
+#if defined(MSKQ_SIMD)
+// A prompt's many activation rows (decode.cpp's qmatmul_unpacked): a row's super-blocks built
+// once into their groups' registers as memory (MskqIqU), then every 4 or 8 activation rows read
+// them -- rather than building them again for each 8. The same integers and float steps as
+// mskq_dot_iq, so the same bits; a row may come in pieces of super-blocks (the running sums in
+// `state` between them, phase as in mskq_dot_k45).
+struct MskqIqU {
+    __m256i G[8], S[8], SC[8];
+    float dc;
+    float pad[7];
+};
+
+template <class D>
+static void mskq_unpack_iq(long n, const void *w, void *out) {
+    const uint8_t *b = (const uint8_t *)w;
+    MskqIqU *u = (MskqIqU *)out;
+    MskqIq q;
+    for (long i = 0; i < n / 256; i++, b += D::BYTES, u++) {
+        [[maybe_unused]] typename MskqIqPrep<D, D::GROUPS>::type prep;
+        if constexpr (D::GROUPS) {
+            D::prepare(b, prep);
+        } else {
+            D::decode(b, q);
+        }
+        for (int s = 0; s < 8; s++) {
+            MskqIqGroup g;
+            if constexpr (D::GROUPS) {
+                g = D::group(b, prep, s);
+            } else {
+                const __m256i v = _mm256_set_epi64x((long long)q.e[4 * s + 3], (long long)q.e[4 * s + 2],
+                                                    (long long)q.e[4 * s + 1], (long long)q.e[4 * s]);
+                g = {_mm256_sign_epi8(v, v), _mm256_or_si256(v, _mm256_set1_epi8(1)), mskq_iq_scales2(q.sc[2 * s], q.sc[2 * s + 1])};
+            }
+            _mm256_store_si256(&u->G[s], g.G);
+            _mm256_store_si256(&u->S[s], g.S);
+            _mm256_store_si256(&u->SC[s], g.SC);
+        }
+        u->dc = (D::GROUPS ? mskq_half(b) : q.d) * D::C;
+    }
+}
+
+template <int NB>
+static void mskq_dotu_iq(long n, const void *w, const void *x, long xstride, float *y, long ystride, float *state,
+                         int phase) {
+    const MskqIqU *u = (const MskqIqU *)w;
+    float fa[NB];
+    for (int j = 0; j < NB; j++) fa[j] = (phase & 1) ? state[j] : 0.f;
+    for (long i = 0; i < n / 256; i++, u++) {
+        __m256i acc[NB];
+        for (int j = 0; j < NB; j++) acc[j] = _mm256_setzero_si256();
+        for (int s = 0; s < 8; s++) {
+            const __m256i G = _mm256_load_si256(&u->G[s]), S = _mm256_load_si256(&u->S[s]), SC = _mm256_load_si256(&u->SC[s]);
+            for (int j = 0; j < NB; j++) {
+                const uint8_t *xb = mskq_xblock(x, xstride, j, i);
+                const __m256i xq = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xb + 4 + 32 * s)), S);
+                acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(_mm256_maddubs_epi16(G, xq), SC));
+            }
+        }
+        for (int j = 0; j < NB; j++) {
+            float dx;
+            std::memcpy(&dx, mskq_xblock(x, xstride, j, i), 4);
+            fa[j] = fa[j] + (float)mskq_hsum_epi32(acc[j]) * (u->dc * dx);
+        }
+    }
+    for (int j = 0; j < NB; j++) {
+        if (phase & 2)
+            y[j * ystride] = fa[j];
+        else
+            state[j] = fa[j];
+    }
+}
+#define MSKQ_IQ_UNPACK(t, D)                                                                        \
+    static void ms_unpack_##t(long n, const void *w, void *out) { mskq_unpack_iq<D>(n, w, out); }
+#else
+#define MSKQ_IQ_UNPACK(t, D)
+#endif
+
 #define MSKQ_IQ_TYPE(t, D)                                                                         \
+    MSKQ_IQ_UNPACK(t, D)                                                                           \
     static void ms_dequant_##t(const void *w, float *y, long n) { mskq_dequant_iq<D>(w, y, n); }      \
     template <int NB>                                                                              \
     static void ms_dot_##t(long n, const void *w, const void *x, long xs, float *y, long ys) {     \
