@@ -868,3 +868,57 @@ def test_a_model_with_packed_matrices_gets_the_logits_of_its_rows_as_stored(monk
             assert_same_whatever_shares_the_pass(forward, forward.new_cache, ids, logits[0], 11)
     for a, b in zip(runs["0"], runs["1"]):
         assert torch.equal(a, b)
+
+
+# -- the lattice types' files --------------------------------------------------------------------
+
+# one layer of 256 wide (whole 256-weight super-blocks), 4096 tokens
+LATTICE_SHAPE = dict(arch="llama", hidden=256, ffn=512, layers=1, heads=4, kv_heads=2, head_dim=64)
+
+
+@pytest.mark.parametrize("quant", ["iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq1_s", "iq1_m"])
+@needs_native
+def test_a_lattice_file_runs_as_stored_and_its_prompt_rows_are_its_decode_rows(
+    tmp_path, monkeypatch, quant
+):
+    """A file of a lattice type (IQ1/IQ2/IQ3, every matrix of it: synthetic.py's random blocks)
+    runs as stored -- no dequantized copy -- with weights of the writer's deviation; its
+    teacher-forced logits follow float64 over gguf's dequantized weights (activation rounding
+    only), and a prompt's rows (16+ rows: each weight row built once, qmatmul_unpacked) are the
+    bits of the same positions decoded one at a time (the rows as stored)."""
+    from miniserve.bench import synthetic
+    from miniserve.runners.float64 import Float64Reference
+    from miniserve.runners.loader import load_model
+    from miniserve.runners.stored import StoredRunner, runs_as_stored
+
+    s = LATTICE_SHAPE
+    shape = synthetic.Shape(
+        s["arch"], s["hidden"], s["ffn"], s["layers"], s["heads"], s["kv_heads"], s["head_dim"],
+        1e4, 1e-5,
+    )  # fmt: skip
+    monkeypatch.setitem(synthetic.SHAPES, "lattice", shape)
+    # logits of a useful size (4-5); the activations' rounding then moves them by 2-3% of the
+    # largest, as it does Q4_0's and Q8_0's in this shape (1.4%; 10% at a deviation of 0.25)
+    monkeypatch.setattr(synthetic, "STD", 0.05)
+    path = synthetic.write_gguf(tmp_path / f"{quant}.gguf", "lattice", vocab=4096, quant=quant)
+    qtype = Q[quant.upper()]
+    reader = gguf.GGUFReader(str(path))
+    matrices = [t for t in reader.tensors if len(t.shape) == 2]
+    assert {t.tensor_type for t in matrices} == {qtype}
+    w = gguf.quants.dequantize(np.asarray(matrices[-1].data), qtype)
+    assert 0.04 < float(w.std()) < 0.06, float(w.std())
+    assert runs_as_stored(path)
+    loaded = load_model(str(path), dtype="stored", progress=lambda m: None)
+    runner = StoredRunner(loaded.model, "float32")
+    ids = [(37 * i + 11) % 4096 for i in range(40)]
+    want = Float64Reference(runner.weights).logits(ids)
+    cache = runner.new_cache()
+    with torch.inference_mode():
+        whole = runner.forward(torch.tensor([ids]), cache, all_logits=True)
+    scale = float(np.abs(want).max())
+    error = float(np.abs(whole.double().numpy() - want).max()) / scale
+    assert scale > 0.5 and error < 0.05, (scale, error)
+    cache.crop(0)
+    with torch.inference_mode():
+        steps = [runner.forward(torch.tensor([[t]]), cache) for t in ids[:20]]
+    assert torch.equal(torch.cat(steps), whole[:20])

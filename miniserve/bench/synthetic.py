@@ -156,12 +156,22 @@ FTYPES = {
     "q4_1": 3,
     "iq4_xs": 30,
     "iq4_nl": 25,
-    # (IQ3_XXS, IQ2_* and IQ1_* need an importance matrix, which llama_model_quantize takes only
-    # from C++)
     "iq3_s": 26,
     "iq3_m": 27,
+    # (BLOCK_QUANTS: written here, not by llama.cpp's quantizer)
+    "iq3_xxs": 23,
+    "iq2_xxs": 19,
+    "iq2_xs": 20,
+    "iq2_s": 28,
+    "iq1_s": 24,
+    "iq1_m": 31,
 }
 NUMPY_QUANTS = ("q8_0", "q4_0")  # what the fallback (gguf's numpy quantizers) makes
+# The lattice types llama.cpp's quantizer makes only with an importance matrix (which
+# llama_model_quantize takes only from C++): their files are written here, every matrix of the
+# type as blocks of random bytes (any bytes are a valid block: random weights, as the others),
+# their fp16 scales set so that the weights' standard deviation is STD.
+BLOCK_QUANTS = ("iq3_xxs", "iq2_xxs", "iq2_xs", "iq2_s", "iq1_s", "iq1_m")
 
 
 def tensor_shapes(shape: Shape, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -201,6 +211,39 @@ def random_tensor(name: str, dims: tuple[int, ...], seed: int) -> np.ndarray:
     values = rng.standard_normal(dims, dtype=np.float32)
     values *= STD
     return values
+
+
+def _set_block_scales(blocks: np.ndarray, qtype, d: np.ndarray) -> None:
+    """Every block's fp16 scale (blocks: (n, bytes a block) uint8) set to d (float16, (n,)):
+    at its start, or IQ1_M's, the top nibbles of its 4 scale words (bytes 48-55)."""
+    import gguf
+
+    bits = d.astype(np.float16).view(np.uint16)
+    if qtype == gguf.GGMLQuantizationType.IQ1_M:
+        words = blocks[:, 48:56].copy().view("<u2")
+        for t in range(4):
+            words[:, t] = (words[:, t] & 0x0FFF) | (((bits >> (4 * t)) & 15) << 12)
+        blocks[:, 48:56] = words.view(np.uint8)
+    else:
+        blocks[:, :2] = bits.view(np.uint8).reshape(-1, 2)
+
+
+def random_blocks(name: str, dims: tuple[int, ...], quant: str, seed: int) -> np.ndarray:
+    """A matrix of a BLOCK_QUANTS type as random block bytes, (rows, bytes a row) uint8, the
+    same for a name and seed: the scale of every block the one that gives its weights a
+    standard deviation of STD (measured over sample blocks by gguf's decoder)."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[quant.upper()]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rows, cols = int(np.prod(dims[:-1])), dims[-1]
+    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+    data = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
+    sample = data[:256].copy()
+    _set_block_scales(sample, qtype, np.ones(len(sample), np.float16))
+    unit = float(np.std(gguf.quants.dequantize(sample.reshape(1, -1), qtype)))
+    _set_block_scales(data, qtype, np.full(len(data), STD / unit, np.float16))
+    return data.reshape(rows, cols // block * size)
 
 
 @functools.lru_cache(maxsize=1)
@@ -327,7 +370,9 @@ def write_shape(
         "f16": None,
         "q8_0": gguf.GGMLQuantizationType.Q8_0,
         "q4_0": gguf.GGMLQuantizationType.Q4_0,
-    }[quant]
+    }.get(quant)
+    if quant in BLOCK_QUANTS:
+        qtype = gguf.GGMLQuantizationType[quant.upper()]
     vocab = vocab or TOKENIZERS[tokenizer][0]()
     path = Path(path)
     partial = path.with_name(path.name + ".partial")
@@ -390,13 +435,16 @@ def write_shape(
     writer.write_ti_data_to_file()
     total = len(tensors)
     for i, (name, dims) in enumerate(tensors):
-        values = random_tensor(name, dims, seed)
-        if len(dims) == 1 or name.endswith(F32_MATRICES):
-            data = values
-        elif qtype is None:
-            data = values.astype(np.float16)
+        if quant in BLOCK_QUANTS and not (len(dims) == 1 or name.endswith(F32_MATRICES)):
+            data = random_blocks(name, dims, quant, seed)
         else:
-            data = quantize(values, qtype)
+            values = random_tensor(name, dims, seed)
+            if len(dims) == 1 or name.endswith(F32_MATRICES):
+                data = values
+            elif qtype is None:
+                data = values.astype(np.float16)
+            else:
+                data = quantize(values, qtype)
         writer.write_tensor_data(data)
         if name.endswith("weight") and (i % 20 == 0 or i == total - 1):
             say(f"  wrote {i + 1}/{total} tensors")
@@ -450,6 +498,8 @@ def target(
     tokenizer: str = "embedded",
 ) -> Path:
     """Where make() puts (or finds) the file."""
+    if quant in BLOCK_QUANTS:  # written here, always
+        return Path(out_dir) / file_name(shape_name, vocab, quant, False, tokenizer)
     use_numpy = quant != "f16" and (numpy_only or not llama_cpp_available())
     if use_numpy and quant not in NUMPY_QUANTS:
         raise ValueError(
@@ -483,10 +533,13 @@ def make(
     use_numpy = out.name.endswith("-numpy.gguf")
     if out.is_file():
         return out
-    if quant == "f16" or use_numpy:
+    if quant == "f16" or use_numpy or quant in BLOCK_QUANTS:
         say(
             f"writing {out.name} ({parameter_count(SHAPES[shape_name], vocab) / 1e9:.2f} B "
-            "parameters" + (", gguf's numpy quantizer" if use_numpy else "") + ") ..."
+            "parameters"
+            + (", gguf's numpy quantizer" if use_numpy else "")
+            + (", blocks of random bytes" if quant in BLOCK_QUANTS else "")
+            + ") ..."
         )
         return write_gguf(out, shape_name, vocab, quant, seed, say, tokenizer)
     made_here = not target(shape_name, "f16", vocab, out_dir, tokenizer=tokenizer).is_file()
