@@ -2470,35 +2470,70 @@ static inline __m256i mskq_iq_scales2(int lo, int hi) {
     return _mm256_setr_m128i(_mm_set1_epi16((short)lo), _mm_set1_epi16((short)hi));
 }
 
-// 4 of IQ2_XXS / IQ2_XS / IQ3_XXS's 7-bit sign indices (bits 7l of a, or the words' high 7)
-// as one 32-bit sign word
-static inline uint32_t mskq_ksigns4(uint32_t k0, uint32_t k1, uint32_t k2, uint32_t k3) {
-    return (uint32_t)mskq_ksigns[k0 & 127] | (uint32_t)mskq_ksigns[k1 & 127] << 8 | (uint32_t)mskq_ksigns[k2 & 127] << 16 |
-           (uint32_t)mskq_ksigns[k3 & 127] << 24;
+// IQ2_XXS / IQ2_XS / IQ3_XXS's 7-bit sign indices as S's 8 bytes (0xff / 0x01): sign byte k
+// is k with its parity as bit 7 (mskq_ksigns), each bit then a byte
+struct MskqKsigns64 {
+    uint64_t m[128];
+    constexpr MskqKsigns64() : m() {
+        for (int k = 0; k < 128; k++) {
+            int parity = 0;
+            for (int i = 0; i < 7; i++) parity ^= (k >> i) & 1;
+            const int byte = k | parity << 7;
+            for (int i = 0; i < 8; i++) m[k] |= (uint64_t)((byte >> i) & 1 ? 0xff : 0x01) << (8 * i);
+        }
+    }
+};
+static constexpr MskqKsigns64 mskq_ksigns64{};
+
+// 4 such indices (bits 7l of a, or the words' high 7: masked here) as S
+static inline __m256i mskq_ksigns4(uint32_t k0, uint32_t k1, uint32_t k2, uint32_t k3) {
+    return _mm256_set_epi64x((long long)mskq_ksigns64.m[k3 & 127], (long long)mskq_ksigns64.m[k2 & 127],
+                             (long long)mskq_ksigns64.m[k1 & 127], (long long)mskq_ksigns64.m[k0 & 127]);
+}
+
+// 8 of IQ1's grid values g (bytes -1 / 0 / 1) as 8 g + 1 a byte: g << 3 with the bits each
+// byte pushes into the next masked off, then the low bit set
+static inline uint64_t mskq_iq1_plus(uint64_t g) {
+    return ((g << 3) & 0xf8f8f8f8f8f8f8f8ull) | 0x0101010101010101ull;
+}
+
+// 4 of IQ1's entries as 8 g + 1 (mskq_iq1_plus) less `twos` (2 in the bytes whose delta is
+// -1) as a group: 8 g + delta, its magnitudes and signs (it is never 0)
+static inline MskqIqGroup mskq_iq1_group(uint64_t e0, uint64_t e1, uint64_t e2, uint64_t e3, __m256i twos, int lo,
+                                         int hi) {
+    const __m256i v = _mm256_sub_epi8(_mm256_set_epi64x((long long)e3, (long long)e2, (long long)e1, (long long)e0), twos);
+    return {_mm256_sign_epi8(v, v), _mm256_or_si256(v, _mm256_set1_epi8(1)), mskq_iq_scales2(lo, hi)};
 }
 #endif
+
+// What the types share: d an fp16 at the block's start (IQ1_M overrides), nothing to work out
+// before the groups (IQ3_S overrides)
+struct MskqIqBase {
+    static float scale(const uint8_t *b) { return mskq_half(b); }
+#if defined(MSKQ_SIMD)
+    struct Prep {};
+    static void prepare(const uint8_t *, Prep &) {}
+#endif
+};
 
 // IQ2_XXS, 66 bytes: {fp16 d; u32 pairs[8][2]}: a pair serves 32 weights: its first word's
 // bytes index 4 entries of iq2xxs_grid (8 weights each), its second's bits 7l .. 7l + 6 the
 // sign bytes (mskq_ksigns) of entry l, bits 28-31 ls (scale 2 ls + 1).
-struct MskqIq2xxs {
+struct MskqIq2xxs : MskqIqBase {
     static constexpr int BYTES = 66;
     static constexpr float C = 0.125f;
 #if defined(MSKQ_SIMD)
-    static constexpr bool GROUPS = true;
-    struct Prep {};
-    static void prepare(const uint8_t *, Prep &) {}
     static MskqIqGroup group(const uint8_t *b, const Prep &, int s) {
         const uint32_t a1 = mskq_u32(b + 6 + 8 * s);
         const int sc = (int)(2 * (a1 >> 28) + 1);
         const uint8_t *k = b + 2 + 8 * s;  // (a0's bytes)
         return {_mm256_set_epi64x((long long)mskq_iq2xxs_grid[k[3]], (long long)mskq_iq2xxs_grid[k[2]],
                                   (long long)mskq_iq2xxs_grid[k[1]], (long long)mskq_iq2xxs_grid[k[0]]),
-                mskq_iq_signs32(mskq_ksigns4(a1, a1 >> 7, a1 >> 14, a1 >> 21)), mskq_iq_scales2(sc, sc)};
+                (mskq_ksigns4(a1, a1 >> 7, a1 >> 14, a1 >> 21)), mskq_iq_scales2(sc, sc)};
     }
 #endif
     static void decode(const uint8_t *b, MskqIq &q) {
-        q.d = mskq_half(b);
+        q.d = scale(b);
         for (int s = 0; s < 8; s++) {
             const uint32_t a0 = mskq_u32(b + 2 + 8 * s), a1 = mskq_u32(b + 6 + 8 * s);
             q.sc[2 * s] = q.sc[2 * s + 1] = (int32_t)(2 * (a1 >> 28) + 1);
@@ -2510,24 +2545,21 @@ struct MskqIq2xxs {
 
 // IQ2_XS, 74 bytes: {fp16 d; u16 qs[32]; u8 scales[8]}: qs[k]'s low 9 bits index iq2xs_grid
 // (weights 8k .. 8k + 7), its high 7 the sign byte; scales: mskq_iq_nibble_scales.
-struct MskqIq2xs {
+struct MskqIq2xs : MskqIqBase {
     static constexpr int BYTES = 74;
     static constexpr float C = 0.125f;
 #if defined(MSKQ_SIMD)
-    static constexpr bool GROUPS = true;
-    struct Prep {};
-    static void prepare(const uint8_t *, Prep &) {}
     static MskqIqGroup group(const uint8_t *b, const Prep &, int s) {
         const uint32_t u0 = mskq_u16(b + 2 + 8 * s), u1 = mskq_u16(b + 4 + 8 * s), u2 = mskq_u16(b + 6 + 8 * s),
                        u3 = mskq_u16(b + 8 + 8 * s);
         return {_mm256_set_epi64x((long long)mskq_iq2xs_grid[u3 & 511], (long long)mskq_iq2xs_grid[u2 & 511],
                                   (long long)mskq_iq2xs_grid[u1 & 511], (long long)mskq_iq2xs_grid[u0 & 511]),
-                mskq_iq_signs32(mskq_ksigns4(u0 >> 9, u1 >> 9, u2 >> 9, u3 >> 9)),
+                (mskq_ksigns4(u0 >> 9, u1 >> 9, u2 >> 9, u3 >> 9)),
                 mskq_iq_scales2(2 * (b[66 + s] & 15) + 1, 2 * (b[66 + s] >> 4) + 1)};
     }
 #endif
     static void decode(const uint8_t *b, MskqIq &q) {
-        q.d = mskq_half(b);
+        q.d = scale(b);
         mskq_iq_nibble_scales(b + 66, q.sc);
         for (int k = 0; k < 32; k++) {
             const uint16_t u = mskq_u16(b + 2 + 2 * k);
@@ -2539,13 +2571,10 @@ struct MskqIq2xs {
 // IQ2_S, 82 bytes: {fp16 d; u8 qs[32]; u8 signs[32]; u8 qh[8]; u8 scales[8]}: entry k of
 // iq2s_grid is qs[k] | (qh[k / 4]'s bits 2 (k % 4), + 1) << 8, its signs signs[k] (bit i:
 // weight 8k + i); scales as IQ2_XS's.
-struct MskqIq2s {
+struct MskqIq2s : MskqIqBase {
     static constexpr int BYTES = 82;
     static constexpr float C = 0.125f;
 #if defined(MSKQ_SIMD)
-    static constexpr bool GROUPS = true;
-    struct Prep {};
-    static void prepare(const uint8_t *, Prep &) {}
     static MskqIqGroup group(const uint8_t *b, const Prep &, int s) {
         const uint32_t h = b[66 + s];
         const uint8_t *qs = b + 2 + 4 * s;
@@ -2558,7 +2587,7 @@ struct MskqIq2s {
     }
 #endif
     static void decode(const uint8_t *b, MskqIq &q) {
-        q.d = mskq_half(b);
+        q.d = scale(b);
         mskq_iq_nibble_scales(b + 74, q.sc);
         for (int k = 0; k < 32; k++) {
             const int idx = b[2 + k] | ((b[66 + k / 4] >> (2 * (k % 4))) & 3) << 8;
@@ -2570,13 +2599,10 @@ struct MskqIq2s {
 // IQ3_XXS, 98 bytes: {fp16 d; u8 qs[64]; u32 scales_and_signs[8]}: qs[k] indexes iq3xxs_grid
 // (weights 4k .. 4k + 3); word s serves weights 32s .. 32s + 31: bits 7l .. 7l + 6 the sign
 // byte of its weights 8l .. 8l + 7, bits 28-31 ls (d * (0.5 + ls) * 0.5: 2 ls + 1, 1/4).
-struct MskqIq3xxs {
+struct MskqIq3xxs : MskqIqBase {
     static constexpr int BYTES = 98;
     static constexpr float C = 0.25f;
 #if defined(MSKQ_SIMD)
-    static constexpr bool GROUPS = true;
-    struct Prep {};
-    static void prepare(const uint8_t *, Prep &) {}
     static MskqIqGroup group(const uint8_t *b, const Prep &, int s) {
         const uint8_t *qs = b + 2 + 8 * s;
         const uint32_t a = mskq_u32(b + 66 + 4 * s);
@@ -2584,11 +2610,11 @@ struct MskqIq3xxs {
         return {_mm256_setr_epi32((int)mskq_iq3xxs_grid[qs[0]], (int)mskq_iq3xxs_grid[qs[1]], (int)mskq_iq3xxs_grid[qs[2]],
                                   (int)mskq_iq3xxs_grid[qs[3]], (int)mskq_iq3xxs_grid[qs[4]], (int)mskq_iq3xxs_grid[qs[5]],
                                   (int)mskq_iq3xxs_grid[qs[6]], (int)mskq_iq3xxs_grid[qs[7]]),
-                mskq_iq_signs32(mskq_ksigns4(a, a >> 7, a >> 14, a >> 21)), mskq_iq_scales2(sc, sc)};
+                (mskq_ksigns4(a, a >> 7, a >> 14, a >> 21)), mskq_iq_scales2(sc, sc)};
     }
 #endif
     static void decode(const uint8_t *b, MskqIq &q) {
-        q.d = mskq_half(b);
+        q.d = scale(b);
         for (int s = 0; s < 8; s++) {
             const uint32_t a = mskq_u32(b + 66 + 4 * s);
             q.sc[2 * s] = q.sc[2 * s + 1] = (int32_t)(2 * (a >> 28) + 1);
@@ -2605,11 +2631,10 @@ struct MskqIq3xxs {
 // iq3s_grid is qs[k] | (qh[k / 8]'s bit k % 8) << 8 (weights 4k .. 4k + 3); signs[j] bit i:
 // weight 8j + i; scales[t]'s low nibble s scales weights 64t .. 64t + 31 by 2 s + 1, its high
 // one the next 32 (d * (1 + 2 s): c = 1).
-struct MskqIq3s {
+struct MskqIq3s : MskqIqBase {
     static constexpr int BYTES = 110;
     static constexpr float C = 1.f;
 #if defined(MSKQ_SIMD)
-    static constexpr bool GROUPS = true;
     // The 64 entries' 9-bit indices, 16 a vector: qs's bytes widened, qh's bit k (a 16-bit word
     // broadcast, each lane's own bit tested) to bit 8
     struct Prep {
@@ -2635,7 +2660,7 @@ struct MskqIq3s {
     }
 #endif
     static void decode(const uint8_t *b, MskqIq &q) {
-        q.d = mskq_half(b);
+        q.d = scale(b);
         for (int t = 0; t < 4; t++) {
             const int32_t lo = 2 * (b[106 + t] & 15) + 1, hi = 2 * (b[106 + t] >> 4) + 1;
             q.sc[4 * t] = q.sc[4 * t + 1] = lo;
@@ -2667,12 +2692,23 @@ static inline uint64_t mskq_iq1_values(uint64_t g, bool minus) {
 // IQ1_S, 50 bytes: {fp16 d; u8 qs[32]; u16 qh[8]}: qh[s] serves weights 32s .. 32s + 31: entry
 // l (weights 8l ..) of iq1s_grid is qs[4s + l] | (qh's bits 3l .. 3l + 2) << 8, bits 12-14 ls
 // (d * (2 ls + 1)), bit 15 the delta's sign (set: -1/8).
-struct MskqIq1s {
+struct MskqIq1s : MskqIqBase {
     static constexpr int BYTES = 50;
     static constexpr float C = 0.125f;
-    static constexpr bool GROUPS = false;  // (signed values: decode, then their magnitudes and signs)
+#if defined(MSKQ_SIMD)
+    static MskqIqGroup group(const uint8_t *b, const Prep &, int s) {
+        const uint32_t h = mskq_u16(b + 34 + 2 * s);
+        const uint8_t *qs = b + 2 + 4 * s;
+        const int sc = (int)(2 * ((h >> 12) & 7) + 1);
+        return mskq_iq1_group(mskq_iq1_plus(mskq_iq1s_grid[qs[0] | (h << 8 & 0x700)]),
+                              mskq_iq1_plus(mskq_iq1s_grid[qs[1] | (h << 5 & 0x700)]),
+                              mskq_iq1_plus(mskq_iq1s_grid[qs[2] | (h << 2 & 0x700)]),
+                              mskq_iq1_plus(mskq_iq1s_grid[qs[3] | (h >> 1 & 0x700)]),
+                              _mm256_set1_epi8((char)(h >> 14 & 2)), sc, sc);
+    }
+#endif
     static void decode(const uint8_t *b, MskqIq &q) {
-        q.d = mskq_half(b);
+        q.d = scale(b);
         for (int s = 0; s < 8; s++) {
             const uint16_t h = mskq_u16(b + 34 + 2 * s);
             q.sc[2 * s] = q.sc[2 * s + 1] = 2 * ((h >> 12) & 7) + 1;
@@ -2686,16 +2722,35 @@ struct MskqIq1s {
 // top nibbles (word 0's the lowest); word w's 12 low bits are 4 scales of 3 bits (weights 64w +
 // 16k ..: d * (2 s + 1)). Entry k of iq1s_grid is qs[k] | (qh[k / 2]'s nibble k % 2, low 3 bits)
 // << 8, that nibble's bit 3 its delta's sign.
-struct MskqIq1m {
+struct MskqIq1m : MskqIqBase {
     static constexpr int BYTES = 56;
     static constexpr float C = 0.125f;
-    static constexpr bool GROUPS = false;  // (signed values: decode, then their magnitudes and signs)
+    static float scale(const uint8_t *b) {  // the 4 scale words' top nibbles, word 0's lowest
+        const uint16_t dh = (uint16_t)((mskq_u16(b + 48) >> 12) | ((mskq_u16(b + 50) >> 8) & 0x00f0) |
+                                       ((mskq_u16(b + 52) >> 4) & 0x0f00) | (mskq_u16(b + 54) & 0xf000));
+        const uint8_t db[2] = {(uint8_t)dh, (uint8_t)(dh >> 8)};
+        return mskq_half(db);
+    }
+#if defined(MSKQ_SIMD)
+    // group s: entries 4s .. 4s + 3 (qh[2s], qh[2s + 1]), the scales of 16s 2s and 2s + 1
+    static MskqIqGroup group(const uint8_t *b, const Prep &, int s) {
+        const uint8_t *qs = b + 4 * s;
+        const uint32_t h0 = b[32 + 2 * s], h1 = b[33 + 2 * s], w = mskq_u16(b + 48 + 2 * (s / 2)) >> (6 * (s % 2));
+        // the deltas' signs, bits 3 and 7 of h0 and h1, as 2 in each of their entry's bytes
+        const uint64_t two = 0x0202020202020202ull;
+        const __m256i twos = _mm256_set_epi64x((long long)(two * (h1 >> 7 & 1)), (long long)(two * (h1 >> 3 & 1)),
+                                               (long long)(two * (h0 >> 7 & 1)), (long long)(two * (h0 >> 3 & 1)));
+        return mskq_iq1_group(mskq_iq1_plus(mskq_iq1s_grid[qs[0] | (h0 << 8 & 0x700)]),
+                              mskq_iq1_plus(mskq_iq1s_grid[qs[1] | (h0 << 4 & 0x700)]),
+                              mskq_iq1_plus(mskq_iq1s_grid[qs[2] | (h1 << 8 & 0x700)]),
+                              mskq_iq1_plus(mskq_iq1s_grid[qs[3] | (h1 << 4 & 0x700)]), twos, (int)(2 * (w & 7) + 1),
+                              (int)(2 * ((w >> 3) & 7) + 1));
+    }
+#endif
     static void decode(const uint8_t *b, MskqIq &q) {
         uint16_t w[4];
         for (int t = 0; t < 4; t++) w[t] = mskq_u16(b + 48 + 2 * t);
-        const uint16_t dh = (uint16_t)((w[0] >> 12) | ((w[1] >> 8) & 0x00f0) | ((w[2] >> 4) & 0x0f00) | (w[3] & 0xf000));
-        uint8_t db[2] = {(uint8_t)dh, (uint8_t)(dh >> 8)};
-        q.d = mskq_half(db);
+        q.d = scale(b);
         for (int k = 0; k < 16; k++) q.sc[k] = 2 * ((w[k / 4] >> (3 * (k % 4))) & 7) + 1;
         for (int k = 0; k < 32; k++) {
             const int nib = (b[32 + k / 2] >> (4 * (k % 2))) & 15;
@@ -2724,44 +2779,22 @@ static void mskq_dequant_iq(const void *w, float *y, long n) {
 // register) take |v| by xq with v's signs (vpmaddubsw: pairs <= 2 x 62 x 127), then each 16's
 // 8 pairs times its scale (vpmaddwd); a super-block's registers are built once from the
 // decoded entries (8 bytes each: no wider load of narrower stores) for all NB rows.
-#if defined(MSKQ_SIMD)
-// what a type's groups read that prepare() works out once a super-block (none for the types
-// without groups)
-template <class D, bool G>
-struct MskqIqPrep {
-    struct type {};
-};
-template <class D>
-struct MskqIqPrep<D, true> {
-    typedef typename D::Prep type;
-};
-#endif
-
 template <class D, int NB>
 static void mskq_dot_iq(long n, const void *w, const void *x, long xstride, float *y, long ystride) {
     const uint8_t *b = (const uint8_t *)w;
     float fa[NB];
     for (int j = 0; j < NB; j++) fa[j] = 0.f;
-    MskqIq q;
     for (long i = 0; i < n / 256; i++, b += D::BYTES) {
 #if defined(MSKQ_SIMD)
-        if constexpr (!D::GROUPS) D::decode(b, q);
-        const float dc = (D::GROUPS ? mskq_half(b) : q.d) * D::C;
+        const float dc = D::scale(b) * D::C;
         mskq_prefetch(b, D::BYTES);
         // group by group, each meeting every row as it is built (the rows' sums in registers)
         __m256i acc[NB];
         for (int j = 0; j < NB; j++) acc[j] = _mm256_setzero_si256();
-        [[maybe_unused]] typename MskqIqPrep<D, D::GROUPS>::type prep;
-        if constexpr (D::GROUPS) D::prepare(b, prep);
+        typename D::Prep prep;
+        D::prepare(b, prep);
         for (int s = 0; s < 8; s++) {
-            MskqIqGroup g;
-            if constexpr (D::GROUPS) {
-                g = D::group(b, prep, s);
-            } else {
-                const __m256i v = _mm256_set_epi64x((long long)q.e[4 * s + 3], (long long)q.e[4 * s + 2],
-                                                    (long long)q.e[4 * s + 1], (long long)q.e[4 * s]);
-                g = {_mm256_sign_epi8(v, v), _mm256_or_si256(v, _mm256_set1_epi8(1)), mskq_iq_scales2(q.sc[2 * s], q.sc[2 * s + 1])};
-            }
+            const MskqIqGroup g = D::group(b, prep, s);
             for (int j = 0; j < NB; j++) {
                 const uint8_t *xb = mskq_xblock(x, xstride, j, i);
                 const __m256i xq = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xb + 4 + 32 * s)), g.S);
@@ -2774,6 +2807,7 @@ static void mskq_dot_iq(long n, const void *w, const void *x, long xstride, floa
             fa[j] = fa[j] + (float)mskq_hsum_epi32(acc[j]) * (dc * dx);
         }
 #else
+        MskqIq q;
         D::decode(b, q);
         const float dc = q.d * D::C;
         for (int j = 0; j < NB; j++) {
@@ -2810,28 +2844,16 @@ template <class D>
 static void mskq_unpack_iq(long n, const void *w, void *out) {
     const uint8_t *b = (const uint8_t *)w;
     MskqIqU *u = (MskqIqU *)out;
-    MskqIq q;
     for (long i = 0; i < n / 256; i++, b += D::BYTES, u++) {
-        [[maybe_unused]] typename MskqIqPrep<D, D::GROUPS>::type prep;
-        if constexpr (D::GROUPS) {
-            D::prepare(b, prep);
-        } else {
-            D::decode(b, q);
-        }
+        typename D::Prep prep;
+        D::prepare(b, prep);
         for (int s = 0; s < 8; s++) {
-            MskqIqGroup g;
-            if constexpr (D::GROUPS) {
-                g = D::group(b, prep, s);
-            } else {
-                const __m256i v = _mm256_set_epi64x((long long)q.e[4 * s + 3], (long long)q.e[4 * s + 2],
-                                                    (long long)q.e[4 * s + 1], (long long)q.e[4 * s]);
-                g = {_mm256_sign_epi8(v, v), _mm256_or_si256(v, _mm256_set1_epi8(1)), mskq_iq_scales2(q.sc[2 * s], q.sc[2 * s + 1])};
-            }
+            const MskqIqGroup g = D::group(b, prep, s);
             _mm256_store_si256(&u->G[s], g.G);
             _mm256_store_si256(&u->S[s], g.S);
             _mm256_store_si256(&u->SC[s], g.SC);
         }
-        u->dc = (D::GROUPS ? mskq_half(b) : q.d) * D::C;
+        u->dc = D::scale(b) * D::C;
     }
 }
 
