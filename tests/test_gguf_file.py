@@ -274,6 +274,37 @@ def test_scale_positions_are_the_dequantizers(qtype):
         )
 
 
+def test_an_iq1m_scale_is_found_where_the_dequantizer_takes_it():
+    """IQ1_M's d lies in the top nibbles of its 4 scale words: with it 1.0, a block of random
+    bytes is finite and passes; with it NaN or inf the gguf package's dequantizer gives
+    non-finite weights, and the check names that block."""
+    from gguf.quants import dequantize
+
+    from miniserve.runners.gguf_file import _first_iq1m_non_finite
+
+    q = gguf.GGMLQuantizationType.IQ1_M
+    _, size = gguf.GGML_QUANT_SIZES[q]
+
+    def with_d(bits: int) -> np.ndarray:
+        block = np.random.default_rng(bits).integers(0, 256, size, dtype=np.uint8)
+        words = block[48:56].copy().view("<u2")
+        for t in range(4):
+            words[t] = (words[t] & 0x0FFF) | (((bits >> (4 * t)) & 15) << 12)
+        block[48:56] = words.view(np.uint8)
+        return block
+
+    good = with_d(0x3C00)  # 1.0
+    assert np.isfinite(dequantize(good.reshape(1, -1), q)).all()
+    assert _first_iq1m_non_finite(np.tile(good, 3), 0, 3, size, None) is None
+    for bits in (0x7E00, 0x7C00, 0xFC00):  # NaN, inf, -inf
+        bad = with_d(bits)
+        assert not np.isfinite(dequantize(bad.reshape(1, -1), q)).all()
+        buf = np.concatenate([good, good, bad, good])
+        assert _first_iq1m_non_finite(buf, 0, 4, size, None) == 2
+    big = with_d(0x7BFF)  # the largest finite
+    assert _first_iq1m_non_finite(big, 0, 1, size, None) is None
+
+
 def test_bad_magic_and_versions(tmp_path, original):
     refused(patched(tmp_path, (0, b"GGML")), "not a GGUF file", "b'GGML'")
     (tmp_path / "empty.gguf").write_bytes(b"")

@@ -65,8 +65,8 @@ _MIN_TENSOR = 8 + 4 + 8 + 4 + 8  # empty name, one dimension, type id, offset
 # Where each block keeps its fp16 scales (ggml-common.h's block structs; the same splits as
 # gguf.quants' dequantizers): (byte offset in the block, the fields there, 2 bytes each). Not
 # checked: Q8_1 (the gguf package's 40-byte size is not ggml's 36-byte block), Q8_K (an f32
-# scale, llama.cpp's internal type), IQ1_M (its scale is packed into the sub-block scales),
-# MXFP4 / NVFP4 (8-bit scales), Q1_0 (no reference layout in the gguf package).
+# scale, llama.cpp's internal type), MXFP4 / NVFP4 (8-bit scales), Q1_0 (no reference layout in
+# the gguf package). IQ1_M's d is the top nibbles of its 4 scale words: _first_iq1m_non_finite.
 _SCALES = {
     _Q.Q4_0: (0, ("d",)),
     _Q.Q4_1: (0, ("d", "m")),
@@ -295,6 +295,21 @@ class GGUFFile:
                         f"{t.describe()}: block {index:,} has a non-finite scale "
                         f"({fields[field]} = {self._float_text(at, t.type)}) at "
                         f"byte {at:,}: the file is damaged; download it again"
+                    )
+            elif t.type == _Q.IQ1_M:
+
+                def done(first: int, n: int, t=t, size=size) -> None:
+                    self.release(base + t.offset + first * size, n * size)
+
+                index = _first_iq1m_non_finite(
+                    self._buf, t.offset, t.nbytes // size, size, done if t.name in release else None
+                )
+                if index is not None:
+                    at = t.offset + index * size + _IQ1M_WORDS
+                    raise self._error(
+                        f"{t.describe()}: block {index:,} has a non-finite scale (d, in the top "
+                        f"bits of its scale words at byte {at:,}): the file is damaged; "
+                        "download it again"
                     )
             elif t.type in _FLOATS and t.nbytes // size < SMALL_FLOATS:
                 dtype, inf = _FLOATS[t.type]
@@ -705,6 +720,29 @@ def _read_strings(mm, buf: np.ndarray, pos: int, count: int) -> list[str]:
     starts, end = _string_starts(mm, buf, pos, count, len(mm))
     lasts = np.append(starts[1:], end).tolist()
     return [mm[a:b].decode("utf-8", "replace") for a, b in zip((starts + 8).tolist(), lasts)]
+
+
+# IQ1_M: {u8 qs[32]; u8 qh[16]; u16 scales[4]}: fp16 d's bits 8-11 are word 2's top nibble, 12-15
+# word 3's; its exponent (bits 10-14) is all ones -- inf or NaN -- where words 2 and 3, read as
+# one little-endian uint32 at byte 52, have all of 0x7000C000
+_IQ1M_WORDS = 48
+_IQ1M_EXPONENT = 0x7000C000
+
+
+def _first_iq1m_non_finite(
+    buf: np.ndarray, start: int, rows: int, stride: int, done: Callable[[int, int], None] | None
+) -> int | None:
+    """The first of `rows` IQ1_M blocks (`stride` bytes apart from byte `start`) whose d is inf
+    or NaN; None if none. Chunks of _SCAN_ROWS; done(first row, rows) after each clean one."""
+    for first in range(0, rows, _SCAN_ROWS):
+        n = min(_SCAN_ROWS, rows - first)
+        words = np.ndarray((n,), np.dtype("<u4"), buf, start + first * stride + 52, (stride,))
+        bad = (words & _IQ1M_EXPONENT) == _IQ1M_EXPONENT
+        if bad.any():
+            return first + int(np.argmax(bad))
+        if done is not None:
+            done(first, n)
+    return None
 
 
 def _first_non_finite(
