@@ -353,7 +353,8 @@ def write_shape(
     context_length: int = CONTEXT_LENGTH,
     chat_template: str | None = None,
 ) -> Path:
-    """Write a model of `shape` as `quant` (f16, or q8_0 / q4_0 by the numpy quantizers),
+    """Write a model of `shape` as `quant` (f16, q8_0 / q4_0 by the numpy quantizers, or a
+    BLOCK_QUANTS type as random blocks),
     tensor by tensor (never the whole model in memory), whole or not at all (a .partial beside
     it, renamed), with a tokenizer from TOKENIZERS: the embedded model's (padded with filler
     tokens to `vocab`, or cut to its first `vocab` tokens and their merges) or Qwen3's
@@ -373,6 +374,11 @@ def write_shape(
     }.get(quant)
     if quant in BLOCK_QUANTS:
         qtype = gguf.GGMLQuantizationType[quant.upper()]
+    elif qtype is None and quant != "f16":
+        raise ValueError(
+            f"{quant} is made by llama.cpp's quantizer (make()); written here: f16, "
+            f"{', '.join(NUMPY_QUANTS)}, {', '.join(BLOCK_QUANTS)}"
+        )
     vocab = vocab or TOKENIZERS[tokenizer][0]()
     path = Path(path)
     partial = path.with_name(path.name + ".partial")
