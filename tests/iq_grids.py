@@ -51,13 +51,13 @@ def text() -> str:
     for name, cls, width in GRIDS:
         vals = entries(cls, width)
         ctype, digits = ("uint64_t", 16) if width == 8 else ("uint32_t", 8)
-        out.append(f"alignas(64) static const {ctype} {name}[{len(vals)}] = {{")
+        out.append(f"alignas(64) static constexpr {ctype} {name}[{len(vals)}] = {{")
         per = 4 if width == 8 else 8
         for i in range(0, len(vals), per):
             out.append("    " + ", ".join(f"0x{v:0{digits}x}" for v in vals[i : i + per]) + ",")
         out.append("};")
     ks = list(gq.IQ2_XXS.ksigns)
-    out.append(f"alignas(64) static const uint8_t mskq_ksigns[{len(ks)}] = {{")
+    out.append(f"alignas(64) static constexpr uint8_t mskq_ksigns[{len(ks)}] = {{")
     for i in range(0, len(ks), 16):
         out.append("    " + ", ".join(f"0x{v:02x}" for v in ks[i : i + 16]) + ",")
     out.append("};")

@@ -2432,13 +2432,6 @@ static inline uint64_t mskq_iq_signed8(uint64_t g, uint8_t signs) {
     return (g ^ m) + (m & 0x0101010101010101ull);
 }
 
-static inline uint32_t mskq_u32(const uint8_t *p) {
-    uint32_t u;
-    std::memcpy(&u, p, 4);
-    return u;
-}
-static inline uint16_t mskq_u16(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
-
 // IQ2_XS's and IQ2_S's 16 scales: 8 bytes, byte s's low nibble ls scaling weights 32s ..
 // 32s + 15 by 2 ls + 1, its high one the next 16
 static inline void mskq_iq_nibble_scales(const uint8_t *s8, int32_t *sc) {
@@ -2446,6 +2439,12 @@ static inline void mskq_iq_nibble_scales(const uint8_t *s8, int32_t *sc) {
         sc[2 * s] = 2 * (s8[s] & 15) + 1;
         sc[2 * s + 1] = 2 * (s8[s] >> 4) + 1;
     }
+}
+
+// 8 of IQ1's grid values g (bytes -1 / 0 / 1) as 8 g + 1 a byte: g << 3 with the bits each
+// byte pushes into the next masked off, then the low bit set
+static inline uint64_t mskq_iq1_plus(uint64_t g) {
+    return ((g << 3) & 0xf8f8f8f8f8f8f8f8ull) | 0x0101010101010101ull;
 }
 
 #if defined(MSKQ_SIMD)
@@ -2470,17 +2469,13 @@ static inline __m256i mskq_iq_scales2(int lo, int hi) {
     return _mm256_setr_m128i(_mm_set1_epi16((short)lo), _mm_set1_epi16((short)hi));
 }
 
-// IQ2_XXS / IQ2_XS / IQ3_XXS's 7-bit sign indices as S's 8 bytes (0xff / 0x01): sign byte k
-// is k with its parity as bit 7 (mskq_ksigns), each bit then a byte
+// IQ2_XXS / IQ2_XS / IQ3_XXS's 7-bit sign indices as S's 8 bytes (0xff / 0x01): each bit of
+// the index's sign byte (mskq_ksigns) a byte
 struct MskqKsigns64 {
     uint64_t m[128];
     constexpr MskqKsigns64() : m() {
-        for (int k = 0; k < 128; k++) {
-            int parity = 0;
-            for (int i = 0; i < 7; i++) parity ^= (k >> i) & 1;
-            const int byte = k | parity << 7;
-            for (int i = 0; i < 8; i++) m[k] |= (uint64_t)((byte >> i) & 1 ? 0xff : 0x01) << (8 * i);
-        }
+        for (int k = 0; k < 128; k++)
+            for (int i = 0; i < 8; i++) m[k] |= (uint64_t)((mskq_ksigns[k] >> i) & 1 ? 0xff : 0x01) << (8 * i);
     }
 };
 static constexpr MskqKsigns64 mskq_ksigns64{};
@@ -2489,12 +2484,6 @@ static constexpr MskqKsigns64 mskq_ksigns64{};
 static inline __m256i mskq_ksigns4(uint32_t k0, uint32_t k1, uint32_t k2, uint32_t k3) {
     return _mm256_set_epi64x((long long)mskq_ksigns64.m[k3 & 127], (long long)mskq_ksigns64.m[k2 & 127],
                              (long long)mskq_ksigns64.m[k1 & 127], (long long)mskq_ksigns64.m[k0 & 127]);
-}
-
-// 8 of IQ1's grid values g (bytes -1 / 0 / 1) as 8 g + 1 a byte: g << 3 with the bits each
-// byte pushes into the next masked off, then the low bit set
-static inline uint64_t mskq_iq1_plus(uint64_t g) {
-    return ((g << 3) & 0xf8f8f8f8f8f8f8f8ull) | 0x0101010101010101ull;
 }
 
 // 4 of IQ1's entries as 8 g + 1 (mskq_iq1_plus) less `twos` (2 in the bytes whose delta is
@@ -2524,7 +2513,7 @@ struct MskqIq2xxs : MskqIqBase {
     static constexpr float C = 0.125f;
 #if defined(MSKQ_SIMD)
     static MskqIqGroup group(const uint8_t *b, const Prep &, int s) {
-        const uint32_t a1 = mskq_u32(b + 6 + 8 * s);
+        const uint32_t a1 = msq_u32(b + 6 + 8 * s);
         const int sc = (int)(2 * (a1 >> 28) + 1);
         const uint8_t *k = b + 2 + 8 * s;  // (a0's bytes)
         return {_mm256_set_epi64x((long long)mskq_iq2xxs_grid[k[3]], (long long)mskq_iq2xxs_grid[k[2]],
@@ -2535,7 +2524,7 @@ struct MskqIq2xxs : MskqIqBase {
     static void decode(const uint8_t *b, MskqIq &q) {
         q.d = scale(b);
         for (int s = 0; s < 8; s++) {
-            const uint32_t a0 = mskq_u32(b + 2 + 8 * s), a1 = mskq_u32(b + 6 + 8 * s);
+            const uint32_t a0 = msq_u32(b + 2 + 8 * s), a1 = msq_u32(b + 6 + 8 * s);
             q.sc[2 * s] = q.sc[2 * s + 1] = (int32_t)(2 * (a1 >> 28) + 1);
             for (int l = 0; l < 4; l++)
                 q.e[4 * s + l] = mskq_iq_signed8(mskq_iq2xxs_grid[(a0 >> (8 * l)) & 255], mskq_ksigns[(a1 >> (7 * l)) & 127]);
@@ -2550,8 +2539,8 @@ struct MskqIq2xs : MskqIqBase {
     static constexpr float C = 0.125f;
 #if defined(MSKQ_SIMD)
     static MskqIqGroup group(const uint8_t *b, const Prep &, int s) {
-        const uint32_t u0 = mskq_u16(b + 2 + 8 * s), u1 = mskq_u16(b + 4 + 8 * s), u2 = mskq_u16(b + 6 + 8 * s),
-                       u3 = mskq_u16(b + 8 + 8 * s);
+        const uint32_t u0 = msq_u16(b + 2 + 8 * s), u1 = msq_u16(b + 4 + 8 * s), u2 = msq_u16(b + 6 + 8 * s),
+                       u3 = msq_u16(b + 8 + 8 * s);
         return {_mm256_set_epi64x((long long)mskq_iq2xs_grid[u3 & 511], (long long)mskq_iq2xs_grid[u2 & 511],
                                   (long long)mskq_iq2xs_grid[u1 & 511], (long long)mskq_iq2xs_grid[u0 & 511]),
                 (mskq_ksigns4(u0 >> 9, u1 >> 9, u2 >> 9, u3 >> 9)),
@@ -2562,7 +2551,7 @@ struct MskqIq2xs : MskqIqBase {
         q.d = scale(b);
         mskq_iq_nibble_scales(b + 66, q.sc);
         for (int k = 0; k < 32; k++) {
-            const uint16_t u = mskq_u16(b + 2 + 2 * k);
+            const uint16_t u = msq_u16(b + 2 + 2 * k);
             q.e[k] = mskq_iq_signed8(mskq_iq2xs_grid[u & 511], mskq_ksigns[u >> 9]);
         }
     }
@@ -2582,7 +2571,7 @@ struct MskqIq2s : MskqIqBase {
                                   (long long)mskq_iq2s_grid[qs[2] | (h << 4 & 0x300)],
                                   (long long)mskq_iq2s_grid[qs[1] | (h << 6 & 0x300)],
                                   (long long)mskq_iq2s_grid[qs[0] | (h << 8 & 0x300)]),
-                mskq_iq_signs32(mskq_u32(b + 34 + 4 * s)),
+                mskq_iq_signs32(msq_u32(b + 34 + 4 * s)),
                 mskq_iq_scales2(2 * (b[74 + s] & 15) + 1, 2 * (b[74 + s] >> 4) + 1)};
     }
 #endif
@@ -2605,7 +2594,7 @@ struct MskqIq3xxs : MskqIqBase {
 #if defined(MSKQ_SIMD)
     static MskqIqGroup group(const uint8_t *b, const Prep &, int s) {
         const uint8_t *qs = b + 2 + 8 * s;
-        const uint32_t a = mskq_u32(b + 66 + 4 * s);
+        const uint32_t a = msq_u32(b + 66 + 4 * s);
         const int sc = (int)(2 * (a >> 28) + 1);
         return {_mm256_setr_epi32((int)mskq_iq3xxs_grid[qs[0]], (int)mskq_iq3xxs_grid[qs[1]], (int)mskq_iq3xxs_grid[qs[2]],
                                   (int)mskq_iq3xxs_grid[qs[3]], (int)mskq_iq3xxs_grid[qs[4]], (int)mskq_iq3xxs_grid[qs[5]],
@@ -2616,7 +2605,7 @@ struct MskqIq3xxs : MskqIqBase {
     static void decode(const uint8_t *b, MskqIq &q) {
         q.d = scale(b);
         for (int s = 0; s < 8; s++) {
-            const uint32_t a = mskq_u32(b + 66 + 4 * s);
+            const uint32_t a = msq_u32(b + 66 + 4 * s);
             q.sc[2 * s] = q.sc[2 * s + 1] = (int32_t)(2 * (a >> 28) + 1);
             for (int l = 0; l < 4; l++) {
                 const int k = 8 * s + 2 * l;
@@ -2645,7 +2634,7 @@ struct MskqIq3s : MskqIqBase {
                                               (short)0x8000);
         for (int t = 0; t < 4; t++) {
             const __m256i lo = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * t)));
-            const __m256i h = _mm256_and_si256(_mm256_set1_epi16((short)mskq_u16(b + 66 + 2 * t)), bit);
+            const __m256i h = _mm256_and_si256(_mm256_set1_epi16((short)msq_u16(b + 66 + 2 * t)), bit);
             const __m256i hi = _mm256_and_si256(_mm256_cmpeq_epi16(h, bit), _mm256_set1_epi16(256));
             _mm256_store_si256((__m256i *)(p.idx + 16 * t), _mm256_or_si256(lo, hi));
         }
@@ -2656,7 +2645,7 @@ struct MskqIq3s : MskqIqBase {
         return {_mm256_setr_epi32((int)mskq_iq3s_grid[k[0]], (int)mskq_iq3s_grid[k[1]], (int)mskq_iq3s_grid[k[2]],
                                   (int)mskq_iq3s_grid[k[3]], (int)mskq_iq3s_grid[k[4]], (int)mskq_iq3s_grid[k[5]],
                                   (int)mskq_iq3s_grid[k[6]], (int)mskq_iq3s_grid[k[7]]),
-                mskq_iq_signs32(mskq_u32(b + 74 + 4 * s)), mskq_iq_scales2(sc, sc)};
+                mskq_iq_signs32(msq_u32(b + 74 + 4 * s)), mskq_iq_scales2(sc, sc)};
     }
 #endif
     static void decode(const uint8_t *b, MskqIq &q) {
@@ -2679,12 +2668,12 @@ struct MskqIq3s : MskqIqBase {
 };
 
 // 8 of IQ1's grid values g (bytes -1 / 0 / 1: 0xff, 0, 1) plus the delta (+1, or -1 where
-// `minus`), as 8 int8 8 g + delta, byte by byte: 8 g is g << 3 with the bits each byte pushed
-// into the next masked off; + 1 sets its low bit; - 1 is ~(8 (-g)) (-x - 1 = ~x), -g swapping
-// 0xff and 1. No branch: the delta's sign is a coin toss for the predictor.
+// `minus`), as 8 int8 8 g + delta, byte by byte: + 1 is mskq_iq1_plus; - 1 is ~(8 (-g))
+// (-x - 1 = ~x), -g swapping 0xff and 1, 8 (-g) masked as there. No branch: the delta's sign
+// is a coin toss for the predictor.
 static inline uint64_t mskq_iq1_values(uint64_t g, bool minus) {
     constexpr uint64_t ones = 0x0101010101010101ull, high5 = 0xf8f8f8f8f8f8f8f8ull;
-    const uint64_t plus = ((g << 3) & high5) | ones, less = ~(((g ^ ((g & ones) * 0xfe)) << 3) & high5);
+    const uint64_t plus = mskq_iq1_plus(g), less = ~(((g ^ ((g & ones) * 0xfe)) << 3) & high5);
     const uint64_t pick = (uint64_t)0 - (uint64_t)minus;
     return plus ^ ((plus ^ less) & pick);
 }
@@ -2697,7 +2686,7 @@ struct MskqIq1s : MskqIqBase {
     static constexpr float C = 0.125f;
 #if defined(MSKQ_SIMD)
     static MskqIqGroup group(const uint8_t *b, const Prep &, int s) {
-        const uint32_t h = mskq_u16(b + 34 + 2 * s);
+        const uint32_t h = msq_u16(b + 34 + 2 * s);
         const uint8_t *qs = b + 2 + 4 * s;
         const int sc = (int)(2 * ((h >> 12) & 7) + 1);
         return mskq_iq1_group(mskq_iq1_plus(mskq_iq1s_grid[qs[0] | (h << 8 & 0x700)]),
@@ -2710,7 +2699,7 @@ struct MskqIq1s : MskqIqBase {
     static void decode(const uint8_t *b, MskqIq &q) {
         q.d = scale(b);
         for (int s = 0; s < 8; s++) {
-            const uint16_t h = mskq_u16(b + 34 + 2 * s);
+            const uint16_t h = msq_u16(b + 34 + 2 * s);
             q.sc[2 * s] = q.sc[2 * s + 1] = 2 * ((h >> 12) & 7) + 1;
             for (int l = 0; l < 4; l++)
                 q.e[4 * s + l] = mskq_iq1_values(mskq_iq1s_grid[b[2 + 4 * s + l] | ((h >> (3 * l)) & 7) << 8], h >> 15);
@@ -2726,8 +2715,8 @@ struct MskqIq1m : MskqIqBase {
     static constexpr int BYTES = 56;
     static constexpr float C = 0.125f;
     static float scale(const uint8_t *b) {  // the 4 scale words' top nibbles, word 0's lowest
-        const uint16_t dh = (uint16_t)((mskq_u16(b + 48) >> 12) | ((mskq_u16(b + 50) >> 8) & 0x00f0) |
-                                       ((mskq_u16(b + 52) >> 4) & 0x0f00) | (mskq_u16(b + 54) & 0xf000));
+        const uint16_t dh = (uint16_t)((msq_u16(b + 48) >> 12) | ((msq_u16(b + 50) >> 8) & 0x00f0) |
+                                       ((msq_u16(b + 52) >> 4) & 0x0f00) | (msq_u16(b + 54) & 0xf000));
         const uint8_t db[2] = {(uint8_t)dh, (uint8_t)(dh >> 8)};
         return mskq_half(db);
     }
@@ -2735,7 +2724,7 @@ struct MskqIq1m : MskqIqBase {
     // group s: entries 4s .. 4s + 3 (qh[2s], qh[2s + 1]), the scales of 16s 2s and 2s + 1
     static MskqIqGroup group(const uint8_t *b, const Prep &, int s) {
         const uint8_t *qs = b + 4 * s;
-        const uint32_t h0 = b[32 + 2 * s], h1 = b[33 + 2 * s], w = mskq_u16(b + 48 + 2 * (s / 2)) >> (6 * (s % 2));
+        const uint32_t h0 = b[32 + 2 * s], h1 = b[33 + 2 * s], w = msq_u16(b + 48 + 2 * (s / 2)) >> (6 * (s % 2));
         // the deltas' signs, bits 3 and 7 of h0 and h1, as 2 in each of their entry's bytes
         const uint64_t two = 0x0202020202020202ull;
         const __m256i twos = _mm256_set_epi64x((long long)(two * (h1 >> 7 & 1)), (long long)(two * (h1 >> 3 & 1)),
@@ -2749,7 +2738,7 @@ struct MskqIq1m : MskqIqBase {
 #endif
     static void decode(const uint8_t *b, MskqIq &q) {
         uint16_t w[4];
-        for (int t = 0; t < 4; t++) w[t] = mskq_u16(b + 48 + 2 * t);
+        for (int t = 0; t < 4; t++) w[t] = msq_u16(b + 48 + 2 * t);
         q.d = scale(b);
         for (int k = 0; k < 16; k++) q.sc[k] = 2 * ((w[k / 4] >> (3 * (k % 4))) & 7) + 1;
         for (int k = 0; k < 32; k++) {
