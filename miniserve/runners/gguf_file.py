@@ -272,12 +272,12 @@ class GGUFFile:
         base = self._buf.ctypes.data
         for t in chosen:
             size = GGML_QUANT_SIZES[t.type][1]
+
+            def done(first: int, n: int, t=t, size=size) -> None:  # a chunk of blocks read
+                self.release(base + t.offset + first * size, n * size)
+
             if t.type in _SCALES:
                 start, fields = _SCALES[t.type]
-
-                def done(first: int, n: int, t=t, size=size) -> None:  # a chunk of blocks read
-                    self.release(base + t.offset + first * size, n * size)
-
                 found = _first_non_finite(
                     self._buf,
                     t.offset + start,
@@ -297,10 +297,6 @@ class GGUFFile:
                         f"byte {at:,}: the file is damaged; download it again"
                     )
             elif t.type == _Q.IQ1_M:
-
-                def done(first: int, n: int, t=t, size=size) -> None:
-                    self.release(base + t.offset + first * size, n * size)
-
                 index = _first_iq1m_non_finite(
                     self._buf, t.offset, t.nbytes // size, size, done if t.name in release else None
                 )
