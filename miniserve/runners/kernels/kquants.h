@@ -77,10 +77,30 @@ struct ms_a8k {  // 256 activations: x ~= d * qs, bsums[k] = sum of qs[16k .. 16
     int16_t bsums[16];
 };
 
-// Bytes ahead of the weight block being read that the SIMD loops prefetch (decode.cpp's
-// PREFETCH_AHEAD: a row streams from memory once per product).
-#ifndef MSKQ_PREFETCH
-#define MSKQ_PREFETCH 4096
+#if defined(MSKQ_SIMD)
+// Read-ahead: how many bytes past the weight block being read the SIMD loops ask for into L1 (a
+// row streams from memory once per product), and whether the AVX2 build's packed strips ask at
+// one activation row too. Chosen once, by the CPU's maker, from one-row passes over the 1B
+// Q4_K_M shape in the AVX2 build (benchmarks/pass_time.py, best of 40):
+//   AMD EPYC Zen 3: the strips on the hardware prefetchers alone 39-40 ms a pass; 4,096 ahead
+//     26-28 ms; 8,192 ahead 20-23 ms (12,288 and 16,384 no better). The stored rows' loops
+//     gain too (Q5_K_M 38-63 -> 32 ms, Q6_K 58-59 -> 35-36, IQ3_M 94-96 -> 60-69).
+//   Intel Xeon (Sapphire Rapids, x86-64-v3 build): the strips' one row was faster on the
+//     hardware alone (35.3-36.0 against 38.4-39.4 ms at 4,096 ahead).
+// So AMD's CPUs take 8,192 and every row count; the rest, and the AVX-512 build (its one row
+// always asks; tuned on Intel's and AMD's AVX-512 CPUs at 4,096), keep 4,096.
+struct MskqAhead {
+    int bytes;     // past the block being read
+    bool one_row;  // the AVX2 build's strips (mskq_p45x8, mskq_p6x8) ask at one row too
+};
+static MskqAhead mskq_choose_ahead() {
+#if defined(MSKQ_AVX2) && (defined(__x86_64__) || defined(__i386__))
+    __builtin_cpu_init();
+    if (__builtin_cpu_is("amd")) return {8192, true};
+#endif
+    return {4096, false};
+}
+static const MskqAhead mskq_ahead = mskq_choose_ahead();
 #endif
 
 static inline float mskq_half(const uint8_t *p) {  // IEEE half -> float, exact
@@ -292,8 +312,8 @@ static inline void mskq_dot8(const Q *q, const int8_t *x, int32_t *dot) {
 
 #if defined(MSKQ_SIMD)
 static inline void mskq_prefetch(const uint8_t *p, int bytes) {
-    for (int o = 0; o < bytes; o += 64)
-        _mm_prefetch((const char *)p + MSKQ_PREFETCH + o, _MM_HINT_T0);
+    const char *a = (const char *)p + mskq_ahead.bytes;
+    for (int o = 0; o < bytes; o += 64) _mm_prefetch(a + o, _MM_HINT_T0);
 }
 
 // Which of 16 rows lane l of a tile (mskq_t45, mskq_t6) or a 16-row strip (mskq_p45s) holds: the
@@ -773,8 +793,8 @@ static void mskq_dot_p45x8(long n, const void *w, const void *x, long xstride, f
     for (int j = 0; j < NB; j++) fa[j] = fb[j] = _mm256_setzero_ps();
     for (long i = 0; i < n / 256; i++) {
         const mskq_p45x8 &u = t[i];
-        if constexpr (NB > 1)  // one row streams faster on the hardware prefetchers alone here
-            mskq_prefetch((const uint8_t *)(t + i), (int)sizeof(mskq_p45x8));  // (a pass: 36 against 39 ms)
+        if (NB > 1 || mskq_ahead.one_row)  // (mskq_ahead: one row, on Intel's CPUs, on the hardware alone)
+            mskq_prefetch((const uint8_t *)(t + i), (int)sizeof(mskq_p45x8));
         __m256i A[NB];
         for (int j = 0; j < NB; j++) A[j] = _mm256_setzero_si256();
         for (int p = 0; p < 4; p++) {
@@ -1056,7 +1076,7 @@ static void mskq_pack5_rows(long n, const void *w, long wrow, void *out) { mskq_
 
 // The block 4 ahead of b asked for into L2. From 2 activation rows on, the hardware prefetchers
 // alone leave a strip waiting on memory (one core, 8 rows, from memory: 58-72 GMAC/s without,
-// 126-131 with; in cache 120-137). One row asks MSKQ_PREFETCH bytes ahead into L1, as the
+// 126-131 with; in cache 120-137). One row asks mskq_ahead.bytes ahead into L1, as the
 // stored rows do (that way 2 threads' worst passes were no slower than the stored rows', the
 // best 13% faster; L2 4 blocks ahead was slower for one row).
 // (Q4_K's and Q5_K's strips, mskq_p45 and mskq_p5, and Q6_K's, mskq_p6.)
@@ -1558,9 +1578,8 @@ static void mskq_dot_p6x8(long n, const void *w, const void *x, long xstride, fl
         for (int l = 0; l < 8; l++) fa[j][l] = _mm256_setzero_ps();
     for (long i = 0; i < n / 256; i++) {
         const mskq_p6x8 &u = t[i];
-        // read ahead from 2 rows (the 1B Q4_K_M shape, 8 rows: 103-106 -> 95-98 ms a pass); one
-        // row streams faster on the hardware prefetchers alone (35.3-36.0 against 38.4-39.4 ms)
-        if constexpr (NB > 1) mskq_prefetch((const uint8_t *)(t + i), (int)sizeof(mskq_p6x8));
+        // read ahead (the 1B Q4_K_M shape, 8 rows: 103-106 -> 95-98 ms a pass); one row as mskq_ahead says
+        if (NB > 1 || mskq_ahead.one_row) mskq_prefetch((const uint8_t *)(t + i), (int)sizeof(mskq_p6x8));
         const __m256 d = _mm256_cvtph_ps(_mm_load_si128((const __m128i *)u.d));
         __m256 da[NB];
         for (int j = 0; j < NB; j++) {
