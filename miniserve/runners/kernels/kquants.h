@@ -783,6 +783,12 @@ using mskq_p45x8 = mskq_p45s<8, false>;
 static_assert(sizeof(mskq_p45x8) == 1184 && sizeof(mskq_p45x8) % 32 == 0, "packed blocks back to back");
 static void mskq_pack45x8_rows(long n, const void *w, long wrow, void *out) { mskq_pack45<8, false>(n, w, wrow, out); }
 
+// Activation rows the packed AVX2 Q4_K strips (mskq_p45x8) take at once: 4 rows' integer sums
+// and the unpacked weights fit AVX2's 16 registers; 8 rows' were spilled, a store each product
+// step (8 rows of an L2-resident 256 x 2048 strip, one thread, Zen 3: 84-87 -> 77-79 us; Q6_K's
+// strips, chunked alike, got slower: 148 -> 192 us).
+constexpr int MSKQ_CHUNK = 4;
+
 // The 8 rows of a packed strip (n / 256 blocks at w) against NB activation rows (xstride bytes
 // apart): y[j * ystride + r] for rows r < 8.
 template <int NB>
@@ -798,34 +804,38 @@ static void mskq_dot_p45x8(long n, const void *w, const void *x, long xstride, f
         __m256i A[NB];
         for (int j = 0; j < NB; j++) A[j] = _mm256_setzero_si256();
         for (int p = 0; p < 4; p++) {
-            __m256i lo[NB], hi[NB];
-            for (int j = 0; j < NB; j++) lo[j] = hi[j] = _mm256_setzero_si256();
-            for (int m = 0; m < 8; m++) {
-                const __m256i v = _mm256_load_si256((const __m256i *)u.q[p][m]);
-                const __m256i wl = _mm256_and_si256(v, m4), wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-                for (int j = 0; j < NB; j++) {
-                    const uint8_t *xq = mskq_xblock(x, xstride, j, i) + 4 + 64 * p + 4 * m;
-                    int32_t a, c;
-                    std::memcpy(&a, xq, 4), std::memcpy(&c, xq + 32, 4);
-#if defined(__AVXVNNI__)  // int32 totals at once (one vpdpbusd): the same as the int16 sums' below
-                    lo[j] = _mm256_dpbusd_avx_epi32(lo[j], wl, _mm256_set1_epi32(a));
-                    hi[j] = _mm256_dpbusd_avx_epi32(hi[j], wh, _mm256_set1_epi32(c));
-#else
-                    lo[j] = _mm256_add_epi16(lo[j], _mm256_maddubs_epi16(wl, _mm256_set1_epi32(a)));
-                    hi[j] = _mm256_add_epi16(hi[j], _mm256_maddubs_epi16(wh, _mm256_set1_epi32(c)));
-#endif
-                }
-            }
             const __m256i s0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)u.sc[2 * p]));
             const __m256i s1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)u.sc[2 * p + 1]));
-#if defined(__AVXVNNI__)
-            for (int j = 0; j < NB; j++)
-                A[j] = _mm256_add_epi32(A[j], _mm256_add_epi32(_mm256_mullo_epi32(lo[j], s0), _mm256_mullo_epi32(hi[j], s1)));
+            // MSKQ_CHUNK rows at a time, the weights unpacked again for each chunk
+            for (int j0 = 0; j0 < NB; j0 += MSKQ_CHUNK) {
+                constexpr int C = NB < MSKQ_CHUNK ? NB : MSKQ_CHUNK;
+                __m256i lo[C], hi[C];
+                for (int c = 0; c < C; c++) lo[c] = hi[c] = _mm256_setzero_si256();
+                for (int m = 0; m < 8; m++) {
+                    const __m256i v = _mm256_load_si256((const __m256i *)u.q[p][m]);
+                    const __m256i wl = _mm256_and_si256(v, m4), wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                    for (int c = 0; c < C; c++) {
+                        const uint8_t *xq = mskq_xblock(x, xstride, j0 + c, i) + 4 + 64 * p + 4 * m;
+                        int32_t a, e;
+                        std::memcpy(&a, xq, 4), std::memcpy(&e, xq + 32, 4);
+#if defined(__AVXVNNI__)  // int32 totals at once (one vpdpbusd): the same as the int16 sums' below
+                        lo[c] = _mm256_dpbusd_avx_epi32(lo[c], wl, _mm256_set1_epi32(a));
+                        hi[c] = _mm256_dpbusd_avx_epi32(hi[c], wh, _mm256_set1_epi32(e));
 #else
-            for (int j = 0; j < NB; j++)
-                A[j] = _mm256_add_epi32(A[j], _mm256_add_epi32(_mm256_mullo_epi32(_mm256_madd_epi16(lo[j], ones), s0),
-                                                               _mm256_mullo_epi32(_mm256_madd_epi16(hi[j], ones), s1)));
+                        lo[c] = _mm256_add_epi16(lo[c], _mm256_maddubs_epi16(wl, _mm256_set1_epi32(a)));
+                        hi[c] = _mm256_add_epi16(hi[c], _mm256_maddubs_epi16(wh, _mm256_set1_epi32(e)));
 #endif
+                    }
+                }
+                for (int c = 0; c < C; c++) {
+#if defined(__AVXVNNI__)
+                    const __m256i l32 = lo[c], h32 = hi[c];
+#else
+                    const __m256i l32 = _mm256_madd_epi16(lo[c], ones), h32 = _mm256_madd_epi16(hi[c], ones);
+#endif
+                    A[j0 + c] = _mm256_add_epi32(A[j0 + c], _mm256_add_epi32(_mm256_mullo_epi32(l32, s0), _mm256_mullo_epi32(h32, s1)));
+                }
+            }
         }
         __m256i mn[4];
         for (int k = 0; k < 4; k++) mn[k] = _mm256_cvtepu8_epi16(_mm_load_si128((const __m128i *)u.mn[k]));
