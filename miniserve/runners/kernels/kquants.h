@@ -82,9 +82,10 @@ struct ms_a8k {  // 256 activations: x ~= d * qs, bsums[k] = sum of qs[16k .. 16
 // row streams from memory once per product), and whether the AVX2 build's packed strips ask at
 // one activation row too. Chosen once, by the CPU's maker, from one-row passes over the 1B
 // Q4_K_M shape in the AVX2 build (benchmarks/pass_time.py, best of 40):
-//   AMD EPYC Zen 3: the strips on the hardware prefetchers alone 39-40 ms a pass; 4,096 ahead
-//     26-28 ms; 8,192 ahead 20-23 ms (12,288 and 16,384 no better). The stored rows' loops
-//     gain too (Q5_K_M 38-63 -> 32 ms, Q6_K 58-59 -> 35-36, IQ3_M 94-96 -> 60-69).
+//   AMD EPYC Zen 3: the strips on the hardware prefetchers alone 33-40 ms a pass; 4,096 ahead
+//     25-28 ms; 8,192 ahead 20-26 ms (12,288 and 16,384 no better). The 1B Q6_K file went
+//     53-59 -> 32-37 ms; the stored rows' loops gain too (Q5_K_M 38-63 -> 32-34 ms, IQ3_M
+//     94-96 -> 60-69).
 //   Intel Xeon (Sapphire Rapids, x86-64-v3 build): the strips' one row was faster on the
 //     hardware alone (35.3-36.0 against 38.4-39.4 ms at 4,096 ahead).
 // So AMD's CPUs take 8,192 and every row count; the rest, and the AVX-512 build (its one row
