@@ -790,6 +790,14 @@ static void mskq_pack45x8_rows(long n, const void *w, long wrow, void *out) { ms
 // strips, chunked alike, got slower: 148 -> 192 us).
 constexpr int MSKQ_CHUNK = 4;
 
+// An AVX2 strip's (mskq_p45x8, mskq_p6x8) read-ahead from block b: from 2 activation rows
+// always; one row where mskq_ahead says so (on Intel's CPUs one row streams on the hardware
+// prefetchers alone).
+template <int NB, typename P>
+static inline void mskq_strip8_prefetch(const P *b) {
+    if (NB > 1 || mskq_ahead.one_row) mskq_prefetch((const uint8_t *)b, (int)sizeof(P));
+}
+
 // The 8 rows of a packed strip (n / 256 blocks at w) against NB activation rows (xstride bytes
 // apart): y[j * ystride + r] for rows r < 8.
 template <int NB>
@@ -800,8 +808,7 @@ static void mskq_dot_p45x8(long n, const void *w, const void *x, long xstride, f
     for (int j = 0; j < NB; j++) fa[j] = fb[j] = _mm256_setzero_ps();
     for (long i = 0; i < n / 256; i++) {
         const mskq_p45x8 &u = t[i];
-        if (NB > 1 || mskq_ahead.one_row)  // (mskq_ahead: one row, on Intel's CPUs, on the hardware alone)
-            mskq_prefetch((const uint8_t *)(t + i), (int)sizeof(mskq_p45x8));
+        mskq_strip8_prefetch<NB>(t + i);
         __m256i A[NB];
         for (int j = 0; j < NB; j++) A[j] = _mm256_setzero_si256();
         for (int p = 0; p < 4; p++) {
@@ -1591,8 +1598,7 @@ static void mskq_dot_p6x8(long n, const void *w, const void *x, long xstride, fl
         for (int l = 0; l < 8; l++) fa[j][l] = _mm256_setzero_ps();
     for (long i = 0; i < n / 256; i++) {
         const mskq_p6x8 &u = t[i];
-        // read ahead (the 1B Q4_K_M shape, 8 rows: 103-106 -> 95-98 ms a pass); one row as mskq_ahead says
-        if (NB > 1 || mskq_ahead.one_row) mskq_prefetch((const uint8_t *)(t + i), (int)sizeof(mskq_p6x8));
+        mskq_strip8_prefetch<NB>(t + i);  // (the 1B Q4_K_M shape, 8 rows: 103-106 -> 95-98 ms a pass)
         const __m256 d = _mm256_cvtph_ps(_mm_load_si128((const __m128i *)u.d));
         __m256 da[NB];
         for (int j = 0; j < NB; j++) {
