@@ -365,19 +365,18 @@ def amx(on: bool | None = None) -> bool:
     return bool(lib is not None and lib.ms_amx(-1 if on is None else int(on)))
 
 
-# decode.cpp's packed types (T_Q4_K_P16, T_Q4_K_P8, T_Q5_K_P16, T_Q6_K_P16, T_Q6_K_P8,
-# T_PACKED_32 + a 32-weight type's id) are numbered from here on, past ggml's
+# decode.cpp's packed types (T_Q4_K_P16, T_Q4_K_P8, T_Q5_K_P16, T_Q5_K_P8, T_Q6_K_P16, T_Q6_K_P8,
+# ..., T_PACKED_32 + a 32-weight type's id) are numbered from here on, past ggml's
 PACKED_TYPES = 1000
 
 
 def packed_bytes(w) -> int:
     """The bytes pack() makes of a matrix (decode.cpp's ms_pack_type: Q4_K with rows in whole
     16s in the AVX-512 build (AMX tiles unpack the strips), in whole 8s in the AVX2 build; Q5_K
-    with rows in whole 16s in the AVX-512 build; Q6_K with rows in whole 16s in the AVX-512
-    build, in whole 8s in the AVX2 one; IQ4_XS, Q3_K and Q2_K with rows in whole 16s in the
-    AVX-512 build; the 32-weight types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) with rows in whole
-    16s in the AVX-512 build, 8s in the AVX2 one); 0 where it stays as stored, and for all with
-    MINISERVE_PACK=0."""
+    and Q6_K with rows in whole 16s in the AVX-512 build, in whole 8s in the AVX2 one; IQ4_XS,
+    Q3_K and Q2_K with rows in whole 16s in the AVX-512 build; the 32-weight types (Q4_0, Q4_1,
+    Q5_0, Q5_1, Q8_0, IQ4_NL) with rows in whole 16s in the AVX-512 build, 8s in the AVX2 one); 0
+    where it stays as stored, and for all with MINISERVE_PACK=0."""
     lib = load()
     off = os.environ.get("MINISERVE_PACK", "1") == "0"
     if lib is None or off or not isinstance(w, StoredMatrix):

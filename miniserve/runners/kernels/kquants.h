@@ -43,8 +43,9 @@
 //     integers, so the bits are the same.
 //   AVX2 + FMA: 32 weights a register; vpmaddubsw (pairs, no saturation: 2*63*127 < 2^15), then
 //     vpmaddwd by the scales, as llama.cpp does; the 4-weight sums paired into the A lanes with
-//     vphaddd. Matrices packed at load 8 rows a strip (Q4_K: mskq_p45x8, Q6_K: mskq_p6x8) hold
-//     a row a lane instead: 4 weights of each of 8 rows a register, nothing to pair.
+//     vphaddd. Matrices packed at load 8 rows a strip (Q4_K: mskq_p45x8, Q5_K: mskq_p5x8, Q6_K:
+//     mskq_p6x8) hold a row a lane instead: 4 weights of each of 8 rows a register, nothing to
+//     pair.
 //   otherwise: plain integer loops over the unpacked quants.
 // (Q3_K, Q2_K, IQ4_XS: one or two totals a super-block, vpmaddubsw + vpmaddwd on their rows as
 // stored; Q3_K, Q2_K and IQ4_XS packed 16 rows a strip in the AVX-512 build, vpdpbusd; see
@@ -322,8 +323,8 @@ static inline void mskq_prefetch(const uint8_t *p, int bytes) {
 static inline int mskq_tile_row(int l) { return 4 * (l & 3) + (l >> 2); }
 
 // A Q4_K (HI false) or Q5_K super-block of S rows side by side, repacked at load (mskq_p45 /
-// mskq_p5: S = 16 for the AVX-512 build; mskq_p45x8: S = 8, Q4_K only, for the AVX2 one; their
-// comments say how the loops read them). q[p][m]'s lane holds its row's qs[32p + 4m .. +4]
+// mskq_p5: S = 16 for the AVX-512 build; mskq_p45x8 and mskq_p5x8: S = 8, for the AVX2 one;
+// their comments say how the loops read them). q[p][m]'s lane holds its row's qs[32p + 4m .. +4]
 // (low nibbles: sub-block 2p's weights 4m .. 4m + 3; high: sub-block 2p + 1's); Q5_K's h[m]'s
 // lane its row's qh[4m .. +4] (byte e's bit s: sub-block s's weight 4m + e's fifth bit); the
 // 6-bit scales and mins, d and dmin as stored.
@@ -780,9 +781,15 @@ static void ms_dot8r_q5_K(long n, const void *w, long wrow, const void *x, long 
 // each row's pairs; a sub-block's 8 such (|sum| <= 8 * 2 * 15 * 127 < 2^15) add as int16, one
 // vpmaddwd makes the row's int32 sum. The same integers A, B and float operations as
 // mskq_dot_k45: the same bits.
+// Q5_K likewise (T_Q5_K_P8, mskq_p5x8: 1,440 bytes, as stored 1,408), h[m]'s lane r holding row
+// r's qh[4m .. +4] (mskq_fifth): the 5-bit pairs (|sum| <= 2 * 31 * 128) add as int16 4 at a
+// time, two vpmaddwd a sub-block.
 using mskq_p45x8 = mskq_p45s<8, false>;
+using mskq_p5x8 = mskq_p45s<8, true>;
 static_assert(sizeof(mskq_p45x8) == 1184 && sizeof(mskq_p45x8) % 32 == 0, "packed blocks back to back");
+static_assert(sizeof(mskq_p5x8) == 1440 && sizeof(mskq_p5x8) % 32 == 0, "packed blocks back to back");
 static void mskq_pack45x8_rows(long n, const void *w, long wrow, void *out) { mskq_pack45<8, false>(n, w, wrow, out); }
+static void mskq_pack5x8_rows(long n, const void *w, long wrow, void *out) { mskq_pack45<8, true>(n, w, wrow, out); }
 
 // Activation rows the packed AVX2 Q4_K strips (mskq_p45x8) take at once: 4 rows' integer sums
 // and the unpacked weights fit AVX2's 16 registers; 8 rows' were spilled, a store each product
@@ -800,28 +807,57 @@ static inline void mskq_strip8_prefetch(const P *b) {
 
 // The 8 rows of a packed strip (n / 256 blocks at w) against NB activation rows (xstride bytes
 // apart): y[j * ystride + r] for rows r < 8.
-template <int NB>
-static void mskq_dot_p45x8(long n, const void *w, const void *x, long xstride, float *y, long ystride) {
-    const mskq_p45x8 *t = (const mskq_p45x8 *)w;
+template <int NB, bool HI>
+static inline void mskq_dot_p45s8(long n, const void *w, const void *x, long xstride, float *y, long ystride) {
+    typedef mskq_p45s<8, HI> P;
+    const P *t = (const P *)w;
     const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     __m256 fa[NB], fb[NB];
     for (int j = 0; j < NB; j++) fa[j] = fb[j] = _mm256_setzero_ps();
     for (long i = 0; i < n / 256; i++) {
-        const mskq_p45x8 &u = t[i];
+        const P &u = t[i];
         mskq_strip8_prefetch<NB>(t + i);
         __m256i A[NB];
         for (int j = 0; j < NB; j++) A[j] = _mm256_setzero_si256();
         for (int p = 0; p < 4; p++) {
             const __m256i s0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)u.sc[2 * p]));
             const __m256i s1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)u.sc[2 * p + 1]));
-            // MSKQ_CHUNK rows at a time, the weights unpacked again for each chunk
-            for (int j0 = 0; j0 < NB; j0 += MSKQ_CHUNK) {
-                constexpr int C = NB < MSKQ_CHUNK ? NB : MSKQ_CHUNK;
-                __m256i lo[C], hi[C];
-                for (int c = 0; c < C; c++) lo[c] = hi[c] = _mm256_setzero_si256();
+            // MSKQ_CHUNK rows at a time; Q5_K, whose int16 sums are twice as many, 8 rows half as
+            // many at a time, its weights unpacked once for the 4 chunks (`once`)
+            constexpr int CH = HI && NB > MSKQ_CHUNK ? MSKQ_CHUNK / 2 : MSKQ_CHUNK;
+            auto unpack = [&](int m, __m256i &wl, __m256i &wh) MSQ_INLINE_LAMBDA {
+                const __m256i v = _mm256_load_si256((const __m256i *)u.q[p][m]);
+                wl = _mm256_and_si256(v, m4), wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                if constexpr (HI) {
+                    const __m256i h = _mm256_load_si256((const __m256i *)u.h[m]);
+                    wl = _mm256_or_si256(wl, mskq_fifth(h, 2 * p)), wh = _mm256_or_si256(wh, mskq_fifth(h, 2 * p + 1));
+                }
+            };
+            // Q5_K with more than one chunk: the weights unpacked once, read back by each chunk
+            // (the vector units are the busy ones, not the loads)
+            constexpr bool once = HI && NB > CH;
+            alignas(32) __m256i wu[once ? 8 : 1][2];
+            if constexpr (once)
+                for (int m = 0; m < 8; m++) unpack(m, wu[m][0], wu[m][1]);
+            for (int j0 = 0; j0 < NB; j0 += CH) {
+                constexpr int C = NB < CH ? NB : CH;
+                __m256i lo[C], hi[C], lo32[C], hi32[C];
+                for (int c = 0; c < C; c++) lo[c] = hi[c] = lo32[c] = hi32[c] = _mm256_setzero_si256();
                 for (int m = 0; m < 8; m++) {
-                    const __m256i v = _mm256_load_si256((const __m256i *)u.q[p][m]);
-                    const __m256i wl = _mm256_and_si256(v, m4), wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                    __m256i wl, wh;
+                    if constexpr (once)
+                        wl = _mm256_load_si256(&wu[m][0]), wh = _mm256_load_si256(&wu[m][1]);
+                    else
+                        unpack(m, wl, wh);
+                    if constexpr (HI) {
+#if !defined(__AVXVNNI__)
+                        if (m == 4)  // the first 4 pieces' int16 sums into int32
+                            for (int c = 0; c < C; c++) {
+                                lo32[c] = _mm256_madd_epi16(lo[c], ones), hi32[c] = _mm256_madd_epi16(hi[c], ones);
+                                lo[c] = hi[c] = _mm256_setzero_si256();
+                            }
+#endif
+                    }
                     for (int c = 0; c < C; c++) {
                         const uint8_t *xq = mskq_xblock(x, xstride, j0 + c, i) + 4 + 64 * p + 4 * m;
                         int32_t a, e;
@@ -839,7 +875,8 @@ static void mskq_dot_p45x8(long n, const void *w, const void *x, long xstride, f
 #if defined(__AVXVNNI__)
                     const __m256i l32 = lo[c], h32 = hi[c];
 #else
-                    const __m256i l32 = _mm256_madd_epi16(lo[c], ones), h32 = _mm256_madd_epi16(hi[c], ones);
+                    __m256i l32 = _mm256_madd_epi16(lo[c], ones), h32 = _mm256_madd_epi16(hi[c], ones);
+                    if constexpr (HI) l32 = _mm256_add_epi32(lo32[c], l32), h32 = _mm256_add_epi32(hi32[c], h32);
 #endif
                     A[j0 + c] = _mm256_add_epi32(A[j0 + c], _mm256_add_epi32(_mm256_mullo_epi32(l32, s0), _mm256_mullo_epi32(h32, s1)));
                 }
@@ -867,6 +904,15 @@ static void mskq_dot_p45x8(long n, const void *w, const void *x, long xstride, f
         _mm256_store_ps(v, _mm256_sub_ps(fa[j], fb[j]));
         for (int r = 0; r < 8; r++) y[j * ystride + r] = v[r];
     }
+}
+
+template <int NB>
+static void mskq_dot_p45x8(long n, const void *w, const void *x, long xstride, float *y, long ystride) {
+    mskq_dot_p45s8<NB, false>(n, w, x, xstride, y, ystride);
+}
+template <int NB>
+static void mskq_dot_p5x8(long n, const void *w, const void *x, long xstride, float *y, long ystride) {
+    mskq_dot_p45s8<NB, true>(n, w, x, xstride, y, ystride);
 }
 #endif
 
