@@ -2127,6 +2127,105 @@ static void mskq_dot_p3(long n, const void *w, const void *x, long xstride, floa
 }
 #endif
 
+#if defined(MSKQ_AVX2)
+// Q3_K packed at load, 8 rows a strip, for the AVX2 build (decode.cpp's T_Q3_K_P8): mskq_p3 with
+// 8 lanes (lane r: row r's 4 bytes; sc[c][2r], sc[c][2r + 1]: row r's groups 2c and 2c + 1), d as
+// stored, then 16 bytes of padding (928 bytes: 8 x the stored 110, plus 48; whole 32-byte lines).
+// A chunk of 32 weights (n, k) is groups 2c, 2c + 1 (c = 4n + k): u = q + 4 (0..7) by two shifts
+// and masks a piece, then per activation row a vpmaddubsw a piece against 4 broadcast bytes, a
+// group's 4 pieces' pairs added as int16 (4 x 2 x 7 x 128 < 2^15), one vpmaddwd into int32; the
+// group's total less 4 x its activation sum (< 2^15 in magnitude) goes into an int16 pair with
+// the other group's, and one vpmaddwd by the two scales adds sc . (u . xq - 4 bsum) into the
+// lane's exact total I, as mskq_dot_p3 and the rows as stored do; then the same float step lane
+// by lane: the same bits.
+struct mskq_p3x8 {
+    uint8_t q[2][8][32];
+    uint8_t h[8][32];
+    int8_t sc[8][16];
+    uint16_t d[8];
+    uint8_t pad[16];
+};
+static_assert(sizeof(mskq_p3x8) == 8 * 110 + 48 && sizeof(mskq_p3x8) % 32 == 0, "packed blocks back to back");
+
+// 8 stored rows of n weights (the first at w, wrow bytes apart) -> n / 256 packed blocks.
+static void mskq_pack3x8_rows(long n, const void *w, long wrow, void *out) {
+    const uint8_t *rows = (const uint8_t *)w;
+    mskq_p3x8 *o = (mskq_p3x8 *)out;
+    for (long i = 0; i < n / 256; i++) {
+        mskq_p3x8 p;
+        std::memset(p.pad, 0, sizeof(p.pad));
+        for (int r = 0; r < 8; r++) {
+            const uint8_t *b = rows + r * wrow + i * 110;
+            int sc[16];
+            mskq_scales3(b + 96, sc);
+            std::memcpy(&p.d[r], b + 108, 2);
+            for (int c = 0; c < 8; c++) p.sc[c][2 * r] = (int8_t)sc[2 * c], p.sc[c][2 * r + 1] = (int8_t)sc[2 * c + 1];
+            for (int pc = 0; pc < 8; pc++) {
+                std::memcpy(&p.h[pc][4 * r], b + 4 * pc, 4);
+                for (int nn = 0; nn < 2; nn++) std::memcpy(&p.q[nn][pc][4 * r], b + 32 + 32 * nn + 4 * pc, 4);
+            }
+        }
+        std::memcpy(o + i, &p, sizeof(p));
+    }
+}
+
+// The 8 rows of a packed strip (n / 256 blocks at w) against NB activation rows (ms_a8k rows,
+// xstride bytes apart): y[j * ystride + r] for rows r < 8.
+template <int NB>
+static void mskq_dot_p3x8(long n, const void *w, const void *x, long xstride, float *y, long ystride) {
+    const mskq_p3x8 *u = (const mskq_p3x8 *)w;
+    const __m256i three = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4), ones = _mm256_set1_epi16(1);
+    __m256 fa[NB];
+    for (int j = 0; j < NB; j++) fa[j] = _mm256_setzero_ps();
+    for (long i = 0; i < n / 256; i++) {
+        const mskq_p3x8 &p = u[i];
+        mskq_strip8_prefetch<NB>(u + i);
+        __m256i I[NB];
+        for (int j = 0; j < NB; j++) I[j] = _mm256_setzero_si256();
+        for (int nn = 0; nn < 2; nn++)
+            for (int k = 0; k < 4; k++) {
+                const int c = 4 * nn + k, hb = 4 * nn + k;  // groups 2c, 2c + 1; the third bits' place
+                __m256i W[8];
+                for (int pc = 0; pc < 8; pc++) {
+                    const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(_mm256_load_si256((const __m256i *)p.q[nn][pc]), 2 * k), three);
+                    const __m256i h = _mm256_load_si256((const __m256i *)p.h[pc]);
+                    const __m256i hi = _mm256_and_si256(hb >= 2 ? _mm256_srli_epi16(h, hb - 2) : _mm256_slli_epi16(h, 2 - hb), four);
+                    W[pc] = _mm256_or_si256(lo, hi);
+                }
+                const __m256i sc = _mm256_cvtepi8_epi16(_mm_load_si128((const __m128i *)p.sc[c]));
+                for (int j = 0; j < NB; j++) {
+                    const uint8_t *xb = mskq_xblock(x, xstride, j, i), *xq = xb + 4 + 32 * c;
+                    __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+                    for (int pc = 0; pc < 4; pc++) {
+                        int32_t a0, a1;
+                        std::memcpy(&a0, xq + 4 * pc, 4);
+                        std::memcpy(&a1, xq + 16 + 4 * pc, 4);
+                        s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(W[pc], _mm256_set1_epi32(a0)));
+                        s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(W[pc + 4], _mm256_set1_epi32(a1)));
+                    }
+                    int16_t bs[2];
+                    std::memcpy(bs, xb + 260 + 4 * c, 4);
+                    const __m256i t0 = _mm256_sub_epi32(_mm256_madd_epi16(s0, ones), _mm256_set1_epi32(4 * (int32_t)bs[0]));
+                    const __m256i t1 = _mm256_sub_epi32(_mm256_madd_epi16(s1, ones), _mm256_set1_epi32(4 * (int32_t)bs[1]));
+                    const __m256i pairs = _mm256_blend_epi16(t0, _mm256_slli_epi32(t1, 16), 0xAA);
+                    I[j] = _mm256_add_epi32(I[j], _mm256_madd_epi16(pairs, sc));
+                }
+            }
+        const __m256 d = _mm256_cvtph_ps(_mm_load_si128((const __m128i *)p.d));
+        for (int j = 0; j < NB; j++) {
+            float dx;
+            std::memcpy(&dx, mskq_xblock(x, xstride, j, i), 4);
+            fa[j] = _mm256_add_ps(fa[j], _mm256_mul_ps(_mm256_cvtepi32_ps(I[j]), _mm256_mul_ps(d, _mm256_set1_ps(dx))));
+        }
+    }
+    for (int j = 0; j < NB; j++) {
+        alignas(32) float v[8];
+        _mm256_store_ps(v, fa[j]);
+        for (int r = 0; r < 8; r++) y[j * ystride + r] = v[r];
+    }
+}
+#endif
+
 // ---------------------------------------------------------------- Q2_K
 // Q2_K, 84 bytes: {u8 scales[16]; u8 qs[64]; fp16 d, dmin}: 16 groups of 16 weights, w = d *
 // (scales[g] & 15) * q - dmin * (scales[g] >> 4), q in 0..3. Weight 128n + 32k + l (n < 2, k < 4,
