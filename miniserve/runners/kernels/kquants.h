@@ -2380,6 +2380,99 @@ static void mskq_dot_p2(long n, const void *w, const void *x, long xstride, floa
 }
 #endif
 
+#if defined(MSKQ_AVX2)
+// Q2_K packed at load, 8 rows a strip, for the AVX2 build (decode.cpp's T_Q2_K_P8): mskq_p2 with
+// 8 lanes (lane r: row r's 4 bytes; sm[c][2r], sm[c][2r + 1]: row r's groups 2c and 2c + 1), d
+// and dmin as stored: 8 x the stored bytes. A piece by a shift and a mask, then per activation
+// row a vpmaddubsw a piece against 4 broadcast bytes, a group's 4 pieces' pairs added as int16
+// (4 x 2 x 3 x 128 < 2^15) and one vpmaddwd by the group's scale (an int16 pair (s, s) a lane)
+// into the lane's A; vpmaddwd of the two mins by the groups' activation sums into its B: the
+// rows as stored's exact totals, then their float steps lane by lane (y = fa - fb): the same
+// bits.
+struct mskq_p2x8 {
+    uint8_t q[2][8][32];
+    uint8_t sm[8][16];
+    uint16_t d[8], dmin[8];
+};
+static_assert(sizeof(mskq_p2x8) == 8 * 84 && sizeof(mskq_p2x8) % 32 == 0, "packed blocks back to back");
+
+// 8 stored rows of n weights (the first at w, wrow bytes apart) -> n / 256 packed blocks.
+static void mskq_pack2x8_rows(long n, const void *w, long wrow, void *out) {
+    const uint8_t *rows = (const uint8_t *)w;
+    mskq_p2x8 *o = (mskq_p2x8 *)out;
+    for (long i = 0; i < n / 256; i++) {
+        mskq_p2x8 p;
+        for (int r = 0; r < 8; r++) {
+            const uint8_t *b = rows + r * wrow + i * 84;
+            std::memcpy(&p.d[r], b + 80, 2);
+            std::memcpy(&p.dmin[r], b + 82, 2);
+            for (int c = 0; c < 8; c++) p.sm[c][2 * r] = b[2 * c], p.sm[c][2 * r + 1] = b[2 * c + 1];
+            for (int pc = 0; pc < 8; pc++)
+                for (int nn = 0; nn < 2; nn++) std::memcpy(&p.q[nn][pc][4 * r], b + 16 + 32 * nn + 4 * pc, 4);
+        }
+        std::memcpy(o + i, &p, sizeof(p));
+    }
+}
+
+// The 8 rows of a packed strip (n / 256 blocks at w) against NB activation rows (ms_a8k rows,
+// xstride bytes apart): y[j * ystride + r] for rows r < 8.
+template <int NB>
+static void mskq_dot_p2x8(long n, const void *w, const void *x, long xstride, float *y, long ystride) {
+    const mskq_p2x8 *u = (const mskq_p2x8 *)w;
+    const __m256i three = _mm256_set1_epi8(3), m15 = _mm256_set1_epi16(15);
+    // int16 words 0, 2, 4, .. (1, 3, ..) of each 32-bit lane twice: a group's scale as a pair
+    const __m256i even = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13, 0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
+    const __m256i odd = _mm256_setr_epi8(2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15, 2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15);
+    __m256 fa[NB], fb[NB];
+    for (int j = 0; j < NB; j++) fa[j] = fb[j] = _mm256_setzero_ps();
+    for (long i = 0; i < n / 256; i++) {
+        const mskq_p2x8 &p = u[i];
+        mskq_strip8_prefetch<NB>(u + i);
+        __m256i A[NB], B[NB];
+        for (int j = 0; j < NB; j++) A[j] = B[j] = _mm256_setzero_si256();
+        for (int nn = 0; nn < 2; nn++)
+            for (int k = 0; k < 4; k++) {
+                const int c = 4 * nn + k;  // groups 2c, 2c + 1
+                __m256i W[8];
+                for (int pc = 0; pc < 8; pc++)
+                    W[pc] = _mm256_and_si256(_mm256_srli_epi16(_mm256_load_si256((const __m256i *)p.q[nn][pc]), 2 * k), three);
+                const __m256i sm = _mm256_cvtepu8_epi16(_mm_load_si128((const __m128i *)p.sm[c]));
+                const __m256i sc = _mm256_and_si256(sm, m15), mn = _mm256_srli_epi16(sm, 4);
+                const __m256i sc0 = _mm256_shuffle_epi8(sc, even), sc1 = _mm256_shuffle_epi8(sc, odd);
+                for (int j = 0; j < NB; j++) {
+                    const uint8_t *xb = mskq_xblock(x, xstride, j, i), *xq = xb + 4 + 32 * c;
+                    __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+                    for (int pc = 0; pc < 4; pc++) {
+                        int32_t a0, a1;
+                        std::memcpy(&a0, xq + 4 * pc, 4);
+                        std::memcpy(&a1, xq + 16 + 4 * pc, 4);
+                        s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(W[pc], _mm256_set1_epi32(a0)));
+                        s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(W[pc + 4], _mm256_set1_epi32(a1)));
+                    }
+                    A[j] = _mm256_add_epi32(A[j], _mm256_add_epi32(_mm256_madd_epi16(s0, sc0), _mm256_madd_epi16(s1, sc1)));
+                    int32_t bs;  // the two groups' activation sums, an int16 pair
+                    std::memcpy(&bs, xb + 260 + 4 * c, 4);
+                    B[j] = _mm256_add_epi32(B[j], _mm256_madd_epi16(mn, _mm256_set1_epi32(bs)));
+                }
+            }
+        const __m256 d = _mm256_cvtph_ps(_mm_load_si128((const __m128i *)p.d));
+        const __m256 dmin = _mm256_cvtph_ps(_mm_load_si128((const __m128i *)p.dmin));
+        for (int j = 0; j < NB; j++) {
+            float dx;
+            std::memcpy(&dx, mskq_xblock(x, xstride, j, i), 4);
+            const __m256 dxv = _mm256_set1_ps(dx);
+            fa[j] = _mm256_add_ps(fa[j], _mm256_mul_ps(_mm256_cvtepi32_ps(A[j]), _mm256_mul_ps(d, dxv)));
+            fb[j] = _mm256_add_ps(fb[j], _mm256_mul_ps(_mm256_cvtepi32_ps(B[j]), _mm256_mul_ps(dmin, dxv)));
+        }
+    }
+    for (int j = 0; j < NB; j++) {
+        alignas(32) float v[8];
+        _mm256_store_ps(v, _mm256_sub_ps(fa[j], fb[j]));
+        for (int r = 0; r < 8; r++) y[j * ystride + r] = v[r];
+    }
+}
+#endif
+
 // ---------------------------------------------------------------- IQ4_XS
 // IQ4_XS, 136 bytes: {fp16 d; u16 scales_h; u8 scales_l[4]; u8 qs[128]}: 8 sub-blocks of 32
 // weights, w = d * (ls[s] - 32) * v[q], v = IQ4_NL's 16 values (msq_iq4nl, -127..113), q a
