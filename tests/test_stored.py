@@ -570,8 +570,8 @@ def test_header_values_the_runner_cannot_run_are_one_error(tmp_path, monkeypatch
 def packs_here(qtype=Q.Q4_K) -> bool:
     """Whether this build lays matrices of `qtype` out anew (decode.cpp's ms_pack_type): Q4_K in
     the AVX-512 build, with AMX tiles or without (16 rows a strip), and the AVX2 one (8); Q5_K,
-    Q6_K, Q3_K, Q2_K and the 32-weight types in the AVX-512 build (16) and the AVX2 one (8);
-    IQ4_XS in the AVX-512 build (16)."""
+    Q6_K, Q3_K, Q2_K, IQ4_XS and the 32-weight types in the AVX-512 build (16) and the AVX2 one
+    (8)."""
     if qtype in (Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.Q3_K, Q.Q2_K):  # the AVX-512 loops need VNNI
         bytes_ = gguf.GGML_QUANT_SIZES[qtype][1]  # a super-block's
         return native.packed_bytes(StoredMatrix(0, int(qtype), 16, 256, 16 * bytes_)) > 0

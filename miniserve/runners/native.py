@@ -373,8 +373,8 @@ PACKED_TYPES = 1000
 def packed_bytes(w) -> int:
     """The bytes pack() makes of a matrix (decode.cpp's ms_pack_type: Q4_K with rows in whole
     16s in the AVX-512 build (AMX tiles unpack the strips), in whole 8s in the AVX2 build; Q5_K,
-    Q6_K, Q3_K and Q2_K with rows in whole 16s in the AVX-512 build, in whole 8s in the AVX2 one;
-    IQ4_XS with rows in whole 16s in the AVX-512 build; the 32-weight types (Q4_0, Q4_1,
+    Q6_K, Q3_K, Q2_K and IQ4_XS with rows in whole 16s in the AVX-512 build, in whole 8s in the
+    AVX2 one; the 32-weight types (Q4_0, Q4_1,
     Q5_0, Q5_1, Q8_0, IQ4_NL) with rows in whole 16s in the AVX-512 build, 8s in the AVX2 one); 0
     where it stays as stored, and for all with MINISERVE_PACK=0."""
     lib = load()
@@ -445,7 +445,7 @@ def pack(
     rows needs no sums across lanes. Returns a StoredMatrix of the packed type and the uint8
     tensor holding its bytes (`out`, 64-byte aligned, where given; keep it alive), or None. The
     products are the same bits as over the rows as stored; Q4_K takes 2.8% more bytes, Q5_K
-    2.3%, Q6_K 1%, Q3_K 5.5% in the AVX2 build (Q2_K none).
+    2.3%, Q6_K 1%; in the AVX2 build Q3_K 5.5%, IQ4_XS 2.9%, Q2_K none.
 
     release(rows as stored), where given, gets the stored rows ~PACK_BYTES at a time once they
     are laid out (a strip's rows are laid out together, each strip where its first row's

@@ -619,14 +619,14 @@ enum MsTypeId {
     // not ggml types: a matrix repacked at load (ms_pack). Q4_K 16 rows at a time for the
     // AVX-512 build (kquants.h's mskq_p45), 8 for the AVX2 one (mskq_p45x8); Q5_K 16 rows at a
     // time for the AVX-512 build (mskq_p5), 8 for the AVX2 one (mskq_p5x8); Q6_K 16 rows at a
-    // time for the AVX-512 build (mskq_p6), 8 for the AVX2 one (mskq_p6x8); Q3_K and Q2_K 16
-    // rows at a time for the AVX-512 build (mskq_p3, mskq_p2), 8 for the AVX2 one (mskq_p3x8,
-    // mskq_p2x8); IQ4_XS 16 rows at a time for the AVX-512 build (mskq_pxs);
+    // time for the AVX-512 build (mskq_p6), 8 for the AVX2 one (mskq_p6x8); Q3_K, Q2_K and
+    // IQ4_XS 16 rows at a time for the AVX-512 build (mskq_p3, mskq_p2, mskq_pxs), 8 for the AVX2
+    // one (mskq_p3x8, mskq_p2x8, mskq_pxsx8);
     // a 32-weight type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) T_PACKED_32 + its own id, MSQ_STRIP rows
     // at a time: 16 in the AVX-512 build (quants.h's MsqPacked), 8 in the AVX2 one (MsqPacked8)
     T_Q4_K_P16 = 1012, T_Q4_K_P8 = 1013, T_Q6_K_P16 = 1014, T_Q6_K_P8 = 1015, T_Q5_K_P16 = 1016,
     T_IQ4_XS_P16 = 1017, T_Q3_K_P16 = 1018, T_Q2_K_P16 = 1019, T_Q5_K_P8 = 1020, T_Q3_K_P8 = 1021,
-    T_Q2_K_P8 = 1022,
+    T_Q2_K_P8 = 1022, T_IQ4_XS_P8 = 1023,
     T_PACKED_32 = 2000
 };
 
@@ -770,14 +770,16 @@ static const Kernels *kernels_for(long type) {
     if (type == T_Q5_K_P16) return &q5_k_p16;
     if (type == T_Q6_K_P16) return &q6_k_p16;
 #elif defined(MSKQ_AVX2)
-    // Q4_K, Q5_K, Q6_K, Q3_K and Q2_K packed: strips of 8 rows (struct P), every product on
-    // them (no tiles in this build)
+    // Q4_K, Q5_K, Q6_K, Q3_K, Q2_K and IQ4_XS packed: strips of 8 rows (struct P), every
+    // product on them (no tiles in this build)
     static const Kernels q4_k_p8 = MS_KERNELS_STRIPS(mskq_p45x8, 8, mskq_dot_p45x8, mskq_pack45x8_rows),
                          q5_k_p8 = MS_KERNELS_STRIPS(mskq_p5x8, 8, mskq_dot_p5x8, mskq_pack5x8_rows),
                          q6_k_p8 = MS_KERNELS_STRIPS(mskq_p6x8, 8, mskq_dot_p6x8, mskq_pack6x8_rows),
                          q3_k_p8 = MS_KERNELS_STRIPS(mskq_p3x8, 8, mskq_dot_p3x8, mskq_pack3x8_rows),
-                         q2_k_p8 = MS_KERNELS_STRIPS(mskq_p2x8, 8, mskq_dot_p2x8, mskq_pack2x8_rows);
+                         q2_k_p8 = MS_KERNELS_STRIPS(mskq_p2x8, 8, mskq_dot_p2x8, mskq_pack2x8_rows),
+                         iq4_xs_p8 = MS_KERNELS_STRIPS(mskq_pxsx8, 8, mskq_dot_pxsx8, mskq_pack_xsx8_rows);
     if (type == T_Q2_K_P8) return &q2_k_p8;
+    if (type == T_IQ4_XS_P8) return &iq4_xs_p8;
     if (type == T_Q4_K_P8) return &q4_k_p8;
     if (type == T_Q5_K_P8) return &q5_k_p8;
     if (type == T_Q3_K_P8) return &q3_k_p8;
@@ -2386,6 +2388,7 @@ long ms_pack_type(long type, long rows, long cols) {
     if (type == T_Q5_K && rows > 0 && rows % 8 == 0 && cols > 0 && cols % 256 == 0) return T_Q5_K_P8;
     if (type == T_Q3_K && rows > 0 && rows % 8 == 0 && cols > 0 && cols % 256 == 0) return T_Q3_K_P8;
     if (type == T_Q2_K && rows > 0 && rows % 8 == 0 && cols > 0 && cols % 256 == 0) return T_Q2_K_P8;
+    if (type == T_IQ4_XS && rows > 0 && rows % 8 == 0 && cols > 0 && cols % 256 == 0) return T_IQ4_XS_P8;
     if (type == T_Q6_K && rows > 0 && rows % 8 == 0 && cols > 0 && cols % 256 == 0) return T_Q6_K_P8;
 #endif
 #if defined(MSQ_AVX512) || defined(MSQ_AVX2)

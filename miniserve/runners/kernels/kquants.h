@@ -2681,6 +2681,96 @@ static void mskq_dot_pxs(long n, const void *w, const void *x, long xstride, flo
 }
 #endif
 
+#if defined(MSKQ_AVX2)
+// IQ4_XS packed at load, 8 rows a strip, for the AVX2 build (decode.cpp's T_IQ4_XS_P8): mskq_pxs
+// with 8 lanes (q[s][v]'s lane r: row r's qs[16s + 4v .. +3]; sc[s][r]: row r's sub-block s's
+// scale minus 32), d as stored, then 16 bytes of padding (1,120 bytes: 8 x the stored 136, plus
+// 32; whole 32-byte lines). A sub-block's values looked up once for the activation rows (their
+// magnitudes and the values themselves); per activation row a piece is vpmaddubsw of the
+// magnitudes against 4 broadcast bytes given the values' signs (pairs <= 2 x 127 x 128 < 2^15,
+// as the rows as stored's loop), then vpmaddwd by the sub-block's scale (an int16 pair (s, s)
+// a lane) into the lane's exact total I = sum over s of sc[s] * (v . xq over s); then
+// fa = fa + (float)I * (d * dx) lane by lane, as the rows as stored: the same bits.
+struct mskq_pxsx8 {
+    uint8_t q[8][4][32];
+    int8_t sc[8][8];
+    uint16_t d[8];
+    uint8_t pad[16];
+};
+static_assert(sizeof(mskq_pxsx8) == 8 * 136 + 32 && sizeof(mskq_pxsx8) % 32 == 0, "packed blocks back to back");
+
+// 8 stored rows of n weights (the first at w, wrow bytes apart) -> n / 256 packed blocks.
+static void mskq_pack_xsx8_rows(long n, const void *w, long wrow, void *out) {
+    const uint8_t *rows = (const uint8_t *)w;
+    mskq_pxsx8 *o = (mskq_pxsx8 *)out;
+    for (long i = 0; i < n / 256; i++) {
+        mskq_pxsx8 p;
+        std::memset(p.pad, 0, sizeof(p.pad));
+        for (int r = 0; r < 8; r++) {
+            const uint8_t *b = rows + r * wrow + i * 136;
+            int sc[8];
+            mskq_scales_iq4xs(b, sc);
+            std::memcpy(&p.d[r], b, 2);
+            for (int s = 0; s < 8; s++) {
+                p.sc[s][r] = (int8_t)sc[s];
+                for (int v = 0; v < 4; v++) std::memcpy(&p.q[s][v][4 * r], b + 8 + 16 * s + 4 * v, 4);
+            }
+        }
+        std::memcpy(o + i, &p, sizeof(p));
+    }
+}
+
+// The 8 rows of a packed strip (n / 256 blocks at w) against NB activation rows (ms_a8k rows,
+// xstride bytes apart): y[j * ystride + r] for rows r < 8.
+template <int NB>
+static void mskq_dot_pxsx8(long n, const void *w, const void *x, long xstride, float *y, long ystride) {
+    const mskq_pxsx8 *u = (const mskq_pxsx8 *)w;
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    const __m256i lut = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)msq_iq4nl));
+    __m256 fa[NB];
+    for (int j = 0; j < NB; j++) fa[j] = _mm256_setzero_ps();
+    for (long i = 0; i < n / 256; i++) {
+        const mskq_pxsx8 &p = u[i];
+        mskq_strip8_prefetch<NB>(u + i);
+        __m256i I[NB];
+        for (int j = 0; j < NB; j++) I[j] = _mm256_setzero_si256();
+        for (int s = 0; s < 8; s++) {
+            __m256i V[8], M[8];  // piece pc: weights 4 pc .. 4 pc + 3 of the sub-block, values and magnitudes
+            for (int v = 0; v < 4; v++) {
+                const __m256i q = _mm256_load_si256((const __m256i *)p.q[s][v]);
+                V[v] = _mm256_shuffle_epi8(lut, _mm256_and_si256(q, m4));
+                V[v + 4] = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(q, 4), m4));
+            }
+            for (int pc = 0; pc < 8; pc++) M[pc] = _mm256_abs_epi8(V[pc]);
+            const __m256i s32 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p.sc[s]));
+            const __m256i sp = _mm256_or_si256(_mm256_and_si256(s32, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(s32, 16));
+            for (int j = 0; j < NB; j++) {
+                const uint8_t *xq = mskq_xblock(x, xstride, j, i) + 4 + 32 * s;
+                __m256i t = _mm256_setzero_si256();
+                for (int pc = 0; pc < 8; pc++) {
+                    int32_t a;
+                    std::memcpy(&a, xq + 4 * pc, 4);
+                    const __m256i pr = _mm256_maddubs_epi16(M[pc], _mm256_sign_epi8(_mm256_set1_epi32(a), V[pc]));
+                    t = _mm256_add_epi32(t, _mm256_madd_epi16(pr, sp));
+                }
+                I[j] = _mm256_add_epi32(I[j], t);
+            }
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_load_si128((const __m128i *)p.d));
+        for (int j = 0; j < NB; j++) {
+            float dx;
+            std::memcpy(&dx, mskq_xblock(x, xstride, j, i), 4);
+            fa[j] = _mm256_add_ps(fa[j], _mm256_mul_ps(_mm256_cvtepi32_ps(I[j]), _mm256_mul_ps(d, _mm256_set1_ps(dx))));
+        }
+    }
+    for (int j = 0; j < NB; j++) {
+        alignas(32) float v[8];
+        _mm256_store_ps(v, fa[j]);
+        for (int r = 0; r < 8; r++) y[j * ystride + r] = v[r];
+    }
+}
+#endif
+
 // ---------------------------------------------------------------- IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S
 // The lattice types (ggml-common.h's layouts): 8 or 4 weights' magnitudes at a time are an
 // entry of a table (iqgrids.h), their signs are bits beside it, and a small odd integer scales
