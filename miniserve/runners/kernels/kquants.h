@@ -1998,6 +1998,67 @@ static void ms_dot_q3_K(long n, const void *w, const void *x, long xstride, floa
     for (int j = 0; j < NB; j++) y[j * ystride] = fa[j];
 }
 
+// A strip type P's packer (S rows a strip: 16 in the AVX-512 build, 8 in the AVX2 one): for each
+// of the n / 256 super-blocks, fill(p, r, b) puts row r's stored super-block b (STORED bytes)
+// into the packed block p (zeroed first: its padding).
+template <class P, int S, int STORED, class Fill>
+static inline void mskq_pack_rows(long n, const void *w, long wrow, void *out, Fill fill) {
+    const uint8_t *rows = (const uint8_t *)w;
+    for (long i = 0; i < n / 256; i++) {
+        P p;
+        std::memset(&p, 0, sizeof p);
+        for (int r = 0; r < S; r++) fill(p, r, rows + r * wrow + i * STORED);
+        std::memcpy((char *)out + i * sizeof(P), &p, sizeof p);
+    }
+}
+
+// Row r's stored super-block b into a packed strip block p (lane r: row r), for the strips of
+// both builds (mskq_p3 / mskq_p3x8, mskq_p2 / mskq_p2x8; IQ4_XS's below; their comments give
+// the layouts).
+template <class P>
+static inline void mskq_fill3(P &p, int r, const uint8_t *b) {
+    int sc[16];
+    mskq_scales3(b + 96, sc);
+    std::memcpy(&p.d[r], b + 108, 2);
+    for (int c = 0; c < 8; c++) p.sc[c][2 * r] = (int8_t)sc[2 * c], p.sc[c][2 * r + 1] = (int8_t)sc[2 * c + 1];
+    for (int pc = 0; pc < 8; pc++) {
+        std::memcpy(&p.h[pc][4 * r], b + 4 * pc, 4);
+        for (int nn = 0; nn < 2; nn++) std::memcpy(&p.q[nn][pc][4 * r], b + 32 + 32 * nn + 4 * pc, 4);
+    }
+}
+template <class P>
+static inline void mskq_fill2(P &p, int r, const uint8_t *b) {
+    std::memcpy(&p.d[r], b + 80, 2);
+    std::memcpy(&p.dmin[r], b + 82, 2);
+    for (int c = 0; c < 8; c++) p.sm[c][2 * r] = b[2 * c], p.sm[c][2 * r + 1] = b[2 * c + 1];
+    for (int pc = 0; pc < 8; pc++)
+        for (int nn = 0; nn < 2; nn++) std::memcpy(&p.q[nn][pc][4 * r], b + 16 + 32 * nn + 4 * pc, 4);
+}
+
+#if defined(MSKQ_AVX2)
+// An 8-row strip's float steps for super-block i from NB activation rows' exact totals I (a row
+// a lane) and the rows' d (or dmin) as stored: fa = fa + (float)I * (d * dx), lane by lane, as
+// the rows as stored take them; then the 8 rows' results out.
+template <int NB>
+static inline void mskq_strip8_float(const uint16_t *d16, const __m256i *I, const void *x, long xstride, long i,
+                                     __m256 *fa) {
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)d16));
+    for (int j = 0; j < NB; j++) {
+        float dx;
+        std::memcpy(&dx, mskq_xblock(x, xstride, j, i), 4);
+        fa[j] = _mm256_add_ps(fa[j], _mm256_mul_ps(_mm256_cvtepi32_ps(I[j]), _mm256_mul_ps(d, _mm256_set1_ps(dx))));
+    }
+}
+template <int NB>
+static inline void mskq_strip8_store(const __m256 *fa, float *y, long ystride) {
+    for (int j = 0; j < NB; j++) {
+        alignas(32) float v[8];
+        _mm256_store_ps(v, fa[j]);
+        for (int r = 0; r < 8; r++) y[j * ystride + r] = v[r];
+    }
+}
+#endif
+
 #if defined(MSKQ_AVX512)
 // A 16-row strip's float steps for super-block i from NB activation rows' exact totals I (a row
 // a lane) and the rows' d as stored: fa = fa + (float)I * (d * dx), lane by lane, as the rows as
@@ -2010,17 +2071,6 @@ static inline void mskq_strip_float(const uint16_t *d16, const __m512i *I, const
         float dx;
         std::memcpy(&dx, mskq_xblock(x, xstride, j, i), 4);
         fa[j] = _mm512_add_ps(fa[j], _mm512_mul_ps(_mm512_cvtepi32_ps(I[j]), _mm512_mul_ps(d, _mm512_set1_ps(dx))));
-    }
-}
-// A 16-row strip type P's packer: for each of the n / 256 super-blocks, fill(p, r, b) puts row
-// r's stored super-block b (STORED bytes) into the packed block p.
-template <class P, int STORED, class Fill>
-static inline void mskq_pack16(long n, const void *w, long wrow, void *out, Fill fill) {
-    const uint8_t *rows = (const uint8_t *)w;
-    for (long i = 0; i < n / 256; i++) {
-        P p;
-        for (int r = 0; r < 16; r++) fill(p, r, rows + r * wrow + i * STORED);
-        std::memcpy((char *)out + i * sizeof(P), &p, sizeof p);
     }
 }
 
@@ -2072,16 +2122,7 @@ static_assert(sizeof(mskq_p3) == 16 * 110 + 64, "16 stored super-blocks and 16 s
 
 // 16 stored rows of n weights (the first at w, wrow bytes apart) -> n / 256 packed blocks.
 static void mskq_pack3_rows(long n, const void *w, long wrow, void *out) {
-    mskq_pack16<mskq_p3, 110>(n, w, wrow, out, [](mskq_p3 &p, int r, const uint8_t *b) {
-        int sc[16];
-        mskq_scales3(b + 96, sc);
-        std::memcpy(&p.d[r], b + 108, 2);
-        for (int c = 0; c < 8; c++) p.sc[c][2 * r] = (int8_t)sc[2 * c], p.sc[c][2 * r + 1] = (int8_t)sc[2 * c + 1];
-        for (int pc = 0; pc < 8; pc++) {
-            std::memcpy(&p.h[pc][4 * r], b + 4 * pc, 4);
-            for (int nn = 0; nn < 2; nn++) std::memcpy(&p.q[nn][pc][4 * r], b + 32 + 32 * nn + 4 * pc, 4);
-        }
-    });
+    mskq_pack_rows<mskq_p3, 16, 110>(n, w, wrow, out, mskq_fill3<mskq_p3>);
 }
 
 // The 16 rows of a packed strip (n / 256 blocks at w) against NB activation rows (ms_a8k rows,
@@ -2149,24 +2190,7 @@ static_assert(sizeof(mskq_p3x8) == 8 * 110 + 48 && sizeof(mskq_p3x8) % 32 == 0, 
 
 // 8 stored rows of n weights (the first at w, wrow bytes apart) -> n / 256 packed blocks.
 static void mskq_pack3x8_rows(long n, const void *w, long wrow, void *out) {
-    const uint8_t *rows = (const uint8_t *)w;
-    mskq_p3x8 *o = (mskq_p3x8 *)out;
-    for (long i = 0; i < n / 256; i++) {
-        mskq_p3x8 p;
-        std::memset(p.pad, 0, sizeof(p.pad));
-        for (int r = 0; r < 8; r++) {
-            const uint8_t *b = rows + r * wrow + i * 110;
-            int sc[16];
-            mskq_scales3(b + 96, sc);
-            std::memcpy(&p.d[r], b + 108, 2);
-            for (int c = 0; c < 8; c++) p.sc[c][2 * r] = (int8_t)sc[2 * c], p.sc[c][2 * r + 1] = (int8_t)sc[2 * c + 1];
-            for (int pc = 0; pc < 8; pc++) {
-                std::memcpy(&p.h[pc][4 * r], b + 4 * pc, 4);
-                for (int nn = 0; nn < 2; nn++) std::memcpy(&p.q[nn][pc][4 * r], b + 32 + 32 * nn + 4 * pc, 4);
-            }
-        }
-        std::memcpy(o + i, &p, sizeof(p));
-    }
+    mskq_pack_rows<mskq_p3x8, 8, 110>(n, w, wrow, out, mskq_fill3<mskq_p3x8>);
 }
 
 // The 8 rows of a packed strip (n / 256 blocks at w) against NB activation rows (ms_a8k rows,
@@ -2211,18 +2235,9 @@ static void mskq_dot_p3x8(long n, const void *w, const void *x, long xstride, fl
                     I[j] = _mm256_add_epi32(I[j], _mm256_madd_epi16(pairs, sc));
                 }
             }
-        const __m256 d = _mm256_cvtph_ps(_mm_load_si128((const __m128i *)p.d));
-        for (int j = 0; j < NB; j++) {
-            float dx;
-            std::memcpy(&dx, mskq_xblock(x, xstride, j, i), 4);
-            fa[j] = _mm256_add_ps(fa[j], _mm256_mul_ps(_mm256_cvtepi32_ps(I[j]), _mm256_mul_ps(d, _mm256_set1_ps(dx))));
-        }
+        mskq_strip8_float<NB>(p.d, I, x, xstride, i, fa);
     }
-    for (int j = 0; j < NB; j++) {
-        alignas(32) float v[8];
-        _mm256_store_ps(v, fa[j]);
-        for (int r = 0; r < 8; r++) y[j * ystride + r] = v[r];
-    }
+    mskq_strip8_store<NB>(fa, y, ystride);
 }
 #endif
 
@@ -2330,13 +2345,7 @@ static_assert(sizeof(mskq_p2) == 16 * 84, "16 stored super-blocks");
 
 // 16 stored rows of n weights (the first at w, wrow bytes apart) -> n / 256 packed blocks.
 static void mskq_pack2_rows(long n, const void *w, long wrow, void *out) {
-    mskq_pack16<mskq_p2, 84>(n, w, wrow, out, [](mskq_p2 &p, int r, const uint8_t *b) {
-        std::memcpy(&p.d[r], b + 80, 2);
-        std::memcpy(&p.dmin[r], b + 82, 2);
-        for (int c = 0; c < 8; c++) p.sm[c][2 * r] = b[2 * c], p.sm[c][2 * r + 1] = b[2 * c + 1];
-        for (int pc = 0; pc < 8; pc++)
-            for (int nn = 0; nn < 2; nn++) std::memcpy(&p.q[nn][pc][4 * r], b + 16 + 32 * nn + 4 * pc, 4);
-    });
+    mskq_pack_rows<mskq_p2, 16, 84>(n, w, wrow, out, mskq_fill2<mskq_p2>);
 }
 
 // The 16 rows of a packed strip (n / 256 blocks at w) against NB activation rows (ms_a8k rows,
@@ -2398,20 +2407,7 @@ static_assert(sizeof(mskq_p2x8) == 8 * 84 && sizeof(mskq_p2x8) % 32 == 0, "packe
 
 // 8 stored rows of n weights (the first at w, wrow bytes apart) -> n / 256 packed blocks.
 static void mskq_pack2x8_rows(long n, const void *w, long wrow, void *out) {
-    const uint8_t *rows = (const uint8_t *)w;
-    mskq_p2x8 *o = (mskq_p2x8 *)out;
-    for (long i = 0; i < n / 256; i++) {
-        mskq_p2x8 p;
-        for (int r = 0; r < 8; r++) {
-            const uint8_t *b = rows + r * wrow + i * 84;
-            std::memcpy(&p.d[r], b + 80, 2);
-            std::memcpy(&p.dmin[r], b + 82, 2);
-            for (int c = 0; c < 8; c++) p.sm[c][2 * r] = b[2 * c], p.sm[c][2 * r + 1] = b[2 * c + 1];
-            for (int pc = 0; pc < 8; pc++)
-                for (int nn = 0; nn < 2; nn++) std::memcpy(&p.q[nn][pc][4 * r], b + 16 + 32 * nn + 4 * pc, 4);
-        }
-        std::memcpy(o + i, &p, sizeof(p));
-    }
+    mskq_pack_rows<mskq_p2x8, 8, 84>(n, w, wrow, out, mskq_fill2<mskq_p2x8>);
 }
 
 // The 8 rows of a packed strip (n / 256 blocks at w) against NB activation rows (ms_a8k rows,
@@ -2455,21 +2451,11 @@ static void mskq_dot_p2x8(long n, const void *w, const void *x, long xstride, fl
                     B[j] = _mm256_add_epi32(B[j], _mm256_madd_epi16(mn, _mm256_set1_epi32(bs)));
                 }
             }
-        const __m256 d = _mm256_cvtph_ps(_mm_load_si128((const __m128i *)p.d));
-        const __m256 dmin = _mm256_cvtph_ps(_mm_load_si128((const __m128i *)p.dmin));
-        for (int j = 0; j < NB; j++) {
-            float dx;
-            std::memcpy(&dx, mskq_xblock(x, xstride, j, i), 4);
-            const __m256 dxv = _mm256_set1_ps(dx);
-            fa[j] = _mm256_add_ps(fa[j], _mm256_mul_ps(_mm256_cvtepi32_ps(A[j]), _mm256_mul_ps(d, dxv)));
-            fb[j] = _mm256_add_ps(fb[j], _mm256_mul_ps(_mm256_cvtepi32_ps(B[j]), _mm256_mul_ps(dmin, dxv)));
-        }
+        mskq_strip8_float<NB>(p.d, A, x, xstride, i, fa);
+        mskq_strip8_float<NB>(p.dmin, B, x, xstride, i, fb);
     }
-    for (int j = 0; j < NB; j++) {
-        alignas(32) float v[8];
-        _mm256_store_ps(v, _mm256_sub_ps(fa[j], fb[j]));
-        for (int r = 0; r < 8; r++) y[j * ystride + r] = v[r];
-    }
+    for (int j = 0; j < NB; j++) fa[j] = _mm256_sub_ps(fa[j], fb[j]);
+    mskq_strip8_store<NB>(fa, y, ystride);
 }
 #endif
 
@@ -2491,6 +2477,18 @@ static void mskq_dot_p2x8(long n, const void *w, const void *x, long xstride, fl
 static inline void mskq_scales_iq4xs(const uint8_t *b, int *sc) {
     const uint16_t h = (uint16_t)(b[2] | b[3] << 8);
     for (int s = 0; s < 8; s++) sc[s] = (int)(((b[4 + s / 2] >> (4 * (s % 2))) & 15) | (((h >> (2 * s)) & 3) << 4)) - 32;
+}
+
+// Row r's stored super-block b into a packed strip block p (mskq_pxs, mskq_pxsx8).
+template <class P>
+static inline void mskq_fill_xs(P &p, int r, const uint8_t *b) {
+    int sc[8];
+    mskq_scales_iq4xs(b, sc);
+    std::memcpy(&p.d[r], b, 2);
+    for (int s = 0; s < 8; s++) {
+        p.sc[s][r] = (int8_t)sc[s];
+        for (int v = 0; v < 4; v++) std::memcpy(&p.q[s][v][4 * r], b + 8 + 16 * s + 4 * v, 4);
+    }
 }
 
 static void ms_dequant_iq4_xs(const void *w, float *y, long n) {
@@ -2623,15 +2621,7 @@ static_assert(sizeof(mskq_pxs) == 16 * 136 + 32, "16 stored super-blocks and 16 
 
 // 16 stored rows of n weights (the first at w, wrow bytes apart) -> n / 256 packed blocks.
 static void mskq_pack_xs_rows(long n, const void *w, long wrow, void *out) {
-    mskq_pack16<mskq_pxs, 136>(n, w, wrow, out, [](mskq_pxs &p, int l, const uint8_t *b) {
-        int sc[8];
-        mskq_scales_iq4xs(b, sc);
-        std::memcpy(&p.d[l], b, 2);
-        for (int s = 0; s < 8; s++) {
-            p.sc[s][l] = (int8_t)sc[s];
-            for (int v = 0; v < 4; v++) std::memcpy(&p.q[s][v][4 * l], b + 8 + 16 * s + 4 * v, 4);
-        }
-    });
+    mskq_pack_rows<mskq_pxs, 16, 136>(n, w, wrow, out, mskq_fill_xs<mskq_pxs>);
 }
 
 // The 16 rows of a packed strip (n / 256 blocks at w) against NB activation rows (ms_a8k rows,
@@ -2701,23 +2691,7 @@ static_assert(sizeof(mskq_pxsx8) == 8 * 136 + 32 && sizeof(mskq_pxsx8) % 32 == 0
 
 // 8 stored rows of n weights (the first at w, wrow bytes apart) -> n / 256 packed blocks.
 static void mskq_pack_xsx8_rows(long n, const void *w, long wrow, void *out) {
-    const uint8_t *rows = (const uint8_t *)w;
-    mskq_pxsx8 *o = (mskq_pxsx8 *)out;
-    for (long i = 0; i < n / 256; i++) {
-        mskq_pxsx8 p;
-        std::memset(p.pad, 0, sizeof(p.pad));
-        for (int r = 0; r < 8; r++) {
-            const uint8_t *b = rows + r * wrow + i * 136;
-            int sc[8];
-            mskq_scales_iq4xs(b, sc);
-            std::memcpy(&p.d[r], b, 2);
-            for (int s = 0; s < 8; s++) {
-                p.sc[s][r] = (int8_t)sc[s];
-                for (int v = 0; v < 4; v++) std::memcpy(&p.q[s][v][4 * r], b + 8 + 16 * s + 4 * v, 4);
-            }
-        }
-        std::memcpy(o + i, &p, sizeof(p));
-    }
+    mskq_pack_rows<mskq_pxsx8, 8, 136>(n, w, wrow, out, mskq_fill_xs<mskq_pxsx8>);
 }
 
 // The 8 rows of a packed strip (n / 256 blocks at w) against NB activation rows (ms_a8k rows,
@@ -2756,18 +2730,9 @@ static void mskq_dot_pxsx8(long n, const void *w, const void *x, long xstride, f
                 I[j] = _mm256_add_epi32(I[j], t);
             }
         }
-        const __m256 d = _mm256_cvtph_ps(_mm_load_si128((const __m128i *)p.d));
-        for (int j = 0; j < NB; j++) {
-            float dx;
-            std::memcpy(&dx, mskq_xblock(x, xstride, j, i), 4);
-            fa[j] = _mm256_add_ps(fa[j], _mm256_mul_ps(_mm256_cvtepi32_ps(I[j]), _mm256_mul_ps(d, _mm256_set1_ps(dx))));
-        }
+        mskq_strip8_float<NB>(p.d, I, x, xstride, i, fa);
     }
-    for (int j = 0; j < NB; j++) {
-        alignas(32) float v[8];
-        _mm256_store_ps(v, fa[j]);
-        for (int r = 0; r < 8; r++) y[j * ystride + r] = v[r];
-    }
+    mskq_strip8_store<NB>(fa, y, ystride);
 }
 #endif
 
