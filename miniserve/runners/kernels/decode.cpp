@@ -2368,12 +2368,14 @@ int ms_amx(int on) {
 // build; Q6_K with rows in whole 16s in the AVX-512 build, in whole 8s in the AVX2 one (the
 // Llama 3.2 1B Q4_K_M shape's one-row pass on a Xeon, x86-64-v3: 45.9-46.5 -> 35.3-36.0 ms);
 // Q5_K with rows in whole 16s in the AVX-512 build (the 1B Q5_K_M shape on a Xeon: one row
-// 41.5-43.0 -> 35.4-35.8 ms, 8 rows 76.5-78.5 -> 63.1-63.8), not in the AVX2 one (8 rows
-// a strip: 8 rows 118 -> 95 ms, but one row 35.3 -> 38-39: its rows as stored stream faster);
+// 41.5-43.0 -> 35.4-35.8 ms, 8 rows 76.5-78.5 -> 63.1-63.8), in whole 8s in the AVX2 one (on a
+// Xeon one row had measured 35.3 -> 38-39 ms that way, 8 rows 118 -> 95; on an AMD Zen 3 the
+// 1B Q5_K_M file's decode 1.34-1.43x the rows as stored's, its 512-token prompt 1.25-1.9x);
 // the 32-weight types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) with rows in whole 16s in the AVX-512
 // build, 8s in the AVX2 one; IQ4_XS, Q3_K and Q2_K with rows in whole 16s in the AVX-512 build (the
 // 1B IQ4_XS shape on a Xeon: 64 rows 738 -> 347 ms, 8 rows 94 -> 60, one row 29.6 -> 27.4; the
-// 1B Q3_K_M shape: 64 rows 611 -> 326 ms, 8 rows 85 -> 54, one row 33.6 -> 27.5).
+// 1B Q3_K_M shape: 64 rows 611 -> 326 ms, 8 rows 85 -> 54, one row 33.6 -> 27.5), in whole 8s
+// in the AVX2 one (one thread, in L2, against the rows as stored on a Zen 3: 1.6-2.5x).
 long ms_pack_type(long type, long rows, long cols) {
 #if defined(MSKQ_AVX512)
     if (type == T_Q4_K && rows > 0 && rows % 16 == 0 && cols > 0 && cols % 256 == 0)

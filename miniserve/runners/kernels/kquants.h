@@ -48,8 +48,8 @@
 //     pair.
 //   otherwise: plain integer loops over the unpacked quants.
 // (Q3_K, Q2_K, IQ4_XS: one or two totals a super-block, vpmaddubsw + vpmaddwd on their rows as
-// stored; Q3_K, Q2_K and IQ4_XS packed 16 rows a strip in the AVX-512 build, vpdpbusd; see
-// their sections. The lattice types IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S:
+// stored; Q3_K, Q2_K and IQ4_XS packed 16 rows a strip in the AVX-512 build, vpdpbusd, and 8
+// in the AVX2 one, vpmaddubsw; see their sections. The lattice types IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S:
 // each super-block decoded to signed bytes and scales, then one total, the last section.)
 
 #ifndef MINISERVE_KQUANTS_H
@@ -93,7 +93,7 @@ struct ms_a8k {  // 256 activations: x ~= d * qs, bsums[k] = sum of qs[16k .. 16
 // always asks; tuned on Intel's and AMD's AVX-512 CPUs at 4,096), keep 4,096.
 struct MskqAhead {
     int bytes;     // past the block being read
-    bool one_row;  // the AVX2 build's strips (mskq_p45x8, mskq_p6x8) ask at one row too
+    bool one_row;  // the AVX2 build's K-quant strips (mskq_strip8_prefetch) ask at one row too
 };
 static MskqAhead mskq_choose_ahead() {
 #if defined(MSKQ_AVX2) && (defined(__x86_64__) || defined(__i386__))
@@ -797,9 +797,9 @@ static void mskq_pack5x8_rows(long n, const void *w, long wrow, void *out) { msk
 // strips, chunked alike, got slower: 148 -> 192 us).
 constexpr int MSKQ_CHUNK = 4;
 
-// An AVX2 strip's (mskq_p45x8, mskq_p6x8) read-ahead from block b: from 2 activation rows
-// always; one row where mskq_ahead says so (on Intel's CPUs one row streams on the hardware
-// prefetchers alone).
+// An AVX2 K-quant strip's (mskq_p45x8, mskq_p5x8, mskq_p6x8, mskq_p3x8, mskq_p2x8, mskq_pxsx8)
+// read-ahead from block b: from 2 activation rows always; one row where mskq_ahead says so (on
+// Intel's CPUs one row streams on the hardware prefetchers alone).
 template <int NB, typename P>
 static inline void mskq_strip8_prefetch(const P *b) {
     if (NB > 1 || mskq_ahead.one_row) mskq_prefetch((const uint8_t *)b, (int)sizeof(P));
