@@ -804,6 +804,27 @@ template <int NB, typename P>
 static inline void mskq_strip8_prefetch(const P *b) {
     if (NB > 1 || mskq_ahead.one_row) mskq_prefetch((const uint8_t *)b, (int)sizeof(P));
 }
+// An 8-row strip's float steps for super-block i from NB activation rows' exact totals I (a row
+// a lane) and the rows' d (or dmin) as stored: fa = fa + (float)I * (d * dx), lane by lane, as
+// the rows as stored take them; then the 8 rows' results out.
+template <int NB>
+static inline void mskq_strip8_float(const uint16_t *d16, const __m256i *I, const void *x, long xstride, long i,
+                                     __m256 *fa) {
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)d16));
+    for (int j = 0; j < NB; j++) {
+        float dx;
+        std::memcpy(&dx, mskq_xblock(x, xstride, j, i), 4);
+        fa[j] = _mm256_add_ps(fa[j], _mm256_mul_ps(_mm256_cvtepi32_ps(I[j]), _mm256_mul_ps(d, _mm256_set1_ps(dx))));
+    }
+}
+template <int NB>
+static inline void mskq_strip8_store(const __m256 *fa, float *y, long ystride) {
+    for (int j = 0; j < NB; j++) {
+        alignas(32) float v[8];
+        _mm256_store_ps(v, fa[j]);
+        for (int r = 0; r < 8; r++) y[j * ystride + r] = v[r];
+    }
+}
 
 // The 8 rows of a packed strip (n / 256 blocks at w) against NB activation rows (xstride bytes
 // apart): y[j * ystride + r] for rows r < 8.
@@ -899,11 +920,8 @@ static inline void mskq_dot_p45s8(long n, const void *w, const void *x, long xst
             fb[j] = _mm256_add_ps(fb[j], _mm256_mul_ps(_mm256_cvtepi32_ps(B), _mm256_mul_ps(dmin, dxv)));
         }
     }
-    for (int j = 0; j < NB; j++) {
-        alignas(32) float v[8];
-        _mm256_store_ps(v, _mm256_sub_ps(fa[j], fb[j]));
-        for (int r = 0; r < 8; r++) y[j * ystride + r] = v[r];
-    }
+    for (int j = 0; j < NB; j++) fa[j] = _mm256_sub_ps(fa[j], fb[j]);
+    mskq_strip8_store<NB>(fa, y, ystride);
 }
 
 template <int NB>
@@ -2035,29 +2053,6 @@ static inline void mskq_fill2(P &p, int r, const uint8_t *b) {
         for (int nn = 0; nn < 2; nn++) std::memcpy(&p.q[nn][pc][4 * r], b + 16 + 32 * nn + 4 * pc, 4);
 }
 
-#if defined(MSKQ_AVX2)
-// An 8-row strip's float steps for super-block i from NB activation rows' exact totals I (a row
-// a lane) and the rows' d (or dmin) as stored: fa = fa + (float)I * (d * dx), lane by lane, as
-// the rows as stored take them; then the 8 rows' results out.
-template <int NB>
-static inline void mskq_strip8_float(const uint16_t *d16, const __m256i *I, const void *x, long xstride, long i,
-                                     __m256 *fa) {
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)d16));
-    for (int j = 0; j < NB; j++) {
-        float dx;
-        std::memcpy(&dx, mskq_xblock(x, xstride, j, i), 4);
-        fa[j] = _mm256_add_ps(fa[j], _mm256_mul_ps(_mm256_cvtepi32_ps(I[j]), _mm256_mul_ps(d, _mm256_set1_ps(dx))));
-    }
-}
-template <int NB>
-static inline void mskq_strip8_store(const __m256 *fa, float *y, long ystride) {
-    for (int j = 0; j < NB; j++) {
-        alignas(32) float v[8];
-        _mm256_store_ps(v, fa[j]);
-        for (int r = 0; r < 8; r++) y[j * ystride + r] = v[r];
-    }
-}
-#endif
 
 #if defined(MSKQ_AVX512)
 // A 16-row strip's float steps for super-block i from NB activation rows' exact totals I (a row
